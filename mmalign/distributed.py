@@ -1,0 +1,173 @@
+"""Thin wrapper around ``torch.distributed``.
+
+This is the only module in mmalign that imports ``torch.distributed``. Every
+helper is a no-op (or the identity) when no process group is initialised, so
+single-process code paths never need to branch on distributed state.
+
+Launchers: torchrun and the DeepSpeed launcher export RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT; SLURM exports SLURM_PROCID /
+SLURM_NTASKS / SLURM_LOCALID. :func:`init_from_env` understands both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistInfo",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "barrier",
+    "all_gather_with_grad",
+    "all_gather_nograd",
+    "all_reduce_mean",
+    "init_from_env",
+    "env_dist_info",
+]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = "29500"
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Concatenate every rank's tensor along dim 0, keeping the graph.
+
+    Backward: rank r's loss L_r depends on every rank's slice of the gathered
+    tensor, so the gradient of ``sum_r L_r`` with respect to this rank's input
+    is the SUM over ranks of the incoming gradients, restricted to this rank's
+    slice. We all_reduce(SUM) the full incoming gradient and slice it, rather
+    than reduce_scatter, because gloo has no reduce_scatter.
+
+    After data-parallel averaging (DDP / DeepSpeed divide by W), the result is
+    the gradient of ``mean_r L_r``, i.e. the full-batch gradient when each L_r
+    is the mean over its local rows (open_clip's local_loss + gather_with_grad).
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor)
+        ctx.rank, ctx.n = rank, tensor.shape[0]
+        return torch.cat(parts, dim=0)  # (W*B, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()  # all_reduce is in place; do not clobber autograd's buffer
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad.narrow(0, ctx.rank * ctx.n, ctx.n)
+
+
+def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, ...) -> (W*B, ...), differentiable; identity when not distributed.
+
+    Every rank must pass the same shape (use drop_last in the data loader).
+    """
+    if get_world_size() == 1:
+        return tensor
+    return _AllGatherWithGrad.apply(tensor)
+
+
+@torch.no_grad()
+def all_gather_nograd(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, ...) -> (W*B, ...), detached; identity when not distributed."""
+    if get_world_size() == 1:
+        return tensor
+    tensor = tensor.detach().contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Average ``tensor`` over ranks IN PLACE and return it."""
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor.div_(dist.get_world_size())
+    return tensor
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: str = DEFAULT_MASTER_PORT
+    source: str = "none"  # "torchrun" | "slurm" | "none"
+
+
+def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
+    """Read rank/world size from torchrun-style variables, else from SLURM."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+    port = env.get("MASTER_PORT", DEFAULT_MASTER_PORT)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistInfo(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=addr,
+            master_port=port,
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return DistInfo(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+        )
+    return DistInfo()
+
+
+def init_from_env(backend: str | None = None) -> DistInfo:
+    """Initialise the default process group from the environment.
+
+    No-op for world size 1 and when a group already exists. ``backend``
+    defaults to nccl when CUDA is available, else gloo. With nccl the current
+    CUDA device is set to LOCAL_RANK.
+    """
+    info = env_dist_info()
+    if is_initialized():
+        return DistInfo(get_rank(), get_world_size(), info.local_rank,
+                        info.master_addr, info.master_port, info.source)
+    if info.world_size <= 1:
+        return info
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    # env:// reads MASTER_ADDR / MASTER_PORT; SLURM does not set them.
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", info.master_port)
+    dist.init_process_group(backend=backend, init_method="env://",
+                            rank=info.rank, world_size=info.world_size)
+    return info

@@ -1,0 +1,30 @@
+"""Contrastive losses for CLIP-style pretraining.
+
+Public API:
+
+* :func:`clip_loss` - symmetric InfoNCE (CLIP), optional multi-positive
+  targets (``positive_ids``) and tiling (``tile_size``, Inf-CL).
+* :func:`siglip_loss` - SigLIP pairwise sigmoid loss, optionally tiled.
+* :func:`caption_ids` - stable int64 ids for (normalised) captions.
+* :class:`ContrastiveLoss` / :func:`build_loss` / :class:`LossOutput` - the
+  config-built module that works across ranks and reports monitors.
+"""
+
+from .infonce import clip_loss
+from .module import LOSS_NAMES, ContrastiveLoss, LossOutput, build_loss
+from .positives import caption_ids
+from .siglip import siglip_loss
+
+# Tile edge tuned with bench/loss.py on a 2-core CPU (see docs/benchmarks.md).
+DEFAULT_TILE_SIZE = 2048
+
+__all__ = [
+    "clip_loss",
+    "siglip_loss",
+    "caption_ids",
+    "ContrastiveLoss",
+    "LossOutput",
+    "build_loss",
+    "LOSS_NAMES",
+    "DEFAULT_TILE_SIZE",
+]

@@ -1,0 +1,126 @@
+"""``ContrastiveLoss``: the config-built loss module used by the trainer.
+
+Across W ranks it follows open_clip's ``local_loss=True, gather_with_grad=True``
+semantics: each rank gathers all features with
+:func:`mmalign.distributed.all_gather_with_grad`, scores its LOCAL rows
+against ALL candidates and averages over its local rows. The per-rank loss
+is then ``L_r`` with ``mean_r L_r`` = the full-batch loss, and after the
+data-parallel average (DDP / DeepSpeed divide by W):
+
+* rank r's feature gradients are exactly the full-batch gradient rows of its
+  slice (the gather's backward sums every rank's contribution);
+* ``logit_scale`` / ``logit_bias`` get ``mean_r dL_r/dscale`` = the
+  full-batch gradient, not W times it (Inf-CL's ring) nor k times it
+  (open_clip's accum_freq).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mmalign import distributed as mdist
+
+from .infonce import infonce_local
+from .monitors import infonce_stats, siglip_stats
+from .siglip import siglip_local
+
+__all__ = ["LossOutput", "ContrastiveLoss", "build_loss", "LOSS_NAMES"]
+
+LOSS_NAMES = ("infonce", "siglip")
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class ContrastiveLoss(nn.Module):
+    """InfoNCE or SigLIP over the (possibly sharded) global batch.
+
+    Args:
+        name: "infonce" | "siglip".
+        tile_size: 0 / None for the full-matrix path, else the tile edge t.
+        use_positive_ids: if True, ``forward`` requires ``positive_ids`` and
+            treats equal ids as positives; if False they are ignored.
+        compute_stats: fill ``LossOutput.stats`` (no_grad, O(B) memory; in
+            tiled id mode it costs one extra matmul pass over the tiles).
+        reduce_stats: average the stats over ranks (one small all_reduce).
+    """
+
+    def __init__(self, name: str = "infonce", tile_size: int | None = 0, use_positive_ids: bool = False,
+                 compute_stats: bool = True, reduce_stats: bool = True):
+        super().__init__()
+        if name not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {name!r}; expected one of {LOSS_NAMES}")
+        if tile_size is not None and tile_size < 0:
+            raise ValueError(f"tile_size must be >= 0, got {tile_size}")
+        self.name = name
+        self.tile_size = tile_size or None
+        self.use_positive_ids = use_positive_ids
+        self.compute_stats = compute_stats
+        self.reduce_stats = reduce_stats
+
+    def extra_repr(self) -> str:
+        return f"name={self.name}, tile_size={self.tile_size}, use_positive_ids={self.use_positive_ids}"
+
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
+                logit_bias: Tensor | None = None, positive_ids: Tensor | None = None) -> LossOutput:
+        if image_features.ndim != 2 or image_features.shape != text_features.shape:
+            raise ValueError("expected two (B, D) feature tensors of the same shape")
+        ids = None
+        if self.use_positive_ids:
+            if positive_ids is None:
+                raise ValueError("this loss was built with false_negative_ids; pass positive_ids")
+            ids = positive_ids.to(image_features.device)
+        world, rank = mdist.get_world_size(), mdist.get_rank()
+        b = image_features.shape[0]
+        offset = rank * b  # local row i is global candidate offset + i (equal B per rank)
+        ids_all = mdist.all_gather_nograd(ids) if ids is not None else None
+        track = self.compute_stats
+
+        if self.name == "infonce":
+            if world > 1:
+                image_all = mdist.all_gather_with_grad(image_features)  # (W*B, D)
+                text_all = mdist.all_gather_with_grad(text_features)
+            else:
+                image_all, text_all = image_features, text_features
+            loss, tracks, lses = infonce_local(image_features, text_features, image_all, text_all, logit_scale,
+                                               ids=ids, ids_all=ids_all, offset=offset,
+                                               tile_size=self.tile_size, track=track)
+            stats = infonce_stats(tracks, lses, text_all.shape[0], logit_scale) if track else {}
+        else:
+            if logit_bias is None:
+                raise ValueError("siglip needs logit_bias")
+            text_all = mdist.all_gather_with_grad(text_features)  # images stay local
+            loss, tracks = siglip_local(image_features, text_all, logit_scale, logit_bias,
+                                        ids=ids, ids_all=ids_all, offset=offset,
+                                        tile_size=self.tile_size, track=track)
+            stats = siglip_stats(tracks, text_all.shape[0], logit_scale, logit_bias) if track else {}
+        return LossOutput(loss=loss, stats=self._finish_stats(stats, loss))
+
+    def _finish_stats(self, stats: dict[str, Tensor], loss: Tensor) -> dict[str, float]:
+        if not stats:
+            return {}
+        stats = dict(stats, loss=loss.detach())
+        names = sorted(stats)
+        packed = torch.stack([stats[k].float().reshape(()).to(loss.device) for k in names])
+        if self.reduce_stats:
+            mdist.all_reduce_mean(packed)  # equal rows per rank: mean of means = global mean
+        return dict(zip(names, packed.tolist()))
+
+
+def build_loss(cfg: Any) -> ContrastiveLoss:
+    """Build from any object with ``name``, ``tile_size`` (0 = untiled) and
+    ``false_negative_ids`` ("none" | "caption" | a json id field name; the
+    caller maps captions / fields to ids and passes ``positive_ids``)."""
+    fn_ids = str(getattr(cfg, "false_negative_ids", "none") or "none")
+    return ContrastiveLoss(
+        name=str(cfg.name),
+        tile_size=int(getattr(cfg, "tile_size", 0) or 0),
+        use_positive_ids=fn_ids.lower() != "none",
+    )

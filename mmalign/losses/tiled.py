@@ -1,0 +1,161 @@
+"""Tiled (memory-bounded) log-sum-exp of a scaled similarity matrix.
+
+Inf-CL (Cheng et al., "Breaking the Memory Barrier: Near Infinite Batch Size
+Scaling for Contrastive Loss", arXiv 2410.17243) observes that InfoNCE only
+needs, per row, the log-sum-exp of its logits; the positive term is linear.
+So the M x N logit matrix ``scale * rows @ cols.T`` never has to exist:
+
+* **forward** walks t x t tiles and keeps a running (max, sum-exp) pair per
+  row and per column (the online softmax of Milakov & Gimelshein 2018). Each
+  tile is computed once and updates both directions. The running max is the
+  tile-wise row / column max, never a constant shift, so no row underflows
+  however spread the logits are.
+* **backward** recomputes each tile. With ``g_r`` / ``g_c`` the incoming
+  gradients on the row / column LSEs, the gradient on a logit is
+  ``G_ij = g_r[i] exp(l_ij - LSE_r[i]) + g_c[j] exp(l_ij - LSE_c[j])``, and
+  ``d rows = scale G cols``, ``d cols = scale G^T rows``,
+  ``d scale = sum_i rows_i . (G cols)_i``.
+
+Extra memory: O((M + N) D + t^2). The monitors of :mod:`.monitors` ride on
+the forward pass (one more pass over tiles only in id mode, see RankTracker).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .monitors import RankTracker
+from .positives import Positives
+
+__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass"]
+
+
+def tile_ranges(n: int, t: int) -> list[tuple[int, int]]:
+    return [(s, min(s + t, n)) for s in range(0, n, t)]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Accumulate half-precision inputs in float32; keep float32 / float64.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor, buf: Tensor, dim: int) -> None:
+    """Online LSE update reducing ``dim`` of ``tile``: (run_max, run_sum) <- merged.
+
+    ``sum exp(l - M_new) = run_sum * exp(M_old - M_new) + sum_tile exp(l - M_new)``.
+    """
+    new_max = torch.maximum(run_max, tile_max)
+    run_sum.mul_(torch.exp(run_max - new_max))  # exp(-inf) = 0 on the first tile
+    torch.sub(tile, new_max.unsqueeze(dim), out=buf)
+    buf.exp_()
+    run_sum.add_(buf.sum(dim=dim))
+    run_max.copy_(new_max)
+
+
+class _TiledLSE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, t: int, want_cols: bool,
+                pos: Positives, track: bool):
+        m, n = rows.shape[0], cols.shape[0]
+        dev, cdt = rows.device, compute_dtype(rows.dtype)
+        rows_s = rows * scale.reshape(()).to(rows.dtype)  # (M, D) scale folded in once
+        r_max = torch.full((m,), float("-inf"), dtype=cdt, device=dev)
+        r_sum = torch.zeros(m, dtype=cdt, device=dev)
+        c_max = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
+        c_sum = torch.zeros(n, dtype=cdt, device=dev)
+
+        known_r = known_c = None
+        if track and pos.paired:
+            # Paired rows know their positive logit up front: count in this pass.
+            known_r = (rows_s * cols[pos.offset: pos.offset + m]).sum(dim=1)
+            known_c = known_r if want_cols else None
+        trk_r = RankTracker(m, dev, known_r) if track else None
+        trk_c = RankTracker(n, dev, known_c) if track and want_cols else None
+
+        for i0, i1 in tile_ranges(m, t):
+            for j0, j1 in tile_ranges(n, t):
+                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)  # (ti, tj)
+                buf = torch.empty_like(tile)
+                t_rmax = tile.amax(dim=1)
+                _merge_lse(r_max[i0:i1], r_sum[i0:i1], tile, t_rmax, buf, dim=1)
+                if want_cols:
+                    t_cmax = tile.amax(dim=0)
+                    _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0)
+                if track:
+                    mask = pos.mask(i0, i1, j0, j1, dev)
+                    trk_r.update(tile, mask, i0, i1, t_rmax)
+                    if want_cols:
+                        trk_c.update(tile.T, None if mask is None else mask.T, j0, j1, t_cmax)
+
+        if track and not pos.paired:
+            # Id mode: the best positive is only known now; count in a 2nd pass.
+            count_pass(rows_s, cols, pos, t, trk_r, trk_c, cdt)
+
+        lse_r = r_max + torch.log(r_sum)  # (M,)
+        lse_c = c_max + torch.log(c_sum) if want_cols else torch.empty(0, dtype=cdt, device=dev)
+        tr_r = trk_r.stacked() if track else torch.empty(0, device=dev)
+        tr_c = trk_c.stacked() if trk_c is not None else torch.empty(0, device=dev)
+        ctx.save_for_backward(rows, cols, scale, lse_r, lse_c)
+        ctx.t, ctx.want_cols = t, want_cols
+        ctx.mark_non_differentiable(tr_r, tr_c)
+        return lse_r, lse_c, tr_r, tr_c
+
+    @staticmethod
+    def backward(ctx, g_r: Tensor | None, g_c: Tensor | None, _gtr, _gtc):
+        rows, cols, scale, lse_r, lse_c = ctx.saved_tensors
+        t, want_cols = ctx.t, ctx.want_cols
+        dt, cdt = rows.dtype, lse_r.dtype
+        s = scale.reshape(()).to(dt)
+        rows_s = rows * s
+        if g_r is None:
+            g_r = torch.zeros_like(lse_r)
+        use_c = want_cols and g_c is not None
+        d_rows = torch.empty_like(rows)
+        d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
+        d_scale = torch.zeros((), dtype=cdt, device=rows.device)
+        for i0, i1 in tile_ranges(rows.shape[0], t):
+            acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
+            for j0, j1 in tile_ranges(cols.shape[0], t):
+                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)  # (ti, tj) recomputed
+                grad = torch.sub(tile, lse_r[i0:i1, None]).exp_().mul_(g_r[i0:i1, None])
+                if use_c:
+                    tile.sub_(lse_c[None, j0:j1]).exp_().mul_(g_c[None, j0:j1])
+                    grad.add_(tile)
+                grad = grad.to(dt)
+                acc.add_((grad @ cols[j0:j1]).to(cdt))
+                d_cols[j0:j1].add_((grad.T @ rows[i0:i1]).to(cdt))
+            d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
+            d_scale += (rows[i0:i1].to(cdt) * acc).sum()
+        d_cols = (d_cols * s.to(cdt)).to(dt)
+        return d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype), None, None, None, None
+
+
+@torch.no_grad()
+def count_pass(rows_s: Tensor, cols: Tensor, pos: Positives, t: int, trk_r: RankTracker,
+               trk_c: RankTracker | None, cdt: torch.dtype, bias: Tensor | None = None) -> None:
+    """Second no_grad pass (id mode): count negatives above the best positive."""
+    for i0, i1 in tile_ranges(rows_s.shape[0], t):
+        for j0, j1 in tile_ranges(cols.shape[0], t):
+            tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)
+            if bias is not None:
+                tile.add_(bias)
+            mask = pos.mask(i0, i1, j0, j1, tile.device)
+            if mask is not None:
+                tile.masked_fill_(mask, float("-inf"))
+            trk_r.count(tile, i0, i1)
+            if trk_c is not None:
+                trk_c.count(tile.T, j0, j1)
+
+
+def tiled_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int, *, want_cols: bool,
+              positives: Positives, track: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Row LSEs (M,) of ``scale * rows @ cols.T`` and, if ``want_cols``, column
+    LSEs (N,); plus (3, M) / (3, N) monitor tracks when ``track``.
+
+    Differentiable in rows, cols and scale through a custom backward that
+    recomputes tiles.
+    """
+    if tile_size <= 0:
+        raise ValueError(f"tile_size must be positive, got {tile_size}")
+    return _TiledLSE.apply(rows, cols, scale, int(tile_size), bool(want_cols), positives, bool(track))

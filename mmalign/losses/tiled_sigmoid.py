@@ -1,0 +1,97 @@
+"""Tiled SigLIP pair loss with recomputation in backward.
+
+SigLIP (Zhai et al., "Sigmoid Loss for Language Image Pre-Training", 2023,
+arXiv 2303.15343) scores every (image, text) pair as an independent binary
+problem: ``-log sigmoid(z_ij * l_ij)`` with ``l_ij = scale x_i . y_j + bias``
+and ``z_ij = +1`` for positives, -1 otherwise. The loss is a plain sum over
+pairs, so tiling needs no running normaliser, only per-row sums:
+
+* forward: ``row_loss_i += sum_j softplus(l_ij) - sum_{j in P(i)} l_ij``
+  (``-log sigmoid(-l) = softplus(l)``, ``-log sigmoid(l) = softplus(l) - l``);
+* backward: recompute the tile; the gradient on a logit is
+  ``g_i (sigmoid(l_ij) - 1[j in P(i)])``, then as for InfoNCE plus
+  ``d bias = sum_ij G_ij``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .monitors import RankTracker
+from .positives import Positives
+from .tiled import compute_dtype, count_pass, tile_ranges
+
+__all__ = ["tiled_sigmoid_rows"]
+
+
+class _TiledSigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, t: int,
+                pos: Positives, track: bool):
+        m, dev, dt = rows.shape[0], rows.device, rows.dtype
+        cdt = compute_dtype(dt)
+        rows_s = rows * scale.reshape(()).to(dt)  # (M, D)
+        b = bias.reshape(()).to(cdt)
+        row_loss = torch.zeros(m, dtype=cdt, device=dev)  # (M,)
+        known = None
+        if track and pos.paired:
+            known = (rows_s * cols[pos.offset: pos.offset + m]).sum(dim=1).to(cdt) + b
+        trk = RankTracker(m, dev, known) if track else None
+        for i0, i1 in tile_ranges(m, t):
+            for j0, j1 in tile_ranges(cols.shape[0], t):
+                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt).add_(b)  # (ti, tj)
+                mask = pos.mask(i0, i1, j0, j1, dev)
+                row_loss[i0:i1] -= F.logsigmoid(-tile).sum(dim=1)  # softplus(l), exact for large l
+                if mask is not None:
+                    row_loss[i0:i1] -= (tile * mask).sum(dim=1)
+                if track:
+                    trk.update(tile, mask, i0, i1)
+        if track and not pos.paired:
+            count_pass(rows_s, cols, pos, t, trk, None, cdt, bias=b)
+        tracks = trk.stacked() if track else torch.empty(0, device=dev)
+        ctx.save_for_backward(rows, cols, scale, bias)
+        ctx.t, ctx.pos = t, pos
+        ctx.mark_non_differentiable(tracks)
+        return row_loss, tracks
+
+    @staticmethod
+    def backward(ctx, g: Tensor, _gtracks):
+        rows, cols, scale, bias = ctx.saved_tensors
+        t, pos = ctx.t, ctx.pos
+        dt = rows.dtype
+        cdt = compute_dtype(dt)
+        s = scale.reshape(()).to(dt)
+        b = bias.reshape(()).to(cdt)
+        rows_s = rows * s
+        d_rows = torch.empty_like(rows)
+        d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
+        d_scale = torch.zeros((), dtype=cdt, device=rows.device)
+        d_bias = torch.zeros((), dtype=cdt, device=rows.device)
+        for i0, i1 in tile_ranges(rows.shape[0], t):
+            acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
+            for j0, j1 in tile_ranges(cols.shape[0], t):
+                grad = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt).add_(b).sigmoid_()  # (ti, tj)
+                mask = pos.mask(i0, i1, j0, j1, rows.device)
+                if mask is not None:
+                    grad.sub_(mask.to(cdt))
+                grad.mul_(g[i0:i1, None])
+                d_bias += grad.sum()
+                grad = grad.to(dt)
+                acc.add_((grad @ cols[j0:j1]).to(cdt))
+                d_cols[j0:j1].add_((grad.T @ rows[i0:i1]).to(cdt))
+            d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
+            d_scale += (rows[i0:i1].to(cdt) * acc).sum()
+        d_cols = (d_cols * s.to(cdt)).to(dt)
+        return (d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype),
+                d_bias.reshape(bias.shape).to(bias.dtype), None, None, None)
+
+
+def tiled_sigmoid_rows(rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, tile_size: int, *,
+                       positives: Positives, track: bool) -> tuple[Tensor, Tensor]:
+    """Per-row SigLIP losses (M,) ``sum_j -log sigmoid(z_ij l_ij)`` and the
+    (3, M) monitor tracks; differentiable in rows, cols, scale and bias."""
+    if tile_size <= 0:
+        raise ValueError(f"tile_size must be positive, got {tile_size}")
+    return _TiledSigmoid.apply(rows, cols, scale, bias, int(tile_size), positives, bool(track))
