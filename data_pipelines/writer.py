@@ -1,0 +1,94 @@
+"""Write img2dataset-layout shards.
+
+Per shard ``NNNNN``: ``NNNNN.tar`` with ``KEY.jpg``, ``KEY.txt`` and ``KEY.json``
+members, ``NNNNN.parquet`` (one row per sample) and ``NNNNN_stats.json``; after
+the last shard, ``sizes.json`` maps each tar name to its sample count.  Keys are
+the shard id followed by the zero-padded index in the shard, as img2dataset makes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import time
+from pathlib import Path
+
+import pandas as pd
+from PIL import Image
+
+INDEX_DIGITS = 4  # samples per shard < 10**4
+
+
+class ShardWriter:
+    def __init__(self, out_dir: str | Path, samples_per_shard: int = 1000, jpeg_quality: int = 92):
+        if not 0 < samples_per_shard <= 10**INDEX_DIGITS:
+            raise ValueError(f"samples_per_shard must be in 1..{10**INDEX_DIGITS}")
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.per_shard = samples_per_shard
+        self.quality = jpeg_quality
+        self.shard = -1
+        self.sizes: dict[str, int] = {}
+        self._tar: tarfile.TarFile | None = None
+        self._rows: list[dict] = []
+        self._started = 0.0
+
+    def _open_next(self) -> None:
+        self._close_current()
+        self.shard += 1
+        self._tar = tarfile.open(self.out / f"{self.shard:05d}.tar", "w")
+        self._rows = []
+        self._started = time.time()
+
+    def _add_member(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mode = 0o644
+        info.mtime = 0  # reproducible shards
+        self._tar.addfile(info, io.BytesIO(data))
+
+    def write(self, image: Image.Image, caption: str, meta: dict | None = None) -> str:
+        """Add one sample; ``caption`` may hold several captions, one per line."""
+        if self._tar is None or len(self._rows) >= self.per_shard:
+            self._open_next()
+        key = f"{self.shard:05d}{len(self._rows):0{INDEX_DIGITS}d}"
+        buf = io.BytesIO()
+        image.convert("RGB").save(buf, format="JPEG", quality=self.quality)
+        jpg = buf.getvalue()
+        sha = hashlib.sha256(jpg).hexdigest()
+        record = {"key": key, "caption": caption, "width": image.width, "height": image.height, "sha256": sha}
+        record.update(meta or {})
+        self._add_member(f"{key}.jpg", jpg)
+        self._add_member(f"{key}.txt", caption.encode("utf-8"))
+        self._add_member(f"{key}.json", json.dumps(record, sort_keys=True).encode("utf-8"))
+        self._rows.append({**record, "status": "success", "error_message": None})
+        return key
+
+    def _close_current(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        name = f"{self.shard:05d}"
+        pd.DataFrame(self._rows).to_parquet(self.out / f"{name}.parquet", index=False)
+        stats = {
+            "count": len(self._rows),
+            "successes": len(self._rows),
+            "failures": 0,
+            "duration": round(time.time() - self._started, 3),
+        }
+        (self.out / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
+        self.sizes[f"{name}.tar"] = len(self._rows)
+        self._tar = None
+
+    def close(self) -> dict[str, int]:
+        self._close_current()
+        (self.out / "sizes.json").write_text(json.dumps(self.sizes, indent=2))
+        return self.sizes
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,13 @@
+"""mmalign: pretrain, evaluate and export CLIP-style image-text models."""
+
+__version__ = "0.1.0"
+
+
+def load(path, device: str = "cpu"):
+    """Load a trained model (a run directory or its ``final/``); see :mod:`mmalign.load`."""
+    from mmalign.load import load as _load
+
+    return _load(path, device)
+
+
+__all__ = ["__version__", "load"]

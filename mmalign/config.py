@@ -1,0 +1,266 @@
+"""Typed experiment configuration: dataclasses <- YAML <- ``--set a.b=c`` overrides.
+
+The dataclass defaults are the embedded default (the quickstart recipe), so a run
+without any YAML is a complete, working experiment.  Every key is checked: an
+unknown key, a value of the wrong type or an impossible combination raises
+:class:`ConfigError` with a one-line message naming the key; the CLI turns it into
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override (one line, names the key)."""
+
+
+@dataclass
+class ModelConfig:
+    # A preset name: "tiny" (CPU-sized) or any open_clip architecture ("ViT-B-32", ...).
+    preset: str = "tiny"
+    embed_dim: Optional[int] = None  # overrides the preset's joint embedding size
+    image_size: Optional[int] = None  # overrides vision.image_size
+    vision: dict = field(default_factory=dict)  # merged into the preset's vision_cfg
+    text: dict = field(default_factory=dict)  # merged into the preset's text_cfg
+    quick_gelu: bool = False
+    init_logit_scale: float = math.log(1 / 0.07)  # log of the CLIP temperature 1/0.07
+    max_logit_scale: float = 100.0  # the scale is clamped to [1, this] after each step
+    init_logit_bias: Optional[float] = None  # SigLIP uses -10; None = no bias parameter
+
+
+@dataclass
+class AugmentConfig:
+    # Augmentation declares what the model learns to ignore; the shapes captions
+    # name positions, so the default keeps left/right (no flip) and most of the frame.
+    crop_scale: list = field(default_factory=lambda: [0.85, 1.0])
+    hflip: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = "data/shapes/train/{00000..00007}.tar"
+    val: str = "data/shapes/val/00000.tar"
+    workers: int = 1
+    shuffle_buffer: int = 1000
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    global_batch_size: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    optimizer: Literal["adamw", "sgd", "lamb"] = "adamw"
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+    grad_cache_chunk_size: int = 0  # 0 = off (wired up with the engine)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class LossConfig:
+    name: Literal["infonce", "siglip"] = "infonce"
+    tile_size: int = 0  # 0 = untiled
+    false_negative_ids: str = "none"  # none | caption | <a .json id field>
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+
+
+@dataclass
+class EvalConfig:
+    suite: str = "shapes"  # a suite name from eval/ (or a path to a suite YAML)
+    batch_size: int = 256
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    output: str = "runs/quickstart"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ---------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; convert the few lossless cases."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}': expected {' or '.join(map(_type_name, args))}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}': expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"unsupported annotation {tp!r} for {key}")
+    if not ok(value):
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    """Insert ``value`` at ``a.b.c`` in a nested dict, creating mappings on the way."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=c`` -> ("a.b", yaml-parsed c).  ``c`` is parsed as YAML, so 3, 1e-3, true,
+    [0.5, 1.0] and null work; the field's annotation then checks the result."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # "1e-3" is a string to YAML 1.1; a float field still deserves it.
+    if isinstance(value, str):
+        try:
+            value = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults <- YAML file <- overrides, then validation."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_path(tree, key, value)
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Reject impossible combinations with a message that names the key."""
+    t = cfg.train
+    positive = {"train.steps": t.steps, "train.global_batch_size": t.global_batch_size}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0, got {value}")
+    if t.lr <= 0:
+        raise ConfigError(f"config key 'train.lr' must be > 0, got {t.lr}")
+    if not 0 <= t.warmup_steps <= t.steps:
+        raise ConfigError(f"config key 'train.warmup_steps' must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
+    if t.global_batch_size % world_size:
+        raise ConfigError(
+            f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world size {world_size}"
+        )
+    local = t.global_batch_size // world_size
+    if t.grad_cache_chunk_size < 0 or t.grad_cache_chunk_size > local:
+        raise ConfigError(
+            f"config key 'train.grad_cache_chunk_size' must be in [0, local batch {local}], got {t.grad_cache_chunk_size}"
+        )
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
+    if cfg.loss.tile_size < 0:
+        raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
+    if cfg.loss.name == "siglip" and cfg.loss.false_negative_ids != "none":
+        raise ConfigError("config key 'loss.false_negative_ids' needs loss.name=infonce (SigLIP has no multi-positive targets)")
+    if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
+        raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
+    scale = cfg.data.augment.crop_scale
+    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+        raise ConfigError(f"config key 'data.augment.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}")
+    if cfg.model.max_logit_scale < 1:
+        raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
+    if t.log_every <= 0:
+        raise ConfigError(f"config key 'train.log_every' must be > 0, got {t.log_every}")
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,1 @@
+"""Streaming data: shard reading, transforms, tokenizers, the training loader."""

@@ -1,0 +1,8 @@
+"""Evaluation: zero-shot classification, retrieval, suites."""
+
+from mmalign.evaluation.retrieval import recall_at_k
+from mmalign.evaluation.suite import load_suite, run_suite, summary_rows, write_results
+from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
+
+__all__ = ["build_classifier", "load_suite", "recall_at_k", "run_suite", "summary_rows", "write_results",
+           "zero_shot_metrics"]

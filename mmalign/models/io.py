@@ -1,0 +1,65 @@
+"""Save and load a trained TwoTower as ``model.safetensors`` + ``model_config.json``.
+
+Weights go through safetensors and the rest through JSON, so loading a model never
+executes code from the files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from mmalign.models.two_tower import TwoTower
+
+WEIGHTS = "model.safetensors"
+CONFIG = "model_config.json"
+
+
+def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, extra: dict | None = None,
+                    state_dict: dict | None = None) -> Path:
+    """Write the model; ``state_dict`` overrides the module's own (e.g. consolidated ZeRO shards)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = state_dict if state_dict is not None else model.state_dict()
+    # safetensors refuses shared storage; clone contiguous CPU copies.
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
+    config = {
+        "arch": model.arch,
+        "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0]),
+        "max_logit_scale": model.max_logit_scale,
+        "preprocess_cfg": preprocess,
+        "tokenizer": {"type": "clip_bpe", "context_length": model.context_length},
+        **(extra or {}),
+    }
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A run directory (uses its ``final/``) or a directory holding the model files."""
+    p = Path(path)
+    if (p / WEIGHTS).is_file() and (p / CONFIG).is_file():
+        return p
+    if (p / "final" / WEIGHTS).is_file():
+        return p / "final"
+    raise FileNotFoundError(f"no mmalign model in {p} (expected {WEIGHTS} and {CONFIG}, or a run's final/)")
+
+
+def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTower, dict]:
+    d = resolve_model_dir(path)
+    config = json.loads((d / CONFIG).read_text())
+    model = TwoTower(
+        config["arch"],
+        init_logit_bias=config.get("init_logit_bias"),
+        max_logit_scale=config.get("max_logit_scale", 100.0),
+    )
+    state = load_file(str(d / WEIGHTS), device=map_location)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model, config
+
+
+__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "resolve_model_dir", "save_pretrained"]

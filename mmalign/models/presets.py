@@ -1,0 +1,61 @@
+"""Architecture presets: mmalign's own small ones plus every open_clip architecture.
+
+An architecture is an open_clip-style dict ``{"embed_dim", "vision_cfg", "text_cfg",
+"quick_gelu"}``; nothing here downloads weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import open_clip
+
+from mmalign.config import ConfigError, ModelConfig
+
+# Sized for CPU training on 32-64 px images in minutes (the calibration tower of the
+# CIFAR-10 recipe): ViT 4x128 on 32 px with patch 4, text transformer 4x128.
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "embed_dim": 128,
+        "vision_cfg": {"image_size": 32, "layers": 4, "width": 128, "head_width": 32, "patch_size": 4},
+        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 4},
+    },
+    # For unit tests and multi-process integration tests: seconds per step on one core.
+    "micro": {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": 16, "layers": 1, "width": 32, "head_width": 16, "patch_size": 4},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    },
+}
+
+
+def available() -> list[str]:
+    return sorted(PRESETS) + open_clip.list_models()
+
+
+def resolve_arch(cfg: ModelConfig) -> dict:
+    """Model config -> a complete architecture dict (preset + overrides)."""
+    if cfg.preset in PRESETS:
+        arch = copy.deepcopy(PRESETS[cfg.preset])
+    else:
+        found = open_clip.get_model_config(cfg.preset)
+        if found is None:
+            raise ConfigError(
+                f"config key 'model.preset': unknown architecture {cfg.preset!r} "
+                f"(try tiny, micro, ViT-B-32, ViT-B-16, ... ; `mmalign models` lists them)"
+            )
+        arch = copy.deepcopy(found)
+        # open_clip configs may carry tokenizer/preprocess hints next to the towers.
+        arch = {k: arch[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu") if k in arch}
+    arch.setdefault("quick_gelu", False)
+    arch["quick_gelu"] = bool(arch["quick_gelu"] or cfg.quick_gelu)
+    if cfg.embed_dim is not None:
+        arch["embed_dim"] = cfg.embed_dim
+    arch["vision_cfg"].update(cfg.vision)
+    arch["text_cfg"].update(cfg.text)
+    if cfg.image_size is not None:
+        arch["vision_cfg"]["image_size"] = cfg.image_size
+    if arch["text_cfg"].get("hf_model_name") or arch["text_cfg"].get("hf_tokenizer_name"):
+        # HF text towers need a hub download for their config/tokenizer; not offline-safe yet.
+        raise ConfigError(f"config key 'model.preset': {cfg.preset!r} uses a Hugging Face text tower, not supported offline")
+    return arch

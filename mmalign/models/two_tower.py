@@ -1,0 +1,78 @@
+"""The paired encoders: a vision tower, a text tower and the learnable temperature.
+
+No loss and no distributed code lives here: the model maps images and token ids to
+L2-normalised joint-space features (after each tower's projection head) and exposes
+the logit scale (and optional SigLIP bias) for the loss to use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from open_clip.model import _build_text_tower, _build_vision_tower
+from torch import nn
+
+
+class TwoTower(nn.Module):
+    """CLIP-style dual encoder built from an open_clip architecture dict.
+
+    ``logit_scale`` stores log(scale) with shape [1]: DeepSpeed's parameter broadcast
+    crashes on 0-dim parameters.  ``forward`` returns the exponentiated scale so that
+    callers (and ZeRO-3, where parameters read outside ``forward`` are empty
+    partitions) never touch the raw parameter.
+    """
+
+    def __init__(
+        self,
+        arch: dict,
+        init_logit_scale: float = math.log(1 / 0.07),
+        init_logit_bias: Optional[float] = None,
+        max_logit_scale: float = 100.0,
+    ):
+        super().__init__()
+        self.arch = arch
+        self.max_logit_scale = float(max_logit_scale)
+        quick_gelu = bool(arch.get("quick_gelu", False))
+        self.visual = _build_vision_tower(arch["embed_dim"], arch["vision_cfg"], quick_gelu)
+        self.text = _build_text_tower(arch["embed_dim"], arch["text_cfg"], quick_gelu)
+        self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
+        self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.arch["embed_dim"])
+
+    @property
+    def context_length(self) -> int:
+        return int(self.text.context_length)
+
+    @property
+    def image_size(self) -> int:
+        size = self.arch["vision_cfg"].get("image_size", 224)
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.visual(images)  # (B, D) after the vision projection head
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        features = self.text(tokens)  # (B, D) after the text projection head
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, images: Optional[torch.Tensor] = None, texts: Optional[torch.Tensor] = None) -> dict:
+        out = {"logit_scale": self.logit_scale.exp()}  # (1,)
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        if images is not None:
+            out["image_features"] = self.encode_image(images)  # (B, D)
+        if texts is not None:
+            out["text_features"] = self.encode_text(texts)  # (B, D)
+        return out
+
+    @torch.no_grad()
+    def clamp_logit_scale(self) -> None:
+        """open_clip's convention: log-scale in [0, ln max], i.e. scale in [1, max]."""
+        self.logit_scale.clamp_(0.0, math.log(self.max_logit_scale))
