@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_mean",
     "init_from_env",
     "env_dist_info",
+    "shutdown",
 ]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -171,3 +172,9 @@ def init_from_env(backend: str | None = None) -> DistInfo:
     dist.init_process_group(backend=backend, init_method="env://",
                             rank=info.rank, world_size=info.world_size)
     return info
+
+
+def shutdown() -> None:
+    """Destroy the default process group, if any."""
+    if is_initialized():
+        dist.destroy_process_group()
