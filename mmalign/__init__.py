@@ -4,8 +4,8 @@ __version__ = "0.1.0"
 
 
 def load(path, device: str = "cpu"):
-    """Load a trained model (a run directory or its ``final/``); see :mod:`mmalign.load`."""
-    from mmalign.load import load as _load
+    """Load a trained model (a run directory or its ``final/``); see :mod:`mmalign.pretrained`."""
+    from mmalign.pretrained import load as _load
 
     return _load(path, device)
 

@@ -46,7 +46,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
-    from mmalign.load import load
+    from mmalign.pretrained import load
 
     try:
         loaded = load(args.model)

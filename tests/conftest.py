@@ -1,0 +1,42 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory):
+    """A small generated shapes dataset (train: 2 shards of 200, val: 1 shard of 120)."""
+    from data_pipelines import shapes
+
+    out = tmp_path_factory.mktemp("shapes")
+    shapes.generate_split(out, "train", 400, seed=3, per_shard=200)
+    shapes.generate_split(out, "val", 120, seed=3, per_shard=200)
+    return out
+
+
+@pytest.fixture
+def micro_overrides(shapes_dir, tmp_path):
+    """Overrides that make any config a seconds-long CPU run on the generated data."""
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=32",
+        "train.steps=20",
+        "train.warmup_steps=2",
+        "train.lr=0.002",
+        "train.log_every=1",
+        f"output={tmp_path / 'run'}",
+    ]
+
+
+def run_cli(*args, cwd=None):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "mmalign.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=600)

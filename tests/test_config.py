@@ -1,0 +1,91 @@
+import pytest
+import yaml
+
+from mmalign.config import Config, ConfigError, load_config, parse_override, save_config
+from tests.conftest import run_cli
+
+
+def test_defaults_are_a_complete_config():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.train.optimizer == "adamw" and cfg.loss.name == "infonce"
+    assert cfg.train.grad_cache_chunk_size == 0 and cfg.deepspeed.zero_stage == 0
+
+
+def test_yaml_and_overrides_coerced_to_field_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"steps": 7, "lr": 0.01}, "model": {"preset": "micro"}}))
+    cfg = load_config(path, ["train.steps=11", "train.warmup_steps=2", "train.lr=1e-4", "seed=5", "data.augment.hflip=true",
+                             "data.augment.crop_scale=[0.5, 1.0]", "model.vision.layers=2"])
+    assert cfg.train.steps == 11 and isinstance(cfg.train.steps, int)
+    assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.seed == 5 and cfg.data.augment.hflip is True
+    assert cfg.data.augment.crop_scale == [0.5, 1.0]
+    assert cfg.model.vision == {"layers": 2}
+    assert cfg.model.preset == "micro"
+
+
+def test_int_accepted_for_float_field():
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.stepz=3", "train.stepz"),
+        ("trian.steps=3", "trian"),
+        ("train.steps=abc", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("train.optimizer=rmsprop", "train.optimizer"),
+        ("loss.name=triplet", "loss.name"),
+        ("data.augment.hflip=maybe", "data.augment.hflip"),
+        ("train.steps=0", "train.steps"),
+        ("train.warmup_steps=500", "train.warmup_steps"),
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
+        ("train.grad_cache_chunk_size=4096", "train.grad_cache_chunk_size"),
+        ("data.augment.crop_scale=[0.9, 0.1]", "data.augment.crop_scale"),
+    ],
+)
+def test_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_impossible_combination_siglip_with_false_negative_ids():
+    with pytest.raises(ConfigError, match="loss.false_negative_ids"):
+        load_config(None, ["loss.name=siglip", "model.init_logit_bias=-10", "loss.false_negative_ids=caption"])
+    with pytest.raises(ConfigError, match="model.init_logit_bias"):
+        load_config(None, ["loss.name=siglip"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  stpes: 3\n")
+    with pytest.raises(ConfigError, match="train.stpes"):
+        load_config(path)
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["train.steps=9", "train.warmup_steps=1", "model.text.layers=1"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_parse_override():
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a=1e-3") == ("a", 1e-3)
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    res = run_cli("train", "--set", "train.stepz=3", "--output", str(tmp_path / "x"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.stepz" in lines[0] and "Traceback" not in res.stderr
+    res = run_cli("train", "--config", str(tmp_path / "missing.yaml"))
+    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("eval", "--model", str(tmp_path / "nomodel"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr

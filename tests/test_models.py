@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from mmalign.config import ConfigError, ModelConfig
+from mmalign.losses import clip_loss
+from mmalign.models import build_model, resolve_arch
+
+
+def _batch(model, b=3):
+    size = model.image_size
+    images = torch.randn(b, 3, size, size)
+    tokens = torch.randint(1, 49406, (b, model.context_length))
+    tokens[:, 0] = 49406
+    tokens[:, 5] = 49407  # end of text: the text tower pools the argmax token
+    tokens[:, 6:] = 0
+    return images, tokens
+
+
+@pytest.mark.parametrize("preset", ["micro", "tiny"])
+def test_forward_shapes_and_normalisation(preset):
+    model = build_model(ModelConfig(preset=preset))
+    images, tokens = _batch(model)
+    out = model(images, tokens)
+    d = model.embed_dim
+    assert out["image_features"].shape == (3, d) and out["text_features"].shape == (3, d)
+    torch.testing.assert_close(out["image_features"].norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(out["text_features"].norm(dim=-1), torch.ones(3))
+    assert model.logit_scale.shape == (1,)
+    assert model.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
+    assert out["logit_scale"].item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+def test_logit_scale_clamped_at_100():
+    model = build_model(ModelConfig(preset="micro"))
+    with torch.no_grad():
+        model.logit_scale.fill_(10.0)
+    model.clamp_logit_scale()
+    assert model.logit_scale.exp().item() == pytest.approx(100.0, rel=1e-5)
+    with torch.no_grad():
+        model.logit_scale.fill_(-3.0)
+    model.clamp_logit_scale()
+    assert model.logit_scale.item() == 0.0
+
+
+def test_every_trainable_parameter_gets_a_nonzero_gradient():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="micro"))
+    images, tokens = _batch(model, b=4)
+    out = model(images, tokens)
+    loss = clip_loss(out["image_features"], out["text_features"], out["logit_scale"])
+    loss.backward()
+    missing = [n for n, p in model.named_parameters()
+               if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
+    assert missing == []
+
+
+def test_open_clip_presets_resolve_and_overrides_apply():
+    arch = resolve_arch(ModelConfig(preset="ViT-B-32", image_size=160, text={"layers": 6}, embed_dim=256))
+    assert arch["vision_cfg"]["patch_size"] == 32 and arch["vision_cfg"]["image_size"] == 160
+    assert arch["text_cfg"]["layers"] == 6 and arch["embed_dim"] == 256
+    with pytest.raises(ConfigError, match="model.preset"):
+        resolve_arch(ModelConfig(preset="ViT-Q-99"))
