@@ -68,7 +68,7 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
     if square:
         lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, logit_scale, tile_size, want_cols=True,
                                             positives=pos, track=track)
-        pos_t = pos.transposed(image.shape[0])
+        pos_t = pos.transposed()
     else:
         lse_i, _, tr_i, _ = _row_lse(image, text_all, logit_scale, tile_size, want_cols=False,
                                      positives=pos, track=track)

@@ -56,7 +56,7 @@ class Positives:
     def paired(self) -> bool:
         return self.row_ids is None
 
-    def transposed(self, n_rows: int) -> "Positives":
+    def transposed(self) -> "Positives":
         """Positives of the candidate->row direction (square case, offset 0)."""
         if self.paired:
             assert self.offset == 0, "transpose is only defined for the square case"
@@ -97,8 +97,8 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
         sums = torch.zeros(uniq.shape[0], cols.shape[1], dtype=cols.dtype, device=cols.device)
         sums = sums.index_add(0, inv, cols)  # (G, D)
         counts = torch.bincount(inv, minlength=uniq.shape[0]).to(cols.dtype)  # (G,)
-        group = torch.searchsorted(uniq, pos.row_ids)  # (M,)
-        if bool((group >= uniq.shape[0]).any()) or not torch.equal(uniq[group.clamp(max=uniq.shape[0] - 1)], pos.row_ids):
+        group = torch.searchsorted(uniq, pos.row_ids).clamp(max=uniq.shape[0] - 1)  # (M,)
+        if not torch.equal(uniq[group], pos.row_ids):
             raise ValueError("every row id must occur among the candidate ids (its own pair)")
         target = sums[group] / counts[group, None]  # (M, D)
     return scale.reshape(()) * (rows * target).sum(dim=1)

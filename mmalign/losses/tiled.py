@@ -55,6 +55,7 @@ def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor,
 
 class _TiledLSE(torch.autograd.Function):
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
     def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, t: int, want_cols: bool,
                 pos: Positives, track: bool):
         m, n = rows.shape[0], cols.shape[0]
@@ -102,6 +103,7 @@ class _TiledLSE(torch.autograd.Function):
         return lse_r, lse_c, tr_r, tr_c
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g_r: Tensor | None, g_c: Tensor | None, _gtr, _gtc):
         rows, cols, scale, lse_r, lse_c = ctx.saved_tensors
         t, want_cols = ctx.t, ctx.want_cols

@@ -28,6 +28,7 @@ __all__ = ["tiled_sigmoid_rows"]
 
 class _TiledSigmoid(torch.autograd.Function):
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
     def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, t: int,
                 pos: Positives, track: bool):
         m, dev, dt = rows.shape[0], rows.device, rows.dtype
@@ -57,6 +58,7 @@ class _TiledSigmoid(torch.autograd.Function):
         return row_loss, tracks
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g: Tensor, _gtracks):
         rows, cols, scale, bias = ctx.saved_tensors
         t, pos = ctx.t, ctx.pos
