@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["RankTracker", "full_matrix_tracks", "infonce_stats", "siglip_stats"]
+__all__ = ["RankTracker", "track_tile", "full_matrix_tracks", "infonce_stats", "siglip_stats"]
 
 NEG_INF = float("-inf")
 
@@ -44,32 +44,50 @@ class RankTracker:
         self.counting = known_pos is not None
 
     @torch.no_grad()
-    def update(self, logits: Tensor, mask: Tensor | None, lo: int, hi: int, tile_max: Tensor | None = None) -> None:
-        """Fold in a tile; ``logits`` (hi-lo, t) has this tracker's rows on dim 0.
-
-        ``tile_max`` (the tile's row max, already computed for the LSE) is the
-        hardest negative when the tile holds no positive; reuse it.
-        """
-        if mask is None:
-            neg = logits
-            neg_tile = tile_max if tile_max is not None else logits.amax(dim=1)
-        else:
-            neg = logits.masked_fill(mask, NEG_INF)
-            neg_tile = neg.amax(dim=1)
-            if not self.counting:
-                pos_tile = logits.masked_fill(~mask, NEG_INF).amax(dim=1)
-                torch.maximum(self.pos_max[lo:hi], pos_tile.float(), out=self.pos_max[lo:hi])
-        torch.maximum(self.neg_max[lo:hi], neg_tile.float(), out=self.neg_max[lo:hi])
-        if self.counting:
-            self.count(neg, lo, hi)
+    def fold(self, lo: int, hi: int, neg_max: Tensor, pos_max: Tensor | None = None) -> None:
+        """Merge a tile's per-row hardest negative (and best positive)."""
+        torch.maximum(self.neg_max[lo:hi], neg_max.float(), out=self.neg_max[lo:hi])
+        if pos_max is not None and not self.counting:
+            torch.maximum(self.pos_max[lo:hi], pos_max.float(), out=self.pos_max[lo:hi])
 
     @torch.no_grad()
     def count(self, neg: Tensor, lo: int, hi: int) -> None:
         """Add the number of negatives in ``neg`` (positives at -inf) above pos_max."""
-        self.n_above[lo:hi] += (neg > self.pos_max[lo:hi, None].to(neg.dtype)).sum(dim=1)
+        # sub -> gt_ -> sum stays in floating point: summing a bool tensor
+        # takes a slow int64 path on CPU (~6x slower at t = 2048).
+        above = torch.sub(neg, self.pos_max[lo:hi, None].to(neg.dtype)).gt_(0)
+        self.n_above[lo:hi] += above.sum(dim=1, dtype=self.n_above.dtype)
 
     def stacked(self) -> Tensor:
         return torch.stack([self.neg_max, self.pos_max, self.n_above])  # (3, n)
+
+
+@torch.no_grad()
+def track_tile(tile: Tensor, mask: Tensor | None, rows: RankTracker, i0: int, i1: int, row_max: Tensor,
+               cols: RankTracker | None = None, j0: int = 0, j1: int = 0, col_max: Tensor | None = None) -> None:
+    """Fold one (ti, tj) logit tile into the row (and column) trackers.
+
+    ``row_max`` / ``col_max`` are the tile maxima already computed for the
+    LSE: with no positive in the tile they are the hardest negatives. With
+    positives, one masked copy serves both directions.
+    """
+    if mask is None:
+        neg, row_pos, col_pos = tile, None, None
+        row_neg, col_neg = row_max, col_max
+    else:
+        neg = tile.masked_fill(mask, NEG_INF)
+        row_neg, col_neg = neg.amax(dim=1), (neg.amax(dim=0) if cols is not None else None)
+        row_pos = col_pos = None
+        if not rows.counting or (cols is not None and not cols.counting):
+            pos = tile.masked_fill(~mask, NEG_INF)
+            row_pos, col_pos = pos.amax(dim=1), (pos.amax(dim=0) if cols is not None else None)
+    rows.fold(i0, i1, row_neg, row_pos)
+    if rows.counting:
+        rows.count(neg, i0, i1)
+    if cols is not None:
+        cols.fold(j0, j1, col_neg if col_neg is not None else neg.amax(dim=0), col_pos)
+        if cols.counting:
+            cols.count(neg.T, j0, j1)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .monitors import RankTracker
+from .monitors import RankTracker, track_tile
 from .positives import Positives
 
 __all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass"]
@@ -84,10 +84,8 @@ class _TiledLSE(torch.autograd.Function):
                     t_cmax = tile.amax(dim=0)
                     _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0)
                 if track:
-                    mask = pos.mask(i0, i1, j0, j1, dev)
-                    trk_r.update(tile, mask, i0, i1, t_rmax)
-                    if want_cols:
-                        trk_c.update(tile.T, None if mask is None else mask.T, j0, j1, t_cmax)
+                    track_tile(tile, pos.mask(i0, i1, j0, j1, dev), trk_r, i0, i1, t_rmax,
+                               trk_c, j0, j1, t_cmax if want_cols else None)
 
         if track and not pos.paired:
             # Id mode: the best positive is only known now; count in a 2nd pass.

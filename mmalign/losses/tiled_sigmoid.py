@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .monitors import RankTracker
+from .monitors import RankTracker, track_tile
 from .positives import Positives
 from .tiled import compute_dtype, count_pass, tile_ranges
 
@@ -48,7 +48,7 @@ class _TiledSigmoid(torch.autograd.Function):
                 if mask is not None:
                     row_loss[i0:i1] -= (tile * mask).sum(dim=1)
                 if track:
-                    trk.update(tile, mask, i0, i1)
+                    track_tile(tile, mask, trk, i0, i1, tile.amax(dim=1))
         if track and not pos.paired:
             count_pass(rows_s, cols, pos, t, trk, None, cdt, bias=b)
         tracks = trk.stacked() if track else torch.empty(0, device=dev)
