@@ -70,6 +70,20 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
                 logit_bias: Tensor | None = None, positive_ids: Tensor | None = None) -> LossOutput:
+        """Loss of this rank's rows against all ranks' candidates.
+
+        Args:
+            image_features, text_features: (B, D) local, L2-normalised; every
+                rank must have the same B.
+            logit_scale: exponentiated scale ([] or [1]); logit_bias: SigLIP bias.
+            positive_ids: (B,) local ids (gathered here, without grad).
+
+        Returns:
+            LossOutput with ``loss`` (mean over local rows) and ``stats``:
+            loss, loss_floor, pos_rank, top1, hardest_neg_prob, n_candidates,
+            logit_scale (+ logit_bias for SigLIP); averaged over ranks when
+            ``reduce_stats``.
+        """
         if image_features.ndim != 2 or image_features.shape != text_features.shape:
             raise ValueError("expected two (B, D) feature tensors of the same shape")
         ids = None
