@@ -7,6 +7,7 @@ code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,11 +35,24 @@ def _load(args) -> "Config":  # noqa: F821
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)  # validate before spawning anything
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from mmalign.launch import launch_local
+        from mmalign.config import validate
+
+        validate(cfg, world_size=args.nproc)
+        return launch_local(args.nproc, sys.argv[1:] if args.argv is None else args.argv)
+    from mmalign import distributed as mdist
     from mmalign.train import train
 
-    cfg = _load(args)
+    info = mdist.env_dist_info()
+    from mmalign.config import validate
+
+    validate(cfg, world_size=info.world_size)
     out = train(cfg)
-    print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
+    if mdist.get_rank() == 0:
+        print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
+    mdist.shutdown()
     return 0
 
 
@@ -144,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a config")
     _add_config_args(p)
+    p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
+    # the deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what we use
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
@@ -172,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except ConfigError as e:

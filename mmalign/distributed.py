@@ -149,26 +149,45 @@ def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
     return DistInfo()
 
 
-def init_from_env(backend: str | None = None) -> DistInfo:
+def _free_port() -> str:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def init_from_env(backend: str | None = None, require_group: bool = False) -> DistInfo:
     """Initialise the default process group from the environment.
 
-    No-op for world size 1 and when a group already exists. ``backend``
-    defaults to nccl when CUDA is available, else gloo. With nccl the current
-    CUDA device is set to LOCAL_RANK.
+    No-op for world size 1 (unless ``require_group``: DeepSpeed needs a group even
+    for one process, which then gets a private loopback port) and when a group
+    already exists. ``backend`` defaults to nccl when CUDA is available, else
+    gloo. With nccl the current CUDA device is set to LOCAL_RANK.
     """
     info = env_dist_info()
     if is_initialized():
         return DistInfo(get_rank(), get_world_size(), info.local_rank,
                         info.master_addr, info.master_port, info.source)
-    if info.world_size <= 1:
+    if info.world_size <= 1 and not require_group:
         return info
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
-    # env:// reads MASTER_ADDR / MASTER_PORT; SLURM does not set them.
+    if info.world_size <= 1:
+        # A private group on a free loopback port, without touching os.environ
+        # (child processes must not inherit a port this process holds). DeepSpeed
+        # insists on LOCAL_RANK, which alone does not make a child look distributed.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        return info
+    # env:// reads MASTER_ADDR / MASTER_PORT (SLURM does not set them); DeepSpeed
+    # also reads RANK / WORLD_SIZE / LOCAL_RANK, so make them explicit.
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", info.master_port)
+    for key, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
+        os.environ.setdefault(key, str(value))
     dist.init_process_group(backend=backend, init_method="env://",
                             rank=info.rank, world_size=info.world_size)
     return info

@@ -1,15 +1,15 @@
 """``mmalign train``: the training loop, top to bottom.
 
-setup -> data -> model -> optimizer/schedule -> loop (forward, loss, step, clamp,
-log) -> save ``final/`` -> evaluate.  This is the single-process loop; the
-distributed engine, gradient caching and resumable checkpoints plug in here.
+setup -> data -> model -> engine (DeepSpeed: optimiser, schedule, ZeRO, gradient
+caching) -> loop (step, log) -> save ``final/`` -> evaluate.  The same code runs
+as one process, as ``--nproc N`` local processes, or under torchrun / the
+DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmalign.config import Config, ConfigError, TrainConfig, save_config, to_dict
+from mmalign import distributed as mdist
+from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.tokenizer import build_tokenizer
@@ -56,41 +57,6 @@ def setup_logging(out: Path) -> None:
     root.handlers = [h for h in root.handlers if not isinstance(h, logging.FileHandler)] + [handler]
 
 
-# ------------------------------------------------------------ optimisation
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on gains, biases, norms or the temperature (open_clip's rule:
-    tensors with fewer than 2 dims, which covers all of these)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        exclude = p.ndim < 2 or "bias" in name or "ln" in name or "norm" in name or "logit_" in name
-        (no_decay if exclude else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, t.weight_decay)
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr)
-    raise ConfigError(f"config key 'train.optimizer': {t.optimizer!r} needs the DeepSpeed engine (not wired yet)")
-
-
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -104,20 +70,27 @@ def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
 
 def train(cfg: Config, show_progress: bool = True) -> Path:
     """Run ``cfg`` to completion; returns the output directory."""
+    from mmalign.engine import Engine  # deepspeed is imported only when training
+
     # setup
+    mdist.init_from_env(require_group=True)
+    rank, world = mdist.get_rank(), mdist.get_world_size()
+    main = rank == 0
     out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    setup_logging(out)
-    seed_everything(cfg.seed)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        setup_logging(out)
+    mdist.barrier()
+    seed_everything(cfg.seed)  # same init on every rank; data streams differ by rank
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
     t = cfg.train
-    if t.grad_cache_chunk_size or cfg.deepspeed.zero_stage:
-        raise ConfigError("config keys 'train.grad_cache_chunk_size' / 'deepspeed.zero_stage' need the engine (not wired yet)")
     if cfg.loss.false_negative_ids not in ("none", "caption"):
         raise ConfigError("config key 'loss.false_negative_ids': id fields need the full loader (not wired yet)")
+    if t.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
 
     # model
     model: TwoTower = build_model(cfg.model).to(device)
@@ -125,74 +98,80 @@ def train(cfg: Config, show_progress: bool = True) -> Path:
     log.info("model %s: %.2fM parameters, embed_dim %d", cfg.model.preset, n_params / 1e6, model.embed_dim)
     tokenizer = build_tokenizer(model.arch)
 
+    # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
+    engine = Engine(model, cfg)
+    if main:
+        log.info("%s", engine.plan.describe())
+        print(f"mmalign: {engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}", flush=True)
+
     # data
     urls = expand_urls(cfg.data.train)
     check_urls(urls, "data.train")
     log.info(describe(cfg.data.augment))
     loader = build_train_loader(
-        urls, train_transform(model.image_size, cfg.data.augment), tokenizer, t.global_batch_size,
-        seed=cfg.seed, workers=cfg.data.workers, shuffle_buffer=cfg.data.shuffle_buffer,
+        urls, train_transform(model.image_size, cfg.data.augment), tokenizer, engine.plan.local_batch,
+        seed=cfg.seed, rank=rank, workers=cfg.data.workers, shuffle_buffer=cfg.data.shuffle_buffer,
     )
-
-    # optimizer, schedule, loss
-    optimizer = build_optimizer(model, t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
     loss_fn = build_loss(cfg.loss)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     # loop
-    metrics_file = (out / "metrics.jsonl").open("w")
+    metrics_file = (out / "metrics.jsonl").open("w") if main else None
     batches = iter(loader)
-    bar = tqdm(total=t.steps, desc="train", disable=not show_progress, dynamic_ncols=True)
+    bar = tqdm(total=t.steps, desc="train", disable=not (show_progress and main), dynamic_ncols=True)
     window_start, window_samples, data_wait = time.time(), 0, 0.0
-    model.train()
+    engine.ds.train()
     for step in range(1, t.steps + 1):
         fetch = time.time()
         batch = next(batches)
         data_wait += time.time() - fetch
         images, tokens = batch["images"].to(device), batch["tokens"].to(device)
-        with autocast:
-            outputs = model(images, tokens)
-        result = loss_fn(
-            outputs["image_features"].float(), outputs["text_features"].float(), outputs["logit_scale"],
-            outputs.get("logit_bias"), positive_ids=positive_ids_for(batch, cfg.loss.false_negative_ids),
-        )
-        optimizer.zero_grad(set_to_none=True)
-        result.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        optimizer.step()
-        scheduler.step()
-        model.clamp_logit_scale()
-        window_samples += images.shape[0]
+        ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
 
-        loss_value = result.loss.item()
-        if step % t.log_every == 0 or step == t.steps:
+        def loss_of(outputs: dict):
+            return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
+                           outputs.get("logit_bias"), positive_ids=ids)
+
+        result = engine.step(images, tokens, loss_of, autocast)
+        window_samples += images.shape[0] * world
+
+        loss_value = float(result.loss.detach())
+        if main and (step % t.log_every == 0 or step == t.steps):
             elapsed = time.time() - window_start
             record = {
                 "step": step,
                 "loss": loss_value,
-                "lr": scheduler.get_last_lr()[0],
-                "logit_scale": float(model.logit_scale.detach().exp()),
-                "grad_norm": float(grad_norm),
+                "lr": engine.lr,
+                "grad_norm": engine.grad_norm(),
                 "samples_per_s": window_samples / max(elapsed, 1e-9),
                 "data_wait_s": data_wait,
-                **{k: float(v) for k, v in result.stats.items()},
+                **{k: float(v) for k, v in result.stats.items() if k != "loss"},
             }
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             log.info("step %d %s", step, json.dumps(record))
             bar.set_postfix(loss=f"{loss_value:.3f}", scale=f"{record['logit_scale']:.1f}",
                             sps=f"{record['samples_per_s']:.0f}")
+        if step % t.log_every == 0:
             window_start, window_samples, data_wait = time.time(), 0, 0.0
         bar.update(1)
     bar.close()
-    metrics_file.close()
+    if metrics_file is not None:
+        metrics_file.close()
 
-    # save, then evaluate the saved model
-    final = save_pretrained(model, out / "final", preprocess=preprocess_cfg(model.image_size),
-                            extra={"train_config": to_dict(cfg)})
-    log.info("saved %s", final)
-    evaluate_model(model, tokenizer, cfg, out / "eval.json", device)
+    # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them on rank 0
+    state = engine.consolidated_state_dict()
+    if main:
+        final_model = build_model(cfg.model)
+        final_model.load_state_dict(state)
+        final = save_pretrained(final_model, out / "final", preprocess=preprocess_cfg(model.image_size),
+                                extra={"train_config": to_dict(cfg)})
+        log.info("saved %s", final)
+        evaluate_model(final_model.to(device), tokenizer, cfg, out / "eval.json", device)
+    mdist.barrier()
     return out
 
 

@@ -8,7 +8,8 @@ from mmalign.config import load_config
 from mmalign.data.shards import expand_urls, read_samples
 from mmalign.losses import clip_loss
 from mmalign.models import build_model
-from mmalign.train import seed_everything, train, warmup_cosine
+from mmalign.optim import warmup_cosine
+from mmalign.train import seed_everything, train
 from tests.conftest import ROOT, run_cli
 
 

@@ -1,0 +1,208 @@
+"""The DeepSpeed engine: the only module that imports deepspeed.
+
+The DeepSpeed config is derived from ours, so the batch arithmetic is decided in
+one place::
+
+    global batch = micro batch x gradient accumulation x world size
+
+Without gradient caching the micro batch is the whole local batch (accumulation
+1).  With caching, a micro batch is one chunk and the accumulation steps are the
+chunks, so ``engine.step()`` after each chunk only updates at the last one; the
+surrogate backward uses ``scale_wrt_gas=False`` because the cached gradients are
+already those of the full local loss.  DeepSpeed then averages gradients over
+ranks, which together with the losses' local-rows convention gives the exact
+full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param  # noqa: E402
+
+from mmalign import distributed as mdist  # noqa: E402
+from mmalign.config import Config, ConfigError  # noqa: E402
+from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch  # noqa: E402
+from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
+
+log = logging.getLogger("mmalign.engine")
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+deepspeed.utils.logger.setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch: int
+    world_size: int
+    local_batch: int
+    chunks: tuple[int, ...]  # chunk sizes of the local batch; (local_batch,) when caching is off
+
+    @property
+    def micro_batch(self) -> int:
+        return self.chunks[0]
+
+    @property
+    def accumulation(self) -> int:
+        return len(self.chunks)
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = micro batch {self.micro_batch} x accumulation "
+                f"{self.accumulation} x world size {self.world_size}"
+                + ("" if self.local_batch % self.micro_batch == 0 else f" (last chunk {self.chunks[-1]})"))
+
+
+def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
+    t = cfg.train
+    if t.global_batch_size % world_size:
+        raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible "
+                          f"by the world size {world_size}")
+    local = t.global_batch_size // world_size
+    return BatchPlan(t.global_batch_size, world_size, local, tuple(chunk_sizes(local, t.grad_cache_chunk_size)))
+
+
+def ds_config(cfg: Config, plan: BatchPlan) -> dict:
+    """Our config -> DeepSpeed's (the single source of the batch arithmetic)."""
+    precision = cfg.deepspeed.precision
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("config key 'deepspeed.precision': fp16 needs a GPU (use bf16 or fp32 on CPU)")
+    conf = {
+        # DeepSpeed checks micro x accumulation x world == train_batch_size; with an
+        # uneven last chunk the nominal micro batch is the first chunk's size.
+        "train_batch_size": plan.micro_batch * plan.accumulation * plan.world_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+        "gradient_clipping": float(cfg.train.grad_clip),
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+    }
+    if cfg.deepspeed.zero_stage == 3:
+        # Tiny towers: do not keep whole-model copies around for prefetch heuristics.
+        conf["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
+    for key, value in cfg.deepspeed.extra.items():
+        conf[key] = value
+    return conf
+
+
+class Engine:
+    """Model + optimiser + schedule under DeepSpeed, one call per training step."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config):
+        mdist.init_from_env(require_group=True)  # DeepSpeed needs a process group, even for 1 rank
+        self.cfg = cfg
+        self.world_size = mdist.get_world_size()
+        self.plan = plan_batch(cfg, self.world_size)
+        self.max_log_scale = math.log(cfg.model.max_logit_scale)
+        t = cfg.train
+        optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg, self.plan),
+            dist_init_required=False,
+        )
+        self.module = self.ds.module
+        self.stage = cfg.deepspeed.zero_stage
+
+    # -------------------------------------------------------------- stepping
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> dict:
+        return self.ds(images, tokens)
+
+    def _backward(self, surrogate: torch.Tensor) -> None:
+        self.ds.backward(surrogate, scale_wrt_gas=False)
+
+    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None):
+        """Forward, loss, backward and one optimiser update over the local batch.
+
+        ``loss_fn(outputs) -> LossOutput`` receives float32 features.  Returns the
+        loss function's result (its loss detached).
+        """
+        autocast = autocast or _null_context
+
+        def encode(im, tok):
+            with autocast():
+                out = self.forward(im, tok)
+            return {k: (v.float() if torch.is_tensor(v) else v) for k, v in out.items()}
+
+        if self.plan.accumulation == 1:
+            result = loss_fn(encode(images, tokens))
+            self._backward(result.loss)
+            self.ds.step()
+        else:
+            cached = grad_cache_step(
+                encode, split_batch((images, tokens), list(self.plan.chunks)), loss_fn, self._backward,
+                after_chunk=lambda i, last: self.ds.step(),
+            )
+            result = cached.result
+        self.clamp_logit_scale()
+        return result
+
+    @torch.no_grad()
+    def clamp_logit_scale(self) -> None:
+        """Clamp log-scale into [0, ln max] in the module and in ZeRO's fp32 master copy
+        (otherwise the next update would write the unclamped master value back)."""
+        p = self.module.logit_scale
+        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3; None at stage 0
+        if full is not None:
+            clamped = full.clamp(0.0, self.max_log_scale)
+            if not torch.equal(clamped, full):
+                safe_set_full_fp32_param(p, clamped)
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p  # ZeRO-3 keeps only a partition
+        local.data.clamp_(0.0, self.max_log_scale)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def grad_norm(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    # ----------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict | None = None) -> None:
+        """DeepSpeed's own (pickled) engine state; every rank must call this."""
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+
+    def load_checkpoint(self, directory: str | Path, tag: str) -> dict:
+        _, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        return client_state or {}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on every rank (a collective under ZeRO-3).
+
+        ZeRO keeps fp32 master weights in the optimizer (partitioned from stage 1
+        on); the module may hold bf16 copies or, at stage 3, empty partitions.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            if full is None:  # stage 0 without a master copy: the module holds the weights
+                full = p.detach()
+            state[name] = full.detach().float().cpu().clone()
+        persistent = set(self.module.state_dict().keys())
+        for name, buf in self.module.named_buffers():
+            if name in persistent:
+                state[name] = buf.detach().cpu().clone()
+        return state
+
+
+class _null_context:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,139 @@
+"""Exact gradient caching for contrastive steps.
+
+Gao, Zhang, Han & Callan 2021, "Scaling Deep Contrastive Learning Batch Size under
+Memory Limited Setup" (GradCache).  The loss couples every sample of the batch,
+so the batch cannot simply be split into micro-batches; but the loss only touches
+the encoders through their *representations*.  One step is:
+
+1. forward every chunk without grad, recording the RNG state before each one;
+2. compute the (possibly sharded) loss on the detached, concatenated
+   representations and cache d(loss)/d(representation);
+3. re-forward each chunk under its recorded RNG state (same dropout / patch
+   dropout masks as in 1) and back-propagate ``sum(rep * cached_grad)``.
+
+By the chain rule the accumulated parameter gradients equal those of the
+one-pass loss, with activation memory bounded by one chunk.
+
+The temperature (``logit_scale``) and SigLIP bias are also representations here:
+the model returns them from ``forward`` (ZeRO-3 only materialises parameters
+inside forward).  Their cached gradient is back-propagated through exactly one
+re-forwarded chunk, so they receive it once, not once per chunk (open_clip's
+accum_freq gives the scale a k-times gradient).
+
+This module never imports DeepSpeed: ``backward`` and ``after_chunk`` are
+injected (``engine.backward(x, scale_wrt_gas=False)`` / ``engine.step()`` under
+DeepSpeed, ``x.backward()`` in plain PyTorch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+# Per-sample outputs are concatenated across chunks; per-step ones are taken once.
+PER_SAMPLE = ("image_features", "text_features")
+PER_STEP = ("logit_scale", "logit_bias")
+
+
+@dataclass
+class RngState:
+    """CPU and (when present) every CUDA device's generator state."""
+
+    cpu: torch.Tensor
+    cuda: Optional[list[torch.Tensor]]
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def chunk_sizes(n: int, chunk: int) -> list[int]:
+    """Split ``n`` into chunks of ``chunk`` (the last may be smaller)."""
+    if chunk <= 0 or chunk >= n:
+        return [n]
+    return [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+
+
+def split_batch(batch: Sequence[torch.Tensor], sizes: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Split each tensor of ``batch`` along dim 0 into ``sizes`` (views, no copies)."""
+    parts = [t.split(sizes) for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(len(sizes))]
+
+
+@dataclass
+class CachedStep:
+    loss: torch.Tensor  # detached
+    result: Any  # whatever loss_fn returned (e.g. LossOutput with stats)
+
+
+def grad_cache_step(
+    encode: Callable[..., dict],
+    chunks: Sequence[tuple],
+    loss_fn: Callable[[dict], Any],
+    backward: Callable[[torch.Tensor], None],
+    after_chunk: Optional[Callable[[int, bool], None]] = None,
+) -> CachedStep:
+    """One optimisation step's gradients, accumulated chunk by chunk.
+
+    Args:
+        encode: ``encode(*chunk) -> dict`` with (b, D) ``image_features`` /
+            ``text_features`` and the per-step ``logit_scale`` (and optionally
+            ``logit_bias``), e.g. the model's (or engine's) forward.
+        chunks: the local batch split into chunk inputs (see :func:`split_batch`).
+        loss_fn: maps the full-batch dict of detached leaf tensors to either a
+            loss tensor or an object with a ``.loss`` tensor (e.g. LossOutput).
+            A sharded loss may communicate here; every rank calls it once.
+        backward: back-propagates a surrogate scalar through the model
+            (gradients accumulate across chunks).
+        after_chunk: called as ``after_chunk(index, is_last)`` after each
+            backward (DeepSpeed: ``engine.step()``, which only updates at the
+            accumulation boundary).
+    """
+    # 1. no-grad forward of every chunk, remembering the RNG state it started from
+    states: list[RngState] = []
+    reps: list[dict] = []
+    for chunk in chunks:
+        states.append(RngState.capture())
+        with torch.no_grad():
+            reps.append(encode(*chunk))
+    after_first_pass = RngState.capture()
+
+    # 2. loss on detached representations; cache its gradient w.r.t. each of them
+    full: dict[str, torch.Tensor] = {}
+    for key in PER_SAMPLE:
+        full[key] = torch.cat([r[key] for r in reps]).detach().requires_grad_(True)  # (B, D)
+    for key in PER_STEP:
+        if reps[0].get(key) is not None:
+            full[key] = reps[0][key].detach().requires_grad_(True)  # (1,)
+    result = loss_fn(full)
+    loss = result if isinstance(result, torch.Tensor) else result.loss
+    names = list(full)
+    grads = dict(zip(names, torch.autograd.grad(loss, [full[k] for k in names], allow_unused=True)))
+    sizes = [r[PER_SAMPLE[0]].shape[0] for r in reps]
+    sample_grads = {k: grads[k].split(sizes) for k in PER_SAMPLE if grads.get(k) is not None}
+
+    # 3. re-forward each chunk under its recorded RNG state; back-propagate rep . grad
+    for i, chunk in enumerate(chunks):
+        states[i].restore()
+        out = encode(*chunk)
+        surrogate = sum((out[k] * g[i]).sum() for k, g in sample_grads.items())
+        if i == 0:  # the per-step outputs take their gradient exactly once
+            for key in PER_STEP:
+                if grads.get(key) is not None:
+                    surrogate = surrogate + (out[key] * grads[key]).sum()
+        backward(surrogate)
+        if after_chunk is not None:
+            after_chunk(i, i == len(chunks) - 1)
+    # Leave the generator where a single pass would have left it, so the rest of
+    # the run does not depend on whether caching was on.
+    after_first_pass.restore()
+    return CachedStep(loss=loss.detach(), result=result)
