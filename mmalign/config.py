@@ -41,17 +41,31 @@ class ModelConfig:
 @dataclass
 class AugmentConfig:
     # Augmentation declares what the model learns to ignore; the shapes captions
-    # name positions, so the default keeps left/right (no flip) and most of the frame.
-    crop_scale: list = field(default_factory=lambda: [0.85, 1.0])
+    # name positions and colours, so the default keeps left/right (no flip), the
+    # colours (no jitter, no grayscale) and most of the frame.
+    crop_scale: list = field(default_factory=lambda: [0.85, 1.0])  # random-resized-crop area fraction
+    crop_ratio: list = field(default_factory=lambda: [0.75, 1.3333333333333333])  # aspect ratio range
     hflip: bool = False
+    color_jitter: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # brightness, contrast, saturation, hue
+    color_jitter_prob: float = 0.8  # probability of applying the jitter (when any strength > 0)
+    grayscale_prob: float = 0.0
+    blur_prob: float = 0.0
+    blur_sigma: list = field(default_factory=lambda: [0.1, 2.0])  # gaussian blur sigma range (pixels)
 
 
 @dataclass
 class DataConfig:
-    train: str = "data/shapes/train/{00000..00007}.tar"
+    # A shard spec (``d/{00000..00099}.tar``; ``::`` joins specs) or a list of them.
+    # With train_weights, each list entry is a source drawn with that weight.
+    train: Union[str, list] = "data/shapes/train/{00000..00007}.tar"
+    train_weights: Optional[list] = None
     val: str = "data/shapes/val/00000.tar"
+    mode: Literal["resampled", "epoch"] = "resampled"  # shards with replacement (endless) | each sample once per epoch
     workers: int = 1
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = 1000  # samples held per worker for shuffling; 1 = no shuffling
+    views: int = 1  # 2 adds a second augmented view ``images2`` for image-image positives
+    id_field: Optional[str] = None  # a .json field yielding ``ids`` (false-negative-aware positives)
+    max_image_pixels: int = 89_478_485  # PIL's decompression-bomb limit; larger images are skipped
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -65,9 +79,10 @@ class TrainConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-6
     optimizer: Literal["adamw", "sgd", "lamb"] = "adamw"
+    momentum: float = 0.0  # sgd only
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     grad_cache_chunk_size: int = 0  # 0 = off (wired up with the engine)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast dtype of the forward pass
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
@@ -86,6 +101,10 @@ class LossConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0
+    # Weight precision inside DeepSpeed (fp32 master weights kept by ZeRO); distinct
+    # from train.precision, which is autocast around the forward pass.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    extra: dict = field(default_factory=dict)  # merged verbatim into the generated ds config
 
 
 @dataclass
@@ -253,13 +272,56 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError("config key 'loss.false_negative_ids' needs loss.name=infonce (SigLIP has no multi-positive targets)")
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
-    scale = cfg.data.augment.crop_scale
-    if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
-        raise ConfigError(f"config key 'data.augment.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}")
+    _validate_data(cfg)
     if cfg.model.max_logit_scale < 1:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
     if t.log_every <= 0:
         raise ConfigError(f"config key 'train.log_every' must be > 0, got {t.log_every}")
+
+
+def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
+    """``value`` must be a list [a, b] of numbers with lo <= a <= b <= hi."""
+    ok = (isinstance(value, list) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+          and lo <= value[0] <= value[1] <= hi)
+    if not ok:
+        raise ConfigError(f"config key '{key}' must be [lo, hi] with {lo} <= lo <= hi <= {hi}, got {value}")
+
+
+def _validate_data(cfg: Config) -> None:
+    d, a = cfg.data, cfg.data.augment
+    scale = a.crop_scale
+    if len(scale) != 2 or not all(isinstance(v, (int, float)) for v in scale) or not 0 < scale[0] <= scale[1] <= 1:
+        raise ConfigError(f"config key 'data.augment.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}")
+    _check_range("data.augment.crop_ratio", a.crop_ratio, 1e-3, 1e3)
+    _check_range("data.augment.blur_sigma", a.blur_sigma, 1e-3, 1e3)
+    jitter = a.color_jitter
+    if (len(jitter) != 4 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in jitter)
+            or jitter[3] > 0.5):
+        raise ConfigError(f"config key 'data.augment.color_jitter' must be [brightness, contrast, saturation, hue] "
+                          f">= 0 with hue <= 0.5, got {jitter}")
+    for key in ("color_jitter_prob", "grayscale_prob", "blur_prob"):
+        if not 0 <= getattr(a, key) <= 1:
+            raise ConfigError(f"config key 'data.augment.{key}' must be in [0, 1], got {getattr(a, key)}")
+    if d.views not in (1, 2):
+        raise ConfigError(f"config key 'data.views' must be 1 or 2, got {d.views}")
+    if d.workers < 0:
+        raise ConfigError(f"config key 'data.workers' must be >= 0, got {d.workers}")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"config key 'data.shuffle_buffer' must be >= 1 (1 = no shuffling), got {d.shuffle_buffer}")
+    if d.max_image_pixels < 1:
+        raise ConfigError(f"config key 'data.max_image_pixels' must be > 0, got {d.max_image_pixels}")
+    train = d.train if isinstance(d.train, list) else [d.train]
+    if not train or not all(isinstance(s, str) and s.strip() for s in train):
+        raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")
+    if d.train_weights is not None:
+        w = d.train_weights
+        if d.mode != "resampled":
+            raise ConfigError("config key 'data.train_weights' needs data.mode=resampled (epoch mode reads every sample once)")
+        if not isinstance(d.train, list) or len(w) != len(d.train):
+            raise ConfigError(f"config key 'data.train_weights' needs one weight per entry of the data.train list, got {w}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in w) or sum(w) <= 0:
+            raise ConfigError(f"config key 'data.train_weights' must be non-negative numbers with a positive sum, got {w}")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
