@@ -1,21 +1,47 @@
 """Reading img2dataset-layout tar shards: ``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``.
 
-A sample is the group of consecutive tar members that share a key (the basename up
-to its first dot), as WebDataset defines it.
+Shard specs expand with braces (``data/{00000..00099}.tar``); ``::`` joins specs.
+Decoding a sample either returns it or raises :class:`BadSample` with a short
+reason (the loader counts skips by reason, it never crashes on data).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import tarfile
+import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 from braceexpand import braceexpand
 from PIL import Image
 
+from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
+
+log = logging.getLogger(__name__)
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+# The skip reasons, in the order a sample is checked.
+REASONS = (
+    "unreadable_shard",  # missing file, not a tar, bad header checksum
+    "truncated_tar",  # the shard ends inside a member (counted once per shard read)
+    "missing_image",
+    "corrupt_image",
+    "decompression_bomb",  # more pixels than data.max_image_pixels
+    "bad_json",
+    "caption_not_utf8",
+    "missing_caption",  # no .txt and no caption list in .json
+    "empty_caption",
+    "missing_id",  # data.id_field absent from .json
+)
+
+
+class BadSample(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
 def expand_urls(spec: str | list[str]) -> list[str]:
@@ -39,48 +65,94 @@ def check_urls(urls: list[str], what: str) -> None:
         raise ConfigError(f"config key '{what}': shard not found: {missing[0]}{more}")
 
 
-def iter_tar_groups(path: str) -> Iterator[dict]:
-    """Yield ``{"__key__", "__url__", ext: bytes, ...}`` for each sample of one tar."""
-    current: dict | None = None
-    with tarfile.open(path, "r|*") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            base = Path(member.name).name
-            if "." not in base:
-                continue
-            prefix = str(Path(member.name).parent / base.split(".", 1)[0])
-            ext = base.split(".", 1)[1].lower()
-            data = tar.extractfile(member).read()
-            if current is None or current["__key__"] != prefix:
-                if current is not None:
-                    yield current
-                current = {"__key__": prefix, "__url__": path}
-            current[ext] = data
-    if current is not None:
-        yield current
+def open_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
+    """Bytes -> a loaded PIL image, or BadSample (corrupt_image / decompression_bomb).
+
+    The pixel count is checked from the header before any pixel is decoded, so a
+    bomb costs nothing; PIL's own limit (``Image.MAX_IMAGE_PIXELS``, set by the
+    loader from ``data.max_image_pixels``) is the backstop.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if max_pixels is not None and image.width * image.height > max_pixels:
+                raise BadSample("decompression_bomb", f"{image.width}x{image.height} > {max_pixels} pixels")
+            image.load()
+    except BadSample:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise BadSample("decompression_bomb", str(e).split(".")[0]) from None
+    except Exception as e:  # PIL raises many types for broken files
+        raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from None
+    return image
 
 
-def decode_sample(raw: dict) -> dict:
+def parse_captions(members: dict[str, bytes], meta: dict) -> list[str]:
+    """Every non-empty caption: the lines of ``.txt``, else ``.json``'s ``captions`` list."""
+    captions: list[str] = []
+    if "txt" in members:
+        try:
+            text = members["txt"].decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadSample("caption_not_utf8") from None
+        captions = [line.strip() for line in text.splitlines() if line.strip()]
+        if not captions:
+            raise BadSample("empty_caption")
+        return captions
+    listed = meta.get("captions")
+    if isinstance(listed, list):
+        captions = [str(c).strip() for c in listed if str(c).strip()]
+        if not captions:
+            raise BadSample("empty_caption")
+        return captions
+    if isinstance(meta.get("caption"), str):  # img2dataset copies the caption into .json
+        caption = meta["caption"].strip()
+        if not caption:
+            raise BadSample("empty_caption")
+        return [caption]
+    raise BadSample("missing_caption")
+
+
+def parse_meta(members: dict[str, bytes]) -> dict:
+    if "json" not in members:
+        return {}
+    try:
+        meta = json.loads(members["json"].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadSample("bad_json", str(e)) from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
     """Raw member bytes -> ``{"key", "image" (PIL), "captions" (list[str]), "json"}``."""
     image_bytes = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
     if image_bytes is None:
-        raise ValueError("no image member")
-    image = Image.open(io.BytesIO(image_bytes))
-    image.load()
-    meta = json.loads(raw["json"].decode("utf-8")) if "json" in raw else {}
-    captions: list[str] = []
-    if "txt" in raw:
-        captions = [line.strip() for line in raw["txt"].decode("utf-8").splitlines() if line.strip()]
-    if not captions and isinstance(meta.get("captions"), list):
-        captions = [str(c).strip() for c in meta["captions"] if str(c).strip()]
-    if not captions:
-        raise ValueError("no caption")
+        raise BadSample("missing_image")
+    meta = parse_meta(raw)
+    captions = parse_captions(raw, meta)
+    image = open_image(image_bytes, max_pixels)
     return {"key": Path(raw["__key__"]).name, "image": image, "captions": captions, "json": meta}
 
 
+def iter_tar_groups(path: str) -> Iterator[dict]:
+    """Yield ``{"__key__", "__url__", ext: bytes, ...}`` for each sample of one tar.
+
+    Raises TruncatedTar / CorruptTar / OSError after the readable samples.
+    """
+    with open_shard(path) as f:
+        for sample in iter_samples(f):
+            yield {"__key__": sample.key, "__url__": path, **sample.members}
+
+
 def read_samples(urls: list[str]) -> Iterator[dict]:
-    """Every decodable sample of ``urls`` in order (evaluation sets)."""
+    """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped."""
     for url in urls:
-        for raw in iter_tar_groups(url):
-            yield decode_sample(raw)
+        try:
+            for raw in iter_tar_groups(url):
+                try:
+                    yield decode_sample(raw)
+                except BadSample as e:
+                    log.warning("skipping sample %s in %s: %s", raw["__key__"], url, e)
+        except (TruncatedTar, CorruptTar, OSError) as e:
+            log.warning("shard %s ended early: %s", url, e)

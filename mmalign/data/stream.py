@@ -1,0 +1,234 @@
+"""One slot's resumable sample stream: which shards, which samples, in which order.
+
+A *slot* is one (rank, worker) pair; ``slot = rank * workers + worker`` among
+``S = world_size * workers``.  Each slot owns a deterministic stream:
+
+* **resampled**: the d-th shard of slot s is drawn (with replacement, by source
+  weight, then uniformly within the source) from a generator seeded by (seed, s, d).
+  Endless, no epochs; fewer shards than slots is harmless.
+* **epoch**: epoch e permutes all shards with a generator seeded by (seed, e); slot s
+  reads shards ``order[s::S]``.  With fewer shards than slots, slot s reads shard
+  ``order[s % N]`` and keeps every c-th sample of it (c = the slots sharing that
+  shard), so every sample is read exactly once per epoch, by exactly one slot.
+
+Samples pass through a shuffle buffer (drained at each epoch end, so epochs never
+mix).  The stream's whole position is a small JSON-able dict (:meth:`SlotStream.state`):
+the epoch or draw count, the open shard's byte offset and sample index, the buffer
+as (shard, offset, index) references that are re-read on resume, the shuffle
+generator's state, the number of samples emitted and the skip counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from PIL import Image
+
+from mmalign.data.samples import SampleProcessor
+from mmalign.data.shards import BadSample
+from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_sample_at
+
+log = logging.getLogger("mmalign.data")
+
+_MASK = (1 << 64) - 1
+
+
+def mix(*parts: int) -> int:
+    """A 64-bit seed from integers (splitmix64 finalizer over a running combination)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        x ^= x >> 31
+        x = x * 0x94D049BB133111EB & _MASK
+        x ^= x >> 29
+    return x
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything a worker needs to rebuild its stream (picklable, no open files)."""
+
+    urls: tuple[str, ...]  # all shards, sources concatenated
+    sources: tuple[tuple[int, ...], ...]  # url indices per source
+    weights: tuple[float, ...]  # per source (resampled mode)
+    mode: str  # "resampled" | "epoch"
+    seed: int
+    world_size: int
+    workers: int  # >= 1 (0 DataLoader workers count as 1 slot per rank)
+    batch_size: int
+    shuffle_buffer: int
+    max_image_pixels: int
+
+    @property
+    def slots(self) -> int:
+        return self.world_size * self.workers
+
+
+def epoch_plan(spec: StreamSpec, slot: int, epoch: int) -> list[tuple[int, int, int]]:
+    """Slot ``slot``'s shards for ``epoch`` as (url index, stride, phase) triples."""
+    order = list(range(len(spec.urls)))
+    random.Random(mix(spec.seed, 0xE90C, epoch)).shuffle(order)
+    n, s = len(order), spec.slots
+    if n >= s:
+        return [(u, 1, 0) for u in order[slot::s]]
+    sharing = len(range(slot % n, s, n))  # slots that split this shard by sample
+    return [(order[slot % n], sharing, slot // n)]
+
+
+def draw_shard(spec: StreamSpec, slot: int, draw: int) -> int:
+    rng = random.Random(mix(spec.seed, 0x5A3D, slot, draw))
+    source = rng.choices(range(len(spec.sources)), weights=spec.weights)[0] if len(spec.sources) > 1 else 0
+    return rng.choice(spec.sources[source])
+
+
+class NoSamples(Exception):
+    """The slot found nothing to read (all shards empty or unreadable, or too few samples)."""
+
+
+class SlotStream:
+    def __init__(self, spec: StreamSpec, slot: int, processor: SampleProcessor, state: dict | None = None):
+        self.spec = spec
+        self.slot = slot
+        self.process = processor
+        state = state or {}
+        self.epoch = int(state.get("epoch", 0))  # epoch mode
+        self.cursor = int(state.get("cursor", 0))  # next entry of the epoch plan / next draw
+        self.shard = state.get("shard")  # open shard: {url, offset, index, stride, phase} or None
+        self.emitted = int(state.get("emitted", 0))  # samples taken out of the buffer so far
+        self.skipped: dict[str, int] = dict(state.get("skipped", {}))
+        self.rng = random.Random()
+        if "rng" in state:
+            version, internal, gauss = state["rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
+        else:
+            self.rng.seed(mix(spec.seed, 0x5B0F, slot))
+        # The buffer holds raw samples plus the epoch each belongs to.
+        self.buffer: list[tuple[RawSample, int, int]] = [self._reread(*ref) for ref in state.get("buffer", [])]
+        self._reader: Iterator[RawSample] | None = None
+        self._file = None
+        self._empty_reads = 0  # consecutive shard reads that gave no sample
+
+    # ------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "shard": None if self.shard is None else dict(self.shard),
+            "emitted": self.emitted,
+            "skipped": dict(self.skipped),
+            "rng": [version, list(internal), gauss],
+            "buffer": [[url, raw.offset, raw.index, epoch] for raw, url, epoch in self.buffer],
+        }
+
+    def _reread(self, url: int, offset: int, index: int, epoch: int) -> tuple[RawSample, int, int]:
+        with open_shard(self.spec.urls[url]) as f:
+            raw = read_sample_at(f, offset, index)
+        if raw is None:  # the shard changed under us since the checkpoint
+            raise NoSamples(f"cannot re-read buffered sample {index} of {self.spec.urls[url]} on resume")
+        return raw, url, epoch
+
+    # ------------------------------------------------------------ reading
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        count = self.skipped.get(reason, 0) + 1
+        self.skipped[reason] = count
+        if count <= 3 or count & (count - 1) == 0:  # the first few, then at powers of two
+            log.warning("skipped sample (%s, %d so far on slot %d): %s %s", reason, count, self.slot, where, detail)
+
+    def _next_shard(self) -> bool:
+        """Open the next shard; False at the end of the epoch (epoch mode)."""
+        if self.spec.mode == "epoch":
+            plan = epoch_plan(self.spec, self.slot, self.epoch)
+            if self.cursor >= len(plan):
+                return False
+            url, stride, phase = plan[self.cursor]
+        else:
+            url, stride, phase = draw_shard(self.spec, self.slot, self.cursor), 1, 0
+        self.cursor += 1
+        self.shard = {"url": url, "offset": 0, "index": 0, "stride": stride, "phase": phase}
+        return True
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file, self._reader, self.shard = None, None, None
+
+    def _read_one(self) -> RawSample | None:
+        """The next raw sample of this slot's epoch/stream; None at the end of an epoch."""
+        while True:
+            if self.shard is None and not self._next_shard():
+                return None
+            sh = self.shard
+            path = self.spec.urls[sh["url"]]
+            try:
+                if self._reader is None:
+                    self._file = open_shard(path)
+                    stride, phase = sh["stride"], sh["phase"]
+                    keep = None if stride == 1 else (lambda i, s=stride, p=phase: i % s == p)
+                    self._reader = iter_samples(self._file, sh["offset"], sh["index"], keep=keep)
+                for raw in self._reader:
+                    sh["offset"], sh["index"] = raw.end, raw.index + 1
+                    if sh["stride"] == 1 or raw.index % sh["stride"] == sh["phase"]:
+                        self._empty_reads = 0
+                        return raw
+            except TruncatedTar as e:
+                self.skip("truncated_tar", path, str(e))
+            except (CorruptTar, OSError) as e:
+                self.skip("unreadable_shard", path, str(e))
+            self._close()
+            self._empty_reads += 1
+            if self._empty_reads > 2 * len(self.spec.urls) + 16:
+                raise NoSamples(f"slot {self.slot} read {self._empty_reads} shards in a row without a sample")
+
+    def _fill(self) -> None:
+        while len(self.buffer) < self.spec.shuffle_buffer:
+            raw = self._read_one()
+            if raw is None:
+                return
+            url = self.shard["url"] if self.shard is not None else None
+            self.buffer.append((raw, url, self.epoch))
+
+    def samples(self) -> Iterator[tuple[dict, int]]:
+        """Endless (row, epoch) pairs; bad samples are counted and skipped."""
+        taken, empty_epochs = 0, 0
+        while True:
+            self._fill()
+            if not self.buffer:  # epoch mode: this slot's epoch is done and drained
+                empty_epochs = 0 if taken else empty_epochs + 1
+                if empty_epochs > 4 * len(self.spec.urls) + 8:
+                    raise NoSamples(
+                        f"slot {self.slot} of {self.spec.slots} (ranks x workers) found no sample in "
+                        f"{empty_epochs} epochs: too few samples for that many workers, or all shards unreadable"
+                    )
+                self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
+                continue
+            i = self.rng.randrange(len(self.buffer))
+            self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
+            raw, url, epoch = self.buffer.pop()
+            taken += 1
+            sample_rng = random.Random(mix(self.spec.seed, 0x5A4F, self.slot, self.emitted))
+            self.emitted += 1
+            try:
+                row = self.process(raw.key, raw.members, sample_rng)
+            except BadSample as e:
+                self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
+                continue
+            yield row, epoch
+
+    def batches(self) -> Iterator[dict]:
+        """Batches of ``spec.batch_size`` rows, each with this slot's state *after* it."""
+        Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels  # PIL's own bomb limit, explicit
+        rows, epochs = [], []
+        for row, epoch in self.samples():
+            rows.append(row)
+            epochs.append(epoch)
+            if len(rows) == self.spec.batch_size:
+                batch = self.process.collate(rows, epochs)
+                batch["_loader"] = {"slot": self.slot, "state": self.state()}
+                rows, epochs = [], []
+                yield batch

@@ -1,0 +1,202 @@
+"""A small tar reader that knows where every sample starts.
+
+Exact resume needs to re-open a shard at the sample where reading stopped and to
+re-read single buffered samples, so each sample carries the byte offset of its first
+header.  Python's ``tarfile`` hides those positions in streaming mode; this reader
+parses the 512-byte ustar headers itself (plus GNU long names and pax ``path``
+records, which Python's and webdataset's writers emit for long names).
+
+A sample is the run of consecutive regular members that share a key: the member
+path up to the first dot of its basename, as WebDataset defines it.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+BLOCK = 512
+
+
+class TruncatedTar(Exception):
+    """The archive ended inside a header or a member (a partial copy or download).
+
+    ``name`` is the member whose data was cut, when its header was still whole.
+    """
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
+
+
+class CorruptTar(Exception):
+    """A header failed its checksum: the bytes are not a tar from here on."""
+
+
+@dataclass
+class RawSample:
+    key: str  # member path up to the first dot of the basename
+    offset: int  # byte offset of the sample's first header
+    end: int  # byte offset just past the sample's last member
+    index: int  # position of the sample in its shard (0-based)
+    members: dict[str, bytes] = field(default_factory=dict)  # extension (lower case) -> bytes
+
+
+def _octal(field_bytes: bytes) -> int:
+    if field_bytes and field_bytes[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
+        value = int.from_bytes(field_bytes[1:], "big")
+        return value
+    text = field_bytes.rstrip(b"\0 ").strip()
+    return int(text, 8) if text else 0
+
+
+def _checksum_ok(header: bytes) -> bool:
+    stored = _octal(header[148:156])
+    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    return stored == unsigned
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header (``"%d path=%s\\n"`` records)."""
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        record = data[space + 1 : pos + length - 1]
+        pos += length
+        if record.startswith(b"path="):
+            return record[5:].decode("utf-8", "surrogateescape")
+    return None
+
+
+def open_shard(path: str) -> BinaryIO:
+    """Plain ``.tar`` (seekable, cheap) or ``.tar.gz``/``.tgz`` (seekable, slow)."""
+    if path.endswith((".gz", ".tgz")):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def iter_members(f: BinaryIO, offset: int = 0, *, want=None) -> Iterator[tuple[int, int, str, bytes | None]]:
+    """Yield ``(header_offset, next_offset, name, data)`` for regular members from ``offset``.
+
+    ``want(name) -> bool`` decides whether a member's data is read (True) or skipped
+    by seeking (data is then None).  Raises TruncatedTar / CorruptTar.
+    """
+    f.seek(offset)
+    pos = offset
+    long_name: str | None = None
+    start: int | None = None  # first header of a member that spans extra headers
+    while True:
+        header = f.read(BLOCK)
+        if len(header) == 0:
+            return  # ended without the end-of-archive blocks: lenient, like tarfile
+        if len(header) < BLOCK:
+            raise TruncatedTar(f"archive ends inside a header at byte {pos}")
+        if header == b"\0" * BLOCK:
+            return  # end-of-archive marker
+        if not _checksum_ok(header):
+            raise CorruptTar(f"bad header checksum at byte {pos}")
+        if start is None:
+            start = pos
+        size = _octal(header[124:136])
+        kind = header[156:157]
+        padded = (size + BLOCK - 1) // BLOCK * BLOCK
+        data_pos = pos + BLOCK
+        pos = data_pos + padded
+        if kind in (b"L", b"x"):  # the next member's real name
+            payload = f.read(padded)
+            if len(payload) < size:
+                raise TruncatedTar(f"archive ends inside a long-name header at byte {data_pos}")
+            payload = payload[:size]
+            long_name = payload.rstrip(b"\0").decode("utf-8", "surrogateescape") if kind == b"L" else _pax_path(payload)
+            continue
+        if kind not in (b"0", b"\0", b"7"):  # directories, links, global pax headers, ...
+            f.seek(pos)
+            long_name, start = None, None
+            continue
+        name = long_name
+        if name is None:
+            name = header[:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
+            prefix = header[345:500].rstrip(b"\0")
+            if header[257:262] == b"ustar" and prefix:
+                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+        long_name = None
+        member_start, start = start, None
+        if want is None or want(name):
+            data = f.read(size)
+            if len(data) < size:
+                raise TruncatedTar(f"archive ends inside member {name!r}", name=name)
+            f.seek(pos)
+        else:
+            f.seek(pos)
+            data = None
+        yield member_start, pos, name, data
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``dir/KEY.a.b`` -> (``dir/KEY``, ``a.b``); names without a dot are no sample part."""
+    slash = name.rfind("/")
+    base = name[slash + 1 :]
+    dot = base.find(".")
+    if dot <= 0:
+        return None
+    return name[: slash + 1 + dot].removeprefix("./"), base[dot + 1 :].lower()
+
+
+def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None) -> Iterator[RawSample]:
+    """Group members into samples, starting at the sample whose first header is at ``offset``.
+
+    ``keep(index) -> bool`` lets a reader skip whole samples without reading their
+    bytes (sample-granular splitting); skipped samples are yielded with empty members.
+    A truncated tail raises TruncatedTar after the complete samples before it.
+    """
+    current: RawSample | None = None
+    reading = True
+
+    def want(name: str) -> bool:
+        parts = split_name(name)
+        if parts is None:
+            return False
+        if current is not None and parts[0] == current.key:
+            return reading
+        upcoming = index + 1 if current is not None else index
+        return keep is None or keep(upcoming)
+
+    members = iter_members(f, offset, want=want)
+    while True:
+        try:
+            start, end, name, data = next(members)
+        except StopIteration:
+            break
+        except TruncatedTar as e:
+            # Cut inside the first member of the next sample: the current one is whole.
+            cut = split_name(e.name) if e.name else None
+            if current is not None and cut is not None and cut[0] != current.key:
+                yield current
+            raise
+        parts = split_name(name)
+        if parts is None:
+            continue
+        key, ext = parts
+        if current is None or current.key != key:
+            if current is not None:
+                yield current
+                index += 1
+            current = RawSample(key=key, offset=start, end=end, index=index)
+            reading = keep is None or keep(index)
+        current.end = end
+        if reading and data is not None:
+            current.members[ext] = data
+    if current is not None:
+        yield current
+
+
+def read_sample_at(f: BinaryIO, offset: int, index: int) -> RawSample | None:
+    """The one sample whose first header is at ``offset`` (re-reading a buffered sample)."""
+    for sample in iter_samples(f, offset, index):
+        return sample
+    return None
