@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import deepspeed  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param  # noqa: E402
 
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign.config import Config, ConfigError  # noqa: E402
@@ -124,13 +124,20 @@ class Engine:
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
 
-    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None):
+    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None, before_update=None):
         """Forward, loss, backward and one optimiser update over the local batch.
 
-        ``loss_fn(outputs) -> LossOutput`` receives float32 features.  Returns the
-        loss function's result (its loss detached).
+        ``loss_fn(outputs) -> LossOutput`` receives float32 features.
+        ``before_update()`` runs after the last backward, before the update (the
+        averaged gradients are then readable with :meth:`full_grads`).  Returns the
+        loss function's result.
         """
         autocast = autocast or _null_context
+
+        def update(i: int = 0, last: bool = True) -> None:
+            if last and before_update is not None:
+                before_update()
+            self.ds.step()
 
         def encode(im, tok):
             with autocast():
@@ -140,11 +147,11 @@ class Engine:
         if self.plan.accumulation == 1:
             result = loss_fn(encode(images, tokens))
             self._backward(result.loss)
-            self.ds.step()
+            update()
         else:
             cached = grad_cache_step(
                 encode, split_batch((images, tokens), list(self.plan.chunks)), loss_fn, self._backward,
-                after_chunk=lambda i, last: self.ds.step(),
+                after_chunk=update,
             )
             result = cached.result
         self.clamp_logit_scale()
@@ -162,6 +169,17 @@ class Engine:
                 safe_set_full_fp32_param(p, clamped)
         local = p.ds_tensor if hasattr(p, "ds_tensor") else p  # ZeRO-3 keeps only a partition
         local.data.clamp_(0.0, self.max_log_scale)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Rank-averaged full gradients (between the last backward and the update;
+        a collective under ZeRO-3)."""
+        grads = {}
+        for name, p in self.module.named_parameters():
+            g = safe_get_full_grad(p)
+            if g is None:
+                g = p.grad
+            grads[name] = None if g is None else g.detach().float().cpu().clone()
+        return grads
 
     @property
     def lr(self) -> float:
