@@ -1,0 +1,45 @@
+"""Same weights through the CLI: gradient caching on == off (one SGD step, no dropout)."""
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def _train(out, overrides, nproc=1, extra=()):
+    args = ["train", "--config", str(ROOT / "configs/quickstart.yaml"), "--output", str(out)]
+    if nproc > 1:
+        args += ["--nproc", str(nproc)]
+    for o in [*overrides, "train.steps=1", "train.optimizer=sgd", "train.warmup_steps=0", *extra]:
+        args += ["--set", o]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        rel = float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12))
+        assert rel <= 1e-5, (k, rel)
+
+
+def _quiet(overrides):
+    return [o for o in overrides if not o.startswith(("output=", "train.steps", "train.warmup"))]
+
+
+def test_cached_equals_uncached_single_process(micro_overrides, tmp_path):
+    ov = _quiet(micro_overrides)
+    off = _train(tmp_path / "off", ov)
+    on = _train(tmp_path / "on", ov, extra=["train.grad_cache_chunk_size=10"])  # 32 -> 10, 10, 10, 2
+    _assert_same(on, off)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cached_equals_uncached_two_processes(micro_overrides, tmp_path, stage):
+    ov = _quiet(micro_overrides) + [f"deepspeed.zero_stage={stage}"]
+    off = _train(tmp_path / "off", ov, nproc=2)
+    on = _train(tmp_path / "on", ov, nproc=2, extra=["train.grad_cache_chunk_size=6"])  # 16 -> 6, 6, 4
+    _assert_same(on, off)
