@@ -178,8 +178,8 @@ class SlotStream:
                         return raw
             except TruncatedTar as e:
                 self.skip("truncated_tar", path, str(e))
-            except (CorruptTar, OSError) as e:
-                self.skip("unreadable_shard", path, str(e))
+            except (CorruptTar, OSError, ValueError, EOFError) as e:  # EOFError: a cut .tar.gz
+                self.skip("unreadable_shard", path, f"{type(e).__name__}: {e}")
             self._close()
             self._empty_reads += 1
             if self._empty_reads > 2 * len(self.spec.urls) + 16:

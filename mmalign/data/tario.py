@@ -49,7 +49,10 @@ def _octal(field_bytes: bytes) -> int:
         value = int.from_bytes(field_bytes[1:], "big")
         return value
     text = field_bytes.rstrip(b"\0 ").strip()
-    return int(text, 8) if text else 0
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise CorruptTar(f"header field {bytes(field_bytes)!r} is not an octal number") from None
 
 
 def _checksum_ok(header: bytes) -> bool:
@@ -65,7 +68,12 @@ def _pax_path(data: bytes) -> str | None:
         space = data.find(b" ", pos)
         if space < 0:
             break
-        length = int(data[pos:space])
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise CorruptTar("malformed pax header") from None
+        if length <= 0:
+            raise CorruptTar("malformed pax header")
         record = data[space + 1 : pos + length - 1]
         pos += length
         if record.startswith(b"path="):
