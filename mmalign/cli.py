@@ -95,12 +95,16 @@ def _print_table(records: list[dict]) -> None:
 
 
 def cmd_shards(args) -> int:
-    from data_pipelines import shapes
+    from data_pipelines.commands import run_shards
 
-    if args.source != "shapes":
-        raise ConfigError(f"unknown shard source {args.source!r} (available: shapes)")
-    info = shapes.generate(args.out, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
-    print(f"wrote {info['splits']} samples to {args.out}")
+    run_shards(args)
+    return 0
+
+
+def cmd_tokenizer(args) -> int:
+    from data_pipelines.commands import run_tokenizer
+
+    run_tokenizer(args)
     return 0
 
 
@@ -174,13 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_quickstart)
 
-    p = sub.add_parser("shards", help="build WebDataset shards from a source")
-    p.add_argument("source", choices=["shapes"], help="the source kind")
-    p.add_argument("--out", default=SHAPES_DIR)
-    p.add_argument("--n-train", type=int, default=16000)
-    p.add_argument("--n-val", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    from data_pipelines.commands import add_shard_args, add_tokenizer_args
+
+    p = sub.add_parser("shards", help="build WebDataset shards (img2dataset layout) from a source")
+    add_shard_args(p)
     p.set_defaults(func=cmd_shards)
+
+    p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer on shard captions")
+    add_tokenizer_args(p)
+    p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("models", help="list architecture presets")
     p.set_defaults(func=cmd_models)

@@ -36,6 +36,9 @@ class ModelConfig:
     init_logit_scale: float = math.log(1 / 0.07)  # log of the CLIP temperature 1/0.07
     max_logit_scale: float = 100.0  # the scale is clamped to [1, this] after each step
     init_logit_bias: Optional[float] = None  # SigLIP uses -10; None = no bias parameter
+    # None = open_clip's CLIP BPE; else a sentencepiece .model (`mmalign tokenizer train`),
+    # which also sets the text tower's vocab_size (validate() fills model.text).
+    tokenizer: Optional[str] = None
 
 
 @dataclass
@@ -273,6 +276,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_data(cfg)
+    _validate_tokenizer(cfg)
     if cfg.model.max_logit_scale < 1:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
     if t.log_every <= 0:
@@ -286,6 +290,27 @@ def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
           and lo <= value[0] <= value[1] <= hi)
     if not ok:
         raise ConfigError(f"config key '{key}' must be [lo, hi] with {lo} <= lo <= hi <= {hi}, got {value}")
+
+
+def _validate_tokenizer(cfg: Config) -> None:
+    """``model.tokenizer`` -> the text tower's vocab_size and the tokenizer it records."""
+    path = cfg.model.tokenizer
+    if path is None:
+        return
+    if not Path(path).is_file():
+        raise ConfigError(f"config key 'model.tokenizer': file not found: {path}")
+    from mmalign.data.tokenizer import SPM_KEY, sentencepiece_vocab_size
+
+    try:
+        needed = sentencepiece_vocab_size(path)
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(f"config key 'model.tokenizer': not a sentencepiece model: {path} ({e})") from None
+    text = cfg.model.text
+    given = text.get("vocab_size")
+    if given is not None and given < needed:
+        raise ConfigError(f"config key 'model.text.vocab_size'={given} is smaller than the tokenizer's {needed} ids")
+    text.setdefault("vocab_size", needed)
+    text["tokenizer_kwargs"] = {SPM_KEY: str(Path(path).resolve())}
 
 
 def _validate_data(cfg: Config) -> None:

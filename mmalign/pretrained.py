@@ -16,7 +16,7 @@ import torch
 
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import eval_transform
-from mmalign.models.io import load_pretrained
+from mmalign.models.io import load_pretrained, resolve_model_dir
 from mmalign.models.two_tower import TwoTower
 
 
@@ -48,6 +48,6 @@ def load(path: str | Path, device: str = "cpu") -> Loaded:
     return Loaded(
         model=model,
         preprocess=eval_transform(int(config["preprocess_cfg"]["size"])),
-        tokenizer=build_tokenizer(model.arch),
+        tokenizer=build_tokenizer(model.arch, base_dir=resolve_model_dir(path)),  # a saved tokenizer.model
         config=config,
     )

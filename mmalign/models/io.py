@@ -6,7 +6,9 @@ executes code from the files.
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -15,6 +17,7 @@ from mmalign.models.two_tower import TwoTower
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
+TOKENIZER = "tokenizer.model"  # a sentencepiece tokenizer, when the model uses one
 
 
 def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, extra: dict | None = None,
@@ -26,16 +29,34 @@ def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, e
     # safetensors refuses shared storage; clone contiguous CPU copies.
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
+    arch, tokenizer = _record_tokenizer(model, out)
     config = {
-        "arch": model.arch,
+        "arch": arch,
         "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0]),
         "max_logit_scale": model.max_logit_scale,
         "preprocess_cfg": preprocess,
-        "tokenizer": {"type": "clip_bpe", "context_length": model.context_length},
+        "tokenizer": tokenizer,
         **(extra or {}),
     }
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out
+
+
+def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
+    """The arch to save and a description of its tokenizer; a sentencepiece model file is
+    copied beside the weights (``tokenizer.model``) so the folder is self-contained."""
+    from mmalign.data.tokenizer import SPM_KEY, tokenizer_file
+
+    source = tokenizer_file(model.arch)
+    if source is None:
+        return model.arch, {"type": "clip_bpe", "context_length": model.context_length}
+    target = out / TOKENIZER
+    if Path(source).resolve() != target.resolve():
+        shutil.copyfile(source, target)
+    arch = copy.deepcopy(model.arch)
+    arch["text_cfg"]["tokenizer_kwargs"] = {SPM_KEY: TOKENIZER}  # relative to the model folder
+    return arch, {"type": "sentencepiece", "file": TOKENIZER, "context_length": model.context_length,
+                  "vocab_size": int(arch["text_cfg"]["vocab_size"])}
 
 
 def resolve_model_dir(path: str | Path) -> Path:

@@ -1,0 +1,106 @@
+"""The ``mmalign shards …`` and ``mmalign tokenizer …`` command lines (arguments and dispatch).
+
+Kept apart from ``mmalign/cli.py`` so the builders' options live next to the
+builders; heavy imports happen only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mmalign.config import ConfigError
+
+SOURCES = ("shapes", "imagefolder", "table", "hf")
+
+
+def add_shard_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", choices=SOURCES,
+                   help="shapes (synthetic), imagefolder (class folders, dir or tar), table (csv/tsv/parquet), "
+                        "hf (a Hugging Face dataset on disk)")
+    p.add_argument("--out", default=None, help="output folder (default: data/shapes for shapes)")
+    g = p.add_argument_group("shapes")
+    g.add_argument("--n-train", type=int, default=16000)
+    g.add_argument("--n-val", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=0, help="also seeds the choice of templates per image")
+    g = p.add_argument_group("sources")
+    g.add_argument("--input", help="the folder, tar, table or dataset to read")
+    g.add_argument("--templates", default=None,
+                   help="caption templates for class names: a set in data_pipelines/templates (cifar10, generic) "
+                        "or a YAML path; default generic")
+    g.add_argument("--templates-per-image", type=int, default=0, help="captions per image (0 = every template)")
+    g.add_argument("--image-col", default="image", help="column with the image (path in tables)")
+    g.add_argument("--caption-col", default="caption", help="column with the caption(s)")
+    g.add_argument("--label-col", default=None, help="hf: a ClassLabel column to caption from templates")
+    g.add_argument("--format", default="disk", choices=["disk", "parquet", "imagefolder"], help="hf: how it is stored")
+    g.add_argument("--split", default="train", help="hf: the split of a DatasetDict")
+    g.add_argument("--root", default=None, help="table: folder that relative image paths start from")
+    g = p.add_argument_group("output")
+    g.add_argument("--per-shard", type=int, default=1000, help="samples per shard (<= 10000)")
+    g.add_argument("--resize", type=int, default=0, help="shorter side in pixels (0 = keep)")
+    g.add_argument("--resize-mode", default="keep_ratio", choices=["keep_ratio", "center_crop"])
+    g.add_argument("--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)")
+    g.add_argument("--processes", type=int, default=1, help="encoder processes")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def _items(args):
+    from data_pipelines import sources
+
+    if not args.input:
+        raise ConfigError(f"mmalign shards {args.source} needs --input")
+    if args.source in ("imagefolder", "hf"):
+        tset = sources.load_templates(args.templates or "generic")
+        captioner = sources.Captioner(tset["templates"], args.templates_per_image, args.seed)
+    if args.source == "imagefolder":
+        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"))
+        return items
+    if args.source == "table":
+        return sources.table(args.input, args.image_col, args.caption_col, args.root)
+    caption_col = None if args.label_col else args.caption_col
+    return sources.hf_dataset(args.input, args.format, args.image_col, caption_col, args.label_col, captioner, args.split)
+
+
+def run_shards(args) -> dict:
+    if args.source == "shapes":
+        from data_pipelines import shapes
+
+        out = args.out or "data/shapes"
+        info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+        print(f"wrote {info['splits']} samples to {out}")
+        return info
+    from data_pipelines.build import EncodeOptions, build_shards
+
+    if not args.out:
+        raise ConfigError(f"mmalign shards {args.source} needs --out")
+    if not 0 < args.per_shard <= 10_000:
+        raise ConfigError(f"--per-shard must be in 1..10000, got {args.per_shard}")
+    if args.resize < 0 or args.processes < 1:
+        raise ConfigError("--resize must be >= 0 and --processes >= 1")
+    summary = build_shards(
+        _items(args), args.out, per_shard=args.per_shard,
+        opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode), dedupe=not args.no_dedupe,
+        processes=args.processes, progress=not args.no_progress, source=f"{args.source}:{args.input}",
+    )
+    print(f"wrote {summary['written']} samples in {summary['shards']} shards to {args.out} "
+          f"({summary['failures']} failures, {summary['duplicates_removed']} duplicates removed)")
+    return summary
+
+
+def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    t = sub.add_parser("train", help="train a sentencepiece tokenizer on the captions of a shard set")
+    t.add_argument("--data", required=True, help="shard spec, e.g. data/x/{00000..00009}.tar")
+    t.add_argument("--vocab-size", type=int, required=True, help="sentencepiece pieces (the tower adds pad/sot/eot)")
+    t.add_argument("--out", required=True, help="the .model file to write")
+    t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    t.add_argument("--max-captions", type=int, default=2_000_000, help="captions read at most")
+
+
+def run_tokenizer(args) -> dict:
+    from data_pipelines.tokenizer_train import train_from_shards
+
+    info = train_from_shards(args.data, args.vocab_size, args.out, model_type=args.model_type,
+                             max_captions=args.max_captions)
+    print(f"wrote {args.out}: {info['pieces']} pieces from {info['captions']} captions; "
+          f"set model.tokenizer={args.out} (text tower vocab_size {info['vocab_size']})")
+    return info
