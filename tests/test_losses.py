@@ -372,13 +372,15 @@ def test_infonce_monitors_match_naive(gen, tile, with_ids):
 
 
 @pytest.mark.parametrize("tile", [0, 5])
-def test_siglip_monitors_match_naive(gen, tile):
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_siglip_monitors_match_naive(gen, tile, with_ids):
     b, d = 13, 8
     s, bias = uniform(gen, 2.0, 20.0), uniform(gen, -10.0, 0.0)
-    ids = torch.arange(b)
+    ids = dup_ids(gen, b) if with_ids else torch.arange(b)
     x, y, logits = draw_until_no_near_ties(gen, b, d, s, ids.tolist())
     rows = naive_monitor_rows(logits + bias, ids.tolist())
-    out = ContrastiveLoss("siglip", tile)(x, y, scalar_param(s), scalar_param(bias))
+    out = ContrastiveLoss("siglip", tile, use_positive_ids=with_ids)(
+        x, y, scalar_param(s), scalar_param(bias), positive_ids=ids if with_ids else None)
     st = out.stats
     assert st["pos_rank"] == pytest.approx(sum(r[0] for r in rows) / b, abs=1e-6)
     assert st["top1"] == pytest.approx(sum(r[1] for r in rows) / b, abs=1e-6)

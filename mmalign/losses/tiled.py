@@ -28,7 +28,7 @@ from torch import Tensor
 from .monitors import RankTracker, track_tile
 from .positives import Positives
 
-__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass"]
+__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass", "Workspace", "tile_logits", "add_mm"]
 
 
 def tile_ranges(n: int, t: int) -> list[tuple[int, int]]:
@@ -53,6 +53,32 @@ def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor,
     run_max.copy_(new_max)
 
 
+class Workspace:
+    """Reusable t x t tile buffers, allocated once per call rather than per
+    tile: repeated large malloc/free inflates CPU RSS and costs page faults."""
+
+    def __init__(self, t: int, dtype: torch.dtype, device: torch.device, n: int = 2):
+        self._bufs = [torch.empty(t * t, dtype=dtype, device=device) for _ in range(n)]
+
+    def get(self, k: int, rows: int, cols: int) -> Tensor:
+        return self._bufs[k][: rows * cols].view(rows, cols)
+
+
+def tile_logits(rows_s: Tensor, cols: Tensor, out: Tensor) -> Tensor:
+    """``rows_s @ cols.T`` written into ``out`` (compute dtype)."""
+    if rows_s.dtype == out.dtype:
+        return torch.mm(rows_s, cols.T, out=out)
+    return out.copy_(rows_s @ cols.T)  # half inputs: accumulate in float32
+
+
+def add_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` without a temporary when dtypes agree."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_((a @ b).to(acc.dtype))
+
+
 class _TiledLSE(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
@@ -60,7 +86,7 @@ class _TiledLSE(torch.autograd.Function):
                 pos: Positives, track: bool):
         m, n = rows.shape[0], cols.shape[0]
         dev, cdt = rows.device, compute_dtype(rows.dtype)
-        rows_s = rows * scale.reshape(()).to(rows.dtype)  # (M, D) scale folded in once
+        s = scale.reshape(()).to(rows.dtype)
         r_max = torch.full((m,), float("-inf"), dtype=cdt, device=dev)
         r_sum = torch.zeros(m, dtype=cdt, device=dev)
         c_max = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
@@ -69,15 +95,17 @@ class _TiledLSE(torch.autograd.Function):
         known_r = known_c = None
         if track and pos.paired:
             # Paired rows know their positive logit up front: count in this pass.
-            known_r = (rows_s * cols[pos.offset: pos.offset + m]).sum(dim=1)
+            known_r = (rows * cols[pos.offset: pos.offset + m]).sum(dim=1) * s
             known_c = known_r if want_cols else None
         trk_r = RankTracker(m, dev, known_r) if track else None
         trk_c = RankTracker(n, dev, known_c) if track and want_cols else None
 
+        ws = Workspace(min(t, max(m, n)), cdt, dev)
         for i0, i1 in tile_ranges(m, t):
+            rows_s = rows[i0:i1] * s  # (ti, D): scale folded into one row block at a time
             for j0, j1 in tile_ranges(n, t):
-                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)  # (ti, tj)
-                buf = torch.empty_like(tile)
+                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # (ti, tj)
+                buf = ws.get(1, i1 - i0, j1 - j0)
                 t_rmax = tile.amax(dim=1)
                 _merge_lse(r_max[i0:i1], r_sum[i0:i1], tile, t_rmax, buf, dim=1)
                 if want_cols:
@@ -89,7 +117,7 @@ class _TiledLSE(torch.autograd.Function):
 
         if track and not pos.paired:
             # Id mode: the best positive is only known now; count in a 2nd pass.
-            count_pass(rows_s, cols, pos, t, trk_r, trk_c, cdt)
+            count_pass(rows, s, cols, pos, t, trk_r, trk_c, ws)
 
         lse_r = r_max + torch.log(r_sum)  # (M,)
         lse_c = c_max + torch.log(c_sum) if want_cols else torch.empty(0, dtype=cdt, device=dev)
@@ -107,37 +135,40 @@ class _TiledLSE(torch.autograd.Function):
         t, want_cols = ctx.t, ctx.want_cols
         dt, cdt = rows.dtype, lse_r.dtype
         s = scale.reshape(()).to(dt)
-        rows_s = rows * s
         if g_r is None:
             g_r = torch.zeros_like(lse_r)
         use_c = want_cols and g_c is not None
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
         d_scale = torch.zeros((), dtype=cdt, device=rows.device)
+        ws = Workspace(min(t, max(rows.shape[0], cols.shape[0])), cdt, rows.device)
         for i0, i1 in tile_ranges(rows.shape[0], t):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
+            rows_s = rows[i0:i1] * s  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)  # (ti, tj) recomputed
-                grad = torch.sub(tile, lse_r[i0:i1, None]).exp_().mul_(g_r[i0:i1, None])
+                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # recomputed
+                grad = torch.sub(tile, lse_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
+                grad.exp_().mul_(g_r[i0:i1, None])  # g_r[i] softmax_row
                 if use_c:
-                    tile.sub_(lse_c[None, j0:j1]).exp_().mul_(g_c[None, j0:j1])
+                    tile.sub_(lse_c[None, j0:j1]).exp_().mul_(g_c[None, j0:j1])  # g_c[j] softmax_col
                     grad.add_(tile)
                 grad = grad.to(dt)
-                acc.add_((grad @ cols[j0:j1]).to(cdt))
-                d_cols[j0:j1].add_((grad.T @ rows[i0:i1]).to(cdt))
+                add_mm(acc, grad, cols[j0:j1])  # (ti, D)
+                add_mm(d_cols[j0:j1], grad.T, rows[i0:i1])  # (tj, D)
             d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
-        d_cols = (d_cols * s.to(cdt)).to(dt)
+        d_cols = d_cols.mul_(s.to(cdt)).to(dt)
         return d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype), None, None, None, None
 
 
 @torch.no_grad()
-def count_pass(rows_s: Tensor, cols: Tensor, pos: Positives, t: int, trk_r: RankTracker,
-               trk_c: RankTracker | None, cdt: torch.dtype, bias: Tensor | None = None) -> None:
+def count_pass(rows: Tensor, s: Tensor, cols: Tensor, pos: Positives, t: int, trk_r: RankTracker,
+               trk_c: RankTracker | None, ws: Workspace, bias: Tensor | None = None) -> None:
     """Second no_grad pass (id mode): count negatives above the best positive."""
-    for i0, i1 in tile_ranges(rows_s.shape[0], t):
+    for i0, i1 in tile_ranges(rows.shape[0], t):
+        rows_s = rows[i0:i1] * s
         for j0, j1 in tile_ranges(cols.shape[0], t):
-            tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt)
+            tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))
             if bias is not None:
                 tile.add_(bias)
             mask = pos.mask(i0, i1, j0, j1, tile.device)

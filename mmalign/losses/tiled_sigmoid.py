@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .monitors import RankTracker, track_tile
 from .positives import Positives
-from .tiled import compute_dtype, count_pass, tile_ranges
+from .tiled import Workspace, add_mm, compute_dtype, count_pass, tile_logits, tile_ranges
 
 __all__ = ["tiled_sigmoid_rows"]
 
@@ -33,16 +33,18 @@ class _TiledSigmoid(torch.autograd.Function):
                 pos: Positives, track: bool):
         m, dev, dt = rows.shape[0], rows.device, rows.dtype
         cdt = compute_dtype(dt)
-        rows_s = rows * scale.reshape(()).to(dt)  # (M, D)
+        s = scale.reshape(()).to(dt)
         b = bias.reshape(()).to(cdt)
         row_loss = torch.zeros(m, dtype=cdt, device=dev)  # (M,)
         known = None
         if track and pos.paired:
-            known = (rows_s * cols[pos.offset: pos.offset + m]).sum(dim=1).to(cdt) + b
+            known = ((rows * cols[pos.offset: pos.offset + m]).sum(dim=1) * s).to(cdt) + b
         trk = RankTracker(m, dev, known) if track else None
+        ws = Workspace(min(t, max(m, cols.shape[0])), cdt, dev, n=1)
         for i0, i1 in tile_ranges(m, t):
+            rows_s = rows[i0:i1] * s  # (ti, D): scale folded into one row block at a time
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                tile = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt).add_(b)  # (ti, tj)
+                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0)).add_(b)  # (ti, tj)
                 mask = pos.mask(i0, i1, j0, j1, dev)
                 row_loss[i0:i1] -= F.logsigmoid(-tile).sum(dim=1)  # softplus(l), exact for large l
                 if mask is not None:
@@ -50,7 +52,7 @@ class _TiledSigmoid(torch.autograd.Function):
                 if track:
                     track_tile(tile, mask, trk, i0, i1, tile.amax(dim=1))
         if track and not pos.paired:
-            count_pass(rows_s, cols, pos, t, trk, None, cdt, bias=b)
+            count_pass(rows, s, cols, pos, t, trk, None, ws, bias=b)
         tracks = trk.stacked() if track else torch.empty(0, device=dev)
         ctx.save_for_backward(rows, cols, scale, bias)
         ctx.t, ctx.pos = t, pos
@@ -66,26 +68,28 @@ class _TiledSigmoid(torch.autograd.Function):
         cdt = compute_dtype(dt)
         s = scale.reshape(()).to(dt)
         b = bias.reshape(()).to(cdt)
-        rows_s = rows * s
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
         d_scale = torch.zeros((), dtype=cdt, device=rows.device)
         d_bias = torch.zeros((), dtype=cdt, device=rows.device)
+        ws = Workspace(min(t, max(rows.shape[0], cols.shape[0])), cdt, rows.device, n=1)
         for i0, i1 in tile_ranges(rows.shape[0], t):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
+            rows_s = rows[i0:i1] * s  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                grad = (rows_s[i0:i1] @ cols[j0:j1].T).to(cdt).add_(b).sigmoid_()  # (ti, tj)
+                grad = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))
+                grad.add_(b).sigmoid_()  # (ti, tj)
                 mask = pos.mask(i0, i1, j0, j1, rows.device)
                 if mask is not None:
                     grad.sub_(mask.to(cdt))
                 grad.mul_(g[i0:i1, None])
                 d_bias += grad.sum()
                 grad = grad.to(dt)
-                acc.add_((grad @ cols[j0:j1]).to(cdt))
-                d_cols[j0:j1].add_((grad.T @ rows[i0:i1]).to(cdt))
+                add_mm(acc, grad, cols[j0:j1])  # (ti, D)
+                add_mm(d_cols[j0:j1], grad.T, rows[i0:i1])  # (tj, D)
             d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
-        d_cols = (d_cols * s.to(cdt)).to(dt)
+        d_cols = d_cols.mul_(s.to(cdt)).to(dt)
         return (d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype),
                 d_bias.reshape(bias.shape).to(bias.dtype), None, None, None)
 
