@@ -115,10 +115,14 @@ class Engine:
         )
         self.module = self.ds.module
         self.stage = cfg.deepspeed.zero_stage
+        # With bf16/fp16 weights DeepSpeed casts the module; images must follow.
+        self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.deepspeed.precision)
 
     # -------------------------------------------------------------- stepping
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> dict:
+        if self.input_dtype is not None:
+            images = images.to(self.input_dtype)
         return self.ds(images, tokens)
 
     def _backward(self, surrogate: torch.Tensor) -> None:
@@ -216,6 +220,27 @@ class Engine:
             if name in persistent:
                 state[name] = buf.detach().cpu().clone()
         return state
+
+
+def consolidate_checkpoint(directory: str | Path, tag: str) -> dict[str, torch.Tensor]:
+    """One fp32 state dict from a DeepSpeed checkpoint directory (any ZeRO stage).
+
+    Reads DeepSpeed's pickled files, so use it only on checkpoints a run of yours
+    wrote; the files that travel (``final/``, exports) are safetensors.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    path = Path(directory) / tag
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
+    if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
+        model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)
+        if model_file is None:
+            raise FileNotFoundError(f"no model states in {path}")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    else:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 class _null_context:

@@ -1,0 +1,124 @@
+"""Engine checkpoints on all ranks (ZeRO 0-3), consolidation, bf16 and LAMB smoke runs."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.integration
+
+BATCH = 8
+
+
+def _cfg(stage: int, *extra: str):
+    from mmalign.config import load_config
+
+    return load_config(None, ["model.preset=micro", f"train.global_batch_size={BATCH}", "train.steps=4",
+                              "train.warmup_steps=1", "train.lr=0.01", f"deepspeed.zero_stage={stage}", *extra])
+
+
+def _batch(seed: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(BATCH, 3, 16, 16, generator=g)
+    tokens = torch.randint(1, 49000, (BATCH, 16), generator=g)
+    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
+    local = BATCH // world
+    return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
+
+
+def _worker(rank, world, port, seed, ckpt_dir, out_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mmalign import distributed as mdist
+    from mmalign.engine import Engine, consolidate_checkpoint
+    from mmalign.losses import build_loss
+    from mmalign.models import build_model
+
+    mdist.init_from_env(backend="gloo")
+    results = {}
+
+    def run(engine, batch_seed):
+        loss_fn = build_loss(engine.cfg.loss)
+        return engine.step(*_batch(batch_seed, rank, world),
+                           lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+
+    for stage in (0, 1, 2, 3):
+        cfg = _cfg(stage)
+        torch.manual_seed(seed)
+        a = Engine(build_model(cfg.model), cfg)
+        run(a, seed + 1)
+        after_one = a.consolidated_state_dict()
+        a.save_checkpoint(ckpt_dir, f"s{stage}", client_state={"step": 1})
+        run(a, seed + 2)
+        want = a.consolidated_state_dict()
+        torch.manual_seed(seed + 99)  # a different init: everything must come from the checkpoint
+        b = Engine(build_model(cfg.model), cfg)
+        client = b.load_checkpoint(ckpt_dir, f"s{stage}")
+        run(b, seed + 2)
+        got = b.consolidated_state_dict()
+        mdist.barrier()
+        consolidated = consolidate_checkpoint(ckpt_dir, f"s{stage}") if rank == 0 else None
+        results[stage] = (want, got, after_one, consolidated, client, b.lr, a.lr)
+
+    # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
+    for name, cfg, auto in (
+        ("bf16_weights", _cfg(2, "deepspeed.precision=bf16"), None),
+        ("bf16_autocast", _cfg(1, "train.precision=bf16"), lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        ("lamb_zero3", _cfg(3, "train.optimizer=lamb"), None),
+    ):
+        torch.manual_seed(seed)
+        e = Engine(build_model(cfg.model), cfg)
+        before = e.consolidated_state_dict()
+        loss_fn = build_loss(cfg.loss)
+        res = e.step(*_batch(seed + 1, rank, world),
+                     lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]), autocast=auto)
+        after = e.consolidated_state_dict()
+        results[name] = (float(res.loss), before, after)
+    if rank == 0:
+        torch.save(results, out_path)
+    mdist.barrier()
+    mdist.shutdown()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_checkpoint_resume_consolidation_and_precisions(tmp_path):
+    world, seed = 2, random.randrange(10**6)
+    ctx = mp.get_context("spawn")
+    out_path = str(tmp_path / "r.pt")
+    procs = [ctx.Process(target=_worker, args=(r, world, _port, seed, str(tmp_path / "ckpt"), out_path))
+             for _port in [_free_port()] for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    results = torch.load(out_path, weights_only=False)
+    for stage in (0, 1, 2, 3):
+        want, got, after_one, consolidated, client, lr_b, lr_a = results[stage]
+        assert client == {"step": 1} or client.get("step") == 1
+        assert lr_b == pytest.approx(lr_a)  # the scheduler came back too
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=f"stage {stage} {k}")
+        assert consolidated.keys() >= {k for k in after_one if k in consolidated}
+        for k, v in after_one.items():
+            if k in consolidated:
+                torch.testing.assert_close(consolidated[k], v, rtol=0, atol=0, msg=f"stage {stage} {k}")
+        params = {k for k in after_one if not k.endswith("attn_mask")}
+        assert params <= consolidated.keys()
+    for name in ("bf16_weights", "bf16_autocast", "lamb_zero3"):
+        loss, before, after = results[name]
+        assert torch.isfinite(torch.tensor(loss)), name
+        assert all(v.dtype == torch.float32 for v in after.values() if v.is_floating_point()), name
+        moved = sum(int(not torch.equal(before[k], after[k])) for k in before)
+        assert moved > len(before) // 2, (name, moved)
