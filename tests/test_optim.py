@@ -1,0 +1,74 @@
+
+import pytest
+import torch
+
+from mmalign.cli import build_parser
+from mmalign.config import ConfigError, ModelConfig, load_config
+from mmalign.launch import strip_nproc
+from mmalign.models import build_model
+from mmalign.optim import Lamb, build_optimizer, param_groups
+
+
+def test_no_weight_decay_on_norms_biases_and_temperature():
+    model = build_model(ModelConfig(preset="micro"))
+    decay, no_decay = param_groups(model, 0.2)
+    assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert "logit_scale" in nd
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert not any("bias" in n or ".ln" in n for n in d)
+    assert "visual.conv1.weight" in d and "text.token_embedding.weight" in d
+    assert len(nd) + len(d) == len(list(model.parameters()))
+
+
+def test_lamb_step_matches_the_formula():
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 3)
+    g = torch.randn(5, 3)
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lamb([{"params": [p], "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.99), eps=1e-6)
+    p.grad = g.clone()
+    opt.step()
+    m, v = 0.1 * g, 0.01 * g * g
+    m_hat, v_hat = m / (1 - 0.9), v / (1 - 0.99)
+    update = m_hat / (v_hat.sqrt() + 1e-6) + 0.1 * w0
+    trust = w0.norm() / update.norm()
+    torch.testing.assert_close(p.detach(), w0 - 0.01 * trust * update)
+
+
+@pytest.mark.parametrize("name, cls", [("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD), ("lamb", Lamb)])
+def test_build_optimizer_keeps_groups(name, cls):
+    cfg = load_config(None, [f"train.optimizer={name}", "train.lr=0.02", "train.weight_decay=0.3"])
+    opt = build_optimizer(param_groups(build_model(ModelConfig(preset="micro")), 0.3), cfg.train)
+    assert isinstance(opt, cls)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
+    assert all(g["lr"] == 0.02 for g in opt.param_groups)
+
+
+def test_batch_plan_arithmetic():
+    from mmalign.engine import ds_config, plan_batch
+
+    cfg = load_config(None, ["train.global_batch_size=12", "train.grad_cache_chunk_size=4"])
+    plan = plan_batch(cfg, 2)
+    assert plan.local_batch == 6 and plan.chunks == (4, 2)
+    assert plan.micro_batch == 4 and plan.accumulation == 2
+    conf = ds_config(cfg, plan)
+    assert conf["train_micro_batch_size_per_gpu"] == 4 and conf["gradient_accumulation_steps"] == 2
+    assert conf["train_batch_size"] == 4 * 2 * 2
+    plan = plan_batch(load_config(None, ["train.global_batch_size=12"]), 3)
+    assert plan.chunks == (4,) and "12 = micro batch 4 x accumulation 1 x world size 3" in plan.describe()
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        plan_batch(cfg, 5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="fp16"):
+            ds_config(load_config(None, ["deepspeed.precision=fp16"]), plan)
+
+
+def test_launch_argument_handling():
+    assert strip_nproc(["train", "--nproc", "2", "--set", "a=1"]) == ["train", "--set", "a=1"]
+    assert strip_nproc(["train", "--nproc=4"]) == ["train"]
+    # the deepspeed launcher appends --local_rank=N
+    args = build_parser().parse_args(["train", "--local_rank=1", "--set", "train.steps=2"])
+    assert args.local_rank == 1 and args.set == ["train.steps=2"]
