@@ -15,8 +15,10 @@ from .module import LOSS_NAMES, ContrastiveLoss, LossOutput, build_loss
 from .positives import caption_ids
 from .siglip import siglip_loss
 
-# Tile edge tuned with bench/loss.py on a 2-core CPU (see docs/benchmarks.md).
-DEFAULT_TILE_SIZE = 2048
+# Tile edge tuned with bench/loss.py on a 2-core CPU (see docs/benchmarks.md): 1024 and
+# 2048 are equally fast there and 1024 needs less memory. On a GPU larger tiles
+# (4096-8192) amortise kernel launches better; not measured here.
+DEFAULT_TILE_SIZE = 1024
 
 __all__ = [
     "clip_loss",

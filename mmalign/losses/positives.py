@@ -101,4 +101,4 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
         if not torch.equal(uniq[group], pos.row_ids):
             raise ValueError("every row id must occur among the candidate ids (its own pair)")
         target = sums[group] / counts[group, None]  # (M, D)
-    return scale.reshape(()) * (rows * target).sum(dim=1)
+    return scale.reshape(()) * torch.linalg.vecdot(rows, target)  # (M,), no (M, D) temporary

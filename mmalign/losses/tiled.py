@@ -95,7 +95,7 @@ class _TiledLSE(torch.autograd.Function):
         known_r = known_c = None
         if track and pos.paired:
             # Paired rows know their positive logit up front: count in this pass.
-            known_r = (rows * cols[pos.offset: pos.offset + m]).sum(dim=1) * s
+            known_r = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]) * s
             known_c = known_r if want_cols else None
         trk_r = RankTracker(m, dev, known_r) if track else None
         trk_c = RankTracker(n, dev, known_c) if track and want_cols else None

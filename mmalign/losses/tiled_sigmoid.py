@@ -38,7 +38,7 @@ class _TiledSigmoid(torch.autograd.Function):
         row_loss = torch.zeros(m, dtype=cdt, device=dev)  # (M,)
         known = None
         if track and pos.paired:
-            known = ((rows * cols[pos.offset: pos.offset + m]).sum(dim=1) * s).to(cdt) + b
+            known = (torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]) * s).to(cdt) + b
         trk = RankTracker(m, dev, known) if track else None
         ws = Workspace(min(t, max(m, cols.shape[0])), cdt, dev, n=1)
         for i0, i1 in tile_ranges(m, t):
