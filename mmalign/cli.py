@@ -41,7 +41,7 @@ def cmd_train(args) -> int:
         from mmalign.config import validate
 
         validate(cfg, world_size=args.nproc)
-        return launch_local(args.nproc, sys.argv[1:] if args.argv is None else args.argv)
+        return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist
     from mmalign.train import train
 
@@ -163,8 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a config")
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
-    # the deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what we use
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
@@ -193,7 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def drop_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher inserts ``--local_rank=N`` before the sub-command; the
+    LOCAL_RANK environment variable (which it also sets) is what we use."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = drop_local_rank(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -43,3 +43,24 @@ def test_cached_equals_uncached_two_processes(micro_overrides, tmp_path, stage):
     off = _train(tmp_path / "off", ov, nproc=2)
     on = _train(tmp_path / "on", ov, nproc=2, extra=["train.grad_cache_chunk_size=6"])  # 16 -> 6, 6, 4
     _assert_same(on, off)
+
+
+def test_deepspeed_launcher_two_ranks(micro_overrides, tmp_path):
+    """The same config under the `deepspeed` launcher (which inserts --local_rank=N)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ds"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+           "--module", "mmalign.cli", "train", "--config", str(ROOT / "configs/quickstart.yaml"), "--output", str(out)]
+    for o in _quiet(micro_overrides) + ["train.steps=2", "train.warmup_steps=1"]:
+        cmd += ["--set", o]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "world size 2" in res.stdout
+    assert (out / "final" / "model.safetensors").is_file()

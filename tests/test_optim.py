@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mmalign.cli import build_parser
+from mmalign.cli import build_parser, drop_local_rank
 from mmalign.config import ConfigError, ModelConfig, load_config
 from mmalign.launch import strip_nproc
 from mmalign.models import build_model
@@ -69,6 +69,7 @@ def test_batch_plan_arithmetic():
 def test_launch_argument_handling():
     assert strip_nproc(["train", "--nproc", "2", "--set", "a=1"]) == ["train", "--set", "a=1"]
     assert strip_nproc(["train", "--nproc=4"]) == ["train"]
-    # the deepspeed launcher appends --local_rank=N
-    args = build_parser().parse_args(["train", "--local_rank=1", "--set", "train.steps=2"])
-    assert args.local_rank == 1 and args.set == ["train.steps=2"]
+    # the deepspeed launcher inserts --local_rank=N before the sub-command
+    argv = drop_local_rank(["--local_rank=1", "train", "--local-rank", "0", "--set", "train.steps=2"])
+    assert argv == ["train", "--set", "train.steps=2"]
+    assert build_parser().parse_args(argv).set == ["train.steps=2"]
