@@ -62,9 +62,10 @@ def child(impl: str, b: int, d: int, tile: int, repeats: int, warmup: int, threa
         t = tile if impl == "mmalign_tiled" else None
         loss_fn = lambda: clip_loss(x, y, scale, tile_size=t)  # noqa: E731
 
-    fwd, total = [], []
+    fwd, total, cpu = [], [], []
     for i in range(warmup + repeats if repeats else 0):
         x.grad = y.grad = scale.grad = None
+        c0 = time.process_time()  # CPU seconds of this process: less sensitive to other jobs
         t0 = time.perf_counter()
         loss = loss_fn()
         t1 = time.perf_counter()
@@ -73,11 +74,13 @@ def child(impl: str, b: int, d: int, tile: int, repeats: int, warmup: int, threa
         if i >= warmup:
             fwd.append(t1 - t0)
             total.append(t2 - t0)
+            cpu.append(time.process_time() - c0)
         del loss
     return {
         "maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,  # Linux: KiB
         "fwd_s": statistics.median(fwd) if fwd else None,
         "time_s": statistics.median(total) if total else None,
+        "cpu_s": statistics.median(cpu) if cpu else None,
         "times": total,
     }
 
@@ -117,24 +120,25 @@ def main_table(args) -> tuple[str, list[dict]]:
             print(f"  {impl:16s} B={b:6d} {res['status']:>10s} "
                   f"rss={fmt(res.get('maxrss_gb'))} GB time={fmt(res.get('time_s'))} s", file=sys.stderr, flush=True)
     lines = [
-        "| implementation | B | tile | peak RSS (GB) | baseline RSS (GB) | peak - baseline (GB) | fwd (s) | fwd+bwd (s) | runs | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| implementation | B | tile | peak RSS (GB) | baseline RSS (GB) | peak - baseline (GB) | fwd (s) | fwd+bwd (s) | fwd+bwd CPU (s) | runs | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         peak, base = r.get("maxrss_gb"), r.get("base_gb")
         extra = peak - base if peak is not None and base is not None else None
         tile = str(args.tile) if r["impl"] == "mmalign_tiled" else "-"
         lines.append(f"| {r['impl']} | {r['b']} | {tile} | {fmt(peak)} | {fmt(base)} | {fmt(extra)} | "
-                     f"{fmt(r.get('fwd_s'))} | {fmt(r.get('time_s'))} | {r.get('repeats', '-')} | {r['status']} |")
+                     f"{fmt(r.get('fwd_s'))} | {fmt(r.get('time_s'))} | {fmt(r.get('cpu_s'))} | "
+                     f"{r.get('repeats', '-')} | {r['status']} |")
     return "\n".join(lines), rows
 
 
 def sweep_table(args) -> str:
-    lines = ["| tile | peak RSS (GB) | fwd+bwd (s) |", "|---:|---:|---:|"]
+    lines = ["| tile | peak RSS (GB) | fwd+bwd (s) | fwd+bwd CPU (s) |", "|---:|---:|---:|---:|"]
     for t in args.sweep:
         res = run_case("mmalign_tiled", args.sweep_b, argparse.Namespace(**{**vars(args), "tile_for": {"mmalign_tiled": t}}))
         print(f"  sweep tile={t} rss={fmt(res.get('maxrss_gb'))} time={fmt(res.get('time_s'))}", file=sys.stderr, flush=True)
-        lines.append(f"| {t} | {fmt(res.get('maxrss_gb'))} | {fmt(res.get('time_s'))} |")
+        lines.append(f"| {t} | {fmt(res.get('maxrss_gb'))} | {fmt(res.get('time_s'))} | {fmt(res.get('cpu_s'))} |")
     return "\n".join(lines)
 
 
@@ -182,7 +186,8 @@ def main() -> None:
         f"shared with other jobs; D = {args.dim}, float32, logit scale 1/0.07.  \n"
         f"Peak RSS is the child's `ru_maxrss`; each case's baseline is a child that makes the same imports "
         f"(torch, plus mmalign.losses or open_clip) and creates the inputs, then exits. "
-        f"Times are the median fwd+bwd of the timed runs (one warm-up first; a single cold run at B = 65536)."
+        f"Times are the median wall-clock fwd+bwd of the timed runs (one warm-up first; a single cold run at "
+        f"B = 65536); 'CPU' is the process CPU time of the same runs (2 threads, so ideally about 2x wall)."
     )
     body = f"{header}\n\n{table}\n"
     if sweep:
