@@ -69,8 +69,10 @@ def test_each_kind_of_bad_sample_is_skipped_and_counted_in_order(tmp_path):
     cut = raw.index(b"cutoff.jpg") + 512 + 20  # inside the data of the last sample's first member
     (tmp_path / "00000.tar").write_bytes(raw[:cut])
 
+    pil_limit = Image.MAX_IMAGE_PIXELS
     batches = [b for _, b in zip(range(2), iter(loader(str(tmp_path / "00000.tar"), workers=0,
                                                        shuffle_buffer=1, batch=len(goods))))]
+    assert Image.MAX_IMAGE_PIXELS == pil_limit  # in-process reading leaves PIL's global alone
     assert batches[0]["keys"] == [k for k, _ in goods]
     expected = {}
     for reason, _ in bad:

@@ -18,6 +18,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 
+from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmalign.config import ConfigError, DataConfig
@@ -40,6 +41,11 @@ class _Slots(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
+        if info is not None:
+            # PIL's own decompression-bomb limit, explicit, in the worker process only: the
+            # training process keeps PIL's default (evaluation reads through it) and the
+            # per-sample check in shards.open_image applies data.max_image_pixels everywhere.
+            Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels
         slot = self.rank * self.spec.workers + (worker + self.rotation) % self.spec.workers
         stream = SlotStream(self.spec, slot, self.processor, self.states.get(slot))
         try:

@@ -25,8 +25,6 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from PIL import Image
-
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_sample_at
@@ -222,7 +220,6 @@ class SlotStream:
 
     def batches(self) -> Iterator[dict]:
         """Batches of ``spec.batch_size`` rows, each with this slot's state *after* it."""
-        Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels  # PIL's own bomb limit, explicit
         rows, epochs = [], []
         for row, epoch in self.samples():
             rows.append(row)
