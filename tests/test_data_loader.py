@@ -175,3 +175,11 @@ def test_resume_rejects_a_different_layout(tmp_path):
     other = loader_for(spec, mode="epoch", workers=2)
     with pytest.raises(ConfigError, match="workers"):
         other.load_state_dict(loader.state_dict())
+
+
+def test_too_few_samples_for_the_workers_is_an_error_not_a_hang(tmp_path):
+    rng = random.Random()
+    make_shards(tmp_path, [2], rng)  # 2 samples for 2 ranks x 2 workers: rank 1 gets none
+    loader = loader_for(f"{tmp_path}/00000.tar", mode="epoch", rank=1, world_size=2, batch=2)
+    with pytest.raises(ConfigError, match="too few samples"):
+        take(loader, 1)

@@ -47,8 +47,8 @@ class _Slots(IterableDataset):
             # per-sample check in shards.open_image applies data.max_image_pixels everywhere.
             Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels
         slot = self.rank * self.spec.workers + (worker + self.rotation) % self.spec.workers
-        stream = SlotStream(self.spec, slot, self.processor, self.states.get(slot))
         try:
+            stream = SlotStream(self.spec, slot, self.processor, self.states.get(slot))
             yield from stream.batches()
         except NoSamples as e:  # reported by the main process as a one-line error
             yield {"_loader": {"slot": slot, "error": str(e)}}
