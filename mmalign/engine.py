@@ -40,6 +40,20 @@ logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
 
+@dataclass
+class StepResult:
+    loss_output: object  # what the loss function returned (LossOutput: loss, stats)
+    skipped: bool  # a non-finite loss or gradient: no update was made
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.loss_output.loss
+
+    @property
+    def stats(self) -> dict:
+        return self.loss_output.stats
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     global_batch: int
@@ -133,8 +147,9 @@ class Engine:
 
         ``loss_fn(outputs) -> LossOutput`` receives float32 features.
         ``before_update()`` runs after the last backward, before the update (the
-        averaged gradients are then readable with :meth:`full_grads`).  Returns the
-        loss function's result.
+        averaged gradients are then readable with :meth:`full_grads`).  A step whose
+        loss or representation gradients are non-finite on any rank is skipped
+        before anything reaches the model (``StepResult.skipped``).
         """
         autocast = autocast or _null_context
 
@@ -149,17 +164,40 @@ class Engine:
             return {k: (v.float() if torch.is_tensor(v) else v) for k, v in out.items()}
 
         if self.plan.accumulation == 1:
-            result = loss_fn(encode(images, tokens))
-            self._backward(result.loss)
-            update()
+            result, skipped = self._single_pass(encode(images, tokens), loss_fn, update)
         else:
             cached = grad_cache_step(
                 encode, split_batch((images, tokens), list(self.plan.chunks)), loss_fn, self._backward,
-                after_chunk=update,
+                after_chunk=update, guard=self._all_finite,
             )
-            result = cached.result
-        self.clamp_logit_scale()
-        return result
+            result, skipped = cached.result, cached.skipped
+        if not skipped:
+            self.clamp_logit_scale()
+        return StepResult(result, skipped)
+
+    def _single_pass(self, out: dict, loss_fn, update) -> tuple:
+        """Uncached step with the same guard as the cached one: take d(loss)/d(outputs)
+        first, check it on every rank, then back-propagate it through the towers."""
+        keys = [k for k in ("image_features", "text_features", "logit_scale", "logit_bias")
+                if torch.is_tensor(out.get(k)) and out[k].requires_grad]
+        # The loss sees detached leaves, so taking its gradient never runs a backward
+        # through the (DeepSpeed-hooked) model; the towers then get one engine backward.
+        leaves = {k: out[k].detach().requires_grad_(True) for k in keys}
+        result = loss_fn({**out, **leaves})
+        grads = dict(zip(keys, torch.autograd.grad(result.loss, [leaves[k] for k in keys], allow_unused=True)))
+        if not self._all_finite(result.loss, grads):
+            return result, True
+        surrogate = sum((out[k] * g).sum() for k, g in grads.items() if g is not None)
+        self._backward(surrogate)
+        update()
+        return result, False
+
+    def _all_finite(self, loss: torch.Tensor, grads: dict) -> bool:
+        """True on every rank iff the loss and the representation gradients are finite on every rank."""
+        ok = bool(torch.isfinite(loss.detach()).all()) and all(
+            g is None or bool(torch.isfinite(g).all()) for g in grads.values())
+        flag = torch.tensor([1.0 if ok else 0.0], device=loss.device)
+        return bool(mdist.all_reduce_mean(flag).item() == 1.0)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:

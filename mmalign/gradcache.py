@@ -73,6 +73,7 @@ def split_batch(batch: Sequence[torch.Tensor], sizes: list[int]) -> list[tuple[t
 class CachedStep:
     loss: torch.Tensor  # detached
     result: Any  # whatever loss_fn returned (e.g. LossOutput with stats)
+    skipped: bool = False  # the guard refused the step: no backward ran
 
 
 def grad_cache_step(
@@ -81,6 +82,7 @@ def grad_cache_step(
     loss_fn: Callable[[dict], Any],
     backward: Callable[[torch.Tensor], None],
     after_chunk: Optional[Callable[[int, bool], None]] = None,
+    guard: Optional[Callable[[torch.Tensor, dict], bool]] = None,
 ) -> CachedStep:
     """One optimisation step's gradients, accumulated chunk by chunk.
 
@@ -97,6 +99,9 @@ def grad_cache_step(
         after_chunk: called as ``after_chunk(index, is_last)`` after each
             backward (DeepSpeed: ``engine.step()``, which only updates at the
             accumulation boundary).
+        guard: ``guard(loss, cached_grads) -> bool``; when False the step is
+            skipped before any backward through the model (e.g. a non-finite
+            loss or representation gradient), and ``skipped`` is set.
     """
     # 1. no-grad forward of every chunk, remembering the RNG state it started from
     states: list[RngState] = []
@@ -118,6 +123,9 @@ def grad_cache_step(
     loss = result if isinstance(result, torch.Tensor) else result.loss
     names = list(full)
     grads = dict(zip(names, torch.autograd.grad(loss, [full[k] for k in names], allow_unused=True)))
+    if guard is not None and not guard(loss, grads):
+        after_first_pass.restore()
+        return CachedStep(loss=loss.detach(), result=result, skipped=True)
     sizes = [r[PER_SAMPLE[0]].shape[0] for r in reps]
     sample_grads = {k: grads[k].split(sizes) for k in PER_SAMPLE if grads.get(k) is not None}
 
