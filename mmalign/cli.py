@@ -49,7 +49,7 @@ def cmd_train(args) -> int:
     from mmalign.config import validate
 
     validate(cfg, world_size=info.world_size)
-    out = train(cfg)
+    out = train(cfg, resume=args.resume)
     if mdist.get_rank() == 0:
         print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
     mdist.shutdown()
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a config")
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
+    p.add_argument("--resume", help="'latest' (the run directory's newest checkpoint) or a checkpoint path")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
@@ -214,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mmalign: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a stopped run: one line, not a traceback
+        if type(e).__name__ != "RunStopped":
+            raise
+        print(f"mmalign: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mmalign: interrupted", file=sys.stderr)
         return 130

@@ -91,6 +91,7 @@ class TrainConfig:
     eval_every: int = 0  # 0 = only at the end
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
@@ -117,6 +118,16 @@ class EvalConfig:
 
 
 @dataclass
+class MonitorConfig:
+    probe_size: int = 256  # fixed probe batch (from data.val) for collapse indicators; 0 = off
+    min_dim_std: float = 0.01  # alarm when the mean per-dimension std of either modality falls below
+    min_effective_rank_frac: float = 0.05  # alarm when effective rank < this x embed_dim
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = known GPUs only
+    tensorboard: bool = True
+    log_sample_keys: bool = False  # write samples.jsonl: the keys of every step's batch (data audits, tests)
+
+
+@dataclass
 class Config:
     seed: int = 0
     output: str = "runs/quickstart"
@@ -126,6 +137,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 # ---------------------------------------------------------------- building
@@ -273,6 +285,19 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
     if cfg.loss.name == "siglip" and cfg.loss.false_negative_ids != "none":
         raise ConfigError("config key 'loss.false_negative_ids' needs loss.name=infonce (SigLIP has no multi-positive targets)")
+    fn_ids = cfg.loss.false_negative_ids
+    if fn_ids not in ("none", "caption"):
+        # an id field: the loader must read it from each sample's .json
+        if cfg.data.id_field is None:
+            cfg.data.id_field = fn_ids
+        elif cfg.data.id_field != fn_ids:
+            raise ConfigError(f"config key 'loss.false_negative_ids'={fn_ids!r} differs from data.id_field="
+                              f"{cfg.data.id_field!r}; they name the same .json field")
+    if t.max_consecutive_skips < 1:
+        raise ConfigError(f"config key 'train.max_consecutive_skips' must be >= 1, got {t.max_consecutive_skips}")
+    for key in ("checkpoint_every", "eval_every", "keep_checkpoints"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"config key 'train.{key}' must be >= 0, got {getattr(t, key)}")
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_data(cfg)

@@ -1,7 +1,8 @@
 """``mmalign train``: the training loop, top to bottom.
 
-setup -> data -> model -> engine (DeepSpeed: optimiser, schedule, ZeRO, gradient
-caching) -> loop (step, log) -> save ``final/`` -> evaluate.  The same code runs
+setup -> model -> engine (DeepSpeed: optimiser, schedule, ZeRO, gradient caching)
+-> data -> resume -> loop (guarded step, monitors, periodic eval, atomic
+checkpoints) -> save ``final/`` -> evaluate.  The same code runs
 as one process, as ``--nproc N`` local processes, or under torchrun / the
 DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 """
@@ -18,16 +19,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mmalign import checkpoint
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
-from mmalign.data.shards import check_urls, expand_urls
+from mmalign.data.shards import check_urls, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, run_suite, write_results
 from mmalign.losses import build_loss, caption_ids
 from mmalign.models import TwoTower, build_model
 from mmalign.models.io import save_pretrained
+from mmalign.monitors import collapse_alarms, forward_flops_per_sample, peak_tflops, probe_stats
 
 log = logging.getLogger("mmalign.train")
 
@@ -60,6 +63,10 @@ def setup_logging(out: Path) -> None:
 # ---------------------------------------------------------------- the run
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
+
+
 def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
     if mode == "none":
         return None
@@ -68,8 +75,29 @@ def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
     return batch["ids"]
 
 
-def train(cfg: Config, show_progress: bool = True) -> Path:
-    """Run ``cfg`` to completion; returns the output directory."""
+def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first ``monitor.probe_size`` validation pairs: a fixed batch for collapse indicators."""
+    n = cfg.monitor.probe_size
+    if n <= 0 or not cfg.data.val:
+        return None
+    transform, images, captions = eval_transform(image_size), [], []
+    for sample in read_samples(expand_urls(cfg.data.val)):
+        images.append(transform(sample["image"]))
+        captions.append(sample["captions"][0])
+        if len(images) == n:
+            break
+    return (torch.stack(images), tokenizer(captions)) if images else None
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """On resume, drop records of steps after the checkpoint (they will be redone)."""
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(cfg: Config, show_progress: bool = True, resume: str | None = None) -> Path:
+    """Run ``cfg`` to completion (or resume it); returns the output directory."""
     from mmalign.engine import Engine  # deepspeed is imported only when training
 
     # setup
@@ -81,21 +109,23 @@ def train(cfg: Config, show_progress: bool = True) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         setup_logging(out)
+        checkpoint.clean_partial(out)
     mdist.barrier()
     seed_everything(cfg.seed)  # same init on every rank; data streams differ by rank
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
-    t = cfg.train
-    if cfg.loss.false_negative_ids not in ("none", "caption"):
-        raise ConfigError("config key 'loss.false_negative_ids': id fields need the full loader (not wired yet)")
+    t, mon = cfg.train, cfg.monitor
     if t.precision == "fp16" and device.type != "cuda":
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
 
     # model
-    model: TwoTower = build_model(cfg.model).to(device)
+    model: TwoTower = build_model(cfg.model)
+    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length)  # fwd + bwd
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters, embed_dim %d", cfg.model.preset, n_params / 1e6, model.embed_dim)
+    log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,
+             n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
@@ -105,31 +135,55 @@ def train(cfg: Config, show_progress: bool = True) -> Path:
         print(f"mmalign: {engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}", flush=True)
 
     # data
-    urls = expand_urls(cfg.data.train)
-    check_urls(urls, "data.train")
-    log.info(describe(cfg.data.augment))
-    loader = build_train_loader(
-        urls, train_transform(model.image_size, cfg.data.augment), tokenizer, engine.plan.local_batch,
-        seed=cfg.seed, rank=rank, workers=cfg.data.workers, shuffle_buffer=cfg.data.shuffle_buffer,
-    )
+    check_urls(expand_urls(cfg.data.train), "data.train")
+    loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
+                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world)
+    log.info(describe(cfg.data.augment, cfg.data.views))
+    probe = probe_batch(cfg, model.image_size, tokenizer)
     loss_fn = build_loss(cfg.loss)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    peak = peak_tflops(device, mon.peak_tflops)
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
+    # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position
+    start, skipped_steps, consecutive = 0, 0, 0
+    ckpt = checkpoint.resolve(out, resume)
+    if ckpt is not None:
+        trainer, loader_state = checkpoint.load(engine, ckpt)
+        start, skipped_steps = trainer["step"], trainer["skipped_steps"]
+        checkpoint.set_rng_state(trainer["rng"])
+        loader.load_state_dict(loader_state)
+        if main:
+            print(f"mmalign: resumed from {ckpt} at step {start}", flush=True)
+            log.info("resumed from %s at step %d", ckpt, start)
+    elif resume and main:
+        print(f"mmalign: no checkpoint in {out} yet, starting from step 0", flush=True)
+    keys_path = out / f"samples_rank{rank}.jsonl"
+    if main:
+        _truncate_jsonl(out / "metrics.jsonl", start)
+    if mon.log_sample_keys:
+        _truncate_jsonl(keys_path, start) if start else keys_path.unlink(missing_ok=True)
+    mode = "a" if start else "w"
+    metrics_file = (out / "metrics.jsonl").open(mode) if main else None
+    keys_file = keys_path.open("a") if mon.log_sample_keys else None
+    board = _tensorboard(out) if main and mon.tensorboard else None
+
     # loop
-    metrics_file = (out / "metrics.jsonl").open("w") if main else None
     batches = iter(loader)
-    bar = tqdm(total=t.steps, desc="train", disable=not (show_progress and main), dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=start, desc="train", disable=not (show_progress and main), dynamic_ncols=True)
     window_start, window_samples, data_wait = time.time(), 0, 0.0
     engine.ds.train()
-    for step in range(1, t.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         fetch = time.time()
         batch = next(batches)
         data_wait += time.time() - fetch
         images, tokens = batch["images"].to(device), batch["tokens"].to(device)
         ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
+        if keys_file is not None:
+            keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
+            keys_file.flush()
 
         def loss_of(outputs: dict):
             return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
@@ -137,42 +191,108 @@ def train(cfg: Config, show_progress: bool = True) -> Path:
 
         result = engine.step(images, tokens, loss_of, autocast)
         window_samples += images.shape[0] * world
+        if result.skipped:
+            skipped_steps += 1
+            consecutive += 1
+            log.warning("step %d skipped: non-finite loss or gradient (%d in a row)", step, consecutive)
+            if consecutive >= t.max_consecutive_skips:
+                last = checkpoint.resolve(out, "latest")
+                raise RunStopped(f"{consecutive} non-finite steps in a row at step {step}; stopping. "
+                                 f"Last good checkpoint: {last or 'none (nothing saved yet)'}")
+        else:
+            consecutive = 0
 
-        loss_value = float(result.loss.detach())
-        if main and (step % t.log_every == 0 or step == t.steps):
+        if step % t.log_every == 0 or step == t.steps:
             elapsed = time.time() - window_start
+            sps = window_samples / max(elapsed, 1e-9)
             record = {
                 "step": step,
-                "loss": loss_value,
+                "loss": float(result.loss.detach()),
                 "lr": engine.lr,
                 "grad_norm": engine.grad_norm(),
-                "samples_per_s": window_samples / max(elapsed, 1e-9),
+                "samples_per_s": sps,
                 "data_wait_s": data_wait,
+                "tflops": sps * model_flops / 1e12,
+                "skipped_steps": skipped_steps,
                 **{k: float(v) for k, v in result.stats.items() if k != "loss"},
+                **{f"skipped_samples/{k}": v for k, v in batch.get("skipped", {}).items()},
             }
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            log.info("step %d %s", step, json.dumps(record))
-            bar.set_postfix(loss=f"{loss_value:.3f}", scale=f"{record['logit_scale']:.1f}",
-                            sps=f"{record['samples_per_s']:.0f}")
-        if step % t.log_every == 0:
+            if peak:
+                record["mfu"] = record["tflops"] / peak
+            if probe is not None:
+                record.update(_probe(engine, probe, device, autocast))
+            if main:
+                for alarm in collapse_alarms(record, model.embed_dim, mon.min_dim_std,
+                                             mon.min_effective_rank_frac) if probe is not None else []:
+                    log.warning("COLLAPSE ALARM at step %d: %s", step, alarm)
+                    bar.write(f"mmalign: COLLAPSE ALARM at step {step}: {alarm}")
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if board is not None:
+                    for k, v in record.items():
+                        if k != "step":
+                            board.add_scalar(k, v, step)
+                log.info("step %d %s", step, json.dumps(record))
+                bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record.get('logit_scale', 0):.1f}",
+                                sps=f"{sps:.0f}")
             window_start, window_samples, data_wait = time.time(), 0, 0.0
+
+        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+            records = _evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device)
+            if main and board is not None:
+                for r in records:
+                    for k, v in r["metrics"].items():
+                        if v is not None:
+                            board.add_scalar(f"eval/{r['dataset']}/{k}", v, step)
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
+            checkpoint.save(engine, out, step, {"rng": checkpoint.rng_state(), "skipped_steps": skipped_steps},
+                            loader.state_dict(), t.keep_checkpoints)
         bar.update(1)
     bar.close()
-    if metrics_file is not None:
-        metrics_file.close()
+    for f in (metrics_file, keys_file, board):
+        if f is not None:
+            f.close()
 
-    # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them on rank 0
-    state = engine.consolidated_state_dict()
-    if main:
-        final_model = build_model(cfg.model)
-        final_model.load_state_dict(state)
-        final = save_pretrained(final_model, out / "final", preprocess=preprocess_cfg(model.image_size),
-                                extra={"train_config": to_dict(cfg)})
-        log.info("saved %s", final)
-        evaluate_model(final_model.to(device), tokenizer, cfg, out / "eval.json", device)
+    # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
+    _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final")
     mdist.barrier()
     return out
+
+
+@torch.no_grad()
+def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
+    """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
+    engine.ds.eval()
+    with autocast():
+        out = engine.forward(probe[0].to(device), probe[1].to(device))
+    engine.ds.train()
+    return probe_stats(out["image_features"].float().cpu(), out["text_features"].float().cpu())
+
+
+def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
+                     final: Path | None = None) -> list[dict]:
+    """Consolidate the weights (collective), then rank 0 evaluates (and saves ``final``)."""
+    state = engine.consolidated_state_dict()
+    records: list[dict] = []
+    if mdist.get_rank() == 0:
+        model = build_model(cfg.model)
+        model.load_state_dict(state)
+        if final is not None:
+            save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
+                            extra={"train_config": to_dict(cfg)})
+            log.info("saved %s", final)
+        records = evaluate_model(model.to(device), tokenizer, cfg, path, device)
+    mdist.barrier()
+    return records
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; degrade rather than die mid-run
+        log.warning("tensorboard is not importable; no event files")
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def evaluate_model(model: TwoTower, tokenizer, cfg: Config, path: Path, device: torch.device) -> list[dict]:
