@@ -4,6 +4,13 @@ The returned bundle follows clip_benchmark's model protocol: ``encode_image`` an
 ``encode_text`` return L2-normalised joint-space embeddings (after the projection
 heads), ``preprocess`` maps a PIL image to a tensor and ``tokenizer(list[str])``
 returns token ids.
+
+clip_benchmark (1.6) loads models through a function returning
+``(model, transform, tokenizer)``; :func:`clip_benchmark_loader` is one, so a run
+plugs into its metric functions, or into its CLI after
+``clip_benchmark.models.TYPE2FUNC["mmalign"] = clip_benchmark_loader`` (with
+``--pretrained RUN_DIR``).  Pass ``amp=False`` to its functions on CPU: their
+autocast would run the towers in bfloat16.
 """
 
 from __future__ import annotations
@@ -51,3 +58,17 @@ def load(path: str | Path, device: str = "cpu") -> Loaded:
         tokenizer=build_tokenizer(model.arch, base_dir=resolve_model_dir(path)),  # a saved tokenizer.model
         config=config,
     )
+
+
+def clip_benchmark_loader(model_name: str = "mmalign", pretrained: str | Path = "", cache_dir: str | None = None,
+                          device: str = "cpu"):
+    """clip_benchmark's loader protocol: ``pretrained`` is a run directory or its final/.
+
+    Returns ``(model, transform, tokenizer)``: the TwoTower module (``encode_image`` /
+    ``encode_text`` give normalised joint-space embeddings; ``eval()`` and ``to()`` work
+    as on any module), the eval transform and ``tokenizer(list[str]) -> LongTensor``.
+    ``model_name`` and ``cache_dir`` are part of the protocol and unused.
+    """
+    loaded = load(pretrained, device=device)
+    loaded.model.eval()
+    return loaded.model, loaded.preprocess, loaded.tokenizer

@@ -1,4 +1,4 @@
-"""Evaluation: zero-shot classification, retrieval, suites."""
+"""Evaluation: zero-shot classification, retrieval, probes, diagnostics, counterfactuals, suites, reports."""
 
 from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.suite import load_suite, run_suite, summary_rows, write_results

@@ -1,10 +1,22 @@
 """Run an evaluation suite from ``eval/`` on a model and write clip_benchmark-style JSON.
 
-A suite YAML names a dataset (WebDataset shards whose ``.json`` carries the label
-fields) and a list of tasks (``zeroshot`` with class names and templates, or
-``retrieval`` with ks).  Embeddings are computed once per suite and shared by its
-tasks.  All features are the L2-normalised joint-space embeddings, i.e. after the
-projection heads.
+A suite YAML names a dataset (see :mod:`mmalign.evaluation.datasets`: shards, the
+sklearn digits, an image folder) and a list of tasks:
+
+- ``zeroshot``: ``label_field``, ``classnames``, ``templates``; optional ``slices``
+  (metadata fields to break the accuracy down by);
+- ``retrieval``: ``ks``;
+- ``probe``: ``label_field``, ``classnames``, ``features`` (``joint`` or
+  ``pre_projection``) and the options of :func:`mmalign.evaluation.probes.run_probes`;
+- ``diagnostics``: embedding geometry (:mod:`mmalign.evaluation.diagnostics`);
+- ``counterfactual``: ``edits`` (hflip, crop, rerender), ``tasks`` (zeroshot task
+  names, default all), ``limit`` images (default 256).
+
+``extends: NAME`` starts from another suite's dataset and tasks and appends its own.
+
+Embeddings are computed once per suite and shared by its tasks.  Each task gives one
+record ``{"dataset", "model", "pretrained", "task", "metrics", "language", ...}``
+with clip_benchmark's metric names where clip_benchmark has the metric.
 """
 
 from __future__ import annotations
@@ -17,11 +29,21 @@ import torch
 import yaml
 
 from mmalign.config import ConfigError
-from mmalign.data.shards import check_urls, expand_urls, read_samples
+from mmalign.evaluation import counterfactual, diagnostics, probes
+from mmalign.evaluation.datasets import dataset_spec, iter_dataset
+from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset
 from mmalign.evaluation.retrieval import recall_at_k
+from mmalign.evaluation.slices import slice_metrics
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
+TASK_KINDS = {
+    "zeroshot": "zeroshot_classification",
+    "retrieval": "zeroshot_retrieval",
+    "probe": "linear_probe",
+    "diagnostics": "embedding_diagnostics",
+    "counterfactual": "counterfactual",
+}
 
 
 def load_suite(name_or_path: str) -> dict:
@@ -32,83 +54,111 @@ def load_suite(name_or_path: str) -> dict:
         known = sorted(p.stem for p in EVAL_DIR.glob("*.yaml"))
         raise ConfigError(f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})")
     suite = yaml.safe_load(path.read_text())
+    if suite.get("extends"):  # the base suite's dataset and tasks, then this suite's tasks
+        base = load_suite(str(path.parent / f"{suite['extends']}.yaml") if not Path(suite["extends"]).is_file()
+                          else suite["extends"])
+        suite = {**base, **suite, "tasks": base.get("tasks", []) + suite.get("tasks", [])}
     for task in suite.get("tasks", []):
-        if task.get("type") not in ("zeroshot", "retrieval"):
-            raise ConfigError(f"suite {path}: task {task.get('name')!r} has unknown type {task.get('type')!r}")
+        if task.get("type") not in TASK_KINDS:
+            raise ConfigError(f"suite {path}: task {task.get('name')!r} has unknown type {task.get('type')!r} "
+                              f"(one of {', '.join(TASK_KINDS)})")
+        if task["type"] == "probe" and task.get("features", "joint") not in FEATURE_KINDS:
+            raise ConfigError(f"suite {path}: task {task.get('name')!r}: features must be one of "
+                              f"{', '.join(FEATURE_KINDS)}")
     return suite
 
 
-@torch.no_grad()
-def embed_dataset(model, preprocess, tokenizer, urls: list[str], batch_size: int = 256, device: str = "cpu") -> dict:
-    """Images and every caption of the shards -> normalised embeddings and metadata."""
-    images, captions, text_to_image, metas, keys = [], [], [], [], []
-    image_feats = []
-    for i, sample in enumerate(read_samples(urls)):
-        images.append(preprocess(sample["image"]))
-        keys.append(sample["key"])
-        metas.append(sample["json"])
-        for caption in sample["captions"]:
-            captions.append(caption)
-            text_to_image.append(i)
-        if len(images) == batch_size:
-            image_feats.append(model.encode_image(torch.stack(images).to(device)).float().cpu())
-            images = []
-    if images:
-        image_feats.append(model.encode_image(torch.stack(images).to(device)).float().cpu())
-    if not image_feats:
-        raise ConfigError(f"evaluation data {urls[0]} holds no readable samples")
-    text_feats = [
-        model.encode_text(tokenizer(captions[s : s + batch_size]).to(device)).float().cpu()
-        for s in range(0, len(captions), batch_size)
-    ]
-    return {
-        "image_features": torch.cat(image_feats),  # (N, D)
-        "text_features": torch.cat(text_feats),  # (M, D)
-        "text_to_image": torch.tensor(text_to_image),  # (M,)
-        "metas": metas,
-        "keys": keys,
-    }
+def _labels(metas: list[dict], task: dict) -> torch.Tensor:
+    field, names = task["label_field"], task["classnames"]
+    index = {n: i for i, n in enumerate(names)}
+    unknown = {str(m.get(field)) for m in metas if m.get(field) not in index}
+    if unknown:
+        raise ConfigError(f"task {task['name']!r}: {field!r} values {sorted(unknown)[:3]} are not in its classnames")
+    return torch.tensor([index[m[field]] for m in metas])
+
+
+def _clean(value):
+    """NaN -> None (JSON has no NaN), recursively."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
 
 
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
               device: str = "cpu", model_name: str = "mmalign") -> list[dict]:
-    """Evaluate every task of ``suite``; one clip_benchmark-style record per task."""
-    spec = data or suite["dataset"]
-    urls = expand_urls(spec)
-    check_urls(urls, "data.val")
+    """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
+
+    ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val.
+    """
+    spec = dataset_spec(suite, data)
+    tasks = suite["tasks"]
+    pre_projection = any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks)
     was_training = model.training
     model.eval()
     try:
-        emb = embed_dataset(model, preprocess, tokenizer, urls, batch_size, device)
+        emb = embed_dataset(model, preprocess, tokenizer, iter_dataset(spec), batch_size, device, pre_projection)
+        encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
+        classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
-        for task in suite["tasks"]:
+        for task in tasks:
+            extra: dict = {}
             if task["type"] == "zeroshot":
-                field = task["label_field"]
-                names = task["classnames"]
-                index = {n: i for i, n in enumerate(names)}
-                labels = torch.tensor([index[m[field]] for m in emb["metas"]])
-                encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
-                classifier = build_classifier(encode, tokenizer, names, task["templates"])
-                metrics = zero_shot_metrics(emb["image_features"], classifier, labels)
-                metrics["chance_acc1"] = 1.0 / len(names)
-                kind = "zeroshot_classification"
-            else:
+                labels = _labels(emb["metas"], task)
+                weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])  # (D, C)
+                classifiers[task["name"]] = {"weights": weights, "label_field": task["label_field"],
+                                             "classnames": task["classnames"]}
+                metrics = zero_shot_metrics(emb["image_features"], weights, labels)
+                metrics["chance_acc1"] = 1.0 / len(task["classnames"])
+                if task.get("slices"):
+                    logits = 100.0 * emb["image_features"] @ weights
+                    extra["slices"] = {f: slice_metrics(logits, labels, emb["metas"], f) for f in task["slices"]}
+            elif task["type"] == "retrieval":
+                if len(emb["text_to_image"]) == 0:
+                    raise ConfigError(f"task {task['name']!r}: the dataset has no captions to retrieve")
                 metrics = recall_at_k(emb["image_features"], emb["text_features"], emb["text_to_image"],
                                       ks=task.get("ks", [1, 5, 10]))
-                kind = "zeroshot_retrieval"
+            elif task["type"] == "probe":
+                kind = task.get("features", "joint")
+                feats = emb["image_pre_projection"] if kind == "pre_projection" else emb["image_features"]
+                metrics = probes.run_probes(feats, _labels(emb["metas"], task), len(task["classnames"]), task)
+                metrics["chance_acc1"] = 1.0 / len(task["classnames"])
+                extra["features"] = kind
+                extra["features_description"] = FEATURE_KINDS[kind]
+            elif task["type"] == "diagnostics":
+                metrics = diagnostics.embedding_diagnostics(emb["image_features"], emb["text_features"],
+                                                            emb["text_to_image"], seed=int(task.get("seed", 0)))
+            else:
+                metrics, extra["expected"] = _counterfactuals(model, preprocess, spec, task, classifiers,
+                                                              batch_size, device)
             records.append({
                 "dataset": f"{suite['name']}/{task['name']}",
                 "model": model_name,
                 "pretrained": None,
-                "task": kind,
-                "metrics": {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()},
+                "task": TASK_KINDS[task["type"]],
+                "metrics": _clean(metrics),
                 "language": "en",
                 "n_images": len(emb["keys"]),
                 "n_captions": len(emb["text_to_image"]),
+                **_clean(extra),
             })
         return records
     finally:
         model.train(was_training)
+
+
+def _counterfactuals(model, preprocess, spec: dict, task: dict, classifiers: dict, batch_size: int,
+                     device: str) -> tuple[dict, dict]:
+    names = task.get("tasks", list(classifiers))
+    missing = [n for n in names if n not in classifiers]
+    if missing:
+        raise ConfigError(f"task {task['name']!r}: counterfactual tasks {missing} must be zeroshot tasks listed before it")
+    limit = int(task.get("limit", 256))
+    samples = list(iter_dataset(dict(spec, limit=min(limit, int(spec.get("limit") or limit)))))
+    return counterfactual.run_counterfactuals(model, preprocess, samples, task["edits"],
+                                              {n: classifiers[n] for n in names}, batch_size, device,
+                                              int(task.get("seed", 0)))
 
 
 def write_results(records: list[dict], path: str | Path) -> Path:
@@ -122,13 +172,21 @@ def summary_rows(records: list[dict]) -> list[tuple[str, str, float]]:
     """(task, metric, value) rows for the headline numbers."""
     rows = []
     for r in records:
-        m = r["metrics"]
+        m, name = r["metrics"], r["dataset"]
         if r["task"] == "zeroshot_classification":
-            rows.append((r["dataset"], "acc1", m["acc1"]))
-            rows.append((r["dataset"], "chance", m["chance_acc1"]))
-        else:
+            rows.append((name, "acc1", m["acc1"]))
+            rows.append((name, "chance", m["chance_acc1"]))
+        elif r["task"] == "zeroshot_retrieval":
             for k in (1, 5):
-                rows.append((r["dataset"], f"text->image R@{k}", m.get(f"image_retrieval_recall@{k}")))
-                rows.append((r["dataset"], f"image->text R@{k}", m.get(f"text_retrieval_recall@{k}")))
-            rows.append((r["dataset"], "chance R@5", 5 / r["n_images"]))
+                rows.append((name, f"text->image R@{k}", m.get(f"image_retrieval_recall@{k}")))
+                rows.append((name, f"image->text R@{k}", m.get(f"text_retrieval_recall@{k}")))
+            rows.append((name, "chance R@5", 5 / r["n_images"]))
+        elif r["task"] == "linear_probe":  # linear, kNN, few-shot and chance top-1
+            rows += [(f"{name} ({r['features']})", k, v) for k, v in m.items() if k.endswith("_acc1")]
+        elif r["task"] == "embedding_diagnostics":
+            for k in ("alignment", "uniformity_image", "effective_rank_image", "modality_gap",
+                      "nn_diversity_image", "positive_negative_auc"):
+                rows.append((name, k, m.get(k)))
+        else:
+            rows += [(name, k, v) for k, v in m.items() if k.endswith(("_cosine_mean", "_flip_rate"))]
     return rows

@@ -1,0 +1,119 @@
+"""Embedding an evaluation set: which features, computed once per suite.
+
+Two kinds of image features:
+
+- ``joint`` (the default everywhere): what ``TwoTower.encode_image`` returns, the
+  L2-normalised joint-space embedding AFTER the vision projection head.  Zero-shot,
+  retrieval, diagnostics and counterfactuals use only these.
+- ``pre_projection``: open_clip's ``VisionTransformer`` pools (class token or mean,
+  after ``ln_post``) and then multiplies by ``visual.proj``.  These features are the
+  pooled vector BEFORE that multiplication, L2-normalised here so that probes treat
+  both kinds alike.  They are the usual choice for linear probes of the backbone.
+
+Both come from one forward pass: the projection is taken off for the pass and the
+joint embedding is computed from the pooled vector as ``normalize(pooled @ proj)``,
+the very operations the tower would have done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from mmalign.config import ConfigError
+
+FEATURE_KINDS = {
+    "joint": "joint-space image embedding after the projection head (encode_image), L2-normalised",
+    "pre_projection": "pooled vision-tower output before visual.proj (after ln_post), L2-normalised",
+}
+
+
+@contextmanager
+def projection_removed(visual: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Inside the block ``visual(x)`` returns pooled features; yields the (P, D) projection."""
+    proj = getattr(visual, "proj", None)
+    if not isinstance(proj, torch.Tensor):
+        raise ConfigError(f"pre_projection features need a vision tower with a 'proj' matrix "
+                          f"(open_clip VisionTransformer); {type(visual).__name__} has none")
+    visual.proj = None  # open_clip's forward skips the projection when proj is None
+    try:
+        yield proj
+    finally:
+        visual.proj = proj
+
+
+@torch.no_grad()
+def encode_images(model, images: torch.Tensor, pre_projection: bool = False) -> dict:
+    """(B, 3, H, W) -> {"joint": (B, D)} and, if asked, {"pre_projection": (B, P)}, float32 on CPU."""
+    if not pre_projection:
+        return {"joint": model.encode_image(images).float().cpu()}
+    with projection_removed(model.visual) as proj:
+        pooled = model.visual(images)  # (B, P)
+    joint = F.normalize(pooled @ proj, dim=-1)  # (B, D), as encode_image computes it
+    return {"joint": joint.float().cpu(), "pre_projection": F.normalize(pooled.float(), dim=-1).cpu()}
+
+
+@torch.no_grad()
+def embed_images(model, preprocess, images: Iterable, batch_size: int = 256, device: str = "cpu",
+                 pre_projection: bool = False) -> dict:
+    """PIL images -> {"joint": (N, D)[, "pre_projection": (N, P)]}."""
+    out: dict[str, list] = {}
+    batch: list[torch.Tensor] = []
+
+    def flush():
+        for kind, feats in encode_images(model, torch.stack(batch).to(device), pre_projection).items():
+            out.setdefault(kind, []).append(feats)
+        batch.clear()
+
+    for image in images:
+        batch.append(preprocess(image))
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
+    return {kind: torch.cat(feats) for kind, feats in out.items()}
+
+
+@torch.no_grad()
+def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 256, device: str = "cpu") -> torch.Tensor:
+    """Captions -> (M, D) normalised joint-space text embeddings (M may be 0)."""
+    feats = [model.encode_text(tokenizer(texts[s : s + batch_size]).to(device)).float().cpu()
+             for s in range(0, len(texts), batch_size)]
+    if not feats:
+        return torch.zeros(0, int(getattr(model, "embed_dim", 0)))
+    return torch.cat(feats)
+
+
+@torch.no_grad()
+def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_size: int = 256,
+                  device: str = "cpu", pre_projection: bool = False) -> dict:
+    """Images and every caption of ``samples`` -> normalised embeddings and metadata."""
+    captions: list[str] = []
+    text_to_image: list[int] = []
+    metas: list[dict] = []
+    keys: list[str] = []
+
+    def images():  # records metadata while the images stream through the encoder
+        for i, sample in enumerate(samples):
+            keys.append(sample["key"])
+            metas.append(sample["json"])
+            captions.extend(sample["captions"])
+            text_to_image.extend([i] * len(sample["captions"]))
+            yield sample["image"]
+
+    feats = embed_images(model, preprocess, images(), batch_size, device, pre_projection)
+    if not keys:
+        raise ConfigError("the evaluation dataset holds no readable samples")
+    out = {
+        "image_features": feats["joint"],  # (N, D)
+        "text_features": embed_texts(model, tokenizer, captions, batch_size, device),  # (M, D)
+        "text_to_image": torch.tensor(text_to_image, dtype=torch.long),  # (M,)
+        "metas": metas,
+        "keys": keys,
+    }
+    if pre_projection:
+        out["image_pre_projection"] = feats["pre_projection"]  # (N, P)
+    return out
