@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -34,8 +35,8 @@ TOL = 1e-5  # relative, float32 vs float64 reference
 # ----------------------------------------------------------------- helpers
 @pytest.fixture
 def gen() -> torch.Generator:
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"random seed: {seed}")  # shown by pytest on failure
+    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")  # shown on failure
     return torch.Generator().manual_seed(seed)
 
 

@@ -72,6 +72,14 @@ def _worker(rank: int, port: int, in_path: str, out_dir: str) -> None:
     mdist.shutdown()
 
 
+def close(got, want, what, tol=1e-5):
+    """Relative error in norm (float32 result vs float64 reference); per-element
+    relative error is meaningless for entries that cancel to ~0."""
+    got, want = got.double().reshape(-1), want.double().reshape(-1)
+    err = ((got - want).norm() / want.norm().clamp_min(1e-3)).item()
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
 def ref_infonce(x, y, s, ids):
     logits = s * x @ y.T  # explicit (N, N), float64
     pos = (ids[:, None] == ids[None, :]).double()
@@ -88,8 +96,8 @@ def ref_siglip(x, y, s, b, ids):
 
 
 def test_sharded_gradients_equal_full_batch(tmp_path):
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"random seed: {seed}")
+    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
     g = torch.Generator().manual_seed(seed)
     n, d = WORLD * B_LOCAL, 16
     x = F.normalize(torch.randn(n, d, generator=g), dim=1)
@@ -116,18 +124,16 @@ def test_sharded_gradients_equal_full_batch(tmp_path):
         rx, ry, rs, rb = (t.grad for t in leaves)
 
         got_loss = sum(r[name]["loss"] for r in ranks) / WORLD
-        torch.testing.assert_close(got_loss.double(), ref.detach(), rtol=1e-5, atol=0, msg=f"{name}: loss")
+        close(got_loss.double(), ref.detach(), what=f"{name}: loss")
         for k, res in enumerate(ranks):
             sl = slice(k * B_LOCAL, (k + 1) * B_LOCAL)
-            torch.testing.assert_close(res[name]["dx"].double() / WORLD, rx[sl], rtol=1e-5, atol=1e-7,
-                                       msg=f"{name}: rank {k} image grad")
-            torch.testing.assert_close(res[name]["dy"].double() / WORLD, ry[sl], rtol=1e-5, atol=1e-7,
-                                       msg=f"{name}: rank {k} text grad")
+            close(res[name]["dx"].double() / WORLD, rx[sl], what=f"{name}: rank {k} image grad")
+            close(res[name]["dy"].double() / WORLD, ry[sl], what=f"{name}: rank {k} text grad")
         ds = sum(r[name]["ds"] for r in ranks) / WORLD
-        torch.testing.assert_close(ds.double(), rs, rtol=1e-5, atol=1e-8, msg=f"{name}: scale grad")
+        close(ds.double(), rs, what=f"{name}: scale grad")
         if loss_name == "siglip":
             db = sum(r[name]["db"] for r in ranks) / WORLD
-            torch.testing.assert_close(db.double(), rb, rtol=1e-5, atol=1e-8, msg=f"{name}: bias grad")
+            close(db.double(), rb, what=f"{name}: bias grad")
         else:
             assert all(r[name]["db"] is None for r in ranks)
 

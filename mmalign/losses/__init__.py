@@ -15,10 +15,12 @@ from .module import LOSS_NAMES, ContrastiveLoss, LossOutput, build_loss
 from .positives import caption_ids
 from .siglip import siglip_loss
 
-# Tile edge tuned with bench/loss.py on a 2-core CPU (see docs/benchmarks.md): 1024 and
-# 2048 are equally fast there and 1024 needs less memory. On a GPU larger tiles
-# (4096-8192) amortise kernel launches better; not measured here.
-DEFAULT_TILE_SIZE = 1024
+# Tile edge tuned with bench/loss.py on the 2-core CPU (docs/benchmarks.md):
+# 1024-2048 are equally fast on a quiet machine; under load every tile op pays
+# a thread-synchronisation cost, so fewer, larger tiles win, and 2048 is the
+# largest that keeps B = 16384 under 1 GB peak RSS. On a GPU larger tiles
+# (4096-8192) should amortise kernel launches better; not measured here.
+DEFAULT_TILE_SIZE = 2048
 
 __all__ = [
     "clip_loss",

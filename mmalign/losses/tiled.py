@@ -79,6 +79,14 @@ def add_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.add_((a @ b).to(acc.dtype))
 
 
+def _fold_weight(lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``g * exp(l - lse) = exp(l - (lse - log g))`` for g > 0 (the usual case,
+    g = 1/(2B)): folding the weight into the shift saves a pass per tile."""
+    if bool((g > 0).all()):
+        return lse - torch.log(g), None
+    return lse, g
+
+
 class _TiledLSE(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
@@ -138,6 +146,8 @@ class _TiledLSE(torch.autograd.Function):
         if g_r is None:
             g_r = torch.zeros_like(lse_r)
         use_c = want_cols and g_c is not None
+        shift_r, mul_r = _fold_weight(lse_r, g_r)
+        shift_c, mul_c = _fold_weight(lse_c, g_c) if use_c else (None, None)
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
         d_scale = torch.zeros((), dtype=cdt, device=rows.device)
@@ -147,10 +157,14 @@ class _TiledLSE(torch.autograd.Function):
             rows_s = rows[i0:i1] * s  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
                 tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # recomputed
-                grad = torch.sub(tile, lse_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
-                grad.exp_().mul_(g_r[i0:i1, None])  # g_r[i] softmax_row
+                grad = torch.sub(tile, shift_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
+                grad.exp_()  # g_r[i] * softmax_row
+                if mul_r is not None:
+                    grad.mul_(mul_r[i0:i1, None])
                 if use_c:
-                    tile.sub_(lse_c[None, j0:j1]).exp_().mul_(g_c[None, j0:j1])  # g_c[j] softmax_col
+                    tile.sub_(shift_c[None, j0:j1]).exp_()  # g_c[j] * softmax_col
+                    if mul_c is not None:
+                        tile.mul_(mul_c[None, j0:j1])
                     grad.add_(tile)
                 grad = grad.to(dt)
                 add_mm(acc, grad, cols[j0:j1])  # (ti, D)
