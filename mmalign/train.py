@@ -163,8 +163,10 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     keys_path = out / f"samples_rank{rank}.jsonl"
     if main:
         _truncate_jsonl(out / "metrics.jsonl", start)
-    if mon.log_sample_keys:
-        _truncate_jsonl(keys_path, start) if start else keys_path.unlink(missing_ok=True)
+    if mon.log_sample_keys and start:
+        _truncate_jsonl(keys_path, start)
+    elif mon.log_sample_keys:
+        keys_path.unlink(missing_ok=True)
     mode = "a" if start else "w"
     metrics_file = (out / "metrics.jsonl").open(mode) if main else None
     keys_file = keys_path.open("a") if mon.log_sample_keys else None
