@@ -69,14 +69,30 @@ def cmd_eval(args) -> int:
     train_cfg = loaded.config.get("train_config", {})
     suite = load_suite(args.suite or train_cfg.get("eval", {}).get("suite", "shapes"))
     data = args.data or train_cfg.get("data", {}).get("val")
+    if args.limit:
+        suite["dataset"] = _limited(suite.get("dataset"), args.limit)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
-                        model_name=str(args.model))
+                        model_name=str(args.model), batch_size=args.batch_size)
     out = Path(args.out) if args.out else Path(args.model) / "eval.json"
     write_results(records, out)
     _print_table(records)
     print(f"results written to {out}")
+    return 0
+
+
+def _limited(dataset, limit: int) -> dict:
+    """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping)."""
+    spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
+    return {**spec, "limit": limit}
+
+
+def cmd_report(args) -> int:
+    from mmalign.evaluation.report import write_report
+
+    out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit)
+    print(f"report written to {out}")
     return 0
 
 
@@ -156,6 +172,54 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from mmalign.export import export
+
+    out = export(args.model, args.format, args.out)
+    print(f"{args.format} export written to {out}")
+    return 0
+
+
+def cmd_embed(args) -> int:
+    from mmalign.embed import embed
+
+    info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
+                 device=args.device)
+    print(f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}")
+    return 0
+
+
+def cmd_index(args) -> int:
+    from mmalign.index import build_index
+
+    info = build_index(args.emb, args.out, exact_max=args.exact_max, nlist=args.nlist, pq_m=args.pq_m,
+                       nbits=args.nbits, nprobe=args.nprobe)
+    for name in ("image", "text"):
+        if name in info:
+            print(f"{name}: {info[name]['count']} vectors, {info[name]['factory']} (inner product, dim {info['dim']})")
+    print(f"index written to {args.out}")
+    return 0
+
+
+def cmd_search(args) -> int:
+    from mmalign.search import Searcher, format_hits
+
+    if (args.text is None) == (args.image is None):
+        raise ConfigError("search: give exactly one of --text or --image")
+    searcher = Searcher(args.index, args.model)
+    hits = searcher.text(args.text, args.k, args.against) if args.text is not None else \
+        searcher.image(args.image, args.k, args.against)
+    print(format_hits(hits))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from mmalign.serve import serve
+
+    serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,9 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
     p.add_argument("--model", required=True, help="a run directory or its final/")
     p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
-    p.add_argument("--data", help="evaluation shards (default: the run's data.val)")
-    p.add_argument("--out", help="results JSON (default: MODEL/eval.json)")
+    p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
+    p.add_argument("--output", "--out", dest="out", help="results JSON (default: MODEL/eval.json)")
+    p.add_argument("--limit", type=int, help="evaluate only the dataset's first N images")
+    p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="HTML page + PNGs of a run: curves, similarity histograms, t-SNE, Recall@k")
+    p.add_argument("--run", required=True, help="a run directory (metrics.jsonl, final/, eval.json)")
+    p.add_argument("--output", help="report directory (default: RUN/report)")
+    p.add_argument("--suite", help="suite whose dataset is embedded (default: the run's)")
+    p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
+    p.add_argument("--limit", type=int, default=1000, help="images embedded for the plots (default 1000)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("quickstart", help="generate data, train, evaluate and save the embedded default")
     _add_config_args(p)
@@ -189,6 +263,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list architecture presets")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("export", help="export a model (final/ or a step checkpoint) as open_clip, hf or onnx")
+    p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
+    p.add_argument("--format", required=True, help="open_clip | hf | onnx")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("embed", help="embed a dataset into clip-retrieval's layout (img_emb/, text_emb/, metadata/)")
+    p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
+    p.add_argument("--data", required=True, help="shards (dir/{00000..00009}.tar), a directory of .tar, or an image folder")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--part-size", type=int, default=100_000, help="rows per img_emb_N/text_emb_N/metadata_N part")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("index", help="build FAISS inner-product indexes from `mmalign embed` output")
+    p.add_argument("--emb", required=True, help="an `mmalign embed` output directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--exact-max", type=int, default=100_000,
+                   help="corpora up to this size get an exact IndexFlatIP, larger ones IVF-PQ")
+    p.add_argument("--nlist", type=int, help="IVF lists (default ~4 sqrt(n))")
+    p.add_argument("--pq-m", type=int, help="PQ sub-quantizers, a divisor of the dim (default ~dim/4)")
+    p.add_argument("--nbits", type=int, help="bits per PQ code (default 8)")
+    p.add_argument("--nprobe", type=int, default=16, help="IVF lists probed per query")
+    p.set_defaults(func=cmd_index)
+
+    p = sub.add_parser("search", help="query an index with text or an image")
+    p.add_argument("--index", required=True, help="an `mmalign index` output directory")
+    p.add_argument("--model", required=True, help="the model that made the embeddings")
+    p.add_argument("--text", help="a text query")
+    p.add_argument("--image", help="an image file as the query")
+    p.add_argument("-k", type=int, default=10, help="results to show")
+    p.add_argument("--against", default="image", help="search the image index (default) or the caption index (text)")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)")
+    p.add_argument("--index", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

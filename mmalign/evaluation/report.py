@@ -1,0 +1,220 @@
+"""``mmalign report --run DIR``: one HTML page and PNGs that show how a run went.
+
+- ``curves.png``: the trainer's ``metrics.jsonl`` against step: loss with its
+  chance floor log N, temperature (logit scale), positive rank and hardest-negative
+  probability, in-batch top-1, probe effective ranks, throughput.
+- ``similarity.png``: cosine of each caption with its own image against random
+  non-matching pairs, with the AUC of the cosine as a match detector.
+- ``tsne.png``: a t-SNE (van der Maaten & Hinton 2008) of the image embeddings,
+  coloured by the suite's first zero-shot label (e.g. shape).
+- ``recall.png``: Recall@k for k = 1..50 in both directions, with chance.
+- ``index.html``: the figures, the embedding diagnostics and the run's ``eval.json``.
+
+The figures after the first need the model (``final/``) and the suite's dataset
+(the run's data.val by default); without them the page says what is missing.
+Matplotlib runs on the Agg backend: no display is needed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mmalign.evaluation.datasets import dataset_spec, iter_dataset  # noqa: E402
+from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc  # noqa: E402
+from mmalign.evaluation.features import embed_dataset  # noqa: E402
+from mmalign.evaluation.retrieval import retrieval_ranks  # noqa: E402
+from mmalign.evaluation.suite import load_suite  # noqa: E402
+
+# (title, keys drawn on one axes, dashed keys on the same axes)
+CURVES = [
+    ("contrastive loss", ["loss"], ["loss_floor"]),
+    ("logit scale (1/temperature)", ["logit_scale"], []),
+    ("rank of the positive (0 = first)", ["pos_rank"], []),
+    ("hardest negative's probability", ["hardest_neg_prob"], []),
+    ("in-batch top-1", ["top1"], []),
+    ("effective rank of probe embeddings", ["probe_image_effective_rank", "probe_text_effective_rank"], []),
+    ("throughput (samples/s)", ["samples_per_s"], []),
+]
+MAX_RECALL_K = 50
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+    return [r for r in rows if "step" in r]
+
+
+def plot_curves(rows: list[dict], out: Path) -> Path | None:
+    panels = [p for p in CURVES if any(k in r for r in rows for k in p[1])]
+    if not panels:
+        return None
+    cols = 2
+    fig, axes = plt.subplots((len(panels) + 1) // cols, cols, figsize=(11, 2.8 * ((len(panels) + 1) // cols)),
+                             squeeze=False)
+    for ax, (title, keys, dashed) in zip(axes.flat, panels):
+        for key, style in [(k, "-") for k in keys] + [(k, "--") for k in dashed]:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                x, y = zip(*pts)
+                label = "chance floor log N" if key == "loss_floor" else key
+                ax.plot(x, y, style, label=label, color="gray" if style == "--" else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+        if len(keys) + len(dashed) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_similarity(sims: dict, out: Path) -> Path:
+    pos, neg = sims["positive"].numpy(), sims["negative"].numpy()
+    auc = positive_negative_auc(sims["positive"], sims["negative"])
+    lo, hi = min(pos.min(), neg.min()), max(pos.max(), neg.max())
+    bins = np.linspace(lo, hi, 60)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for values, colour, label in ((neg, "tab:blue", f"non-matching pairs (n={len(neg)})"),
+                                  (pos, "tab:orange", f"caption with its own image (n={len(pos)})")):
+        # outlined, lightly filled: where the two masses overlap both stay readable
+        ax.hist(values, bins=bins, density=True, histtype="stepfilled", alpha=0.25, color=colour)
+        ax.hist(values, bins=bins, density=True, histtype="step", linewidth=1.5, color=colour, label=label)
+        ax.axvline(float(values.mean()), color=colour, linestyle="--", linewidth=1)
+    ax.set_xlabel("cosine similarity")
+    ax.set_ylabel("density")
+    ax.set_title(f"positive vs negative similarity (AUC {auc:.3f}; dashed: means)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, seed: int = 0) -> Path:
+    from sklearn.manifold import TSNE
+
+    n = features.shape[0]
+    xy = TSNE(n_components=2, perplexity=float(min(30, max(2, (n - 1) // 3))), init="pca",
+              random_state=seed).fit_transform(features.numpy())  # (N, 2)
+    fig, ax = plt.subplots(figsize=(8, 6))
+    classes = sorted(set(labels))
+    cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
+    for i, c in enumerate(classes):
+        idx = [j for j, lab in enumerate(labels) if lab == c]
+        ax.scatter(xy[idx, 0], xy[idx, 1], s=8, color=cmap(i % cmap.N), label=c)
+    ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.legend(fontsize=7, markerscale=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never hides points
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_recall(t2i: torch.Tensor, i2t: torch.Tensor, n_images: int, n_captions: int, out: Path) -> Path:
+    ks = np.arange(1, min(MAX_RECALL_K, n_images, n_captions) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(ks, [(t2i < k).float().mean().item() for k in ks], label="text->image (image_retrieval_recall@k)")
+    ax.plot(ks, [(i2t < k).float().mean().item() for k in ks], label="image->text (text_retrieval_recall@k)")
+    ax.plot(ks, np.minimum(1, ks / n_images), "--", color="gray", label="chance, text->image (k/N)")
+    ax.set_xlabel("k")
+    ax.set_ylabel("Recall@k")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Recall@k ({n_images} images, {n_captions} captions)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _table(rows: list[tuple]) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table>{cells}</table>"
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int) -> tuple[dict, dict]:
+    from mmalign.pretrained import load
+
+    loaded = load(run)
+    train_cfg = loaded.config.get("train_config", {})
+    suite = load_suite(suite_name or train_cfg.get("eval", {}).get("suite", "shapes"))
+    spec = dict(dataset_spec(suite, data or train_cfg.get("data", {}).get("val")), limit=limit)
+    emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, iter_dataset(spec))
+    return emb, suite
+
+
+def write_report(run: str | Path, output: str | Path | None = None, *, suite: str | None = None,
+                 data: str | None = None, limit: int = 1000) -> Path:
+    """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path."""
+    run = Path(run)
+    out = Path(output) if output else run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    body = [f"<h1>mmalign run report</h1><p>run <code>{html.escape(str(run))}</code>, "
+            f"written {time.strftime('%Y-%m-%d %H:%M')}</p>"]
+
+    rows = read_metrics(run / "metrics.jsonl")
+    if plot_curves(rows, out / "curves.png"):
+        body.append(f"<h2>Training curves</h2><p>{len(rows)} logged steps of metrics.jsonl</p>"
+                    "<img src='curves.png'>")
+    else:
+        body.append("<h2>Training curves</h2><p>no metrics.jsonl with known keys in the run</p>")
+
+    try:
+        emb, suite_def = _embed_run(run, suite, data, limit)
+    except (FileNotFoundError, OSError) as e:  # no final/ yet, or no evaluation data
+        body.append(f"<h2>Embeddings</h2><p>skipped: {html.escape(str(e))}</p>")
+    else:
+        img, txt, owner = emb["image_features"], emb["text_features"], emb["text_to_image"]
+        body.append(f"<h2>Embeddings</h2><p>suite <code>{html.escape(suite_def['name'])}</code>: "
+                    f"{len(img)} images, {len(txt)} captions; joint-space embeddings after the projection heads</p>")
+        if len(txt):
+            plot_similarity(similarity_samples(img, txt, owner, generator=torch.Generator().manual_seed(0)),
+                            out / "similarity.png")
+            t2i, i2t = retrieval_ranks(img, txt, owner, MAX_RECALL_K)
+            plot_recall(t2i, i2t, len(img), len(txt), out / "recall.png")
+            body.append("<img src='similarity.png'><img src='recall.png'>")
+            diag = embedding_diagnostics(img, txt, owner)
+            body.append("<h3>Diagnostics</h3>" + _table(sorted(diag.items())))
+        task = next((t for t in suite_def["tasks"] if t["type"] == "zeroshot"), None)
+        if task is not None and len(img) >= 5:
+            labels = [str(m.get(task["label_field"])) for m in emb["metas"]]
+            plot_tsne(img, labels, f"t-SNE of image embeddings, coloured by {task['label_field']}", out / "tsne.png")
+            body.append("<img src='tsne.png'>")
+
+    if (run / "eval.json").is_file():
+        records = json.loads((run / "eval.json").read_text())
+        rows_ = [(r["dataset"], k, v) for r in records for k, v in r["metrics"].items()
+                 if isinstance(v, (int, float)) or v is None]
+        body.append("<h2>eval.json</h2>" + _table([("task", "metric", "value")] + rows_))
+    style = ("<style>body{font-family:sans-serif;max-width:1150px;margin:auto}img{max-width:100%;margin:6px 0}"
+             "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}</style>")
+    page = out / "index.html"
+    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>mmalign report</title>{style}</head>"
+                    f"<body>{''.join(body)}</body></html>")
+    return page

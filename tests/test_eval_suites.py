@@ -1,0 +1,150 @@
+"""End to end: `mmalign eval` on the shapes and digits suites, `mmalign report`, features, edits.
+
+A freshly initialised micro model stands in for a trained one: these tests check the
+plumbing and the definitions, not the accuracy.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision import transforms as T
+
+from data_pipelines import shapes
+from mmalign.cli import main
+from mmalign.evaluation.counterfactual import edit_pairs, run_counterfactuals
+from mmalign.evaluation.features import encode_images
+
+
+@pytest.fixture(scope="module")
+def run_dir(shapes_dir, tmp_path_factory):
+    from mmalign.config import ModelConfig
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.models.io import save_pretrained
+    from mmalign.models.presets import resolve_arch
+    from mmalign.models.two_tower import TwoTower
+
+    run = tmp_path_factory.mktemp("evalrun")
+    torch.manual_seed(0)
+    model = TwoTower(resolve_arch(ModelConfig(preset="micro")))
+    save_pretrained(model, run / "final", preprocess=preprocess_cfg(model.image_size),
+                    extra={"train_config": {"data": {"val": f"{shapes_dir}/val/00000.tar"}, "eval": {"suite": "shapes"}}})
+    keys = ["loss", "loss_floor", "logit_scale", "pos_rank", "hardest_neg_prob", "top1",
+            "probe_image_effective_rank", "probe_text_effective_rank", "samples_per_s"]
+    rows = [{"step": s, **{k: 1.0 / s + i for i, k in enumerate(keys)}, "grad_norm": float("nan")} for s in range(1, 21)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 21, \"lo")  # torn last line
+    return run
+
+
+def test_eval_shapes_full_writes_clip_benchmark_records(run_dir, tmp_path):
+    out = tmp_path / "full.json"
+    assert main(["eval", "--model", str(run_dir), "--suite", "shapes_full", "--output", str(out)]) == 0
+    records = {r["dataset"]: r for r in json.loads(out.read_text())}
+    assert {r["task"] for r in records.values()} == {"zeroshot_classification", "zeroshot_retrieval", "linear_probe",
+                                                    "embedding_diagnostics", "counterfactual"}
+    for r in records.values():
+        assert set(r) >= {"dataset", "model", "pretrained", "task", "metrics", "language"}
+    assert set(records["shapes_full/shape"]["metrics"]) >= {"acc1", "acc5", "mean_per_class_recall"}
+    assert set(records["shapes_full/shape"]["slices"]) == {"background", "size"}
+    assert sum(v["n"] for v in records["shapes_full/shape"]["slices"]["size"].values()) == 120
+    assert "text_retrieval_recall@5" in records["shapes_full/retrieval"]["metrics"]
+    assert records["shapes_full/shape_probe"]["features"] == "joint"
+    assert records["shapes_full/shape_probe_backbone"]["features"] == "pre_projection"
+    assert "linear_best_C" in records["shapes_full/shape_probe_backbone"]["metrics"]
+    cf = records["shapes_full/counterfactual"]
+    assert cf["expected"]["rerender/colour"] == "changes" and cf["expected"]["rerender/shape"] == "keeps"
+    assert 0.0 <= cf["metrics"]["rerender_colour_flip_rate"] <= 1.0
+    # the default suite through the same code gives the same zero-shot numbers
+    assert main(["eval", "--model", str(run_dir), "--out", str(tmp_path / "plain.json")]) == 0
+    plain = {r["dataset"]: r for r in json.loads((tmp_path / "plain.json").read_text())}
+    assert plain["shapes/shape"]["metrics"] == records["shapes_full/shape"]["metrics"]
+
+
+def test_eval_digits_suite_with_limit(run_dir, tmp_path):
+    out = tmp_path / "digits.json"
+    assert main(["eval", "--model", str(run_dir), "--suite", "digits", "--output", str(out), "--limit", "150"]) == 0
+    records = {r["dataset"]: r for r in json.loads(out.read_text())}
+    assert records["digits/digit"]["n_images"] == 150
+    assert records["digits/digit"]["metrics"]["chance_acc1"] == pytest.approx(0.1)
+    assert records["digits/digit_probe_backbone"]["features"] == "pre_projection"
+
+
+def test_unknown_suite_is_a_one_line_error(run_dir, capsys):
+    assert main(["eval", "--model", str(run_dir), "--suite", "nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err
+
+
+def test_report_writes_html_and_pngs(run_dir, tmp_path):
+    assert main(["report", "--run", str(run_dir), "--output", str(tmp_path / "rep"), "--limit", "60"]) == 0
+    page = (tmp_path / "rep" / "index.html").read_text()
+    for name in ("curves.png", "similarity.png", "tsne.png", "recall.png"):
+        assert f"src='{name}'" in page
+        with Image.open(tmp_path / "rep" / name) as im:
+            assert im.width > 300 and im.height > 200
+    assert "20 logged steps" in page and "positive_negative_auc" in page
+
+
+def test_pre_projection_features_come_from_one_pass_and_restore_the_head(run_dir):
+    from mmalign.pretrained import load
+
+    model = load(run_dir).model
+    x = torch.randn(5, 3, 16, 16)
+    feats = encode_images(model, x, pre_projection=True)
+    torch.testing.assert_close(feats["joint"], model.encode_image(x))
+    proj = model.visual.proj
+    assert isinstance(proj, torch.nn.Parameter) and "visual.proj" in dict(model.named_parameters())
+    torch.testing.assert_close(F.normalize(feats["pre_projection"] @ proj.detach(), dim=-1), feats["joint"])
+    assert not torch.allclose(feats["pre_projection"], feats["joint"])
+
+
+def _scene(**kw):
+    attrs = {"shape": "square", "colour": "red", "background": "white", "size": "large", "grid": [1, 1],
+             "position": "center", **kw}
+    return {"key": "k", "image": shapes.draw(dict(attrs, jitter=[0.3, -0.2]), 32), "captions": [], "json": attrs}
+
+
+def test_edits_change_what_they_say():
+    samples = [_scene(), _scene(colour="blue", shape="circle")]
+    before, after, metas = edit_pairs(samples, {"name": "rerender", "field": "colour"}, seed=1)
+    for s, b, a, m in zip(samples, before, after, metas):
+        assert m["colour"] != s["json"]["colour"] and {k: v for k, v in m.items() if k != "colour"} == \
+            {k: v for k, v in dict(s["json"], jitter=[0.0, 0.0]).items() if k != "colour"}
+        b, a = np.asarray(b), np.asarray(a)
+        changed = (b != a).any(axis=2)
+        assert changed.any()
+        assert (b[changed] == shapes.COLOURS[s["json"]["colour"]]).all()  # only the shape's pixels changed
+        assert (a[changed] == shapes.COLOURS[m["colour"]]).all()
+    _, flipped, _ = edit_pairs(samples, {"name": "hflip"})
+    assert np.array_equal(np.asarray(flipped[0]), np.asarray(samples[0]["image"])[:, ::-1])
+    _, cropped, _ = edit_pairs(samples, {"name": "crop", "scale": 0.5})
+    assert cropped[0].size == samples[0]["image"].size
+
+
+class _MeanColour(torch.nn.Module):
+    """A stand-in model whose image embedding is the normalised mean RGB."""
+
+    def encode_image(self, x):
+        return F.normalize(x.mean(dim=(2, 3)) + 1e-3, dim=-1)
+
+
+def test_counterfactual_metrics_against_direct_computation():
+    rng = np.random.default_rng(0)
+    samples = [_scene(colour=str(c), background="black") for c in rng.choice(list(shapes.COLOURS), 12)]
+    names = list(shapes.COLOURS)
+    weights = F.normalize(torch.tensor([shapes.COLOURS[n] for n in names], dtype=torch.float32), dim=-1).T  # (3, C)
+    clf = {"colour": {"weights": weights, "label_field": "colour", "classnames": names}}
+    edits = [{"name": "hflip"}, {"name": "rerender", "field": "colour"}]
+    metrics, expected = run_counterfactuals(_MeanColour(), T.ToTensor(), samples, edits, clf, batch_size=5, seed=2)
+    assert metrics["hflip_cosine_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["hflip_colour_flip_rate"] == 0.0
+    before, after, _ = edit_pairs(samples, edits[1], seed=2)
+    emb = lambda ims: F.normalize(torch.stack([T.ToTensor()(i) for i in ims]).mean(dim=(2, 3)) + 1e-3, dim=-1)  # noqa: E731
+    b, a = emb(before), emb(after)
+    assert metrics["rerender_cosine_mean"] == pytest.approx(float((b * a).sum(1).mean()), abs=1e-6)
+    want_flip = float(((b @ weights).argmax(1) != (a @ weights).argmax(1)).float().mean())
+    assert metrics["rerender_colour_flip_rate"] == pytest.approx(want_flip)
+    assert metrics["rerender_colour_flip_rate"] > 0.5  # mean colour on black does see the recolouring
+    assert expected == {"hflip/colour": "keeps", "rerender/colour": "changes"}
