@@ -1,0 +1,97 @@
+"""Export the two encoders as ONNX graphs for search services.
+
+``OUT/image_encoder.onnx``: ``pixels`` float32 (B, 3, S, S), already preprocessed ->
+``embedding`` float32 (B, D), L2-normalised.
+``OUT/text_encoder.onnx``: ``tokens`` int64 (B, L) from the model's tokenizer ->
+``embedding`` float32 (B, D), L2-normalised.
+``OUT/onnx_config.json`` records the shapes, opset, preprocessing and tokenizer.
+
+The batch axis is dynamic.  We use torch's TorchScript-based exporter
+(``dynamo=False``): the dynamo exporter needs ``onnxscript``, which is not a
+dependency.  Exporting in eval mode makes patch dropout the identity.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmalign.export.source import Source
+
+OPSET = 17  # >= 14 for the attention ops; 17 adds a native LayerNormalization
+IMAGE_GRAPH = "image_encoder.onnx"
+TEXT_GRAPH = "text_encoder.onnx"
+CONFIG = "onnx_config.json"
+
+
+class _ImageEmbedder(nn.Module):
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.visual(pixels), dim=-1)  # (B, D)
+
+
+class _TextEmbedder(nn.Module):
+    def __init__(self, text: nn.Module):
+        super().__init__()
+        self.text = text
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.text(tokens), dim=-1)  # (B, D)
+
+
+def _export(module: nn.Module, example: torch.Tensor, path: Path, input_name: str) -> None:
+    # nn.MultiheadAttention's inference fast path is a fused op with no ONNX symbolic;
+    # switch it off while tracing so the graph is made of plain matmuls and softmax.
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # tracer warnings about python control flow on shapes
+            torch.onnx.export(
+                module, (example,), str(path), dynamo=False, opset_version=OPSET,
+                input_names=[input_name], output_names=["embedding"],
+                dynamic_axes={input_name: {0: "batch"}, "embedding": {0: "batch"}},
+                do_constant_folding=True,
+            )
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def export_onnx(source: Source, out: Path) -> Path:
+    import onnx
+
+    model = source.model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    size = model.image_size
+    # Batch 2 for tracing: a batch of 1 invites the tracer to specialise on it.
+    pixels = torch.randn(2, 3, size, size)
+    tokens = source.tokenizer(["an example caption", "another one"])  # (2, L) int64
+    _export(_ImageEmbedder(model.visual), pixels, out / IMAGE_GRAPH, "pixels")
+    _export(_TextEmbedder(model.text), tokens.long(), out / TEXT_GRAPH, "tokens")
+    for graph in (IMAGE_GRAPH, TEXT_GRAPH):
+        onnx.checker.check_model(str(out / graph))
+    config = {
+        "image_encoder": {"file": IMAGE_GRAPH, "input": "pixels", "shape": ["batch", 3, size, size],
+                          "dtype": "float32"},
+        "text_encoder": {"file": TEXT_GRAPH, "input": "tokens", "shape": ["batch", model.context_length],
+                         "dtype": "int64"},
+        "output": {"name": "embedding", "shape": ["batch", model.embed_dim], "normalised": True},
+        "opset": OPSET,
+        "logit_scale": float(model.logit_scale.detach().exp().reshape(-1)[0]),
+        "preprocess_cfg": dict(source.preprocess_cfg),
+        "tokenizer": ({"type": "sentencepiece", "file": "tokenizer.model"} if source.tokenizer_file is not None
+                      else {"type": "clip_bpe"}) | {"context_length": model.context_length},
+    }
+    if source.tokenizer_file is not None:
+        shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    return out

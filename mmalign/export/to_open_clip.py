@@ -1,0 +1,65 @@
+"""Export to open_clip's own folder format.
+
+``OUT/open_clip_config.json`` = ``{"model_cfg": ..., "preprocess_cfg": ...}`` and
+``OUT/open_clip_model.safetensors``.  open_clip 3.3 loads such a folder offline::
+
+    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:OUT")
+    tokenizer = open_clip.get_tokenizer("local-dir:OUT")
+
+Why ``custom_text: true``: our towers are named ``visual.*`` / ``text.*`` (built with
+open_clip's ``_build_vision_tower`` / ``_build_text_tower``), which is the layout of
+open_clip's ``CustomTextCLIP``; plain ``CLIP`` flattens the text tower into the top
+level (``token_embedding``, ``transformer``, ...).  ``CustomTextCLIP`` keeps a 0-dim
+``logit_scale`` (ours is shape [1] for DeepSpeed), so it is reshaped here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from mmalign.export.source import Source
+
+log = logging.getLogger("mmalign.export")
+
+CONFIG = "open_clip_config.json"
+WEIGHTS = "open_clip_model.safetensors"
+
+
+def model_cfg(source: Source) -> dict:
+    model = source.model
+    cfg = copy.deepcopy({k: model.arch[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu")
+                         if k in model.arch})
+    cfg["custom_text"] = True
+    # open_clip passes text_cfg.tokenizer_kwargs to its SimpleTokenizer; our sentencepiece
+    # path there would be an unknown keyword, so it is recorded outside model_cfg instead.
+    cfg["text_cfg"].pop("tokenizer_kwargs", None)
+    if model.logit_bias is not None:  # SigLIP: CustomTextCLIP creates logit_bias only when asked
+        cfg["init_logit_bias"] = float(model.logit_bias.detach().reshape(-1)[0])
+    return cfg
+
+
+def export_open_clip(source: Source, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in source.model.state_dict().items():
+        tensor = tensor.detach().cpu().float().contiguous().clone()
+        if name in ("logit_scale", "logit_bias"):
+            tensor = tensor.reshape(())  # (1,) -> 0-dim, CustomTextCLIP's shape
+        state[name] = tensor
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
+    config = {"model_cfg": model_cfg(source), "preprocess_cfg": dict(source.preprocess_cfg)}
+    if source.tokenizer_file is not None:
+        shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
+        config["mmalign_tokenizer"] = {"type": "sentencepiece", "file": "tokenizer.model",
+                                       "context_length": source.model.context_length}
+        log.warning("open_clip.get_tokenizer('local-dir:%s') returns CLIP BPE, not this model's sentencepiece "
+                    "tokenizer (tokenizer.model, copied beside the weights); tokenize with "
+                    "mmalign.data.tokenizer.SentencePieceTokenizer", out)
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    return out
