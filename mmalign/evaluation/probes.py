@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import balanced_accuracy_score
 
-from mmalign.evaluation.zeroshot import topk_accuracy
+from mmalign.evaluation.zeroshot import classification_metrics
 
 DEFAULT_CS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
 
@@ -43,16 +42,6 @@ def split_indices(n: int, fractions: Sequence[float], seed: int = 0) -> list[tor
         start += size
     parts.append(perm[start:])
     return parts
-
-
-def classification_metrics(scores: torch.Tensor, labels: torch.Tensor) -> dict:
-    """``scores`` (N, C) -> clip_benchmark's acc1, acc5 and mean_per_class_recall."""
-    pred = scores.argmax(dim=1)
-    return {
-        "acc1": topk_accuracy(scores, labels, 1),
-        "acc5": topk_accuracy(scores, labels, 5),
-        "mean_per_class_recall": float(balanced_accuracy_score(labels.numpy(), pred.numpy())),
-    }
 
 
 def _logreg(c: float, seed: int) -> LogisticRegression:

@@ -12,8 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from mmalign.evaluation.zeroshot import topk_accuracy
-from sklearn.metrics import balanced_accuracy_score
+from mmalign.evaluation.zeroshot import classification_metrics
 
 
 def _value(meta: dict, field: str) -> str:
@@ -29,10 +28,6 @@ def slice_metrics(logits: torch.Tensor, labels: torch.Tensor, metas: list[dict],
     out = {}
     for value in sorted(groups):
         idx = torch.tensor(groups[value])
-        pred = logits[idx].argmax(dim=1)
-        out[value] = {
-            "n": len(idx),
-            "acc1": topk_accuracy(logits[idx], labels[idx], 1),
-            "mean_per_class_recall": float(balanced_accuracy_score(labels[idx].numpy(), pred.numpy())),
-        }
+        m = classification_metrics(logits[idx], labels[idx])
+        out[value] = {"n": len(idx), "acc1": m["acc1"], "mean_per_class_recall": m["mean_per_class_recall"]}
     return out

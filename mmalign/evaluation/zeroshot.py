@@ -39,12 +39,16 @@ def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
     return (topk == labels[:, None]).any(dim=1).float().mean().item()
 
 
-def zero_shot_metrics(image_features: torch.Tensor, classifier: torch.Tensor, labels: torch.Tensor) -> dict:
-    """``image_features`` (N, D) normalised, ``classifier`` (D, C), ``labels`` (N,)."""
-    logits = 100.0 * image_features.float() @ classifier  # (N, C)
-    pred = logits.argmax(dim=1)
+def classification_metrics(scores: torch.Tensor, labels: torch.Tensor) -> dict:
+    """``scores`` (N, C) of any classifier (zero-shot, probe, a slice) -> acc1, acc5, mean_per_class_recall."""
+    pred = scores.argmax(dim=1)
     return {
-        "acc1": topk_accuracy(logits, labels, 1),
-        "acc5": topk_accuracy(logits, labels, 5),
+        "acc1": topk_accuracy(scores, labels, 1),
+        "acc5": topk_accuracy(scores, labels, 5),
         "mean_per_class_recall": float(balanced_accuracy_score(labels.numpy(), pred.numpy())),
     }
+
+
+def zero_shot_metrics(image_features: torch.Tensor, classifier: torch.Tensor, labels: torch.Tensor) -> dict:
+    """``image_features`` (N, D) normalised, ``classifier`` (D, C), ``labels`` (N,)."""
+    return classification_metrics(100.0 * image_features.float() @ classifier, labels)  # logits (N, C)
