@@ -441,15 +441,34 @@ def test_module_loss_equals_function(gen):
 
 
 # --------------------------------------------------------------- distributed
-def test_distributed_helpers_are_noops_without_group(gen):
-    assert not mdist.is_initialized()
-    assert mdist.get_rank() == 0 and mdist.get_world_size() == 1
-    mdist.barrier()
-    t = torch.randn(3, 2, generator=gen, requires_grad=True)
-    assert mdist.all_gather_with_grad(t) is t
-    assert torch.equal(mdist.all_gather_nograd(t), t)
-    u = t.detach().clone()
-    assert mdist.all_reduce_mean(u) is u and torch.equal(u, t.detach())
+def _run_fresh(code: str, env: dict | None = None) -> None:
+    """Run ``code`` in a new interpreter: other tests (training runs) leave a process
+    group initialised in this one, and these checks are about having none."""
+    import subprocess
+    import sys
+    import textwrap
+
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    full_env.update(env or {})
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env=full_env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_distributed_helpers_are_noops_without_group():
+    _run_fresh("""
+        import torch
+        from mmalign import distributed as mdist
+        assert not mdist.is_initialized()
+        assert mdist.get_rank() == 0 and mdist.get_world_size() == 1
+        mdist.barrier()
+        t = torch.randn(3, 2, requires_grad=True)
+        assert mdist.all_gather_with_grad(t) is t
+        assert torch.equal(mdist.all_gather_nograd(t), t)
+        u = t.detach().clone()
+        assert mdist.all_reduce_mean(u) is u and torch.equal(u, t.detach())
+    """)
 
 
 def test_env_parsing():
@@ -463,11 +482,12 @@ def test_env_parsing():
     assert mdist.env_dist_info({}).world_size == 1
 
 
-def test_init_from_env_is_noop_for_one_process(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(k, raising=False)
-    assert mdist.init_from_env().world_size == 1
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert mdist.init_from_env().world_size == 1
-    assert not mdist.is_initialized()
+def test_init_from_env_is_noop_for_one_process():
+    _run_fresh("""
+        import os
+        from mmalign import distributed as mdist
+        assert mdist.init_from_env().world_size == 1
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        assert mdist.init_from_env().world_size == 1
+        assert not mdist.is_initialized()
+    """)
