@@ -283,8 +283,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
     if cfg.loss.tile_size < 0:
         raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
-    if cfg.loss.name == "siglip" and cfg.loss.false_negative_ids != "none":
-        raise ConfigError("config key 'loss.false_negative_ids' needs loss.name=infonce (SigLIP has no multi-positive targets)")
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json

@@ -53,11 +53,13 @@ def test_errors_name_the_key(override, key):
     assert key in msg and "\n" not in msg
 
 
-def test_impossible_combination_siglip_with_false_negative_ids():
-    with pytest.raises(ConfigError, match="loss.false_negative_ids"):
-        load_config(None, ["loss.name=siglip", "model.init_logit_bias=-10", "loss.false_negative_ids=caption"])
+def test_impossible_combinations():
     with pytest.raises(ConfigError, match="model.init_logit_bias"):
         load_config(None, ["loss.name=siglip"])
+    with pytest.raises(ConfigError, match="loss.false_negative_ids"):
+        load_config(None, ["loss.false_negative_ids=label", "data.id_field=class_id"])
+    # an id field named by the loss is read by the loader
+    assert load_config(None, ["loss.false_negative_ids=label"]).data.id_field == "label"
 
 
 def test_unknown_key_in_yaml(tmp_path):
