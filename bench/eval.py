@@ -61,7 +61,7 @@ def run_side(side: str, n_images: int, n_captions: int, dim: int, cap_gb: float)
             metrics = _clip_benchmark(images, texts, owner)
         error = None
     except (MemoryError, RuntimeError) as e:  # the allocation of the full matrix under the cap
-        metrics, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        metrics, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return {"side": side, "images": n_images, "captions": n_captions, "dim": dim, "wall_s": time.perf_counter() - t0,
             "cpu_s": time.process_time() - c0, "peak_rss_mb": _rss_mb(), "baseline_rss_mb": baseline,
             "metrics": metrics, "error": error}
