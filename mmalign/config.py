@@ -100,6 +100,8 @@ class LossConfig:
     name: Literal["infonce", "siglip"] = "infonce"
     tile_size: int = 0  # 0 = untiled
     false_negative_ids: str = "none"  # none | caption | <a .json id field>
+    hard_negative_beta: float = 0.0  # infonce: weight negatives by exp(beta * logit) (Robinson et al. 2021)
+    debias_prior: float = 0.0  # infonce: class prior tau+ in [0, 1) of debiased InfoNCE (Chuang et al. 2020)
 
 
 @dataclass
@@ -283,6 +285,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
     if cfg.loss.tile_size < 0:
         raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
+    if cfg.loss.hard_negative_beta < 0:
+        raise ConfigError(f"config key 'loss.hard_negative_beta' must be >= 0, got {cfg.loss.hard_negative_beta}")
+    if not 0 <= cfg.loss.debias_prior < 1:
+        raise ConfigError(f"config key 'loss.debias_prior' must be in [0, 1), got {cfg.loss.debias_prior}")
+    if (cfg.loss.hard_negative_beta or cfg.loss.debias_prior) and cfg.loss.name != "infonce":
+        raise ConfigError("config keys 'loss.hard_negative_beta' / 'loss.debias_prior' need loss.name=infonce")
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json

@@ -39,7 +39,17 @@ CASES = [  # (name, loss, tile, with_ids)
     ("infonce_tiled", "infonce", 5, False),
     ("infonce_ids_tiled", "infonce", 5, True),
     ("siglip_tiled", "siglip", 5, False),
+    ("hardneg", "infonce", 0, False),
+    ("debias_ids", "infonce", 0, True),
+    ("hardneg_debias_tiled", "infonce", 5, False),
+    ("hardneg_debias_ids_tiled", "infonce", 5, True),
 ]
+ESTIMATOR = {  # (hard_negative_beta, debias_prior) of the hardneg cases (Robinson / Chuang)
+    "hardneg": (0.7, 0.0),
+    "debias_ids": (0.0, 0.1),
+    "hardneg_debias_tiled": (0.5, 0.1),
+    "hardneg_debias_ids_tiled": (1.0, 0.2),
+}
 
 
 def _free_port() -> int:
@@ -62,7 +72,9 @@ def _worker(rank: int, port: int, in_path: str, out_dir: str) -> None:
         y = data["y"][sl].clone().requires_grad_()
         s = data["scale"].clone().requires_grad_()
         b = data["bias"].clone().requires_grad_()
-        module = ContrastiveLoss(loss_name, tile, use_positive_ids=with_ids)
+        beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
+        module = ContrastiveLoss(loss_name, tile, use_positive_ids=with_ids, hard_negative_beta=beta,
+                                 debias_prior=prior)
         out = module(x, y, s, b if loss_name == "siglip" else None,
                      positive_ids=data["ids"][sl] if with_ids else None)
         out.loss.backward()
@@ -87,6 +99,26 @@ def ref_infonce(x, y, s, ids):
     i2t = (torch.logsumexp(logits, 1) - (target * logits).sum(1)).mean()
     t2i = (torch.logsumexp(logits.T, 1) - (target * logits.T).sum(1)).mean()
     return (i2t + t2i) / 2
+
+
+def ref_hardneg(x, y, s, ids, beta, prior):
+    """Robinson et al. / Chuang et al. estimator (formulas in mmalign/losses/hardneg.py), float64."""
+    logits = s * x @ y.T
+    same = ids[:, None] == ids[None, :]
+
+    def one(lg, pos):
+        n_pos, neg = pos.sum(1), ~pos
+        m = neg.sum(1)
+        pos_sum = (lg.exp() * pos).sum(1)
+        mean_pos = (lg * pos).sum(1) / n_pos
+        imp = (beta * lg).exp() * neg
+        w = imp / (imp.sum(1, keepdim=True) / m[:, None])
+        ng = (w * lg.exp()).sum(1)
+        if prior:
+            ng = torch.maximum((ng - prior * m * pos_sum / n_pos) / (1 - prior), m * torch.exp(-s))
+        return (torch.log(pos_sum + ng) - mean_pos).mean()
+
+    return (one(logits, same) + one(logits.T, same.T)) / 2
 
 
 def ref_siglip(x, y, s, b, ids):
@@ -116,7 +148,9 @@ def test_sharded_gradients_equal_full_batch(tmp_path):
     for name, loss_name, tile, with_ids in CASES:
         case_ids = ids if with_ids else distinct
         leaves = [t.double().clone().requires_grad_() for t in (x, y, scale, bias)]
-        if loss_name == "infonce":
+        if name in ESTIMATOR:
+            ref = ref_hardneg(leaves[0], leaves[1], leaves[2], case_ids, *ESTIMATOR[name])
+        elif loss_name == "infonce":
             ref = ref_infonce(leaves[0], leaves[1], leaves[2], case_ids)
         else:
             ref = ref_siglip(*leaves, case_ids)
@@ -138,7 +172,9 @@ def test_sharded_gradients_equal_full_batch(tmp_path):
             assert all(r[name]["db"] is None for r in ranks)
 
         # Stats are rank-averaged: both ranks report the full-batch values.
-        full = ContrastiveLoss(loss_name, 0, use_positive_ids=with_ids)(
+        beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
+        full = ContrastiveLoss(loss_name, 0, use_positive_ids=with_ids, hard_negative_beta=beta,
+                               debias_prior=prior)(
             x, y, scale, bias if loss_name == "siglip" else None, positive_ids=ids if with_ids else None).stats
         for key in ("pos_rank", "top1", "hardest_neg_prob", "loss_floor", "n_candidates", "loss"):
             for r in ranks:

@@ -16,6 +16,11 @@ bit. The positive term is linear in the logits, so it is computed from group
 means of the candidates (:func:`.positives.positive_logit`); only the LSE
 needs the full row, which the tiled path (Inf-CL) streams.
 
+**Hard-negative weighting / debiasing** (Robinson et al. 2021; Chuang et
+al. 2020): ``hard_negative_beta`` > 0 or ``debias_prior`` > 0 switch the
+negatives' term to the estimator of :mod:`.hardneg` (formulas there); with
+both 0 the code path below is the plain one, unchanged.
+
 **Sharded** (open_clip ``local_loss`` + ``gather_with_grad``): a rank scores
 its B local rows against all W*B gathered candidates in each direction and
 averages over its local rows, so the mean over ranks is the global loss.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .hardneg import hardneg_local
 from .monitors import full_matrix_tracks
 from .positives import Positives, positive_logit
 from .tiled import tiled_lse
@@ -52,7 +58,8 @@ def _row_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int | None, *
 
 def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor, *,
                   ids: Tensor | None = None, ids_all: Tensor | None = None, offset: int = 0,
-                  tile_size: int | None = None, track: bool = False
+                  tile_size: int | None = None, track: bool = False,
+                  hard_negative_beta: float = 0.0, debias_prior: float = 0.0
                   ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """InfoNCE of local rows against all candidates.
 
@@ -61,9 +68,21 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
     Pass the same tensors as local and all for the single-process (square)
     case, where each tile serves both directions.
 
-    Returns (loss, [tracks_i2t, tracks_t2i], [lse_i2t, lse_t2i]).
+    Returns (loss, [tracks_i2t, tracks_t2i], [lse_i2t, lse_t2i]). With
+    ``hard_negative_beta`` / ``debias_prior`` set the loss is the estimator of
+    :mod:`.hardneg`; tracks and LSEs (monitors only) are then those of the
+    plain logits, computed without grad.
     """
     pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
+    if hard_negative_beta or debias_prior:
+        loss = hardneg_local(image, text, image_all, text_all, logit_scale, pos, tile_size=tile_size,
+                             beta=float(hard_negative_beta), prior=float(debias_prior))
+        if not track:
+            return loss, [], []
+        with torch.no_grad():
+            _, tracks, lses = infonce_local(image, text, image_all, text_all, logit_scale, ids=ids,
+                                            ids_all=ids_all, offset=offset, tile_size=tile_size, track=True)
+        return loss, tracks, lses
     square = image_all is image and text_all is text
     if square:
         lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, logit_scale, tile_size, want_cols=True,
@@ -89,7 +108,8 @@ def _check(image: Tensor, text: Tensor, positive_ids: Tensor | None) -> None:
 
 
 def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, *,
-              positive_ids: Tensor | None = None, tile_size: int | None = None) -> Tensor:
+              positive_ids: Tensor | None = None, tile_size: int | None = None,
+              hard_negative_beta: float = 0.0, debias_prior: float = 0.0) -> Tensor:
     """Symmetric InfoNCE: mean of image->text and text->image cross-entropy.
 
     Args:
@@ -102,9 +122,15 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
             soft targets; gradient ``p_ij - 1[j in P(i)]/|P(i)|``).
         tile_size: if set, stream t x t tiles (Inf-CL, arXiv 2410.17243):
             O(B D + t^2) extra memory, same values and gradients.
+        hard_negative_beta: beta >= 0 of Robinson et al. 2021, negatives
+            weighted by ``exp(beta l_ij)`` (normalised to mean 1 per row).
+        debias_prior: tau+ in [0, 1) of Chuang et al. 2020; the negatives' sum
+            becomes ``max((R - tau+ M e+) / (1 - tau+), M e^{-scale})``.
+            Exact formulas: :mod:`mmalign.losses.hardneg`.
     """
     _check(image_features, text_features, positive_ids)
     ids = None if positive_ids is None else positive_ids.to(image_features.device)
     loss, _, _ = infonce_local(image_features, text_features, image_features, text_features, logit_scale,
-                               ids=ids, ids_all=ids, tile_size=tile_size)
+                               ids=ids, ids_all=ids, tile_size=tile_size,
+                               hard_negative_beta=hard_negative_beta, debias_prior=debias_prior)
     return loss

@@ -50,13 +50,23 @@ class ContrastiveLoss(nn.Module):
         compute_stats: fill ``LossOutput.stats`` (no_grad, O(B) memory; in
             tiled id mode it costs one extra matmul pass over the tiles).
         reduce_stats: average the stats over ranks (one small all_reduce).
+        hard_negative_beta, debias_prior: InfoNCE only; the estimators of
+            :mod:`.hardneg` (Robinson et al. 2021; Chuang et al. 2020).
     """
 
     def __init__(self, name: str = "infonce", tile_size: int | None = 0, use_positive_ids: bool = False,
-                 compute_stats: bool = True, reduce_stats: bool = True):
+                 compute_stats: bool = True, reduce_stats: bool = True, hard_negative_beta: float = 0.0,
+                 debias_prior: float = 0.0):
         super().__init__()
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r}; expected one of {LOSS_NAMES}")
+        if (hard_negative_beta or debias_prior) and name != "infonce":
+            raise ValueError("hard_negative_beta / debias_prior are options of the infonce loss")
+        if hard_negative_beta < 0 or not 0 <= debias_prior < 1:
+            raise ValueError(f"need hard_negative_beta >= 0 and 0 <= debias_prior < 1, got "
+                             f"{hard_negative_beta}, {debias_prior}")
+        self.hard_negative_beta = float(hard_negative_beta)
+        self.debias_prior = float(debias_prior)
         if tile_size is not None and tile_size < 0:
             raise ValueError(f"tile_size must be >= 0, got {tile_size}")
         self.name = name
@@ -66,7 +76,8 @@ class ContrastiveLoss(nn.Module):
         self.reduce_stats = reduce_stats
 
     def extra_repr(self) -> str:
-        return f"name={self.name}, tile_size={self.tile_size}, use_positive_ids={self.use_positive_ids}"
+        return (f"name={self.name}, tile_size={self.tile_size}, use_positive_ids={self.use_positive_ids}, "
+                f"hard_negative_beta={self.hard_negative_beta}, debias_prior={self.debias_prior}")
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
                 logit_bias: Tensor | None = None, positive_ids: Tensor | None = None) -> LossOutput:
@@ -105,7 +116,9 @@ class ContrastiveLoss(nn.Module):
                 image_all, text_all = image_features, text_features
             loss, tracks, lses = infonce_local(image_features, text_features, image_all, text_all, logit_scale,
                                                ids=ids, ids_all=ids_all, offset=offset,
-                                               tile_size=self.tile_size, track=track)
+                                               tile_size=self.tile_size, track=track,
+                                               hard_negative_beta=self.hard_negative_beta,
+                                               debias_prior=self.debias_prior)
             stats = infonce_stats(tracks, lses, text_all.shape[0], logit_scale) if track else {}
         else:
             if logit_bias is None:
@@ -137,4 +150,6 @@ def build_loss(cfg: Any) -> ContrastiveLoss:
         name=str(cfg.name),
         tile_size=int(getattr(cfg, "tile_size", 0) or 0),
         use_positive_ids=fn_ids.lower() != "none",
+        hard_negative_beta=float(getattr(cfg, "hard_negative_beta", 0.0) or 0.0),
+        debias_prior=float(getattr(cfg, "debias_prior", 0.0) or 0.0),
     )

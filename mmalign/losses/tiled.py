@@ -16,6 +16,13 @@ So the M x N logit matrix ``scale * rows @ cols.T`` never has to exist:
   ``d rows = scale G cols``, ``d cols = scale G^T rows``,
   ``d scale = sum_i rows_i . (G cols)_i``.
 
+**Masked LSE** (``select``): the hard-negative / debiased estimators of
+:mod:`.hardneg` need LSEs over the negatives only ("neg") or the positives
+only ("pos"). Excluded logits are set to -inf in the forward and in the
+recomputed backward tile, so they get exactly zero gradient; a row with
+nothing selected has LSE -inf (its shift is sanitised to 0 in the backward,
+where its incoming gradient must then be 0).
+
 Extra memory: O((M + N) D + t^2). The monitors of :mod:`.monitors` ride on
 the forward pass (one more pass over tiles only in id mode, see RankTracker).
 """
@@ -40,14 +47,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor, buf: Tensor, dim: int) -> None:
+def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor, buf: Tensor, dim: int,
+               masked: bool = False) -> None:
     """Online LSE update reducing ``dim`` of ``tile``: (run_max, run_sum) <- merged.
 
     ``sum exp(l - M_new) = run_sum * exp(M_old - M_new) + sum_tile exp(l - M_new)``.
     """
     new_max = torch.maximum(run_max, tile_max)
-    run_sum.mul_(torch.exp(run_max - new_max))  # exp(-inf) = 0 on the first tile
-    torch.sub(tile, new_max.unsqueeze(dim), out=buf)
+    if masked:
+        # A row with nothing selected so far keeps max -inf: shift by 0, not -inf (-inf - -inf = nan).
+        shift = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+    else:
+        shift = new_max
+    run_sum.mul_(torch.exp(run_max - shift))  # exp(-inf) = 0 on the first tile
+    torch.sub(tile, shift.unsqueeze(dim), out=buf)
     buf.exp_()
     run_sum.add_(buf.sum(dim=dim))
     run_max.copy_(new_max)
@@ -91,9 +104,10 @@ class _TiledLSE(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
     def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, t: int, want_cols: bool,
-                pos: Positives, track: bool):
+                pos: Positives, track: bool, select: str = "all"):
         m, n = rows.shape[0], cols.shape[0]
         dev, cdt = rows.device, compute_dtype(rows.dtype)
+        masked = select != "all"
         s = scale.reshape(()).to(rows.dtype)
         r_max = torch.full((m,), float("-inf"), dtype=cdt, device=dev)
         r_sum = torch.zeros(m, dtype=cdt, device=dev)
@@ -112,13 +126,17 @@ class _TiledLSE(torch.autograd.Function):
         for i0, i1 in tile_ranges(m, t):
             rows_s = rows[i0:i1] * s  # (ti, D): scale folded into one row block at a time
             for j0, j1 in tile_ranges(n, t):
+                if masked and _select_tile(pos, select, i0, i1, j0, j1, dev) is _SKIP:
+                    continue  # "pos" and the tile holds no positive
                 tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # (ti, tj)
+                if masked:
+                    _apply_select(tile, pos, select, i0, i1, j0, j1)
                 buf = ws.get(1, i1 - i0, j1 - j0)
                 t_rmax = tile.amax(dim=1)
-                _merge_lse(r_max[i0:i1], r_sum[i0:i1], tile, t_rmax, buf, dim=1)
+                _merge_lse(r_max[i0:i1], r_sum[i0:i1], tile, t_rmax, buf, dim=1, masked=masked)
                 if want_cols:
                     t_cmax = tile.amax(dim=0)
-                    _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0)
+                    _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0, masked=masked)
                 if track:
                     track_tile(tile, pos.mask(i0, i1, j0, j1, dev), trk_r, i0, i1, t_rmax,
                                trk_c, j0, j1, t_cmax if want_cols else None)
@@ -132,7 +150,7 @@ class _TiledLSE(torch.autograd.Function):
         tr_r = trk_r.stacked() if track else torch.empty(0, device=dev)
         tr_c = trk_c.stacked() if trk_c is not None else torch.empty(0, device=dev)
         ctx.save_for_backward(rows, cols, scale, lse_r, lse_c)
-        ctx.t, ctx.want_cols = t, want_cols
+        ctx.t, ctx.want_cols, ctx.pos, ctx.select = t, want_cols, pos, select
         ctx.mark_non_differentiable(tr_r, tr_c)
         return lse_r, lse_c, tr_r, tr_c
 
@@ -148,6 +166,12 @@ class _TiledLSE(torch.autograd.Function):
         use_c = want_cols and g_c is not None
         shift_r, mul_r = _fold_weight(lse_r, g_r)
         shift_c, mul_c = _fold_weight(lse_c, g_c) if use_c else (None, None)
+        pos, select = ctx.pos, ctx.select
+        masked = select != "all"
+        if masked:  # rows with nothing selected: LSE -inf, gradient 0; avoid -inf - -inf
+            shift_r = torch.where(shift_r == float("-inf"), torch.zeros_like(shift_r), shift_r)
+            if use_c:
+                shift_c = torch.where(shift_c == float("-inf"), torch.zeros_like(shift_c), shift_c)
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
         d_scale = torch.zeros((), dtype=cdt, device=rows.device)
@@ -156,7 +180,11 @@ class _TiledLSE(torch.autograd.Function):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
             rows_s = rows[i0:i1] * s  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
+                if masked and _select_tile(pos, select, i0, i1, j0, j1, rows.device) is _SKIP:
+                    continue
                 tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # recomputed
+                if masked:
+                    _apply_select(tile, pos, select, i0, i1, j0, j1)
                 grad = torch.sub(tile, shift_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
                 grad.exp_()  # g_r[i] * softmax_row
                 if mul_r is not None:
@@ -172,7 +200,29 @@ class _TiledLSE(torch.autograd.Function):
             d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
         d_cols = d_cols.mul_(s.to(cdt)).to(dt)
-        return d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype), None, None, None, None
+        return d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype), None, None, None, None, None
+
+
+_SKIP = object()
+
+
+def _select_tile(pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int, device) -> object:
+    """``_SKIP`` when a "pos" selection leaves the tile empty, else None."""
+    if select == "pos" and pos.mask(i0, i1, j0, j1, device) is None:
+        return _SKIP
+    return None
+
+
+def _apply_select(tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int) -> None:
+    """Set the logits that ``select`` excludes to -inf, in place."""
+    mask = pos.mask(i0, i1, j0, j1, tile.device)  # (ti, tj) positives or None
+    if select == "neg":
+        if mask is not None:
+            tile.masked_fill_(mask, float("-inf"))
+    elif select == "pos":
+        tile.masked_fill_(~mask, float("-inf"))
+    else:
+        raise ValueError(f"select must be 'all', 'neg' or 'pos', got {select!r}")
 
 
 @torch.no_grad()
@@ -194,13 +244,18 @@ def count_pass(rows: Tensor, s: Tensor, cols: Tensor, pos: Positives, t: int, tr
 
 
 def tiled_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int, *, want_cols: bool,
-              positives: Positives, track: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              positives: Positives, track: bool, select: str = "all") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Row LSEs (M,) of ``scale * rows @ cols.T`` and, if ``want_cols``, column
     LSEs (N,); plus (3, M) / (3, N) monitor tracks when ``track``.
 
     Differentiable in rows, cols and scale through a custom backward that
-    recomputes tiles.
+    recomputes tiles. ``select`` = "neg" / "pos" restricts every LSE to the
+    negatives / positives of ``positives`` (no tracks then).
     """
     if tile_size <= 0:
         raise ValueError(f"tile_size must be positive, got {tile_size}")
-    return _TiledLSE.apply(rows, cols, scale, int(tile_size), bool(want_cols), positives, bool(track))
+    if select not in ("all", "neg", "pos"):
+        raise ValueError(f"select must be 'all', 'neg' or 'pos', got {select!r}")
+    if select != "all" and track:
+        raise ValueError("monitor tracks are only computed for select='all'")
+    return _TiledLSE.apply(rows, cols, scale, int(tile_size), bool(want_cols), positives, bool(track), select)
