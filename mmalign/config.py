@@ -102,6 +102,7 @@ class LossConfig:
     false_negative_ids: str = "none"  # none | caption | <a .json id field>
     hard_negative_beta: float = 0.0  # infonce: weight negatives by exp(beta * logit) (Robinson et al. 2021)
     debias_prior: float = 0.0  # infonce: class prior tau+ in [0, 1) of debiased InfoNCE (Chuang et al. 2020)
+    positive_mask: str = "none"  # none | attribute_subset (B x B mask decoded from data.id_field's subset codes)
 
 
 @dataclass
@@ -291,6 +292,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'loss.debias_prior' must be in [0, 1), got {cfg.loss.debias_prior}")
     if (cfg.loss.hard_negative_beta or cfg.loss.debias_prior) and cfg.loss.name != "infonce":
         raise ConfigError("config keys 'loss.hard_negative_beta' / 'loss.debias_prior' need loss.name=infonce")
+    if cfg.loss.positive_mask not in ("none", "attribute_subset"):
+        raise ConfigError(f"config key 'loss.positive_mask' must be none or attribute_subset, got "
+                          f"{cfg.loss.positive_mask!r}")
+    if cfg.loss.positive_mask != "none":
+        if cfg.loss.name != "infonce" or cfg.loss.false_negative_ids != "none" or world_size > 1:
+            raise ConfigError("config key 'loss.positive_mask' needs loss.name=infonce, loss.false_negative_ids=none "
+                              "and one process")
+        if cfg.data.id_field is None:
+            raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
+                              "(e.g. subset_code)")
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json

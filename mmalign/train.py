@@ -67,6 +67,15 @@ class RunStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
 
 
+def positive_mask_for(batch: dict, mode: str) -> torch.Tensor | None:
+    """(B, B) bool metadata positives (image i vs caption j) for ``loss.positive_mask``."""
+    if mode == "none":
+        return None
+    from mmalign.losses.metadata import subset_mask
+
+    return subset_mask(batch["ids"])  # mode "attribute_subset": ids are subset codes
+
+
 def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
     if mode == "none":
         return None
@@ -183,13 +192,14 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         data_wait += time.time() - fetch
         images, tokens = batch["images"].to(device), batch["tokens"].to(device)
         ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
+        pmask = positive_mask_for(batch, cfg.loss.positive_mask)
         if keys_file is not None:
             keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
             keys_file.flush()
 
         def loss_of(outputs: dict):
             return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                           outputs.get("logit_bias"), positive_ids=ids)
+                           outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask)
 
         result = engine.step(images, tokens, loss_of, autocast)
         window_samples += images.shape[0] * world

@@ -85,6 +85,8 @@ def positive_counts(pos: Positives, m: int, n: int, device: torch.device) -> Ten
     """(M,) float |P(i)| of each row, without an M x N matrix."""
     if pos.paired:
         return torch.ones(m, dtype=torch.float64, device=device)
+    if pos.pair_mask is not None:
+        return pos.pair_mask.sum(dim=1).to(device=device, dtype=torch.float64)
     uniq, inv = torch.unique(pos.col_ids, return_inverse=True)
     counts = torch.bincount(inv, minlength=uniq.shape[0])  # (G,)
     group = torch.searchsorted(uniq, pos.row_ids).clamp(max=uniq.shape[0] - 1)  # (M,)

@@ -59,8 +59,8 @@ def _row_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int | None, *
 def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor, *,
                   ids: Tensor | None = None, ids_all: Tensor | None = None, offset: int = 0,
                   tile_size: int | None = None, track: bool = False,
-                  hard_negative_beta: float = 0.0, debias_prior: float = 0.0
-                  ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+                  hard_negative_beta: float = 0.0, debias_prior: float = 0.0,
+                  pair_mask: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """InfoNCE of local rows against all candidates.
 
     image, text: (B, D) local rows; image_all, text_all: (N, D) candidates, in
@@ -73,7 +73,10 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
     :mod:`.hardneg`; tracks and LSEs (monitors only) are then those of the
     plain logits, computed without grad.
     """
-    pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
+    if pair_mask is not None:  # metadata positives: (B, N) image i vs text j (single process)
+        pos = Positives(offset, pair_mask=pair_mask)
+    else:
+        pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
     if hard_negative_beta or debias_prior:
         loss = hardneg_local(image, text, image_all, text_all, logit_scale, pos, tile_size=tile_size,
                              beta=float(hard_negative_beta), prior=float(debias_prior))
@@ -81,7 +84,8 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
             return loss, [], []
         with torch.no_grad():
             _, tracks, lses = infonce_local(image, text, image_all, text_all, logit_scale, ids=ids,
-                                            ids_all=ids_all, offset=offset, tile_size=tile_size, track=True)
+                                            ids_all=ids_all, offset=offset, tile_size=tile_size, track=True,
+                                            pair_mask=pair_mask)
         return loss, tracks, lses
     square = image_all is image and text_all is text
     if square:
@@ -100,16 +104,25 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
     return loss, [tr_i, tr_t], [lse_i, lse_t]
 
 
-def _check(image: Tensor, text: Tensor, positive_ids: Tensor | None) -> None:
+def _check(image: Tensor, text: Tensor, positive_ids: Tensor | None, positive_mask: Tensor | None = None) -> None:
     if image.ndim != 2 or image.shape != text.shape:
         raise ValueError(f"expected two (B, D) feature tensors, got {tuple(image.shape)} and {tuple(text.shape)}")
+    if positive_mask is not None:
+        b = image.shape[0]
+        if positive_ids is not None:
+            raise ValueError("pass positive_ids or positive_mask, not both")
+        if positive_mask.shape != (b, b) or positive_mask.dtype != torch.bool:
+            raise ValueError(f"positive_mask must be a ({b}, {b}) bool tensor")
+        if not bool(positive_mask.diagonal().all()):
+            raise ValueError("positive_mask must hold every pair (i, i): a caption describes its own image")
     if positive_ids is not None and positive_ids.shape != (image.shape[0],):
         raise ValueError(f"positive_ids must be ({image.shape[0]},), got {tuple(positive_ids.shape)}")
 
 
 def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, *,
               positive_ids: Tensor | None = None, tile_size: int | None = None,
-              hard_negative_beta: float = 0.0, debias_prior: float = 0.0) -> Tensor:
+              hard_negative_beta: float = 0.0, debias_prior: float = 0.0,
+              positive_mask: Tensor | None = None) -> Tensor:
     """Symmetric InfoNCE: mean of image->text and text->image cross-entropy.
 
     Args:
@@ -127,10 +140,16 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
         debias_prior: tau+ in [0, 1) of Chuang et al. 2020; the negatives' sum
             becomes ``max((R - tau+ M e+) / (1 - tau+), M e^{-scale})``.
             Exact formulas: :mod:`mmalign.losses.hardneg`.
+        positive_mask: optional (B, B) bool, ``[i, j]`` = image i and text j
+            are a positive pair (metadata positives, e.g.
+            :func:`mmalign.losses.metadata.subset_mask`); the diagonal must be
+            True. Row i's targets are uniform over its positives, and the
+            text->image direction uses the transpose.
     """
-    _check(image_features, text_features, positive_ids)
+    _check(image_features, text_features, positive_ids, positive_mask)
     ids = None if positive_ids is None else positive_ids.to(image_features.device)
     loss, _, _ = infonce_local(image_features, text_features, image_features, text_features, logit_scale,
                                ids=ids, ids_all=ids, tile_size=tile_size,
-                               hard_negative_beta=hard_negative_beta, debias_prior=debias_prior)
+                               hard_negative_beta=hard_negative_beta, debias_prior=debias_prior,
+                               pair_mask=None if positive_mask is None else positive_mask.to(image_features.device))
     return loss

@@ -80,7 +80,8 @@ class ContrastiveLoss(nn.Module):
                 f"hard_negative_beta={self.hard_negative_beta}, debias_prior={self.debias_prior}")
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
-                logit_bias: Tensor | None = None, positive_ids: Tensor | None = None) -> LossOutput:
+                logit_bias: Tensor | None = None, positive_ids: Tensor | None = None,
+                positive_mask: Tensor | None = None) -> LossOutput:
         """Loss of this rank's rows against all ranks' candidates.
 
         Args:
@@ -88,6 +89,8 @@ class ContrastiveLoss(nn.Module):
                 rank must have the same B.
             logit_scale: exponentiated scale ([] or [1]); logit_bias: SigLIP bias.
             positive_ids: (B,) local ids (gathered here, without grad).
+            positive_mask: (B, B) bool metadata positives, image i vs text j
+                (InfoNCE, one process only; overrides ids).
 
         Returns:
             LossOutput with ``loss`` (mean over local rows) and ``stats``:
@@ -103,6 +106,13 @@ class ContrastiveLoss(nn.Module):
                 raise ValueError("this loss was built with false_negative_ids; pass positive_ids")
             ids = positive_ids.to(image_features.device)
         world, rank = mdist.get_world_size(), mdist.get_rank()
+        if positive_mask is not None:
+            if self.name != "infonce" or world > 1:
+                raise ValueError("positive_mask is supported for infonce in one process only")
+            b = image_features.shape[0]
+            if positive_mask.shape != (b, b) or not bool(positive_mask.diagonal().all()):
+                raise ValueError(f"positive_mask must be ({b}, {b}) with a True diagonal")
+            ids = None
         b = image_features.shape[0]
         offset = rank * b  # local row i is global candidate offset + i (equal B per rank)
         ids_all = mdist.all_gather_nograd(ids) if ids is not None else None
@@ -118,7 +128,9 @@ class ContrastiveLoss(nn.Module):
                                                ids=ids, ids_all=ids_all, offset=offset,
                                                tile_size=self.tile_size, track=track,
                                                hard_negative_beta=self.hard_negative_beta,
-                                               debias_prior=self.debias_prior)
+                                               debias_prior=self.debias_prior,
+                                               pair_mask=None if positive_mask is None
+                                               else positive_mask.to(image_features.device))
             stats = infonce_stats(tracks, lses, text_all.shape[0], logit_scale) if track else {}
         else:
             if logit_bias is None:

@@ -8,6 +8,10 @@ Two modes share one representation, ``Positives``:
 * **Id groups** (false-negative-aware, as SupCon / UniCL): every candidate
   whose id equals the row's id is a positive. Ids come from the caller, e.g.
   :func:`caption_ids` for identical captions, or a class / json field id.
+* **Mask** (metadata positives, e.g. :func:`.metadata.subset_mask`): an
+  explicit (M, N) boolean matrix ``pair_mask``; any relation, not only an
+  equivalence. It costs M x N bools, so it suits the untiled path and
+  moderate batches (the tiled path slices it per tile and works too).
 """
 
 from __future__ import annotations
@@ -45,19 +49,23 @@ class Positives:
     """Positive structure of an (M rows) x (N candidates) score matrix.
 
     ``row_ids`` (M,) / ``col_ids`` (N,) are None in paired mode, where row i's
-    positive is candidate ``offset + i``.
+    positive is candidate ``offset + i``. ``pair_mask`` (M, N) bool, if set,
+    is the positive relation itself (ids unused).
     """
 
     offset: int = 0
     row_ids: Tensor | None = None  # (M,) int64
     col_ids: Tensor | None = None  # (N,) int64
+    pair_mask: Tensor | None = None  # (M, N) bool
 
     @property
     def paired(self) -> bool:
-        return self.row_ids is None
+        return self.row_ids is None and self.pair_mask is None
 
     def transposed(self) -> "Positives":
         """Positives of the candidate->row direction (square case, offset 0)."""
+        if self.pair_mask is not None:
+            return Positives(0, pair_mask=self.pair_mask.T)
         if self.paired:
             assert self.offset == 0, "transpose is only defined for the square case"
             return self
@@ -72,6 +80,9 @@ class Positives:
             rows = torch.arange(i0 + self.offset, i1 + self.offset, device=device)
             cols = torch.arange(j0, j1, device=device)
             return rows[:, None] == cols[None, :]
+        if self.pair_mask is not None:
+            m = self.pair_mask[i0:i1, j0:j1].to(device)
+            return m if bool(m.any()) else None
         m = self.row_ids[i0:i1, None] == self.col_ids[None, j0:j1]
         return m if bool(m.any()) else None
 
@@ -92,6 +103,12 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
     m = rows.shape[0]
     if pos.paired:
         target = cols[pos.offset: pos.offset + m]  # (M, D)
+    elif pos.pair_mask is not None:
+        w = pos.pair_mask.to(cols.dtype)  # (M, N)
+        counts = w.sum(dim=1, keepdim=True)  # (M, 1)
+        if bool((counts == 0).any()):
+            raise ValueError("every row needs at least one positive in positive_mask")
+        target = (w @ cols) / counts  # (M, D) mean positive candidate
     else:
         uniq, inv = torch.unique(pos.col_ids, return_inverse=True)
         sums = torch.zeros(uniq.shape[0], cols.shape[1], dtype=cols.dtype, device=cols.device)
