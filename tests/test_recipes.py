@@ -45,9 +45,10 @@ def test_recipe_first_line_is_its_command(path: Path):
         assert f"--config configs/{path.name}" in first
 
 
-def test_committed_recipes_use_no_absolute_work_paths():
+def test_committed_recipes_use_no_machine_specific_paths():
+    outside = str(Path(__file__).resolve().parents[2])  # the folder holding this checkout
     for path in RECIPES:
-        assert "/work/" not in path.read_text(), path.name
+        assert outside + "/" not in path.read_text(), path.name
 
 
 def test_cifar10_suite_matches_the_template_set():
