@@ -149,7 +149,8 @@ def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
     return DistInfo()
 
 
-def _free_port() -> str:
+def free_port() -> str:
+    """A currently free TCP port on the loopback interface."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -180,7 +181,7 @@ def init_from_env(backend: str | None = None, require_group: bool = False) -> Di
         # (child processes must not inherit a port this process holds). DeepSpeed
         # insists on LOCAL_RANK, which alone does not make a child look distributed.
         os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         return info
     # env:// reads MASTER_ADDR / MASTER_PORT (SLURM does not set them); DeepSpeed
     # also reads RANK / WORLD_SIZE / LOCAL_RANK, so make them explicit.

@@ -10,15 +10,10 @@ directly with the same arguments (see the README).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mmalign.distributed import free_port
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -42,7 +37,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", free_port(),
         "-m", "mmalign.cli", *strip_nproc(argv),
     ]
     env = dict(os.environ)
