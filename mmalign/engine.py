@@ -28,7 +28,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import deepspeed  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param  # noqa: E402
+from deepspeed.utils import (  # noqa: E402
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_local_fp32_param,
+    safe_set_full_fp32_param,
+    safe_set_local_fp32_param,
+)
 
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign.config import Config, ConfigError  # noqa: E402
@@ -204,11 +210,18 @@ class Engine:
         """Clamp log-scale into [0, ln max] in the module and in ZeRO's fp32 master copy
         (otherwise the next update would write the unclamped master value back)."""
         p = self.module.logit_scale
-        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3; None at stage 0
-        if full is not None:
-            clamped = full.clamp(0.0, self.max_log_scale)
-            if not torch.equal(clamped, full):
-                safe_set_full_fp32_param(p, clamped)
+        if hasattr(p, "ds_id"):
+            # ZeRO-3: each rank clamps its own partition of the master copy (DeepSpeed's
+            # full-param setter cannot split a 1-element parameter across ranks).
+            master = safe_get_local_fp32_param(p)
+            if master is not None and master.numel():
+                safe_set_local_fp32_param(p, master.clamp(0.0, self.max_log_scale))
+        else:
+            full = safe_get_full_fp32_param(p)  # None at stage 0 (no master copy)
+            if full is not None:
+                clamped = full.clamp(0.0, self.max_log_scale)
+                if not torch.equal(clamped, full):
+                    safe_set_full_fp32_param(p, clamped)
         local = p.ds_tensor if hasattr(p, "ds_tensor") else p  # ZeRO-3 keeps only a partition
         local.data.clamp_(0.0, self.max_log_scale)
 

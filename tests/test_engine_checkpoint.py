@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -66,6 +67,16 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
         consolidated = consolidate_checkpoint(ckpt_dir, f"s{stage}") if rank == 0 else None
         results[stage] = (want, got, after_one, consolidated, client, b.lr, a.lr)
 
+    # the temperature clamp reaches ZeRO's fp32 master copy: start above ln 100, step twice
+    for stage in (0, 1, 2, 3):
+        cfg = _cfg(stage, "model.init_logit_scale=5.0", "train.optimizer=sgd", "train.lr=1e-4")
+        torch.manual_seed(seed)
+        e = Engine(build_model(cfg.model), cfg)
+        for k in range(2):
+            run(e, seed + 10 + k)
+        seen = float(e.forward(*_batch(seed, rank, world))["logit_scale"].detach().reshape(-1)[0])
+        results[f"clamp{stage}"] = (float(e.consolidated_state_dict()["logit_scale"].reshape(-1)[0]), seen)
+
     # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
     for name, cfg, auto in (
         ("bf16_weights", _cfg(2, "deepspeed.precision=bf16"), None),
@@ -116,6 +127,11 @@ def test_checkpoint_resume_consolidation_and_precisions(tmp_path):
                 torch.testing.assert_close(consolidated[k], v, rtol=0, atol=0, msg=f"stage {stage} {k}")
         params = {k for k in after_one if not k.endswith("attn_mask")}
         assert params <= consolidated.keys()
+    for stage in (0, 1, 2, 3):
+        stored, seen = results[f"clamp{stage}"]
+        assert stored <= math.log(100) + 1e-6, (stage, stored)
+        # clamped to 100 after each update; the second update may lower it by one small SGD step
+        assert 99.0 <= seen <= 100.0 + 1e-4, (stage, seen)
     for name in ("bf16_weights", "bf16_autocast", "lamb_zero3"):
         loss, before, after = results[name]
         assert torch.isfinite(torch.tensor(loss)), name
