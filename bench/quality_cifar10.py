@@ -369,7 +369,8 @@ def main() -> None:
              f"(eval/cifar10.yaml, 18 templates) for both models · tiny towers (ViT 4x128 @32px patch 4, text 4x128) · "
              f"AdamW lr {args.lr:g}, betas (0.9, 0.98), eps 1e-6, wd 0.1, warmup 10% then cosine · random-resized-crop "
              f"0.9-1, no flip · 1 loader worker, {OPENCLIP_SHUFFLE}-sample shuffle buffer, one pass per epoch. "
-             f"samples/s: mean over log windows after the first (data wait included).")
+             f"samples/s: mean over log windows after the first (data wait included). process (s): the training "
+             f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split.")
     text = [SECTION, "", f"Command: `{cmd.strip()}` · {env}", "", setup, "",
             "**(a) Equal steps, batch, lr and float32**", "", table_a(rows_a)]
     if rows_b:
