@@ -38,17 +38,18 @@ def spm_file(caption_shards, tmp_path_factory):
 def test_token_layout_sot_eot_padding_and_truncation(spm_file):
     info = json.loads(spm_file.with_suffix(".json").read_text())
     assert info["captions"] == 240 and 13 < info["pieces"] <= 60
-    tok = SentencePieceTokenizer(spm_file, context_length=8)
+    # 24 fits two words even split into single characters, and 30 words never fit
+    tok = SentencePieceTokenizer(spm_file, context_length=24)
     assert tok.vocab_size == info["vocab_size"] == info["pieces"] + 3
     rng = random.Random()
     short = " ".join(rng.choice(WORDS) for _ in range(2))
     long = " ".join(rng.choice(WORDS) for _ in range(30))
     ids = tok([short, long, "RED  Circle"])
-    assert ids.shape == (3, 8) and ids.dtype == torch.long
+    assert ids.shape == (3, 24) and ids.dtype == torch.long
     n = len(tok.encode(short))
     assert ids[0, 0] == tok.sot_token_id and ids[0, n + 1] == tok.eot_token_id and (ids[0, n + 2:] == 0).all()
     assert ids[1, -1] == tok.eot_token_id and (ids[1] > 0).all()  # cut, still ends with eot
-    assert (ids.argmax(dim=1) == torch.tensor([n + 1, 7, ids[2].tolist().index(tok.eot_token_id)])).all()
+    assert (ids.argmax(dim=1) == torch.tensor([n + 1, 23, ids[2].tolist().index(tok.eot_token_id)])).all()
     assert tok.decode(ids[0]) == short  # pieces round-trip (lower case, collapsed spaces)
     assert torch.equal(tok(["red circle"]), ids[2:3])
     assert ids.max() < tok.vocab_size and ids[ids > 0].min() >= 1
