@@ -234,8 +234,10 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
             if probe is not None:
                 record.update(_probe(engine, probe, device, autocast))
             if main:
+                # A random tower's outputs are anisotropic; judge collapse once warmup is over.
+                watch = probe is not None and step > t.warmup_steps
                 for alarm in collapse_alarms(record, model.embed_dim, mon.min_dim_std,
-                                             mon.min_effective_rank_frac) if probe is not None else []:
+                                             mon.min_effective_rank_frac) if watch else []:
                     log.warning("COLLAPSE ALARM at step %d: %s", step, alarm)
                     bar.write(f"mmalign: COLLAPSE ALARM at step {step}: {alarm}")
                 metrics_file.write(json.dumps(record) + "\n")
