@@ -38,7 +38,7 @@ COLOURS = {
     "pink": (250, 120, 190),
 }
 BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
-SIZES = {"small": 0.2, "large": 0.34}  # shape radius as a fraction of half the canvas
+SIZES = {"small": 0.3, "large": 0.45}  # shape radius as a fraction of half the canvas
 # 3x3 grid; the phrase reads after "in the" / "at the".
 POSITIONS = {
     (0, 0): "top left corner",
