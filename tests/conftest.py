@@ -1,9 +1,26 @@
+import os
+import random
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A fresh random generator per test; its seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")  # shown on failure
+    return torch.Generator().manual_seed(seed)
+
+
+def unit(gen: torch.Generator, b: int, d: int, dtype=torch.float32) -> torch.Tensor:
+    """(b, d) random unit vectors, drawn in float64."""
+    return F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1).to(dtype)
 
 
 @pytest.fixture(scope="session")

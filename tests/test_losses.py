@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -28,22 +27,12 @@ from mmalign.losses import (
     clip_loss,
     siglip_loss,
 )
+from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 TOL = 1e-5  # relative, float32 vs float64 reference
 
 
 # ----------------------------------------------------------------- helpers
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")  # shown on failure
-    return torch.Generator().manual_seed(seed)
-
-
-def unit(gen: torch.Generator, b: int, d: int, dtype=torch.float32) -> torch.Tensor:
-    return F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1).to(dtype)
-
-
 def uniform(gen: torch.Generator, lo: float, hi: float) -> float:
     return lo + (hi - lo) * torch.rand((), generator=gen, dtype=torch.float64).item()
 

@@ -7,25 +7,13 @@ and with id groups; the reductions to plain InfoNCE and the clamp.
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mmalign.losses import ContrastiveLoss, build_loss, clip_loss
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
-
-
-def unit(gen, b, d):
-    return F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1).float()
+from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 
 def rel_err(got, ref, floor=1e-3):

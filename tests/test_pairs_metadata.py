@@ -9,8 +9,6 @@ row i's target is uniform over its positives ``mask[i]`` (image->text) and
 from __future__ import annotations
 
 import json
-import os
-import random
 import tarfile
 
 import pytest
@@ -19,17 +17,7 @@ import torch.nn.functional as F
 
 from mmalign.losses import ContrastiveLoss, clip_loss
 from mmalign.losses.metadata import encode_subset_code, subset_mask
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
-
-
-def unit(gen, b, d):
-    return F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1).float()
+from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 
 def rel_err(got, ref):

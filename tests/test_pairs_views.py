@@ -4,8 +4,6 @@ reference with explicit loops, untiled and tiled."""
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
@@ -13,12 +11,6 @@ import torch.nn.functional as F
 
 from mmalign.losses.ntxent import ntxent_loss
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 def ref_ntxent(z1, z2, s):
