@@ -99,8 +99,11 @@ def test_index_recall_equals_evaluation_suite(built):
     meta = pd.read_parquet(built["idx"] / "metadata.parquet")
     img_rows = np.flatnonzero(meta["caption_index"].to_numpy() == 0)
     owner = torch.from_numpy(np.cumsum(meta["caption_index"].to_numpy() == 0) - 1)
-    stored = recall_at_k(torch.from_numpy(_stored(built["emb"], "img")[img_rows].astype(np.float32)),
-                         torch.from_numpy(_stored(built["emb"], "text").astype(np.float32)), owner, ks)
+    # the index holds (and queries with) the fp16 vectors renormalised in float32: use exactly those
+    from mmalign.index import _normalised
+
+    stored = recall_at_k(torch.from_numpy(_normalised(_stored(built["emb"], "img")[img_rows])),
+                         torch.from_numpy(_normalised(_stored(built["emb"], "text"))), owner, ks)
     assert from_index == pytest.approx(stored, abs=1e-6)
     # 2) the evaluation suite run on the model itself (fp32 embeddings): same Recall@k
     loaded = mmalign.load(built["model"])
@@ -109,8 +112,10 @@ def test_index_recall_equals_evaluation_suite(built):
     record = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, built["val"])[0]
     assert record["n_images"] == 120 and record["n_captions"] == 240
     for k in ks:
-        for name in ("image_retrieval_recall", "text_retrieval_recall"):
-            assert from_index[f"{name}@{k}"] == pytest.approx(record["metrics"][f"{name}@{k}"], abs=1e-6)
+        # The index stores fp16 (clip-retrieval's layout); rounding can flip a near-tie at the
+        # cut-off, so allow one query per direction to differ from the fp32 evaluation.
+        for name, n in (("image_retrieval_recall", 240), ("text_retrieval_recall", 120)):
+            assert from_index[f"{name}@{k}"] == pytest.approx(record["metrics"][f"{name}@{k}"], abs=1 / n + 1e-6)
 
 
 def test_search_text_and_image_queries(built, tmp_path, capsys):
