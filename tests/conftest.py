@@ -57,3 +57,21 @@ def run_cli(*args, cwd=None):
 
     return subprocess.run([sys.executable, "-m", "mmalign.cli", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=600)
+
+
+def spawn_ranks(worker, world: int, args: tuple, out_path) -> object:
+    """Run ``worker(rank, world, port, *args)`` on ``world`` spawned processes (gloo on a free
+    loopback port), require every one to exit cleanly, and return what rank 0 saved at ``out_path``."""
+    import torch.multiprocessing as mp
+
+    from mmalign.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    port = int(free_port())
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    return torch.load(out_path, weights_only=False)

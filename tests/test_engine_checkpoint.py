@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.conftest import spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -97,24 +97,11 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
     mdist.shutdown()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_checkpoint_resume_consolidation_and_precisions(tmp_path):
     world, seed = 2, random.randrange(10**6)
-    ctx = mp.get_context("spawn")
     out_path = str(tmp_path / "r.pt")
-    procs = [ctx.Process(target=_worker, args=(r, world, _port, seed, str(tmp_path / "ckpt"), out_path))
-             for _port in [_free_port()] for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0
-    results = torch.load(out_path, weights_only=False)
+    results = spawn_ranks(_worker, world, (seed, str(tmp_path / "ckpt"), out_path), out_path)
     for stage in (0, 1, 2, 3):
         want, got, after_one, consolidated, client, lr_b, lr_a = results[stage]
         assert client == {"step": 1} or client.get("step") == 1

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.conftest import spawn_ranks
 import torch.nn.functional as F
 
 pytestmark = pytest.mark.integration
@@ -119,26 +119,13 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
     mdist.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_engine_matches_full_batch_sgd_reference(world, tmp_path):
     model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
     ref_grads, ref_params = _reference(model_seed, data_seed)
-    ctx = mp.get_context("spawn")
-    port, out_path = _free_port(), str(tmp_path / "results.pt")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, model_seed, data_seed, out_path))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0
-    results = torch.load(out_path, weights_only=False)
+    out_path = str(tmp_path / "results.pt")
+    results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
     assert len(results) == 12
     for (stage, name), (chunks, grads, params) in results.items():
         if name != "off":
