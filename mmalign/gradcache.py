@@ -14,6 +14,11 @@ the encoders through their *representations*.  One step is:
 By the chain rule the accumulated parameter gradients equal those of the
 one-pass loss, with activation memory bounded by one chunk.
 
+The last chunk is the exception: its first forward keeps its graph (one chunk of
+activations, the same bound), and it is back-propagated first, straight from that
+graph, so a step of n chunks costs n - 1 extra forwards, not n.  With one chunk,
+caching costs nothing.
+
 The temperature (``logit_scale``) and SigLIP bias are also representations here:
 the model returns them from ``forward`` (ZeRO-3 only materialises parameters
 inside forward).  Their cached gradient is back-propagated through exactly one
@@ -103,22 +108,24 @@ def grad_cache_step(
             skipped before any backward through the model (e.g. a non-finite
             loss or representation gradient), and ``skipped`` is set.
     """
-    # 1. no-grad forward of every chunk, remembering the RNG state it started from
+    # 1. no-grad forward of every chunk but the last, remembering the RNG state each
+    #    started from; the last keeps its graph (it is back-propagated from it in 3)
     states: list[RngState] = []
     reps: list[dict] = []
-    for chunk in chunks:
+    last = len(chunks) - 1
+    for i, chunk in enumerate(chunks):
         states.append(RngState.capture())
-        with torch.no_grad():
+        with torch.set_grad_enabled(i == last):
             reps.append(encode(*chunk))
     after_first_pass = RngState.capture()
 
     # 2. loss on detached representations; cache its gradient w.r.t. each of them
     full: dict[str, torch.Tensor] = {}
     for key in PER_SAMPLE:
-        full[key] = torch.cat([r[key] for r in reps]).detach().requires_grad_(True)  # (B, D)
+        full[key] = torch.cat([r[key].detach() for r in reps]).requires_grad_(True)  # (B, D)
     for key in PER_STEP:
-        if reps[0].get(key) is not None:
-            full[key] = reps[0][key].detach().requires_grad_(True)  # (1,)
+        if reps[-1].get(key) is not None:
+            full[key] = reps[-1][key].detach().requires_grad_(True)  # (1,)
     result = loss_fn(full)
     loss = result if isinstance(result, torch.Tensor) else result.loss
     names = list(full)
@@ -129,18 +136,25 @@ def grad_cache_step(
     sizes = [r[PER_SAMPLE[0]].shape[0] for r in reps]
     sample_grads = {k: grads[k].split(sizes) for k in PER_SAMPLE if grads.get(k) is not None}
 
-    # 3. re-forward each chunk under its recorded RNG state; back-propagate rep . grad
-    for i, chunk in enumerate(chunks):
-        states[i].restore()
-        out = encode(*chunk)
+    # 3. back-propagate rep . grad: the last chunk from its kept graph, then every
+    #    other chunk re-forwarded under its recorded RNG state
+    for n, i in enumerate([last, *range(last)]):
+        if i == last:
+            out = reps[last]
+        else:
+            states[i].restore()
+            out = encode(*chunks[i])
         surrogate = sum((out[k] * g[i]).sum() for k, g in sample_grads.items())
-        if i == 0:  # the per-step outputs take their gradient exactly once
+        if i == last:  # the per-step outputs take their gradient exactly once
             for key in PER_STEP:
                 if grads.get(key) is not None:
                     surrogate = surrogate + (out[key] * grads[key]).sum()
         backward(surrogate)
+        if i == last:
+            reps[last] = {}  # free the kept graph before the next chunk's forward
+            out = None
         if after_chunk is not None:
-            after_chunk(i, i == len(chunks) - 1)
+            after_chunk(n, n == last)
     # Leave the generator where a single pass would have left it, so the rest of
     # the run does not depend on whether caching was on.
     after_first_pass.restore()

@@ -109,3 +109,26 @@ def test_scale_gets_its_gradient_once():
     model.zero_grad()
     grad_cache_step(model, split_batch((images, tokens), [3, 3, 3, 3]), _naive_loss, lambda x: x.backward())
     torch.testing.assert_close(model.logit_scale.grad, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("sizes", [[12], [6, 6], [3, 3, 3, 3]])
+def test_last_chunk_is_back_propagated_from_its_first_forward(sizes):
+    """n chunks cost 2n - 1 forwards (the last keeps its graph), one chunk costs one,
+    and the gradients still equal the one-pass loss's."""
+    torch.manual_seed(random.randrange(10**6))
+    model = build_model(ModelConfig(preset="micro"))
+    images, tokens = _batch(12)
+    _naive_loss(model(images, tokens)).backward()
+    want = _grads(model)
+    model.zero_grad()
+    calls = []
+
+    def encode(*chunk):
+        calls.append(torch.is_grad_enabled())
+        return model(*chunk)
+
+    grad_cache_step(encode, split_batch((images, tokens), sizes), _naive_loss, lambda x: x.backward())
+    n = len(sizes)
+    assert len(calls) == 2 * n - 1
+    assert calls[:n] == [False] * (n - 1) + [True]  # first pass: only the last chunk keeps a graph
+    _assert_close_grads(_grads(model), want)
