@@ -162,6 +162,8 @@ class Engine:
         def update(i: int = 0, last: bool = True) -> None:
             if last and before_update is not None:
                 before_update()
+            if last and self.stage == 0:
+                self._own_norm = self._module_grad_norm()
             self.ds.step()
 
         def encode(im, tok):
@@ -241,8 +243,17 @@ class Engine:
         return float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> float:
+        """Global gradient norm of the last update (before clipping)."""
         norm = self.ds.get_global_grad_norm()
+        if norm is None:  # ZeRO-0 without clipping: DeepSpeed computes none; ours was taken before the update
+            norm = getattr(self, "_own_norm", None)
         return float(norm) if norm is not None else float("nan")
+
+    @torch.no_grad()
+    def _module_grad_norm(self) -> float:
+        # ZeRO-0: the module's .grad are the full, rank-averaged gradients after the last backward
+        norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else float("nan")
 
     # ----------------------------------------------------------- checkpoints
 

@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
         params = engine.consolidated_state_dict()
         if rank == 0:
-            results[(stage, name)] = (engine.plan.chunks, captured, params)
+            results[(stage, name)] = (engine.plan.chunks, captured, params, engine.grad_norm())
     if rank == 0:
         torch.save(results, out_path)
     mdist.barrier()
@@ -127,7 +127,8 @@ def test_engine_matches_full_batch_sgd_reference(world, tmp_path):
     out_path = str(tmp_path / "results.pt")
     results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
     assert len(results) == 12
-    for (stage, name), (chunks, grads, params) in results.items():
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
+    for (stage, name), (chunks, grads, params, norm) in results.items():
         if name != "off":
             assert len(chunks) >= 2, (stage, name, chunks)
         if name == "uneven":
@@ -137,6 +138,8 @@ def test_engine_matches_full_batch_sgd_reference(world, tmp_path):
             assert _rel(grads[n], ref) <= 1e-5, (world, stage, name, "grad", n, _rel(grads[n], ref))
         for n, ref in ref_params.items():
             assert _rel(params[n], ref) <= 1e-5, (world, stage, name, "param", n, _rel(params[n], ref))
+        # the logged global gradient norm is the reference's (every stage, clipping off)
+        assert norm == pytest.approx(ref_norm, rel=1e-4), (world, stage, name, norm, ref_norm)
         # the temperature moved, by exactly the reference amount
         assert params["logit_scale"].item() == pytest.approx(ref_params["logit_scale"].item(), rel=1e-6)
 

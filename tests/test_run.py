@@ -154,6 +154,7 @@ def test_monitors_and_outputs(micro_overrides):
                 "lr", "grad_norm"):
         assert key in r, key
     assert r["loss_floor"] == pytest.approx(math.log(32))
+    assert all(math.isfinite(rec["grad_norm"]) and rec["grad_norm"] > 0 for rec in records)  # ZeRO-0, no clipping
     assert 1 <= r["pos_rank"] <= 32 and 0 <= r["top1"] <= 1 and r["tflops"] > 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "eval_step00000002.json").is_file() and (out / "eval.json").is_file()
