@@ -148,3 +148,21 @@ def test_counterfactual_metrics_against_direct_computation():
     assert metrics["rerender_colour_flip_rate"] == pytest.approx(want_flip)
     assert metrics["rerender_colour_flip_rate"] > 0.5  # mean colour on black does see the recolouring
     assert expected == {"hflip/colour": "keeps", "rerender/colour": "changes"}
+
+
+def test_extends_resolves_a_sibling_file_or_a_builtin_suite(tmp_path):
+    from mmalign.config import ConfigError
+    from mmalign.evaluation import load_suite
+
+    outside = tmp_path / "mine.yaml"  # not next to eval/: "shapes" must come from eval/
+    outside.write_text("name: mine\nextends: shapes\ntasks:\n  - name: geometry\n    type: diagnostics\n")
+    suite = load_suite(str(outside))
+    names = [t["name"] for t in suite["tasks"]]
+    assert names[:3] == ["shape", "colour", "retrieval"] and names[-1] == "geometry"
+    assert suite["name"] == "mine" and suite["dataset"].startswith("data/shapes/val")
+    (tmp_path / "base.yaml").write_text("name: base\ndataset: x.tar\ntasks:\n  - name: g\n    type: diagnostics\n")
+    (tmp_path / "child.yaml").write_text("name: child\nextends: base\n")
+    assert [t["name"] for t in load_suite(str(tmp_path / "child.yaml"))["tasks"]] == ["g"]
+    (tmp_path / "orphan.yaml").write_text("name: orphan\nextends: nowhere\n")
+    with pytest.raises(ConfigError, match="unknown suite 'nowhere'"):
+        load_suite(str(tmp_path / "orphan.yaml"))

@@ -55,8 +55,9 @@ def load_suite(name_or_path: str) -> dict:
         raise ConfigError(f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})")
     suite = yaml.safe_load(path.read_text())
     if suite.get("extends"):  # the base suite's dataset and tasks, then this suite's tasks
-        base = load_suite(str(path.parent / f"{suite['extends']}.yaml") if not Path(suite["extends"]).is_file()
-                          else suite["extends"])
+        # a sibling file of that name, else a path, else a suite name from eval/
+        sibling = path.parent / f"{suite['extends']}.yaml"
+        base = load_suite(str(sibling) if sibling.is_file() else suite["extends"])
         suite = {**base, **suite, "tasks": base.get("tasks", []) + suite.get("tasks", [])}
     for task in suite.get("tasks", []):
         if task.get("type") not in TASK_KINDS:
