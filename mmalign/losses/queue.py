@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from .infonce import _row_lse, infonce_local
-from .monitors import full_matrix_tracks
 from .positives import Positives, positive_logit
 from .tiled import tile_ranges, tiled_lse
 
