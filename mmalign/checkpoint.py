@@ -7,6 +7,8 @@ Layout under the run directory::
         engine/                DeepSpeed's engine state (model, optimiser, scheduler; every rank writes its shard)
         trainer_rank0.pt       step, RNG states (tensors, ints and lists only: loaded with weights_only=True)
         loader_rank0.json      the data loader's position
+        momentum.pt            rank-identical state saved once, by rank 0 (the MoCo queue: EMA weights,
+                               queue contents, pointer; weights_only-loadable), when the run has one
       step_00000020.tmp/       a save in progress (never read)
       latest                   the name of the newest complete checkpoint
 
@@ -71,8 +73,13 @@ def clean_partial(out: str | Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: dict, keep: int) -> Path:
-    """Collective: every rank calls it; returns the final directory."""
+def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: dict, keep: int,
+         shared: dict[str, dict] | None = None) -> Path:
+    """Collective: every rank calls it; returns the final directory.
+
+    ``shared`` maps a name to state that is identical on every rank (e.g. the
+    momentum queue): rank 0 alone writes it, as ``<name>.pt``, so it is stored once.
+    """
     rank = mdist.get_rank()
     base = root(out)
     name = f"step_{step:08d}"
@@ -84,6 +91,9 @@ def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: 
     engine.save_checkpoint(tmp, ENGINE_TAG)
     torch.save({"step": step, **trainer_state}, tmp / f"trainer_rank{rank}.pt")
     (tmp / f"loader_rank{rank}.json").write_text(json.dumps(loader_state))
+    if rank == 0:
+        for key, state in (shared or {}).items():
+            torch.save(state, tmp / f"{key}.pt")
     mdist.barrier()
     if rank == 0:
         if final.exists():  # re-saving a step (after a resume): replace it whole
@@ -127,3 +137,10 @@ def load(engine, path: Path) -> tuple[dict, dict]:
     loader_file = path / f"loader_rank{rank}.json"
     loader = json.loads(loader_file.read_text()) if loader_file.is_file() else {}
     return trainer, loader
+
+
+def load_shared(path: Path, name: str) -> dict | None:
+    """The rank-identical state ``name`` saved by :func:`save` (every rank reads rank 0's
+    file); None if the checkpoint has none."""
+    file = path / f"{name}.pt"
+    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None

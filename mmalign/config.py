@@ -103,6 +103,10 @@ class LossConfig:
     hard_negative_beta: float = 0.0  # infonce: weight negatives by exp(beta * logit) (Robinson et al. 2021)
     debias_prior: float = 0.0  # infonce: class prior tau+ in [0, 1) of debiased InfoNCE (Chuang et al. 2020)
     positive_mask: str = "none"  # none | attribute_subset (B x B mask decoded from data.id_field's subset codes)
+    # MoCo momentum queue (He et al. 2020): Q past global batches, encoded by an EMA copy of the
+    # towers, are extra negatives in both directions (infonce, no beta / prior / mask). 0 = off.
+    queue_size: int = 0
+    momentum: float = 0.995  # EMA decay m of the queue's encoder: ema = m * ema + (1 - m) * online
 
 
 @dataclass
@@ -302,6 +306,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         if cfg.data.id_field is None:
             raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
                               "(e.g. subset_code)")
+    _validate_queue(cfg)
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json
@@ -323,6 +328,26 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
     if t.log_every <= 0:
         raise ConfigError(f"config key 'train.log_every' must be > 0, got {t.log_every}")
+
+
+def _validate_queue(cfg: Config) -> None:
+    """The momentum queue's keys and the options it does not combine with."""
+    loss = cfg.loss
+    if loss.queue_size < 0:
+        raise ConfigError(f"config key 'loss.queue_size' must be >= 0 (0 = off), got {loss.queue_size}")
+    if not 0 <= loss.momentum < 1:
+        raise ConfigError(f"config key 'loss.momentum' must be in [0, 1), got {loss.momentum}")
+    if loss.queue_size == 0:
+        return
+    # Queued entries are negatives of the plain (multi-positive) InfoNCE only: the estimators'
+    # weights / priors and a B x B metadata mask say nothing about entries of past batches.
+    if loss.name != "infonce":
+        raise ConfigError("config key 'loss.queue_size' needs loss.name=infonce")
+    if loss.hard_negative_beta or loss.debias_prior:
+        raise ConfigError("config key 'loss.queue_size' does not combine with loss.hard_negative_beta / "
+                          "loss.debias_prior")
+    if loss.positive_mask != "none":
+        raise ConfigError("config key 'loss.queue_size' does not combine with loss.positive_mask")
 
 
 def _check_range(key: str, value: Any, lo: float, hi: float) -> None:

@@ -265,18 +265,32 @@ class Engine:
         _, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
         return client_state or {}
 
+    @torch.no_grad()
+    def full_params(self, master: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value on the module's device (read-only views
+        where possible); a collective under ZeRO-3, and at stages 1-2 with ``master``.
+
+        The fp32 master copy when ZeRO keeps one, else the module's weight. Without
+        ``master``, stages 0-2 with fp32 weights read the module itself, no
+        communication: DeepSpeed writes the updated master into it after each step,
+        so the two are equal (the momentum queue's EMA reads this every step).
+        """
+        params = {}
+        for name, p in self.module.named_parameters():
+            local = not master and self.stage < 3 and p.dtype == torch.float32
+            full = None if local else safe_get_full_fp32_param(p)
+            if full is None:  # stage 0 without a master copy: the module holds the weights
+                full = p.detach()
+            params[name] = full.detach().float()
+        return params
+
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights on every rank (a collective under ZeRO-3).
 
         ZeRO keeps fp32 master weights in the optimizer (partitioned from stage 1
         on); the module may hold bf16 copies or, at stage 3, empty partitions.
         """
-        state: dict[str, torch.Tensor] = {}
-        for name, p in self.module.named_parameters():
-            full = safe_get_full_fp32_param(p)
-            if full is None:  # stage 0 without a master copy: the module holds the weights
-                full = p.detach()
-            state[name] = full.detach().float().cpu().clone()
+        state = {name: full.cpu().clone() for name, full in self.full_params(master=True).items()}
         persistent = set(self.module.state_dict().keys())
         for name, buf in self.module.named_buffers():
             if name in persistent:

@@ -9,6 +9,7 @@ DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ from mmalign.evaluation import load_suite, run_suite, write_results
 from mmalign.losses import build_loss, caption_ids
 from mmalign.models import TwoTower, build_model
 from mmalign.models.io import save_pretrained
+from mmalign.momentum import MomentumQueue
 from mmalign.monitors import collapse_alarms, forward_flops_per_sample, peak_tflops, probe_stats
 
 log = logging.getLogger("mmalign.train")
@@ -137,6 +139,13 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
+    # momentum queue (MoCo): the EMA encoder starts as a copy of the initial weights, taken
+    # before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
+    queue = None
+    if cfg.loss.queue_size > 0:
+        queue = MomentumQueue(copy.deepcopy(model), cfg.loss.queue_size, cfg.loss.momentum,
+                              with_ids=cfg.loss.false_negative_ids != "none", device=device)
+
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     engine = Engine(model, cfg)
     if main:
@@ -164,6 +173,8 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         start, skipped_steps = trainer["step"], trainer["skipped_steps"]
         checkpoint.set_rng_state(trainer["rng"])
         loader.load_state_dict(loader_state)
+        if queue is not None:
+            _load_queue(queue, ckpt)
         if main:
             print(f"mmalign: resumed from {ckpt} at step {start}", flush=True)
             log.info("resumed from %s at step %d", ckpt, start)
@@ -197,11 +208,17 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
             keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
             keys_file.flush()
 
+        entries = queue.entries() if queue is not None else None  # earlier steps' entries only
+
         def loss_of(outputs: dict):
             return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                           outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask)
+                           outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries)
 
         result = engine.step(images, tokens, loss_of, autocast)
+        if queue is not None and not result.skipped:
+            # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
+            queue.update(engine.full_params(), dict(engine.module.named_buffers()))
+            queue.push(images, tokens, ids, chunk=engine.plan.micro_batch, autocast=autocast)
         window_samples += images.shape[0] * world
         if result.skipped:
             skipped_steps += 1
@@ -231,6 +248,8 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
             }
             if peak:
                 record["mfu"] = record["tflops"] / peak
+            if queue is not None:
+                record["queue_fill"] = queue.fill
             if probe is not None:
                 record.update(_probe(engine, probe, device, autocast))
             if main:
@@ -259,8 +278,9 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
                         if v is not None:
                             board.add_scalar(f"eval/{r['dataset']}/{k}", v, step)
         if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
+            shared = {"momentum": queue.state_dict()} if queue is not None and main else None
             checkpoint.save(engine, out, step, {"rng": checkpoint.rng_state(), "skipped_steps": skipped_steps},
-                            loader.state_dict(), t.keep_checkpoints)
+                            loader.state_dict(), t.keep_checkpoints, shared=shared)
         bar.update(1)
     bar.close()
     for f in (metrics_file, keys_file, board):
@@ -271,6 +291,20 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final")
     mdist.barrier()
     return out
+
+
+def _load_queue(queue: MomentumQueue, ckpt: Path) -> None:
+    """Restore the EMA weights and the queue (rank 0's file, read by every rank); one-line errors."""
+    state = checkpoint.load_shared(ckpt, "momentum")
+    if state is None:
+        raise ConfigError(f"config key 'loss.queue_size': {ckpt} holds no momentum queue (written by a run "
+                          f"without one)")
+    try:
+        queue.load_state_dict(state)
+    except (ValueError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config key 'loss.queue_size': the checkpoint's momentum queue does not fit: "
+                          f"{first}") from None
 
 
 @torch.no_grad()

@@ -6,6 +6,8 @@ Public API:
   targets (``positive_ids``) and tiling (``tile_size``, Inf-CL).
 * :func:`siglip_loss` - SigLIP pairwise sigmoid loss, optionally tiled.
 * :func:`caption_ids` - stable int64 ids for (normalised) captions.
+* :func:`queue_clip_loss` / :class:`QueueEntries` - InfoNCE with a MoCo
+  momentum queue's entries as extra negatives (the queue: mmalign.momentum).
 * :class:`ContrastiveLoss` / :func:`build_loss` / :class:`LossOutput` - the
   config-built module that works across ranks and reports monitors.
 """
@@ -13,6 +15,7 @@ Public API:
 from .infonce import clip_loss
 from .module import LOSS_NAMES, ContrastiveLoss, LossOutput, build_loss
 from .positives import caption_ids
+from .queue import QueueEntries, queue_clip_loss
 from .siglip import siglip_loss
 
 # Tile edge tuned with bench/loss.py on the 2-core CPU (docs/benchmarks.md):
@@ -26,6 +29,8 @@ __all__ = [
     "clip_loss",
     "siglip_loss",
     "caption_ids",
+    "queue_clip_loss",
+    "QueueEntries",
     "ContrastiveLoss",
     "LossOutput",
     "build_loss",

@@ -12,6 +12,10 @@ data-parallel average (DDP / DeepSpeed divide by W):
 * ``logit_scale`` / ``logit_bias`` get ``mean_r dL_r/dscale`` = the
   full-batch gradient, not W times it (Inf-CL's ring) nor k times it
   (open_clip's accum_freq).
+
+With a momentum queue (``queue=``, :mod:`.queue`, MoCo) the candidates are the
+gathered batch plus the queue's entries, which are identical on every rank
+(each rank enqueues the gathered batch), so the same argument holds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mmalign import distributed as mdist
 
 from .infonce import infonce_local
 from .monitors import infonce_stats, siglip_stats
+from .queue import QueueEntries, queue_infonce_local
 from .siglip import siglip_local
 
 __all__ = ["LossOutput", "ContrastiveLoss", "build_loss", "LOSS_NAMES"]
@@ -81,7 +86,7 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
                 logit_bias: Tensor | None = None, positive_ids: Tensor | None = None,
-                positive_mask: Tensor | None = None) -> LossOutput:
+                positive_mask: Tensor | None = None, queue: QueueEntries | None = None) -> LossOutput:
         """Loss of this rank's rows against all ranks' candidates.
 
         Args:
@@ -91,6 +96,9 @@ class ContrastiveLoss(nn.Module):
             positive_ids: (B,) local ids (gathered here, without grad).
             positive_mask: (B, B) bool metadata positives, image i vs text j
                 (InfoNCE, one process only; overrides ids).
+            queue: momentum-queue entries (InfoNCE without estimator or
+                mask): extra negatives for both directions, same-id entries
+                excluded (:mod:`.queue`); None or empty = the plain loss.
 
         Returns:
             LossOutput with ``loss`` (mean over local rows) and ``stats``:
@@ -113,6 +121,13 @@ class ContrastiveLoss(nn.Module):
             if positive_mask.shape != (b, b) or not bool(positive_mask.diagonal().all()):
                 raise ValueError(f"positive_mask must be ({b}, {b}) with a True diagonal")
             ids = None
+        if queue is not None and queue.size:
+            if self.name != "infonce" or self.hard_negative_beta or self.debias_prior or positive_mask is not None:
+                raise ValueError("a momentum queue needs the plain infonce loss (no beta, prior or positive_mask)")
+            if ids is not None and queue.ids is None:
+                raise ValueError("this loss uses positive ids: the queue must hold ids too")
+        else:
+            queue = None
         b = image_features.shape[0]
         offset = rank * b  # local row i is global candidate offset + i (equal B per rank)
         ids_all = mdist.all_gather_nograd(ids) if ids is not None else None
@@ -124,14 +139,20 @@ class ContrastiveLoss(nn.Module):
                 text_all = mdist.all_gather_with_grad(text_features)
             else:
                 image_all, text_all = image_features, text_features
-            loss, tracks, lses = infonce_local(image_features, text_features, image_all, text_all, logit_scale,
-                                               ids=ids, ids_all=ids_all, offset=offset,
-                                               tile_size=self.tile_size, track=track,
-                                               hard_negative_beta=self.hard_negative_beta,
-                                               debias_prior=self.debias_prior,
-                                               pair_mask=None if positive_mask is None
-                                               else positive_mask.to(image_features.device))
-            stats = infonce_stats(tracks, lses, text_all.shape[0], logit_scale) if track else {}
+            if queue is not None:  # in-batch candidates + queued negatives
+                loss, tracks, lses = queue_infonce_local(image_features, text_features, image_all, text_all,
+                                                         logit_scale, queue, ids=ids, ids_all=ids_all, offset=offset,
+                                                         tile_size=self.tile_size, track=track)
+            else:
+                loss, tracks, lses = infonce_local(image_features, text_features, image_all, text_all, logit_scale,
+                                                   ids=ids, ids_all=ids_all, offset=offset,
+                                                   tile_size=self.tile_size, track=track,
+                                                   hard_negative_beta=self.hard_negative_beta,
+                                                   debias_prior=self.debias_prior,
+                                                   pair_mask=None if positive_mask is None
+                                                   else positive_mask.to(image_features.device))
+            n_cand = text_all.shape[0] + (queue.size if queue is not None else 0)
+            stats = infonce_stats(tracks, lses, n_cand, logit_scale) if track else {}
         else:
             if logit_bias is None:
                 raise ValueError("siglip needs logit_bias")
