@@ -49,8 +49,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 1e-3) -> float:
     return ((got - ref).norm() / max(ref.norm().item(), floor)).item()
 
 
-def assert_close_rel(got, ref, what: str, tol: float = TOL) -> None:
-    err = rel_err(got, ref)
+def assert_close_rel(got, ref, what: str, tol: float = TOL, floor: float = 1e-3) -> None:
+    err = rel_err(got, ref, floor)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
 
 
@@ -128,7 +128,9 @@ def test_siglip_matches_naive_reference(gen, tile, with_ids):
     got = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias)
     ref = ref_grads(lambda a, c, k, o: ref_siglip(a, c, k, o, ids), x, y, s, bias)
     for name, g, r in zip(["loss", "d_image", "d_text", "d_scale", "d_bias"], got, ref):
-        assert_close_rel(g, r, name)
+        # d_scale / d_bias sum O(1) sigmoid terms of both signs that can cancel to ~1e-4;
+        # float32 then leaves ~5e-8 absolute error, so measure them against the terms' scale (1)
+        assert_close_rel(g, r, name, floor=1.0 if name in ("d_scale", "d_bias") else 1e-3)
 
 
 def test_positive_ids_change_the_loss(gen):
