@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from mmalign import distributed as mdist
 
 from .infonce import infonce_local
+from .mined import mined_negatives_term
 from .monitors import infonce_stats, siglip_stats
 from .siglip import siglip_local
 
@@ -81,7 +82,8 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
                 logit_bias: Tensor | None = None, positive_ids: Tensor | None = None,
-                positive_mask: Tensor | None = None) -> LossOutput:
+                positive_mask: Tensor | None = None, neg_text_features: Tensor | None = None,
+                neg_mask: Tensor | None = None) -> LossOutput:
         """Loss of this rank's rows against all ranks' candidates.
 
         Args:
@@ -91,6 +93,9 @@ class ContrastiveLoss(nn.Module):
             positive_ids: (B,) local ids (gathered here, without grad).
             positive_mask: (B, B) bool metadata positives, image i vs text j
                 (InfoNCE, one process only; overrides ids).
+            neg_text_features, neg_mask: (B, k, D) mined negative captions of
+                each local image and their (B, k) validity; extra image->text
+                candidates of that row only (plain InfoNCE; :mod:`.mined`).
 
         Returns:
             LossOutput with ``loss`` (mean over local rows) and ``stats``:
@@ -132,7 +137,16 @@ class ContrastiveLoss(nn.Module):
                                                pair_mask=None if positive_mask is None
                                                else positive_mask.to(image_features.device))
             stats = infonce_stats(tracks, lses, text_all.shape[0], logit_scale) if track else {}
+            if neg_text_features is not None:
+                if self.hard_negative_beta or self.debias_prior:
+                    raise ValueError("mined negatives need the plain infonce (no hard_negative_beta / debias_prior)")
+                mined, mined_stats = mined_negatives_term(image_features, neg_text_features, neg_mask,
+                                                          logit_scale, lses[0])
+                loss = loss + mined
+                stats.update(mined_stats if track else {})
         else:
+            if neg_text_features is not None:
+                raise ValueError("mined negatives are supported for infonce only")
             if logit_bias is None:
                 raise ValueError("siglip needs logit_bias")
             text_all = mdist.all_gather_with_grad(text_features)  # images stay local
