@@ -28,6 +28,7 @@ from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, run_suite, write_results
 from mmalign.losses import build_loss, caption_ids
+from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model
 from mmalign.models.io import save_pretrained
 from mmalign.monitors import collapse_alarms, forward_flops_per_sample, peak_tflops, probe_stats
@@ -82,6 +83,17 @@ def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
     if mode == "caption":
         return caption_ids(batch["captions"])
     return batch["ids"]
+
+
+def extra_inputs(batch: dict, cfg: Config, device: torch.device) -> dict:
+    """Per-sample model inputs beyond (images, tokens): the second view for the image-image
+    term, the mined negative captions (``TwoTower.forward`` keywords)."""
+    extra = {}
+    if cfg.loss.image_image_weight > 0:
+        extra["images2"] = batch["images2"].to(device)  # (B, 3, H, W)
+    if cfg.data.hard_negatives > 0:
+        extra["neg_texts"] = batch["neg_tokens"].to(device)  # (B, k, L)
+    return extra
 
 
 def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -150,6 +162,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     loss_fn = build_loss(cfg.loss)
+    view_term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature, cfg.loss.tile_size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     peak = peak_tflops(device, mon.peak_tflops)
 
@@ -193,15 +206,18 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         images, tokens = batch["images"].to(device), batch["tokens"].to(device)
         ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
         pmask = positive_mask_for(batch, cfg.loss.positive_mask)
+        extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
         if keys_file is not None:
             keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
             keys_file.flush()
 
         def loss_of(outputs: dict):
-            return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                           outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask)
+            return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
+                                     outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask,
+                                     neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
+                             outputs)
 
-        result = engine.step(images, tokens, loss_of, autocast)
+        result = engine.step(images, tokens, loss_of, autocast, extra=extra)
         window_samples += images.shape[0] * world
         if result.skipped:
             skipped_steps += 1

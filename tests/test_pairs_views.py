@@ -116,3 +116,35 @@ def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_pa
         torch.testing.assert_close(g1.double(), r1.grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(g2.double(), r2.grad, rtol=1e-5, atol=1e-7)
 
+
+def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides):
+    import json
+
+    from mmalign.config import load_config
+    from mmalign.train import train
+
+    cfg = load_config(None, micro_overrides + ["data.views=2", "loss.image_image_weight=0.5",
+                                               "train.grad_cache_chunk_size=12"])
+    out = train(cfg, show_progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    term = [r["image_image_loss"] for r in records]
+    assert all(math.isfinite(v) for v in term)
+    # the total is the contrastive loss + 0.5 x the NT-Xent (rank-averaged stats of one process)
+    for r in records:
+        assert r["loss"] == pytest.approx(r["contrastive_loss"] + 0.5 * r["image_image_loss"], rel=1e-5)
+    assert sum(term[-5:]) / 5 < sum(term[:5]) / 5 - 0.1, term
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["loss.image_image_weight=0.5"], "loss.image_image_weight"),  # needs data.views: 2
+    (["data.views=2", "loss.image_image_weight=-1"], "loss.image_image_weight"),
+    (["data.views=2", "loss.image_image_weight=1", "loss.image_image_temperature=0"], "loss.image_image_temperature"),
+])
+def test_config_errors_name_the_key(overrides, key):
+    from mmalign.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value) and "\n" not in str(err.value)
+    assert load_config(None, ["data.views=2", "loss.image_image_weight=0.5"]).loss.image_image_temperature == 0.1
