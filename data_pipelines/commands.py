@@ -130,5 +130,5 @@ def run_mine(args) -> dict:
                  device=args.device, progress=not args.no_progress)
     print(f"wrote {stats['negatives_written']} negatives for {stats['mined_samples']} samples into {args.out} "
           f"({stats['samples_with_fewer_than_k']} with fewer than {args.k}, {stats['filtered_false_negatives']} "
-          f"suspected false negatives filtered); train with data.hard_negatives=<= {args.k}")
+          f"suspected false negatives filtered); train on them with data.hard_negatives: k <= {args.k}")
     return stats

@@ -142,7 +142,9 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
 
     # model
     model: TwoTower = build_model(cfg.model)
-    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length)  # fwd + bwd
+    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd
+                                               second_view=cfg.loss.image_image_weight > 0,
+                                               negatives=cfg.data.hard_negatives)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,

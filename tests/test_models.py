@@ -78,3 +78,16 @@ def test_second_view_and_negative_captions_are_embedded_like_separate_calls():
     torch.testing.assert_close(out["neg_text_features"][2, 1], out["text_features"][1])
     with pytest.raises(ValueError, match="images2 needs images"):
         model(None, tokens, images2=images2)
+
+
+def test_flops_per_sample_count_the_second_view_and_the_mined_captions():
+    from mmalign.monitors import forward_flops_per_sample
+
+    model = build_model(ModelConfig(preset="micro"))
+    size, length = model.image_size, model.context_length
+    both = forward_flops_per_sample(model, size, length)
+    view = forward_flops_per_sample(model, size, length, second_view=True) - both  # one more vision pass
+    negs = forward_flops_per_sample(model, size, length, negatives=3) - both  # three more text passes
+    assert view > 0 and negs > 0
+    assert both == pytest.approx(view + negs / 3, rel=1e-6)  # the two towers, once each
+    assert forward_flops_per_sample(model, size, length, second_view=True, negatives=3) == both + view + negs
