@@ -1,4 +1,4 @@
-"""The ``mmalign shards …`` and ``mmalign tokenizer …`` command lines (arguments and dispatch).
+"""The ``mmalign shards …``, ``mmalign mine …`` and ``mmalign tokenizer …`` command lines (arguments and dispatch).
 
 Kept apart from ``mmalign/cli.py`` so the builders' options live next to the
 builders; heavy imports happen only when a command runs.
@@ -104,3 +104,31 @@ def run_tokenizer(args) -> dict:
     print(f"wrote {args.out}: {info['pieces']} pieces from {info['captions']} captions; "
           f"set model.tokenizer={args.out} (text tower vocab_size {info['vocab_size']})")
     return info
+
+
+def add_mine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="shards to mine: a spec (dir/{00000..00009}.tar) or a directory of .tar")
+    p.add_argument("--model", required=True, help="the model that scores candidates: a run directory, its final/, "
+                                                  "or RUN/checkpoints/step_N")
+    p.add_argument("--out", required=True, help="folder for the rewritten shards and mine.json")
+    p.add_argument("-k", type=int, default=8, help="negative captions kept per sample (default 8)")
+    p.add_argument("--max-similarity", type=float, default=None,
+                   help="drop candidates whose cosine with the image exceeds this (suspected false negatives)")
+    p.add_argument("--max-relative", type=float, default=None,
+                   help="drop candidates above this fraction of the image's own-caption cosine (e.g. 0.95)")
+    p.add_argument("--id-field", default=None, help="a .json field: samples with equal values are positives")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_mine(args) -> dict:
+    from data_pipelines.mine import mine
+
+    stats = mine(args.data, args.model, args.out, k=args.k, max_similarity=args.max_similarity,
+                 max_relative=args.max_relative, id_field=args.id_field, batch_size=args.batch_size,
+                 device=args.device, progress=not args.no_progress)
+    print(f"wrote {stats['negatives_written']} negatives for {stats['mined_samples']} samples into {args.out} "
+          f"({stats['samples_with_fewer_than_k']} with fewer than {args.k}, {stats['filtered_false_negatives']} "
+          f"suspected false negatives filtered); train on them with data.hard_negatives: k <= {args.k}")
+    return stats

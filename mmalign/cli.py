@@ -117,6 +117,13 @@ def cmd_shards(args) -> int:
     return 0
 
 
+def cmd_mine(args) -> int:
+    from data_pipelines.commands import run_mine
+
+    run_mine(args)
+    return 0
+
+
 def cmd_tokenizer(args) -> int:
     from data_pipelines.commands import run_tokenizer
 
@@ -252,11 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_quickstart)
 
-    from data_pipelines.commands import add_shard_args, add_tokenizer_args
+    from data_pipelines.commands import add_mine_args, add_shard_args, add_tokenizer_args
 
     p = sub.add_parser("shards", help="build WebDataset shards (img2dataset layout) from a source")
     add_shard_args(p)
     p.set_defaults(func=cmd_shards)
+
+    p = sub.add_parser("mine", help="mine hard negative captions with a trained model into a copy of the shards")
+    add_mine_args(p)
+    p.set_defaults(func=cmd_mine)
 
     p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer on shard captions")
     add_tokenizer_args(p)

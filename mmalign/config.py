@@ -68,6 +68,9 @@ class DataConfig:
     shuffle_buffer: int = 1000  # samples held per worker for shuffling; 1 = no shuffling
     views: int = 1  # 2 adds a second augmented view ``images2`` for image-image positives
     id_field: Optional[str] = None  # a .json field yielding ``ids`` (false-negative-aware positives)
+    # k mined negative captions per sample from .json "hard_negatives" (`mmalign mine`): batch
+    # ``neg_tokens`` (B, k, L) + ``neg_mask``; extra image->text candidates (losses/mined.py). 0 = off.
+    hard_negatives: int = 0
     max_image_pixels: int = 89_478_485  # PIL's decompression-bomb limit; larger images are skipped
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
@@ -107,6 +110,9 @@ class LossConfig:
     # towers, are extra negatives in both directions (infonce, no beta / prior / mask). 0 = off.
     queue_size: int = 0
     momentum: float = 0.995  # EMA decay m of the queue's encoder: ema = m * ema + (1 - m) * online
+    # + weight x NT-Xent between the two views of each image (SimCLR / SLIP; needs data.views: 2).
+    image_image_weight: float = 0.0
+    image_image_temperature: float = 0.1  # fixed NT-Xent temperature (SimCLR / SLIP use 0.1)
 
 
 @dataclass
@@ -323,6 +329,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_data(cfg)
+    _validate_extras(cfg)
     _validate_tokenizer(cfg)
     if cfg.model.max_logit_scale < 1:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
@@ -414,6 +421,24 @@ def _validate_data(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.train_weights' needs one weight per entry of the data.train list, got {w}")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in w) or sum(w) <= 0:
             raise ConfigError(f"config key 'data.train_weights' must be non-negative numbers with a positive sum, got {w}")
+
+
+def _validate_extras(cfg: Config) -> None:
+    """The image-image term (second view) and mined hard negatives."""
+    loss, data = cfg.loss, cfg.data
+    if loss.image_image_weight < 0:
+        raise ConfigError(f"config key 'loss.image_image_weight' must be >= 0, got {loss.image_image_weight}")
+    if loss.image_image_temperature <= 0:
+        raise ConfigError(f"config key 'loss.image_image_temperature' must be > 0, got {loss.image_image_temperature}")
+    if loss.image_image_weight > 0 and data.views != 2:
+        raise ConfigError("config key 'loss.image_image_weight' > 0 needs data.views: 2 (a second augmented view)")
+    if data.hard_negatives < 0:
+        raise ConfigError(f"config key 'data.hard_negatives' must be >= 0, got {data.hard_negatives}")
+    if data.hard_negatives and (loss.name != "infonce" or loss.hard_negative_beta or loss.debias_prior):
+        raise ConfigError("config key 'data.hard_negatives' needs loss.name=infonce without "
+                          "loss.hard_negative_beta / loss.debias_prior (mined negatives extend the plain InfoNCE)")
+    if data.hard_negatives and loss.queue_size:
+        raise ConfigError("config key 'data.hard_negatives' does not combine with loss.queue_size (not implemented)")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -38,7 +38,7 @@ from deepspeed.utils import (  # noqa: E402
 
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign.config import Config, ConfigError  # noqa: E402
-from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch  # noqa: E402
+from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
 from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
@@ -140,18 +140,24 @@ class Engine:
 
     # -------------------------------------------------------------- stepping
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> dict:
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, **extra: torch.Tensor) -> dict:
+        """``extra``: per-sample model inputs by keyword (``images2``, ``neg_texts``)."""
         if self.input_dtype is not None:
             images = images.to(self.input_dtype)
-        return self.ds(images, tokens)
+            extra = {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in extra.items()}
+        return self.ds(images, tokens, **extra)
 
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
 
-    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None, before_update=None):
+    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None, before_update=None,
+             extra: dict[str, torch.Tensor] | None = None):
         """Forward, loss, backward and one optimiser update over the local batch.
 
         ``loss_fn(outputs) -> LossOutput`` receives float32 features.
+        ``extra`` holds further per-sample model inputs (name -> (B, ...) tensor,
+        passed to the model by keyword, e.g. ``images2`` / ``neg_texts``); they are
+        chunked along dim 0 with the images and tokens.
         ``before_update()`` runs after the last backward, before the update (the
         averaged gradients are then readable with :meth:`full_grads`).  A step whose
         loss or representation gradients are non-finite on any rank is skipped
@@ -166,16 +172,19 @@ class Engine:
                 self._own_norm = self._module_grad_norm()
             self.ds.step()
 
-        def encode(im, tok):
+        names = list(extra or {})
+        inputs = (images, tokens, *(extra or {}).values())
+
+        def encode(im, tok, *rest):
             with autocast():
-                out = self.forward(im, tok)
+                out = self.forward(im, tok, **dict(zip(names, rest)))
             return {k: (v.float() if torch.is_tensor(v) else v) for k, v in out.items()}
 
         if self.plan.accumulation == 1:
-            result, skipped = self._single_pass(encode(images, tokens), loss_fn, update)
+            result, skipped = self._single_pass(encode(*inputs), loss_fn, update)
         else:
             cached = grad_cache_step(
-                encode, split_batch((images, tokens), list(self.plan.chunks)), loss_fn, self._backward,
+                encode, split_batch(inputs, list(self.plan.chunks)), loss_fn, self._backward,
                 after_chunk=update, guard=self._all_finite,
             )
             result, skipped = cached.result, cached.skipped
@@ -186,8 +195,7 @@ class Engine:
     def _single_pass(self, out: dict, loss_fn, update) -> tuple:
         """Uncached step with the same guard as the cached one: take d(loss)/d(outputs)
         first, check it on every rank, then back-propagate it through the towers."""
-        keys = [k for k in ("image_features", "text_features", "logit_scale", "logit_bias")
-                if torch.is_tensor(out.get(k)) and out[k].requires_grad]
+        keys = [k for k in PER_SAMPLE + PER_STEP if torch.is_tensor(out.get(k)) and out[k].requires_grad]
         # The loss sees detached leaves, so taking its gradient never runs a backward
         # through the (DeepSpeed-hooked) model; the towers then get one engine backward.
         leaves = {k: out[k].detach().requires_grad_(True) for k in keys}

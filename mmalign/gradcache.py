@@ -19,6 +19,12 @@ activations, the same bound), and it is back-propagated first, straight from tha
 graph, so a step of n chunks costs n - 1 extra forwards, not n.  With one chunk,
 caching costs nothing.
 
+Extra per-sample inputs (a second image view, mined negative captions) ride
+along: a chunk is any tuple of tensors split along dim 0, and every per-sample
+output the model returns (``PER_SAMPLE``: (b, D) features of either view, or
+(b, k, D) negative-caption features) is concatenated, cached and
+back-propagated like the two main ones.
+
 The temperature (``logit_scale``) and SigLIP bias are also representations here:
 the model returns them from ``forward`` (ZeRO-3 only materialises parameters
 inside forward).  Their cached gradient is back-propagated through exactly one
@@ -38,8 +44,9 @@ from typing import Any, Optional
 
 import torch
 
-# Per-sample outputs are concatenated across chunks; per-step ones are taken once.
-PER_SAMPLE = ("image_features", "text_features")
+# Per-sample outputs are concatenated across chunks (along dim 0, whatever their
+# trailing shape); per-step ones are taken once. Absent keys are skipped.
+PER_SAMPLE = ("image_features", "text_features", "image2_features", "neg_text_features")
 PER_STEP = ("logit_scale", "logit_bias")
 
 
@@ -93,8 +100,10 @@ def grad_cache_step(
 
     Args:
         encode: ``encode(*chunk) -> dict`` with (b, D) ``image_features`` /
-            ``text_features`` and the per-step ``logit_scale`` (and optionally
-            ``logit_bias``), e.g. the model's (or engine's) forward.
+            ``text_features`` (optionally ``image2_features`` (b, D) and
+            ``neg_text_features`` (b, k, D)) and the per-step ``logit_scale``
+            (and optionally ``logit_bias``), e.g. the model's (or engine's)
+            forward.
         chunks: the local batch split into chunk inputs (see :func:`split_batch`).
         loss_fn: maps the full-batch dict of detached leaf tensors to either a
             loss tensor or an object with a ``.loss`` tensor (e.g. LossOutput).
@@ -121,8 +130,9 @@ def grad_cache_step(
 
     # 2. loss on detached representations; cache its gradient w.r.t. each of them
     full: dict[str, torch.Tensor] = {}
-    for key in PER_SAMPLE:
-        full[key] = torch.cat([r[key].detach() for r in reps]).requires_grad_(True)  # (B, D)
+    per_sample = [k for k in PER_SAMPLE if torch.is_tensor(reps[-1].get(k))]
+    for key in per_sample:
+        full[key] = torch.cat([r[key].detach() for r in reps]).requires_grad_(True)  # (B, D) or (B, k, D)
     for key in PER_STEP:
         if reps[-1].get(key) is not None:
             full[key] = reps[-1][key].detach().requires_grad_(True)  # (1,)
@@ -133,8 +143,8 @@ def grad_cache_step(
     if guard is not None and not guard(loss, grads):
         after_first_pass.restore()
         return CachedStep(loss=loss.detach(), result=result, skipped=True)
-    sizes = [r[PER_SAMPLE[0]].shape[0] for r in reps]
-    sample_grads = {k: grads[k].split(sizes) for k in PER_SAMPLE if grads.get(k) is not None}
+    sizes = [r[per_sample[0]].shape[0] for r in reps]
+    sample_grads = {k: grads[k].split(sizes) for k in per_sample if grads.get(k) is not None}
 
     # 3. back-propagate rep . grad: the last chunk from its kept graph, then every
     #    other chunk re-forwarded under its recorded RNG state

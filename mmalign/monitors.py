@@ -25,16 +25,23 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 
 
 @torch.no_grad()
-def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int) -> float:
-    """FLOPs of one forward pass of both towers for a single sample (on CPU, float32)."""
+def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
+                             second_view: bool = False, negatives: int = 0) -> float:
+    """FLOPs of one forward pass of both towers for a single sample (on CPU, float32),
+    including its second image view and its ``negatives`` mined captions when the run embeds them."""
     was_training = model.training
     model.eval()
     images = torch.zeros(1, 3, image_size, image_size)
     tokens = torch.zeros(1, context_length, dtype=torch.long)
     tokens[0, 0], tokens[0, 1] = 49406, 49407
+    extra = {}
+    if second_view:
+        extra["images2"] = images.clone()
+    if negatives:
+        extra["neg_texts"] = tokens.repeat(negatives, 1)[None]  # (1, k, L)
     counter = FlopCounterMode(display=False)
     with counter:
-        model(images, tokens)
+        model(images, tokens, **extra)
     model.train(was_training)
     return float(counter.get_total_flops())
 

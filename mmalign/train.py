@@ -29,6 +29,7 @@ from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, run_suite, write_results
 from mmalign.losses import build_loss, caption_ids
+from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model
 from mmalign.models.io import save_pretrained
 from mmalign.momentum import MomentumQueue
@@ -86,6 +87,17 @@ def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
     return batch["ids"]
 
 
+def extra_inputs(batch: dict, cfg: Config, device: torch.device) -> dict:
+    """Per-sample model inputs beyond (images, tokens): the second view for the image-image
+    term, the mined negative captions (``TwoTower.forward`` keywords)."""
+    extra = {}
+    if cfg.loss.image_image_weight > 0:
+        extra["images2"] = batch["images2"].to(device)  # (B, 3, H, W)
+    if cfg.data.hard_negatives > 0:
+        extra["neg_texts"] = batch["neg_tokens"].to(device)  # (B, k, L)
+    return extra
+
+
 def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The first ``monitor.probe_size`` validation pairs: a fixed batch for collapse indicators."""
     n = cfg.monitor.probe_size
@@ -132,7 +144,9 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
 
     # model
     model: TwoTower = build_model(cfg.model)
-    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length)  # fwd + bwd
+    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd
+                                               second_view=cfg.loss.image_image_weight > 0,
+                                               negatives=cfg.data.hard_negatives)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,
@@ -159,6 +173,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     loss_fn = build_loss(cfg.loss)
+    view_term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature, cfg.loss.tile_size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     peak = peak_tflops(device, mon.peak_tflops)
 
@@ -204,6 +219,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         images, tokens = batch["images"].to(device), batch["tokens"].to(device)
         ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
         pmask = positive_mask_for(batch, cfg.loss.positive_mask)
+        extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
         if keys_file is not None:
             keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
             keys_file.flush()
@@ -211,10 +227,12 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         entries = queue.entries() if queue is not None else None  # earlier steps' entries only
 
         def loss_of(outputs: dict):
-            return loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                           outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries)
+            return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
+                                     outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries,
+                                     neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
+                             outputs)
 
-        result = engine.step(images, tokens, loss_of, autocast)
+        result = engine.step(images, tokens, loss_of, autocast, extra=extra)
         if queue is not None and not result.skipped:
             # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
             queue.update(engine.full_params(), dict(engine.module.named_buffers()))

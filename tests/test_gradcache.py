@@ -132,3 +132,58 @@ def test_last_chunk_is_back_propagated_from_its_first_forward(sizes):
     assert len(calls) == 2 * n - 1
     assert calls[:n] == [False] * (n - 1) + [True]  # first pass: only the last chunk keeps a graph
     _assert_close_grads(_grads(model), want)
+
+
+# ------------------------------------------- extra per-sample inputs: second view, mined negatives
+
+TAU = 0.1  # the image-image temperature
+
+
+def _extras_loss(mask):
+    """Naive full-batch objective: CLIP + image rows' own mined negatives + 0.5 x NT-Xent of the views."""
+
+    def loss(full):
+        img, txt, scale = full["image_features"], full["text_features"], full["logit_scale"]
+        img2, neg = full["image2_features"], full["neg_text_features"]  # (B, D), (B, k, D)
+        b = img.shape[0]
+        labels = torch.arange(b)
+        neg_logits = (scale * torch.einsum("bd,bkd->bk", img, neg)).masked_fill(~mask, float("-inf"))
+        i2t = F.cross_entropy(torch.cat([scale * img @ txt.T, neg_logits], dim=1), labels)
+        t2i = F.cross_entropy(scale * txt @ img.T, labels)
+        z = torch.cat([img, img2])  # (2B, D)
+        sim = (z @ z.T / TAU).masked_fill(torch.eye(2 * b, dtype=torch.bool), float("-inf"))
+        ntxent = F.cross_entropy(sim, torch.cat([labels + b, labels]))
+        return (i2t + t2i) / 2 + 0.5 * ntxent
+
+    return loss
+
+
+def _extras(b, k=2):
+    images2 = torch.randn(b, 3, 16, 16)
+    _, neg = _batch(b * k)
+    mask = torch.rand(b, k) < 0.7
+    return images2, neg.reshape(b, k, -1), mask
+
+
+@pytest.mark.parametrize("sizes", [[12], [5, 5, 2], [3, 3, 3, 3]])
+def test_cached_equals_one_pass_with_second_view_and_mined_negatives(sizes):
+    torch.manual_seed(random.randrange(10**6))
+    model = build_model(ModelConfig(preset="micro"))
+    images, tokens = _batch(12)
+    images2, neg, mask = _extras(12)
+    loss_fn = _extras_loss(mask)
+    out = model(images, tokens, images2=images2, neg_texts=neg)
+    assert out["neg_text_features"].shape == (12, 2, model.embed_dim)
+    want_loss = loss_fn(out)
+    want_loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+
+    def encode(im, tok, im2, ng):
+        return model(im, tok, images2=im2, neg_texts=ng)
+
+    step = grad_cache_step(encode, split_batch((images, tokens, images2, neg), sizes), loss_fn,
+                           lambda x: x.backward())
+    assert step.loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
+    _assert_close_grads(_grads(model), want)
+

@@ -62,3 +62,32 @@ def test_open_clip_presets_resolve_and_overrides_apply():
     assert arch["text_cfg"]["layers"] == 6 and arch["embed_dim"] == 256
     with pytest.raises(ConfigError, match="model.preset"):
         resolve_arch(ModelConfig(preset="ViT-Q-99"))
+
+
+def test_second_view_and_negative_captions_are_embedded_like_separate_calls():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="micro")).eval()
+    images, tokens = _batch(model, b=4)
+    images2 = torch.randn_like(images)
+    neg = tokens[torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])]  # (4, 3, L): the other captions
+    out = model(images, tokens, images2=images2, neg_texts=neg)
+    torch.testing.assert_close(out["image_features"], model.encode_image(images))
+    torch.testing.assert_close(out["image2_features"], model.encode_image(images2))
+    torch.testing.assert_close(out["text_features"], model.encode_text(tokens))
+    assert out["neg_text_features"].shape == (4, 3, model.embed_dim)
+    torch.testing.assert_close(out["neg_text_features"][2, 1], out["text_features"][1])
+    with pytest.raises(ValueError, match="images2 needs images"):
+        model(None, tokens, images2=images2)
+
+
+def test_flops_per_sample_count_the_second_view_and_the_mined_captions():
+    from mmalign.monitors import forward_flops_per_sample
+
+    model = build_model(ModelConfig(preset="micro"))
+    size, length = model.image_size, model.context_length
+    both = forward_flops_per_sample(model, size, length)
+    view = forward_flops_per_sample(model, size, length, second_view=True) - both  # one more vision pass
+    negs = forward_flops_per_sample(model, size, length, negatives=3) - both  # three more text passes
+    assert view > 0 and negs > 0
+    assert both == pytest.approx(view + negs / 3, rel=1e-6)  # the two towers, once each
+    assert forward_flops_per_sample(model, size, length, second_view=True, negatives=3) == both + view + negs

@@ -43,3 +43,108 @@ def test_identical_uninformative_views_give_log_of_candidates():
     # All embeddings equal: every logit equal, loss = log(2B - 1).
     z = F.normalize(torch.ones(4, 3), dim=1)
     assert math.isclose(ntxent_loss(z, z, 5.0).item(), math.log(7), rel_tol=1e-6)
+
+
+def test_image_image_term_adds_weighted_ntxent_at_fixed_temperature(gen):
+    from mmalign.losses import ContrastiveLoss
+    from mmalign.losses.ntxent import ImageImageTerm
+
+    b, w, tau = 6, 0.3, 0.1
+    x, x2, y = (F.normalize(torch.randn(b, 8, generator=gen), dim=1).requires_grad_() for _ in range(3))
+    s = torch.tensor([12.0])
+    out = ImageImageTerm(w, tau)(ContrastiveLoss()(x, y, s), {"image_features": x, "image2_features": x2})
+    out.loss.backward()
+    r = [t.detach().double().requires_grad_() for t in (x, x2, y)]
+    logits = s.double() * r[0] @ r[2].T
+    clip = (torch.logsumexp(logits, 1) - logits.diagonal()).mean() / 2 + \
+           (torch.logsumexp(logits, 0) - logits.diagonal()).mean() / 2
+    ref = clip + w * ref_ntxent(r[0], r[1], 1 / tau)
+    ref.backward()
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    for got, want in zip((x, x2, y), r):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-7)
+    assert out.stats["image_image_loss"] == pytest.approx(ref_ntxent(*r[:2], 1 / tau).item(), rel=1e-5)
+    assert out.stats["contrastive_loss"] == pytest.approx(clip.item(), rel=1e-5)
+    assert out.stats["loss"] == pytest.approx(ref.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="image2_features"):
+        ImageImageTerm(w, tau)(ContrastiveLoss()(x, y, s), {"image_features": x})
+
+
+def _sharded_worker(rank, world, port, in_path, out_path):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mmalign import distributed as mdist
+
+    mdist.init_from_env(backend="gloo")
+    data = torch.load(in_path)
+    b = data["z1"].shape[0] // world
+    results = {}
+    for tile in (None, 3):
+        z1, z2 = (data[k][rank * b:(rank + 1) * b].clone().requires_grad_() for k in ("z1", "z2"))
+        loss = ntxent_loss(z1, z2, 10.0, tile_size=tile)
+        loss.backward()
+        results[tile] = (loss.detach(), z1.grad, z2.grad)
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, results)
+    if rank == 0:
+        torch.save(parts, out_path)
+    mdist.barrier()
+    mdist.shutdown()
+
+
+@pytest.mark.integration
+def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_path):
+    from tests.conftest import spawn_ranks
+
+    world, b = 2, 5
+    z1, z2 = (F.normalize(torch.randn(world * b, 8, generator=gen, dtype=torch.float64), dim=1).float()
+              for _ in range(2))
+    torch.save({"z1": z1, "z2": z2}, tmp_path / "in.pt")
+    parts = spawn_ranks(_sharded_worker, world, (str(tmp_path / "in.pt"), str(tmp_path / "out.pt")),
+                        tmp_path / "out.pt")
+    r1, r2 = (t.double().requires_grad_() for t in (z1, z2))
+    ref = ref_ntxent(r1, r2, 10.0)
+    ref.backward()
+    for tile in (None, 3):
+        # mean over ranks = the global loss; DeepSpeed's average of the gradients = the global gradient
+        assert sum(p[tile][0].item() for p in parts) / world == pytest.approx(ref.item(), rel=1e-5)
+        g1 = torch.cat([p[tile][1] for p in parts]) / world
+        g2 = torch.cat([p[tile][2] for p in parts]) / world
+        torch.testing.assert_close(g1.double(), r1.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g2.double(), r2.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides):
+    import json
+
+    from mmalign.config import load_config
+    from mmalign.train import train
+
+    cfg = load_config(None, micro_overrides + ["data.views=2", "loss.image_image_weight=0.5",
+                                               "train.grad_cache_chunk_size=12"])
+    out = train(cfg, show_progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    term = [r["image_image_loss"] for r in records]
+    assert all(math.isfinite(v) for v in term)
+    # the total is the contrastive loss + 0.5 x the NT-Xent (rank-averaged stats of one process)
+    for r in records:
+        assert r["loss"] == pytest.approx(r["contrastive_loss"] + 0.5 * r["image_image_loss"], rel=1e-5)
+    assert sum(term[-5:]) / 5 < sum(term[:5]) / 5 - 0.1, term
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["loss.image_image_weight=0.5"], "loss.image_image_weight"),  # needs data.views: 2
+    (["data.views=2", "loss.image_image_weight=-1"], "loss.image_image_weight"),
+    (["data.views=2", "loss.image_image_weight=1", "loss.image_image_temperature=0"], "loss.image_image_temperature"),
+])
+def test_config_errors_name_the_key(overrides, key):
+    from mmalign.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value) and "\n" not in str(err.value)
+    assert load_config(None, ["data.views=2", "loss.image_image_weight=0.5"]).loss.image_image_temperature == 0.1

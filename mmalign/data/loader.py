@@ -58,7 +58,8 @@ class StreamingLoader:
     """Iterable of batch dicts with ``state_dict``/``load_state_dict`` and ``skipped``.
 
     A batch: ``images`` (B,3,H,W), ``tokens`` (B,L), ``captions``, ``keys``, ``epochs``
-    (B,), optional ``ids`` (B,) and ``images2`` (B,3,H,W), and ``skipped`` (the
+    (B,), optional ``ids`` (B,), ``images2`` (B,3,H,W), ``neg_tokens`` (B,k,L) with
+    ``neg_mask`` (B,k) (mined hard negatives), and ``skipped`` (the
     run's skip counts so far, by reason).  Iterating is endless; iterating again
     continues after the last consumed batch.
     """
@@ -196,7 +197,7 @@ def build_train_loader(
         log.warning("data.train has %d shards for %d ranks x %d workers: %s (more shards read faster)",
                     len(urls), world_size, spec.workers, how)
     processor = SampleProcessor(transform, tokenizer, views=data.views, id_field=data.id_field,
-                                max_pixels=data.max_image_pixels)
+                                max_pixels=data.max_image_pixels, hard_negatives=data.hard_negatives)
     log.info("data: %d shards in %d source(s), mode %s, shuffle buffer %d, %d worker(s), views %d",
              len(urls), len(sources), data.mode, spec.shuffle_buffer, num_workers, data.views)
     return StreamingLoader(spec, processor, rank=rank, num_workers=num_workers)

@@ -1,5 +1,14 @@
 """Worker-side work on one sample and one batch: decode, augment, choose a caption, tokenize.
 
+With ``hard_negatives=k`` a sample also reads up to k mined negative captions from its
+``.json`` ``hard_negatives`` list (written by ``mmalign mine``, hardest first) and the
+batch carries ``neg_tokens`` (B, k, L) and ``neg_mask`` (B, k).  A sample with fewer
+(or none: the field is absent, or mining found none below its false-negative
+threshold) is kept and padded with masked slots rather than skipped: it is still a
+valid positive pair, and skipping would bias training toward samples that happen to
+have many mined neighbours.  The loss reports the filled fraction (``mined_neg_valid``).
+A field that is present but malformed is a counted skip (``bad_hard_negatives``).
+
 Everything random about a sample (its crop, flip, jitter, and which of its captions
 is used) comes from one ``random.Random`` the stream seeds from (seed, slot, sample
 number), so a resumed run reproduces it exactly.
@@ -30,16 +39,36 @@ def id_value(value) -> int:
     raise TypeError(f"unsupported id type {type(value).__name__}")
 
 
+def mined_captions(meta: dict, k: int) -> list[str]:
+    """The first ``k`` captions of ``.json`` ``hard_negatives`` (dicts with a ``caption``, or strings).
+
+    Absent field -> [] (padded and masked); present but malformed -> BadSample.
+    """
+    listed = meta.get("hard_negatives")
+    if listed is None:
+        return []
+    if not isinstance(listed, list):
+        raise BadSample("bad_hard_negatives", f"expected a list, got {type(listed).__name__}")
+    captions = []
+    for entry in listed[:k]:
+        caption = entry.get("caption") if isinstance(entry, dict) else entry
+        if not isinstance(caption, str) or not caption.strip():
+            raise BadSample("bad_hard_negatives", f"entry without a caption: {str(entry)[:80]}")
+        captions.append(caption.strip())
+    return captions
+
+
 class SampleProcessor:
     """Raw members of one sample -> the tensors and strings of one batch row."""
 
     def __init__(self, transform: Callable, tokenizer: Callable, *, views: int = 1,
-                 id_field: str | None = None, max_pixels: int | None = None):
+                 id_field: str | None = None, max_pixels: int | None = None, hard_negatives: int = 0):
         self.transform = transform
         self.tokenizer = tokenizer
         self.views = views
         self.id_field = id_field
         self.max_pixels = max_pixels
+        self.hard_negatives = hard_negatives
         # Our train transform takes the per-sample generator; a plain callable (e.g. a
         # torchvision Compose) uses torch's global RNG and is then not reproducible.
         self._seeded = isinstance(transform, TrainTransform)
@@ -62,6 +91,8 @@ class SampleProcessor:
                 row["id"] = id_value(meta[self.id_field])
             except TypeError as e:
                 raise BadSample("missing_id", str(e)) from None
+        if self.hard_negatives:
+            row["negatives"] = mined_captions(meta, self.hard_negatives)
         image = open_image(image_bytes, self.max_pixels)
         try:
             row["image"] = self._apply(image, rng)  # (3, H, W)
@@ -84,4 +115,10 @@ class SampleProcessor:
             batch["ids"] = torch.tensor([r["id"] for r in rows], dtype=torch.long)  # (B,)
         if self.views == 2:
             batch["images2"] = torch.stack([r["image2"] for r in rows])  # (B, 3, H, W)
+        if self.hard_negatives:
+            k = self.hard_negatives
+            padded = [(r["negatives"] + [""] * k)[:k] for r in rows]  # "" marks an empty slot
+            tokens = self.tokenizer([c for p in padded for c in p])  # (B k, L)
+            batch["neg_tokens"] = tokens.reshape(len(rows), k, -1)  # (B, k, L)
+            batch["neg_mask"] = torch.tensor([[bool(c) for c in p] for p in padded])  # (B, k)
         return batch

@@ -35,6 +35,7 @@ REASONS = (
     "missing_caption",  # no .txt and no caption list in .json
     "empty_caption",
     "missing_id",  # data.id_field absent from .json
+    "bad_hard_negatives",  # data.hard_negatives > 0 and .json "hard_negatives" is not a list of captions
 )
 
 

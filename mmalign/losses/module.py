@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from mmalign import distributed as mdist
 
 from .infonce import infonce_local
+from .mined import mined_negatives_term
 from .monitors import infonce_stats, siglip_stats
 from .queue import QueueEntries, queue_infonce_local
 from .siglip import siglip_local
@@ -86,7 +87,8 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
                 logit_bias: Tensor | None = None, positive_ids: Tensor | None = None,
-                positive_mask: Tensor | None = None, queue: QueueEntries | None = None) -> LossOutput:
+                positive_mask: Tensor | None = None, queue: QueueEntries | None = None,
+                neg_text_features: Tensor | None = None, neg_mask: Tensor | None = None) -> LossOutput:
         """Loss of this rank's rows against all ranks' candidates.
 
         Args:
@@ -99,6 +101,9 @@ class ContrastiveLoss(nn.Module):
             queue: momentum-queue entries (InfoNCE without estimator or
                 mask): extra negatives for both directions, same-id entries
                 excluded (:mod:`.queue`); None or empty = the plain loss.
+            neg_text_features, neg_mask: (B, k, D) mined negative captions of
+                each local image and their (B, k) validity; extra image->text
+                candidates of that row only (plain InfoNCE; :mod:`.mined`).
 
         Returns:
             LossOutput with ``loss`` (mean over local rows) and ``stats``:
@@ -153,7 +158,18 @@ class ContrastiveLoss(nn.Module):
                                                    else positive_mask.to(image_features.device))
             n_cand = text_all.shape[0] + (queue.size if queue is not None else 0)
             stats = infonce_stats(tracks, lses, n_cand, logit_scale) if track else {}
+            if neg_text_features is not None:
+                if self.hard_negative_beta or self.debias_prior:
+                    raise ValueError("mined negatives need the plain infonce (no hard_negative_beta / debias_prior)")
+                if queue is not None:
+                    raise ValueError("mined negatives and a momentum queue are not combined")
+                mined, mined_stats = mined_negatives_term(image_features, neg_text_features, neg_mask,
+                                                          logit_scale, lses[0])
+                loss = loss + mined
+                stats.update(mined_stats if track else {})
         else:
+            if neg_text_features is not None:
+                raise ValueError("mined negatives are supported for infonce only")
             if logit_bias is None:
                 raise ValueError("siglip needs logit_bias")
             text_all = mdist.all_gather_with_grad(text_features)  # images stay local

@@ -14,8 +14,21 @@ view p(a) = a +- B and its candidates are the 2B - 1 others (itself excluded):
 
 The self-exclusion is the masked LSE of :mod:`.hardneg` with the diagonal as
 the "positive" set, so ``tile_size`` streams the 2B x 2B matrix (Inf-CL
-tiles) with the same values and gradients. One process: the views of other
-ranks are not gathered here.
+tiles) with the same values and gradients.
+
+**Sharded**: across W ranks the local anchors z = [z1; z2] (2B) are gathered
+with :func:`mmalign.distributed.all_gather_with_grad` into the 2WB candidates,
+rank r's block at offset 2rB (so anchor a's excluded self is column 2rB + a,
+a shifted diagonal); a rank averages over its local anchors, as
+:mod:`.module` does for InfoNCE, so the mean over ranks is the global NT-Xent
+of the 2WB views and the data-parallel average gives its exact gradient.
+
+**In the trainer** (:class:`ImageImageTerm`) the total loss is the
+contrastive loss + ``loss.image_image_weight`` x NT-Xent at the fixed
+temperature ``loss.image_image_temperature`` (SimCLR / SLIP use 0.1: a
+fixed, low temperature, because the image-image logits of two views of one
+image are near 1 and a learnt temperature would be a second, unanchored
+scale next to CLIP's).
 """
 
 from __future__ import annotations
@@ -23,20 +36,61 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mmalign import distributed as mdist
+
 from .hardneg import masked_lse
+from .module import LossOutput
 from .positives import Positives
 
-__all__ = ["ntxent_loss"]
+__all__ = ["ntxent_loss", "ImageImageTerm"]
 
 
 def ntxent_loss(view1: Tensor, view2: Tensor, scale: float | Tensor = 10.0, *, tile_size: int | None = None) -> Tensor:
-    """Symmetric NT-Xent of two (B, D) L2-normalised views; ``scale`` = 1/tau."""
+    """Symmetric NT-Xent of two (B, D) L2-normalised views; ``scale`` = 1/tau.
+
+    In a process group of W > 1 ranks the candidates are every rank's views
+    (gathered with gradient) and the result is this rank's anchors' mean; every
+    rank must pass the same B.
+    """
     if view1.ndim != 2 or view1.shape != view2.shape:
         raise ValueError(f"expected two (B, D) views, got {tuple(view1.shape)} and {tuple(view2.shape)}")
-    z = torch.cat([view1, view2])  # (2B, D)
+    z = torch.cat([view1, view2])  # (2B, D) local anchors
     s = torch.as_tensor(scale, dtype=z.dtype, device=z.device).reshape(())
-    # Positives(0) marks the diagonal (a, a): select="neg" drops exactly the self-similarity.
-    lse, _ = masked_lse(z, z, s, Positives(0), "neg", tile_size, want_cols=False)  # (2B,)
+    cols = mdist.all_gather_with_grad(z)  # (W 2B, D); this rank's anchors at 2 r B ..
+    # Paired Positives(offset) marks (a, offset + a), the anchor itself: select="neg" drops
+    # exactly the self-similarity.
+    self_cols = Positives(mdist.get_rank() * z.shape[0])
+    lse, _ = masked_lse(z, cols, s, self_cols, "neg", tile_size, want_cols=False)  # (2B,)
     partner = torch.cat([view2, view1])  # (2B, D): row a's other view
     pos = s * torch.linalg.vecdot(z, partner)  # (2B,)
     return (lse - pos).mean()
+
+
+class ImageImageTerm:
+    """Adds ``weight`` x NT-Xent(image_features, image2_features) to a contrastive LossOutput.
+
+    Stats gain ``image_image_loss`` (the NT-Xent, averaged over ranks) and
+    ``contrastive_loss``; ``loss`` becomes the total. weight 0 returns the result
+    unchanged (and needs no second view).
+    """
+
+    def __init__(self, weight: float = 0.0, temperature: float = 0.1, tile_size: int | None = 0):
+        if weight < 0 or temperature <= 0:
+            raise ValueError(f"need weight >= 0 and temperature > 0, got {weight}, {temperature}")
+        self.weight, self.scale, self.tile_size = float(weight), 1.0 / float(temperature), tile_size or None
+
+    def __call__(self, result: LossOutput, outputs: dict) -> LossOutput:
+        if not self.weight:
+            return result
+        if outputs.get("image2_features") is None:
+            raise ValueError("the image-image term needs image2_features (data.views: 2)")
+        term = ntxent_loss(outputs["image_features"], outputs["image2_features"], self.scale,
+                           tile_size=self.tile_size)
+        loss = result.loss + self.weight * term
+        stats = dict(result.stats)
+        if stats:
+            value = mdist.all_reduce_mean(term.detach().float().reshape(1).clone()).item()
+            contrastive = stats.get("loss", float(result.loss.detach()))
+            stats.update(contrastive_loss=contrastive, image_image_loss=value,
+                         loss=contrastive + self.weight * value)
+        return LossOutput(loss=loss, stats=stats)
