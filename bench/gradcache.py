@@ -124,11 +124,14 @@ def main() -> None:
     p.add_argument("--cap-gb", type=float, default=0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--uncached-cap-gb", type=float, default=14.0)
+    p.add_argument("--batches", help="comma-separated global batches (default 256,512,1024,2048,4096)")
+    p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
     if args.child:
         return child(args)
 
-    batches = [256, 1024] if args.quick else [256, 512, 1024, 2048, 4096]
+    batches = ([int(b) for b in args.batches.split(",")] if args.batches
+               else [256, 1024] if args.quick else [256, 512, 1024, 2048, 4096])
     rows = []
     for batch in batches:
         for chunk in (0, 256):
@@ -147,7 +150,8 @@ def main() -> None:
             f"warm-up step. Uncached cases run under a {args.uncached_cap_gb:g} GB address-space cap.\n\n{md}\n\n"
             "Targets: cached step time <= 1.4x uncached at the same batch; peak RSS at batch 4096 cached "
             "<= 1.3x the uncached batch-256 step.\n")
-    write_doc(text)
+    if not args.no_doc:
+        write_doc(text)
 
 
 if __name__ == "__main__":
