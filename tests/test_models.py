@@ -18,7 +18,7 @@ def _batch(model, b=3):
     return images, tokens
 
 
-@pytest.mark.parametrize("preset", ["micro", "tiny"])
+@pytest.mark.parametrize("preset", ["micro", "tiny", "tiny-rn"])
 def test_forward_shapes_and_normalisation(preset):
     model = build_model(ModelConfig(preset=preset))
     images, tokens = _batch(model)

@@ -20,6 +20,15 @@ PRESETS: dict[str, dict] = {
         "vision_cfg": {"image_size": 32, "layers": 4, "width": 128, "head_width": 32, "patch_size": 4},
         "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 4},
     },
+    # The quickstart's tower: a small modified ResNet (open_clip's RN layout: 3-conv stem,
+    # 4 bottleneck stages of one block, attention pooling) on 64 px. From scratch on the shapes
+    # data, its convolutions learn shape far sooner than the tiny ViT's patches (shape zero-shot
+    # 32% vs 21-26% after 300 steps at batch 128), and it steps faster on CPU.
+    "tiny-rn": {
+        "embed_dim": 128,
+        "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16},
+        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 4},
+    },
     # For unit tests and multi-process integration tests: seconds per step on one core.
     "micro": {
         "embed_dim": 32,
