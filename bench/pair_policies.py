@@ -185,7 +185,8 @@ def write_doc(text: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200, help="training steps per run (same for every policy)")
+    p.add_argument("--steps", type=int, default=150, help="shapes: training steps per run (same for every policy)")
+    p.add_argument("--cifar-steps", type=int, default=100, help="CIFAR-10: training steps per run")
     p.add_argument("--datasets", default="shapes,cifar10")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
@@ -197,7 +198,8 @@ def main() -> None:
     sections = []
     all_rows = {}
     for name in args.datasets.split(","):
-        base = base_shapes(work, args.steps) if name == "shapes" else base_cifar(work, args.steps)
+        steps = args.steps if name == "shapes" else args.cifar_steps
+        base = base_shapes(work, steps) if name == "shapes" else base_cifar(work, steps)
         if base is None:
             sections.append(f"**{name}**: not run (data absent).")
             continue
@@ -212,15 +214,15 @@ def main() -> None:
             extra = [o.format(**fill) for o in POLICIES[pol]]
             out = work / "runs" / f"{name}_{pol}"
             print(f"[{name}] {pol}: {' '.join(extra) or '(base)'}", flush=True)
-            rows[pol] = train_one(config, out, over + [f"seed={args.seed}", f"train.steps={args.steps}"] + extra, suite)
+            rows[pol] = train_one(config, out, over + [f"seed={args.seed}", f"train.steps={steps}"] + extra, suite)
             print(f"  {json.dumps(rows[pol])}", flush=True)
         all_rows[name] = rows
-        sections.append(f"**{name}** ({args.steps} steps)\n\n" + table(name, rows))
+        sections.append(f"**{name}** ({steps} steps)\n\n" + table(name, rows))
     (work / "results.json").write_text(json.dumps(all_rows, indent=1))
     body = "\n\n".join(sections)
     print(body)
     if not args.no_doc:
-        cmd = "python bench/pair_policies.py" + ("" if args.steps == 200 else f" --steps {args.steps}")
+        cmd = " ".join(["python bench/pair_policies.py", *sys.argv[1:]])
         write_doc(f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
                   f"{os.cpu_count()} CPU cores · shapes: configs/quickstart.yaml's towers and settings; "
                   f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n")
