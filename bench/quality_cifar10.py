@@ -360,7 +360,7 @@ def main() -> None:
         results.update(budget_b=rows_b, minutes=minutes, calibration=rates)
 
     cmd = "python bench/quality_cifar10.py " + " ".join(sys.argv[1:])
-    env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, 2 CPU cores shared with other jobs, "
+    env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
            f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
            f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
            f"{_version('webdataset')}")
