@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from docsection import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = [1, 5, 10]
@@ -117,15 +118,7 @@ def table(results: list[dict]) -> str:
 
 
 def write_doc(text: str) -> None:
-    doc = ROOT / "docs" / "benchmarks.md"
-    body = doc.read_text()
-    if SECTION in body:  # replace only this section (up to the next "## " heading)
-        start = body.index(SECTION)
-        nxt = body.find("\n## ", start + len(SECTION))
-        body = body[:start] + text + (body[nxt:] if nxt != -1 else "\n")
-    else:
-        body = body.rstrip("\n") + "\n\n" + text + "\n"
-    doc.write_text(body)
+    write_section(ROOT / "docs" / "benchmarks.md", text)
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from docsection import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Gradient caching (bench/gradcache.py)"
@@ -102,16 +103,7 @@ def table(rows: list[dict], base_rss: float) -> str:
 
 
 def write_doc(text: str) -> None:
-    doc = ROOT / "docs" / "benchmarks.md"
-    doc.parent.mkdir(exist_ok=True)
-    current = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if SECTION in current:
-        head, rest = current.split(SECTION, 1)
-        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        current = head + text + tail
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    doc.write_text(current.rstrip("\n") + "\n")
+    write_section(ROOT / "docs" / "benchmarks.md", text)
 
 
 def main() -> None:

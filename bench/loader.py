@@ -18,12 +18,12 @@ import datetime
 import os
 import platform
 import random
-import re
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+from docsection import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -109,14 +109,7 @@ def _time(it, batches: int, warmup: int, batch: int) -> float:
 
 
 def write_doc(body: str) -> None:
-    text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    DOC.write_text(text.rstrip() + "\n")
+    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n")
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import statistics
@@ -28,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from docsection import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -143,15 +143,7 @@ def sweep_table(args) -> str:
 
 
 def write_doc(body: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n")
 
 
 def main() -> None:

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from docsection import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -173,14 +174,7 @@ def table(name: str, rows: dict[str, dict]) -> str:
 
 
 def write_doc(text: str) -> None:
-    current = DOC.read_text() if DOC.exists() else "# Pair-construction policies\n"
-    if SECTION in current:
-        head, rest = current.split(SECTION, 1)
-        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        current = head + text + tail
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    DOC.write_text(current.rstrip("\n") + "\n")
+    write_section(DOC, text, title="# Pair-construction policies")
 
 
 def main() -> None:

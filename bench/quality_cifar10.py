@@ -55,6 +55,7 @@ from mmalign.data.tokenizer import build_tokenizer  # noqa: E402
 from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
 from mmalign.evaluation import load_suite, run_suite  # noqa: E402
 from mmalign.models.presets import PRESETS  # noqa: E402
+from docsection import write_section  # noqa: E402
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
 WDS_OLD = "0.2.86"
@@ -277,15 +278,7 @@ def table_b(rows: list[dict], minutes: float, rates: dict) -> str:
 
 
 def write_doc(text: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    doc = path.read_text() if path.is_file() else "# Benchmarks\n"
-    start = doc.find(SECTION)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    else:
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + ("\n" + doc[nxt:] if nxt >= 0 else "\n")
-    path.write_text(doc)
+    write_section(ROOT / "docs" / "benchmarks.md", text)
 
 
 def main() -> None:
