@@ -286,7 +286,8 @@ def test_tiled_equals_untiled_siglip(gen, tile, with_ids):
     full = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids), x, y, s, bias)
     tiled = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias)
     for name, f, t in zip(["loss", "d_image", "d_text", "d_scale", "d_bias"], full, tiled):
-        assert_close_rel(t, f, name)
+        # scale / bias: sums of O(1) terms that can cancel (see test_siglip_matches_naive_reference)
+        assert_close_rel(t, f, name, floor=1.0 if name in ("d_scale", "d_bias") else 1e-3)
 
 
 def test_tiled_does_not_underflow_with_extreme_spread(gen):

@@ -56,6 +56,22 @@ def _row_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int | None, *
     return lse_r, lse_c, tr_r, tr_c
 
 
+def both_directions_lse(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, scale: Tensor,
+                        pos: Positives, tile_size: int | None, track: bool):
+    """Row LSEs of local image rows over all texts and local text rows over all images.
+
+    Returns (lse_i (B,), lse_t (B,), track_i, track_t, positives of the text rows). One
+    process (``*_all`` are the local tensors): a single pass gives both directions as the
+    row and column LSEs of one B x B matrix; sharded, each direction is its own pass.
+    """
+    if image_all is image and text_all is text:
+        lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, scale, tile_size, want_cols=True, positives=pos, track=track)
+        return lse_i, lse_t, tr_i, tr_t, pos.transposed()
+    lse_i, _, tr_i, _ = _row_lse(image, text_all, scale, tile_size, want_cols=False, positives=pos, track=track)
+    lse_t, _, tr_t, _ = _row_lse(text, image_all, scale, tile_size, want_cols=False, positives=pos, track=track)
+    return lse_i, lse_t, tr_i, tr_t, pos  # local text rows vs all images: same ids, same offset
+
+
 def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor, *,
                   ids: Tensor | None = None, ids_all: Tensor | None = None, offset: int = 0,
                   tile_size: int | None = None, track: bool = False,
@@ -87,17 +103,8 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
                                             ids_all=ids_all, offset=offset, tile_size=tile_size, track=True,
                                             pair_mask=pair_mask)
         return loss, tracks, lses
-    square = image_all is image and text_all is text
-    if square:
-        lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, logit_scale, tile_size, want_cols=True,
-                                            positives=pos, track=track)
-        pos_t = pos.transposed()
-    else:
-        lse_i, _, tr_i, _ = _row_lse(image, text_all, logit_scale, tile_size, want_cols=False,
-                                     positives=pos, track=track)
-        lse_t, _, tr_t, _ = _row_lse(text, image_all, logit_scale, tile_size, want_cols=False,
-                                     positives=pos, track=track)
-        pos_t = pos  # local text rows vs all images: same ids, same offset
+    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(image, text, image_all, text_all, logit_scale, pos,
+                                                          tile_size, track)
     loss_i2t = lse_i - positive_logit(image, text_all, logit_scale, pos)  # (B,)
     loss_t2i = lse_t - positive_logit(text, image_all, logit_scale, pos_t)  # (B,)
     loss = 0.5 * (loss_i2t.mean() + loss_t2i.mean())

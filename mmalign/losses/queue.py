@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .infonce import _row_lse, infonce_local
+from .infonce import both_directions_lse, infonce_local
 from .positives import Positives, positive_logit
 from .tiled import tile_ranges, tiled_lse
 
@@ -153,17 +153,8 @@ def queue_infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all
     if qids is not None:
         qids = qids.to(image.device)
     pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
-    square = image_all is image and text_all is text
-    if square:
-        lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, logit_scale, tile_size, want_cols=True,
-                                            positives=pos, track=track)
-        pos_t = pos.transposed()
-    else:
-        lse_i, _, tr_i, _ = _row_lse(image, text_all, logit_scale, tile_size, want_cols=False,
-                                     positives=pos, track=track)
-        lse_t, _, tr_t, _ = _row_lse(text, image_all, logit_scale, tile_size, want_cols=False,
-                                     positives=pos, track=track)
-        pos_t = pos
+    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(image, text, image_all, text_all, logit_scale, pos,
+                                                          tile_size, track)
     # image rows get queued texts, text rows queued images
     q_i, qtr_i = _queue_lse(image, queue.text, logit_scale, ids, qids, tile_size, tr_i[1] if track else None)
     q_t, qtr_t = _queue_lse(text, queue.image, logit_scale, ids, qids, tile_size, tr_t[1] if track else None)
