@@ -59,6 +59,27 @@ def run_cli(*args, cwd=None):
                           cwd=cwd or ROOT, timeout=600)
 
 
+ENGINE_BATCH = 8  # global batch of the engine integration runs (4 rows per rank at 2 ranks)
+
+
+def engine_cfg(stage: int, *extra: str):
+    """A micro-tower engine config at ZeRO ``stage`` for 2-rank integration tests."""
+    from mmalign.config import load_config
+
+    return load_config(None, ["model.preset=micro", f"train.global_batch_size={ENGINE_BATCH}", "train.steps=4",
+                              "train.warmup_steps=1", "train.lr=0.01", f"deepspeed.zero_stage={stage}", *extra])
+
+
+def engine_batch(seed: int, rank: int, world: int):
+    """This rank's slice of a random global batch of (16 px) images and token rows."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(ENGINE_BATCH, 3, 16, 16, generator=g)
+    tokens = torch.randint(1, 49000, (ENGINE_BATCH, 16), generator=g)
+    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
+    local = ENGINE_BATCH // world
+    return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
+
+
 def spawn_ranks(worker, world: int, args: tuple, out_path) -> object:
     """Run ``worker(rank, world, port, *args)`` on ``world`` spawned processes (gloo on a free
     loopback port), require every one to exit cleanly, and return what rank 0 saved at ``out_path``."""

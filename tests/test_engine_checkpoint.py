@@ -9,27 +9,9 @@ import random
 import pytest
 import torch
 
-from tests.conftest import spawn_ranks
+from tests.conftest import engine_batch, engine_cfg, spawn_ranks
 
 pytestmark = pytest.mark.integration
-
-BATCH = 8
-
-
-def _cfg(stage: int, *extra: str):
-    from mmalign.config import load_config
-
-    return load_config(None, ["model.preset=micro", f"train.global_batch_size={BATCH}", "train.steps=4",
-                              "train.warmup_steps=1", "train.lr=0.01", f"deepspeed.zero_stage={stage}", *extra])
-
-
-def _batch(seed: int, rank: int, world: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(BATCH, 3, 16, 16, generator=g)
-    tokens = torch.randint(1, 49000, (BATCH, 16), generator=g)
-    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
-    local = BATCH // world
-    return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
 
 
 def _worker(rank, world, port, seed, ckpt_dir, out_path):
@@ -46,11 +28,11 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
 
     def run(engine, batch_seed):
         loss_fn = build_loss(engine.cfg.loss)
-        return engine.step(*_batch(batch_seed, rank, world),
+        return engine.step(*engine_batch(batch_seed, rank, world),
                            lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
 
     for stage in (0, 1, 2, 3):
-        cfg = _cfg(stage)
+        cfg = engine_cfg(stage)
         torch.manual_seed(seed)
         a = Engine(build_model(cfg.model), cfg)
         run(a, seed + 1)
@@ -69,25 +51,25 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
 
     # the temperature clamp reaches ZeRO's fp32 master copy: start above ln 100, step twice
     for stage in (0, 1, 2, 3):
-        cfg = _cfg(stage, "model.init_logit_scale=5.0", "train.optimizer=sgd", "train.lr=1e-4")
+        cfg = engine_cfg(stage, "model.init_logit_scale=5.0", "train.optimizer=sgd", "train.lr=1e-4")
         torch.manual_seed(seed)
         e = Engine(build_model(cfg.model), cfg)
         for k in range(2):
             run(e, seed + 10 + k)
-        seen = float(e.forward(*_batch(seed, rank, world))["logit_scale"].detach().reshape(-1)[0])
+        seen = float(e.forward(*engine_batch(seed, rank, world))["logit_scale"].detach().reshape(-1)[0])
         results[f"clamp{stage}"] = (float(e.consolidated_state_dict()["logit_scale"].reshape(-1)[0]), seen)
 
     # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
     for name, cfg, auto in (
-        ("bf16_weights", _cfg(2, "deepspeed.precision=bf16"), None),
-        ("bf16_autocast", _cfg(1, "train.precision=bf16"), lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
-        ("lamb_zero3", _cfg(3, "train.optimizer=lamb"), None),
+        ("bf16_weights", engine_cfg(2, "deepspeed.precision=bf16"), None),
+        ("bf16_autocast", engine_cfg(1, "train.precision=bf16"), lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        ("lamb_zero3", engine_cfg(3, "train.optimizer=lamb"), None),
     ):
         torch.manual_seed(seed)
         e = Engine(build_model(cfg.model), cfg)
         before = e.consolidated_state_dict()
         loss_fn = build_loss(cfg.loss)
-        res = e.step(*_batch(seed + 1, rank, world),
+        res = e.step(*engine_batch(seed + 1, rank, world),
                      lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]), autocast=auto)
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)

@@ -23,7 +23,7 @@ from torch import nn
 from mmalign.config import ConfigError, load_config
 from mmalign.losses import ContrastiveLoss, QueueEntries, clip_loss, queue_clip_loss
 from mmalign.momentum import FeatureQueue, MomentumQueue
-from tests.conftest import run_cli, spawn_ranks, unit  # noqa: F401  (the `gen` fixture lives there too)
+from tests.conftest import engine_batch, engine_cfg, run_cli, spawn_ranks, unit  # noqa: F401  (the `gen` fixture lives there too)
 
 TOL = 2e-5
 
@@ -450,22 +450,6 @@ def test_two_process_run_zero3_cached_resumes_exactly(micro_overrides, tmp_path)
 
 WORLD, B_LOCAL, Q = 2, 5, 7
 SHARDED_CASES = [("paired", 0, False), ("ids", 0, True), ("ids_tiled", 3, True)]  # (name, tile, with_ids)
-ENGINE_BATCH = 8  # global batch of the engine runs: 4 rows per rank
-
-
-def _cfg(stage: int, *extra: str):
-    return load_config(None, ["model.preset=micro", f"train.global_batch_size={ENGINE_BATCH}", "train.steps=4",
-                              "train.warmup_steps=1", "train.lr=0.01", f"deepspeed.zero_stage={stage}", *extra])
-
-
-def _batch(seed: int, rank: int, world: int):
-    """This rank's slice of a random global batch of images and token rows."""
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(ENGINE_BATCH, 3, 16, 16, generator=g)
-    tokens = torch.randint(1, 49000, (ENGINE_BATCH, 16), generator=g)
-    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
-    local = ENGINE_BATCH // world
-    return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
 
 
 def _rank_worker(rank, world, port, in_path, out_dir):
@@ -495,7 +479,7 @@ def _rank_worker(rank, world, port, in_path, out_dir):
     # 2. the momentum queue under the engine, ZeRO 0 / 2 / 3: EMA of the full weights,
     #    each rank pushes its local batch, the queues come out identical
     for stage in (0, 2, 3):
-        cfg = _cfg(stage, "loss.queue_size=12", "loss.momentum=0.8", "loss.false_negative_ids=caption")
+        cfg = engine_cfg(stage, "loss.queue_size=12", "loss.momentum=0.8", "loss.false_negative_ids=caption")
         torch.manual_seed(data["seed"])
         model = build_model(cfg.model)
         mq = MomentumQueue(copy.deepcopy(model), 12, 0.8, with_ids=True)
@@ -504,7 +488,7 @@ def _rank_worker(rank, world, port, in_path, out_dir):
         loss_fn = ContrastiveLoss("infonce", 0, use_positive_ids=True)
         record = []
         for step in range(2):
-            images, tokens = _batch(data["seed"] + step, rank, world)
+            images, tokens = engine_batch(data["seed"] + step, rank, world)
             ids = torch.arange(rank * 4, rank * 4 + 4) % 5  # repeats across ranks and steps
             entries = mq.entries()
             engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"],
