@@ -72,6 +72,9 @@ class DataConfig:
     # ``neg_tokens`` (B, k, L) + ``neg_mask``; extra image->text candidates (losses/mined.py). 0 = off.
     hard_negatives: int = 0
     max_image_pixels: int = 89_478_485  # PIL's decompression-bomb limit; larger images are skipped
+    # Bad samples in a row (per loader slot) before the run stops with one line giving the skip
+    # reasons: shards without a single usable sample must not loop forever.
+    max_consecutive_skips: int = 10_000
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -410,6 +413,8 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.shuffle_buffer' must be >= 1 (1 = no shuffling), got {d.shuffle_buffer}")
     if d.max_image_pixels < 1:
         raise ConfigError(f"config key 'data.max_image_pixels' must be > 0, got {d.max_image_pixels}")
+    if d.max_consecutive_skips < 1:
+        raise ConfigError(f"config key 'data.max_consecutive_skips' must be > 0, got {d.max_consecutive_skips}")
     train = d.train if isinstance(d.train, list) else [d.train]
     if not train or not all(isinstance(s, str) and s.strip() for s in train):
         raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")

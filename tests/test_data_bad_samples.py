@@ -111,3 +111,68 @@ def test_missing_id_field_is_a_counted_skip(tmp_path):
     batch = next(iter(loader(str(tmp_path / "00000.tar"), workers=0, shuffle_buffer=1, batch=2, id_field="label")))
     assert batch["keys"] == ["a", "c"] and batch["ids"].tolist() == [1, 1]
     assert batch["skipped"] == {"missing_id": 1}
+
+
+def _unusable_shards(tmp_path, n=2):
+    """Shards where no sample can be used: captions without images, corrupt JPEGs, non-UTF-8 captions."""
+    for s in range(n):
+        samples = []
+        for i in range(30):
+            kind = i % 3
+            members = ({"txt": b"a caption without an image"} if kind == 0 else
+                       {"jpg": os.urandom(200), "txt": b"random bytes"} if kind == 1 else
+                       {"jpg": jpeg(), "txt": b"caf\xe9 \xff"})
+            samples.append((f"{s}{i:03d}", members))
+        (tmp_path / f"{s:05d}.tar").write_bytes(tar_bytes(samples))
+    return f"{tmp_path}/{{00000..{n - 1:05d}}}.tar"
+
+
+import pytest  # noqa: E402
+
+from mmalign.config import ConfigError  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["resampled", "epoch"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shards_without_a_usable_sample_stop_with_one_line(tmp_path, mode, workers):
+    """Today's failure: both modes looped forever (millions of skips, no step)."""
+    import time
+
+    spec = _unusable_shards(tmp_path)
+    cfg = DataConfig(train=spec, mode=mode, max_image_pixels=MAX_PIXELS, workers=workers, shuffle_buffer=4,
+                     max_consecutive_skips=500)
+    t0 = time.time()
+    with pytest.raises(ConfigError) as err:
+        next(iter(build_train_loader(cfg, train_transform(8, AugmentConfig()), TOKENIZER, 4, seed=1)))
+    assert time.time() - t0 < 60
+    msg = str(err.value)
+    assert "\n" not in msg and "500 samples in a row were skipped" in msg and "data.max_consecutive_skips" in msg
+    for reason in ("missing_image", "corrupt_image", "caption_not_utf8"):
+        assert reason in msg
+
+
+def test_consecutive_skip_limit_counts_only_unbroken_runs(tmp_path):
+    """Good samples reset the run: 3 bad ones between goods never reach a limit of 4."""
+    samples = []
+    for i in range(40):
+        samples.append(good(f"g{i:03d}"))
+        samples += [(f"b{i:03d}{j}", {"txt": b"no image"}) for j in range(3)]
+    (tmp_path / "00000.tar").write_bytes(tar_bytes(samples))
+    cfg = DataConfig(train=str(tmp_path / "00000.tar"), mode="epoch", max_image_pixels=MAX_PIXELS, workers=0,
+                     shuffle_buffer=1, max_consecutive_skips=4)
+    batches = [b for _, b in zip(range(3), iter(build_train_loader(cfg, train_transform(8, AugmentConfig()),
+                                                                   TOKENIZER, 20, seed=1)))]
+    assert [k for b in batches[:2] for k in b["keys"]] == [f"g{i:03d}" for i in range(40)]
+
+
+def test_cli_train_on_unusable_shards_exits_2_with_one_line(tmp_path):
+    from tests.conftest import run_cli
+
+    spec = _unusable_shards(tmp_path)
+    proc = run_cli("train", "--set", "model.preset=micro", "--set", f"data.train={spec}",
+                   "--set", "data.workers=0", "--set", "train.steps=2", "--set", "train.warmup_steps=0", "--set", "monitor.probe_size=0",
+                   "--set", f"output={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "mmalign: error:" in ln]
+    assert len(errors) == 1 and "10000 samples in a row were skipped" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -59,6 +59,7 @@ class StreamSpec:
     batch_size: int
     shuffle_buffer: int
     max_image_pixels: int
+    max_consecutive_skips: int = 10_000  # bad samples in a row before the slot gives up (no usable data)
 
     @property
     def slots(self) -> int:
@@ -194,6 +195,7 @@ class SlotStream:
     def samples(self) -> Iterator[tuple[dict, int]]:
         """Endless (row, epoch) pairs; bad samples are counted and skipped."""
         taken, empty_epochs = 0, 0
+        bad_run = 0  # samples skipped in a row: shards with no usable sample must not spin forever
         while True:
             self._fill()
             if not self.buffer:  # epoch mode: this slot's epoch is done and drained
@@ -215,7 +217,14 @@ class SlotStream:
                 row = self.process(raw.key, raw.members, sample_rng)
             except BadSample as e:
                 self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
+                bad_run += 1
+                if bad_run >= self.spec.max_consecutive_skips:
+                    reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
+                    raise NoSamples(f"slot {self.slot}: {bad_run} samples in a row were skipped, no usable sample "
+                                    f"(skips so far: {reasons}); check the shards or raise "
+                                    f"data.max_consecutive_skips") from None
                 continue
+            bad_run = 0
             yield row, epoch
 
     def batches(self) -> Iterator[dict]:
