@@ -35,7 +35,10 @@ def _load(args) -> "Config":  # noqa: F821
 
 
 def cmd_train(args) -> int:
+    from mmalign.models import check_buildable
+
     cfg = _load(args)  # validate before spawning anything
+    check_buildable(cfg.model)
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
         from mmalign.config import validate

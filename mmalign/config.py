@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -200,6 +201,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise TypeError(f"unsupported annotation {tp!r} for {key}")
     if not ok(value):
         raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if tp is float and not math.isfinite(value):  # nan/inf pass every "> 0" check and fail much later
+        raise ConfigError(f"config key '{key}': expected a finite number, got {value!r}")
     return float(value) if tp is float else value
 
 
@@ -259,7 +262,9 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple 
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if loaded is None:
@@ -324,6 +329,20 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         elif cfg.data.id_field != fn_ids:
             raise ConfigError(f"config key 'loss.false_negative_ids'={fn_ids!r} differs from data.id_field="
                               f"{cfg.data.id_field!r}; they name the same .json field")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
+        raise ConfigError(f"config key 'train.device' must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+    if t.threads < 0:
+        raise ConfigError(f"config key 'train.threads' must be >= 0 (0 = torch's default), got {t.threads}")
+    m = cfg.model
+    for key in ("embed_dim", "image_size"):
+        if getattr(m, key) is not None and getattr(m, key) <= 0:
+            raise ConfigError(f"config key 'model.{key}' must be > 0 (or null for the preset's), got {getattr(m, key)}")
+    if cfg.eval.batch_size <= 0:
+        raise ConfigError(f"config key 'eval.batch_size' must be > 0, got {cfg.eval.batch_size}")
+    if cfg.monitor.probe_size < 0:
+        raise ConfigError(f"config key 'monitor.probe_size' must be >= 0 (0 = off), got {cfg.monitor.probe_size}")
+    if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
+        raise ConfigError(f"config key 'output': {cfg.output} exists and is not a directory")
     if t.max_consecutive_skips < 1:
         raise ConfigError(f"config key 'train.max_consecutive_skips' must be >= 1, got {t.max_consecutive_skips}")
     for key in ("checkpoint_every", "eval_every", "keep_checkpoints"):

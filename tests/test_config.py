@@ -91,3 +91,55 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("eval", "--model", str(tmp_path / "nomodel"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.lr=nan", "train.lr"), ("train.lr=.inf", "train.lr"), ("loss.momentum=nan", "loss.momentum"),
+    ("train.device=tpu", "train.device"), ("train.device=cuda:x", "train.device"),
+    ("model.embed_dim=0", "model.embed_dim"), ("model.image_size=-3", "model.image_size"),
+    ("eval.batch_size=0", "eval.batch_size"), ("train.threads=-1", "train.threads"),
+    ("monitor.probe_size=-1", "monitor.probe_size"), ("data.max_consecutive_skips=0", "data.max_consecutive_skips"),
+])
+def test_values_that_used_to_fail_late_are_rejected_at_load(override, key):
+    """Each of these trained (or set up DeepSpeed for 20 s) and then died with a traceback."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"'{key}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_accepted_devices():
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert load_config(None, [f"train.device={device}"]).train.device == device
+
+
+def test_output_that_is_a_file_and_non_utf8_config(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="'output'.*not a directory"):
+        load_config(None, [f"output={afile}"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"seed: 1\nx: '\xff\xfe'\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("override", ["model.vision.patch_size=x", "model.vision.layers=abc", "model.text.width=-4"])
+def test_towers_that_cannot_be_built_are_one_line_before_any_engine(tmp_path, override):
+    from mmalign.models import check_buildable
+
+    cfg = load_config(None, ["model.preset=micro", override])
+    with pytest.raises(ConfigError, match="config key 'model': the towers of preset 'micro' cannot be built"):
+        check_buildable(cfg.model)
+    check_buildable(load_config(None, ["model.preset=micro"]).model)  # a good one builds
+
+
+def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path):
+    import time
+
+    t0 = time.time()
+    proc = run_cli("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
+                   "--set", f"output={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mmalign: error: config key 'model'")
+    assert not (tmp_path / "run").exists()  # nothing was started
+    assert time.time() - t0 < 60

@@ -15,4 +15,24 @@ def build_model(cfg: ModelConfig) -> TwoTower:
     )
 
 
-__all__ = ["PRESETS", "TwoTower", "available", "build_model", "resolve_arch"]
+def check_buildable(cfg: ModelConfig) -> None:
+    """Build the towers on the meta device (no memory, no maths) so that a bad tower setting
+    (``model.vision.patch_size=x``, a negative width, ...) is a one-line ConfigError before any
+    process or DeepSpeed engine starts, not a traceback after them."""
+    import torch
+
+    from mmalign.config import ConfigError
+
+    resolve_arch(cfg)  # unknown presets: their own one-line error
+    try:
+        with torch.device("meta"):
+            build_model(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # whatever open_clip's constructors raise on a bad value
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"config key 'model': the towers of preset {cfg.preset!r} cannot be built with "
+                          f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first}") from None
+
+
+__all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "resolve_arch"]
