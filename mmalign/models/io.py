@@ -69,15 +69,65 @@ def resolve_model_dir(path: str | Path) -> Path:
     raise FileNotFoundError(f"no mmalign model in {p} (expected {WEIGHTS} and {CONFIG}, or a run's final/)")
 
 
+def _read_config(d: Path) -> dict:
+    """``model_config.json`` as a dict; a one-line error for anything that is not one."""
+    from mmalign.config import ConfigError
+
+    path = d / CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model folder {d}: {CONFIG} is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model folder {d}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
+    arch = config.get("arch")
+    if not isinstance(arch, dict) or not all(k in arch for k in ("embed_dim", "vision_cfg", "text_cfg")):
+        raise ConfigError(f"model folder {d}: {CONFIG} has no usable 'arch' (embed_dim, vision_cfg, text_cfg)")
+    pre = config.get("preprocess_cfg")
+    if not isinstance(pre, dict) or not isinstance(pre.get("size"), (int, list)):
+        raise ConfigError(f"model folder {d}: {CONFIG} has no usable 'preprocess_cfg' (an object with 'size')")
+    return config
+
+
 def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTower, dict]:
+    """The model saved in ``path`` (a model folder or a run's final/), eval mode.
+
+    Everything a damaged or foreign folder can do wrong (invalid JSON, no ``arch``, a
+    truncated or non-safetensors weights file, weights of another shape) is a one-line
+    ConfigError naming the folder; nothing in the folder is executed.
+    """
+    from mmalign.config import ConfigError
+
     d = resolve_model_dir(path)
-    config = json.loads((d / CONFIG).read_text())
-    model = TwoTower(
-        config["arch"],
-        init_logit_bias=config.get("init_logit_bias"),
-        max_logit_scale=config.get("max_logit_scale", 100.0),
-    )
-    state = load_file(str(d / WEIGHTS), device=map_location)
+    config = _read_config(d)
+    try:
+        model = TwoTower(
+            config["arch"],
+            init_logit_bias=config.get("init_logit_bias"),
+            max_logit_scale=config.get("max_logit_scale", 100.0),
+        )
+    except Exception as e:  # open_clip's constructors on a bad arch
+        raise ConfigError(f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    try:
+        state = load_file(str(d / WEIGHTS), device=map_location)
+    except Exception as e:  # safetensors raises its own error types for truncated / foreign files
+        raise ConfigError(f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
+                          f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        def few(keys):
+            return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+        parts = ([f"missing {few(missing)}"] if missing else []) + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+        if wrong:
+            k = wrong[0]
+            parts.append(f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
+                         + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+        raise ConfigError(f"model folder {d}: {WEIGHTS} does not fit its {CONFIG}: " + "; ".join(parts))
     model.load_state_dict(state, strict=True)
     model.eval()
     return model, config
