@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override (one line, names the key)."""
 
 
+MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
+
+
 @dataclass
 class ModelConfig:
     # A preset name: "tiny" (CPU-sized) or any open_clip architecture ("ViT-B-32", ...).
@@ -72,6 +75,8 @@ class DataConfig:
     # ``neg_tokens`` (B, k, L) + ``neg_mask``; extra image->text candidates (losses/mined.py). 0 = off.
     hard_negatives: int = 0
     max_image_pixels: int = 89_478_485  # PIL's decompression-bomb limit; larger images are skipped
+    # a tar member larger than this is never read into memory; its sample is a counted skip
+    max_member_bytes: int = MAX_MEMBER_BYTES
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -410,6 +415,8 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.shuffle_buffer' must be >= 1 (1 = no shuffling), got {d.shuffle_buffer}")
     if d.max_image_pixels < 1:
         raise ConfigError(f"config key 'data.max_image_pixels' must be > 0, got {d.max_image_pixels}")
+    if not isinstance(d.max_member_bytes, int) or d.max_member_bytes < 1:
+        raise ConfigError(f"config key 'data.max_member_bytes' must be an integer > 0, got {d.max_member_bytes!r}")
     train = d.train if isinstance(d.train, list) else [d.train]
     if not train or not all(isinstance(s, str) and s.strip() for s in train):
         raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")

@@ -190,6 +190,7 @@ def build_train_loader(
         urls=tuple(urls), sources=tuple(sources), weights=tuple(weights), mode=data.mode, seed=seed,
         world_size=world_size, workers=max(1, num_workers), batch_size=batch_size,
         shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
+        max_member_bytes=data.max_member_bytes,
     )
     if len(urls) < spec.slots:
         how = ("each worker keeps every c-th sample of a shared shard" if data.mode == "epoch"
