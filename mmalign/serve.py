@@ -174,7 +174,8 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
     try:
         return _Server((host, int(port)), handler)
     except (OSError, OverflowError) as e:
-        raise ConfigError(f"--host/--port: cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e})") from None
+        why = getattr(e, "strerror", None) or e
+        raise ConfigError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
 def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100) -> None:
