@@ -11,6 +11,8 @@ import argparse
 from mmalign.config import ConfigError
 
 SOURCES = ("shapes", "imagefolder", "table", "hf")
+PER_SHARD = 1000
+SHAPES_PER_SHARD = 2000  # shapes.generate's own default (the quickstart's layout)
 
 
 def add_shard_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,8 @@ def add_shard_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="train", help="hf: the split of a DatasetDict")
     g.add_argument("--root", default=None, help="table: folder that relative image paths start from")
     g = p.add_argument_group("output")
-    g.add_argument("--per-shard", type=int, default=1000, help="samples per shard (<= 10000)")
+    g.add_argument("--per-shard", type=int, default=None,
+                   help=f"samples per shard (<= 10000; default {PER_SHARD}, shapes {SHAPES_PER_SHARD})")
     g.add_argument("--resize", type=int, default=0, help="shorter side in pixels (0 = keep)")
     g.add_argument("--resize-mode", default="keep_ratio", choices=["keep_ratio", "center_crop"])
     g.add_argument("--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)")
@@ -61,23 +64,30 @@ def _items(args):
 
 
 def run_shards(args) -> dict:
+    per_shard = args.per_shard
+    if per_shard is None:
+        per_shard = SHAPES_PER_SHARD if args.source == "shapes" else PER_SHARD
+    if not 0 < per_shard <= 10_000:
+        raise ConfigError(f"--per-shard must be in 1..10000, got {per_shard}")
     if args.source == "shapes":
         from data_pipelines import shapes
 
+        # flags of the other sources would be silently ignored here: refuse them instead
+        for flag, given in (("--input", args.input), ("--resize", args.resize)):
+            if given:
+                raise ConfigError(f"mmalign shards shapes: {flag} does not apply to the synthetic source")
         out = args.out or "data/shapes"
-        info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+        info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard)
         print(f"wrote {info['splits']} samples to {out}")
         return info
     from data_pipelines.build import EncodeOptions, build_shards
 
     if not args.out:
         raise ConfigError(f"mmalign shards {args.source} needs --out")
-    if not 0 < args.per_shard <= 10_000:
-        raise ConfigError(f"--per-shard must be in 1..10000, got {args.per_shard}")
     if args.resize < 0 or args.processes < 1:
         raise ConfigError("--resize must be >= 0 and --processes >= 1")
     summary = build_shards(
-        _items(args), args.out, per_shard=args.per_shard,
+        _items(args), args.out, per_shard=per_shard,
         opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode), dedupe=not args.no_dedupe,
         processes=args.processes, progress=not args.no_progress, source=f"{args.source}:{args.input}",
     )

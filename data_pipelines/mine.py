@@ -225,6 +225,7 @@ def _select(corpus: _Corpus, k: int, max_similarity: float | None, max_relative:
 
 def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int], tuple[str, list]]) -> dict:
     """Pass 2: copy ``url`` member by member into ``target``, adding ``hard_negatives`` to mined samples' .json."""
+    from mmalign.config import MAX_MEMBER_BYTES
     from mmalign.data.tario import split_name
 
     written = {"json_rewritten": 0, "json_added": 0, "json_not_object": 0, "ended_early": 0}
@@ -252,8 +253,13 @@ def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int]
                 if key != current:
                     close_group()
                     current, index, has_json = key, index + 1, False
-                data = src.extractfile(member).read()
                 entry = negatives.get((shard, index))
+                if member.size > MAX_MEMBER_BYTES:
+                    # too large to read whole (pass 1 skipped its sample): copied through a bounded buffer
+                    has_json = has_json or ext == "json"
+                    dst.addfile(copy.copy(member), src.extractfile(member))
+                    continue
+                data = src.extractfile(member).read()
                 if ext == "json":
                     has_json = True
                     if entry is not None and entry[0] == key:  # the sample pass 1 read at this place

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -39,6 +40,11 @@ ENGINE_TAG = "engine"
 
 def root(out: str | Path) -> Path:
     return Path(out) / ROOT
+
+
+def is_step_name(name: str) -> bool:
+    """``step_N`` (a complete checkpoint's directory name; not ``.tmp``, no path parts)."""
+    return re.fullmatch(r"step_[0-9]+", name) is not None
 
 
 def rng_state() -> dict:
@@ -118,9 +124,15 @@ def resolve(out: str | Path, resume: str | None) -> Path | None:
         pointer = root(out) / "latest"
         if not pointer.is_file():
             return None
-        path = root(out) / pointer.read_text().strip()
+        name = pointer.read_text().strip()
+        # only a sibling step_N: the pointer is a file anyone may edit, never a path to follow
+        if not is_step_name(name):
+            raise ConfigError(f"--resume latest: {pointer} names {name[:80]!r}, not a step_N checkpoint of this run")
+        path = root(out) / name
     else:
         path = Path(resume)
+        if not is_step_name(path.name) or path.resolve().parent.name != ROOT:
+            raise ConfigError(f"--resume: {path} is not a checkpoint directory RUN/{ROOT}/step_N")
     if not (path / ENGINE_TAG).is_dir():
         raise ConfigError(f"--resume: {path} is not a complete mmalign checkpoint")
     return path

@@ -186,7 +186,7 @@ def cmd_models(args) -> int:
 def cmd_export(args) -> int:
     from mmalign.export import export
 
-    out = export(args.model, args.format, args.out)
+    out = export(args.model, args.format, args.out, force=args.force)
     print(f"{args.format} export written to {out}")
     return 0
 
@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a model (final/ or a step checkpoint) as open_clip, hf or onnx")
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
     p.add_argument("--format", required=True, help="open_clip | hf | onnx")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("embed", help="embed a dataset into clip-retrieval's layout (img_emb/, text_emb/, metadata/)")

@@ -25,6 +25,9 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override (one line, names the key)."""
 
 
+MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
+
+
 @dataclass
 class ModelConfig:
     # A preset name: "tiny" (CPU-sized) or any open_clip architecture ("ViT-B-32", ...).
@@ -76,6 +79,8 @@ class DataConfig:
     # Bad samples in a row (per loader slot) before the run stops with one line giving the skip
     # reasons: shards without a single usable sample must not loop forever.
     max_consecutive_skips: int = 10_000
+    # a tar member larger than this is never read into memory; its sample is a counted skip
+    max_member_bytes: int = MAX_MEMBER_BYTES
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -434,6 +439,8 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.max_image_pixels' must be > 0, got {d.max_image_pixels}")
     if d.max_consecutive_skips < 1:
         raise ConfigError(f"config key 'data.max_consecutive_skips' must be > 0, got {d.max_consecutive_skips}")
+    if not isinstance(d.max_member_bytes, int) or d.max_member_bytes < 1:
+        raise ConfigError(f"config key 'data.max_member_bytes' must be an integer > 0, got {d.max_member_bytes!r}")
     train = d.train if isinstance(d.train, list) else [d.train]
     if not train or not all(isinstance(s, str) and s.strip() for s in train):
         raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,24 +307,71 @@ class Engine:
         return state
 
 
+def _deepspeed_safe_globals() -> list:
+    """The non-tensor classes DeepSpeed 0.19 pickles into its ZeRO 1-3 optimizer files
+    (found by saving real checkpoints at every stage, fp32 and bf16): allowing exactly
+    these lets ``torch.load(weights_only=True)`` read them.  All three are plain data
+    (a loss-scale record, an int enum, a dataclass of two ints): unpickling them runs
+    no code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+class _WeightsOnlyTorch:
+    """``torch`` as seen by DeepSpeed's zero_to_fp32 module while we consolidate: the same
+    module except that ``load`` always unpickles with ``weights_only=True``.
+
+    zero_to_fp32 calls ``torch.load(..., weights_only=False)`` itself; swapping its
+    module-level name for the duration of our call is narrower than patching
+    ``torch.load`` for the whole process.
+    """
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        return torch.load(f, *args, **kwargs)
+
+
+_zero_to_fp32_lock = threading.Lock()
+
+
+def _no_bar(iterable, *args, **kwargs):
+    return iterable
+
+
 def consolidate_checkpoint(directory: str | Path, tag: str) -> dict[str, torch.Tensor]:
     """One fp32 state dict from a DeepSpeed checkpoint directory (any ZeRO stage).
 
-    Reads DeepSpeed's pickled files, so use it only on checkpoints a run of yours
-    wrote; the files that travel (``final/``, exports) are safetensors.
+    Every file is read with ``torch.load(weights_only=True)`` (plus the few DeepSpeed
+    classes of :func:`_deepspeed_safe_globals`), so a planted pickle fails to load
+    (``pickle.UnpicklingError``) instead of running.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
 
     path = Path(directory) / tag
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
-    if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
-        model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)
-        if model_file is None:
-            raise FileNotFoundError(f"no model states in {path}")
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-    else:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
+            model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)
+            if model_file is None:
+                raise FileNotFoundError(f"no model states in {path}")
+            state = torch.load(model_file, map_location="cpu", weights_only=True)["module"]
+        else:
+            with _zero_to_fp32_lock:
+                # and no progress bars on stderr (an export or a server start is one line)
+                real = zero_to_fp32.torch, zero_to_fp32.tqdm
+                zero_to_fp32.torch, zero_to_fp32.tqdm = _WeightsOnlyTorch(), _no_bar
+                try:
+                    state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+                finally:
+                    zero_to_fp32.torch, zero_to_fp32.tqdm = real
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 

@@ -25,6 +25,7 @@ from mmalign.config import ConfigError
 from mmalign.index import INDEX_INFO, METADATA
 
 TARGETS = ("image", "text")
+MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Searcher:
                                       f"index.json says {self.dim}")
         self.meta = pd.read_parquet(self.index_dir / METADATA)
         self.device = device
+        self.max_pixels = MAX_QUERY_PIXELS
         self.source = None
         if model_dir is not None:
             from mmalign.data.transforms import eval_transform
@@ -96,6 +98,8 @@ class Searcher:
         """Paths or PIL images -> (n, D) normalised."""
         from PIL import Image
 
+        from mmalign.data.shards import BadSample, open_image
+
         model = self._need_model()
         pixels = []
         for image in images:
@@ -104,10 +108,9 @@ class Searcher:
                 if not path.is_file():
                     raise ConfigError(f"--image: {path} does not exist")
                 try:
-                    image = Image.open(path)
-                    image.load()
-                except Exception as e:  # PIL raises many types for broken files
-                    raise ConfigError(f"--image: cannot read {path} ({type(e).__name__})") from None
+                    image = open_image(path.read_bytes(), self.max_pixels)  # pixels counted before decoding
+                except BadSample as e:
+                    raise ConfigError(f"--image: cannot read {path} ({e})") from None
             pixels.append(self.preprocess(image))
         return model.encode_image(torch.stack(pixels).to(self.device)).float().cpu().numpy()
 
@@ -122,7 +125,10 @@ class Searcher:
             raise ConfigError(f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}")
         if k <= 0:
             raise ConfigError(f"-k must be positive, got {k}")
-        scores, ids = self.indexes[against].search(vectors, int(k))  # (n, k) each; id -1 = no result
+        k = min(int(k), self.indexes[against].ntotal)  # FAISS allocates (n, k) results up front
+        if k == 0:
+            return [[] for _ in range(len(vectors))]
+        scores, ids = self.indexes[against].search(vectors, k)  # (n, k) each; id -1 = no result
         out = []
         for srow, irow in zip(scores, ids):
             hits = []

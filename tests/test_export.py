@@ -150,6 +150,13 @@ def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     init = TwoTower(PRESETS["micro"]).state_dict()  # the run really moved the weights
     assert not torch.equal(a["visual.proj"], init["visual.proj"])
+    # a pickle planted into this real checkpoint is refused (one line, exit 2), never run
+    from tests.test_untrusted_models import plant
+
+    marker = tmp_path / "MARKER"
+    plant(next((step / "engine").glob("*optim_states.pt")), marker)
+    assert main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "again")]) == 2
+    assert not marker.exists() and not (tmp_path / "again").exists()
 
 
 def test_cli_errors_are_one_line(model_dir, tmp_path, capsys):

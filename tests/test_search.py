@@ -224,3 +224,12 @@ def test_serve_on_localhost_with_bounded_requests(built):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_k_is_capped_at_the_index_size(built, capsys):
+    s = Searcher(built["idx"], built["model"])
+    n = s.indexes["image"].ntotal
+    assert len(s.text("a red circle", k=2**40)) == n == 120
+    assert main(["search", "--index", str(built["idx"]), "--model", built["model"], "--text", "a red circle",
+                 "-k", str(2**40)]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == n + 1  # a header line, then every image

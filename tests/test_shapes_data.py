@@ -56,3 +56,18 @@ def test_captions_describe_the_attributes(shapes_dir):
 def test_brace_expansion():
     assert expand_urls("d/{00000..00002}.tar") == ["d/00000.tar", "d/00001.tar", "d/00002.tar"]
     assert expand_urls(["a.tar", "b/{0..1}.tar"]) == ["a.tar", "b/0.tar", "b/1.tar"]
+
+
+def test_shards_shapes_honours_per_shard(tmp_path, capsys):
+    from mmalign.cli import main
+
+    out = tmp_path / "s"
+    assert main(["shards", "shapes", "--out", str(out), "--n-train", "30", "--n-val", "7", "--per-shard", "20",
+                 "--seed", "3"]) == 0
+    assert json.loads((out / "train" / "sizes.json").read_text()) == {"00000.tar": 20, "00001.tar": 10}
+    assert json.loads((out / "val" / "sizes.json").read_text()) == {"00000.tar": 7}
+    for bad in (["--per-shard", "0"], ["--per-shard", "10001"], ["--resize", "32"], ["--input", "x"]):
+        assert main(["shards", "shapes", "--out", str(tmp_path / "bad"), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("mmalign: error:") and "\n" not in err
+    assert not (tmp_path / "bad").exists()

@@ -191,6 +191,7 @@ def build_train_loader(
         world_size=world_size, workers=max(1, num_workers), batch_size=batch_size,
         shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
         max_consecutive_skips=data.max_consecutive_skips,
+        max_member_bytes=data.max_member_bytes,
     )
     if len(urls) < spec.slots:
         how = ("each worker keeps every c-th sample of a shared shard" if data.mode == "epoch"

@@ -17,6 +17,7 @@ from pathlib import Path
 from braceexpand import braceexpand
 from PIL import Image
 
+from mmalign.config import MAX_MEMBER_BYTES
 from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 REASONS = (
     "unreadable_shard",  # missing file, not a tar, bad header checksum
     "truncated_tar",  # the shard ends inside a member (counted once per shard read)
+    "member_too_large",  # a member over data.max_member_bytes (never read into memory)
     "missing_image",
     "corrupt_image",
     "decompression_bomb",  # more pixels than data.max_image_pixels
@@ -127,6 +129,8 @@ def parse_meta(members: dict[str, bytes]) -> dict:
 
 def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
     """Raw member bytes -> ``{"key", "image" (PIL), "captions" (list[str]), "json"}``."""
+    if raw.get("__oversized__"):
+        raise BadSample("member_too_large", ", ".join(f".{e} {n} bytes" for e, n in raw["__oversized__"].items()))
     image_bytes = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
     if image_bytes is None:
         raise BadSample("missing_image")
@@ -136,21 +140,24 @@ def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
     return {"key": Path(raw["__key__"]).name, "image": image, "captions": captions, "json": meta}
 
 
-def iter_tar_groups(path: str) -> Iterator[dict]:
+def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
     """Yield ``{"__key__", "__url__", ext: bytes, ...}`` for each sample of one tar.
 
+    Members over ``max_member`` bytes are not read: they are listed (ext -> size) under
+    ``"__oversized__"``, which :func:`decode_sample` turns into a ``member_too_large`` skip.
     Raises TruncatedTar / CorruptTar / OSError after the readable samples.
     """
     with open_shard(path) as f:
-        for sample in iter_samples(f):
-            yield {"__key__": sample.key, "__url__": path, **sample.members}
+        for sample in iter_samples(f, max_member=max_member):
+            extra = {"__oversized__": sample.oversized} if sample.oversized else {}
+            yield {"__key__": sample.key, "__url__": path, **sample.members, **extra}
 
 
-def read_samples(urls: list[str]) -> Iterator[dict]:
+def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
     """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped."""
     for url in urls:
         try:
-            for raw in iter_tar_groups(url):
+            for raw in iter_tar_groups(url, max_member):
                 try:
                     yield decode_sample(raw)
                 except BadSample as e:

@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from mmalign.config import MAX_MEMBER_BYTES
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_sample_at
@@ -60,6 +61,7 @@ class StreamSpec:
     shuffle_buffer: int
     max_image_pixels: int
     max_consecutive_skips: int = 10_000  # bad samples in a row before the slot gives up (no usable data)
+    max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
 
     @property
     def slots(self) -> int:
@@ -126,7 +128,7 @@ class SlotStream:
 
     def _reread(self, url: int, offset: int, index: int, epoch: int) -> tuple[RawSample, int, int]:
         with open_shard(self.spec.urls[url]) as f:
-            raw = read_sample_at(f, offset, index)
+            raw = read_sample_at(f, offset, index, self.spec.max_member_bytes)
         if raw is None:  # the shard changed under us since the checkpoint
             raise NoSamples(f"cannot re-read buffered sample {index} of {self.spec.urls[url]} on resume")
         return raw, url, epoch
@@ -169,7 +171,8 @@ class SlotStream:
                     self._file = open_shard(path)
                     stride, phase = sh["stride"], sh["phase"]
                     keep = None if stride == 1 else (lambda i, s=stride, p=phase: i % s == p)
-                    self._reader = iter_samples(self._file, sh["offset"], sh["index"], keep=keep)
+                    self._reader = iter_samples(self._file, sh["offset"], sh["index"], keep=keep,
+                                                max_member=self.spec.max_member_bytes)
                 for raw in self._reader:
                     sh["offset"], sh["index"] = raw.end, raw.index + 1
                     if sh["stride"] == 1 or raw.index % sh["stride"] == sh["phase"]:
@@ -213,6 +216,10 @@ class SlotStream:
             taken += 1
             sample_rng = random.Random(mix(self.spec.seed, 0x5A4F, self.slot, self.emitted))
             self.emitted += 1
+            if raw.oversized:  # its big member was never read
+                self.skip("member_too_large", f"{self.spec.urls[url]}:{raw.key}",
+                          ", ".join(f".{e} {n} bytes" for e, n in raw.oversized.items()))
+                continue
             try:
                 row = self.process(raw.key, raw.members, sample_rng)
             except BadSample as e:

@@ -8,6 +8,11 @@ records, which Python's and webdataset's writers emit for long names).
 
 A sample is the run of consecutive regular members that share a key: the member
 path up to the first dot of its basename, as WebDataset defines it.
+
+Reads are bounded: a member larger than ``max_member`` bytes is never read (it is
+skipped by seeking, which a ``.tar.gz`` does by decompressing in small blocks) and
+is reported in ``RawSample.oversized``; long-name and pax headers are capped at
+``MAX_NAME_HEADER`` bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 BLOCK = 512
+MAX_NAME_HEADER = 1 << 20  # a GNU long name or pax record set larger than this is corrupt
+
+
+class Oversized:
+    """Stands for the data of a member that was not read because of its size."""
+
+    def __init__(self, size: int):
+        self.size = size
 
 
 class TruncatedTar(Exception):
@@ -42,6 +55,7 @@ class RawSample:
     end: int  # byte offset just past the sample's last member
     index: int  # position of the sample in its shard (0-based)
     members: dict[str, bytes] = field(default_factory=dict)  # extension (lower case) -> bytes
+    oversized: dict[str, int] = field(default_factory=dict)  # extension -> size of a member too large to read
 
 
 def _octal(field_bytes: bytes) -> int:
@@ -88,11 +102,13 @@ def open_shard(path: str) -> BinaryIO:
     return open(path, "rb")
 
 
-def iter_members(f: BinaryIO, offset: int = 0, *, want=None) -> Iterator[tuple[int, int, str, bytes | None]]:
+def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
+                 max_member: int | None = None) -> Iterator[tuple[int, int, str, bytes | Oversized | None]]:
     """Yield ``(header_offset, next_offset, name, data)`` for regular members from ``offset``.
 
     ``want(name) -> bool`` decides whether a member's data is read (True) or skipped
-    by seeking (data is then None).  Raises TruncatedTar / CorruptTar.
+    by seeking (data is then None).  A wanted member of more than ``max_member``
+    bytes is skipped too, its data an :class:`Oversized`.  Raises TruncatedTar / CorruptTar.
     """
     f.seek(offset)
     pos = offset
@@ -116,6 +132,8 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None) -> Iterator[tuple[i
         data_pos = pos + BLOCK
         pos = data_pos + padded
         if kind in (b"L", b"x"):  # the next member's real name
+            if size > MAX_NAME_HEADER:
+                raise CorruptTar(f"a {size}-byte name header at byte {data_pos - BLOCK}")
             payload = f.read(padded)
             if len(payload) < size:
                 raise TruncatedTar(f"archive ends inside a long-name header at byte {data_pos}")
@@ -134,7 +152,10 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None) -> Iterator[tuple[i
                 name = prefix.decode("utf-8", "surrogateescape") + "/" + name
         long_name = None
         member_start, start = start, None
-        if want is None or want(name):
+        if (want is None or want(name)) and max_member is not None and size > max_member:
+            f.seek(pos)
+            data = Oversized(size)
+        elif want is None or want(name):
             data = f.read(size)
             if len(data) < size:
                 raise TruncatedTar(f"archive ends inside member {name!r}", name=name)
@@ -155,12 +176,14 @@ def split_name(name: str) -> tuple[str, str] | None:
     return name[: slash + 1 + dot].removeprefix("./"), base[dot + 1 :].lower()
 
 
-def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None) -> Iterator[RawSample]:
+def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None,
+                 max_member: int | None = None) -> Iterator[RawSample]:
     """Group members into samples, starting at the sample whose first header is at ``offset``.
 
     ``keep(index) -> bool`` lets a reader skip whole samples without reading their
     bytes (sample-granular splitting); skipped samples are yielded with empty members.
     A truncated tail raises TruncatedTar after the complete samples before it.
+    Members over ``max_member`` bytes are left unread and listed in ``oversized``.
     """
     current: RawSample | None = None
     reading = True
@@ -174,7 +197,7 @@ def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None) -> 
         upcoming = index + 1 if current is not None else index
         return keep is None or keep(upcoming)
 
-    members = iter_members(f, offset, want=want)
+    members = iter_members(f, offset, want=want, max_member=max_member)
     while True:
         try:
             start, end, name, data = next(members)
@@ -197,14 +220,16 @@ def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None) -> 
             current = RawSample(key=key, offset=start, end=end, index=index)
             reading = keep is None or keep(index)
         current.end = end
-        if reading and data is not None:
+        if reading and isinstance(data, Oversized):
+            current.oversized[ext] = data.size
+        elif reading and data is not None:
             current.members[ext] = data
     if current is not None:
         yield current
 
 
-def read_sample_at(f: BinaryIO, offset: int, index: int) -> RawSample | None:
+def read_sample_at(f: BinaryIO, offset: int, index: int, max_member: int | None = None) -> RawSample | None:
     """The one sample whose first header is at ``offset`` (re-reading a buffered sample)."""
-    for sample in iter_samples(f, offset, index):
+    for sample in iter_samples(f, offset, index, max_member=max_member):
         return sample
     return None

@@ -3,10 +3,17 @@
 Formats: ``open_clip`` (its local-dir folder), ``hf`` (a transformers CLIPModel
 folder) and ``onnx`` (image and text encoder graphs).  Every format carries the
 weights exactly; the tests check the embeddings against mmalign's own.
+
+An export never mixes with what was there: a non-empty ``out`` is refused unless
+``force``; the files are written into ``OUT.tmp``, which is renamed to ``OUT`` only
+once complete (a failed export leaves neither), and they get the modes a plain
+``open()`` gives under the user's umask.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from mmalign.config import ConfigError
@@ -15,23 +22,58 @@ from mmalign.export.source import Source, load_source
 FORMATS = ("open_clip", "hf", "onnx")
 
 
-def export(model_dir: str | Path, fmt: str, out: str | Path) -> Path:
+def _check_out(out: Path, model_dir: Path, force: bool) -> None:
+    """One-line errors for an ``--out`` that cannot or must not be written, before any work."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} exists and is not a directory")
+    target, model = out.resolve(), model_dir.resolve()
+    if target == model or target in model.parents:
+        raise ConfigError(f"--out: {out} would replace the model being exported ({model_dir})")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out: {out} is not empty (pass --force to replace it)")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    from mmalign.models.io import respect_umask
+
+    respect_umask(*(p for p in tmp.rglob("*") if p.is_file()))
+    if out.exists():  # empty, or replaced under --force
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = False) -> Path:
     """Write ``model_dir`` (a saved model, run directory or ``RUN/checkpoints/step_N``) as ``fmt`` into ``out``."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
-    source = load_source(model_dir)
     out = Path(out)
-    if fmt == "open_clip":
-        from mmalign.export.to_open_clip import export_open_clip
+    _check_out(out, Path(model_dir), force)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        if tmp.exists():  # left by an interrupted export
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write {tmp} ({e.strerror or type(e).__name__})") from None
+    try:
+        source = load_source(model_dir)
+        if fmt == "open_clip":
+            from mmalign.export.to_open_clip import export_open_clip
 
-        return export_open_clip(source, out)
-    if fmt == "hf":
-        from mmalign.export.to_hf import export_hf
+            export_open_clip(source, tmp)
+        elif fmt == "hf":
+            from mmalign.export.to_hf import export_hf
 
-        return export_hf(source, out)
-    from mmalign.export.to_onnx import export_onnx
+            export_hf(source, tmp)
+        else:
+            from mmalign.export.to_onnx import export_onnx
 
-    return export_onnx(source, out)
+            export_onnx(source, tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 __all__ = ["FORMATS", "Source", "export", "load_source"]

@@ -9,12 +9,19 @@ Two kinds of directory hold an mmalign model:
   :func:`mmalign.engine.consolidate_checkpoint` and the architecture is rebuilt
   from the run's resolved ``RUN/config.yaml``.
 
+A model folder can come from anyone, so the safetensors files win whenever they are
+present: a folder is read as a step checkpoint only when it has no saved model and
+sits at ``checkpoints/step_N``, and even then every torch file is unpickled with
+``weights_only=True`` (a planted pickle is a one-line error, never executed).
+
 Either way the result is a :class:`Source`: an eval-mode ``TwoTower`` plus what an
 exported folder needs besides the weights (preprocessing, tokenizer).
 """
 
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +39,10 @@ class Source:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    from mmalign.checkpoint import ENGINE_TAG
+    """Only ``.../checkpoints/step_N`` with an ``engine/`` folder is a step checkpoint."""
+    from mmalign.checkpoint import ENGINE_TAG, ROOT, is_step_name
 
-    return (path / ENGINE_TAG).is_dir()
+    return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
 
 
 def load_source(path: str | Path) -> Source:
@@ -45,11 +53,11 @@ def load_source(path: str | Path) -> Source:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--model: {p} does not exist")
-    if _is_checkpoint(p):
-        return _load_checkpoint(p)
     try:
-        model_dir = resolve_model_dir(p)
+        model_dir = resolve_model_dir(p)  # safetensors first, whatever else the folder holds
     except FileNotFoundError as e:
+        if _is_checkpoint(p):
+            return _load_checkpoint(p)
         raise ConfigError(f"--model: {e}; or a checkpoint directory RUN/checkpoints/step_N") from None
     model, config = load_pretrained(model_dir)
     spm = tokenizer_file(model.arch)
@@ -80,6 +88,14 @@ def _load_checkpoint(step_dir: Path) -> Source:
         state = consolidate_checkpoint(step_dir, ENGINE_TAG)
     except FileNotFoundError as e:
         raise ConfigError(f"--model: {e}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError) as e:
+        # weights_only refuses anything but tensors and plain containers (a planted or
+        # foreign pickle); a cut file fails as RuntimeError/EOFError.
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        why = (f"it would import {refused.group(1)}" if refused
+               else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}")
+        raise ConfigError(f"--model: checkpoint {step_dir} holds a file that is not a plain weights file "
+                          f"({why}); not loaded") from None
     # Non-persistent buffers (e.g. the causal mask) are not in checkpoints; strict=True
     # still catches any missing or unexpected parameter.
     model.load_state_dict(state, strict=True)

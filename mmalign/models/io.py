@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, e
     # safetensors refuses shared storage; clone contiguous CPU copies.
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
+    respect_umask(out / WEIGHTS)
     arch, tokenizer = _record_tokenizer(model, out)
     config = {
         "arch": arch,
@@ -57,6 +59,18 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     arch["text_cfg"]["tokenizer_kwargs"] = {SPM_KEY: TOKENIZER}  # relative to the model folder
     return arch, {"type": "sentencepiece", "file": TOKENIZER, "context_length": model.context_length,
                   "vocab_size": int(arch["text_cfg"]["vocab_size"])}
+
+
+def respect_umask(*paths: str | Path) -> None:
+    """Give files the mode a plain ``open()`` would (0644 under umask 022).
+
+    safetensors (0.8) writes through a private temporary file and renames it, which
+    leaves 0600: unreadable to the other users of a shared model directory.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~mask)
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -133,4 +147,4 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
     return model, config
 
 
-__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "resolve_model_dir", "save_pretrained"]
+__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "resolve_model_dir", "respect_umask", "save_pretrained"]
