@@ -271,7 +271,21 @@ class Engine:
         self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
 
     def load_checkpoint(self, directory: str | Path, tag: str) -> dict:
-        _, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        """Resume from DeepSpeed's engine state, every file unpickled with ``weights_only=True``
+        (plus :func:`_deepspeed_safe_globals`): DeepSpeed's own checkpoint engine would run
+        whatever a planted pickle holds.  All of its resume reads go through
+        ``checkpoint_engine.load``, so that one method is swapped for the call."""
+        ckpt_engine = self.ds.checkpoint_engine
+
+        def weights_only_load(path, map_location=None):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+        ckpt_engine.load = weights_only_load  # an instance attribute shadowing the method
+        try:
+            with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+                _, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
+        finally:
+            del ckpt_engine.load
         return client_state or {}
 
     @torch.no_grad()
