@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from mmalign.config import ModelConfig, load_config
 from mmalign.models import build_model
 from mmalign.monitors import forward_flops_per_sample, global_log_values, mfu
-from tests.conftest import run_cli, spawn_ranks
+from tests.conftest import spawn_ranks
 
 WORLD = 2
 
@@ -74,12 +74,15 @@ def test_flops_are_counted_in_train_mode_without_a_trace():
         assert torch.equal(v, before[k]), k
 
 
-# ------------------------------------------------- a 2-rank training run
+# ------------------------------------------------- 2-rank training runs
 
 
 def _train_worker(rank, world, port, overrides, out):
+    """A straight run (recording every train-mode patch-dropout mask and every step's local
+    loss), then, in the same processes, a resume from its step-3 checkpoint."""
     import open_clip.transformer as oct
 
+    from mmalign import distributed as mdist
     from mmalign import engine as eng
     from mmalign.train import train
 
@@ -104,51 +107,52 @@ def _train_worker(rank, world, port, overrides, out):
 
     oct.PatchDropout.forward = recording
     eng.Engine.step = recording_step
-    train(load_config(None, overrides), show_progress=False)
+    cfg = load_config(None, overrides)
+    run = train(cfg, show_progress=False)
     torch.save({"masks": masks, "losses": losses}, f"{out}/rank{rank}.pt")
+    if rank == 0:
+        shutil.copy(run / "metrics.jsonl", f"{out}/straight_metrics.jsonl")
+        shutil.move(run / "final", f"{out}/straight_final")
+    mdist.barrier()
+    train(cfg, show_progress=False, resume=str(run / "checkpoints" / "step_00000003"))
 
 
-def test_two_ranks_draw_their_own_masks_and_log_global_values(micro_overrides, tmp_path):
-    run = tmp_path / "run"
-    ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        f"output={run}", "model.vision.patch_dropout=0.5", "train.steps=3", "train.global_batch_size=16",
-        "monitor.peak_tflops=0.001",
+@pytest.fixture(scope="module")
+def two_rank_run(shapes_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_rank")
+    ov = [
+        "model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
+        "train.global_batch_size=16", "train.steps=6", "train.warmup_steps=2", "train.lr=0.002",
+        "train.log_every=1", "train.checkpoint_every=3", "train.keep_checkpoints=5",
+        "model.vision.patch_dropout=0.5", "monitor.peak_tflops=0.001", f"output={out / 'run'}",
     ]
-    spawn_ranks(_train_worker, WORLD, (ov, str(tmp_path)), tmp_path / "rank0.pt")
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    spawn_ranks(_train_worker, WORLD, (ov, str(out)), out / "rank0.pt")
+    return out
+
+
+def test_two_ranks_draw_their_own_masks_and_log_global_values(two_rank_run):
+    out = two_rank_run
+    r0, r1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     # call 0: the FLOP count (train mode, before the per-rank reseed): the same on both ranks
     assert torch.equal(r0["masks"][0], r1["masks"][0])
     # then every training forward: each rank draws its own mask
-    assert len(r0["masks"]) == len(r1["masks"]) > 1
+    assert len(r0["masks"]) == len(r1["masks"]) == 7
     for a, b in zip(r0["masks"][1:], r1["masks"][1:]):
         assert not torch.equal(a, b)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    records = [json.loads(line) for line in (out / "straight_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for r, l0, l1 in zip(records, r0["losses"], r1["losses"]):
         assert l0 != l1  # different local batches: the test can tell the mean from rank 0's loss
         assert r["loss"] == pytest.approx((l0 + l1) / 2, rel=1e-6, abs=1e-7)
         assert r["mfu"] == pytest.approx(r["tflops"] / (0.001 * WORLD), rel=1e-9)
 
 
-def test_two_rank_resume_with_dropout_is_bit_exact(micro_overrides, tmp_path):
-    out = tmp_path / "run"
-    ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        "model.vision.patch_dropout=0.5", "train.steps=6", "train.global_batch_size=16", "train.checkpoint_every=3",
-        "train.keep_checkpoints=5", "train.log_every=1",
-    ]
-    args = ["train", "--nproc", "2", "--output", str(out)]
-    for o in ov:
-        args += ["--set", o]
-    res = run_cli(*args)
-    assert res.returncode == 0, res.stderr[-3000:]
-    straight = load_file(str(out / "final" / "model.safetensors"))
-    straight_log = (out / "metrics.jsonl").read_text().splitlines()
-    shutil.rmtree(out / "final")
-    res = run_cli(*args, "--resume", str(out / "checkpoints" / "step_00000003"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "step 3" in res.stdout
-    resumed = load_file(str(out / "final" / "model.safetensors"))
+def test_two_rank_resume_with_dropout_is_bit_exact(two_rank_run):
+    out = two_rank_run
+    straight = load_file(str(out / "straight_final" / "model.safetensors"))
+    resumed = load_file(str(out / "run" / "final" / "model.safetensors"))
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert losses == [json.loads(line)["loss"] for line in straight_log]
+    losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses == [json.loads(line)["loss"] for line in (out / "straight_metrics.jsonl").read_text().splitlines()]
