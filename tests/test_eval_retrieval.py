@@ -118,13 +118,14 @@ def test_recall_with_exact_ties_equals_clip_benchmark(kind, budget, gen):
         owner = torch.randint(0, n, (200,), generator=gen)
         owner[:n] = torch.arange(n)  # every image has a caption
         txt = (img[owner] + torch.randint(-1, 2, (200, 6), generator=gen).float() / 4)
-    else:  # duplicated float embeddings and captions: equal scores from equal rows
+    else:  # duplicated float embeddings: equal scores from equal rows
         base = F.normalize(torch.randn(25, 8, generator=gen), dim=-1)
-        img = base[torch.randint(0, 25, (70,), generator=gen)]
+        img = base[torch.randint(0, 25, (70,), generator=gen)]  # 70 images, 25 distinct
         owner = torch.arange(70).repeat_interleave(2)
         cap = F.normalize(img + 0.3 * torch.randn(70, 8, generator=gen), dim=-1)
-        txt = cap[owner]  # two identical captions per image
-        txt[1::2] = cap[torch.randint(0, 70, (70,), generator=gen)]  # the second: some other image's caption
+        txt = cap[owner]
+        # each image's second caption copies a random image's first: wrong captions tie right ones
+        txt[1::2] = cap[torch.randint(0, 70, (70,), generator=gen)]
     ks = (1, 2, 3, 5, 10)  # both of topk's algorithms (partial sort when 64 k <= candidates)
     want = _clip_benchmark_recall(img, txt, owner, ks)
     got = recall_at_k(img, txt, owner, ks=ks, budget_elems=budget)
