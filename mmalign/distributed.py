@@ -27,6 +27,8 @@ __all__ = [
     "all_gather_with_grad",
     "all_gather_nograd",
     "all_reduce_mean",
+    "all_reduce_sum",
+    "all_gather_object",
     "init_from_env",
     "env_dist_info",
     "shutdown",
@@ -111,6 +113,23 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor.div_(dist.get_world_size())
     return tensor
+
+
+@torch.no_grad()
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over ranks IN PLACE and return it."""
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` when not distributed)."""
+    if get_world_size() == 1:
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 @dataclass(frozen=True)

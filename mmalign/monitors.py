@@ -5,7 +5,10 @@ encoder can still lower it.  So, on a fixed probe batch, the loop logs the
 per-dimension standard deviation and the effective rank of both modalities and
 raises an alarm in the log when they fall below configured thresholds.  FLOP
 utilisation uses the model FLOPs of forward + backward (3x the forward, counted
-once per sample with torch's FLOP counter), whatever caching re-computes.
+once per sample in train mode with torch's FLOP counter, so patch dropout's
+shorter sequences count), whatever caching re-computes, over the peak of all
+devices.  Values that differ by rank (loss, data wait, skipped samples) are made
+global at log steps only (:func:`global_log_values`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from mmalign import distributed as mdist
 from mmalign.evaluation.diagnostics import effective_rank, per_dim_std
 
 log = logging.getLogger("mmalign.monitors")
@@ -27,23 +31,39 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 @torch.no_grad()
 def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
                              second_view: bool = False, negatives: int = 0) -> float:
-    """FLOPs of one forward pass of both towers for a single sample (on CPU, float32),
-    including its second image view and its ``negatives`` mined captions when the run embeds them."""
+    """FLOPs of one training-mode forward pass of both towers for a single sample (on the
+    model's device, float32), including its second image view and its ``negatives`` mined
+    captions when the run embeds them.
+
+    Train mode, so patch dropout shrinks the count; the pass leaves no trace: the RNG is
+    forked (the run's dropout stream is unchanged) and every buffer (BatchNorm running
+    statistics) is restored.  A model with BatchNorm gets two samples (train-mode
+    BatchNorm needs more than one value per channel) and the count is halved.
+    """
     was_training = model.training
-    model.eval()
-    images = torch.zeros(1, 3, image_size, image_size)
-    tokens = torch.zeros(1, context_length, dtype=torch.long)
-    tokens[0, 0], tokens[0, 1] = 49406, 49407
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    n = 2 if has_bn else 1
+    device = next(model.parameters()).device
+    images = torch.zeros(n, 3, image_size, image_size, device=device)
+    tokens = torch.zeros(n, context_length, dtype=torch.long, device=device)
+    tokens[:, 0], tokens[:, 1] = 49406, 49407
     extra = {}
     if second_view:
         extra["images2"] = images.clone()
     if negatives:
-        extra["neg_texts"] = tokens.repeat(negatives, 1)[None]  # (1, k, L)
+        extra["neg_texts"] = tokens[:, None].repeat(1, negatives, 1)  # (n, k, L)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     counter = FlopCounterMode(display=False)
-    with counter:
-        model(images, tokens, **extra)
-    model.train(was_training)
-    return float(counter.get_total_flops())
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), counter:
+            model.train()
+            model(images, tokens, **extra)
+    finally:
+        model.train(was_training)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return float(counter.get_total_flops()) / n
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:
@@ -56,6 +76,31 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
             if key in name:
                 return value
     return None
+
+
+def mfu(tflops: float, peak_per_device: float | None, world_size: int) -> float | None:
+    """Achieved TFLOP/s of the whole run over the peak of all its devices."""
+    return tflops / (peak_per_device * world_size) if peak_per_device else None
+
+
+@torch.no_grad()
+def global_log_values(loss: torch.Tensor, data_wait_s: float, skipped: dict[str, int]) -> dict[str, float]:
+    """This rank's log values made global (a collective: every rank calls it, at log steps only).
+
+    ``loss`` (this rank's loss) -> the mean over ranks, which is the global batch's loss
+    (each rank's loss is the mean over its local rows); ``data_wait_s`` -> the sum over
+    ranks; ``skipped`` (samples skipped so far by reason; ranks may know different
+    reasons) -> ``skipped_samples/<reason>``, summed over ranks.
+    """
+    packed = torch.stack([loss.detach().reshape(()).double(),
+                          torch.tensor(float(data_wait_s), dtype=torch.float64, device=loss.device)])
+    mdist.all_reduce_sum(packed)
+    total: dict[str, int] = {}
+    for counts in mdist.all_gather_object(dict(skipped)):
+        for reason, count in counts.items():
+            total[reason] = total.get(reason, 0) + int(count)
+    return {"loss": float(packed[0]) / mdist.get_world_size(), "data_wait_s": float(packed[1]),
+            **{f"skipped_samples/{k}": total[k] for k in sorted(total)}}
 
 
 @torch.no_grad()

@@ -170,7 +170,9 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
     text->image (``image_retrieval_recall@k``): each caption row queries the image index;
     image->text (``text_retrieval_recall@k``): each image queries the text index and hits
     if any of its captions ranks in the top k.  ``slack`` extra results per query let
-    exact ties with the right answer at the cut-off count as they do in the evaluation.
+    exact ties with the right answer at the cut-off count.  Ties go to the query (the strict
+    ranks of ``retrieval_ranks``); ``recall_at_k`` breaks exact ties as clip_benchmark's
+    ``torch.topk`` does, which needs full score rows: the two agree when nothing ties.
     """
     s = Searcher(index_dir)
     emb = Path(s.info["emb_dir"])

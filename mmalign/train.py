@@ -33,7 +33,8 @@ from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model
 from mmalign.models.io import save_pretrained
 from mmalign.momentum import MomentumQueue
-from mmalign.monitors import collapse_alarms, forward_flops_per_sample, peak_tflops, probe_stats
+from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
+                              probe_stats)
 
 log = logging.getLogger("mmalign.train")
 
@@ -134,7 +135,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         setup_logging(out)
         checkpoint.clean_partial(out)
     mdist.barrier()
-    seed_everything(cfg.seed)  # same init on every rank; data streams differ by rank
+    seed_everything(cfg.seed)  # same init on every rank (reseeded per rank once the engine is built)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
@@ -144,7 +145,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
 
     # model
     model: TwoTower = build_model(cfg.model)
-    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd
+    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
                                                second_view=cfg.loss.image_image_weight > 0,
                                                negatives=cfg.data.hard_negatives)
     model = model.to(device)
@@ -165,6 +166,9 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     if main:
         log.info("%s", engine.plan.describe())
         print(f"mmalign: {engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}", flush=True)
+    # Per-rank randomness from here on (dropout, patch dropout), as open_clip does: the model's
+    # init above is identical on every rank; a resume restores each rank's own RNG state.
+    seed_everything(cfg.seed + rank)
 
     # data
     check_urls(expand_urls(cfg.data.train), "data.train")
@@ -252,20 +256,21 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         if step % t.log_every == 0 or step == t.steps:
             elapsed = time.time() - window_start
             sps = window_samples / max(elapsed, 1e-9)
+            summed = global_log_values(result.loss, data_wait, batch.get("skipped", {}))  # collective
             record = {
                 "step": step,
-                "loss": float(result.loss.detach()),
+                "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
                 "lr": engine.lr,
                 "grad_norm": engine.grad_norm(),
                 "samples_per_s": sps,
-                "data_wait_s": data_wait,
+                "data_wait_s": summed.pop("data_wait_s"),  # summed over ranks
                 "tflops": sps * model_flops / 1e12,
                 "skipped_steps": skipped_steps,
                 **{k: float(v) for k, v in result.stats.items() if k != "loss"},
-                **{f"skipped_samples/{k}": v for k, v in batch.get("skipped", {}).items()},
+                **summed,  # skipped_samples/<reason>, summed over ranks
             }
             if peak:
-                record["mfu"] = record["tflops"] / peak
+                record["mfu"] = mfu(record["tflops"], peak, world)  # over the peak of all devices
             if queue is not None:
                 record["queue_fill"] = queue.fill
             if probe is not None:

@@ -118,4 +118,7 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
         if not torch.equal(uniq[group], pos.row_ids):
             raise ValueError("every row id must occur among the candidate ids (its own pair)")
         target = sums[group] / counts[group, None]  # (M, D)
-    return scale.reshape(()) * torch.linalg.vecdot(rows, target)  # (M,), no (M, D) temporary
+    # (M,), no (M, D) temporary; the scale stays at compute precision (never rounded to bf16)
+    dot = torch.linalg.vecdot(rows, target)
+    cdt = torch.float32 if dot.dtype in (torch.float16, torch.bfloat16) else dot.dtype
+    return scale.reshape(()).to(cdt) * dot.to(cdt)

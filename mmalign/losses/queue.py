@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .infonce import both_directions_lse, infonce_local
 from .positives import Positives, positive_logit
-from .tiled import tile_ranges, tiled_lse
+from .tiled import fold_scale, scale_of, tile_ranges, tiled_lse
 
 __all__ = ["QueueEntries", "queue_infonce_local", "queue_clip_loss"]
 
@@ -110,11 +110,14 @@ def _tiled_tracks(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | 
                   t: int, pos_max: Tensor) -> Tensor:
     """The queue tracks in t x t tiles (one extra no-grad pass; the tiled LSE keeps none)."""
     out = torch.empty(3, rows.shape[0], device=rows.device)
-    s = scale.reshape(()).to(rows.dtype)
+    s = scale_of(scale, rows.dtype)  # float32 for half rows, as in the tiled LSE
     for i0, i1 in tile_ranges(rows.shape[0], t):
         parts = []
+        rows_s = fold_scale(rows[i0:i1], s)
         for j0, j1 in tile_ranges(queue.shape[0], t):
-            neg = (s * rows[i0:i1] @ queue[j0:j1].T).float()  # (ti, tj)
+            neg = (rows_s @ queue[j0:j1].T).float()  # (ti, tj)
+            if rows_s.dtype != s.dtype:
+                neg = neg * s
             if row_ids is not None:
                 neg = neg.masked_fill(row_ids[i0:i1, None] == queue_ids[None, j0:j1], _NEG_INF)
             parts.append(_tracks_of(neg, pos_max[i0:i1]))

@@ -35,7 +35,8 @@ from torch import Tensor
 from .monitors import RankTracker, track_tile
 from .positives import Positives
 
-__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass", "Workspace", "tile_logits", "add_mm"]
+__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass", "Workspace", "tile_logits", "add_mm",
+           "scale_of", "fold_scale", "scaled_tile"]
 
 
 def tile_ranges(n: int, t: int) -> list[tuple[int, int]]:
@@ -45,6 +46,26 @@ def tile_ranges(n: int, t: int) -> list[tuple[int, int]]:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Accumulate half-precision inputs in float32; keep float32 / float64.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def scale_of(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """The scalar scale at the compute precision of ``dtype`` features: never rounded to half
+    precision (bf16 has 8 significant bits: 1/0.07 = 14.2857 would become 14.3125, biasing
+    every logit by +0.2%)."""
+    return scale.reshape(()).to(compute_dtype(dtype))
+
+
+def fold_scale(rows: Tensor, s: Tensor) -> Tensor:
+    """A row block to multiply tiles with: ``rows * s`` when the rows are at compute precision
+    (folding saves a pass per tile), else the rows unscaled (see :func:`scaled_tile`)."""
+    return rows * s if rows.dtype == s.dtype else rows
+
+
+def scaled_tile(rows_s: Tensor, cols: Tensor, s: Tensor, out: Tensor) -> Tensor:
+    """The logit tile ``s * rows @ cols.T`` (compute dtype) from a :func:`fold_scale` block;
+    half rows are scaled here, in the compute dtype."""
+    tile = tile_logits(rows_s, cols, out)
+    return tile if rows_s.dtype == s.dtype else tile.mul_(s)
 
 
 def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor, buf: Tensor, dim: int,
@@ -108,7 +129,7 @@ class _TiledLSE(torch.autograd.Function):
         m, n = rows.shape[0], cols.shape[0]
         dev, cdt = rows.device, compute_dtype(rows.dtype)
         masked = select != "all"
-        s = scale.reshape(()).to(rows.dtype)
+        s = scale_of(scale, rows.dtype)  # float32 for half features
         r_max = torch.full((m,), float("-inf"), dtype=cdt, device=dev)
         r_sum = torch.zeros(m, dtype=cdt, device=dev)
         c_max = torch.full((n,), float("-inf"), dtype=cdt, device=dev)
@@ -117,18 +138,18 @@ class _TiledLSE(torch.autograd.Function):
         known_r = known_c = None
         if track and pos.paired:
             # Paired rows know their positive logit up front: count in this pass.
-            known_r = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]) * s
+            known_r = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]).to(cdt) * s
             known_c = known_r if want_cols else None
         trk_r = RankTracker(m, dev, known_r) if track else None
         trk_c = RankTracker(n, dev, known_c) if track and want_cols else None
 
         ws = Workspace(min(t, max(m, n)), cdt, dev)
         for i0, i1 in tile_ranges(m, t):
-            rows_s = rows[i0:i1] * s  # (ti, D): scale folded into one row block at a time
+            rows_s = fold_scale(rows[i0:i1], s)  # (ti, D): scale folded into one row block at a time
             for j0, j1 in tile_ranges(n, t):
                 if masked and _select_tile(pos, select, i0, i1, j0, j1, dev) is _SKIP:
                     continue  # "pos" and the tile holds no positive
-                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # (ti, tj)
+                tile = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))  # (ti, tj)
                 if masked:
                     _apply_select(tile, pos, select, i0, i1, j0, j1)
                 buf = ws.get(1, i1 - i0, j1 - j0)
@@ -160,7 +181,7 @@ class _TiledLSE(torch.autograd.Function):
         rows, cols, scale, lse_r, lse_c = ctx.saved_tensors
         t, want_cols = ctx.t, ctx.want_cols
         dt, cdt = rows.dtype, lse_r.dtype
-        s = scale.reshape(()).to(dt)
+        s = scale_of(scale, dt)
         if g_r is None:
             g_r = torch.zeros_like(lse_r)
         use_c = want_cols and g_c is not None
@@ -178,11 +199,11 @@ class _TiledLSE(torch.autograd.Function):
         ws = Workspace(min(t, max(rows.shape[0], cols.shape[0])), cdt, rows.device)
         for i0, i1 in tile_ranges(rows.shape[0], t):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
-            rows_s = rows[i0:i1] * s  # (ti, D)
+            rows_s = fold_scale(rows[i0:i1], s)  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
                 if masked and _select_tile(pos, select, i0, i1, j0, j1, rows.device) is _SKIP:
                     continue
-                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))  # recomputed
+                tile = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))  # recomputed
                 if masked:
                     _apply_select(tile, pos, select, i0, i1, j0, j1)
                 grad = torch.sub(tile, shift_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
@@ -197,9 +218,9 @@ class _TiledLSE(torch.autograd.Function):
                 grad = grad.to(dt)
                 add_mm(acc, grad, cols[j0:j1])  # (ti, D)
                 add_mm(d_cols[j0:j1], grad.T, rows[i0:i1])  # (tj, D)
-            d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
+            d_rows[i0:i1] = (acc * s).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
-        d_cols = d_cols.mul_(s.to(cdt)).to(dt)
+        d_cols = d_cols.mul_(s).to(dt)
         return d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype), None, None, None, None, None
 
 
@@ -230,9 +251,9 @@ def count_pass(rows: Tensor, s: Tensor, cols: Tensor, pos: Positives, t: int, tr
                trk_c: RankTracker | None, ws: Workspace, bias: Tensor | None = None) -> None:
     """Second no_grad pass (id mode): count negatives above the best positive."""
     for i0, i1 in tile_ranges(rows.shape[0], t):
-        rows_s = rows[i0:i1] * s
+        rows_s = fold_scale(rows[i0:i1], s)
         for j0, j1 in tile_ranges(cols.shape[0], t):
-            tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))
+            tile = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))
             if bias is not None:
                 tile.add_(bias)
             mask = pos.mask(i0, i1, j0, j1, tile.device)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .monitors import RankTracker, track_tile
 from .positives import Positives
-from .tiled import Workspace, add_mm, compute_dtype, count_pass, tile_logits, tile_ranges
+from .tiled import Workspace, add_mm, compute_dtype, count_pass, fold_scale, scale_of, scaled_tile, tile_ranges
 
 __all__ = ["tiled_sigmoid_rows"]
 
@@ -33,18 +33,18 @@ class _TiledSigmoid(torch.autograd.Function):
                 pos: Positives, track: bool):
         m, dev, dt = rows.shape[0], rows.device, rows.dtype
         cdt = compute_dtype(dt)
-        s = scale.reshape(()).to(dt)
+        s = scale_of(scale, dt)  # float32 for half features, like the bias
         b = bias.reshape(()).to(cdt)
         row_loss = torch.zeros(m, dtype=cdt, device=dev)  # (M,)
         known = None
         if track and pos.paired:
-            known = (torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]) * s).to(cdt) + b
+            known = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]).to(cdt) * s + b
         trk = RankTracker(m, dev, known) if track else None
         ws = Workspace(min(t, max(m, cols.shape[0])), cdt, dev, n=1)
         for i0, i1 in tile_ranges(m, t):
-            rows_s = rows[i0:i1] * s  # (ti, D): scale folded into one row block at a time
+            rows_s = fold_scale(rows[i0:i1], s)  # (ti, D): scale folded into one row block at a time
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                tile = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0)).add_(b)  # (ti, tj)
+                tile = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0)).add_(b)  # (ti, tj)
                 mask = pos.mask(i0, i1, j0, j1, dev)
                 row_loss[i0:i1] -= F.logsigmoid(-tile).sum(dim=1)  # softplus(l), exact for large l
                 if mask is not None:
@@ -66,7 +66,7 @@ class _TiledSigmoid(torch.autograd.Function):
         t, pos = ctx.t, ctx.pos
         dt = rows.dtype
         cdt = compute_dtype(dt)
-        s = scale.reshape(()).to(dt)
+        s = scale_of(scale, dt)
         b = bias.reshape(()).to(cdt)
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
@@ -75,9 +75,9 @@ class _TiledSigmoid(torch.autograd.Function):
         ws = Workspace(min(t, max(rows.shape[0], cols.shape[0])), cdt, rows.device, n=1)
         for i0, i1 in tile_ranges(rows.shape[0], t):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
-            rows_s = rows[i0:i1] * s  # (ti, D)
+            rows_s = fold_scale(rows[i0:i1], s)  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                grad = tile_logits(rows_s, cols[j0:j1], ws.get(0, i1 - i0, j1 - j0))
+                grad = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))
                 grad.add_(b).sigmoid_()  # (ti, tj)
                 mask = pos.mask(i0, i1, j0, j1, rows.device)
                 if mask is not None:
@@ -87,9 +87,9 @@ class _TiledSigmoid(torch.autograd.Function):
                 grad = grad.to(dt)
                 add_mm(acc, grad, cols[j0:j1])  # (ti, D)
                 add_mm(d_cols[j0:j1], grad.T, rows[i0:i1])  # (tj, D)
-            d_rows[i0:i1] = (acc * s.to(cdt)).to(dt)
+            d_rows[i0:i1] = (acc * s).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
-        d_cols = d_cols.mul_(s.to(cdt)).to(dt)
+        d_cols = d_cols.mul_(s).to(dt)
         return (d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype),
                 d_bias.reshape(bias.shape).to(bias.dtype), None, None, None)
 
