@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from mmalign import distributed as mdist
+from mmalign import rundir
 from mmalign.config import ConfigError
 
 ROOT = "checkpoints"
@@ -79,12 +80,51 @@ def clean_partial(out: str | Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (a rename is only durable once the
+    directory holding it is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    for path in sorted(top.rglob("*"), reverse=True):  # files before the directories holding them
+        _fsync(path)
+    _fsync(top)
+
+
+def _prune(base: Path, written: Path, keep: int) -> None:
+    """Keep the checkpoint just written and the ``keep - 1`` newest *older* ones. Newer ones
+    can only be left from a timeline this run no longer continues (a resume from an
+    earlier step), so they go: pruning by name alone would have deleted the new one."""
+    if keep <= 0:
+        return
+    step = step_of(written)
+    older = sorted((p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name) and p != written),
+                   key=step_of)
+    stale = [p for p in older if step_of(p) > step]
+    kept_older = [p for p in older if step_of(p) < step][-(keep - 1):] if keep > 1 else []
+    for old in older:
+        if old in stale or old not in kept_older:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
+
+
 def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: dict, keep: int,
-         shared: dict[str, dict] | None = None) -> Path:
+         shared: dict[str, dict] | None = None, config=None) -> Path:
     """Collective: every rank calls it; returns the final directory.
 
     ``shared`` maps a name to state that is identical on every rank (e.g. the
     momentum queue): rank 0 alone writes it, as ``<name>.pt``, so it is stored once.
+    ``config`` (the resolved :class:`~mmalign.config.Config`) is stored beside the state,
+    so a resume can tell whether it continues the same run.  Every file and directory
+    is fsynced before ``latest`` names the checkpoint.
     """
     rank = mdist.get_rank()
     base = root(out)
@@ -100,42 +140,139 @@ def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: 
     if rank == 0:
         for key, state in (shared or {}).items():
             torch.save(state, tmp / f"{key}.pt")
+        if config is not None:
+            rundir.save_into(config, tmp)
     mdist.barrier()
     if rank == 0:
+        _fsync_tree(tmp)  # every rank's files are complete here (after the barrier)
         if final.exists():  # re-saving a step (after a resume): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(base)
         pointer = base / "latest.tmp"
         pointer.write_text(name)
+        _fsync(pointer)
         os.replace(pointer, base / "latest")
-        complete = sorted(p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in complete[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsync(base)
+        _prune(base, final, keep)
     mdist.barrier()
     return final
 
 
 def resolve(out: str | Path, resume: str | None) -> Path | None:
-    """``latest`` -> the newest complete checkpoint of ``out`` (None if there is none yet);
-    a path -> that checkpoint directory, which must exist."""
+    """``latest`` -> the checkpoint ``latest`` names (None if there is none yet); a path ->
+    that checkpoint directory, which must be ``RUN/checkpoints/step_N``."""
+    found = candidates(out, resume)
+    return found[0] if found else None
+
+
+def candidates(out: str | Path, resume: str | None) -> list[Path]:
+    """The checkpoints a resume may load, in the order to try them: for ``latest``, the one
+    it names and then every older ``step_N`` of the run, newest first (the fallbacks when
+    the newest is damaged); for an explicit path, that one alone."""
     if not resume:
-        return None
+        return []
     if resume == "latest":
         pointer = root(out) / "latest"
         if not pointer.is_file():
-            return None
+            return []
         name = pointer.read_text().strip()
         # only a sibling step_N: the pointer is a file anyone may edit, never a path to follow
         if not is_step_name(name):
             raise ConfigError(f"--resume latest: {pointer} names {name[:80]!r}, not a step_N checkpoint of this run")
-        path = root(out) / name
-    else:
-        path = Path(resume)
-        if not is_step_name(path.name) or path.resolve().parent.name != ROOT:
-            raise ConfigError(f"--resume: {path} is not a checkpoint directory RUN/{ROOT}/step_N")
+        newest = root(out) / name
+        older = sorted((p for p in root(out).glob("step_*") if p.is_dir() and is_step_name(p.name)
+                        and step_of(p) < step_of(newest)), key=step_of, reverse=True)
+        return [newest, *older]
+    path = Path(resume)
+    if not is_step_name(path.name) or path.resolve().parent.name != ROOT:
+        raise ConfigError(f"--resume: {path} is not a checkpoint directory RUN/{ROOT}/step_N")
     if not (path / ENGINE_TAG).is_dir():
         raise ConfigError(f"--resume: {path} is not a complete mmalign checkpoint")
-    return path
+    return [path]
+
+
+_OTHER_RANK = re.compile(r"(?:zero_pp_rank_|trainer_rank|loader_rank)(\d+)")
+
+
+def damaged(path: Path, rank: int = 0) -> str | None:
+    """Why this rank cannot load ``path`` (a missing, empty, truncated or corrupt file), or
+    None.  Checks the files this rank reads: the shared ones and its own shards, each
+    ``.pt`` as a whole zip archive with its CRCs (a cut file has no central directory)."""
+    import zipfile
+
+    engine = path / ENGINE_TAG
+    if not path.is_dir():
+        return "it is gone"
+    if not engine.is_dir() or not any(engine.glob("*.pt")):
+        return f"{ENGINE_TAG}/ holds no state"
+    if not (path / "trainer_rank0.pt").is_file():
+        return "no trainer_rank0.pt"
+    for file in sorted([*engine.glob("*.pt"), *path.glob("*.pt"), *path.glob("loader_rank*.json")]):
+        owner = _OTHER_RANK.search(file.name)
+        if owner is not None and int(owner.group(1)) != rank:
+            continue  # another rank's shard: that rank checks it
+        if file.stat().st_size == 0:
+            return f"{file.name} is empty"
+        if file.suffix == ".json":
+            try:
+                json.loads(file.read_text())
+            except (ValueError, UnicodeDecodeError):
+                return f"{file.name} is not valid JSON"
+            continue
+        try:
+            with zipfile.ZipFile(file) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError):
+            return f"{file.name} is truncated or not a torch file"
+        if bad is not None:
+            return f"{file.name} is corrupt ({bad})"
+    return None
+
+
+def _agree(reason: str | None) -> str | None:
+    """Collective: every rank's verdict; a checkpoint one rank cannot load is skipped by all."""
+    if mdist.get_world_size() == 1:
+        return reason
+    reasons = [r for r in mdist.all_gather_object(reason) if r is not None]
+    return reasons[0] if reasons else None
+
+
+def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> tuple[Path, dict, dict] | None:
+    """Collective: load the newest loadable checkpoint; (path, trainer state, loader state),
+    or None when there is nothing to resume yet.
+
+    A damaged newest checkpoint (a kill or a full disk during a save that still renamed,
+    a truncated engine file, a 0-byte trainer file, an empty ``engine/``) is skipped with
+    one line, and the next older complete one is tried.  A config that changes the run
+    (:func:`mmalign.rundir.check_resume`) is an error, not a reason to fall back.
+    """
+    paths = candidates(out, resume)
+    rank = mdist.get_rank()
+    for i, path in enumerate(paths):
+        reason = _agree(damaged(path, rank))
+        if reason is None:
+            if cfg is not None:
+                rundir.check_resume(cfg, path, step_of(path))
+            try:
+                trainer, loader = load(engine, path)
+                problem = None
+            except ConfigError:
+                raise
+            except Exception as e:  # DeepSpeed's loader on a file that passed the archive check
+                text = str(e).strip()
+                problem = f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
+            reason = _agree(problem)
+            if reason is None:
+                return path, trainer, loader
+        nxt = paths[i + 1].name if i + 1 < len(paths) else None
+        if rank == 0:
+            say(f"mmalign: checkpoint {path.name} cannot be loaded ({reason}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint is left"))
+    if paths:
+        raise ConfigError(f"--resume: no loadable checkpoint in {paths[0].parent} (tried {len(paths)}, newest "
+                          f"{paths[0].name})")
+    return None
 
 
 def load(engine, path: Path) -> tuple[dict, dict]:

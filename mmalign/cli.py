@@ -44,6 +44,9 @@ def cmd_train(args) -> int:
         from mmalign.config import validate
 
         validate(cfg, world_size=args.nproc)
+        from mmalign.rundir import check_fresh_start
+
+        check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks
         return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist
     from mmalign.train import train
@@ -52,7 +55,7 @@ def cmd_train(args) -> int:
     from mmalign.config import validate
 
     validate(cfg, world_size=info.world_size)
-    out = train(cfg, resume=args.resume)
+    out = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if mdist.get_rank() == 0:
         print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
     mdist.shutdown()
@@ -161,7 +164,7 @@ def cmd_quickstart(args) -> int:
     if args.config is None and (REPO_CONFIGS / "quickstart.yaml").is_file():
         args.config = str(REPO_CONFIGS / "quickstart.yaml")
     cfg = _load(args)
-    out = train(cfg)
+    out = train(cfg, overwrite=True)  # the demo regenerates its run directory each time
     records = json.loads((out / "eval.json").read_text())
     _print_table(records)
     minutes = (time.time() - start) / 60
@@ -238,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a config")
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
-    p.add_argument("--resume", help="'latest' (the run directory's newest checkpoint) or a checkpoint path")
+    p.add_argument("--resume", help="'latest' (the run directory's newest loadable checkpoint; nothing to resume "
+                   "yet is a fresh start) or a checkpoint path RUN/checkpoints/step_N")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that is not empty (removes the earlier run's files)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")

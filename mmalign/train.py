@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmalign import checkpoint
+from mmalign import checkpoint, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
@@ -30,7 +30,7 @@ from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, tr
 from mmalign.evaluation import load_suite, run_suite, write_results
 from mmalign.losses import build_loss, caption_ids
 from mmalign.losses.ntxent import ImageImageTerm
-from mmalign.models import TwoTower, build_model
+from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.io import save_pretrained
 from mmalign.momentum import MomentumQueue
 from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
@@ -114,22 +114,46 @@ def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, 
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """On resume, drop records of steps after the checkpoint (they will be redone)."""
-    if path.is_file():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
+    """On resume, drop records of steps after the checkpoint (they will be redone), and a
+    line torn by a kill mid-write."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn (partly written) line
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
 
 
-def train(cfg: Config, show_progress: bool = True, resume: str | None = None) -> Path:
-    """Run ``cfg`` to completion (or resume it); returns the output directory."""
+def train(cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False) -> Path:
+    """Run ``cfg`` to completion (or resume it); returns the output directory.
+
+    Without ``resume`` the output directory must be empty or absent, or ``overwrite``
+    given (which removes the earlier run's files); a resume must continue the same run
+    (:mod:`mmalign.rundir`)."""
     from mmalign.engine import Engine  # deepspeed is imported only when training
 
-    # setup
+    # setup: everything that depends only on the config, the shard list and the run directory
+    # is checked here, before any write and before the model and DeepSpeed are built
     mdist.init_from_env(require_group=True)
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0
     out = Path(cfg.output)
+    check_buildable(cfg.model)
+    check_urls(expand_urls(cfg.data.train), "data.train")
+    rundir.check_fresh_start(out, resume, overwrite)
+    for newest in checkpoint.candidates(out, resume)[:1]:
+        rundir.check_resume(cfg, newest, checkpoint.step_of(newest))
+    mdist.barrier()  # every rank has looked before rank 0 writes
     if main:
+        if overwrite and out.is_dir():
+            removed = rundir.clear(out)
+            if removed:
+                print(f"mmalign: --overwrite removed {', '.join(removed)} from {out}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         setup_logging(out)
@@ -171,7 +195,6 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
     seed_everything(cfg.seed + rank)
 
     # data
-    check_urls(expand_urls(cfg.data.train), "data.train")
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
                                 engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world)
     log.info(describe(cfg.data.augment, cfg.data.views))
@@ -186,9 +209,10 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
 
     # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position
     start, skipped_steps, consecutive = 0, 0, 0
-    ckpt = checkpoint.resolve(out, resume)
-    if ckpt is not None:
-        trainer, loader_state = checkpoint.load(engine, ckpt)
+    found = checkpoint.resume(engine, out, resume, cfg, say=lambda line: (print(line, flush=True),
+                                                                        log.warning("%s", line)))
+    if found is not None:
+        ckpt, trainer, loader_state = found
         start, skipped_steps = trainer["step"], trainer["skipped_steps"]
         checkpoint.set_rng_state(trainer["rng"])
         loader.load_state_dict(loader_state)
@@ -303,7 +327,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None) ->
         if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
             shared = {"momentum": queue.state_dict()} if queue is not None and main else None
             checkpoint.save(engine, out, step, {"rng": checkpoint.rng_state(), "skipped_steps": skipped_steps},
-                            loader.state_dict(), t.keep_checkpoints, shared=shared)
+                            loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
         bar.update(1)
     bar.close()
     for f in (metrics_file, keys_file, board):

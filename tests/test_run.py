@@ -176,5 +176,8 @@ def test_atomic_checkpoints_keep_last_k(micro_overrides, tmp_path):
     assert checkpoint.resolve(out, "latest").name == "step_00000006"
     checkpoint.clean_partial(out)
     assert not (out / "checkpoints" / "step_00000008.tmp").exists()
-    with pytest.raises(Exception, match="not a complete mmalign checkpoint"):
+    with pytest.raises(Exception, match="not a checkpoint directory RUN/checkpoints/step_N"):
         checkpoint.resolve(out, str(tmp_path))
+    (out / "checkpoints" / "step_00000009").mkdir()
+    with pytest.raises(Exception, match="not a complete mmalign checkpoint"):
+        checkpoint.resolve(out, str(out / "checkpoints" / "step_00000009"))

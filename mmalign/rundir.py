@@ -1,0 +1,123 @@
+"""What a run directory may be used for: a fresh start, an overwrite, or a resume of the same run.
+
+Two silent failures this module exists to prevent:
+
+* starting a new run in a directory that holds another run's checkpoints, then
+  ``--resume latest``, continued the *old* run while ``config.yaml`` recorded the
+  new settings (and ``final/`` kept the old weights until the end);
+* resuming with a config that changes the run (another model, batch, loss, data
+  order) mixed two experiments in one curve.
+
+So a fresh start needs an empty (or absent) directory, or ``--overwrite``; and each
+checkpoint stores the resolved config it was written under, which a resume must
+match except for the keys in :data:`RESUMABLE_CHANGES` (a longer run, another
+evaluation or logging schedule, another output path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from mmalign.config import Config, ConfigError, to_dict
+
+CONFIG_FILE = "config.yaml"  # in the run directory and in every checkpoint
+
+# What a run writes; --overwrite removes these and nothing else (a directory may hold the
+# user's own files too).
+RUN_ARTEFACTS = ("checkpoints", "final", "tensorboard", "report", "config.yaml", "train.log", "metrics.jsonl",
+                 "eval.json", "eval_step*.json", "samples_rank*.jsonl")
+
+# Keys a resumed run may change: how long it runs, when it evaluates / logs / saves, where
+# its files go, how many threads and how it watches itself. Everything else shapes the
+# optimisation or the data order, and a change would splice two experiments into one run.
+RESUMABLE_CHANGES = ("output", "train.steps", "train.eval_every", "train.log_every", "train.checkpoint_every",
+                     "train.keep_checkpoints", "train.max_consecutive_skips", "train.threads", "eval.", "monitor.",
+                     "data.val", "data.max_consecutive_skips")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and prefix + key not in ("model.vision", "model.text", "deepspeed.extra"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_hash(cfg: Config | dict) -> str:
+    tree = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def artefacts(out: Path) -> list[Path]:
+    found: list[Path] = []
+    for pattern in RUN_ARTEFACTS:
+        found += sorted(out.glob(pattern))
+    return found
+
+
+def check_fresh_start(out: Path, resume: str | None, overwrite: bool) -> None:
+    """A start without ``--resume`` needs an empty or absent directory, or ``--overwrite``.
+    Pure (no writes): every rank may call it before any rank writes."""
+    if resume or overwrite or not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
+        raise ConfigError(f"config key 'output': {out} is not empty ({shown}); continue that run with "
+                          f"--resume latest, or start over with --overwrite (removes its run files)")
+
+
+def clear(out: Path) -> list[str]:
+    """``--overwrite``: remove what an earlier run wrote (rank 0 only); returns the names removed."""
+    removed = []
+    for path in artefacts(out):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path.name)
+    return removed
+
+
+def save_into(cfg: Config, directory: Path) -> None:
+    """The resolved config (and its hash, as a comment on line 1) beside a checkpoint's state."""
+    tree = to_dict(cfg)
+    text = f"# config hash {config_hash(tree)}\n" + yaml.safe_dump(tree, sort_keys=False)
+    (directory / CONFIG_FILE).write_text(text)
+
+
+def stored_config(checkpoint: Path) -> dict | None:
+    """The config a checkpoint was written under (None for checkpoints from before this rule)."""
+    file = checkpoint / CONFIG_FILE
+    if not file.is_file():
+        return None
+    tree = yaml.safe_load(file.read_text())
+    return tree if isinstance(tree, dict) else None
+
+
+def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None:
+    """One line naming every key that differs from the checkpoint's config in a way that
+    changes the run; the resumable changes of :data:`RESUMABLE_CHANGES` pass."""
+    stored = stored_config(checkpoint)
+    if stored is None:
+        return
+    old, new = _flat(stored), _flat(to_dict(cfg))
+    differing = [k for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
+                                                        for r in RESUMABLE_CHANGES)]
+    if differing:
+        shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:4])
+        more = f" (+{len(differing) - 4} more)" if len(differing) > 4 else ""
+        raise ConfigError(f"--resume: the config differs from the one {checkpoint.name} was trained with in keys "
+                          f"that change the run: {shown}{more}; resume with the run's own config, or start a new "
+                          f"run in another output directory")
+    if step is not None and cfg.train.steps < step:
+        raise ConfigError(f"config key 'train.steps'={cfg.train.steps} is below the checkpoint's step {step} "
+                          f"({checkpoint.name})")
