@@ -41,6 +41,7 @@ def cmd_train(args) -> int:
         from mmalign.config import validate
 
         validate(cfg, world_size=args.nproc)
+        _check_batchnorm(cfg, args.nproc)
         return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist
     from mmalign.train import train
@@ -54,6 +55,27 @@ def cmd_train(args) -> int:
         print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
     mdist.shutdown()
     return 0
+
+
+def _check_batchnorm(cfg, world_size: int) -> None:
+    """The engine's BatchNorm gate, once before spawning ranks (each would print it); the
+    model is built on the meta device (no memory, no init cost)."""
+    import torch
+
+    from mmalign.gradcache import chunk_sizes
+    from mmalign.models import build_model
+    from mmalign.models.batchnorm import check_batchnorm
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+    except ConfigError:
+        raise
+    except Exception:  # a tower that cannot be built on meta: every rank's engine checks instead
+        return
+    local = cfg.train.global_batch_size // world_size
+    check_batchnorm(model, cfg.model.batchnorm, chunks=len(chunk_sizes(local, cfg.train.grad_cache_chunk_size)),
+                    world_size=world_size)
 
 
 def cmd_eval(args) -> int:

@@ -25,7 +25,7 @@ from mmalign.config import ConfigError, ModelConfig
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
 from mmalign.gradcache import chunk_sizes
-from tests.conftest import spawn_ranks
+from tests.conftest import run_cli, spawn_ranks
 
 GLOBAL_BATCH = 12
 LR = 0.5
@@ -133,6 +133,15 @@ def test_config_error_without_a_mode_under_caching_or_ranks():
         load_config(None, ["model.batchnorm=global"])
 
 
+def test_cli_refuses_a_batchnorm_tower_on_two_processes_before_spawning(tmp_path):
+    result = run_cli("train", "--nproc", "2", "--set", "model.preset=micro-rn", "--set", "train.global_batch_size=8",
+                     "--output", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "model.batchnorm" in lines[0] and "frozen | sync | local" in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()  # refused before any rank started
+
+
 # ------------------------------------------------------ engine vs references
 
 
@@ -238,8 +247,8 @@ CASES = {
     1: [("frozen", 0, 6, False), ("frozen", 0, 5, False), ("frozen", 2, 5, False),
         ("local", 0, 0, False), ("local", 0, 6, False), ("local", 0, 5, False),
         ("local", 0, 6, True), ("local", 0, 0, True)],
-    2: [("frozen", 0, 0, False), ("frozen", 0, 3, False), ("frozen", 2, 4, False), ("frozen", 3, 3, False),
-        ("sync", 0, 0, False), ("sync", 2, 0, False), ("sync", 0, 4, False), ("local", 0, 3, False)],
+    2: [("frozen", 0, 0, False), ("frozen", 0, 3, False), ("frozen", 3, 4, False),
+        ("sync", 0, 0, False), ("sync", 0, 4, False), ("local", 0, 3, False)],
 }
 
 

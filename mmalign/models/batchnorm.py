@@ -241,19 +241,19 @@ def check_batchnorm(model: nn.Module, mode: Optional[str], *, chunks: int, world
         return None if mode is None else f"model.batchnorm={mode}: the model has no BatchNorm layer; ignored"
     if mode is None:
         if chunks > 1 or world_size > 1:
+            rows = " of ".join(w for w, on in (("one chunk", chunks > 1), ("one rank", world_size > 1)) if on)
             where = " and ".join(w for w, on in (("gradient caching", chunks > 1),
                                                  (f"{world_size} processes", world_size > 1)) if on)
             raise ConfigError(f"config key 'model.batchnorm' must be set (frozen | sync | local): the model has "
-                              f"BatchNorm layers, and under {where} each forward would normalise with one chunk's "
-                              f"or one rank's statistics (the gradient is then not the full batch's) and update "
-                              f"the running statistics more than once per step")
+                              f"BatchNorm layers, and under {where} each forward would normalise with the "
+                              f"statistics of {rows} (the gradient is then not the full batch's)")
         return None
     n = convert_batchnorm(model, mode)
     return f"model.batchnorm={mode}: {n} BatchNorm layers " + {
         "frozen": "normalise with their running statistics, never updated (eval-mode maths); gradients are exact",
-        "local": (f"normalise each forward with its own rows' statistics (one chunk of {chunks} per step on one "
-                  f"rank: 'ghost' batch norm, not the full batch's); running statistics take one update per step "
-                  f"from the whole global batch"),
+        "local": (f"normalise each forward with its own rows' statistics (one of {chunks} chunks per step, on one of "
+                  f"{world_size} ranks: 'ghost' batch norm, not the full batch's); running statistics take one "
+                  f"update per step from the whole global batch"),
         "sync": ("normalise with the statistics of the same chunk of every rank" +
                  (f" (still per chunk under gradient caching: {chunks} chunks per step)" if chunks > 1 else
                   " (the full global batch: no caching)") +
