@@ -1,4 +1,4 @@
-"""Towers and the TwoTower model (no loss, no distributed code)."""
+"""Towers and the TwoTower model (no loss; the only collectives are sync BatchNorm's, models/batchnorm.py)."""
 
 from mmalign.config import ModelConfig
 from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm

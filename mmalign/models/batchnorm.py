@@ -25,8 +25,10 @@ quickstart's ``tiny-rn``) have BatchNorm, so ``model.batchnorm`` chooses:
   ranks).
 
 Whatever the mode, the running statistics are updated exactly once per step
-from every sample of the global batch, as one uncached full-batch step would:
-during an engine step (:class:`StepStatistics`) the layers do not touch their
+from every sample of the global batch, each counted once, as one uncached
+step updates them (a deeper layer's inputs, though, depend on how the layers
+before it normalised: under ``local`` / cached ``sync`` they are not the
+full-batch step's): during an engine step (:class:`StepStatistics`) the layers do not touch their
 buffers; each train-mode forward of the first pass records its per-channel
 (count, mean, biased variance), the re-forwards of gradient caching record
 nothing (they see the same rows again), and after a non-skipped update the
@@ -202,6 +204,8 @@ def convert_batchnorm(model: nn.Module, mode: str) -> int:
     converted layers just take the mode).  Returns the number of layers."""
     if mode not in MODES:
         raise ValueError(f"BatchNorm mode must be one of {MODES}, got {mode!r}")
+    if isinstance(model, _BatchNorm):
+        raise ValueError("convert_batchnorm needs a model containing BatchNorm layers, not a layer")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -212,8 +216,6 @@ def convert_batchnorm(model: nn.Module, mode: str) -> int:
             else:
                 continue
             count += 1
-    if isinstance(model, _BatchNorm):
-        raise ValueError("convert_batchnorm needs a model containing BatchNorm layers, not a layer")
     return count
 
 
