@@ -38,7 +38,7 @@ def cmd_train(args) -> int:
     from mmalign.models import check_buildable
 
     cfg = _load(args)  # validate before spawning anything
-    check_buildable(cfg.model)
+    meta_model = check_buildable(cfg.model)
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
         from mmalign.config import validate
@@ -47,6 +47,7 @@ def cmd_train(args) -> int:
         from mmalign.rundir import check_fresh_start
 
         check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks
+        _check_batchnorm(cfg, meta_model, args.nproc)
         return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist
     from mmalign.train import train
@@ -60,6 +61,17 @@ def cmd_train(args) -> int:
         print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
     mdist.shutdown()
     return 0
+
+
+def _check_batchnorm(cfg, model, world_size: int) -> None:
+    """The engine's BatchNorm gate, once before spawning ranks (each would print it), on the
+    meta-device model of :func:`~mmalign.models.check_buildable`."""
+    from mmalign.gradcache import chunk_sizes
+    from mmalign.models.batchnorm import check_batchnorm
+
+    local = cfg.train.global_batch_size // world_size
+    check_batchnorm(model, cfg.model.batchnorm, chunks=len(chunk_sizes(local, cfg.train.grad_cache_chunk_size)),
+                    world_size=world_size)
 
 
 def cmd_eval(args) -> int:

@@ -43,6 +43,10 @@ class ModelConfig:
     # None = open_clip's CLIP BPE; else a sentencepiece .model (`mmalign tokenizer train`),
     # which also sets the text tower's vocab_size (validate() fills model.text).
     tokenizer: Optional[str] = None
+    # BatchNorm towers (open_clip ResNets, tiny-rn): frozen = running statistics, never updated
+    # (gradients exact under caching / ranks); sync = statistics of the same chunk of every rank;
+    # local = each chunk's own rows ("ghost"). Needed with caching or > 1 process (models/batchnorm.py).
+    batchnorm: Optional[Literal["frozen", "sync", "local"]] = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_sum",
     "all_gather_object",
+    "all_reduce_sum_with_grad",
     "init_from_env",
     "env_dist_info",
     "shutdown",
@@ -130,6 +131,38 @@ def all_gather_object(obj) -> list:
     out = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class _AllReduceSumWithGrad(torch.autograd.Function):
+    """Sum over ranks, keeping the graph (e.g. per-channel sums of a synchronised BatchNorm).
+
+    Backward: every rank's loss L_r reads the same sum y = sum_r' x_r', so the
+    gradient of ``sum_r L_r`` with respect to this rank's x is the SUM over ranks
+    of the incoming gradients. As for :func:`all_gather_with_grad`, DeepSpeed's
+    1/W gradient averaging then turns it into the gradient of the global mean
+    loss when each L_r is the mean over its local rows.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()  # in place below; do not clobber autograd's buffer
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+def all_reduce_sum_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over ranks, differentiable; identity when not distributed.
+
+    Every rank must call it, in the same order, with the same shape."""
+    if get_world_size() == 1:
+        return tensor
+    return _AllReduceSumWithGrad.apply(tensor)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from deepspeed.utils import (  # noqa: E402
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign.config import Config, ConfigError  # noqa: E402
 from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
+from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
 from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
@@ -127,6 +128,11 @@ class Engine:
         self.world_size = mdist.get_world_size()
         self.plan = plan_batch(cfg, self.world_size)
         self.max_log_scale = math.log(cfg.model.max_logit_scale)
+        # BatchNorm towers: an explicit mode under caching / several ranks (ConfigError before DeepSpeed)
+        bn_line = check_batchnorm(model, cfg.model.batchnorm, chunks=self.plan.accumulation,
+                                  world_size=self.world_size)
+        if bn_line is not None:
+            log.info("%s", bn_line)
         t = cfg.train
         optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
@@ -181,14 +187,18 @@ class Engine:
                 out = self.forward(im, tok, **dict(zip(names, rest)))
             return {k: (v.float() if torch.is_tensor(v) else v) for k, v in out.items()}
 
-        if self.plan.accumulation == 1:
-            result, skipped = self._single_pass(encode(*inputs), loss_fn, update)
-        else:
-            cached = grad_cache_step(
-                encode, split_batch(inputs, list(self.plan.chunks)), loss_fn, self._backward,
-                after_chunk=update, guard=self._all_finite,
-            )
-            result, skipped = cached.result, cached.skipped
+        # BatchNorm running statistics: recorded by the first pass, one update per step (commit)
+        with StepStatistics(self.module) as bn:
+            if self.plan.accumulation == 1:
+                result, skipped = self._single_pass(encode(*inputs), loss_fn, update)
+            else:
+                cached = grad_cache_step(
+                    encode, split_batch(inputs, list(self.plan.chunks)), loss_fn, self._backward,
+                    after_chunk=update, guard=self._all_finite, replay=bn.replay,
+                )
+                result, skipped = cached.result, cached.skipped
+            if not skipped:
+                bn.commit()
         if not skipped:
             self.clamp_logit_scale()
         return StepResult(result, skipped)

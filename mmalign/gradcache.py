@@ -31,16 +31,23 @@ inside forward).  Their cached gradient is back-propagated through exactly one
 re-forwarded chunk, so they receive it once, not once per chunk (open_clip's
 accum_freq gives the scale a k-times gradient).
 
-This module never imports DeepSpeed: ``backward`` and ``after_chunk`` are
-injected (``engine.backward(x, scale_wrt_gas=False)`` / ``engine.step()`` under
-DeepSpeed, ``x.backward()`` in plain PyTorch).
+Exactness needs each representation to depend on its own sample only; a
+BatchNorm tower in train mode couples the rows of a chunk (see
+:mod:`mmalign.models.batchnorm` for the modes that make that explicit).  The
+re-forwards of 3 run inside the injected ``replay`` context, where such layers
+record no statistics: they see the same rows a second time.
+
+This module never imports DeepSpeed: ``backward``, ``after_chunk`` and
+``replay`` are injected (``engine.backward(x, scale_wrt_gas=False)`` /
+``engine.step()`` under DeepSpeed, ``x.backward()`` in plain PyTorch).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -95,6 +102,7 @@ def grad_cache_step(
     backward: Callable[[torch.Tensor], None],
     after_chunk: Optional[Callable[[int, bool], None]] = None,
     guard: Optional[Callable[[torch.Tensor, dict], bool]] = None,
+    replay: Optional[Callable[[], ContextManager]] = None,
 ) -> CachedStep:
     """One optimisation step's gradients, accumulated chunk by chunk.
 
@@ -116,6 +124,8 @@ def grad_cache_step(
         guard: ``guard(loss, cached_grads) -> bool``; when False the step is
             skipped before any backward through the model (e.g. a non-finite
             loss or representation gradient), and ``skipped`` is set.
+        replay: ``replay()`` returns a context entered around each re-forward
+            (e.g. BatchNorm layers then record no running statistics).
     """
     # 1. no-grad forward of every chunk but the last, remembering the RNG state each
     #    started from; the last keeps its graph (it is back-propagated from it in 3)
@@ -153,7 +163,8 @@ def grad_cache_step(
             out = reps[last]
         else:
             states[i].restore()
-            out = encode(*chunks[i])
+            with (replay or contextlib.nullcontext)():
+                out = encode(*chunks[i])
         surrogate = sum((out[k] * g[i]).sum() for k, g in sample_grads.items())
         if i == last:  # the per-step outputs take their gradient exactly once
             for key in PER_STEP:

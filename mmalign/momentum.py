@@ -9,9 +9,10 @@ state, used by the loss of :mod:`mmalign.losses.queue`:
   every optimiser step (buffers are copied). Queued embeddings of different
   ages then come from nearly the same encoder, which is what makes them usable
   as negatives (MoCo's ablation: m = 0, a plain copy, fails to train). It runs
-  in eval mode and without grad: our towers have no batch statistics
-  (LayerNorm), so train mode would differ only by dropout / patch dropout,
-  which would add noise to the negatives and draw from the RNG that the run's
+  in eval mode and without grad: a BatchNorm tower (ResNet) then normalises with
+  its running statistics, which the EMA copies from the online model (train mode
+  would normalise each push with that batch's own statistics); dropout / patch
+  dropout would add noise to the negatives and draw from the RNG that the run's
   exact resume relies on.
 * **the queue**: a ring buffer of the last Q (image, text, id) embeddings of
   the momentum encoder, oldest overwritten first. Entries not yet written are

@@ -1,21 +1,26 @@
-"""Towers and the TwoTower model (no loss, no distributed code)."""
+"""Towers and the TwoTower model (no loss; the only collectives are sync BatchNorm's, models/batchnorm.py)."""
 
 from mmalign.config import ModelConfig
+from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
 from mmalign.models.presets import PRESETS, available, resolve_arch
 from mmalign.models.two_tower import TwoTower
 
 
 def build_model(cfg: ModelConfig) -> TwoTower:
-    """Random-init model from a model config; never downloads weights."""
-    return TwoTower(
+    """Random-init model from a model config; never downloads weights.  With
+    ``model.batchnorm`` its BatchNorm layers take that mode (models/batchnorm.py)."""
+    model = TwoTower(
         resolve_arch(cfg),
         init_logit_scale=cfg.init_logit_scale,
         init_logit_bias=cfg.init_logit_bias,
         max_logit_scale=cfg.max_logit_scale,
     )
+    if cfg.batchnorm is not None and has_batchnorm(model):
+        convert_batchnorm(model, cfg.batchnorm)
+    return model
 
 
-def check_buildable(cfg: ModelConfig) -> None:
+def check_buildable(cfg: ModelConfig) -> TwoTower:
     """Build the towers on the meta device (no memory, no maths) so that a bad tower setting
     (``model.vision.patch_size=x``, a negative width, ...) is a one-line ConfigError before any
     process or DeepSpeed engine starts, not a traceback after them."""
@@ -26,7 +31,7 @@ def check_buildable(cfg: ModelConfig) -> None:
     resolve_arch(cfg)  # unknown presets: their own one-line error
     try:
         with torch.device("meta"):
-            build_model(cfg)
+            return build_model(cfg)  # the meta-device model, for checks that need its modules
     except ConfigError:
         raise
     except Exception as e:  # whatever open_clip's constructors raise on a bad value

@@ -35,6 +35,13 @@ PRESETS: dict[str, dict] = {
         "vision_cfg": {"image_size": 16, "layers": 1, "width": 32, "head_width": 16, "patch_size": 4},
         "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
     },
+    # The same for a BatchNorm (ResNet) tower: open_clip's modified ResNet at its smallest
+    # (32 px: the attention pool needs image_size >= 32), 19 BatchNorm2d layers.
+    "micro-rn": {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    },
 }
 
 
