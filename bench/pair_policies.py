@@ -108,7 +108,7 @@ def supported(policy: str) -> bool:
 
 
 def train_one(config: str, out: Path, overrides: list[str], suite: str) -> dict:
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", config, "--output", str(out)]
+    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", config, "--output", str(out), "--overwrite"]
     for o in overrides + [f"eval.suite={suite}", "monitor.probe_size=0", "monitor.tensorboard=false"]:
         cmd += ["--set", o]
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -180,7 +180,7 @@ def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, bat
         # open_clip has no probe forward and logs nowhere here; keep the work equal
         "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=cifar10",
     ]
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs" / "cifar10_cpu.yaml")]
+    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs" / "cifar10_cpu.yaml"), "--overwrite"]
     for s in sets:
         cmd += ["--set", s]
     wall = _run(cmd, work / f"{name}.log", dict(os.environ))
