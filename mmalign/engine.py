@@ -16,6 +16,8 @@ full-batch gradient.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
 import os
@@ -37,7 +39,7 @@ from deepspeed.utils import (  # noqa: E402
 )
 
 from mmalign import distributed as mdist  # noqa: E402
-from mmalign.config import Config, ConfigError  # noqa: E402
+from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
 from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
 from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
@@ -109,12 +111,32 @@ def ds_config(cfg: Config, plan: BatchPlan) -> dict:
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
     }
+    accum = grad_accum_dtype(cfg)
+    if accum is not None:
+        # bf16/fp16 weights: sum the chunks' gradients in fp32 (DeepSpeed's default is the
+        # weight dtype; at ZeRO-1 this selects its BF16_Optimizer). config.validate refuses
+        # ZeRO-0 low-precision weights with more than one micro-step.
+        conf["data_types"] = {"grad_accum_dtype": accum}
+    if precision != "fp32":
+        # ... and average them over ranks in fp32: DeepSpeed's default reduces in the weight
+        # dtype, which rounds the fp32 sum to bf16 even on one rank and sums ranks in bf16.
+        conf["communication_data_type"] = "fp32"
     if cfg.deepspeed.zero_stage == 3:
         # Tiny towers: do not keep whole-model copies around for prefetch heuristics.
         conf["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
-    for key, value in cfg.deepspeed.extra.items():
-        conf[key] = value
-    return conf
+    # config.validate refused extra keys that contradict the typed ones
+    return _merged(conf, cfg.deepspeed.extra)
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    """``extra`` merged into ``base`` recursively: mappings merge, other values replace."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 class Engine:
@@ -129,8 +151,11 @@ class Engine:
         t = cfg.train
         optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        self.ds_config = ds_config(cfg, self.plan)
+        if mdist.get_rank() == 0:
+            log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg, self.plan),
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
             dist_init_required=False,
         )
         self.module = self.ds.module
