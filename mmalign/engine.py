@@ -41,7 +41,7 @@ from deepspeed.utils import (  # noqa: E402
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
 from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
-from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
+from mmalign.optim import Lamb, build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -160,8 +160,46 @@ class Engine:
         )
         self.module = self.ds.module
         self.stage = cfg.deepspeed.zero_stage
+        if isinstance(optimizer, Lamb) and self.stage >= 1:
+            optimizer.set_partition_layout(*self._partition_layout(optimizer), mdist.all_reduce_sum)
         # With bf16/fp16 weights DeepSpeed casts the module; images must follow.
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.deepspeed.precision)
+
+    def _partition_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list, int]:
+        """The flat fp32 partitions DeepSpeed will step ``optimizer`` with on this rank, each
+        with the segments (tensor index, offset, length) of the module's parameters inside it
+        (indices in named_parameters order, the same on every rank). Elements in no
+        segment are padding."""
+        params = [p for _, p in self.module.named_parameters()]
+        if self.stage == 3:
+            # Each parameter is split evenly over the ranks (the last slice padded); this
+            # rank's slices lie back to back in its flat partition of the sub-group.
+            z3, rank = self.ds.optimizer, mdist.get_rank()
+            parts = list(z3.fp32_partitioned_groups_flat)
+            segments = {id(t): [] for t in parts}
+            for index, p in enumerate(params):
+                if not p.requires_grad:
+                    continue
+                sub, offset, size = z3.grad_position[z3.get_param_id(p)]
+                length = max(0, min(size, p.ds_numel - rank * size))
+                if length:
+                    segments[id(parts[sub])].append((index, offset, length))
+            return [(t, segments[id(t)]) for t in parts], len(params)
+        # ZeRO-1/2 (and the BF16 optimizer): DeepSpeed links each parameter to its fragment
+        # of a flat partition, a view into the partition the optimiser holds.
+        parts = [t for group in optimizer.param_groups for t in group["params"]]
+        segments = {id(t): [] for t in parts}
+        for index, p in enumerate(params):
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # not on this rank (or frozen)
+                continue
+            fragment, address = mapping.hp_fragment, mapping.hp_fragment_address
+            owner = [t for t in parts if t.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr()
+                     and fragment.data_ptr() == t.data_ptr() + address.start * t.element_size()]
+            if len(owner) != 1:
+                raise RuntimeError(f"LAMB under ZeRO-{self.stage}: cannot place parameter {index} in a partition")
+            segments[id(owner[0])].append((index, address.start, address.numel))
+        return [(t, segments[id(t)]) for t in parts], len(params)
 
     # -------------------------------------------------------------- stepping
 
