@@ -134,7 +134,9 @@ class DeepSpeedConfig:
     # Weight precision inside DeepSpeed (fp32 master weights kept by ZeRO); distinct
     # from train.precision, which is autocast around the forward pass.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    extra: dict = field(default_factory=dict)  # merged verbatim into the generated ds config
+    # Merged recursively into the generated ds config (DeepSpeed's own keys, e.g.
+    # zero_optimization.overlap_comm); keys that mmalign derives from typed keys are refused.
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -362,6 +364,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _validate_data(cfg)
     _validate_extras(cfg)
     _validate_tokenizer(cfg)
+    _validate_precision(cfg, world_size)
+    _validate_deepspeed_extra(cfg)
     if cfg.model.max_logit_scale < 1:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
     if t.log_every <= 0:
@@ -474,6 +478,88 @@ def _validate_extras(cfg: Config) -> None:
                           "loss.hard_negative_beta / loss.debias_prior (mined negatives extend the plain InfoNCE)")
     if data.hard_negatives and loss.queue_size:
         raise ConfigError("config key 'data.hard_negatives' does not combine with loss.queue_size (not implemented)")
+
+
+def grad_accum_dtype(cfg: Config) -> Optional[str]:
+    """The ``data_types.grad_accum_dtype`` mmalign asks DeepSpeed for (None: DeepSpeed's default,
+    the weight dtype).
+
+    DeepSpeed 0.19.8 sums the micro-step gradients (one per gradient-cache chunk) in the
+    weight dtype unless told otherwise, so bf16/fp16 weights get fp32 accumulation. At
+    ZeRO-0 DeepSpeed cannot accumulate low-precision weights in fp32 (NotImplementedError);
+    there validation only lets one micro-step per update through, where nothing is summed.
+    """
+    if cfg.deepspeed.precision in ("bf16", "fp16") and cfg.deepspeed.zero_stage >= 1:
+        return "fp32"
+    return None
+
+
+def _accumulation_steps(cfg: Config, world_size: int) -> int:
+    local = cfg.train.global_batch_size // world_size
+    chunk = cfg.train.grad_cache_chunk_size
+    return -(-local // chunk) if chunk else 1
+
+
+def _validate_precision(cfg: Config, world_size: int) -> None:
+    ds, t = cfg.deepspeed, cfg.train
+    if t.precision == "fp16" and ds.precision != "fp16":
+        raise ConfigError("config key 'train.precision'=fp16 needs deepspeed.precision=fp16 (DeepSpeed's loss "
+                          "scaler; fp16 gradients underflow without it): use train.precision=bf16")
+    steps = _accumulation_steps(cfg, world_size)
+    if ds.precision in ("bf16", "fp16") and ds.zero_stage == 0 and steps > 1:
+        raise ConfigError(f"config key 'deepspeed.precision'={ds.precision} at deepspeed.zero_stage=0 would sum the "
+                          f"{steps} gradient-cache chunks in {ds.precision} (DeepSpeed accumulates in fp32 only "
+                          f"from ZeRO-1): use deepspeed.zero_stage>=1, or deepspeed.precision=fp32 with "
+                          f"train.precision=bf16 (autocast)")
+
+
+_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"},
+                "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+                "fp16": {"fp16", "float16", "half", "torch.float16"}}
+
+
+def _validate_deepspeed_extra(cfg: Config) -> None:
+    """``deepspeed.extra`` must not contradict what mmalign derives from its typed keys
+    (an equal value is allowed; the batch arithmetic is always mmalign's)."""
+    ds, t = cfg.deepspeed, cfg.train
+    accum = grad_accum_dtype(cfg) or ("fp32" if ds.precision == "fp32" else ds.precision)
+    typed = {  # ds config path -> (the typed key to use, its value; None = always derived)
+        "zero_optimization.stage": ("deepspeed.zero_stage", ds.zero_stage),
+        "bf16.enabled": ("deepspeed.precision", ds.precision == "bf16"),
+        "bfloat16.enabled": ("deepspeed.precision", ds.precision == "bf16"),
+        "fp16.enabled": ("deepspeed.precision", ds.precision == "fp16"),
+        "data_types.grad_accum_dtype": ("deepspeed.precision", accum),
+        "communication_data_type": ("deepspeed.precision", "fp32"),
+        "gradient_clipping": ("train.grad_clip", float(t.grad_clip)),
+        "train_batch_size": ("train.global_batch_size", None),
+        "train_micro_batch_size_per_gpu": ("train.grad_cache_chunk_size", None),
+        "gradient_accumulation_steps": ("train.grad_cache_chunk_size", None),
+    }
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            path = prefix + str(key)
+            if isinstance(value, dict):
+                if path in typed:
+                    raise ConfigError(f"config key 'deepspeed.extra.{path}' must be a value, not a mapping")
+                walk(value, path + ".")
+                continue
+            below = sorted({typed[name][0] for name in typed if name.startswith(path + ".")})
+            if below:  # e.g. extra.bf16: true
+                raise ConfigError(f"config key 'deepspeed.extra.{path}' must be a mapping (what mmalign derives "
+                                  f"there is set by {', '.join(below)})")
+            if path not in typed:
+                continue
+            use, want = typed[path]
+            if path in ("data_types.grad_accum_dtype", "communication_data_type"):
+                same = isinstance(value, str) and value in _DTYPE_NAMES[want]
+            else:
+                same = want is not None and isinstance(value, bool) == isinstance(want, bool) and value == want
+            if not same:
+                raise ConfigError(f"config key 'deepspeed.extra.{path}'={value!r} contradicts what mmalign derives "
+                                  f"from {use}: set {use} instead")
+
+    walk(cfg.deepspeed.extra, "")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

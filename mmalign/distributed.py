@@ -108,6 +108,14 @@ def all_gather_nograd(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over ranks IN PLACE and return it."""
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+@torch.no_grad()
 def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Average ``tensor`` over ranks IN PLACE and return it."""
     if get_world_size() > 1:

@@ -16,6 +16,8 @@ full-batch gradient.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
 import os
@@ -38,10 +40,10 @@ from deepspeed.utils import (  # noqa: E402
 )
 
 from mmalign import distributed as mdist  # noqa: E402
-from mmalign.config import Config, ConfigError  # noqa: E402
+from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
 from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
-from mmalign.optim import build_optimizer, param_groups, warmup_cosine  # noqa: E402
+from mmalign.optim import Lamb, build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -111,12 +113,32 @@ def ds_config(cfg: Config, plan: BatchPlan) -> dict:
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
     }
+    accum = grad_accum_dtype(cfg)
+    if accum is not None:
+        # bf16/fp16 weights: sum the chunks' gradients in fp32 (DeepSpeed's default is the
+        # weight dtype; at ZeRO-1 this selects its BF16_Optimizer). config.validate refuses
+        # ZeRO-0 low-precision weights with more than one micro-step.
+        conf["data_types"] = {"grad_accum_dtype": accum}
+    if precision != "fp32":
+        # ... and average them over ranks in fp32: DeepSpeed's default reduces in the weight
+        # dtype, which rounds the fp32 sum to bf16 even on one rank and sums ranks in bf16.
+        conf["communication_data_type"] = "fp32"
     if cfg.deepspeed.zero_stage == 3:
         # Tiny towers: do not keep whole-model copies around for prefetch heuristics.
         conf["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
-    for key, value in cfg.deepspeed.extra.items():
-        conf[key] = value
-    return conf
+    # config.validate refused extra keys that contradict the typed ones
+    return _merged(conf, cfg.deepspeed.extra)
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    """``extra`` merged into ``base`` recursively: mappings merge, other values replace."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 class Engine:
@@ -136,14 +158,55 @@ class Engine:
         t = cfg.train
         optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        self.ds_config = ds_config(cfg, self.plan)
+        if mdist.get_rank() == 0:
+            log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg, self.plan),
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
             dist_init_required=False,
         )
         self.module = self.ds.module
         self.stage = cfg.deepspeed.zero_stage
+        if isinstance(optimizer, Lamb) and self.stage >= 1:
+            optimizer.set_partition_layout(*self._partition_layout(optimizer), mdist.all_reduce_sum)
         # With bf16/fp16 weights DeepSpeed casts the module; images must follow.
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.deepspeed.precision)
+
+    def _partition_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list, int]:
+        """The flat fp32 partitions DeepSpeed will step ``optimizer`` with on this rank, each
+        with the segments (tensor index, offset, length) of the module's parameters inside it
+        (indices in named_parameters order, the same on every rank). Elements in no
+        segment are padding."""
+        params = [p for _, p in self.module.named_parameters()]
+        if self.stage == 3:
+            # Each parameter is split evenly over the ranks (the last slice padded); this
+            # rank's slices lie back to back in its flat partition of the sub-group.
+            z3, rank = self.ds.optimizer, mdist.get_rank()
+            parts = list(z3.fp32_partitioned_groups_flat)
+            segments = {id(t): [] for t in parts}
+            for index, p in enumerate(params):
+                if not p.requires_grad:
+                    continue
+                sub, offset, size = z3.grad_position[z3.get_param_id(p)]
+                length = max(0, min(size, p.ds_numel - rank * size))
+                if length:
+                    segments[id(parts[sub])].append((index, offset, length))
+            return [(t, segments[id(t)]) for t in parts], len(params)
+        # ZeRO-1/2 (and the BF16 optimizer): DeepSpeed links each parameter to its fragment
+        # of a flat partition, a view into the partition the optimiser holds.
+        parts = [t for group in optimizer.param_groups for t in group["params"]]
+        segments = {id(t): [] for t in parts}
+        for index, p in enumerate(params):
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # not on this rank (or frozen)
+                continue
+            fragment, address = mapping.hp_fragment, mapping.hp_fragment_address
+            owner = [t for t in parts if t.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr()
+                     and fragment.data_ptr() == t.data_ptr() + address.start * t.element_size()]
+            if len(owner) != 1:
+                raise RuntimeError(f"LAMB under ZeRO-{self.stage}: cannot place parameter {index} in a partition")
+            segments[id(owner[0])].append((index, address.start, address.numel))
+        return [(t, segments[id(t)]) for t in parts], len(params)
 
     # -------------------------------------------------------------- stepping
 

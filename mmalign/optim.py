@@ -5,11 +5,19 @@ Training BERT in 76 minutes" (the optimiser of EVA-CLIP's recipes): Adam moments
 with bias correction, decoupled weight decay added to the update, and a
 per-tensor trust ratio ||w|| / ||update|| scaling the step.  DeepSpeed's fused
 LAMB is CUDA-only, so this one is plain PyTorch and runs anywhere.
+
+Under ZeRO >= 1 DeepSpeed hands the optimiser one flat fp32 partition per
+parameter group (or sub-group) and rank, which holds slices of many tensors and
+only part of some.  The engine then describes each partition as segments
+(tensor index, offset, length) (:meth:`Lamb.set_partition_layout`); the squared
+norms of each tensor's weight and update are summed over its segments on every
+rank, so the trust ratio stays per tensor whatever the stage or world size.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,37 +37,109 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+Segment = tuple[int, int, int]  # (tensor index, offset in the flat partition, length)
+
+
+def _sum_sq(x: torch.Tensor) -> torch.Tensor:
+    # a pairwise-summed sum of squares: torch's CPU norm() of a 1.6M-element fp32 tensor
+    # (a token embedding) is ~2e-4 off, which would make the trust ratio depend on the split
+    return x.pow(2).sum()
+
+
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._layout: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
+        self._n_tensors = 0
+        self._reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def set_partition_layout(self, layout: Sequence[tuple[torch.Tensor, Sequence[Segment]]], n_tensors: int,
+                             reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Declare flat partitions: ``layout`` pairs each partition tensor this optimiser
+        will be stepped with (the very object) with the segments of the model's tensors
+        inside it on this rank; indices are in [0, n_tensors) and agree across ranks.
+        Elements outside every segment are padding and are not updated.
+        ``reduce_sum`` sums a tensor in place over the data-parallel ranks; every
+        rank then calls :meth:`step` the same number of times (each call reduces once).
+        """
+        self._layout = {id(t): (t, [tuple(map(int, s)) for s in segs]) for t, segs in layout}
+        self._n_tensors = int(n_tensors)
+        self._reduce_sum = reduce_sum
+
+    def _moments_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """Adam moments (bias-corrected) plus decoupled weight decay: the update before its trust ratio."""
+        b1, b2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(b1).add_(p.grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+        m_hat = m / (1 - b1 ** state["step"])
+        v_hat = v / (1 - b2 ** state["step"])
+        update = m_hat / (v_hat.sqrt() + group["eps"])
+        if group["weight_decay"]:
+            update.add_(p, alpha=group["weight_decay"])
+        return update
+
+    @staticmethod
+    def _trust(w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
+        # trust ratio; 1 where either norm is zero (fresh zero-init tensors, zero grads)
+        return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        flat = []  # (partition, its update, its segments, lr) awaiting the reduced norms
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
+                entry = self._layout.get(id(p))
+                if self._layout and (entry is None or entry[0] is not p):
+                    raise RuntimeError("Lamb was given a partition layout but stepped a tensor outside it")
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(p.grad, alpha=1 - b1)
-                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                m_hat = m / (1 - b1 ** state["step"])
-                v_hat = v / (1 - b2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm(), update.norm()
-                # trust ratio; 1 where either norm is zero (fresh zero-init tensors, zero grads)
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_(update * trust, alpha=-group["lr"])
+                update = self._moments_update(p, group)
+                if entry is not None:
+                    flat.append((p, update, entry[1], group["lr"]))
+                    continue
+                p.add_(update * self._trust(_sum_sq(p).sqrt(), _sum_sq(update).sqrt()), alpha=-group["lr"])
+        if self._layout:
+            self._step_segments(flat)
         return loss
+
+    def _step_segments(self, flat: list) -> None:
+        """Per-tensor trust ratios from the segments of every rank, then the updates."""
+        device = next(iter(self._layout.values()))[0].device
+        sq = torch.zeros(2, self._n_tensors + 1, dtype=torch.float32, device=device)  # (||w||^2, ||u||^2) per tensor
+        for p, update, segments, _ in flat:
+            if not segments:
+                continue
+            index = torch.tensor([s[0] for s in segments], device=device)
+            for row, source in enumerate((p, update)):
+                sums = torch.stack([_sum_sq(source.narrow(0, offset, length)) for _, offset, length in segments])
+                sq[row].index_add_(0, index, sums.float())
+        self._reduce_sum(sq)  # every rank, even with nothing here: the call is collective
+        trust = self._trust(sq[0].sqrt(), sq[1].sqrt())
+        trust[-1] = 0.0  # padding: no tensor, no update
+        for p, update, segments, lr in flat:
+            # one trust value per element: runs of segments, gaps (padding) mapped to the last slot
+            ids, lengths, at = [], [], 0
+            for t, offset, length in sorted(segments, key=lambda s: s[1]):
+                if offset > at:
+                    ids.append(self._n_tensors)
+                    lengths.append(offset - at)
+                ids.append(t)
+                lengths.append(length)
+                at = offset + length
+            if p.numel() > at:
+                ids.append(self._n_tensors)
+                lengths.append(p.numel() - at)
+            scale = trust[torch.tensor(ids, device=device)].repeat_interleave(
+                torch.tensor(lengths, device=device), output_size=p.numel())  # (numel,)
+            p.add_(update * scale.to(update.dtype), alpha=-lr)
 
 
 def build_optimizer(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,207 @@
+"""bf16 weights under gradient caching: chunk gradients summed in bf16 vs in fp32.
+
+One gradient-cached step with bf16 weights inside DeepSpeed (ZeRO-1) against a
+plain fp32 full-batch reference (one forward, naive CLIP loss written here, the
+same bf16-rounded initial weights and images) and against the same bf16 chunk
+gradients summed exactly.  "before" is DeepSpeed 0.19.8's default (accumulate and
+reduce in the weight dtype, what mmalign used to inherit); "after" is what
+mmalign now asks for (``grad_accum_dtype`` and ``communication_data_type`` fp32).
+
+    .venv/bin/python bench/bf16_accum.py                       # micro towers, 16 chunks of 4 rows (CPU, seconds)
+    .venv/bin/python bench/bf16_accum.py --preset tiny --chunk 16 --chunks 16 --write-doc
+    .venv/bin/python bench/bf16_accum.py --preset ViT-B-16 --chunk 16 --chunks 16 --device cuda   # GPU size
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docsection import write_section  # noqa: E402
+
+SECTION = "## bf16 gradient accumulation (bench/bf16_accum.py)"
+
+
+def _inputs(n: int, image_size: int, context: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, image_size, image_size, generator=g)
+    tokens = torch.randint(1, 49000, (n, context), generator=g)
+    tokens[:, 0] = 49406
+    ends = torch.randint(3, context - 1, (n,), generator=g)
+    for i, e in enumerate(ends):
+        tokens[i, e] = 49407
+        tokens[i, e + 1:] = 0
+    return images, tokens
+
+
+def _naive_clip_loss(img, txt, scale):
+    import torch
+    import torch.nn.functional as F
+
+    logits = scale * img @ txt.T  # (B, B)
+    labels = torch.arange(img.shape[0], device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
+    """GradCache written out in bf16: no-grad chunk features, fp32 loss gradient, each
+    chunk re-forwarded and back-propagated; the chunks' bf16 gradients summed in float64."""
+    import torch
+
+    model = copy.deepcopy(model).bfloat16()
+    chunks = list(zip(images.bfloat16().split(chunk), tokens.split(chunk)))
+    with torch.no_grad():
+        outs = [model(im, tok) for im, tok in chunks]
+    img = torch.cat([o["image_features"].float() for o in outs]).requires_grad_(True)  # (B, D)
+    txt = torch.cat([o["text_features"].float() for o in outs]).requires_grad_(True)
+    scale = outs[0]["logit_scale"].float().detach().requires_grad_(True)
+    _naive_clip_loss(img, txt, scale).backward()
+    total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
+    for k, (im, tok) in enumerate(chunks):
+        model.zero_grad(set_to_none=True)
+        out = model(im, tok)
+        rows = slice(k * chunk, (k + 1) * chunk)
+        surrogate = (out["image_features"].float() * img.grad[rows]).sum() \
+            + (out["text_features"].float() * txt.grad[rows]).sum()
+        if k == 0:
+            surrogate = surrogate + (out["logit_scale"].float() * scale.grad).sum()
+        surrogate.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                total[n] += p.grad.double().cpu()
+    return {n: g.float() for n, g in total.items()}
+
+
+def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device: str) -> dict:
+    """Relative gradient errors of one cached bf16-weight step against the fp32 full-batch
+    gradient and against the exactly summed bf16 chunk gradients, per DeepSpeed config."""
+    import torch
+
+    from mmalign import engine as eng
+    from mmalign.config import load_config
+    from mmalign.losses import build_loss
+    from mmalign.models import build_model
+
+    batch = chunk * chunks
+    cfg = load_config(None, [
+        f"model.preset={preset}", f"train.global_batch_size={batch}", f"train.grad_cache_chunk_size={chunk}",
+        "train.optimizer=sgd", "train.lr=0.1", "train.steps=1", "train.warmup_steps=0", f"train.device={device}",
+        f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16"])
+    torch.manual_seed(seed)
+    model = build_model(cfg.model).to(device)
+    with torch.no_grad():  # every side starts from the very weights the bf16 engine holds
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    images, tokens = _inputs(batch, model.image_size, model.context_length, seed + 1)
+    images, tokens = images.bfloat16().float().to(device), tokens.to(device)
+
+    ref_model = copy.deepcopy(model)
+    out = ref_model(images, tokens)  # fp32, uncached, full batch
+    _naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    refs = {"fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
+            "exact_sum": _exact_chunk_sum(model, images, tokens, chunk)}
+    del ref_model
+
+    generated = eng.ds_config
+    loss_fn = build_loss(cfg.loss)
+    results = {}
+    for label, deepspeed_defaults in (("before", True), ("after", False)):
+        def config(c, plan, deepspeed_defaults=deepspeed_defaults):
+            conf = generated(c, plan)
+            if deepspeed_defaults:  # DeepSpeed's defaults: accumulate and reduce in the weight dtype
+                conf.pop("data_types", None)
+                conf.pop("communication_data_type", None)
+            return conf
+
+        eng.ds_config = config
+        try:
+            engine = eng.Engine(copy.deepcopy(model), cfg)
+        finally:
+            eng.ds_config = generated
+        grads = {}
+        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+                    before_update=lambda: grads.update(engine.full_grads()))
+        accum, comm = engine.ds.get_data_types()[1], engine.ds.communication_data_type
+        results[label] = {"accum": str(accum).removeprefix("torch."), "comm": str(comm).removeprefix("torch."),
+                          "optimizer": type(engine.ds.optimizer).__name__}
+        for name, ref in refs.items():
+            diff = torch.linalg.vector_norm(torch.stack([(grads[n] - ref[n]).norm() for n in ref]))
+            results[label][name] = float(diff / torch.linalg.vector_norm(torch.stack([r.norm() for r in ref.values()])))
+        del engine
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="micro")
+    ap.add_argument("--chunk", type=int, default=4, help="rows per chunk")
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--stage", type=int, default=1, help="ZeRO stage (>= 1: ZeRO-0 cannot accumulate bf16 in fp32)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--write-doc", action="store_true", help="record the table in docs/benchmarks.md")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    rows = []
+    for seed in args.seeds:
+        res = measure(args.preset, args.chunk, args.chunks, args.stage, seed, args.device)
+        rows.append((seed, res))
+        for label in ("before", "after"):
+            r = res[label]
+            print(f"seed {seed} {label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}): "
+                  f"rel. grad error vs fp32 {r['fp32']:.2e}, vs exact chunk sum {r['exact_sum']:.2e}", flush=True)
+    load_after = os.getloadavg()
+    if not args.write_doc:
+        return
+    cmd = "python bench/bf16_accum.py " + " ".join(sys.argv[1:])
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        SECTION, "",
+        f"Command: `{cmd}` · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch threads, device {args.device} · "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (`uptime`: {uptime.split('load average:')[-1].strip()})",
+        "",
+        f"One gradient-cached step, `{args.preset}` towers, {args.chunks} chunks x {args.chunk} rows, bf16 weights in "
+        f"DeepSpeed ZeRO-{args.stage}, 1 rank. Relative error = ||g - g_ref|| / ||g_ref|| over all parameters as one "
+        "vector, against (a) a plain fp32 full-batch forward/backward of the naive CLIP loss from the same "
+        "bf16-rounded weights and images, and (b) the same bf16 chunk backwards (GradCache written out) with their "
+        "gradients summed in float64, which isolates the accumulation. *before*: DeepSpeed's defaults (accumulate "
+        "and reduce in the weight dtype; the reduce rounds the sum to bf16 even on one rank); *after*: "
+        "`data_types.grad_accum_dtype: fp32` and `communication_data_type: fp32`, which mmalign now emits for "
+        "bf16/fp16 weights.",
+        "",
+        "| seed | run | accumulate / reduce | DeepSpeed optimizer | vs fp32 full batch | vs exact chunk sum |",
+        "|---:|---|---|---|---:|---:|",
+    ]
+    for seed, res in rows:
+        for label in ("before", "after"):
+            r = res[label]
+            lines.append(f"| {seed} | {label} | {r['accum']} / {r['comm']} | {r['optimizer']} | {r['fp32']:.2e} | "
+                         f"{r['exact_sum']:.2e} |")
+    lines += ["", "Reading: bf16 weights' own forward/backward arithmetic is ~1-2% off the fp32 gradient whatever "
+              "the accumulation, so against fp32 the fp32 accumulation gains a few percent of that error at 16 "
+              "chunks; against the exact sum of the same chunk gradients the accumulation error drops from ~4e-3 "
+              "(bf16 sums) to <= 3e-6 (fp32 sums). The GPU recipes use fp32 weights with bf16 autocast (open_clip's "
+              "choice), where every sum is fp32 anyway."]
+    write_section(ROOT / "docs" / "benchmarks.md", "\n".join(lines) + "\n")
+    print("wrote docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()
