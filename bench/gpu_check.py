@@ -23,7 +23,6 @@ micro preset and small sizes on the CPU and writes its table only where
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import os
 import platform
@@ -126,79 +125,20 @@ def part_gpu_tests(dry_run: bool) -> list[tuple[str, str, str]]:
              f"{summary} ({time.perf_counter() - t0:.0f} s){'' if ok else ' FAILED'}")]
 
 
-def _naive_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    logits = scale * img @ txt.T  # (B, B)
-    labels = torch.arange(img.shape[0], device=img.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-
-
-def _flat(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1).double().cpu() for n in names])
-
-
 def part_bf16_accumulation(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
-    """Relative gradient error of a 16-chunk cached bf16-weight step vs the fp32 uncached one."""
-    import mmalign.engine as engine_mod
-    from mmalign.engine import Engine
-    from mmalign.losses import build_loss
-    from mmalign.models import build_model
+    """bench/bf16_accum.py's measurement at this size: a 16-chunk cached step with bf16
+    weights (ZeRO-1), DeepSpeed's defaults ("before") vs what mmalign asks for ("after")."""
+    from bf16_accum import measure
 
     chunk = sizes.batch // sizes.grad_chunks
-    cfg = _engine_cfg(sizes, f"train.grad_cache_chunk_size={chunk}", "deepspeed.zero_stage=1",
-                      "deepspeed.precision=bf16")
-    torch.manual_seed(0)
-    base_model = build_model(cfg.model)
-    images, tokens = _inputs(sizes.batch, base_model.image_size, base_model.context_length, device)
-
-    # reference: fp32 weights, the whole local batch in one forward, a naive loss
-    ref = copy.deepcopy(base_model).to(device).train()
-    out = ref(images, tokens)
-    _naive_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
-    want = {n: p.grad.detach() for n, p in ref.named_parameters()}
-    names = sorted(want)
-    want_flat = _flat(want, names)
-    del ref, out
-    # the floor: bf16-rounded weights, fp32 maths, one pass (what no accumulation dtype can remove)
-    rounded = copy.deepcopy(base_model).to(device).train()
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    out = rounded(images, tokens)
-    _naive_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
-    floor = float((_flat({n: p.grad for n, p in rounded.named_parameters()}, names) - want_flat).norm()
-                  / want_flat.norm())
-    del rounded, out
-
-    loss_fn = build_loss(cfg.loss)
-    original = engine_mod.ds_config
-    rows = [("bf16 accumulation", f"bf16-rounded weights, fp32 maths, one pass ({sizes.preset}, batch {sizes.batch})",
-             f"{floor:.4g}")]
-    # (label, chunk, accumulation dtype forced into DeepSpeed's config; None = what mmalign emits)
-    cases = [("bf16 weights, uncached (no accumulation), ZeRO-1", 0, None)]
-    cases += [(f"bf16 weights, {sizes.grad_chunks} chunks x {chunk}, ZeRO-1, grad_accum_dtype={a}", chunk, a)
-              for a in ("bf16", "fp32")]
-    for label, step_chunk, accum in cases:
-        def forced(c, plan, _accum=accum):
-            conf = original(c, plan)
-            if _accum is not None:
-                conf["data_types"] = {"grad_accum_dtype": _accum}
-            return conf
-
-        case_cfg = copy.deepcopy(cfg)
-        case_cfg.train.grad_cache_chunk_size = step_chunk
-        engine_mod.ds_config = forced
-        try:
-            engine = Engine(copy.deepcopy(base_model).to(device), case_cfg)
-        finally:
-            engine_mod.ds_config = original
-        got: dict[str, torch.Tensor] = {}
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
-                    before_update=lambda: got.update(engine.full_grads()))
-        rel = float((_flat(got, names) - want_flat).norm() / want_flat.norm())
-        rows.append(("bf16 accumulation", f"{label}: rel. grad error vs fp32 one pass", f"{rel:.4g}"))
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    results = measure(sizes.preset, chunk, sizes.grad_chunks, 1, 0, device.type)
+    rows = []
+    for label, r in results.items():
+        rows.append(("bf16 accumulation",
+                     f"{label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}); {sizes.preset}, "
+                     f"{sizes.grad_chunks} chunks x {chunk}, ZeRO-1",
+                     f"rel. grad error vs fp32 one pass {r['fp32']:.3g}; vs exact sum of the bf16 chunk grads "
+                     f"{r['exact_sum']:.3g}"))
     return rows
 
 

@@ -68,3 +68,51 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout():
     grad_cache_step(model, chunks, loss, lambda x: x.backward())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
+
+
+def _cuda_batch(n: int, size: int):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(n, 3, size, size, generator=g).cuda()
+    tokens = torch.randint(1, 49000, (n, 16), generator=g)
+    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
+    return images, tokens.cuda()
+
+
+def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
+    """bf16 weights at ZeRO-1 (BF16_Optimizer, fp32 accumulation) with the per-tensor LAMB layout."""
+    from mmalign.config import load_config
+    from mmalign.engine import Engine
+    from mmalign.losses import build_loss
+    from mmalign.models import build_model
+
+    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
+                             "train.warmup_steps=0", "deepspeed.zero_stage=1", "deepspeed.precision=bf16",
+                             "train.grad_cache_chunk_size=4", "train.optimizer=lamb"])
+    torch.manual_seed(0)
+    engine = Engine(build_model(cfg.model).cuda(), cfg)
+    assert type(engine.ds.optimizer).__name__ == "BF16_Optimizer"
+    loss_fn = build_loss(cfg.loss)
+    images, tokens = _cuda_batch(16, 16)
+    before = engine.consolidated_state_dict()
+    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    after = engine.consolidated_state_dict()
+    assert not res.skipped and torch.isfinite(res.loss)
+    assert sum(int(not torch.equal(before[k], after[k])) for k in before) > len(before) // 2
+
+
+def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
+    from mmalign.config import load_config
+    from mmalign.engine import Engine
+    from mmalign.losses import build_loss
+    from mmalign.models import build_model
+
+    cfg = load_config(None, ["model.preset=micro-rn", "model.batchnorm=local", "train.global_batch_size=12",
+                             "train.steps=2", "train.warmup_steps=0", "train.grad_cache_chunk_size=4"])
+    torch.manual_seed(0)
+    engine = Engine(build_model(cfg.model).cuda(), cfg)
+    loss_fn = build_loss(cfg.loss)
+    images, tokens = _cuda_batch(12, 32)
+    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    assert not res.skipped
+    tracked = {n: int(b) for n, b in engine.module.named_buffers() if n.endswith("num_batches_tracked")}
+    assert tracked and set(tracked.values()) == {1}
