@@ -35,18 +35,18 @@ def _load(args) -> "Config":  # noqa: F821
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)  # validate before spawning anything (and before importing torch)
     from mmalign.models import check_buildable
 
-    cfg = _load(args)  # validate before spawning anything
     meta_model = check_buildable(cfg.model)
+    from mmalign.rundir import check_fresh_start
+
+    check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
         from mmalign.config import validate
 
         validate(cfg, world_size=args.nproc)
-        from mmalign.rundir import check_fresh_start
-
-        check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks
         _check_batchnorm(cfg, meta_model, args.nproc)
         return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist

@@ -37,7 +37,9 @@ def test_cached_equals_uncached_single_process(micro_overrides, tmp_path):
     _assert_same(on, off)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# The CLI path (launcher, loader, engine) at the two ends of ZeRO; every stage x ranks x chunking
+# is checked against the full-batch reference at the engine level (tests/test_engine_exact.py).
+@pytest.mark.parametrize("stage", [0, 3])
 def test_cached_equals_uncached_two_processes(micro_overrides, tmp_path, stage):
     ov = _quiet(micro_overrides) + [f"deepspeed.zero_stage={stage}"]
     off = _train(tmp_path / "off", ov, nproc=2)
