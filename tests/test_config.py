@@ -107,6 +107,12 @@ def test_values_that_used_to_fail_late_are_rejected_at_load(override, key):
     assert f"'{key}" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["3", "[1, 2]", "null", "abc"])
+def test_non_mapping_tower_config_is_one_line(value):
+    with pytest.raises(ConfigError, match="config key 'model.vision': expected dict"):
+        load_config(None, [f"model.vision={value}"])
+
+
 def test_accepted_devices():
     for device in ("auto", "cpu", "cuda", "cuda:1"):
         assert load_config(None, [f"train.device={device}"]).train.device == device
