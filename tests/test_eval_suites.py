@@ -166,3 +166,29 @@ def test_extends_resolves_a_sibling_file_or_a_builtin_suite(tmp_path):
     (tmp_path / "orphan.yaml").write_text("name: orphan\nextends: nowhere\n")
     with pytest.raises(ConfigError, match="unknown suite 'nowhere'"):
         load_suite(str(tmp_path / "orphan.yaml"))
+
+
+def test_zero_shot_never_embeds_the_dataset_captions(run_dir, shapes_dir):
+    """Text-encoder rows: the class prompts only, unless a task reads the dataset's captions."""
+    from mmalign.evaluation import load_suite, run_suite
+    from mmalign.pretrained import load
+
+    loaded = load(run_dir)
+    rows = []
+    encode_text = loaded.model.encode_text
+
+    def counting(tokens, *a, **kw):
+        rows.append(tokens.shape[0])
+        return encode_text(tokens, *a, **kw)
+
+    loaded.model.encode_text = counting
+    suite = load_suite("shapes")
+    zeroshot = [t for t in suite["tasks"] if t["type"] == "zeroshot"]
+    prompts = sum(len(t["classnames"]) * len(t["templates"]) for t in zeroshot)
+    val = f"{shapes_dir}/val/00000.tar"
+    only = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, {**suite, "tasks": zeroshot}, val)
+    assert sum(rows) == prompts and all(r["n_captions"] == 0 for r in only)
+    rows.clear()
+    full = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val)  # + retrieval: 2 captions each
+    assert sum(rows) == prompts + 240
+    assert [r["metrics"] for r in only] == [r["metrics"] for r in full[: len(zeroshot)]]
