@@ -192,3 +192,47 @@ def test_zero_shot_never_embeds_the_dataset_captions(run_dir, shapes_dir):
     full = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val)  # + retrieval: 2 captions each
     assert sum(rows) == prompts + 240
     assert [r["metrics"] for r in only] == [r["metrics"] for r in full[: len(zeroshot)]]
+
+
+@pytest.fixture(scope="module")
+def sorted_shards(tmp_path_factory):
+    """Class-sorted shards (as --no-shuffle writes CIFAR's tar): 3 classes x 20, 20 per shard, one class each."""
+    import io
+    import os
+
+    from data_pipelines.build import build_shards
+    from data_pipelines.sources import Captioner, image_folder
+
+    root = tmp_path_factory.mktemp("sorted")
+    for c in ("bird", "cat", "dog"):
+        (root / "src" / c).mkdir(parents=True)
+        for i in range(20):
+            buf = io.BytesIO()
+            Image.frombytes("RGB", (16, 16), os.urandom(16 * 16 * 3)).save(buf, format="PNG")
+            (root / "src" / c / f"{i:04d}.png").write_bytes(buf.getvalue())
+    build_shards(image_folder(root / "src", Captioner(["a photo of a {c}."]))[1], root / "shards", per_shard=20,
+                 progress=False)
+    suite = root / "sorted.yaml"
+    suite.write_text("name: sorted\ndataset: null\ntasks:\n  - name: cls\n    type: zeroshot\n"
+                     "    label_field: classname\n    classnames: [bird, cat, dog]\n    templates: ['a {c}.']\n"
+                     "    slices: [classname]\n")
+    return {"suite": suite, "data": f"{root}/shards/{{00000..00002}}.tar"}
+
+
+def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_shards, tmp_path):
+    from mmalign.evaluation.datasets import iter_dataset
+
+    spec = {"type": "shards", "urls": sorted_shards["data"], "stratify": "label"}
+    assert [s["json"]["classname"] for s in iter_dataset(dict(spec, limit=12))].count("bird") == 4  # 12 x 20/60
+    drawn = lambda **kw: [s["json"]["source_path"] for s in iter_dataset(dict(spec, **kw))]  # noqa: E731
+    assert drawn(limit=12) == drawn(limit=12, seed=0) != drawn(limit=12, seed=1)
+    assert drawn(limit=12) != drawn()[:12] and drawn(limit=60) == drawn()  # not the first N; all when N >= size
+    assert len(drawn(limit=12, per_class=5)) == 12
+    assert {p.split("/")[0] for p in drawn(limit=9, per_class=5)} == {"bird", "cat", "dog"}
+    # mmalign eval --limit: the per-class slices count the sample's class mix
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(run_dir), "--suite", str(sorted_shards["suite"]), "--data",
+                 sorted_shards["data"], "--limit", "9", "--output", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["n_images"] == 9
+    assert {k: v["n"] for k, v in record["slices"]["classname"].items()} == {"bird": 3, "cat": 3, "dog": 3}
