@@ -78,6 +78,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
+    from mmalign.evaluation.suite import label_field
     from mmalign.pretrained import load
 
     try:
@@ -88,7 +89,7 @@ def cmd_eval(args) -> int:
     suite = load_suite(args.suite or train_cfg.get("eval", {}).get("suite", "shapes"))
     data = args.data or train_cfg.get("data", {}).get("val")
     if args.limit:
-        suite["dataset"] = _limited(suite.get("dataset"), args.limit, _stratify_field(suite))
+        suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
@@ -109,11 +110,6 @@ def _limited(dataset, limit: int, stratify: str = "label") -> dict:
     """
     spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
     return {"stratify": stratify, **spec, "limit": limit}
-
-
-def _stratify_field(suite: dict) -> str:
-    """The first zero-shot task's label field (what the accuracy is over), else ``label``."""
-    return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
 
 
 def cmd_report(args) -> int:

@@ -236,3 +236,38 @@ def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_
     (record,) = json.loads(out.read_text())
     assert record["n_images"] == 9
     assert {k: v["n"] for k, v in record["slices"]["classname"].items()} == {"bird": 3, "cat": 3, "dog": 3}
+
+
+def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shards, tmp_path):
+    import shutil
+
+    from mmalign.evaluation.report import write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir / "final", run / "final")
+    record = lambda v: [{"dataset": "sorted/cls", "task": "zeroshot_classification", "metrics": {"acc1": v}}]  # noqa: E731
+    (run / "eval_step00000010.json").write_text(json.dumps(record(0.125)))
+    (run / "eval_step00000020.json").write_text(json.dumps(record(0.25)))
+    (run / "eval.json").write_text(json.dumps(record(0.5)))
+    (run / "config.yaml").write_text(f"# hash abc\nseed: 7\ndata:\n  train: {sorted_shards['data']}\n"
+                                     f"  val: {sorted_shards['data']}\n")
+    (run / "train.log").write_text("2026-11-30 10:00:00,123 INFO mmalign.train: start\nno stamp here\n"
+                                   "2026-11-30 10:02:05,001 INFO mmalign.train: done\n")
+    suite = sorted_shards["suite"]
+    page = write_report(run, tmp_path / "all", suite=str(suite), data=sorted_shards["data"], limit=30).read_text()
+    headings = [h for h in ("eval_step00000010.json", "eval_step00000020.json", "eval.json") if f"<h2>{h}</h2>" in page]
+    assert headings == ["eval_step00000010.json", "eval_step00000020.json", "eval.json"]
+    assert page.index("<td>0.125</td>") < page.index("<td>0.25</td>") < page.index("<td>0.5</td>")
+    assert "seed: 7" in page and "0h 02m 05s" in page
+    assert "3 of 3 shards present, 60 samples (sizes.json)" in page
+    assert "classes (classname)</td><td>3: bird 10, cat 10, dog 10" in page  # a stratified 30 of 60
+    assert "holds one class" not in page and "retrieval not meaningful" not in page
+    # one shard of a class-sorted set: the sample holds one class, and the page says so
+    one = sorted_shards["data"].replace("{00000..00002}", "00001")
+    page = write_report(run, tmp_path / "one", suite=str(suite), data=one, limit=10).read_text()
+    assert "the embedded sample holds one class (classname = cat)" in page
+    # a suite whose captions are class templates: retrieval is marked
+    templated = tmp_path / "templated.yaml"
+    templated.write_text("template_captions: true\n" + suite.read_text())
+    page = write_report(run, tmp_path / "tpl", suite=str(templated), data=sorted_shards["data"], limit=12).read_text()
+    assert "retrieval not meaningful" in page and "src='recall.png'" in page

@@ -118,6 +118,7 @@ def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_s
         "image_features": feats["joint"],  # (N, D)
         "text_features": embed_texts(model, tokenizer, captions, batch_size, device),  # (M, D)
         "text_to_image": torch.tensor(text_to_image, dtype=torch.long),  # (M,)
+        "captions": captions,  # (M,) the texts embedded
         "metas": metas,
         "keys": keys,
     }

@@ -82,6 +82,11 @@ def captions_are_templates(suite: dict) -> bool:
     return bool(suite.get("template_captions")) or kind in ("digits", "imagefolder")
 
 
+def label_field(suite: dict) -> str:
+    """The suite's first zero-shot label field (what its accuracy is over; samples are drawn stratified by it)."""
+    return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
+
+
 def _labels(metas: list[dict], task: dict) -> torch.Tensor:
     field, names = task["label_field"], task["classnames"]
     index = {n: i for i, n in enumerate(names)}
