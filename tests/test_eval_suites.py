@@ -239,13 +239,16 @@ def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_
 
 
 def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shards, tmp_path):
+    import os
     import shutil
 
-    from mmalign.evaluation.report import write_report
+    from mmalign.evaluation.report import run_time, write_report
 
     run = tmp_path / "run"
     shutil.copytree(run_dir / "final", run / "final")
-    record = lambda v: [{"dataset": "sorted/cls", "task": "zeroshot_classification", "metrics": {"acc1": v}}]  # noqa: E731
+    def record(v):
+        return [{"dataset": "sorted/cls", "task": "zeroshot_classification", "metrics": {"acc1": v}}]
+
     (run / "eval_step00000010.json").write_text(json.dumps(record(0.125)))
     (run / "eval_step00000020.json").write_text(json.dumps(record(0.25)))
     (run / "eval.json").write_text(json.dumps(record(0.5)))
@@ -262,6 +265,11 @@ def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shar
     assert "3 of 3 shards present, 60 samples (sizes.json)" in page
     assert "classes (classname)</td><td>3: bird 10, cat 10, dog 10" in page  # a stratified 30 of 60
     assert "holds one class" not in page and "retrieval not meaningful" not in page
+    (run / "train.log").write_text("no timestamps\n")  # then file times: config.yaml to the last output
+    os.utime(run / "config.yaml", (1_000_000, 1_000_000))
+    for p in [run / "final", *run.glob("eval*.json")]:
+        os.utime(p, (1_000_000 + 3725, 1_000_000 + 3725))
+    assert run_time(run).startswith("1h 02m 05s (file times")
     # one shard of a class-sorted set: the sample holds one class, and the page says so
     one = sorted_shards["data"].replace("{00000..00002}", "00001")
     page = write_report(run, tmp_path / "one", suite=str(suite), data=one, limit=10).read_text()

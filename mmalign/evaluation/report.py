@@ -219,17 +219,26 @@ def eval_files(run: Path) -> list[Path]:
 
 
 def run_time(run: Path) -> str | None:
-    """First to last timestamped line of ``train.log`` (a resumed run counts its pause too)."""
+    """First to last timestamped line of ``train.log`` (a resumed run counts its pause too).
+
+    Without timestamps: from ``config.yaml`` (written at the start) to the newest of
+    ``metrics.jsonl``, the eval files and ``final/`` (file times).
+    """
     path = run / "train.log"
-    if not path.is_file():
-        return None
-    stamps = [m.group(1) for line in path.read_text(errors="replace").splitlines()
-              if (m := re.match(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})", line))]
-    if not stamps:
-        return None
-    first, last = (datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in (stamps[0], stamps[-1]))
-    seconds = int((last - first).total_seconds())
-    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m {seconds % 60:02d}s ({stamps[0]} to {stamps[-1]}, train.log)"
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    stamps = [m.group(1) for line in lines if (m := re.match(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})", line))]
+    if stamps:
+        first, last = (datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in (stamps[0], stamps[-1]))
+        return f"{_hms((last - first).total_seconds())} ({stamps[0]} to {stamps[-1]}, train.log)"
+    ends = [p.stat().st_mtime for p in [run / "metrics.jsonl", run / "final", *eval_files(run)] if p.exists()]
+    if (run / "config.yaml").is_file() and ends:
+        return f"{_hms(max(ends) - (run / 'config.yaml').stat().st_mtime)} (file times: config.yaml to the last output)"
+    return None
+
+
+def _hms(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m {seconds % 60:02d}s"
 
 
 def shard_summary(spec: str | None) -> str:
