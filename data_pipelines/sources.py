@@ -146,8 +146,9 @@ def _tar_pairs_in_order(path: Path, files: list[str]) -> Iterator[tuple[str, str
             yield Path(name).parts[-2], _relpath(name), held.pop(name)
         return
     with tar:
+        members = {m.name: m for m in tar.getmembers()}  # tar.getmember(name) is a linear search
         for name in files:
-            yield Path(name).parts[-2], _relpath(name), tar.extractfile(name).read()
+            yield Path(name).parts[-2], _relpath(name), tar.extractfile(members[name]).read()
 
 
 def _columns(available: list[str], wanted: dict[str, str | None], what: str) -> None:
