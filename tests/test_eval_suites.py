@@ -229,6 +229,8 @@ def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_
     assert drawn(limit=12) != drawn()[:12] and drawn(limit=60) == drawn()  # not the first N; all when N >= size
     assert len(drawn(limit=12, per_class=5)) == 12
     assert {p.split("/")[0] for p in drawn(limit=9, per_class=5)} == {"bird", "cat", "dog"}
+    with pytest.raises(Exception, match="limit must be >= 1"):
+        drawn(limit=0)
     # mmalign eval --limit: the per-class slices count the sample's class mix
     out = tmp_path / "e.json"
     assert main(["eval", "--model", str(run_dir), "--suite", str(sorted_shards["suite"]), "--data",

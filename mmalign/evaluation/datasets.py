@@ -66,10 +66,12 @@ def iter_dataset(spec: dict) -> Iterator[dict]:
     limit, per_class = spec.get("limit"), spec.get("per_class")
     keep = None
     if limit is not None:
-        keys = list(_keys_and_strata(spec))
+        if int(limit) < 1:
+            raise ConfigError(f"dataset limit must be >= 1, got {limit}")
+        keys = list(_keys_strata_labels(spec))
         if per_class is not None:  # the draw is from what per_class leaves
             keys = _first_per_class(keys, int(per_class))
-        keep = draw_stratified(keys, int(limit), int(spec.get("seed", 0)))
+        keep = draw_stratified([(k, s) for k, s, _ in keys], int(limit), int(spec.get("seed", 0)))
     source = {"shards": _shards, "digits": _digits, "imagefolder": _imagefolder}[spec["type"]](spec, keep)
     seen: dict = {}
     for sample in source:
@@ -103,12 +105,13 @@ def draw_stratified(keys: list[tuple], n: int, seed: int = 0) -> set:
 
 
 def _first_per_class(keys: list[tuple], per_class: int) -> list[tuple]:
+    """What ``per_class`` keeps of ``(key, stratum, label)``: the first N of each ``label``."""
     seen: dict = {}
     out = []
-    for key, stratum in keys:
-        if seen.get(stratum, 0) < per_class:
-            seen[stratum] = seen.get(stratum, 0) + 1
-            out.append((key, stratum))
+    for key, stratum, label in keys:
+        if seen.get(label, 0) < per_class:
+            seen[label] = seen.get(label, 0) + 1
+            out.append((key, stratum, label))
     return out
 
 
@@ -117,8 +120,8 @@ def _stratum(meta: dict, field: str):
     return value if isinstance(value, (str, int, float, bool)) else None
 
 
-def _keys_and_strata(spec: dict) -> Iterator[tuple]:
-    """``(key, stratum)`` of every sample, without decoding an image; keys as the sources give them."""
+def _keys_strata_labels(spec: dict) -> Iterator[tuple]:
+    """``(key, stratum, label)`` of every sample, without decoding an image; keys as the sources give them."""
     field = spec.get("stratify", "label")
     if spec["type"] == "shards":
         for url in _urls(spec):
@@ -128,7 +131,7 @@ def _keys_and_strata(spec: dict) -> Iterator[tuple]:
                         meta = parse_meta(raw)
                     except BadSample:
                         meta = {}  # the sample pass skips it
-                    yield (url, raw["__key__"]), _stratum(meta, field)
+                    yield (url, raw["__key__"]), _stratum(meta, field), meta.get("label")
             except (TruncatedTar, CorruptTar, OSError):
                 continue  # the sample pass logs it
     elif spec["type"] == "digits":
@@ -136,10 +139,10 @@ def _keys_and_strata(spec: dict) -> Iterator[tuple]:
 
         for i, label in enumerate(load_digits().target):
             meta = {"label": int(label), "classname": DIGIT_NAMES[int(label)]}
-            yield f"digits_{i:04d}", _stratum(meta, field)
+            yield f"digits_{i:04d}", _stratum(meta, field), meta["label"]
     else:
         for i, item in enumerate(_folder_items(spec)):
-            yield f"{item.meta['classname']}_{i:06d}", _stratum(item.meta, field)
+            yield f"{item.meta['classname']}_{i:06d}", _stratum(item.meta, field), item.meta["label"]
 
 
 def _urls(spec: dict) -> list[str]:
