@@ -1,7 +1,8 @@
 """Items -> img2dataset-layout shards: encode in a process pool, de-duplicate, write, report.
 
 Encoders (one per process) read the image, optionally resize it, re-encode it as
-JPEG and hash the *source* bytes; the writer (this process) drops exact duplicates
+JPEG (an RGB JPEG that needs no resize is stored as-is, byte for byte: re-encoding
+would only lose quality) and hash the *source* bytes; the writer (this process) drops exact duplicates
 by that sha256 and records every failure (unreadable or undecodable image, no
 caption) in the shard's parquet and ``_stats.json``.  Output order is input order,
 whatever the number of processes, so a build is reproducible.
@@ -51,14 +52,24 @@ def encode(item: Item, opts: EncodeOptions) -> dict:
         image = Image.open(io.BytesIO(data))
         if image.width * image.height > opts.max_pixels:
             return {"error": f"image too large ({image.width}x{image.height})", "source_sha256": sha}
+        if image.format == "JPEG" and image.mode == "RGB" and not _needs_resize(image.size, opts):
+            image.load()  # a truncated file is a failure here, as it would be when re-encoding
+            return {"jpg": data, "width": image.width, "height": image.height, "source_sha256": sha}
         image = image.convert("RGB")
-        if opts.resize:
+        if _needs_resize(image.size, opts):
             image = _resize(image, opts.resize, opts.resize_mode)
         buf = io.BytesIO()
         image.save(buf, format="JPEG", quality=opts.quality)
         return {"jpg": buf.getvalue(), "width": image.width, "height": image.height, "source_sha256": sha}
     except Exception as e:  # a bad source image is a counted failure, never the end of a build
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _needs_resize(size: tuple[int, int], opts: EncodeOptions) -> bool:
+    w, h = size
+    if not opts.resize:
+        return False
+    return min(w, h) != opts.resize or (opts.resize_mode == "center_crop" and w != h)
 
 
 def _resize(image: Image.Image, size: int, mode: str) -> Image.Image:
@@ -123,4 +134,7 @@ def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int =
 
 
 def _source_ref(item: Item) -> dict:
+    """The source's own path for the sample (``cat/0001.jpg`` from class folders), else the file read."""
+    if "source_path" in item.meta:
+        return {"source_path": item.meta["source_path"]}
     return {"source_path": item.image} if isinstance(item.image, str) else {}

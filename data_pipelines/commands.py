@@ -29,7 +29,12 @@ def add_shard_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--templates", default=None,
                    help="caption templates for class names: a set in data_pipelines/templates (cifar10, generic) "
                         "or a YAML path; default generic")
-    g.add_argument("--templates-per-image", type=int, default=0, help="captions per image (0 = every template)")
+    g.add_argument("--templates-per-image", type=_per_image, default=1,
+                   help="captions per image, each a template drawn with --seed (default 1); 'all' writes every "
+                        "template into every .txt (evaluation, embed and report then embed them all)")
+    g.add_argument("--no-shuffle", action="store_true",
+                   help="imagefolder: keep folder order (default: a random order seeded by --seed, so every shard "
+                        "mixes the classes)")
     g.add_argument("--image-col", default="image", help="column with the image (path in tables)")
     g.add_argument("--caption-col", default="caption", help="column with the caption(s)")
     g.add_argument("--label-col", default=None, help="hf: a ClassLabel column to caption from templates")
@@ -46,6 +51,19 @@ def add_shard_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def _per_image(value: str) -> int:
+    """``all`` (or 0) -> 0, every template; else a positive count."""
+    if value == "all":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'all', got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'all', got {value!r}")
+    return n
+
+
 def _items(args):
     from data_pipelines import sources
 
@@ -55,7 +73,8 @@ def _items(args):
         tset = sources.load_templates(args.templates or "generic")
         captioner = sources.Captioner(tset["templates"], args.templates_per_image, args.seed)
     if args.source == "imagefolder":
-        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"))
+        seed = None if args.no_shuffle else args.seed
+        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed)
         return items
     if args.source == "table":
         return sources.table(args.input, args.image_col, args.caption_col, args.root)

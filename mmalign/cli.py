@@ -78,6 +78,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
+    from mmalign.evaluation.suite import label_field
     from mmalign.pretrained import load
 
     try:
@@ -88,7 +89,7 @@ def cmd_eval(args) -> int:
     suite = load_suite(args.suite or train_cfg.get("eval", {}).get("suite", "shapes"))
     data = args.data or train_cfg.get("data", {}).get("val")
     if args.limit:
-        suite["dataset"] = _limited(suite.get("dataset"), args.limit)
+        suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
@@ -100,10 +101,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _limited(dataset, limit: int) -> dict:
-    """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping)."""
+def _limited(dataset, limit: int, stratify: str = "label") -> dict:
+    """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping).
+
+    The N images are a seeded random draw stratified by ``stratify`` (see
+    :mod:`mmalign.evaluation.datasets`), not the first N: shards of a class-sorted source
+    would give one class.
+    """
     spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
-    return {**spec, "limit": limit}
+    return {"stratify": stratify, **spec, "limit": limit}
 
 
 def cmd_report(args) -> int:
@@ -264,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
     p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
     p.add_argument("--output", "--out", dest="out", help="results JSON (default: MODEL/eval.json)")
-    p.add_argument("--limit", type=int, help="evaluate only the dataset's first N images")
+    p.add_argument("--limit", type=int,
+                   help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label")
     p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")
     p.set_defaults(func=cmd_eval)
 

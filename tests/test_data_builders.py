@@ -166,3 +166,79 @@ def test_cifar10_tar_when_present(tmp_path):
     s = next(read_samples([str(tmp_path / "00000.tar")]))
     assert s["image"].size == (32, 32) and len(s["captions"]) == 2
     assert names[s["json"]["label"]] == s["json"]["classname"] and s["json"]["classname"] in s["captions"][0]
+
+
+def jpeg(w=12, h=9, mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.frombytes(mode, (w, h), os.urandom(w * h * len(mode))).save(buf, format="JPEG", quality=75)
+    return buf.getvalue()
+
+
+def sorted_class_tree(root, per_class=8):
+    """root/CLASS/NNNN.jpg, the sorted-folder layout of CIFAR's class tars."""
+    files = {}
+    for c in CLASSES:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            files[f"{c}/{i:04d}.jpg"] = data = jpeg()
+            (root / c / f"{i:04d}.jpg").write_bytes(data)
+    return files
+
+
+def shard_members(out, shard=None):
+    tars = sorted(out.glob("*.tar")) if shard is None else [out / f"{shard:05d}.tar"]
+    return [g for p in tars for g in iter_tar_groups(str(p))]
+
+
+@pytest.mark.parametrize("form", ["dir", "tar", "tar.gz"])
+def test_imagefolder_shards_are_shuffled_and_keep_their_source(tmp_path, form):
+    files = sorted_class_tree(tmp_path / "src")
+    src = tmp_path / "src"
+    if form != "dir":
+        src = tmp_path / f"src.{form}"
+        with tarfile.open(src, "w:gz" if form == "tar.gz" else "w") as tar:
+            tar.add(tmp_path / "src", arcname=".")
+    base = ["shards", "imagefolder", "--input", str(src), "--templates", "generic", "--per-shard", "6",
+            "--no-progress"]
+    assert main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert main(base + ["--out", str(tmp_path / "b")]) == 0
+    assert main(base + ["--out", str(tmp_path / "c"), "--seed", "1"]) == 0
+    assert main(base + ["--out", str(tmp_path / "plain"), "--no-shuffle", "--templates-per-image", "all"]) == 0
+    generic = load_templates("generic")["templates"]
+    for g in shard_members(tmp_path / "a"):  # one caption per image by default, a template of the set
+        (caption,) = g["txt"].decode().split("\n")
+        assert caption in {t.format(c=json.loads(g["json"])["classname"]) for t in generic}
+    assert len({g["txt"] for g in shard_members(tmp_path / "a")}) > len(CLASSES)  # drawn per image, not per class
+    for g in shard_members(tmp_path / "plain"):  # 'all': every template, the old behaviour
+        assert g["txt"].decode().split("\n") == [t.format(c=json.loads(g["json"])["classname"]) for t in generic]
+    first = [json.loads(g["json"]) for g in shard_members(tmp_path / "a", 0)]
+    # 6 of 24 samples all from one of 3 classes of 8 has probability 3*C(8,6)/C(24,6) < 1e-3 per seed
+    assert len({m["classname"] for m in first}) > 1
+    assert {json.loads(g["json"])["classname"] for g in shard_members(tmp_path / "plain", 0)} == {"bird"}
+    order = lambda out: [json.loads(g["json"])["source_path"] for g in shard_members(out)]  # noqa: E731
+    assert order(tmp_path / "a") == order(tmp_path / "b") != order(tmp_path / "c")  # seeded
+    assert sorted(order(tmp_path / "a")) == sorted(files) == order(tmp_path / "plain")
+    for g in shard_members(tmp_path / "a"):  # each .json names its file; the JPEG is that file's bytes
+        meta = json.loads(g["json"])
+        assert meta["source_path"].split("/")[0] == meta["classname"]
+        assert g["jpg"] == files[meta["source_path"]]
+
+
+def test_jpegs_needing_no_resize_are_stored_as_is(tmp_path):
+    from data_pipelines.build import encode
+    from data_pipelines.sources import Item
+
+    small, grey, png_ = jpeg(12, 9), jpeg(12, 9, "L"), png(12, 9)
+    as_is = lambda data, **kw: encode(Item(data, ["x"]), EncodeOptions(**kw))["jpg"] == data  # noqa: E731
+    assert as_is(small)
+    assert as_is(small, resize=9)  # the shorter side is already 9
+    assert not as_is(small, resize=9, resize_mode="center_crop")  # 12x9 -> 9x9
+    assert not as_is(small, resize=6)
+    assert not as_is(grey) and not as_is(png_)  # re-encoded as RGB JPEG, as before
+    out = encode(Item(small, ["x"]), EncodeOptions(resize=6))
+    assert (out["width"], out["height"]) == (8, 6) and Image.open(io.BytesIO(out["jpg"])).size == (8, 6)
+    assert "error" in encode(Item(small[: len(small) // 2], ["x"]), EncodeOptions())  # truncated: a failure
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "0000.jpg").write_bytes(small)
+    build_shards(image_folder(tmp_path, Captioner(["a {c}"]))[1], tmp_path / "out", progress=False)
+    assert shard_members(tmp_path / "out")[0]["jpg"] == small

@@ -166,3 +166,118 @@ def test_extends_resolves_a_sibling_file_or_a_builtin_suite(tmp_path):
     (tmp_path / "orphan.yaml").write_text("name: orphan\nextends: nowhere\n")
     with pytest.raises(ConfigError, match="unknown suite 'nowhere'"):
         load_suite(str(tmp_path / "orphan.yaml"))
+
+
+def test_zero_shot_never_embeds_the_dataset_captions(run_dir, shapes_dir):
+    """Text-encoder rows: the class prompts only, unless a task reads the dataset's captions."""
+    from mmalign.evaluation import load_suite, run_suite
+    from mmalign.pretrained import load
+
+    loaded = load(run_dir)
+    rows = []
+    encode_text = loaded.model.encode_text
+
+    def counting(tokens, *a, **kw):
+        rows.append(tokens.shape[0])
+        return encode_text(tokens, *a, **kw)
+
+    loaded.model.encode_text = counting
+    suite = load_suite("shapes")
+    zeroshot = [t for t in suite["tasks"] if t["type"] == "zeroshot"]
+    prompts = sum(len(t["classnames"]) * len(t["templates"]) for t in zeroshot)
+    val = f"{shapes_dir}/val/00000.tar"
+    only = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, {**suite, "tasks": zeroshot}, val)
+    assert sum(rows) == prompts and all(r["n_captions"] == 0 for r in only)
+    rows.clear()
+    full = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val)  # + retrieval: 2 captions each
+    assert sum(rows) == prompts + 240
+    assert [r["metrics"] for r in only] == [r["metrics"] for r in full[: len(zeroshot)]]
+
+
+@pytest.fixture(scope="module")
+def sorted_shards(tmp_path_factory):
+    """Class-sorted shards (as --no-shuffle writes CIFAR's tar): 3 classes x 20, 20 per shard, one class each."""
+    import io
+    import os
+
+    from data_pipelines.build import build_shards
+    from data_pipelines.sources import Captioner, image_folder
+
+    root = tmp_path_factory.mktemp("sorted")
+    for c in ("bird", "cat", "dog"):
+        (root / "src" / c).mkdir(parents=True)
+        for i in range(20):
+            buf = io.BytesIO()
+            Image.frombytes("RGB", (16, 16), os.urandom(16 * 16 * 3)).save(buf, format="PNG")
+            (root / "src" / c / f"{i:04d}.png").write_bytes(buf.getvalue())
+    build_shards(image_folder(root / "src", Captioner(["a photo of a {c}."]))[1], root / "shards", per_shard=20,
+                 progress=False)
+    suite = root / "sorted.yaml"
+    suite.write_text("name: sorted\ndataset: null\ntasks:\n  - name: cls\n    type: zeroshot\n"
+                     "    label_field: classname\n    classnames: [bird, cat, dog]\n    templates: ['a {c}.']\n"
+                     "    slices: [classname]\n")
+    return {"suite": suite, "data": f"{root}/shards/{{00000..00002}}.tar"}
+
+
+def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_shards, tmp_path):
+    from mmalign.evaluation.datasets import iter_dataset
+
+    spec = {"type": "shards", "urls": sorted_shards["data"], "stratify": "label"}
+    assert [s["json"]["classname"] for s in iter_dataset(dict(spec, limit=12))].count("bird") == 4  # 12 x 20/60
+    drawn = lambda **kw: [s["json"]["source_path"] for s in iter_dataset(dict(spec, **kw))]  # noqa: E731
+    assert drawn(limit=12) == drawn(limit=12, seed=0) != drawn(limit=12, seed=1)
+    assert drawn(limit=12) != drawn()[:12] and drawn(limit=60) == drawn()  # not the first N; all when N >= size
+    assert len(drawn(limit=12, per_class=5)) == 12
+    assert {p.split("/")[0] for p in drawn(limit=9, per_class=5)} == {"bird", "cat", "dog"}
+    with pytest.raises(Exception, match="limit must be >= 1"):
+        drawn(limit=0)
+    # mmalign eval --limit: the per-class slices count the sample's class mix
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", str(run_dir), "--suite", str(sorted_shards["suite"]), "--data",
+                 sorted_shards["data"], "--limit", "9", "--output", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["n_images"] == 9
+    assert {k: v["n"] for k, v in record["slices"]["classname"].items()} == {"bird": 3, "cat": 3, "dog": 3}
+
+
+def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shards, tmp_path):
+    import os
+    import shutil
+
+    from mmalign.evaluation.report import run_time, write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir / "final", run / "final")
+    def record(v):
+        return [{"dataset": "sorted/cls", "task": "zeroshot_classification", "metrics": {"acc1": v}}]
+
+    (run / "eval_step00000010.json").write_text(json.dumps(record(0.125)))
+    (run / "eval_step00000020.json").write_text(json.dumps(record(0.25)))
+    (run / "eval.json").write_text(json.dumps(record(0.5)))
+    (run / "config.yaml").write_text(f"# hash abc\nseed: 7\ndata:\n  train: {sorted_shards['data']}\n"
+                                     f"  val: {sorted_shards['data']}\n")
+    (run / "train.log").write_text("2026-11-30 10:00:00,123 INFO mmalign.train: start\nno stamp here\n"
+                                   "2026-11-30 10:02:05,001 INFO mmalign.train: done\n")
+    suite = sorted_shards["suite"]
+    page = write_report(run, tmp_path / "all", suite=str(suite), data=sorted_shards["data"], limit=30).read_text()
+    headings = [h for h in ("eval_step00000010.json", "eval_step00000020.json", "eval.json") if f"<h2>{h}</h2>" in page]
+    assert headings == ["eval_step00000010.json", "eval_step00000020.json", "eval.json"]
+    assert page.index("<td>0.125</td>") < page.index("<td>0.25</td>") < page.index("<td>0.5</td>")
+    assert "seed: 7" in page and "0h 02m 05s" in page
+    assert "3 of 3 shards present, 60 samples (sizes.json)" in page
+    assert "classes (classname)</td><td>3: bird 10, cat 10, dog 10" in page  # a stratified 30 of 60
+    assert "holds one class" not in page and "retrieval not meaningful" not in page
+    (run / "train.log").write_text("no timestamps\n")  # then file times: config.yaml to the last output
+    os.utime(run / "config.yaml", (1_000_000, 1_000_000))
+    for p in [run / "final", *run.glob("eval*.json")]:
+        os.utime(p, (1_000_000 + 3725, 1_000_000 + 3725))
+    assert run_time(run).startswith("1h 02m 05s (file times")
+    # one shard of a class-sorted set: the sample holds one class, and the page says so
+    one = sorted_shards["data"].replace("{00000..00002}", "00001")
+    page = write_report(run, tmp_path / "one", suite=str(suite), data=one, limit=10).read_text()
+    assert "the embedded sample holds one class (classname = cat)" in page
+    # a suite whose captions are class templates: retrieval is marked
+    templated = tmp_path / "templated.yaml"
+    templated.write_text("template_captions: true\n" + suite.read_text())
+    page = write_report(run, tmp_path / "tpl", suite=str(templated), data=sorted_shards["data"], limit=12).read_text()
+    assert "retrieval not meaningful" in page and "src='recall.png'" in page

@@ -89,8 +89,14 @@ def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 256, devic
 
 @torch.no_grad()
 def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_size: int = 256,
-                  device: str = "cpu", pre_projection: bool = False) -> dict:
-    """Images and every caption of ``samples`` -> normalised embeddings and metadata."""
+                  device: str = "cpu", pre_projection: bool = False, captions: bool = True) -> dict:
+    """Images and every caption of ``samples`` -> normalised embeddings and metadata.
+
+    ``captions=False`` embeds no caption (text features (0, D), no owners): zero-shot and
+    probe tasks never read them, and a ``.txt`` of 18 templates would cost 18 text
+    passes per image for nothing.
+    """
+    want_captions = captions
     captions: list[str] = []
     text_to_image: list[int] = []
     metas: list[dict] = []
@@ -100,8 +106,9 @@ def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_s
         for i, sample in enumerate(samples):
             keys.append(sample["key"])
             metas.append(sample["json"])
-            captions.extend(sample["captions"])
-            text_to_image.extend([i] * len(sample["captions"]))
+            if want_captions:
+                captions.extend(sample["captions"])
+                text_to_image.extend([i] * len(sample["captions"]))
             yield sample["image"]
 
     feats = embed_images(model, preprocess, images(), batch_size, device, pre_projection)
@@ -111,6 +118,7 @@ def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_s
         "image_features": feats["joint"],  # (N, D)
         "text_features": embed_texts(model, tokenizer, captions, batch_size, device),  # (M, D)
         "text_to_image": torch.tensor(text_to_image, dtype=torch.long),  # (M,)
+        "captions": captions,  # (M,) the texts embedded
         "metas": metas,
         "keys": keys,
     }

@@ -8,10 +8,17 @@
 - ``tsne.png``: a t-SNE (van der Maaten & Hinton 2008) of the image embeddings,
   coloured by the suite's first zero-shot label (e.g. shape).
 - ``recall.png``: Recall@k for k = 1..50 in both directions, with chance.
-- ``index.html``: the figures, the embedding diagnostics and the run's ``eval.json``.
+- ``index.html``: the figures, the embedding diagnostics, every evaluation file of the
+  run (``eval.json`` and ``eval_step*.json``), the run time, a data summary (shards and
+  sample counts of data.train / data.val, the embedded sample's class mix and captions)
+  and the resolved ``config.yaml``.
 
 The figures after the first need the model (``final/``) and the suite's dataset
-(the run's data.val by default); without them the page says what is missing.
+(the run's data.val by default); without them the page says what is missing.  The
+embedded sample is a seeded random draw stratified by the suite's first zero-shot
+label, not the first N images; the page warns when it holds one class, and marks
+retrieval and the similarity figures as not meaningful when the suite's captions are
+class templates (``template_captions``).
 Matplotlib runs on the Agg backend: no display is needed.
 """
 
@@ -19,7 +26,10 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import time
+from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import matplotlib
@@ -33,7 +43,7 @@ from mmalign.evaluation.datasets import dataset_spec, iter_dataset  # noqa: E402
 from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc  # noqa: E402
 from mmalign.evaluation.features import embed_dataset  # noqa: E402
 from mmalign.evaluation.retrieval import retrieval_ranks  # noqa: E402
-from mmalign.evaluation.suite import load_suite  # noqa: E402
+from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite  # noqa: E402
 
 # (title, keys drawn on one axes, dashed keys on the same axes)
 CURVES = [
@@ -154,23 +164,122 @@ def _table(rows: list[tuple]) -> str:
     return f"<table>{cells}</table>"
 
 
+def _run_config(run: Path) -> dict:
+    """The run's resolved config (``config.yaml``), else the one saved with ``final/``, else {}."""
+    import yaml
+
+    from mmalign.models.io import CONFIG as MODEL_CONFIG
+
+    path = run / "config.yaml"
+    if path.is_file():
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError:
+            data = None
+        if isinstance(data, dict):
+            return data
+    meta = run / "final" / MODEL_CONFIG
+    if meta.is_file():
+        try:
+            return json.loads(meta.read_text()).get("train_config", {}) or {}
+        except (json.JSONDecodeError, OSError):
+            pass
+    return {}
+
+
+def _fmt_spec(spec) -> str:
+    if not spec:
+        return "not set"
+    try:
+        return f"{spec}: {shard_summary(str(spec))}"
+    except Exception as e:  # a malformed spec is described, never the end of a report
+        return f"{spec}: {type(e).__name__}: {e}"
+
+
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int) -> tuple[dict, dict]:
+def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0) -> tuple[dict, dict]:
     from mmalign.pretrained import load
 
     loaded = load(run)
     train_cfg = loaded.config.get("train_config", {})
     suite = load_suite(suite_name or train_cfg.get("eval", {}).get("suite", "shapes"))
-    spec = dict(dataset_spec(suite, data or train_cfg.get("data", {}).get("val")), limit=limit)
+    # a seeded draw stratified by label, not the first N (class-sorted shards would give one class)
+    spec = dict(dataset_spec(suite, data or train_cfg.get("data", {}).get("val")), limit=limit, seed=seed,
+                stratify=label_field(suite))
     emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, iter_dataset(spec))
     return emb, suite
 
 
+def eval_files(run: Path) -> list[Path]:
+    """``eval_step*.json`` in step order, then ``eval.json`` (the end of the run)."""
+    return sorted(run.glob("eval_step*.json")) + [p for p in [run / "eval.json"] if p.is_file()]
+
+
+def run_time(run: Path) -> str | None:
+    """First to last timestamped line of ``train.log`` (a resumed run counts its pause too).
+
+    Without timestamps: from ``config.yaml`` (written at the start) to the newest of
+    ``metrics.jsonl``, the eval files and ``final/`` (file times).
+    """
+    path = run / "train.log"
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    stamps = [m.group(1) for line in lines if (m := re.match(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})", line))]
+    if stamps:
+        first, last = (datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in (stamps[0], stamps[-1]))
+        return f"{_hms((last - first).total_seconds())} ({stamps[0]} to {stamps[-1]}, train.log)"
+    ends = [p.stat().st_mtime for p in [run / "metrics.jsonl", run / "final", *eval_files(run)] if p.exists()]
+    if (run / "config.yaml").is_file() and ends:
+        return f"{_hms(max(ends) - (run / 'config.yaml').stat().st_mtime)} (file times: config.yaml to the last output)"
+    return None
+
+
+def _hms(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m {seconds % 60:02d}s"
+
+
+def shard_summary(spec: str | None) -> str:
+    """``N shards, M samples`` of a shard spec (counts from each folder's ``sizes.json`` where present)."""
+    from mmalign.data.shards import expand_urls
+
+    if not spec:
+        return "not set"
+    urls = expand_urls(spec)
+    present = [Path(u) for u in urls if Path(u).is_file()]
+    counts, known = 0, 0
+    sizes_cache: dict = {}
+    for p in present:
+        if p.parent not in sizes_cache:
+            f = p.parent / "sizes.json"
+            sizes_cache[p.parent] = json.loads(f.read_text()) if f.is_file() else {}
+        if p.name in sizes_cache[p.parent]:
+            counts += int(sizes_cache[p.parent][p.name])
+            known += 1
+    samples = f", {counts} samples (sizes.json)" if known == len(present) and present else ""
+    return f"{len(present)} of {len(urls)} shards present{samples}"
+
+
+def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
+    """Rows describing the embedded sample, and warnings about it (one class)."""
+    n, owners = len(emb["keys"]), emb["text_to_image"]
+    labels = Counter(str(m[field]) for m in emb["metas"] if m.get(field) is not None)
+    rows = [("images", n), ("captions", len(owners)), ("captions per image", len(owners) / max(n, 1))]
+    warnings = []
+    if labels:
+        mix = ", ".join(f"{k} {v}" for k, v in sorted(labels.items(), key=lambda kv: -kv[1])[:12])
+        rows.append((f"classes ({field})", f"{len(labels)}: {mix}{' ...' if len(labels) > 12 else ''}"))
+        if len(labels) == 1:
+            warnings.append(f"the embedded sample holds one class ({field} = {next(iter(labels))}): the figures "
+                            "describe that class only. Shards written in class order (--no-shuffle) or a dataset "
+                            "without that class mix give this; check the data summary.")
+    return rows, warnings
+
+
 def write_report(run: str | Path, output: str | Path | None = None, *, suite: str | None = None,
-                 data: str | None = None, limit: int = 1000) -> Path:
+                 data: str | None = None, limit: int = 1000, seed: int = 0) -> Path:
     """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path."""
     run = Path(run)
     out = Path(output) if output else run / "report"
@@ -185,14 +294,32 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
     else:
         body.append("<h2>Training curves</h2><p>no metrics.jsonl with known keys in the run</p>")
 
+    config = _run_config(run)
+    duration = run_time(run)
+    body.append("<h2>Run</h2>" + _table([("run time", duration or "unknown (no timestamped train.log)")]))
+    data_cfg = config.get("data", {}) if isinstance(config.get("data"), dict) else {}
+    data_rows = [("data.train", _fmt_spec(data_cfg.get("train"))), ("data.val", _fmt_spec(data_cfg.get("val")))]
     try:
-        emb, suite_def = _embed_run(run, suite, data, limit)
+        emb, suite_def = _embed_run(run, suite, data, limit, seed)
     except (FileNotFoundError, OSError) as e:  # no final/ yet, or no evaluation data
+        body.append("<h2>Data</h2>" + _table(data_rows))
         body.append(f"<h2>Embeddings</h2><p>skipped: {html.escape(str(e))}</p>")
     else:
         img, txt, owner = emb["image_features"], emb["text_features"], emb["text_to_image"]
+        field = label_field(suite_def)
+        rows_, warnings = sample_summary(emb, field)
+        rows_.append(("distinct captions", len(set(emb["captions"]))))
+        body.append("<h2>Data</h2>" + _table(data_rows + [(f"embedded sample: {k}", v) for k, v in rows_]))
+        body += [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in warnings]
+        templates = captions_are_templates(suite_def)
         body.append(f"<h2>Embeddings</h2><p>suite <code>{html.escape(suite_def['name'])}</code>: "
-                    f"{len(img)} images, {len(txt)} captions; joint-space embeddings after the projection heads</p>")
+                    f"{len(img)} images (a seeded random draw of at most {limit}, stratified by "
+                    f"<code>{html.escape(field)}</code>), {len(txt)} captions; joint-space embeddings after the "
+                    "projection heads</p>")
+        if templates and len(txt):
+            body.append("<p class='warn'>retrieval not meaningful: this suite's captions are class templates, so "
+                        "each caption matches every image of its class equally well; Recall@k, the similarity "
+                        "histogram and the diagnostics below measure class separation, not caption matching.</p>")
         if len(txt):
             plot_similarity(similarity_samples(img, txt, owner, generator=torch.Generator().manual_seed(0)),
                             out / "similarity.png")
@@ -207,13 +334,25 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
             plot_tsne(img, labels, f"t-SNE of image embeddings, coloured by {task['label_field']}", out / "tsne.png")
             body.append("<img src='tsne.png'>")
 
-    if (run / "eval.json").is_file():
-        records = json.loads((run / "eval.json").read_text())
+    files = eval_files(run)
+    if not files:
+        body.append("<h2>Evaluation</h2><p>no eval.json or eval_step*.json in the run</p>")
+    for path in files:
+        try:
+            records = json.loads(path.read_text())
+        except (json.JSONDecodeError, OSError) as e:
+            body.append(f"<h2>{html.escape(path.name)}</h2><p>unreadable: {html.escape(str(e))}</p>")
+            continue
         rows_ = [(r["dataset"], k, v) for r in records for k, v in r["metrics"].items()
                  if isinstance(v, (int, float)) or v is None]
-        body.append("<h2>eval.json</h2>" + _table([("task", "metric", "value")] + rows_))
+        body.append(f"<h2>{html.escape(path.name)}</h2>" + _table([("task", "metric", "value")] + rows_))
+    if (run / "config.yaml").is_file():
+        body.append("<h2>Resolved config (config.yaml)</h2><pre>"
+                    f"{html.escape((run / 'config.yaml').read_text())}</pre>")
     style = ("<style>body{font-family:sans-serif;max-width:1150px;margin:auto}img{max-width:100%;margin:6px 0}"
-             "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}</style>")
+             "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}"
+             ".warn{background:#fff3cd;border:1px solid #e0b000;padding:6px 10px}"
+             "pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto}</style>")
     page = out / "index.html"
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>mmalign report</title>{style}</head>"
                     f"<body>{''.join(body)}</body></html>")

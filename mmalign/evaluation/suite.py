@@ -14,7 +14,12 @@ sklearn digits, an image folder) and a list of tasks:
 
 ``extends: NAME`` starts from another suite's dataset and tasks and appends its own.
 
-Embeddings are computed once per suite and shared by its tasks.  Each task gives one
+Embeddings are computed once per suite and shared by its tasks; the dataset's captions
+are embedded only when a retrieval or diagnostics task reads them (zero-shot embeds its
+class prompts, never the dataset's captions).  ``template_captions: true`` says that the
+dataset's captions are class templates (cifar10's shards); the digits and image-folder
+datasets caption from templates by construction.  Retrieval on such captions measures
+only chance within a class, and the report says so.  Each task gives one
 record ``{"dataset", "model", "pretrained", "task", "metrics", "language", ...}``
 with clip_benchmark's metric names where clip_benchmark has the metric.
 """
@@ -37,6 +42,7 @@ from mmalign.evaluation.slices import slice_metrics
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
+CAPTION_TASKS = ("retrieval", "diagnostics")  # the tasks that read the dataset's own captions
 TASK_KINDS = {
     "zeroshot": "zeroshot_classification",
     "retrieval": "zeroshot_retrieval",
@@ -69,6 +75,18 @@ def load_suite(name_or_path: str) -> dict:
     return suite
 
 
+def captions_are_templates(suite: dict) -> bool:
+    """Whether the suite's dataset captions are class-name templates (retrieval on them is not meaningful)."""
+    dataset = suite.get("dataset")
+    kind = dataset.get("type") if isinstance(dataset, dict) else "shards"
+    return bool(suite.get("template_captions")) or kind in ("digits", "imagefolder")
+
+
+def label_field(suite: dict) -> str:
+    """The suite's first zero-shot label field (what its accuracy is over; samples are drawn stratified by it)."""
+    return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
+
+
 def _labels(metas: list[dict], task: dict) -> torch.Tensor:
     field, names = task["label_field"], task["classnames"]
     index = {n: i for i, n in enumerate(names)}
@@ -99,7 +117,9 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     was_training = model.training
     model.eval()
     try:
-        emb = embed_dataset(model, preprocess, tokenizer, iter_dataset(spec), batch_size, device, pre_projection)
+        captions = any(t["type"] in CAPTION_TASKS for t in tasks)
+        emb = embed_dataset(model, preprocess, tokenizer, iter_dataset(spec), batch_size, device, pre_projection,
+                            captions=captions)
         encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
