@@ -99,3 +99,59 @@ def test_zero_shot_pipeline_gives_mmalign_probabilities(exported):
         hf_pixels = pipe.image_processor(images=image, return_tensors="pt")["pixel_values"][0]
         assert (got - _ours(final, image, prompts, pixels=hf_pixels)).abs().max() <= 1e-4
         assert (got - want).abs().max() <= 1e-3
+
+
+@pytest.fixture(scope="module", params=["bpe", "unigram"])
+def spm_export(request, tmp_path_factory):
+    """A micro model with a sentencepiece tokenizer trained here, saved and exported."""
+    import random
+
+    import sentencepiece as spm
+
+    from data_pipelines import shapes
+    from mmalign.config import load_config
+    from mmalign.data.tokenizer import clean_caption
+    from mmalign.models import build_model
+
+    root = tmp_path_factory.mktemp(f"spm_{request.param}")
+    rng = random.Random(0)
+    captions = [c for _ in range(400) for c in shapes.captions_for(shapes.sample_attributes(rng), rng, n=2)]
+    captions += ["naïve café, résumé — ½ ﬁve", "a zebra, photographed"]
+    (root / "captions.txt").write_text("\n".join(clean_caption(c) for c in captions))
+    # the settings of data_pipelines.tokenizer_train (no bos/eos/pad inside sentencepiece)
+    spm.SentencePieceTrainer.train(input=str(root / "captions.txt"), model_prefix=str(root / "spm"), vocab_size=90,
+                                   model_type=request.param, character_coverage=1.0, hard_vocab_limit=False,
+                                   unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2)
+    cfg = load_config(None, ["model.preset=micro", f"model.tokenizer={root / 'spm.model'}"])
+    torch.manual_seed(4)
+    model = build_model(cfg.model)
+    model.logit_scale.data.fill_(math.log(100.0))
+    save_pretrained(model, root / "final", preprocess=preprocess_cfg(model.image_size))
+    export(root / "final", "hf", root / "hf")
+    return root / "final", root / "hf"
+
+
+def test_sentencepiece_export_tokenizes_and_classifies_like_mmalign(spm_export):
+    from transformers import AutoImageProcessor, AutoProcessor, pipeline
+
+    final, hf = spm_export
+    assert (hf / "tokenizer.model").is_file() and (hf / "special_tokens_map.json").is_file()
+    ours = mmalign.load(final)
+    processor = AutoProcessor.from_pretrained(str(hf))
+    texts = ["This is a photo of a red circle.", "A  LARGE blue   square, on the left", "naïve café — ½ ﬁve",
+             "unseen words: zebra 日本", "x", "",
+             "a very long caption about a small green star in the top right corner of a gray picture"]
+    got = processor.tokenizer(texts, padding="max_length", truncation=True, max_length=16,
+                              return_tensors="pt")["input_ids"]
+    assert torch.equal(got, ours.tokenizer(texts))  # same ids, same 0 padding, eot kept on truncation
+    pipe = pipeline("zero-shot-image-classification", model=str(hf), device="cpu",
+                    image_processor=AutoImageProcessor.from_pretrained(str(hf), backend="pil"))
+    labels = ["red circle", "blue square", "green star"]
+    image = _image(2)
+    want = _ours(final, image, [f"a {x}." for x in labels])
+    # short prompts: a 90-piece vocabulary makes long token sequences, and the pipeline of
+    # transformers 5.24 drops tokenizer_kwargs, so it cannot truncate
+    result = pipe(image, candidate_labels=labels, hypothesis_template="a {}.")
+    scores = torch.tensor([next(r["score"] for r in result if r["label"] == x) for x in labels])
+    assert float(want.max() - want.min()) > 0.05
+    assert (scores - want).abs().max() <= 1e-4

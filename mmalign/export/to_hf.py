@@ -21,16 +21,10 @@ because our tokenizers give it the largest id they emit.  HF pools at the first
 every tokenizer output.  Padding is id 0 as in open_clip; under the causal mask it
 never reaches the pooled token.
 
-Tokenizer and processor (so that ``AutoProcessor.from_pretrained`` and
-``pipeline("zero-shot-image-classification", model=DIR)`` work offline): for the CLIP
-BPE we write ``vocab.json`` + ``merges.txt`` built from open_clip's bundled BPE file
-(its start/end tokens renamed to HF's ``<|startoftext|>``/``<|endoftext|>``, same ids)
-and let ``CLIPTokenizer`` write its configs; ``model_max_length`` is our context length,
-which is also ``max_position_embeddings``.  HF pads with ``<|endoftext|>`` rather than
-0; the pooled position (the first end-of-text) and, under the causal mask, its value are
-unchanged.  A sentencepiece model is shipped as ``tokenizer.model`` but has no HF
-tokenizer (our ids are the spm ids shifted by one, with sot/eot appended), so no
-processor is written for it and a warning says so.
+Tokenizer and processor: the folder also holds HF tokenizer files for our tokenizer
+(:mod:`mmalign.export.hf_tokenizer`), a ``preprocessor_config.json`` equal to our eval
+transform and a ``processor_config.json``, so that ``AutoProcessor.from_pretrained`` and
+``pipeline("zero-shot-image-classification", model=DIR)`` work offline.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from pathlib import Path
 import torch
 
 from mmalign.config import ConfigError
+from mmalign.export.hf_tokenizer import write_clip_tokenizer, write_sentencepiece_tokenizer
 from mmalign.export.source import Source
 
 log = logging.getLogger("mmalign.export")
@@ -179,27 +174,6 @@ def image_processor_config(preprocess: dict) -> dict:
     }
 
 
-# open_clip names its special tokens differently; HF's CLIP tokenizer expects these.
-_SPECIAL = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
-
-
-def write_clip_tokenizer(tokenizer, out: Path, context_length: int) -> None:
-    """open_clip's CLIP BPE (``SimpleTokenizer``) -> HF ``CLIPTokenizer`` files in ``out``."""
-    from transformers import CLIPTokenizer
-
-    vocab = {_SPECIAL.get(tok, tok): int(i) for tok, i in tokenizer.encoder.items()}  # 49408 entries
-    merges = [" ".join(pair) for pair, _ in sorted(tokenizer.bpe_ranks.items(), key=lambda kv: kv[1])]
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    hf_tok = CLIPTokenizer(vocab=str(out / "vocab.json"), merges=str(out / "merges.txt"),
-                           model_max_length=int(context_length))
-    hf_tok.save_pretrained(str(out))  # tokenizer_config.json, tokenizer.json
-    # transformers 5 folds this file into tokenizer_config.json; older readers still look for it.
-    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-               "pad_token": "<|endoftext|>"}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-
-
 def export_hf(source: Source, out: Path) -> Path:
     from transformers import CLIPModel
 
@@ -213,11 +187,11 @@ def export_hf(source: Source, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(source.preprocess_cfg), indent=2))
+    context = config.text_config.max_position_embeddings
     if source.tokenizer_file is not None:
-        shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
-        log.warning("--format hf: the sentencepiece tokenizer is shipped as tokenizer.model, but HF has no "
-                    "tokenizer for its ids: AutoProcessor/pipeline need mmalign's tokenizer for this model")
+        shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")  # for mmalign's own tokenizer
+        write_sentencepiece_tokenizer(source.tokenizer_file, out, context)
     else:
-        write_clip_tokenizer(source.tokenizer, out, config.text_config.max_position_embeddings)
-        (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"}, indent=2))
+        write_clip_tokenizer(source.tokenizer, out, context)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"}, indent=2))
     return out
