@@ -18,6 +18,38 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPES_DIR = "data/shapes"
 
 
+def _no_default(action: argparse.Action) -> bool:
+    # identity, not ==: a default of 0 is worth showing, False (an off switch) is not;
+    # nor is the empty list a repeatable flag starts from
+    return any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.default == []
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every flag's default, except where there is none to show (None, an
+    off switch) or the help text already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if _no_default(action) or "default" in text or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub-)parser gets :class:`_HelpFormatter` (sub-parsers are made of the parent's class)."""
+
+    def __init__(self, *args, formatter_class=_HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str):
+        # A usage mistake is one line and exit 2 like any other (argparse prints the usage first).
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+# The export formats (mmalign.export.FORMATS; not imported here: it pulls in torch).
+EXPORT_FORMATS = ("open_clip", "hf", "onnx")
+
+
 def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = None) -> None:
     p.add_argument("--config", default=default_config, help="experiment YAML (defaults: the embedded quickstart)")
     p.add_argument("--output", help="run directory (overrides the config's output)")
@@ -86,7 +118,8 @@ def cmd_eval(args) -> int:
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     train_cfg = loaded.config.get("train_config", {})
-    suite = load_suite(args.suite or train_cfg.get("eval", {}).get("suite", "shapes"))
+    suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
+    suite = load_suite(suite_name)
     data = args.data or train_cfg.get("data", {}).get("val")
     if args.limit:
         suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
@@ -94,11 +127,19 @@ def cmd_eval(args) -> int:
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
                         model_name=str(args.model), batch_size=args.batch_size)
-    out = Path(args.out) if args.out else Path(args.model) / "eval.json"
+    out = Path(args.out) if args.out else Path(args.model) / f"eval_cli_{_suite_label(suite_name)}.json"
     write_results(records, out)
     _print_table(records)
     print(f"results written to {out}")
     return 0
+
+
+def _suite_label(name: str) -> str:
+    """A suite name or YAML path as a file-name part: ``eval/cifar10.yaml`` -> ``cifar10``."""
+    import re
+
+    stem = Path(str(name)).stem if str(name).endswith((".yaml", ".yml")) else str(name)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("_") or "suite"
 
 
 def _limited(dataset, limit: int, stratify: str = "label") -> dict:
@@ -198,9 +239,17 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from mmalign.models import available
+    from mmalign.models.presets import describe_presets
 
-    print("\n".join(available()))
+    header = f"{'preset':<36} {'parameters':>11} {'image':>6}"
+    print(header, flush=True)
+    for row in describe_presets(include_unavailable=args.all):  # rows stream: building each takes ~0.1-1 s
+        if row["offline"]:
+            print(f"{row['name']:<36} {row['params'] / 1e6:>10.1f}M {row['image_size']:>6}", flush=True)
+        else:
+            print(f"{row['name']:<36} {'-':>11} {'-':>6}  [not offline: {row['why']}]", flush=True)
+    if not args.all:
+        print("(presets that need a download are hidden; --all lists them, marked)")
     return 0
 
 
@@ -253,7 +302,10 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
+    from mmalign import __version__
+
+    parser = _Parser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
+    parser.add_argument("--version", action="version", version=f"mmalign {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a config")
@@ -269,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a run directory or its final/")
     p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
     p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
-    p.add_argument("--output", "--out", dest="out", help="results JSON (default: MODEL/eval.json)")
+    p.add_argument("--output", "--out", dest="out",
+                   help="results JSON (default: MODEL/eval_cli_SUITE.json; the run's own eval.json is kept)")
     p.add_argument("--limit", type=int,
                    help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label")
     p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")
@@ -280,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="report directory (default: RUN/report)")
     p.add_argument("--suite", help="suite whose dataset is embedded (default: the run's)")
     p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
-    p.add_argument("--limit", type=int, default=1000, help="images embedded for the plots (default 1000)")
+    p.add_argument("--limit", type=int, default=1000, help="images embedded for the plots")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("quickstart", help="generate data, train, evaluate and save the embedded default")
@@ -301,12 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(p)
     p.set_defaults(func=cmd_tokenizer)
 
-    p = sub.add_parser("models", help="list architecture presets")
+    p = sub.add_parser("models", help="list architecture presets that build offline (parameters, image size)")
+    p.add_argument("--all", action="store_true", help="also list the presets that need a download, marked")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("export", help="export a model (final/ or a step checkpoint) as open_clip, hf or onnx")
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
-    p.add_argument("--format", required=True, help="open_clip | hf | onnx")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="output format")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=cmd_export)
@@ -337,17 +391,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", help="a text query")
     p.add_argument("--image", help="an image file as the query")
     p.add_argument("-k", type=int, default=10, help="results to show")
-    p.add_argument("--against", default="image", help="search the image index (default) or the caption index (text)")
+    p.add_argument("--against", default="image", choices=("image", "text"),
+                   help="search the image index or the caption index")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)")
-    p.add_argument("--index", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
+    p.add_argument("--index", required=True, help="an `mmalign index` output directory")
+    p.add_argument("--model", required=True, help="the model that made the embeddings")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
     p.set_defaults(func=cmd_serve)
+    _show_bare_defaults(parser)
     return parser
+
+
+def _show_bare_defaults(parser: argparse.ArgumentParser) -> None:
+    """argparse prints no help line, hence no default, for a flag declared without help text."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_bare_defaults(sub)
+        elif action.help is None and not _no_default(action):
+            action.help = "(default: %(default)s)"
 
 
 def drop_local_rank(argv: list[str]) -> list[str]:
@@ -366,9 +432,9 @@ def drop_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = drop_local_rank(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
     try:
+        args = build_parser().parse_args(argv)
+        args.argv = argv
         return args.func(args)
     except ConfigError as e:
         print(f"mmalign: error: {e}", file=sys.stderr)

@@ -320,22 +320,22 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             records = _evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device)
             if main and board is not None:
-                for r in records:
-                    for k, v in r["metrics"].items():
-                        if v is not None:
-                            board.add_scalar(f"eval/{r['dataset']}/{k}", v, step)
+                _board_eval(board, records, step)
         if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
             shared = {"momentum": queue.state_dict()} if queue is not None and main else None
             checkpoint.save(engine, out, step, {"rng": checkpoint.rng_state(), "skipped_steps": skipped_steps},
                             loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
         bar.update(1)
     bar.close()
-    for f in (metrics_file, keys_file, board):
+    for f in (metrics_file, keys_file):
         if f is not None:
             f.close()
 
     # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
-    _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final")
+    records = _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final")
+    if board is not None:  # the final metrics, and the run's hyper-parameters against them
+        _board_eval(board, records, t.steps, hparams=to_dict(cfg))
+        board.close()
     mdist.barrier()
     return out
 
@@ -388,6 +388,25 @@ def _tensorboard(out: Path):
         log.warning("tensorboard is not importable; no event files")
         return None
     return SummaryWriter(str(out / "tensorboard"))
+
+
+def _board_eval(board, records: list[dict], step: int, hparams: dict | None = None) -> None:
+    """``eval/<suite>/<task>/<metric>`` scalars; with ``hparams``, TensorBoard's HPARAMS entry
+    (the flattened config against the final metrics, tagged ``hparam/...``)."""
+    metrics = {f"{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k, v in metrics.items():
+        board.add_scalar(f"eval/{k}", v, step)
+    if hparams is not None:
+        flat, todo = {}, [("", hparams)]
+        while todo:
+            prefix, d = todo.pop()
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    todo.append((f"{prefix}{k}.", v))
+                else:  # HPARAMS takes numbers, strings and bools only
+                    flat[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+        board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)
 
 
 def evaluate_model(model: TwoTower, tokenizer, cfg: Config, path: Path, device: torch.device) -> list[dict]:

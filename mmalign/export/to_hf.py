@@ -20,17 +20,24 @@ because our tokenizers give it the largest id they emit.  HF pools at the first
 ``eos_token_id`` to the tokenizer's end-of-text id, so both pick the same position for
 every tokenizer output.  Padding is id 0 as in open_clip; under the causal mask it
 never reaches the pooled token.
+
+Tokenizer and processor: the folder also holds HF tokenizer files for our tokenizer
+(:mod:`mmalign.export.hf_tokenizer`), a ``preprocessor_config.json`` equal to our eval
+transform and a ``processor_config.json``, so that ``AutoProcessor.from_pretrained`` and
+``pipeline("zero-shot-image-classification", model=DIR)`` work offline.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
 
 from mmalign.config import ConfigError
+from mmalign.export.hf_tokenizer import write_clip_tokenizer, write_sentencepiece_tokenizer
 from mmalign.export.source import Source
 
 log = logging.getLogger("mmalign.export")
@@ -180,4 +187,11 @@ def export_hf(source: Source, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(source.preprocess_cfg), indent=2))
+    context = config.text_config.max_position_embeddings
+    if source.tokenizer_file is not None:
+        shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")  # for mmalign's own tokenizer
+        write_sentencepiece_tokenizer(source.tokenizer_file, out, context)
+    else:
+        write_clip_tokenizer(source.tokenizer, out, context)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "CLIPProcessor"}, indent=2))
     return out

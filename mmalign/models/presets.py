@@ -49,6 +49,27 @@ def available() -> list[str]:
     return sorted(PRESETS) + open_clip.list_models()
 
 
+def describe_presets(include_unavailable: bool = False, names: list[str] | None = None):
+    """Yield ``{"name", "offline", "params", "image_size", "why"}`` per preset (``mmalign models``).
+
+    A preset is offline when its towers build without a download (a Hugging Face text tower
+    needs one); its parameters are counted on the meta device (no memory, no maths).  The
+    others are yielded, with ``why``, only under ``include_unavailable``.
+    """
+    from mmalign.models import check_buildable  # imports this module
+
+    for name in available() if names is None else names:
+        try:
+            model = check_buildable(ModelConfig(preset=name))
+        except ConfigError as e:
+            if include_unavailable:
+                why = "needs a Hugging Face text tower" if "Hugging Face" in str(e) else str(e).split(": ", 1)[-1]
+                yield {"name": name, "offline": False, "params": None, "image_size": None, "why": why[:100]}
+            continue
+        yield {"name": name, "offline": True, "params": sum(p.numel() for p in model.parameters()),
+               "image_size": model.image_size, "why": None}
+
+
 def resolve_arch(cfg: ModelConfig) -> dict:
     """Model config -> a complete architecture dict (preset + overrides)."""
     if cfg.preset in PRESETS:
