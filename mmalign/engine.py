@@ -16,6 +16,7 @@ full-batch gradient.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -161,10 +162,11 @@ class Engine:
         self.ds_config = ds_config(cfg, self.plan)
         if mdist.get_rank() == 0:
             log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
-            dist_init_required=False,
-        )
+        with _without_shm_comm_op():
+            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
+                dist_init_required=False,
+            )
         self.module = self.ds.module
         self.stage = cfg.deepspeed.zero_stage
         if isinstance(optimizer, Lamb) and self.stage >= 1:
@@ -392,6 +394,29 @@ class Engine:
             if name in persistent:
                 state[name] = buf.detach().cpu().clone()
         return state
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op():
+    """``deepspeed.initialize`` without DeepSpeed's shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed's communication backend JIT-compiles the C++ op
+    ``deepspeed_shm_comm`` (50-100 s on two cores, printing a CUDA_HOME warning, and
+    compiled again whenever torch's extension cache key changes) the first time a backend
+    is made. That op serves only ``inference_all_reduce`` (tensor-parallel inference);
+    training's collectives go through torch.distributed (gloo), so it is never used here.
+    DeepSpeed falls back to torch.distributed when the op is absent, which is what the
+    builder returning None means.
+    """
+    import importlib
+
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # the package re-binds the name "torch"
+    real = ds_comm_torch.build_shm_op
+    ds_comm_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm_torch.build_shm_op = real
 
 
 def _deepspeed_safe_globals() -> list:
