@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmalign import checkpoint, rundir
+from mmalign import checkpoint, progress, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
@@ -28,6 +28,7 @@ from mmalign.data.shards import check_urls, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, run_suite, write_results
+from mmalign.evaluation.suite import check_suite_data
 from mmalign.losses import build_loss, caption_ids
 from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model, check_buildable
@@ -62,6 +63,22 @@ def setup_logging(out: Path) -> None:
     root = logging.getLogger("mmalign")
     root.setLevel(logging.INFO)
     root.handlers = [h for h in root.handlers if not isinstance(h, logging.FileHandler)] + [handler]
+
+
+def resolve_suite(cfg: Config) -> dict | None:
+    """The evaluation suite of ``eval.suite``, loaded and its data checked now, before any
+    training (``none``: no evaluation, None)."""
+    if str(cfg.eval.suite).strip().lower() in ("none", ""):
+        return None
+    suite = load_suite(cfg.eval.suite)
+    check_suite_data(suite, cfg.data.val or None)
+    return suite
+
+
+def _say(line: str) -> None:
+    """A start-up phase or a run event: one line on stdout and in train.log (rank 0 calls it)."""
+    print(f"mmalign: {line}", flush=True)
+    log.info("%s", line)
 
 
 # ---------------------------------------------------------------- the run
@@ -145,6 +162,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
     out = Path(cfg.output)
     check_buildable(cfg.model)
     check_urls(expand_urls(cfg.data.train), "data.train")
+    suite = resolve_suite(cfg)  # a typo in eval.suite fails now, not after training
     rundir.check_fresh_start(out, resume, overwrite)
     for newest in checkpoint.candidates(out, resume)[:1]:
         rundir.check_resume(cfg, newest, checkpoint.step_of(newest))
@@ -168,6 +186,8 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
 
     # model
+    if main:
+        _say(f"building model {cfg.model.preset} on {device}")
     model: TwoTower = build_model(cfg.model)
     model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
                                                second_view=cfg.loss.image_image_weight > 0,
@@ -186,15 +206,20 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
                               with_ids=cfg.loss.false_negative_ids != "none", device=device)
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
+    if main:
+        _say(f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
+             f"{world} process{'es' if world > 1 else ''})")
     engine = Engine(model, cfg)
     if main:
-        log.info("%s", engine.plan.describe())
-        print(f"mmalign: {engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}", flush=True)
+        _say(f"{engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}")
     # Per-rank randomness from here on (dropout, patch dropout), as open_clip does: the model's
     # init above is identical on every rank; a resume restores each rank's own RNG state.
     seed_everything(cfg.seed + rank)
 
     # data
+    if main:
+        _say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
+             + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
                                 engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world)
     log.info(describe(cfg.data.augment, cfg.data.views))
@@ -235,10 +260,16 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
     keys_file = keys_path.open("a") if mon.log_sample_keys else None
     board = _tensorboard(out) if main and mon.tensorboard else None
 
-    # loop
+    # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
+    if main:
+        _say(f"training {t.steps - start} step(s)" + (f" (steps {start + 1}..{t.steps})" if start else "")
+             + (f", evaluating on suite {suite['name']} at the end" if suite is not None else ", no evaluation"))
     batches = iter(loader)
-    bar = tqdm(total=t.steps, initial=start, desc="train", disable=not (show_progress and main), dynamic_ncols=True)
+    use_bar = show_progress and main and progress.is_terminal()
+    lines = show_progress and main and not use_bar
+    bar = tqdm(total=t.steps, initial=start, desc="train", disable=not use_bar, dynamic_ncols=True)
     window_start, window_samples, data_wait = time.time(), 0, 0.0
+    loop_start, estimated = time.time(), False
     engine.ds.train()
     for step in range(start + 1, t.steps + 1):
         fetch = time.time()
@@ -277,6 +308,15 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
         else:
             consecutive = 0
 
+        done = step - start
+        eta = (time.time() - loop_start) / done * (t.steps - step)
+        if main and not estimated and step != t.steps and (step % t.log_every == 0 or time.time() - loop_start >= 10):
+            # the run time as the first steps measure it, before the first log line is due
+            estimated = True
+            per_step = (time.time() - loop_start) / done
+            _say(f"first {done} step(s): {per_step:.2f} s/step, estimated training time "
+                 f"{progress.duration(per_step * (t.steps - start))} (ETA {progress.duration(eta)})")
+
         if step % t.log_every == 0 or step == t.steps:
             elapsed = time.time() - window_start
             sps = window_samples / max(elapsed, 1e-9)
@@ -312,13 +352,17 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
                     for k, v in record.items():
                         if k != "step":
                             board.add_scalar(k, v, step)
-                log.info("step %d %s", step, json.dumps(record))
+                line = progress.train_line(step, t.steps, record, eta)
+                log.info("%s", line)  # readable; the full record is in metrics.jsonl
+                if lines:
+                    print(line, flush=True)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record.get('logit_scale', 0):.1f}",
                                 sps=f"{sps:.0f}")
             window_start, window_samples, data_wait = time.time(), 0, 0.0
 
-        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-            records = _evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device)
+        if t.eval_every and step % t.eval_every == 0 and step != t.steps and suite is not None:
+            records = _evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device,
+                                       suite=suite, show_progress=show_progress and not use_bar)
             if main and board is not None:
                 _board_eval(board, records, step)
         if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
@@ -331,8 +375,12 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
         if f is not None:
             f.close()
 
+    if main:
+        _say(f"trained {t.steps - start} step(s) in {progress.duration(time.time() - loop_start)}; saving final/"
+             + (f", then evaluating on suite {suite['name']}" if suite is not None else ""))
     # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
-    records = _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final")
+    records = _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final", suite=suite,
+                               show_progress=show_progress)
     if board is not None:  # the final metrics, and the run's hyper-parameters against them
         _board_eval(board, records, t.steps, hparams=to_dict(cfg))
         board.close()
@@ -365,8 +413,9 @@ def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
 
 
 def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
-                     final: Path | None = None) -> list[dict]:
-    """Consolidate the weights (collective), then rank 0 evaluates (and saves ``final``)."""
+                     final: Path | None = None, suite: dict | None = None, show_progress: bool = False) -> list[dict]:
+    """Consolidate the weights (collective), then rank 0 saves ``final`` and evaluates on
+    ``suite`` (none: no evaluation)."""
     state = engine.consolidated_state_dict()
     records: list[dict] = []
     if mdist.get_rank() == 0:
@@ -376,7 +425,10 @@ def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.d
             save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
                             extra={"train_config": to_dict(cfg)})
             log.info("saved %s", final)
-        records = evaluate_model(model.to(device), tokenizer, cfg, path, device)
+        if suite is not None:
+            records = evaluate_model(model.to(device), tokenizer, cfg, path, device, suite=suite,
+                                     show_progress=show_progress)
+            log.info("evaluation written to %s", path)
     mdist.barrier()
     return records
 
@@ -409,9 +461,11 @@ def _board_eval(board, records: list[dict], step: int, hparams: dict | None = No
         board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)
 
 
-def evaluate_model(model: TwoTower, tokenizer, cfg: Config, path: Path, device: torch.device) -> list[dict]:
-    suite = load_suite(cfg.eval.suite)
+def evaluate_model(model: TwoTower, tokenizer, cfg: Config, path: Path, device: torch.device,
+                   suite: dict | None = None, show_progress: bool = False) -> list[dict]:
+    suite = load_suite(cfg.eval.suite) if suite is None else suite
     records = run_suite(model, eval_transform(model.image_size), tokenizer, suite, cfg.data.val,
-                        batch_size=cfg.eval.batch_size, device=str(device), model_name=cfg.model.preset)
+                        batch_size=cfg.eval.batch_size, device=str(device), model_name=cfg.model.preset,
+                        progress=show_progress)
     write_results(records, path)
     return records

@@ -28,18 +28,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 import yaml
 
 from mmalign.config import ConfigError
+from mmalign.data.shards import check_urls, expand_urls
 from mmalign.evaluation import counterfactual, diagnostics, probes
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset
 from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.slices import slice_metrics
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
+from mmalign.progress import track
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
 CAPTION_TASKS = ("retrieval", "diagnostics")  # the tasks that read the dataset's own captions
@@ -60,6 +63,10 @@ def load_suite(name_or_path: str) -> dict:
         known = sorted(p.stem for p in EVAL_DIR.glob("*.yaml"))
         raise ConfigError(f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})")
     suite = yaml.safe_load(path.read_text())
+    if not isinstance(suite, dict):
+        raise ConfigError(f"config key 'eval.suite': {path} is not a suite (a YAML mapping)")
+    if "dataset" in suite:
+        suite["dataset"] = _resolve_dataset(suite["dataset"], path.resolve().parent)
     if suite.get("extends"):  # the base suite's dataset and tasks, then this suite's tasks
         # a sibling file of that name, else a path, else a suite name from eval/
         sibling = path.parent / f"{suite['extends']}.yaml"
@@ -87,6 +94,50 @@ def label_field(suite: dict) -> str:
     return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
 
 
+def _resolve_dataset(dataset, suite_dir: Path):
+    """The dataset entry with its relative paths resolved: against the suite file's folder
+    when the files are there, else against the working directory, else left as written
+    (``--data`` / ``data.val`` may replace them; a missing one is reported when used)."""
+    if isinstance(dataset, str) or isinstance(dataset, list):
+        return _resolve_spec(dataset, suite_dir)
+    if isinstance(dataset, dict):
+        dataset = dict(dataset)
+        for key in ("urls", "path"):
+            if isinstance(dataset.get(key), (str, list)):
+                dataset[key] = _resolve_spec(dataset[key], suite_dir)
+    return dataset
+
+
+def _resolve_spec(spec, suite_dir: Path):
+    if isinstance(spec, list):
+        return [_resolve_spec(s, suite_dir) for s in spec]
+    return "::".join(_resolve_path(part.strip(), suite_dir) for part in str(spec).split("::"))
+
+
+def _resolve_path(path: str, suite_dir: Path) -> str:
+    if not path or "://" in path or Path(path).is_absolute():
+        return path
+    for root in (suite_dir, Path.cwd()):
+        candidate = os.path.normpath(root / path)  # braces survive normpath
+        urls = expand_urls(candidate)
+        if urls and all(Path(u).exists() for u in urls):
+            return candidate
+    return path
+
+
+def check_suite_data(suite: dict, data: str | None = None) -> dict:
+    """The suite's dataset mapping (``data`` replacing a shards dataset's urls) with its files
+    checked: a one-line ConfigError now rather than after a training run."""
+    spec = dataset_spec(suite, data)
+    if spec["type"] == "shards":
+        check_urls(expand_urls(spec["urls"]), "data.val" if data else "eval.suite")
+    elif spec["type"] == "imagefolder" and not Path(str(spec.get("path", ""))).exists():
+        raise ConfigError(f"config key 'eval.suite': suite {suite.get('name')!r}: image folder "
+                          f"{spec.get('path')!r} not found (relative paths resolve against the suite file's "
+                          f"folder, then the working directory)")
+    return spec
+
+
 def _labels(metas: list[dict], task: dict) -> torch.Tensor:
     field, names = task["label_field"], task["classnames"]
     index = {n: i for i, n in enumerate(names)}
@@ -106,10 +157,11 @@ def _clean(value):
 
 
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-              device: str = "cpu", model_name: str = "mmalign") -> list[dict]:
+              device: str = "cpu", model_name: str = "mmalign", progress: bool = False) -> list[dict]:
     """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
 
     ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val.
+    ``progress``: show the embedding pass and each task (a bar on a terminal, else lines).
     """
     spec = dataset_spec(suite, data)
     tasks = suite["tasks"]
@@ -118,12 +170,16 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     model.eval()
     try:
         captions = any(t["type"] in CAPTION_TASKS for t in tasks)
-        emb = embed_dataset(model, preprocess, tokenizer, iter_dataset(spec), batch_size, device, pre_projection,
+        samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
+                        total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress)
+        emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
                             captions=captions)
         encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
         for task in tasks:
+            if progress:
+                print(f"mmalign: eval {suite['name']}: task {task['name']} ({task['type']})", flush=True)
             extra: dict = {}
             if task["type"] == "zeroshot":
                 labels = _labels(emb["metas"], task)
