@@ -9,10 +9,13 @@ DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -146,12 +149,36 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
+    handlers stop the DataLoader workers) instead of the process vanishing and leaving its
+    workers behind. Only the main thread can install a handler; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def train(cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False) -> Path:
     """Run ``cfg`` to completion (or resume it); returns the output directory.
 
     Without ``resume`` the output directory must be empty or absent, or ``overwrite``
     given (which removes the earlier run's files); a resume must continue the same run
-    (:mod:`mmalign.rundir`)."""
+    (:mod:`mmalign.rundir`). SIGTERM stops it like Ctrl-C (its data workers too)."""
+    with _exit_on_sigterm():
+        return _train(cfg, show_progress, resume, overwrite)
+
+
+def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool) -> Path:
     from mmalign.engine import Engine  # deepspeed is imported only when training
 
     # setup: everything that depends only on the config, the shard list and the run directory

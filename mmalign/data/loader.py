@@ -14,8 +14,11 @@ so a resumed run interleaves the workers exactly as the uninterrupted one would.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import signal
+import sys
 from collections.abc import Callable, Iterator
 
 from PIL import Image
@@ -54,6 +57,24 @@ class _Slots(IterableDataset):
             yield {"_loader": {"slot": slot, "error": str(e)}}
 
 
+def _worker_init(_worker_id: int) -> None:
+    """A DataLoader worker dies with the training process, however that ends.
+
+    A worker notices a dead parent only between batches (PyTorch polls every 5 s), and
+    one batch can take minutes while a shuffle buffer fills; so on Linux the kernel is
+    asked to SIGTERM the worker when its parent exits (even on SIGKILL). The trainer's
+    SIGTERM handler (raise SystemExit, inherited through fork) is reset to the default
+    here: a worker told to stop just stops.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):  # no prctl: PyTorch's own polling remains
+            pass
+
+
 class StreamingLoader:
     """Iterable of batch dicts with ``state_dict``/``load_state_dict`` and ``skipped``.
 
@@ -84,15 +105,21 @@ class StreamingLoader:
         else:
             source = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                                      prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory,
-                                     persistent_workers=False))
-        for batch in source:
-            info = batch.pop("_loader")
-            if "error" in info:
-                raise ConfigError(f"config key 'data.train': {info['error']}")
-            self._states[info["slot"]] = info["state"]
-            self._consumed += 1
-            batch["skipped"] = self.skipped()
-            yield batch
+                                     persistent_workers=False, worker_init_fn=_worker_init))
+        try:
+            for batch in source:
+                info = batch.pop("_loader")
+                if "error" in info:
+                    raise ConfigError(f"config key 'data.train': {info['error']}")
+                self._states[info["slot"]] = info["state"]
+                self._consumed += 1
+                batch["skipped"] = self.skipped()
+                yield batch
+        finally:
+            # closing this iterator (or an error) stops the workers now, not at garbage collection
+            shutdown = getattr(source, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def skipped(self) -> dict[str, int]:
         """Samples skipped so far by reason, summed over this rank's workers (consumed batches only)."""
