@@ -126,7 +126,7 @@ def cmd_eval(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
-                        model_name=str(args.model), batch_size=args.batch_size)
+                        model_name=str(args.model), batch_size=args.batch_size, progress=True)
     out = Path(args.out) if args.out else Path(args.model) / f"eval_cli_{_suite_label(suite_name)}.json"
     write_results(records, out)
     _print_table(records)

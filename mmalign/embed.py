@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from mmalign.config import ConfigError
+from mmalign.progress import track
 
 log = logging.getLogger("mmalign.embed")
 
@@ -83,6 +83,28 @@ def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
     urls = expand_urls(str(data))
     check_urls(urls, "--data")
     return read_samples(urls), True
+
+
+def shard_total(data: str | Path) -> int | None:
+    """The number of samples in ``data``'s shards from their folders' ``sizes.json`` (written
+    by the shard builders), None when a shard is not listed or ``data`` is not shards."""
+    from mmalign.data.shards import expand_urls
+
+    path = Path(str(data))
+    urls = sorted(str(p) for p in path.glob("*.tar")) if path.is_dir() else expand_urls(str(data))
+    total, listings = 0, {}
+    for url in urls:
+        folder = Path(url).parent
+        if folder not in listings:
+            try:
+                listings[folder] = json.loads((folder / "sizes.json").read_text())
+            except (OSError, ValueError):
+                return None
+        count = listings[folder].get(Path(url).name) if isinstance(listings[folder], dict) else None
+        if not isinstance(count, int):
+            return None
+        total += count
+    return total or None
 
 
 # ----------------------------------------------------------------- writing
@@ -169,19 +191,17 @@ def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_siz
         raise ConfigError(f"--out: {out} already holds embeddings; choose an empty directory")
     writer = _PartWriter(out, part_size, with_text)
     images, batch = 0, []
-    bar = tqdm(desc="embedding", unit="img", disable=not progress)
+    # a bar on a terminal, else a line every 10 s; the total comes from the shards' sizes.json
+    samples = track(samples, "embedding", total=shard_total(data), unit="images", enabled=progress)
     for sample in samples:
         batch.append(sample)
         if len(batch) == batch_size:
             writer.add(*_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size))
             images += len(batch)
-            bar.update(len(batch))
             batch = []
     if batch:
         writer.add(*_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size))
         images += len(batch)
-        bar.update(len(batch))
-    bar.close()
     writer.close()
     if images == 0:
         raise ConfigError(f"--data: {data} holds no readable samples")

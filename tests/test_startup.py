@@ -187,3 +187,14 @@ def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
         for p in workers:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_embed_total_comes_from_the_shards_sizes_json(shapes_dir, tmp_path):
+    from mmalign.embed import shard_total
+
+    assert shard_total(f"{shapes_dir}/train/{{00000..00001}}.tar") == 400
+    assert shard_total(shapes_dir / "train") == 400 and shard_total(f"{shapes_dir}/val/00000.tar") == 120
+    (tmp_path / "x.tar").write_bytes(b"")  # no sizes.json: no total, no error
+    assert shard_total(str(tmp_path / "x.tar")) is None
+    (tmp_path / "sizes.json").write_text('{"y.tar": 3}')  # a shard the listing does not name
+    assert shard_total(str(tmp_path / "x.tar")) is None
