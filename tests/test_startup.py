@@ -198,3 +198,19 @@ def test_embed_total_comes_from_the_shards_sizes_json(shapes_dir, tmp_path):
     assert shard_total(str(tmp_path / "x.tar")) is None
     (tmp_path / "sizes.json").write_text('{"y.tar": 3}')  # a shard the listing does not name
     assert shard_total(str(tmp_path / "x.tar")) is None
+
+
+def test_probes_say_what_they_fit():
+    import torch
+
+    from mmalign.evaluation.probes import run_probes
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(60) % 3
+    features = torch.randn(60, 8, generator=g) + 3 * torch.nn.functional.one_hot(labels, 8)
+    heard: list[str] = []
+    quiet = run_probes(features, labels, 3, {"Cs": [0.1, 1.0]})
+    loud = run_probes(features, labels, 3, {"Cs": [0.1, 1.0]}, say=heard.append)
+    assert heard == ["linear probe: fitting C=0.1 (1/2) on 30 samples", "linear probe: fitting C=1 (2/2) on 30 samples",
+                     "kNN probes", "few-shot probes"]
+    assert loud == quiet  # progress changes no number

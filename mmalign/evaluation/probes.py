@@ -57,12 +57,15 @@ def _scores(clf: LogisticRegression, x: torch.Tensor, n_classes: int) -> torch.T
 
 
 def linear_probe(train_x, train_y, val_x, val_y, test_x, test_y, n_classes: int,
-                 cs: Sequence[float] = DEFAULT_CS, seed: int = 0) -> dict:
-    """Sweep ``cs`` on (train, val), refit the best on train+val, report test metrics."""
+                 cs: Sequence[float] = DEFAULT_CS, seed: int = 0, say=None) -> dict:
+    """Sweep ``cs`` on (train, val), refit the best on train+val, report test metrics.
+    ``say(line)``, when given, hears of each fit (they can take minutes)."""
     sweep = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)  # the sweep's strongest C may not converge
-        for c in cs:
+        for i, c in enumerate(cs):
+            if say is not None:
+                say(f"linear probe: fitting C={c:g} ({i + 1}/{len(cs)}) on {len(train_y)} samples")
             clf = _logreg(c, seed).fit(train_x.numpy(), train_y.numpy())
             sweep[float(c)] = float((clf.predict(val_x.numpy()) == val_y.numpy()).mean())
         best = max(sweep, key=lambda c: (sweep[c], -c))  # ties: the stronger regularisation
@@ -110,12 +113,12 @@ def few_shot(train_x, train_y, test_x, test_y, n_classes: int, shots: int, episo
             "mean_per_class_recall": float(np.mean(recalls)), "shots": shots, "episodes": episodes}
 
 
-def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, task: dict) -> dict:
+def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, task: dict, say=None) -> dict:
     """One suite ``probe`` task: linear, kNN and few-shot on one seeded train/val/test split.
 
     task keys: ``val_fraction`` (0.2), ``test_fraction`` (0.3), ``seed`` (0), ``Cs``,
     ``knn_k`` ([1, 5, 20]), ``shots`` ([1, 5]), ``episodes`` (5),
-    ``methods`` (default all of linear, knn, fewshot).
+    ``methods`` (default all of linear, knn, fewshot). ``say(line)``: progress, when given.
     """
     seed = int(task.get("seed", 0))
     test_idx, val_idx, train_idx = split_indices(
@@ -125,15 +128,19 @@ def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, tas
     methods = task.get("methods", ["linear", "knn", "fewshot"])
     metrics: dict = {"n_train": len(train_idx), "n_val": len(val_idx), "n_test": len(test_idx)}
     if "linear" in methods:
-        lin = linear_probe(*tr, *va, *te, n_classes, task.get("Cs", DEFAULT_CS), seed)
+        lin = linear_probe(*tr, *va, *te, n_classes, task.get("Cs", DEFAULT_CS), seed, say=say)
         metrics.update({f"linear_{k}": v for k, v in lin.items()})
     # kNN and few-shot have no hyper-parameter to tune: they use train + val as their pool
     pool_x, pool_y = torch.cat([tr[0], va[0]]), torch.cat([tr[1], va[1]])
     if "knn" in methods:
+        if say is not None:
+            say("kNN probes")
         for k in task.get("knn_k", [1, 5, 20]):
             m = classification_metrics(knn_scores(pool_x, pool_y, te[0], int(k), n_classes), te[1])
             metrics.update({f"knn{k}_{name}": v for name, v in m.items()})
     if "fewshot" in methods:
+        if say is not None:
+            say("few-shot probes")
         for shots in task.get("shots", [1, 5]):
             m = few_shot(pool_x, pool_y, *te, n_classes, int(shots), int(task.get("episodes", 5)), seed)
             metrics.update({f"fewshot{shots}_{name}": m[name] for name in ("acc1", "acc1_std", "mean_per_class_recall")})

@@ -166,6 +166,10 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     spec = dataset_spec(suite, data)
     tasks = suite["tasks"]
     pre_projection = any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks)
+    def say(line: str) -> None:
+        if progress:
+            print(f"mmalign: eval {suite['name']}: {line}", flush=True)
+
     was_training = model.training
     model.eval()
     try:
@@ -178,8 +182,7 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
         for task in tasks:
-            if progress:
-                print(f"mmalign: eval {suite['name']}: task {task['name']} ({task['type']})", flush=True)
+            say(f"task {task['name']} ({task['type']})")
             extra: dict = {}
             if task["type"] == "zeroshot":
                 labels = _labels(emb["metas"], task)
@@ -199,7 +202,8 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
             elif task["type"] == "probe":
                 kind = task.get("features", "joint")
                 feats = emb["image_pre_projection"] if kind == "pre_projection" else emb["image_features"]
-                metrics = probes.run_probes(feats, _labels(emb["metas"], task), len(task["classnames"]), task)
+                metrics = probes.run_probes(feats, _labels(emb["metas"], task), len(task["classnames"]), task,
+                                            say=say)
                 metrics["chance_acc1"] = 1.0 / len(task["classnames"])
                 extra["features"] = kind
                 extra["features_description"] = FEATURE_KINDS[kind]
