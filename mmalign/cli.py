@@ -80,6 +80,9 @@ def cmd_train(args) -> int:
 
         validate(cfg, world_size=args.nproc)
         _check_batchnorm(cfg, meta_model, args.nproc)
+        from mmalign.train import resolve_suite
+
+        resolve_suite(cfg)  # eval.suite and its data, once here rather than once per rank
         return launch_local(args.nproc, args.argv)
     from mmalign import distributed as mdist
     from mmalign.train import train

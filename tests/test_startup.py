@@ -214,3 +214,10 @@ def test_probes_say_what_they_fit():
     assert heard == ["linear probe: fitting C=0.1 (1/2) on 30 samples", "linear probe: fitting C=1 (2/2) on 30 samples",
                      "kNN probes", "few-shot probes"]
     assert loud == quiet  # progress changes no number
+
+
+def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_overrides):
+    res = subprocess.run(_train_cmd(micro_overrides + ["eval.suite=shapez"], "--nproc", "2"), capture_output=True,
+                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith("mmalign: error: config key 'eval.suite': unknown suite")
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no per-rank copies, no launcher traceback
