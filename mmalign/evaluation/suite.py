@@ -98,7 +98,7 @@ def _resolve_dataset(dataset, suite_dir: Path):
     """The dataset entry with its relative paths resolved: against the suite file's folder
     when the files are there, else against the working directory, else left as written
     (``--data`` / ``data.val`` may replace them; a missing one is reported when used)."""
-    if isinstance(dataset, str) or isinstance(dataset, list):
+    if isinstance(dataset, (str, list)):
         return _resolve_spec(dataset, suite_dir)
     if isinstance(dataset, dict):
         dataset = dict(dataset)
@@ -166,6 +166,7 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     spec = dataset_spec(suite, data)
     tasks = suite["tasks"]
     pre_projection = any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks)
+
     def say(line: str) -> None:
         if progress:
             print(f"mmalign: eval {suite['name']}: {line}", flush=True)
