@@ -159,7 +159,7 @@ def _limited(dataset, limit: int, stratify: str = "label") -> dict:
 def cmd_report(args) -> int:
     from mmalign.evaluation.report import write_report
 
-    out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit)
+    out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit, progress=True)
     print(f"report written to {out}")
     return 0
 

@@ -77,8 +77,10 @@ def test_unknown_suite_is_a_one_line_error(run_dir, capsys):
     assert "unknown suite 'nope'" in capsys.readouterr().err
 
 
-def test_report_writes_html_and_pngs(run_dir, tmp_path):
+def test_report_writes_html_and_pngs(run_dir, tmp_path, capsys):
     assert main(["report", "--run", str(run_dir), "--output", str(tmp_path / "rep"), "--limit", "60"]) == 0
+    # progress off a terminal: a closing line with the count (issue 15 point 4)
+    assert "mmalign: report: embedding the sample: 60 of 60 images" in capsys.readouterr().out
     page = (tmp_path / "rep" / "index.html").read_text()
     for name in ("curves.png", "similarity.png", "tsne.png", "recall.png"):
         assert f"src='{name}'" in page

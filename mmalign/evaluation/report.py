@@ -44,6 +44,7 @@ from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_sam
 from mmalign.evaluation.features import embed_dataset  # noqa: E402
 from mmalign.evaluation.retrieval import retrieval_ranks  # noqa: E402
 from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite  # noqa: E402
+from mmalign.progress import track  # noqa: E402
 
 # (title, keys drawn on one axes, dashed keys on the same axes)
 CURVES = [
@@ -200,7 +201,8 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0) -> tuple[dict, dict]:
+def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0,
+               progress: bool = False) -> tuple[dict, dict]:
     from mmalign.pretrained import load
 
     loaded = load(run)
@@ -209,7 +211,8 @@ def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, 
     # a seeded draw stratified by label, not the first N (class-sorted shards would give one class)
     spec = dict(dataset_spec(suite, data or train_cfg.get("data", {}).get("val")), limit=limit, seed=seed,
                 stratify=label_field(suite))
-    emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, iter_dataset(spec))
+    samples = track(iter_dataset(spec), "report: embedding the sample", total=limit, unit="images", enabled=progress)
+    emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, samples)
     return emb, suite
 
 
@@ -279,8 +282,9 @@ def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
 
 
 def write_report(run: str | Path, output: str | Path | None = None, *, suite: str | None = None,
-                 data: str | None = None, limit: int = 1000, seed: int = 0) -> Path:
-    """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path."""
+                 data: str | None = None, limit: int = 1000, seed: int = 0, progress: bool = False) -> Path:
+    """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path.
+    ``progress``: show the embedding pass (a bar on a terminal, else lines)."""
     run = Path(run)
     out = Path(output) if output else run / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -300,7 +304,7 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
     data_cfg = config.get("data", {}) if isinstance(config.get("data"), dict) else {}
     data_rows = [("data.train", _fmt_spec(data_cfg.get("train"))), ("data.val", _fmt_spec(data_cfg.get("val")))]
     try:
-        emb, suite_def = _embed_run(run, suite, data, limit, seed)
+        emb, suite_def = _embed_run(run, suite, data, limit, seed, progress)
     except (FileNotFoundError, OSError) as e:  # no final/ yet, or no evaluation data
         body.append("<h2>Data</h2>" + _table(data_rows))
         body.append(f"<h2>Embeddings</h2><p>skipped: {html.escape(str(e))}</p>")
