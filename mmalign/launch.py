@@ -10,8 +10,10 @@ directly with the same arguments (see the README).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 from mmalign.distributed import free_port
 
@@ -43,4 +45,17 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     env = dict(os.environ)
     # Share the 2..N cores between ranks instead of oversubscribing them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    # SIGTERM to this process (a scheduler, `kill`) goes on to torchrun, which stops its ranks;
+    # otherwise this process would vanish and leave the whole run behind it.
+    forward = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum)) if forward else None
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached torchrun too; `kill -INT` of this process only did not
+                proc.send_signal(signal.SIGINT)
+    finally:
+        if forward:
+            signal.signal(signal.SIGTERM, previous)

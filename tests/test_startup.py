@@ -221,3 +221,35 @@ def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_ove
                          text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert res.returncode == 2 and res.stderr.startswith("mmalign: error: config key 'eval.suite': unknown suite")
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no per-rank copies, no launcher traceback
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides, tmp_path):
+    """SIGTERM to `mmalign train --nproc 2` reaches torchrun, its ranks and their data workers."""
+    overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
+        "data.workers=1", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
+    log = tmp_path / "stdout.txt"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(_train_cmd(overrides, "--nproc", "2"), stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    family: list[int] = []
+    try:
+        deadline = time.time() + 240
+        while "\nstep " not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert "\nstep " in log.read_text(), log.read_text()[-2000:]
+        family = [p for p in _descendants(proc.pid) if _alive(p)]
+        assert len(family) >= 5, family  # torchrun, 2 ranks, a worker each
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        deadline = time.time() + 5
+        while any(_alive(p) for p in family) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in family if _alive(p)], log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for p in family:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
