@@ -141,7 +141,7 @@ class DeepSpeedConfig:
 
 @dataclass
 class EvalConfig:
-    suite: str = "shapes"  # a suite name from eval/ (or a path to a suite YAML)
+    suite: str = "shapes"  # a suite name from eval/, a path to a suite YAML, or "none" (no evaluation)
     batch_size: int = 256
 
 
