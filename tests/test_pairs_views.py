@@ -113,8 +113,11 @@ def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_pa
         assert sum(p[tile][0].item() for p in parts) / world == pytest.approx(ref.item(), rel=1e-5)
         g1 = torch.cat([p[tile][1] for p in parts]) / world
         g2 = torch.cat([p[tile][2] for p in parts]) / world
-        torch.testing.assert_close(g1.double(), r1.grad, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(g2.double(), r2.grad, rtol=1e-5, atol=1e-7)
+        # fp32 conditioning: each element is a float32 sum of terms as large as the largest
+        # gradient element, so its error is relative to that scale, not to itself (an element
+        # near zero missed a 1e-7 absolute bound by 2.8e-7 on one seed in a few hundred)
+        for got, want in ((g1, r1.grad), (g2, r2.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides):
