@@ -153,11 +153,14 @@ def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[d
             yield {"__key__": sample.key, "__url__": path, **sample.members, **extra}
 
 
-def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
-    """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped."""
+def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set | None = None) -> Iterator[dict]:
+    """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped.
+    With ``keep``, only the samples whose (url, key) it holds are decoded."""
     for url in urls:
         try:
             for raw in iter_tar_groups(url, max_member):
+                if keep is not None and (url, raw["__key__"]) not in keep:
+                    continue
                 try:
                     yield decode_sample(raw)
                 except BadSample as e:

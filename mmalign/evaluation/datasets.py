@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from PIL import Image
 
 from mmalign.config import ConfigError
-from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, check_urls, decode_sample, expand_urls, \
-    iter_tar_groups, open_image, parse_meta
+from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, check_urls, expand_urls, \
+    iter_tar_groups, open_image, parse_meta, read_samples
 
 log = logging.getLogger(__name__)
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -153,17 +153,7 @@ def _urls(spec: dict) -> list[str]:
 
 def _shards(spec: dict, keep: set | None = None) -> Iterator[dict]:
     """Every decodable sample in order (bad ones logged and skipped); with ``keep``, only those (url, key)."""
-    for url in _urls(spec):
-        try:
-            for raw in iter_tar_groups(url):
-                if keep is not None and (url, raw["__key__"]) not in keep:
-                    continue
-                try:
-                    yield decode_sample(raw)
-                except BadSample as e:
-                    log.warning("skipping sample %s in %s: %s", raw["__key__"], url, e)
-        except (TruncatedTar, CorruptTar, OSError) as e:
-            log.warning("shard %s ended early: %s", url, e)
+    yield from read_samples(_urls(spec), keep=keep)
 
 
 def _captions(spec: dict, classname: str) -> list[str]:
