@@ -85,17 +85,6 @@ def _peak_gb(device: torch.device, base: int) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 1e9
 
 
-def _inputs(n: int, image_size: int, context: int, device: torch.device, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(n, 3, image_size, image_size, generator=g)
-    tokens = torch.randint(1, 49000, (n, context), generator=g)
-    ends = torch.randint(3, context - 1, (n,), generator=g)
-    tokens[:, 0] = 49406
-    for i, e in enumerate(ends.tolist()):
-        tokens[i, e], tokens[i, e + 1:] = 49407, 0
-    return images.to(device), tokens.to(device)
-
-
 def _engine_cfg(sizes: Sizes, *overrides: str):
     from mmalign.config import load_config
 
@@ -174,6 +163,8 @@ def part_loss(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
 
 def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
     """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1), uncached and cached."""
+    from bf16_accum import _inputs
+
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
     from mmalign.models import build_model
@@ -184,7 +175,7 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
                           "train.precision=bf16", "train.optimizer=adamw", "loss.tile_size=0")
         torch.manual_seed(0)
         model = build_model(cfg.model)
-        images, tokens = _inputs(sizes.batch, model.image_size, model.context_length, device)
+        images, tokens = (t.to(device) for t in _inputs(sizes.batch, model.image_size, model.context_length, 0))
         engine = Engine(model.to(device), cfg)
         loss_fn = build_loss(cfg.loss)
 

@@ -59,6 +59,27 @@ def run_cli(*args, cwd=None):
                           cwd=cwd or ROOT, timeout=600)
 
 
+def clip_batch(n: int, seed: int, image_size: int = 16, context: int = 16):
+    """(n, 3, S, S) random images and (n, L) token rows of random lengths (start token, a few
+    random ids, end token, zero padding): the inputs of the engine exactness tests."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, image_size, image_size, generator=g)
+    tokens = torch.randint(1, 49000, (n, context), generator=g)
+    tokens[:, 0] = 49406
+    ends = torch.randint(3, context - 1, (n,), generator=g)
+    for i, e in enumerate(ends):
+        tokens[i, e] = 49407
+        tokens[i, e + 1:] = 0
+    return images, tokens
+
+
+def naive_clip_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The symmetric CLIP loss written out over the full (B, B) logit matrix: the reference."""
+    logits = scale * img @ txt.T  # (B, B)
+    labels = torch.arange(img.shape[0], device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
 ENGINE_BATCH = 8  # global batch of the engine integration runs (4 rows per rank at 2 ranks)
 
 

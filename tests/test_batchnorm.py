@@ -18,14 +18,13 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
 from mmalign.gradcache import chunk_sizes
-from tests.conftest import run_cli, spawn_ranks
+from tests.conftest import clip_batch, naive_clip_loss, run_cli, spawn_ranks
 
 GLOBAL_BATCH = 12
 LR = 0.5
@@ -147,15 +146,7 @@ def test_cli_refuses_a_batchnorm_tower_on_two_processes_before_spawning(tmp_path
 
 
 def _inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(GLOBAL_BATCH, 3, 32, 32, generator=g)
-    tokens = torch.randint(1, 49000, (GLOBAL_BATCH, 16), generator=g)
-    tokens[:, 0] = 49406
-    ends = torch.randint(3, 15, (GLOBAL_BATCH,), generator=g)
-    for i, e in enumerate(ends):
-        tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
-    return images, tokens
+    return clip_batch(GLOBAL_BATCH, seed, image_size=32)
 
 
 @torch.no_grad()
@@ -167,12 +158,6 @@ def _random_stats(model: nn.Module, seed: int) -> None:
             buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
         elif name.endswith("running_var"):
             buf.copy_(torch.rand(buf.shape, generator=g) * 1.5 + 0.5)
-
-
-def _naive_clip_loss(img, txt, scale):
-    logits = scale * img @ txt.T  # (B, B)
-    labels = torch.arange(img.shape[0])
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
 def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
@@ -200,7 +185,7 @@ def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
     outs = [model(images[g].double(), tokens[g]) for g in (groups or [list(range(GLOBAL_BATCH))])]
     img = torch.cat([o["image_features"] for o in outs])  # (B, D) in group order: the loss is
     txt = torch.cat([o["text_features"] for o in outs])  # invariant to a joint permutation of pairs
-    _naive_clip_loss(img, txt, outs[0]["logit_scale"]).backward()
+    naive_clip_loss(img, txt, outs[0]["logit_scale"]).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.clamp_logit_scale()

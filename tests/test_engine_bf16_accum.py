@@ -26,9 +26,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.conftest import spawn_ranks
+from tests.conftest import clip_batch, naive_clip_loss, spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -37,27 +36,14 @@ BATCH = CHUNK * CHUNKS
 
 
 def _inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(BATCH, 3, 16, 16, generator=g).bfloat16().float()  # the engine feeds bf16 images
-    tokens = torch.randint(1, 49000, (BATCH, 16), generator=g)
-    tokens[:, 0] = 49406
-    ends = torch.randint(3, 15, (BATCH,), generator=g)
-    for i, e in enumerate(ends):
-        tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
-    return images, tokens
-
-
-def _naive_clip_loss(img, txt, scale):
-    logits = scale * img @ txt.T  # (B, B)
-    labels = torch.arange(img.shape[0])
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    images, tokens = clip_batch(BATCH, seed)
+    return images.bfloat16().float(), tokens  # the engine feeds bf16 images
 
 
 def _fp32_reference(model, images, tokens) -> dict:
     model = copy.deepcopy(model)
     out = model(images, tokens)
-    _naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -70,7 +56,7 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
     img = torch.cat([o["image_features"].float() for o in outs]).requires_grad_(True)  # (B, D)
     txt = torch.cat([o["text_features"].float() for o in outs]).requires_grad_(True)
     scale = outs[0]["logit_scale"].float().detach().requires_grad_(True)
-    _naive_clip_loss(img, txt, scale).backward()
+    naive_clip_loss(img, txt, scale).backward()
     total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
     for k, (im, tok) in enumerate(chunks):
         model.zero_grad(set_to_none=True)

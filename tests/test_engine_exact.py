@@ -17,8 +17,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import spawn_ranks
-import torch.nn.functional as F
+from tests.conftest import clip_batch, naive_clip_loss, spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -37,21 +36,7 @@ def _cfg(zero_stage: int, chunk: int, world: int):
 
 
 def _inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(GLOBAL_BATCH, 3, 16, 16, generator=g)
-    tokens = torch.randint(1, 49000, (GLOBAL_BATCH, 16), generator=g)
-    tokens[:, 0] = 49406
-    ends = torch.randint(3, 15, (GLOBAL_BATCH,), generator=g)
-    for i, e in enumerate(ends):
-        tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
-    return images, tokens
-
-
-def _naive_clip_loss(img, txt, scale):
-    logits = scale * img @ txt.T  # (B, B)
-    labels = torch.arange(img.shape[0])
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return clip_batch(GLOBAL_BATCH, seed, image_size=16)
 
 
 def _reference(model_seed: int, data_seed: int):
@@ -63,7 +48,7 @@ def _reference(model_seed: int, data_seed: int):
     model = build_model(ModelConfig(preset="micro"))
     images, tokens = _inputs(data_seed)
     out = model(images, tokens)
-    _naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
