@@ -93,7 +93,8 @@ def cmd_train(args) -> int:
     validate(cfg, world_size=info.world_size)
     out = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if mdist.get_rank() == 0:
-        print(f"run written to {out} (final/ weights, metrics.jsonl, eval.json)")
+        written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")
+        print(f"run written to {out} ({written})")
     mdist.shutdown()
     return 0
 
@@ -113,7 +114,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
-    from mmalign.evaluation.suite import label_field
+    from mmalign.evaluation.suite import check_suite_data, label_field
     from mmalign.pretrained import load
 
     try:
@@ -123,13 +124,15 @@ def cmd_eval(args) -> int:
     train_cfg = loaded.config.get("train_config", {})
     suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
     suite = load_suite(suite_name)
-    data = args.data or train_cfg.get("data", {}).get("val")
+    data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite
+    check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
     if args.limit:
         suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
-                        model_name=str(args.model), batch_size=args.batch_size, progress=True)
+                        model_name=str(args.model), batch_size=args.batch_size, progress=True,
+                        user_data=args.data)
     out = Path(args.out) if args.out else Path(args.model) / f"eval_cli_{_suite_label(suite_name)}.json"
     write_results(records, out)
     _print_table(records)
@@ -323,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
     p.add_argument("--model", required=True, help="a run directory or its final/")
     p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
-    p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
+    p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
+                   "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
     p.add_argument("--output", "--out", dest="out",
                    help="results JSON (default: MODEL/eval_cli_SUITE.json; the run's own eval.json is kept)")
     p.add_argument("--limit", type=int,
@@ -335,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="a run directory (metrics.jsonl, final/, eval.json)")
     p.add_argument("--output", help="report directory (default: RUN/report)")
     p.add_argument("--suite", help="suite whose dataset is embedded (default: the run's)")
-    p.add_argument("--data", help="evaluation shards for a shards suite (default: the run's data.val)")
+    p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
+                   "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
     p.add_argument("--limit", type=int, default=1000, help="images embedded for the plots")
     p.set_defaults(func=cmd_report)
 

@@ -253,3 +253,51 @@ def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides,
         for p in family:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(micro_overrides, tmp_path, monkeypatch):
+    """``--data`` points an imagefolder suite at another folder (the run's data.val does not:
+    those are shards); a digits suite refuses it in one line.  End to end through ``mmalign eval``."""
+    from PIL import Image
+
+    from mmalign.evaluation import load_suite
+    from mmalign.evaluation.suite import check_suite_data
+
+    folder = tmp_path / "folder"
+    for c, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
+        (folder / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (20, 20), colour).save(folder / c / f"{i}.png")
+    suite_file = tmp_path / "suites" / "colours.yaml"
+    suite_file.parent.mkdir()
+    suite_file.write_text("name: colours\ndataset: {type: imagefolder, path: nowhere, classnames: [red, blue]}\n"
+                          "tasks: [{name: colours, type: zeroshot, label_field: classname, classnames: [red, blue],"
+                          " templates: ['a {c} square.']}]\n")
+    suite = load_suite(str(suite_file))
+    with pytest.raises(ConfigError, match="image folder 'nowhere' not found"):
+        check_suite_data(suite, "shards/{0..1}.tar")  # data.val leaves an image folder alone
+    assert check_suite_data(suite, "shards/{0..1}.tar", user_data=str(folder))["path"] == str(folder)
+    with pytest.raises(ConfigError, match=r"--data: image folder '.*gone' not found"):
+        check_suite_data(suite, user_data=str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match="reads sklearn's digits"):
+        check_suite_data(load_suite("digits"), user_data=str(folder))
+
+    run = Path(micro_overrides[-1].split("=", 1)[1])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    overrides = micro_overrides + ["train.steps=2", "eval.suite=none", "monitor.probe_size=0"]
+    res = subprocess.run(_train_cmd(overrides), capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "eval.json" not in res.stdout.splitlines()[-1]  # eval.suite none: no eval.json to name
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "colours.json"
+    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "eval", "--model", str(run / "final"), "--suite",
+                          str(suite_file), "--data", str(folder), "--output", str(out)],
+                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (record,) = json.loads(out.read_text())
+    assert record["dataset"] == "colours/colours" and record["n_images"] == 6 and "acc1" in record["metrics"]
+    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "eval", "--model", str(run / "final"), "--suite",
+                          str(suite_file), "--data", str(tmp_path / "gone")],
+                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr

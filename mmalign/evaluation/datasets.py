@@ -41,11 +41,14 @@ DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "e
 DEFAULT_CAPTION_TEMPLATES = ["a photo of a {c}."]
 
 
-def dataset_spec(suite: dict, data: str | None = None) -> dict:
-    """The suite's dataset as a mapping; ``data`` (a shard spec) replaces a shards dataset's urls.
+def dataset_spec(suite: dict, data: str | None = None, *, user_data: str | None = None) -> dict:
+    """The suite's dataset as a mapping, pointed elsewhere by ``data`` or ``user_data``.
 
-    ``data`` is how the trainer and ``mmalign eval --data`` point a suite at the run's
-    own validation shards; it does not apply to the file-less digits or to image folders.
+    ``data`` (a shard spec) is how the trainer points a shards suite at the run's own
+    validation shards (``data.val``); it leaves image folders and the file-less digits as
+    the suite names them.  ``user_data`` is ``--data`` on the command line: it replaces a
+    shards dataset's urls *or* an image folder's ``path`` (a directory or a tar of
+    class-named folders), and wins over ``data``.
     """
     spec = suite.get("dataset")
     if spec is None or isinstance(spec, str):
@@ -54,7 +57,12 @@ def dataset_spec(suite: dict, data: str | None = None) -> dict:
     kind = spec.get("type")
     if kind not in ("shards", "digits", "imagefolder"):
         raise ConfigError(f"suite {suite.get('name')!r}: dataset type {kind!r} is not shards, digits or imagefolder")
-    if kind == "shards" and data is not None:
+    if user_data is not None:
+        if kind == "digits":
+            raise ConfigError(f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
+                              f"drop --data or pick a shards / imagefolder suite")
+        spec["path" if kind == "imagefolder" else "urls"] = user_data
+    elif kind == "shards" and data is not None:
         spec["urls"] = data
     if kind == "shards" and not spec.get("urls"):
         raise ConfigError(f"suite {suite.get('name')!r} names no shards: give them with --data")

@@ -209,7 +209,7 @@ def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, 
     train_cfg = loaded.config.get("train_config", {})
     suite = load_suite(suite_name or train_cfg.get("eval", {}).get("suite", "shapes"))
     # a seeded draw stratified by label, not the first N (class-sorted shards would give one class)
-    spec = dict(dataset_spec(suite, data or train_cfg.get("data", {}).get("val")), limit=limit, seed=seed,
+    spec = dict(dataset_spec(suite, train_cfg.get("data", {}).get("val") or None, user_data=data), limit=limit, seed=seed,
                 stratify=label_field(suite))
     samples = track(iter_dataset(spec), "report: embedding the sample", total=limit, unit="images", enabled=progress)
     emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, samples)

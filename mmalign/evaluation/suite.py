@@ -125,16 +125,18 @@ def _resolve_path(path: str, suite_dir: Path) -> str:
     return path
 
 
-def check_suite_data(suite: dict, data: str | None = None) -> dict:
+def check_suite_data(suite: dict, data: str | None = None, *, user_data: str | None = None) -> dict:
     """The suite's dataset mapping (``data`` replacing a shards dataset's urls) with its files
     checked: a one-line ConfigError now rather than after a training run."""
-    spec = dataset_spec(suite, data)
+    spec = dataset_spec(suite, data, user_data=user_data)
     if spec["type"] == "shards":
-        check_urls(expand_urls(spec["urls"]), "data.val" if data else "eval.suite")
+        check_urls(expand_urls(spec["urls"]), "--data" if user_data else "data.val" if data else "eval.suite")
     elif spec["type"] == "imagefolder" and not Path(str(spec.get("path", ""))).exists():
+        if user_data is not None:
+            raise ConfigError(f"--data: image folder {user_data!r} not found")
         raise ConfigError(f"config key 'eval.suite': suite {suite.get('name')!r}: image folder "
                           f"{spec.get('path')!r} not found (relative paths resolve against the suite file's "
-                          f"folder, then the working directory)")
+                          f"folder, then the working directory; --data replaces it)")
     return spec
 
 
@@ -157,13 +159,15 @@ def _clean(value):
 
 
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-              device: str = "cpu", model_name: str = "mmalign", progress: bool = False) -> list[dict]:
+              device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
+              user_data: str | None = None) -> list[dict]:
     """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
 
-    ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val.
+    ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val;
+    ``user_data`` (``--data``) replaces its shards or its image folder (see ``dataset_spec``).
     ``progress``: show the embedding pass and each task (a bar on a terminal, else lines).
     """
-    spec = dataset_spec(suite, data)
+    spec = dataset_spec(suite, data, user_data=user_data)
     tasks = suite["tasks"]
     pre_projection = any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks)
 
