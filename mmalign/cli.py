@@ -46,6 +46,29 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
+class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
+    """Defaults as :class:`_HelpFormatter`; the description's line breaks kept (a table of routes)."""
+
+
+# `mmalign serve --help` (mmalign.serve's docstring says the same; not imported here: it pulls in torch)
+SERVE_ROUTES = """Answer search queries over HTTP, one thread per connection, local only by default.
+
+routes:
+  GET  /                     a search page: type a query, see rows with thumbnails
+  GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"]}
+  GET  /search?text=...&k=10[&against=image|text][&dedupe=false]
+                             JSON {"query", "hits": [{rank, key, caption, score, row, source_path}]}
+  POST /search?k=10[&against=image|text][&dedupe=false]   body = the image file's bytes
+                             an image query, e.g.
+                             curl --data-binary @query.jpg 'http://127.0.0.1:8765/search?k=5'
+  GET  /thumb?row=N[&size=128]   a JPEG thumbnail of a hit's image, read from its shard
+                             (loopback clients only; size <= 256)
+
+against=image (default) searches the images, against=text the captions; identical
+captions are folded into their best-scoring copy unless dedupe=false. Each request
+writes one access-log line (client, method, path, status, ms) to stderr."""
+
+
 # The export formats (mmalign.export.FORMATS; not imported here: it pulls in torch).
 EXPORT_FORMATS = ("open_clip", "hf", "onnx")
 
@@ -291,8 +314,9 @@ def cmd_search(args) -> int:
     if (args.text is None) == (args.image is None):
         raise ConfigError("search: give exactly one of --text or --image")
     searcher = Searcher(args.index, args.model)
-    hits = searcher.text(args.text, args.k, args.against) if args.text is not None else \
-        searcher.image(args.image, args.k, args.against)
+    dedupe = not args.no_dedupe
+    hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \
+        searcher.image(args.image, args.k, args.against, dedupe)
     print(format_hits(hits))
     return 0
 
@@ -396,9 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=10, help="results to show")
     p.add_argument("--against", default="image", choices=("image", "text"),
                    help="search the image index or the caption index")
+    p.add_argument("--no-dedupe", action="store_true",
+                   help="--against text: keep identical captions (default: one row per distinct caption, its best)")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)")
+    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)",
+                       description=SERVE_ROUTES, formatter_class=_RawDescriptionFormatter)
     p.add_argument("--index", required=True, help="an `mmalign index` output directory")
     p.add_argument("--model", required=True, help="the model that made the embeddings")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")

@@ -26,10 +26,10 @@ class StubSearcher:
     def __init__(self):
         self.images = []
 
-    def text(self, text, k, against):
+    def text(self, text, k, against, dedupe=True):
         return [Hit(1, "key", text, 1.0, 0)]
 
-    def image(self, image, k, against):
+    def image(self, image, k, against, dedupe=True):
         self.images.append(image.size)
         return [Hit(1, f"{image.width}x{image.height}", "", 1.0, 0)]
 
