@@ -50,25 +50,6 @@ class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormat
     """Defaults as :class:`_HelpFormatter`; the description's line breaks kept (a table of routes)."""
 
 
-# `mmalign serve --help` (mmalign.serve's docstring says the same; not imported here: it pulls in torch)
-SERVE_ROUTES = """Answer search queries over HTTP, one thread per connection, local only by default.
-
-routes:
-  GET  /                     a search page: type a query, see rows with thumbnails
-  GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"]}
-  GET  /search?text=...&k=10[&against=image|text][&dedupe=false]
-                             JSON {"query", "hits": [{rank, key, caption, score, row, source_path}]}
-  POST /search?k=10[&against=image|text][&dedupe=false]   body = the image file's bytes
-                             an image query, e.g.
-                             curl --data-binary @query.jpg 'http://127.0.0.1:8765/search?k=5'
-  GET  /thumb?row=N[&size=128]   a JPEG thumbnail of a hit's image, read from its shard
-                             (loopback clients only; size <= 256)
-
-against=image (default) searches the images, against=text the captions; identical
-captions are folded into their best-scoring copy unless dedupe=false. Each request
-writes one access-log line (client, method, path, status, ms) to stderr."""
-
-
 # The export formats (mmalign.export.FORMATS; not imported here: it pulls in torch).
 EXPORT_FORMATS = ("open_clip", "hf", "onnx")
 
@@ -330,6 +311,7 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mmalign import __version__
+    from mmalign.serve_page import ROUTES_HELP
 
     parser = _Parser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
     parser.add_argument("--version", action="version", version=f"mmalign {__version__}")
@@ -425,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)",
-                       description=SERVE_ROUTES, formatter_class=_RawDescriptionFormatter)
+                       description=ROUTES_HELP, formatter_class=_RawDescriptionFormatter)
     p.add_argument("--index", required=True, help="an `mmalign index` output directory")
     p.add_argument("--model", required=True, help="the model that made the embeddings")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")

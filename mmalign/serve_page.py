@@ -1,13 +1,32 @@
-"""The search page ``mmalign serve`` answers on ``/``: one self-contained HTML document.
+"""What a user of ``mmalign serve`` reads: the routes (``--help``) and the search page on ``/``.
 
-Script and style are inline and it loads nothing from elsewhere (no CDN: the server
-is local and may run offline; the server's Content-Security-Policy forbids any other
-origin).  It only talks to the server's own JSON endpoints: ``/health`` once (which
-indexes exist), ``/search`` per query, ``/thumb`` per result row.  Text from the index
-(captions, keys, paths) is inserted with ``textContent``, never as HTML.
+The page is one self-contained HTML document: script and style are inline and it
+loads nothing from elsewhere (no CDN: the server is local and may run offline; the
+server's Content-Security-Policy forbids any other origin).  It only talks to the
+server's own JSON endpoints: ``/health`` once (which indexes exist), ``/search`` per
+query, ``/thumb`` per result row.  Text from the index (captions, keys, paths) is
+inserted with ``textContent``, never as HTML.
 """
 
 from __future__ import annotations
+
+# `mmalign serve --help`'s description (kept here, free of heavy imports, for the parser)
+ROUTES_HELP = """Answer search queries over HTTP, one thread per connection, local only by default.
+
+routes:
+  GET  /                     a search page: type a query, see rows with thumbnails
+  GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"]}
+  GET  /search?text=...&k=10[&against=image|text][&dedupe=false]
+                             JSON {"query", "hits": [{rank, key, caption, score, row, source_path}]}
+  POST /search?k=10[&against=image|text][&dedupe=false]   body = the image file's bytes
+                             an image query, e.g.
+                             curl --data-binary @query.jpg 'http://127.0.0.1:8765/search?k=5'
+  GET  /thumb?row=N[&size=128]   a JPEG thumbnail of a hit's image, read from its shard
+                             (loopback clients only; size <= 256)
+
+against=image (default) searches the images, against=text the captions; identical
+captions are folded into their best-scoring copy unless dedupe=false. Each request
+writes one access-log line (client, method, path, status, ms) to stderr."""
 
 PAGE = """<!doctype html>
 <html lang="en">

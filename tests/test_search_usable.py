@@ -261,3 +261,13 @@ def test_thumbnails_only_for_loopback_clients(corpus):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_serve_help_documents_the_routes(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    for needle in ("GET  /health", "POST /search", "against=image|text", "dedupe=false", "GET  /thumb",
+                   "access-log line", "(default: 127.0.0.1)"):
+        assert needle in out, needle

@@ -38,7 +38,7 @@ class StubSearcher:
 def server(request):
     kwargs = getattr(request, "param", {})
     searcher = StubSearcher()
-    srv = make_server(searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, **kwargs})
+    srv = make_server(searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, "access_log": lambda line: None, **kwargs})
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     srv.stub = searcher
