@@ -46,6 +46,10 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
+class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
+    """Defaults as :class:`_HelpFormatter`; the description's line breaks kept (a table of routes)."""
+
+
 # The export formats (mmalign.export.FORMATS; not imported here: it pulls in torch).
 EXPORT_FORMATS = ("open_clip", "hf", "onnx")
 
@@ -294,8 +298,9 @@ def cmd_search(args) -> int:
     if (args.text is None) == (args.image is None):
         raise ConfigError("search: give exactly one of --text or --image")
     searcher = Searcher(args.index, args.model)
-    hits = searcher.text(args.text, args.k, args.against) if args.text is not None else \
-        searcher.image(args.image, args.k, args.against)
+    dedupe = not args.no_dedupe
+    hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \
+        searcher.image(args.image, args.k, args.against, dedupe)
     print(format_hits(hits))
     return 0
 
@@ -309,6 +314,7 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mmalign import __version__
+    from mmalign.serve_page import ROUTES_HELP
 
     parser = _Parser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
     parser.add_argument("--version", action="version", version=f"mmalign {__version__}")
@@ -401,9 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=10, help="results to show")
     p.add_argument("--against", default="image", choices=("image", "text"),
                    help="search the image index or the caption index")
+    p.add_argument("--no-dedupe", action="store_true",
+                   help="--against text: keep identical captions (default: one row per distinct caption, its best)")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)")
+    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)",
+                       description=ROUTES_HELP, formatter_class=_RawDescriptionFormatter)
     p.add_argument("--index", required=True, help="an `mmalign index` output directory")
     p.add_argument("--model", required=True, help="the model that made the embeddings")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")

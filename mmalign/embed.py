@@ -4,8 +4,16 @@ Output (``N`` = part number)::
 
     OUT/img_emb/img_emb_N.npy         (rows, D) float16, L2-normalised
     OUT/text_emb/text_emb_N.npy       (rows, D) float16, L2-normalised (absent for image-only folders)
-    OUT/metadata/metadata_N.parquet   key, caption, caption_index, json  (row-aligned with both)
+    OUT/metadata/metadata_N.parquet   key, caption, caption_index, json, source_path, file, offset
+                                      (row-aligned with both)
     OUT/embed.json                    model, dim, rows, images, parts, layout
+
+``source_path`` is where the sample came from (``cat/0001.jpg``: the ``.json``'s
+``source_path``, which ``mmalign shards`` writes, or the image's path in an image
+folder), null when unknown.  ``file`` and ``offset`` locate the image for a later
+look (the search page's thumbnails): the tar shard and the byte offset of the sample's
+first header, or an image folder's file itself with offset -1.  clip-retrieval reads the
+first four columns and ignores the rest.
 
 One row per (image, caption) pair, so an image with two captions fills two rows that
 share its image embedding; ``caption_index == 0`` marks an image's first row (the
@@ -35,6 +43,7 @@ log = logging.getLogger("mmalign.embed")
 
 EMBED_INFO = "embed.json"
 FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+METADATA_COLUMNS = ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
 
 
 # ------------------------------------------------------------------ inputs
@@ -62,7 +71,10 @@ def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
         except Exception as e:  # PIL raises many types for broken files
             log.warning("skipping unreadable image %s: %s", path, e)
             continue
-        yield {"key": key, "image": image, "captions": captions, "json": meta}
+        source = meta.get("source_path")
+        yield {"key": key, "image": image, "captions": captions, "json": meta,
+               "source_path": source if isinstance(source, str) else path.relative_to(root).as_posix(),
+               "file": str(path.resolve()), "offset": -1}
 
 
 def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
@@ -74,7 +86,7 @@ def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
     if path.is_dir():
         tars = sorted(str(p) for p in path.glob("*.tar"))
         if tars:
-            return read_samples(tars), True
+            return _located(read_samples(tars, locate=True)), True
         images = [p for p in path.rglob("*") if p.suffix.lower() in FOLDER_IMAGE_EXTS]
         if not images:
             raise ConfigError(f"--data: {path} holds no .tar shards and no images")
@@ -82,7 +94,14 @@ def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
         return _folder_samples(path, with_text), with_text
     urls = expand_urls(str(data))
     check_urls(urls, "--data")
-    return read_samples(urls), True
+    return _located(read_samples(urls, locate=True)), True
+
+
+def _located(samples: Iterator[dict]) -> Iterator[dict]:
+    """Shard samples -> with ``source_path`` (from their ``.json``) and ``file`` (the shard, absolute)."""
+    for s in samples:
+        shard, source = s.pop("shard"), s["json"].get("source_path")
+        yield {**s, "source_path": source if isinstance(source, str) else None, "file": str(Path(shard).resolve())}
 
 
 def shard_total(data: str | Path) -> int | None:
@@ -141,8 +160,9 @@ class _PartWriter:
             txt = np.concatenate(self.txt)
             np.save(self.out / "text_emb" / f"text_emb_{self.parts}.npy", txt[:n])
             self.txt = [txt[n:]]
-        frame = pd.DataFrame(self.meta[:n], columns=["key", "caption", "caption_index", "json"])
+        frame = pd.DataFrame(self.meta[:n], columns=METADATA_COLUMNS)
         frame["caption_index"] = frame["caption_index"].astype("int32")
+        frame["offset"] = frame["offset"].astype("int64")
         frame.to_parquet(self.out / "metadata" / f"metadata_{self.parts}.parquet", index=False)
         self.meta = self.meta[n:]
         self.parts += 1
@@ -168,7 +188,8 @@ def _encode_batch(model, samples: list[dict], preprocess, tokenizer, with_text: 
         chunks = [model.encode_text(tokenizer(captions[i : i + batch_size]).to(device)).float()
                   for i in range(0, len(captions), batch_size)]
         rows_txt = F.normalize(torch.cat(chunks), dim=-1).cpu().half().numpy()  # (r, D)
-    meta = [{"key": s["key"], "caption": c, "caption_index": j, "json": json.dumps(s["json"], sort_keys=True)}
+    meta = [{"key": s["key"], "caption": c, "caption_index": j, "json": json.dumps(s["json"], sort_keys=True),
+             "source_path": s["source_path"], "file": s["file"], "offset": s["offset"]}
             for s in samples for j, c in enumerate(s["captions"])]
     return rows_img, rows_txt, meta
 

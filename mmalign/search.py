@@ -7,8 +7,17 @@
 
 Scores are inner products of L2-normalised vectors, i.e. cosines in [-1, 1].  A hit
 from the image index reports the image's first caption; a hit from the text index
-the matched caption.  :func:`index_recall` scores an index against its own corpus
-with the evaluation suite's Recall@k definitions.
+the matched caption.  Each hit carries the sample's ``source_path`` (``cat/0001.jpg``)
+when the index knows it (None for indexes built before it was recorded).
+
+Searches against the text index de-duplicate identical captions by default: a dataset
+captioned from templates holds thousands of rows of "a photo of a cat", and the top k
+would otherwise be k copies of one caption.  The best-scoring copy is kept and k is
+filled with the next distinct captions (looking at up to ``DEDUPE_SCAN`` nearest rows);
+``dedupe=False`` returns the raw nearest rows.
+
+:func:`index_recall` scores an index against its own corpus with the evaluation
+suite's Recall@k definitions.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from mmalign.index import INDEX_INFO, METADATA
 
 TARGETS = ("image", "text")
 MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
+DEDUPE_SCAN = 1 << 16  # de-duplication looks at most this many nearest rows to fill k distinct captions
 
 
 @dataclass
@@ -35,6 +45,11 @@ class Hit:
     caption: str
     score: float  # cosine similarity
     row: int  # the row in the embedding directory (metadata_N.parquet order)
+    source_path: str | None = None  # where the sample came from (cat/0001.jpg), when the index knows
+
+
+class ImageUnavailable(LookupError):
+    """A hit's image cannot be read back (an old index without locations, a moved or changed shard)."""
 
 
 def _read_index_dir(index_dir: Path) -> dict:
@@ -116,8 +131,10 @@ class Searcher:
 
     # ------------------------------------------------------------- search
 
-    def search_vectors(self, vectors: np.ndarray, k: int = 10, against: str = "image") -> list[list[Hit]]:
-        """(n, D) query vectors -> for each, the top-``k`` hits of the ``against`` index."""
+    def search_vectors(self, vectors: np.ndarray, k: int = 10, against: str = "image",
+                       dedupe: bool = True) -> list[list[Hit]]:
+        """(n, D) query vectors -> for each, the top-``k`` hits of the ``against`` index
+        (against ``text`` with ``dedupe``: the top ``k`` distinct captions)."""
         if against not in self.indexes:
             raise ConfigError(f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -125,32 +142,93 @@ class Searcher:
             raise ConfigError(f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}")
         if k <= 0:
             raise ConfigError(f"-k must be positive, got {k}")
-        k = min(int(k), self.indexes[against].ntotal)  # FAISS allocates (n, k) results up front
-        if k == 0:
+        index, k = self.indexes[against], int(k)
+        dedupe = dedupe and against == "text"
+        total = index.ntotal
+        fetch = min(k, total)  # FAISS allocates (n, fetch) results up front
+        if fetch == 0:
             return [[] for _ in range(len(vectors))]
-        scores, ids = self.indexes[against].search(vectors, k)  # (n, k) each; id -1 = no result
-        out = []
-        for srow, irow in zip(scores, ids):
-            hits = []
-            for score, i in zip(srow, irow):
-                if i < 0:
-                    continue
-                row = int(self.rows[against][i])
-                hits.append(Hit(len(hits) + 1, str(self.meta.at[row, "key"]), str(self.meta.at[row, "caption"]),
-                                float(score), row))
-            out.append(hits)
-        return out
+        scan = min(total, max(k, DEDUPE_SCAN))  # the most rows de-duplication looks at
+        while True:
+            scores, ids = index.search(vectors, fetch)  # (n, fetch) each; id -1 = no result
+            out = [self._hits(srow, irow, against, k, dedupe) for srow, irow in zip(scores, ids)]
+            if not dedupe or fetch >= scan or all(len(hits) == k for hits in out):
+                return out
+            fetch = min(scan, fetch * 4)  # duplicates took places: look further down the list
 
-    def text(self, query: str, k: int = 10, against: str = "image") -> list[Hit]:
-        return self.search_vectors(self.encode_text([query]), k, against)[0]
+    def _hits(self, scores: np.ndarray, ids: np.ndarray, against: str, k: int, dedupe: bool) -> list[Hit]:
+        hits, seen = [], set()
+        for score, i in zip(scores, ids):
+            if i < 0:
+                continue
+            row = int(self.rows[against][i])
+            caption = str(self.meta.at[row, "caption"])
+            if dedupe:
+                if caption in seen:
+                    continue  # a lower-scoring copy: results come best first
+                seen.add(caption)
+            hits.append(Hit(len(hits) + 1, str(self.meta.at[row, "key"]), caption, float(score), row,
+                            self.source_path(row)))
+            if len(hits) == k:
+                break
+        return hits
 
-    def image(self, image, k: int = 10, against: str = "image") -> list[Hit]:
-        return self.search_vectors(self.encode_image([image]), k, against)[0]
+    def text(self, query: str, k: int = 10, against: str = "image", dedupe: bool = True) -> list[Hit]:
+        return self.search_vectors(self.encode_text([query]), k, against, dedupe)[0]
+
+    def image(self, image, k: int = 10, against: str = "image", dedupe: bool = True) -> list[Hit]:
+        return self.search_vectors(self.encode_image([image]), k, against, dedupe)[0]
+
+    # ------------------------------------------------------ where a hit came from
+
+    def source_path(self, row: int) -> str | None:
+        """The row's ``source_path`` column, else (an index from before it) its ``.json``'s, else None."""
+        if "source_path" in self.meta.columns:
+            value = self.meta.at[row, "source_path"]
+            return value if isinstance(value, str) else None
+        try:
+            value = json.loads(self.meta.at[row, "json"]).get("source_path")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) else None
+
+    def image_bytes(self, row: int, max_bytes: int) -> bytes:
+        """The encoded image of metadata row ``row``, read back from its shard (or image file).
+        Raises :class:`ImageUnavailable` when it cannot be found or is over ``max_bytes``."""
+        from mmalign.data.shards import IMAGE_EXTS
+        from mmalign.data.tario import CorruptTar, TruncatedTar, open_shard, read_sample_at
+
+        if not 0 <= row < len(self.meta):
+            raise ConfigError(f"row must be in [0, {len(self.meta)})")
+        if "file" not in self.meta.columns:
+            raise ImageUnavailable("this index records no image locations (built before they were kept: "
+                                   "re-run `mmalign embed` and `mmalign index`)")
+        file, offset, key = str(self.meta.at[row, "file"]), int(self.meta.at[row, "offset"]), self.meta.at[row, "key"]
+        try:
+            if offset < 0:  # an image folder's file
+                if Path(file).stat().st_size > max_bytes:
+                    raise ImageUnavailable(f"row {row}: the image is over {max_bytes} bytes")
+                return Path(file).read_bytes()
+            with open_shard(file) as f:
+                sample = read_sample_at(f, offset, 0, max_member=max_bytes)
+        except (OSError, TruncatedTar, CorruptTar) as e:
+            raise ImageUnavailable(f"row {row}: cannot read {Path(file).name} ({e})") from None
+        if sample is None or Path(sample.key).name != key:  # the shard was rewritten since indexing
+            raise ImageUnavailable(f"row {row}: sample {key!r} is no longer at its place in {Path(file).name}")
+        if any(e in sample.oversized for e in IMAGE_EXTS):
+            raise ImageUnavailable(f"row {row}: the image is over {max_bytes} bytes")
+        data = next((sample.members[e] for e in IMAGE_EXTS if e in sample.members), None)
+        if data is None:
+            raise ImageUnavailable(f"row {row}: sample {key!r} has no image")
+        return data
 
 
 def format_hits(hits: list[Hit]) -> str:
-    lines = [f"{'rank':>4}  {'score':>7}  key  caption"]
-    lines += [f"{h.rank:>4}  {h.score:7.4f}  {h.key}  {h.caption}" for h in hits]
+    """A table of hits; the source column appears when any hit knows its source path."""
+    sources = any(h.source_path for h in hits)
+    lines = [f"{'rank':>4}  {'score':>7}  key  " + ("source  " if sources else "") + "caption"]
+    lines += [f"{h.rank:>4}  {h.score:7.4f}  {h.key}  " + (f"{h.source_path or '-'}  " if sources else "")
+              + h.caption for h in hits]
     return "\n".join(lines)
 
 

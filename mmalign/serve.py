@@ -1,32 +1,47 @@
 """``mmalign serve``: a small HTTP front end to :class:`mmalign.search.Searcher` (stdlib only).
 
-    GET  /search?text=a+red+circle&k=10[&against=image|text]   -> JSON hits
-    POST /search?k=10[&against=...]   body = image bytes        -> JSON hits
-    GET  /health                                                 -> {"ok": true, "dim": D, ...}
+    GET  /                                       -> a search page (HTML, self-contained)
+    GET  /health                                 -> {"ok": true, "dim": D, "indexes": ["image", "text"]}
+    GET  /search?text=a+red+circle&k=10[&against=image|text][&dedupe=false]   -> JSON hits
+    POST /search?k=10[&against=...][&dedupe=...]   body = image bytes           -> JSON hits
+    GET  /thumb?row=N[&size=128]                 -> a JPEG thumbnail of a hit's image, read from its shard
+
+``against`` picks the index searched: ``image`` (default, one hit per image) or ``text``
+(one per caption; identical captions are folded into their best-scoring copy unless
+``dedupe=false``).  Hits are ``{"rank", "key", "caption", "score", "row", "source_path"}``.
 
 Bound to 127.0.0.1 unless told otherwise: there is no authentication.  Requests are
 bounded: the query text (``max_text`` characters), ``k`` (``max_k``), the image body
-(``max_body`` bytes, refused from its Content-Length before anything is read) and the
-image's pixels (``max_pixels``, read from its header before it is decoded).
+(``max_body`` bytes, refused from its Content-Length before anything is read), the
+image's pixels (``max_pixels``, read from its header before it is decoded) and a
+thumbnail's side (``max_thumb``) and source image (``max_body`` bytes).  Thumbnails show
+dataset images, so they are only served to a loopback client, whatever the bind address.
 
 One thread per connection (``ThreadingHTTPServer``), so an idle or slow client cannot
 hold up the others; every socket read gives up after ``timeout`` seconds.  The model
 and the FAISS indexes sit behind one lock (queries are short; images are decoded
 before taking it).  A ``Host`` header other than the bound address or localhost is
 refused: a web page cannot reach the server through a DNS name rebound to 127.0.0.1.
+Each request writes one access-log line (client, method, path, status, milliseconds)
+to stderr, or to the ``access_log`` callable given to :func:`make_server`.
 """
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import json
+import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.config import ConfigError
-from mmalign.search import MAX_QUERY_PIXELS, Searcher
+from mmalign.search import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
+from mmalign.serve_page import PAGE
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -53,6 +68,25 @@ def _is_ip(name: str) -> bool:
         return False
 
 
+def _is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket reports 127.0.0.1 as ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # sys.stderr looked up per line: it may be replaced
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A request path for the log: bounded, no control characters (no forged log lines)."""
+    text = text[:limit] + ("..." if len(text) > limit else "")
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 class _Handler(BaseHTTPRequestHandler):
     searcher: Searcher
     lock: threading.Lock
@@ -60,20 +94,40 @@ class _Handler(BaseHTTPRequestHandler):
     max_text: int
     max_body: int
     max_pixels: int
+    max_thumb: int
+    access_log: Callable[[str], None]
     timeout = 10.0  # seconds per socket read (StreamRequestHandler sets it on the connection)
 
-    def log_message(self, fmt, *args):  # quiet by default; the CLI prints the address
+    def log_message(self, fmt, *args):  # http.server's own lines are replaced by one access line per request
         pass
 
-    def _reply(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode("utf-8")
+    def handle_one_request(self):
+        start = time.monotonic()
+        self._status, self.command, self.path = None, None, None
+        super().handle_one_request()
+        if self.command is None and self._status is None:
+            return  # the client closed or stalled before sending a request
+        ms = 1000 * (time.monotonic() - start)
+        self.access_log(f"{self.client_address[0]} {_printable(self.command or '-')} "
+                        f"{_printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms")
+
+    def send_response(self, code, message=None):
+        self._status = code
+        super().send_response(code, message)
+
+    def _send(self, status: int, content_type: str, body: bytes, headers: dict | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
+
+    def _reply(self, status: int, payload: dict) -> None:
+        self._send(status, "application/json", json.dumps(payload).encode("utf-8"))
 
     def _params(self) -> tuple[str, dict]:
         parts = urlsplit(self.path)
@@ -96,15 +150,22 @@ class _Handler(BaseHTTPRequestHandler):
             raise ConfigError(f"k must be in [1, {self.max_k}]")
         return k, params.get("against", "image")
 
+    def _dedupe(self, params: dict) -> bool:
+        value = params.get("dedupe", "true").lower()
+        if value not in ("true", "1", "yes", "false", "0", "no"):
+            raise ConfigError("dedupe must be true or false")
+        return value in ("true", "1", "yes")
+
     def _handle(self, route) -> None:
         try:
-            self._check_host()
-            route()
-        except _Refused as e:
-            self._reply(e.status, {"error": str(e)})
-        except ConfigError as e:
-            self._reply(400, {"error": str(e)})
-        except (TimeoutError, ConnectionError):  # a client that stalled or left mid-body: drop it
+            try:
+                self._check_host()
+                route()
+            except _Refused as e:
+                self._reply(e.status, {"error": str(e)})
+            except ConfigError as e:
+                self._reply(400, {"error": str(e)})
+        except (TimeoutError, ConnectionError):  # a client that stalled or left (mid-body, or before the reply)
             self.close_connection = True
 
     def do_GET(self):
@@ -115,17 +176,53 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         path, params = self._params()
+        if path in ("/", "/index.html"):
+            # the page's script and style are inline; nothing else may load (no CDN, no frames)
+            return self._send(200, "text/html; charset=utf-8", PAGE.encode("utf-8"), {
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                                           "style-src 'unsafe-inline'; img-src 'self'; connect-src 'self'; "
+                                           "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff"})
         if path == "/health":
             return self._reply(200, {"ok": True, "dim": self.searcher.dim, "indexes": sorted(self.searcher.indexes)})
+        if path == "/thumb":
+            return self._thumb(params)
         if path != "/search":
             return self._reply(404, {"error": f"no route {path}"})
         text = params.get("text", "")
         if not text or len(text) > self.max_text:
             raise ConfigError(f"text must be 1..{self.max_text} characters")
         k, against = self._k_against(params)
+        dedupe = self._dedupe(params)
         with self.lock:
-            hits = self.searcher.text(text, k, against)
+            hits = self.searcher.text(text, k, against, dedupe=dedupe)
         return self._reply(200, {"query": text, "hits": [asdict(h) for h in hits]})
+
+    def _thumb(self, params: dict) -> None:
+        from PIL import Image
+
+        from mmalign.data.shards import BadSample, open_image
+
+        if not _is_loopback(str(self.client_address[0])):
+            raise _Refused(403, "thumbnails are served to this machine only")
+        try:
+            row, size = int(params.get("row", "")), int(params.get("size", 128))
+        except ValueError:
+            raise ConfigError("row and size must be integers") from None
+        if not 16 <= size <= self.max_thumb:
+            raise ConfigError(f"size must be in [16, {self.max_thumb}]")
+        try:
+            data = self.searcher.image_bytes(row, self.max_body)  # no model or index: no lock
+            image = open_image(data, self.max_pixels)  # the pixel count is checked before decoding
+        except ImageUnavailable as e:
+            raise _Refused(404, str(e)) from None
+        except BadSample as e:
+            raise _Refused(404, f"row {row}: the stored image is not readable ({e.reason})") from None
+        image = image.convert("RGB")
+        image.thumbnail((size, size), Image.Resampling.BICUBIC)
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG", quality=85)
+        return self._send(200, "image/jpeg", buf.getvalue(), {"Cache-Control": "private, max-age=600"})
 
     def _post(self) -> None:
         from mmalign.data.shards import BadSample, open_image
@@ -144,6 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise _Refused(413, f"image body must be 1..{self.max_body} bytes")
         k, against = self._k_against(params)
+        dedupe = self._dedupe(params)
         data = self.rfile.read(length)
         if len(data) < length:
             self.close_connection = True
@@ -155,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Refused(413, f"image has too many pixels ({e}); at most {self.max_pixels}") from None
             raise ConfigError(f"body is not a readable image ({e.reason})") from None
         with self.lock:
-            hits = self.searcher.image(image, k, against)
+            hits = self.searcher.image(image, k, against, dedupe=dedupe)
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
 
 
@@ -166,11 +264,21 @@ class _Server(ThreadingHTTPServer):
 
 def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *, max_k: int = 100,
                 max_text: int = 1000, max_body: int = 8 << 20, max_pixels: int = MAX_QUERY_PIXELS,
-                timeout: float = 10.0) -> ThreadingHTTPServer:
-    """A threaded HTTP server (port 0 = any free port); call ``serve_forever()`` on it."""
+                max_thumb: int = 256, timeout: float = 10.0,
+                access_log: Callable[[str], None] | None = None) -> ThreadingHTTPServer:
+    """A threaded HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
+    ``access_log`` receives one line per request (default: stderr)."""
+    log_lock = threading.Lock()
+    write = access_log or _stderr_line
+
+    def log_line(line: str) -> None:
+        with log_lock:  # whole lines from concurrent threads
+            write(line)
+
     handler = type("Handler", (_Handler,), {
         "searcher": searcher, "lock": threading.Lock(), "max_k": int(max_k), "max_text": int(max_text),
-        "max_body": int(max_body), "max_pixels": int(max_pixels), "timeout": float(timeout)})
+        "max_body": int(max_body), "max_pixels": int(max_pixels), "max_thumb": int(max_thumb),
+        "timeout": float(timeout), "access_log": staticmethod(log_line)})
     try:
         return _Server((host, int(port)), handler)
     except (OSError, OverflowError) as e:
@@ -180,7 +288,8 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
 
 def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100) -> None:
     server = make_server(Searcher(index_dir, model_dir), host, port, max_k=max_k)
-    print(f"serving {index_dir} on http://{host}:{server.server_address[1]}/search?text=...&k=10 (Ctrl-C stops)")
+    base = f"http://{host}:{server.server_address[1]}"
+    print(f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()
     finally:

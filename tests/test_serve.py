@@ -26,10 +26,10 @@ class StubSearcher:
     def __init__(self):
         self.images = []
 
-    def text(self, text, k, against):
+    def text(self, text, k, against, dedupe=True):
         return [Hit(1, "key", text, 1.0, 0)]
 
-    def image(self, image, k, against):
+    def image(self, image, k, against, dedupe=True):
         self.images.append(image.size)
         return [Hit(1, f"{image.width}x{image.height}", "", 1.0, 0)]
 
@@ -38,7 +38,7 @@ class StubSearcher:
 def server(request):
     kwargs = getattr(request, "param", {})
     searcher = StubSearcher()
-    srv = make_server(searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, **kwargs})
+    srv = make_server(searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, "access_log": lambda line: None, **kwargs})
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     srv.stub = searcher

@@ -141,7 +141,8 @@ def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
 
 
 def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
-    """Yield ``{"__key__", "__url__", ext: bytes, ...}`` for each sample of one tar.
+    """Yield ``{"__key__", "__url__", "__offset__", ext: bytes, ...}`` for each sample of one tar
+    (``__offset__``: the byte offset of the sample's first header, for re-reading it later).
 
     Members over ``max_member`` bytes are not read: they are listed (ext -> size) under
     ``"__oversized__"``, which :func:`decode_sample` turns into a ``member_too_large`` skip.
@@ -150,20 +151,26 @@ def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[d
     with open_shard(path) as f:
         for sample in iter_samples(f, max_member=max_member):
             extra = {"__oversized__": sample.oversized} if sample.oversized else {}
-            yield {"__key__": sample.key, "__url__": path, **sample.members, **extra}
+            yield {"__key__": sample.key, "__url__": path, "__offset__": sample.offset, **sample.members, **extra}
 
 
-def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set | None = None) -> Iterator[dict]:
+def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set | None = None,
+                 locate: bool = False) -> Iterator[dict]:
     """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped.
-    With ``keep``, only the samples whose (url, key) it holds are decoded."""
+    With ``keep``, only the samples whose (url, key) it holds are decoded.  With ``locate``,
+    each sample also carries ``shard`` (its url) and ``offset`` (its first header's byte offset)."""
     for url in urls:
         try:
             for raw in iter_tar_groups(url, max_member):
                 if keep is not None and (url, raw["__key__"]) not in keep:
                     continue
                 try:
-                    yield decode_sample(raw)
+                    sample = decode_sample(raw)
                 except BadSample as e:
                     log.warning("skipping sample %s in %s: %s", raw["__key__"], url, e)
+                    continue
+                if locate:
+                    sample.update(shard=url, offset=raw["__offset__"])
+                yield sample
         except (TruncatedTar, CorruptTar, OSError) as e:
             log.warning("shard %s ended early: %s", url, e)
