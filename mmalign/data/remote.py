@@ -246,7 +246,7 @@ class RemoteFile:
         self.pos = 0
         self._stream = None
         self._at = 0  # the open stream's position
-        self._win, self._lo = b"", 0  # the last bytes read: [lo, lo + len(win))
+        self._win, self._lo = bytearray(), 0  # the last bytes read: [lo, lo + len(win))
         self._ranged = self.kind != "pipe"  # False once an http server ignored a range
         self._native_seek = self.kind == "fsspec"
         self.closed = False
@@ -301,7 +301,7 @@ class RemoteFile:
 
     def close(self) -> None:
         self._drop()
-        self._win = b""
+        self._win = bytearray()
         self.closed = True
 
     def __enter__(self):
@@ -323,8 +323,9 @@ class RemoteFile:
     def _fetch(self, n: int) -> bytes:
         chunk = self._stream.read(n)
         self._at += len(chunk)
-        win = self._win + chunk if len(chunk) < WINDOW else chunk
-        self._win = win[-WINDOW:]
+        self._win += chunk
+        if len(self._win) > 2 * WINDOW:  # trimmed now and then, not at every small read
+            del self._win[:len(self._win) - WINDOW]
         self._lo = self._at - len(self._win)
         return chunk
 
@@ -335,13 +336,13 @@ class RemoteFile:
         if self._stream is not None and self._native_seek:
             self._stream.seek(self.pos)
             self._at = self.pos
-            self._win, self._lo = b"", self._at
+            self._win, self._lo = bytearray(), self._at
             return
         gap = self.pos - self._at
         if self._stream is None or gap < 0 or (gap > SKIP and self._ranged):
             self._drop()
             self._stream, self._at = self._open(self.pos)
-            self._win, self._lo = b"", self._at  # the window holds bytes of one stream, in order
+            self._win, self._lo = bytearray(), self._at  # the window holds bytes of one stream, in order
             if self._at < self.pos:
                 self._ranged = False
         while self._at < self.pos:
