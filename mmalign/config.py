@@ -85,6 +85,11 @@ class DataConfig:
     max_consecutive_skips: int = 10_000
     # a tar member larger than this is never read into memory; its sample is a counted skip
     max_member_bytes: int = MAX_MEMBER_BYTES
+    # Remote shards (pipe:CMD, http(s)://, fsspec URLs): failures in a row before a shard is
+    # skipped (unreadable_shard), the first backoff in seconds (doubling), and every wait's timeout.
+    remote_retries: int = 5
+    remote_backoff: float = 1.0
+    remote_timeout: float = 60.0
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
@@ -449,6 +454,12 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.max_consecutive_skips' must be > 0, got {d.max_consecutive_skips}")
     if not isinstance(d.max_member_bytes, int) or d.max_member_bytes < 1:
         raise ConfigError(f"config key 'data.max_member_bytes' must be an integer > 0, got {d.max_member_bytes!r}")
+    if not isinstance(d.remote_retries, int) or isinstance(d.remote_retries, bool) or d.remote_retries < 0:
+        raise ConfigError(f"config key 'data.remote_retries' must be an integer >= 0, got {d.remote_retries!r}")
+    for key, low, high in (("remote_backoff", 0, 3600), ("remote_timeout", 1e-3, 86400)):
+        value = getattr(d, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ConfigError(f"config key 'data.{key}' must be seconds in [{low:g}, {high}], got {value!r}")
     train = d.train if isinstance(d.train, list) else [d.train]
     if not train or not all(isinstance(s, str) and s.strip() for s in train):
         raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")

@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_sum",
     "all_gather_object",
+    "broadcast_object",
     "all_reduce_sum_with_grad",
     "init_from_env",
     "env_dist_info",
@@ -139,6 +140,15 @@ def all_gather_object(obj) -> list:
     out = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself when not distributed)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 class _AllReduceSumWithGrad(torch.autograd.Function):

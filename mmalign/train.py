@@ -27,7 +27,7 @@ from mmalign import checkpoint, progress, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
-from mmalign.data.shards import check_urls, expand_urls, read_samples
+from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, run_suite, write_results
@@ -188,7 +188,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     main = rank == 0
     out = Path(cfg.output)
     check_buildable(cfg.model)
-    check_urls(expand_urls(cfg.data.train), "data.train")
+    check_train_shards(cfg.data, rank, mdist.broadcast_object)  # rank 0 looks, every rank learns the result
     suite = resolve_suite(cfg)  # a typo in eval.suite fails now, not after training
     rundir.check_fresh_start(out, resume, overwrite)
     for newest in checkpoint.candidates(out, resume)[:1]:

@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmalign.config import ConfigError, DataConfig
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.shards import check_urls, expand_urls
-from mmalign.data.stream import NoSamples, SlotStream, StreamSpec
+from mmalign.data.remote import RemoteOptions
+from mmalign.data.stream import NoSamples, SlotStream, StreamSpec, check_resumable
 
 log = logging.getLogger("mmalign.data")
 
@@ -167,6 +168,7 @@ class StreamingLoader:
                     f"cannot resume the data stream: the checkpoint has {key}={state.get(key)!r}, this run {value!r} "
                     "(exact resume needs the same shards, seed, mode, batch size, ranks and workers)"
                 )
+        check_resumable(self.spec, state["slots"])
         self._states = {int(slot): s for slot, s in state["slots"].items()}
         self._consumed = int(state["consumed"])
 
@@ -174,16 +176,21 @@ class StreamingLoader:
 # ---------------------------------------------------------------- building
 
 
+def _remote_options(data: DataConfig) -> RemoteOptions:
+    return RemoteOptions(data.remote_retries, data.remote_backoff, data.remote_timeout)
+
+
 def _sources(data: DataConfig) -> tuple[list[str], list[tuple[int, ...]], list[float]]:
     specs = data.train if isinstance(data.train, list) else [data.train]
+    remote = _remote_options(data)
     if data.train_weights is None:
         urls = expand_urls(specs)
-        check_urls(urls, "data.train")
+        check_urls(urls, "data.train", remote)
         return urls, [tuple(range(len(urls)))], [1.0]
     urls, sources = [], []
     for i, spec in enumerate(specs):
         part = expand_urls(spec)
-        check_urls(part, f"data.train[{i}]")
+        check_urls(part, f"data.train[{i}]", remote)
         sources.append(tuple(range(len(urls), len(urls) + len(part))))
         urls.extend(part)
     return urls, sources, [float(w) for w in data.train_weights]
@@ -219,6 +226,7 @@ def build_train_loader(
         shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
+        remote=_remote_options(data),
     )
     if len(urls) < spec.slots:
         how = ("each worker keeps every c-th sample of a shared shard" if data.mode == "epoch"

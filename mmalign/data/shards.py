@@ -1,23 +1,27 @@
 """Reading img2dataset-layout tar shards: ``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``.
 
-Shard specs expand with braces (``data/{00000..00099}.tar``); ``::`` joins specs.
+Shard specs expand with braces (``data/{00000..00099}.tar``); ``::`` joins specs.  A spec
+is a local path, ``pipe:CMD``, an ``http(s)://`` URL or an fsspec URL (:mod:`mmalign.data.remote`).
 Decoding a sample either returns it or raises :class:`BadSample` with a short
 reason (the loader counts skips by reason, it never crashes on data).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from braceexpand import braceexpand
 from PIL import Image
 
 from mmalign.config import MAX_MEMBER_BYTES
+from mmalign.data.remote import RemoteOptions, check_backend, is_gzip_name, kind_of, local_path, probe
 from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
 
 log = logging.getLogger(__name__)
@@ -57,15 +61,98 @@ def expand_urls(spec: str | list[str]) -> list[str]:
     return [u for u in urls if u]
 
 
-def check_urls(urls: list[str], what: str) -> None:
+REMOTE_SAMPLE = 100  # remote shards probed at start-up (spread over the list): not one request per shard
+_checked: set[str] = set()  # digests of shard lists already checked in this process
+
+
+def _digest(urls: list[str]) -> str:
+    return hashlib.sha256("\n".join(urls).encode()).hexdigest()
+
+
+def _spread(items: list, n: int) -> list:
+    """``n`` items evenly spread over ``items`` (first and last included), in order."""
+    if len(items) <= n:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
+
+
+def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) -> None:
+    """A one-line ConfigError naming ``what`` unless every local shard exists and a sample
+    of the remote ones (``REMOTE_SAMPLE``, probed in parallel) can be read.  A list that
+    passed is not checked again in this process."""
     from mmalign.config import ConfigError
 
     if not urls:
         raise ConfigError(f"config key '{what}': no shards given")
-    missing = [u for u in urls if "://" not in u and not Path(u).exists()]
+    if _digest(urls) in _checked:
+        return
+    missing = [u for u in urls if kind_of(u) == "local" and not Path(local_path(u)).exists()]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConfigError(f"config key '{what}': shard not found: {missing[0]}{more}")
+    remote_urls = [u for u in urls if kind_of(u) != "local"]
+    schemes = {u.split("://", 1)[0].lower(): u for u in remote_urls if kind_of(u) == "fsspec"}
+    for url in schemes.values():
+        check_backend(url, what)
+    sample = _spread(remote_urls, REMOTE_SAMPLE)
+    if sample:
+        problems = _probe_all(sample, remote)
+        if problems:
+            url, why = problems[0]
+            raise ConfigError(f"config key '{what}': shard not readable: {url} ({why}; "
+                              f"{len(problems)} of {len(sample)} sampled remote shard(s) failed)")
+    _checked.add(_digest(urls))
+
+
+def _probe_all(urls: list[str], remote: RemoteOptions | None) -> list[tuple[str, str]]:
+    """(url, why) of the shards that cannot be read; stops starting probes after the first failure."""
+    problems: list[tuple[str, str]] = []
+    with ThreadPoolExecutor(max_workers=min(8, len(urls))) as pool:
+        futures = {pool.submit(probe, url, remote): url for url in urls}
+        for future in as_completed(futures):
+            if future.cancelled():
+                continue
+            why = future.result()
+            if why is not None:
+                problems.append((futures[future], why))
+                for other in futures:
+                    other.cancel()
+    return sorted(problems, key=lambda p: urls.index(p[0]))
+
+
+def train_shard_lists(data) -> list[tuple[list[str], str]]:
+    """(shards, config key) as the training loader checks them: data.train whole, or one list per
+    weighted source."""
+    specs = data.train if isinstance(data.train, list) else [data.train]
+    if data.train_weights is None:
+        return [(expand_urls(specs), "data.train")]
+    return [(expand_urls(spec), f"data.train[{i}]") for i, spec in enumerate(specs)]
+
+
+def check_train_shards(data, rank: int = 0, broadcast=lambda problem: problem) -> None:
+    """Rank 0 checks data.train's shards; ``broadcast`` (rank 0's value to every rank) shares the
+    outcome, so start-up does not stat every shard once per rank (and again in the loader:
+    the lists are marked checked on every rank)."""
+    from mmalign.config import ConfigError
+
+    lists = train_shard_lists(data)
+    problem = None
+    if rank == 0:
+        options = RemoteOptions(data.remote_retries, data.remote_backoff, data.remote_timeout)
+        try:
+            for urls, what in lists:
+                check_urls(urls, what, options)
+        except ConfigError as e:
+            problem = str(e)
+    problem = broadcast(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+    for urls, _what in lists:
+        _checked.add(_digest(urls))
+    gz = next((u for urls, _ in lists for u in urls if is_gzip_name(u)), None)
+    if gz is not None and rank == 0:
+        log.warning("data.train has gzip shards (%s): a checkpoint cannot resume the data stream inside "
+                    "them exactly; store shards as plain .tar", gz)
 
 
 def open_image(data: bytes, max_pixels: int | None = None) -> Image.Image:

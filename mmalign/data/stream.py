@@ -25,10 +25,11 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mmalign.config import MAX_MEMBER_BYTES
+from mmalign.config import MAX_MEMBER_BYTES, ConfigError
+from mmalign.data.remote import RemoteOptions, is_gzip_name, note_resume
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.shards import BadSample
-from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_sample_at
+from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
 log = logging.getLogger("mmalign.data")
 
@@ -62,6 +63,7 @@ class StreamSpec:
     max_image_pixels: int
     max_consecutive_skips: int = 10_000  # bad samples in a row before the slot gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
+    remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
 
     @property
     def slots(self) -> int:
@@ -89,6 +91,24 @@ class NoSamples(Exception):
     """The slot found nothing to read (all shards empty or unreadable, or too few samples)."""
 
 
+def check_resumable(spec: StreamSpec, states: dict) -> None:
+    """Refuse exact resume inside a gzip shard: every re-read would decompress it from its start.
+
+    ``states``: slot -> stream state.  Only states that re-open a shard mid-way count
+    (buffered samples, or an open shard past its first byte).
+    """
+    for state in states.values():
+        urls = [ref[0] for ref in state.get("buffer", [])]
+        shard = state.get("shard")
+        if shard is not None and shard.get("offset", 0) > 0:
+            urls.append(shard["url"])
+        for url in urls:
+            if is_gzip_name(spec.urls[url]):
+                raise ConfigError(f"config key 'data.train': cannot resume exactly inside gzip shard "
+                                  f"{spec.urls[url]} (each re-read decompresses it from its start); "
+                                  "store shards as plain .tar to resume runs")
+
+
 class SlotStream:
     def __init__(self, spec: StreamSpec, slot: int, processor: SampleProcessor, state: dict | None = None):
         self.spec = spec
@@ -106,10 +126,10 @@ class SlotStream:
             self.rng.setstate((version, tuple(internal), gauss))
         else:
             self.rng.seed(mix(spec.seed, 0x5B0F, slot))
-        # The buffer holds raw samples plus the epoch each belongs to.
-        self.buffer: list[tuple[RawSample, int, int]] = [self._reread(*ref) for ref in state.get("buffer", [])]
         self._reader: Iterator[RawSample] | None = None
-        self._file = None
+        self._file = None  # the open shard's file (set by _refill when it re-read buffered samples from it)
+        # The buffer holds raw samples plus the url index and the epoch each belongs to.
+        self.buffer: list[tuple[RawSample, int, int]] = self._refill(state.get("buffer", []))
         self._empty_reads = 0  # consecutive shard reads that gave no sample
 
     # ------------------------------------------------------------ state
@@ -126,12 +146,34 @@ class SlotStream:
             "buffer": [[url, raw.offset, raw.index, epoch] for raw, url, epoch in self.buffer],
         }
 
-    def _reread(self, url: int, offset: int, index: int, epoch: int) -> tuple[RawSample, int, int]:
-        with open_shard(self.spec.urls[url]) as f:
-            raw = read_sample_at(f, offset, index, self.spec.max_member_bytes)
-        if raw is None:  # the shard changed under us since the checkpoint
-            raise NoSamples(f"cannot re-read buffered sample {index} of {self.spec.urls[url]} on resume")
-        return raw, url, epoch
+    def _refill(self, refs: list) -> list[tuple[RawSample, int, int]]:
+        """The shuffle buffer of a checkpoint, re-read: each shard opened once and read forward.
+
+        Samples of the shard this slot was reading are re-read on the file it then goes on
+        reading from (they all lie before its saved offset), so that shard is opened once too.
+        """
+        by_shard: dict[int, dict[tuple[int, int], list[int]]] = {}  # url -> (offset, index) -> buffer positions
+        for position, (url, offset, index, _epoch) in enumerate(refs):
+            by_shard.setdefault(int(url), {}).setdefault((int(offset), int(index)), []).append(position)
+        buffer: list = [None] * len(refs)
+        current = self.shard["url"] if self.shard is not None else None
+        for url, wanted in by_shard.items():
+            path = self.spec.urls[url]
+            note_resume(path)
+            f = open_shard(path, self.spec.remote)
+            try:
+                for raw in read_samples_at(f, list(wanted), self.spec.max_member_bytes):
+                    for position in wanted[(raw.offset, raw.index)]:
+                        buffer[position] = (raw, url, int(refs[position][3]))
+            except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError) as e:
+                f.close()
+                raise NoSamples(f"cannot re-read the buffered samples of {path} on resume: "
+                                f"{type(e).__name__}: {e}") from None
+            if url == current:
+                self._file = f
+            else:
+                f.close()
+        return buffer
 
     # ------------------------------------------------------------ reading
 
@@ -168,7 +210,10 @@ class SlotStream:
             path = self.spec.urls[sh["url"]]
             try:
                 if self._reader is None:
-                    self._file = open_shard(path)
+                    if sh["offset"]:  # only a resumed shard starts past its first byte
+                        note_resume(path)
+                    if self._file is None:
+                        self._file = open_shard(path, self.spec.remote)
                     stride, phase = sh["stride"], sh["phase"]
                     keep = None if stride == 1 else (lambda i, s=stride, p=phase: i % s == p)
                     self._reader = iter_samples(self._file, sh["offset"], sh["index"], keep=keep,

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from mmalign.data.remote import RemoteFile, RemoteOptions, is_gzip_name, kind_of, local_path
+
 BLOCK = 512
 MAX_NAME_HEADER = 1 << 20  # a GNU long name or pax record set larger than this is corrupt
 
@@ -95,11 +97,44 @@ def _pax_path(data: bytes) -> str | None:
     return None
 
 
-def open_shard(path: str) -> BinaryIO:
-    """Plain ``.tar`` (seekable, cheap) or ``.tar.gz``/``.tgz`` (seekable, slow)."""
-    if path.endswith((".gz", ".tgz")):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+class _GzipShard(gzip.GzipFile):
+    """A gzip stream over a remote shard file, closing that file with itself."""
+
+    def __init__(self, raw: BinaryIO):
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
+def open_shard(path: str, remote: RemoteOptions | None = None) -> BinaryIO:
+    """A shard spec -> a readable, seekable file.
+
+    Local: plain ``.tar`` (seekable, cheap) or ``.tar.gz``/``.tgz`` (seekable, slow).
+    ``http(s)://`` and fsspec URLs: a :class:`~mmalign.data.remote.RemoteFile` (``remote`` says
+    how it retries), gunzipped by the same names.  ``pipe:CMD``: the command's output, gunzipped
+    when it starts with gzip's magic (the command may well decompress itself).
+    """
+    kind = kind_of(path)
+    if kind == "local":
+        path = local_path(path)
+        if path.endswith((".gz", ".tgz")):
+            return gzip.open(path, "rb")
+        return open(path, "rb")
+    raw = RemoteFile(path, remote)
+    if kind != "pipe":
+        return _GzipShard(raw) if is_gzip_name(path) else raw
+    try:  # a pipe is read from its start anyway: sniffing costs nothing
+        magic = raw.read(2)
+        raw.seek(0)  # served from the remote file's window
+    except BaseException:
+        raw.close()
+        raise
+    return _GzipShard(raw) if magic == b"\x1f\x8b" else raw
 
 
 def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
@@ -233,3 +268,30 @@ def read_sample_at(f: BinaryIO, offset: int, index: int, max_member: int | None 
     for sample in iter_samples(f, offset, index, max_member=max_member):
         return sample
     return None
+
+
+def read_samples_at(f: BinaryIO, refs: list[tuple[int, int]], max_member: int | None = None) -> Iterator[RawSample]:
+    """The samples at ``refs`` ((offset, index) pairs of one shard), in offset order, in one forward pass.
+
+    Re-filling a shuffle buffer on resume: the shard is opened and read once, the samples
+    between the wanted ones are skipped without reading their data.  A wanted sample not
+    found at its offset (the shard changed since the checkpoint) raises CorruptTar.
+    """
+    if not refs:
+        return
+    wanted = {index: offset for offset, index in refs}
+    need = set(wanted)
+    offset, index = min(refs)
+    for sample in iter_samples(f, offset, index, keep=need.__contains__, max_member=max_member):
+        if sample.index not in need:
+            continue
+        if sample.offset != wanted[sample.index]:
+            raise CorruptTar(f"sample {sample.index} starts at byte {sample.offset}, not {wanted[sample.index]}: "
+                             "the shard changed since the checkpoint")
+        need.discard(sample.index)
+        yield sample
+        if not need:
+            return
+    if need:
+        raise CorruptTar(f"{len(need)} sample(s) from index {min(need)} are missing: the shard changed since "
+                         "the checkpoint")

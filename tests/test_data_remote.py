@@ -1,0 +1,380 @@
+"""Remote shard specs (http(s) with and without Range support, pipe:CMD, fsspec): the same
+stream as local files, exact resume, retries then a counted skip, gzip resume refusal, a
+re-filled shuffle buffer that opens each shard once, and a start-up check done by rank 0."""
+
+import contextlib
+import gzip
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmalign.config import ConfigError, DataConfig
+from mmalign.data import remote, shards
+from tests.conftest import ROOT, spawn_ranks
+
+
+# The loader-test helpers import open_clip (seconds): imported when used, so the spawned ranks
+# of the start-up check, which import this module, start quickly.
+def loader_for(*args, **kwargs):
+    from tests.test_data_loader import loader_for as build
+
+    return build(*args, **kwargs)
+
+
+def make_shards(*args, **kwargs):
+    from tests.test_data_loader import make_shards as write
+
+    return write(*args, **kwargs)
+
+
+def take(*args, **kwargs):
+    from tests.test_data_loader import take as first
+
+    return first(*args, **kwargs)
+
+# ---------------------------------------------------------------- a shard server on 127.0.0.1
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """GET/HEAD of files under ``server.root``; Range ``bytes=A-[B]`` when ``server.ranges``.
+
+    ``server.fail[name] = k`` answers 503 to the next k requests for ``name`` (-1: always);
+    ``server.cut[name] = k`` ends the next k responses for ``name`` half-way through the body."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        self.do_GET(head=True)
+
+    def do_GET(self, head=False):
+        srv, name = self.server, self.path.lstrip("/")
+        with srv.lock:
+            srv.requests.append((name, self.headers.get("Range")))
+            failing, cutting = srv.fail.get(name, 0), srv.cut.get(name, 0)
+            if failing > 0:
+                srv.fail[name] = failing - 1
+            if cutting > 0:
+                srv.cut[name] = cutting - 1
+        if failing:
+            self.send_error(503)
+            return
+        path = srv.root / name
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if srv.ranges and match:
+            start = int(match[1])
+            end = min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = data[start:end + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        else:
+            body = data
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if head:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a reader that stops early
+            self.wfile.write(body[:len(body) // 2] if cutting else body)
+
+
+@contextlib.contextmanager
+def serve(root: Path, ranges: bool = True):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.handle_error = lambda request, address: None  # a client closing early is no test failure
+    server.root, server.ranges, server.lock = Path(root), ranges, threading.Lock()
+    server.requests, server.fail, server.cut = [], {}, {}
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state(monkeypatch):
+    """Log-once and checked-list memories are per process; each test starts without them."""
+    monkeypatch.setattr(remote, "_said", set())
+    monkeypatch.setattr(shards, "_checked", set())
+
+
+def _same(got, ref):
+    assert [b["keys"] for b in got] == [b["keys"] for b in ref]
+    assert [b["captions"] for b in got] == [b["captions"] for b in ref]
+    for a, b in zip(got, ref):
+        assert torch.equal(a["images"], b["images"])
+
+
+# ---------------------------------------------------------------- loader level
+
+
+@pytest.mark.parametrize("kind", ["http", "http-without-ranges", "pipe"])
+def test_remote_stream_and_its_resume_equal_the_local_stream(tmp_path, kind, caplog):
+    rng = random.Random()
+    make_shards(tmp_path, [rng.randint(9, 14) for _ in range(4)], rng)
+    local = f"{tmp_path}/{{00000..00003}}.tar"
+    seed, total = rng.randrange(1000), 12
+    cut = rng.randrange(3, total - 3)
+    reference = take(loader_for(local, mode="resampled", workers=0, seed=seed), total)
+    with serve(tmp_path, ranges=kind == "http") as server:
+        spec = f"pipe:cat {local}" if kind == "pipe" else f"{server.url}/{{00000..00003}}.tar"
+        _same(take(loader_for(spec, mode="resampled", workers=0, seed=seed), total), reference)
+
+        first = loader_for(spec, mode="resampled", workers=0, seed=seed)
+        head = take(first, cut)
+        state = json.loads(json.dumps(first.state_dict()))
+        resumed = loader_for(spec, mode="resampled", workers=0, seed=seed)
+        resumed.load_state_dict(state)
+        server.requests.clear()
+        with caplog.at_level("INFO", logger="mmalign.data"):
+            tail = take(resumed, total - cut)
+        _same(head + tail, reference)
+        ranged = [r for _, r in server.requests if r]
+    said = [r.getMessage() for r in caplog.records if "exact resume" in r.getMessage()]
+    expected = {"http": "by HTTP range requests", "http-without-ranges": "ignores HTTP ranges",
+                "pipe": "re-runs the command"}[kind]
+    assert len(said) == 1 and expected in said[0], said  # once, not per sample or per shard
+    if kind != "pipe":
+        assert ranged, "the resume asked for no byte range"
+
+
+def test_pipe_and_fsspec_specs_read_the_same_samples(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    rng = random.Random()
+    make_shards(tmp_path, [7, 9], rng)
+    local = f"{tmp_path}/{{00000..00001}}.tar"
+    reference = take(loader_for(local, mode="epoch", workers=0, buffer=1, batch=4), 4)
+    memory = fsspec.filesystem("memory")
+    for name in ("00000.tar", "00001.tar"):
+        memory.pipe(f"/remote-test/{name}", (tmp_path / name).read_bytes())
+    for spec in (f"pipe:cat {local}", "memory://remote-test/{00000..00001}.tar"):
+        _same(take(loader_for(spec, mode="epoch", workers=0, buffer=1, batch=4), 4), reference)
+    with pytest.raises(ConfigError, match=r"config key 'data.train': shard not readable: pipe:cat .*missing"):
+        loader_for(f"pipe:cat {tmp_path}/missing.tar", mode="epoch", remote_retries=0)
+
+
+def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
+    rng = random.Random()
+    keys = make_shards(tmp_path, [4, 4, 4, 4], rng)
+    by_shard = {s: [k for k in keys if k.startswith(f"{s:05d}")] for s in range(4)}
+    with serve(tmp_path) as server:
+        loader = loader_for(f"{server.url}/{{00000..00003}}.tar", mode="epoch", workers=0, buffer=1, batch=3,
+                            remote_retries=2, remote_backoff=0.01)
+        server.requests.clear()
+        server.fail["00001.tar"] = -1  # 503 for ever: retried twice, then skipped
+        server.fail["00002.tar"] = 2  # two 503s, then fine: read whole
+        server.cut["00000.tar"] = 1  # the body stops half-way once: continued from that byte
+        os.rename(tmp_path / "00003.tar", tmp_path / "gone.tar")  # 404: not retried
+        batches = take(loader, 3)
+        requests = [name for name, _ in server.requests]
+    got = [k for b in batches for k, e in zip(b["keys"], b["epochs"].tolist()) if e == 0]
+    assert sorted(got) == sorted(by_shard[0] + by_shard[2])
+    failed = batches[-1]["skipped"]["unreadable_shard"]
+    assert batches[-1]["skipped"] == {"unreadable_shard": failed} and failed in (2, 3, 4)  # epoch 1 may begin
+    reads_of_1 = requests.count("00001.tar")
+    assert reads_of_1 in (3, 6) and requests.count("00002.tar") >= 3 and requests.count("00000.tar") >= 2
+    assert failed == reads_of_1 // 3 + requests.count("00003.tar")
+
+
+def test_gzip_shards_stream_but_refuse_exact_resume(tmp_path):
+    rng = random.Random()
+    make_shards(tmp_path, [8, 8], rng)
+    for name in ("00000", "00001"):
+        (tmp_path / f"{name}.tar.gz").write_bytes(gzip.compress((tmp_path / f"{name}.tar").read_bytes()))
+    reference = take(loader_for(f"{tmp_path}/{{00000..00001}}.tar", mode="epoch", workers=0, batch=4), 3)
+    with serve(tmp_path) as server:
+        for spec in (f"{tmp_path}/{{00000..00001}}.tar.gz", f"{server.url}/{{00000..00001}}.tar.gz"):
+            first = loader_for(spec, mode="epoch", workers=0, batch=4)
+            _same(take(first, 3), reference)
+            again = loader_for(spec, mode="epoch", workers=0, batch=4)
+            with pytest.raises(ConfigError, match=r"^config key 'data.train': cannot resume exactly inside gzip "
+                                                  r"shard .*store shards as plain \.tar"):
+                again.load_state_dict(first.state_dict())
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_refilling_the_shuffle_buffer_opens_each_shard_once(tmp_path, where, monkeypatch):
+    rng = random.Random()
+    make_shards(tmp_path, [15] * 4, rng)
+    with serve(tmp_path) as server:
+        base = server.url if where == "http" else str(tmp_path)
+        spec = f"{base}/{{00000..00003}}.tar"
+        loader = loader_for(spec, mode="resampled", workers=0, buffer=40, batch=5)
+        take(loader, 6)  # 30 taken, 40 buffered: the buffer spans several shards
+        slot_state = json.loads(json.dumps(loader.state_dict()))["slots"]["0"]
+        buffered = {ref[0] for ref in slot_state["buffer"]}
+        assert len(slot_state["buffer"]) == 39  # 40 less the last one taken; one open each, before
+        from mmalign.data import stream
+
+        opened = []
+        real_open = stream.open_shard
+
+        def counting(path, *args, **kwargs):
+            opened.append(path)
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(stream, "open_shard", counting)
+        server.requests.clear()
+        s = stream.SlotStream(loader.spec, 0, loader.processor, slot_state)
+        assert sorted(opened) == sorted(loader.spec.urls[u] for u in buffered)  # was: one open per sample
+        if where == "http":
+            assert sorted(name for name, _ in server.requests) == sorted(f"{u:05d}.tar" for u in buffered)
+        # the shard being read goes on from the file its buffered samples came from
+        current, cursor = loader.spec.urls[slot_state["shard"]["url"]], s.cursor
+        samples = s.samples()
+        while s.cursor == cursor:  # until the next shard is drawn (and opened)
+            next(samples)
+        drawn_again = s.shard is not None and loader.spec.urls[s.shard["url"]] == current
+        assert opened.count(current) == 1 + drawn_again
+
+
+# ---------------------------------------------------------------- start-up check
+
+
+def test_startup_probes_a_sample_of_remote_shards_and_names_backends(tmp_path):
+    for i in range(250):
+        (tmp_path / f"{i:03d}.tar").write_bytes(b"\0" * 1024)
+    with serve(tmp_path) as server:
+        urls = shards.expand_urls(f"{server.url}/{{000..249}}.tar")
+        shards.check_urls(urls, "data.train")
+        probed = {name for name, _ in server.requests}
+        assert len(server.requests) == len(probed) == shards.REMOTE_SAMPLE
+        assert {"000.tar", "249.tar"} <= probed
+        server.requests.clear()
+        shards.check_urls(urls, "data.train")  # checked once per process
+        assert server.requests == []
+        (tmp_path / "249.tar").unlink()
+        shards._checked.clear()
+        with pytest.raises(ConfigError, match=r"^config key 'data.val': shard not readable: .*/249.tar "
+                                              r"\(PermanentError: HTTP 404"):
+            shards.check_urls(urls, "data.val", remote.RemoteOptions(retries=0))
+    with pytest.raises(ConfigError, match=r"^config key 'data.train': s3:// shards need .*s3fs"):
+        shards.check_urls(["s3://bucket/00000.tar"], "data.train")
+    with pytest.raises(ConfigError, match=r"^config key 'data.train': unknown protocol nosuch://"):
+        shards.check_urls(["nosuch://x/00000.tar"], "data.train")
+
+
+def _rank_check(rank: int, world: int, port: int, base: str, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from mmalign import distributed as mdist
+
+    mdist.init_from_env(backend="gloo")
+    results = {}
+    for name, spec in (("good", f"{base}/{{00..39}}.tar"), ("bad", f"{base}/{{00..40}}.tar")):
+        try:
+            shards.check_train_shards(DataConfig(train=spec, remote_retries=0), rank, mdist.broadcast_object)
+            results[name] = None
+        except ConfigError as e:
+            results[name] = str(e)
+    everyone = mdist.all_gather_object(results)
+    if rank == 0:
+        torch.save(everyone, out_path)
+    mdist.shutdown()
+
+
+@pytest.mark.integration
+def test_only_rank_0_checks_the_shards_and_every_rank_learns_the_result(tmp_path):
+    for i in range(40):
+        (tmp_path / f"{i:02d}.tar").write_bytes(b"\0" * 1024)
+    with serve(tmp_path) as server:
+        everyone = spawn_ranks(_rank_check, 2, (server.url, str(tmp_path / "out.pt")), tmp_path / "out.pt")
+        names = [name for name, _ in server.requests]
+    assert everyone[0] == everyone[1]
+    assert everyone[0]["good"] is None and "40.tar" in everyone[0]["bad"]
+    assert sorted(set(names)) == [f"{i:02d}.tar" for i in range(41)]
+    assert len(names) == 41 + 40  # rank 0 alone: 40 probes, then 41 probes (the 41st list is a new list)
+
+
+# ---------------------------------------------------------------- a training run over HTTP
+
+
+@pytest.fixture(scope="module")
+def eight_shards(tmp_path_factory):
+    from data_pipelines import shapes
+
+    out = tmp_path_factory.mktemp("shapes8")
+    shapes.generate_split(out, "train", 320, seed=5, per_shard=40)  # 00000..00007.tar
+    return out / "train"
+
+
+def _cmd(out, overrides, *extra):
+    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--output", str(out)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd + list(extra)
+
+
+def _keys(out):
+    records = [json.loads(line) for line in (out / "samples_rank0.jsonl").read_text().splitlines()]
+    return [(r["step"], tuple(r["keys"])) for r in records]
+
+
+@pytest.mark.integration
+def test_training_over_http_killed_and_resumed_equals_the_local_run(eight_shards, tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["model.preset=micro", "data.workers=1", "data.shuffle_buffer=50", "train.global_batch_size=16",
+              "train.steps=20", "train.warmup_steps=2", "train.lr=0.002", "train.checkpoint_every=10",
+              "train.log_every=5", "monitor.log_sample_keys=true", "monitor.probe_size=0", "eval.suite=none"]
+    local = tmp_path / "local"
+    res = subprocess.run(_cmd(local, common + [f"data.train={eight_shards}/{{00000..00007}}.tar"]),
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with serve(eight_shards) as server:
+        ov = common + [f"data.train={server.url}/{{00000..00007}}.tar"]
+        killed = tmp_path / "killed"
+        proc = subprocess.Popen(_cmd(killed, ov), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+        deadline, pointer = time.time() + 600, killed / "checkpoints" / "latest"
+        while not pointer.is_file() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)  # after the step-10 checkpoint, mid-run
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        server.requests.clear()
+        res = subprocess.run(_cmd(killed, ov, "--resume", "latest"), capture_output=True, text=True, cwd=ROOT,
+                             timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "step 10" in res.stdout
+        assert any(r for _, r in server.requests), "the resume asked for no byte range"
+    said = (killed / "train.log").read_text().count("by HTTP range requests")
+    assert said == 1, said  # the worker logs how it resumes, once
+    assert _keys(killed) == _keys(local) and len(_keys(local)) == 20
+    a, b = load_file(str(local / "final" / "model.safetensors")), load_file(str(killed / "final" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("override", ["data.remote_retries=-1", "data.remote_retries=1.5", "data.remote_backoff=-1",
+                                      "data.remote_timeout=0", "data.remote_timeout=nan"])
+def test_remote_keys_are_validated_at_load(override):
+    from mmalign.config import load_config
+
+    with pytest.raises(ConfigError, match=rf"^config key '{override.split('=')[0]}'"):
+        load_config(None, [override])
+    load_config(None, ["data.remote_retries=0", "data.remote_backoff=0.5", "data.remote_timeout=5"])
