@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mmalign import distributed as mdist
-from mmalign import rundir
+from mmalign import reshard, rundir
 from mmalign.config import ConfigError
 
 ROOT = "checkpoints"
@@ -276,9 +276,15 @@ def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> 
 
 
 def load(engine, path: Path) -> tuple[dict, dict]:
-    """Restore the engine; return this rank's (trainer state, loader state)."""
+    """Restore the engine; return this rank's (trainer state, loader state).
+
+    A checkpoint written by another number of ranks gives rank 0's trainer state and the
+    loader states of all its ranks (:func:`mmalign.reshard.trainer_and_loader`)."""
     rank = mdist.get_rank()
     engine.load_checkpoint(path, ENGINE_TAG)
+    saved_world = len(list(path.glob("trainer_rank*.pt")))
+    if saved_world != mdist.get_world_size():
+        return reshard.trainer_and_loader(path, saved_world)
     trainer_file = path / f"trainer_rank{rank}.pt"
     if not trainer_file.is_file():
         raise ConfigError(f"--resume: {path} was written by fewer ranks (no {trainer_file.name})")

@@ -41,6 +41,7 @@ from deepspeed.utils import (  # noqa: E402
 )
 
 from mmalign import distributed as mdist  # noqa: E402
+from mmalign import reshard  # noqa: E402
 from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
 from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
@@ -168,6 +169,7 @@ class Engine:
                 dist_init_required=False,
             )
         self.module = self.ds.module
+        self.base_optimizer = optimizer  # ours; under ZeRO it steps DeepSpeed's flat partitions
         self.stage = cfg.deepspeed.zero_stage
         if isinstance(optimizer, Lamb) and self.stage >= 1:
             optimizer.set_partition_layout(*self._partition_layout(optimizer), mdist.all_reduce_sum)
@@ -349,7 +351,14 @@ class Engine:
         """Resume from DeepSpeed's engine state, every file unpickled with ``weights_only=True``
         (plus :func:`_deepspeed_safe_globals`): DeepSpeed's own checkpoint engine would run
         whatever a planted pickle holds.  All of its resume reads go through
-        ``checkpoint_engine.load``, so that one method is swapped for the call."""
+        ``checkpoint_engine.load``, so that one method is swapped for the call.
+        ZeRO partitions written by another world size are re-cut (:mod:`mmalign.reshard`)."""
+        if self.stage >= 1:
+            states = _safe_load(reshard.model_states_file(Path(directory) / tag))
+            if reshard.saved_world_size(states) != self.world_size:
+                # ZeRO's partitions were cut for another world size: consolidate and re-cut them
+                reshard.load_resharded(self, Path(directory), tag, consolidate_checkpoint, _safe_load)
+                return {}
         ckpt_engine = self.ds.checkpoint_engine
 
         def weights_only_load(path, map_location=None):
@@ -432,6 +441,11 @@ def _deepspeed_safe_globals() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def _safe_load(path) -> dict:
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 class _WeightsOnlyTorch:
     """``torch`` as seen by DeepSpeed's zero_to_fp32 module while we consolidate: the same
     module except that ``load`` always unpickles with ``weights_only=True``.
@@ -439,15 +453,29 @@ class _WeightsOnlyTorch:
     zero_to_fp32 calls ``torch.load(..., weights_only=False)`` itself; swapping its
     module-level name for the duration of our call is narrower than patching
     ``torch.load`` for the whole process.
+
+    ``state_key`` (e.g. ``exp_avg``): each optimizer file's flat fp32 partitions are
+    replaced by that optimizer state of the same partitions (cut to the partitions'
+    saved lengths: ZeRO-1/2 store the state with its end padding), so zero_to_fp32
+    consolidates the state instead of the weights.
     """
+
+    def __init__(self, state_key: str | None = None):
+        self.state_key = state_key
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    @staticmethod
-    def load(f, *args, **kwargs):
+    def load(self, f, *args, **kwargs):
         kwargs["weights_only"] = True
-        return torch.load(f, *args, **kwargs)
+        loaded = torch.load(f, *args, **kwargs)
+        osd = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
+        if self.state_key is not None and isinstance(osd, dict):
+            key = "single_partition_of_fp32_groups" if "single_partition_of_fp32_groups" in osd else "fp32_flat_groups"
+            base = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
+            state = base["state"]
+            osd[key] = [state[i][self.state_key][:len(part)] for i, part in zip(sorted(state), osd[key])]
+        return loaded
 
 
 _zero_to_fp32_lock = threading.Lock()
@@ -457,8 +485,9 @@ def _no_bar(iterable, *args, **kwargs):
     return iterable
 
 
-def consolidate_checkpoint(directory: str | Path, tag: str) -> dict[str, torch.Tensor]:
-    """One fp32 state dict from a DeepSpeed checkpoint directory (any ZeRO stage).
+def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | None = None) -> dict[str, torch.Tensor]:
+    """One fp32 state dict from a DeepSpeed checkpoint directory (any ZeRO stage);
+    with ``state_key`` (ZeRO >= 1), that optimizer state per parameter instead of the weights.
 
     Every file is read with ``torch.load(weights_only=True)`` (plus the few DeepSpeed
     classes of :func:`_deepspeed_safe_globals`), so a planted pickle fails to load
@@ -479,7 +508,7 @@ def consolidate_checkpoint(directory: str | Path, tag: str) -> dict[str, torch.T
             with _zero_to_fp32_lock:
                 # and no progress bars on stderr (an export or a server start is one line)
                 real = zero_to_fp32.torch, zero_to_fp32.tqdm
-                zero_to_fp32.torch, zero_to_fp32.tqdm = _WeightsOnlyTorch(), _no_bar
+                zero_to_fp32.torch, zero_to_fp32.tqdm = _WeightsOnlyTorch(state_key), _no_bar
                 try:
                     state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
                 finally:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmalign import checkpoint, progress, rundir
+from mmalign import checkpoint, progress, reshard, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
@@ -266,6 +266,10 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     if found is not None:
         ckpt, trainer, loader_state = found
         start, skipped_steps = trainer["step"], trainer["skipped_steps"]
+        # another world size: fresh per-rank RNG, the data position converted to the new slots
+        trainer, loader_state, changed = reshard.adopt(trainer, loader_state, loader.spec, cfg.seed, start, rank)
+        if changed and main:
+            _say(changed)
         checkpoint.set_rng_state(trainer["rng"])
         loader.load_state_dict(loader_state)
         if queue is not None:

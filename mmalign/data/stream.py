@@ -120,6 +120,9 @@ class SlotStream:
         self.shard = state.get("shard")  # open shard: {url, offset, index, stride, phase} or None
         self.emitted = int(state.get("emitted", 0))  # samples taken out of the buffer so far
         self.skipped: dict[str, int] = dict(state.get("skipped", {}))
+        # epoch -> explicit pieces [url, stride, phase, offset, index] replacing epoch_plan for
+        # that epoch (set when a resume changed the slot layout: mmalign.data.resharding)
+        self.plans: dict[int, list] = {int(e): [list(x) for x in p] for e, p in state.get("plans", {}).items()}
         self.rng = random.Random()
         if "rng" in state:
             version, internal, gauss = state["rng"]
@@ -144,6 +147,7 @@ class SlotStream:
             "skipped": dict(self.skipped),
             "rng": [version, list(internal), gauss],
             "buffer": [[url, raw.offset, raw.index, epoch] for raw, url, epoch in self.buffer],
+            **({"plans": {str(e): p for e, p in self.plans.items()}} if self.plans else {}),
         }
 
     def _refill(self, refs: list) -> list[tuple[RawSample, int, int]]:
@@ -185,15 +189,19 @@ class SlotStream:
 
     def _next_shard(self) -> bool:
         """Open the next shard; False at the end of the epoch (epoch mode)."""
+        offset = index = 0
         if self.spec.mode == "epoch":
-            plan = epoch_plan(self.spec, self.slot, self.epoch)
+            plan = self.plans.get(self.epoch)
+            if plan is None:
+                plan = epoch_plan(self.spec, self.slot, self.epoch)
             if self.cursor >= len(plan):
                 return False
-            url, stride, phase = plan[self.cursor]
+            url, stride, phase, *start = plan[self.cursor]
+            offset, index = start or (0, 0)
         else:
             url, stride, phase = draw_shard(self.spec, self.slot, self.cursor), 1, 0
         self.cursor += 1
-        self.shard = {"url": url, "offset": 0, "index": 0, "stride": stride, "phase": phase}
+        self.shard = {"url": url, "offset": offset, "index": index, "stride": stride, "phase": phase}
         return True
 
     def _close(self) -> None:
@@ -253,6 +261,7 @@ class SlotStream:
                         f"slot {self.slot} of {self.spec.slots} (ranks x workers) found no sample in "
                         f"{empty_epochs} epochs: too few samples for that many workers, or all shards unreadable"
                     )
+                self.plans.pop(self.epoch, None)
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
             i = self.rng.randrange(len(self.buffer))
