@@ -30,6 +30,8 @@ __all__ = [
     "all_reduce_sum",
     "all_gather_object",
     "broadcast_object",
+    "prepare_slow_barrier",
+    "slow_barrier",
     "all_reduce_sum_with_grad",
     "init_from_env",
     "env_dist_info",
@@ -149,6 +151,29 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+_slow_group = None
+
+
+def prepare_slow_barrier() -> None:
+    """Collective (every rank, at the same point): create the gloo group of
+    :func:`slow_barrier` once, before any rank goes off to work alone."""
+    global _slow_group
+    if get_world_size() > 1 and _slow_group is None:
+        _slow_group = dist.new_group(backend="gloo")
+
+
+def slow_barrier(timeout_s: float) -> None:
+    """A barrier with its own timeout, for ranks that wait while one rank works alone (rank
+    0's evaluation tasks): the process group's timeout is sized for collectives, not for
+    that.  A gloo ``monitored_barrier`` on a side group (so it works under NCCL too)."""
+    from datetime import timedelta
+
+    if get_world_size() == 1:
+        return
+    prepare_slow_barrier()
+    dist.monitored_barrier(group=_slow_group, timeout=timedelta(seconds=float(timeout_s)))
 
 
 class _AllReduceSumWithGrad(torch.autograd.Function):

@@ -30,7 +30,7 @@ from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
-from mmalign.evaluation import load_suite, run_suite, write_results
+from mmalign.evaluation import load_suite, run_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.losses import build_loss, caption_ids
 from mmalign.losses.ntxent import ImageImageTerm
@@ -445,20 +445,24 @@ def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
 
 def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
                      final: Path | None = None, suite: dict | None = None, show_progress: bool = False) -> list[dict]:
-    """Consolidate the weights (collective), then rank 0 saves ``final`` and evaluates on
-    ``suite`` (none: no evaluation)."""
+    """Consolidate the weights (collective), then rank 0 saves ``final``, and every rank
+    evaluates on ``suite`` (none: no evaluation): the embedding sharded, rank 0 the tasks."""
     state = engine.consolidated_state_dict()
     records: list[dict] = []
-    if mdist.get_rank() == 0:
+    main = mdist.get_rank() == 0
+    with torch.random.fork_rng(devices=[]):  # building the model must not move the training RNG
         model = build_model(cfg.model)
-        model.load_state_dict(state)
-        if final is not None:
-            save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
-                            extra={"train_config": to_dict(cfg)})
-            log.info("saved %s", final)
-        if suite is not None:
-            records = evaluate_model(model.to(device), tokenizer, cfg, path, device, suite=suite,
-                                     show_progress=show_progress)
+    model.load_state_dict(state)
+    if main and final is not None:
+        save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
+                        extra={"train_config": to_dict(cfg)})
+        log.info("saved %s", final)
+    if suite is not None:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
+        records = sharded.evaluate(model.to(device), eval_transform(model.image_size), tokenizer, suite,
+                                   cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
+                                   model_name=cfg.model.preset, progress=show_progress and main)
+        if main:
+            write_results(records, path)
             log.info("evaluation written to %s", path)
     mdist.barrier()
     return records

@@ -158,18 +158,26 @@ def _clean(value):
     return value
 
 
+def embedding_needs(tasks: list[dict]) -> tuple[bool, bool]:
+    """(pre-projection features, the dataset's captions): what the suite's tasks read."""
+    return (any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks),
+            any(t["type"] in CAPTION_TASKS for t in tasks))
+
+
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
               device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
-              user_data: str | None = None) -> list[dict]:
+              user_data: str | None = None, embedded: dict | None = None) -> list[dict]:
     """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
 
     ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val;
     ``user_data`` (``--data``) replaces its shards or its image folder (see ``dataset_spec``).
     ``progress``: show the embedding pass and each task (a bar on a terminal, else lines).
+    ``embedded``: the dataset's embeddings (:func:`embed_dataset`'s result) when already
+    computed, e.g. sharded over ranks (:mod:`mmalign.evaluation.sharded`).
     """
     spec = dataset_spec(suite, data, user_data=user_data)
     tasks = suite["tasks"]
-    pre_projection = any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks)
+    pre_projection, captions = embedding_needs(tasks)
 
     def say(line: str) -> None:
         if progress:
@@ -178,11 +186,12 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     was_training = model.training
     model.eval()
     try:
-        captions = any(t["type"] in CAPTION_TASKS for t in tasks)
-        samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
-                        total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress)
-        emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
-                            captions=captions)
+        emb = embedded
+        if emb is None:
+            samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
+                            total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress)
+            emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
+                                captions=captions)
         encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
