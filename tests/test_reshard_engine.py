@@ -83,6 +83,6 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path):
             rel, name = _max_rel(got[stage, "resumed"], want[stage, "uninterrupted"])
             assert rel <= 1e-5, (stage, how, name, rel)
             assert got[stage, "resumed_lr"] == pytest.approx(want[stage, "lr"], rel=1e-12), (stage, how)
-        # the test can fail: the step after the checkpoint moved every weight by far more than the tolerance
-        moved, _ = _max_rel(one[stage, "uninterrupted"], two[stage, "uninterrupted"])
-        assert moved <= 1e-5
+        # the premise: with the same global batch, 1 and 2 ranks train the same weights
+        same, _ = _max_rel(one[stage, "uninterrupted"], two[stage, "uninterrupted"])
+        assert same <= 1e-5
