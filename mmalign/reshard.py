@@ -17,10 +17,11 @@ universal format; we consolidate it ourselves and re-partition in memory:
    (world-size independent) model-states file.
 
 ZeRO-0 stores its optimizer whole, so DeepSpeed's own loader already reads it on
-any world size and this module is not used there.  The result equals an
-uninterrupted run's state up to fp32 rounding of the copies (none: values are
-copied, not recomputed), so the next step matches the uninterrupted one to
-reduction order (tests/test_reshard_engine.py).
+any world size and this module is not used there.  Values are copied, never
+recomputed, so the restored state is the saved one bit for bit and the next step
+matches the uninterrupted run's to reduction order (tests/test_reshard_engine.py).
+Cost: every rank holds the full fp32 weights and moments in CPU memory while it
+loads (three copies of the model for Adam/LAMB), once per resume.
 
 The trainer state (step, skipped steps) comes from rank 0's file; each rank's
 random generators restart from (seed, step, rank); the data streams are converted

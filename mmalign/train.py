@@ -30,7 +30,7 @@ from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
-from mmalign.evaluation import load_suite, run_suite, sharded, write_results
+from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.losses import build_loss, caption_ids
 from mmalign.losses.ntxent import ImageImageTerm
@@ -494,13 +494,3 @@ def _board_eval(board, records: list[dict], step: int, hparams: dict | None = No
                 else:  # HPARAMS takes numbers, strings and bools only
                     flat[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
         board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)
-
-
-def evaluate_model(model: TwoTower, tokenizer, cfg: Config, path: Path, device: torch.device,
-                   suite: dict | None = None, show_progress: bool = False) -> list[dict]:
-    suite = load_suite(cfg.eval.suite) if suite is None else suite
-    records = run_suite(model, eval_transform(model.image_size), tokenizer, suite, cfg.data.val,
-                        batch_size=cfg.eval.batch_size, device=str(device), model_name=cfg.model.preset,
-                        progress=show_progress)
-    write_results(records, path)
-    return records

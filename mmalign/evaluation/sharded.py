@@ -27,6 +27,7 @@ from mmalign.config import ConfigError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.suite import embedding_needs, run_suite
+from mmalign.progress import track
 
 log = logging.getLogger("mmalign.evaluation")
 
@@ -87,17 +88,21 @@ def interleave(parts: list[dict]) -> dict:
 
 @torch.no_grad()
 def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-                  device: str = "cpu") -> tuple[dict, float]:
+                  device: str = "cpu", progress: bool = False) -> tuple[dict, float]:
     """Collective: the suite dataset's embeddings on every rank, each rank computing 1/W of
-    them; and the longest rank's embedding time in seconds."""
+    them; and the longest rank's embedding time in seconds.  ``progress``: rank 0 shows
+    the pass over the dataset (every rank reads all of it and embeds its share)."""
     rank, world = mdist.get_rank(), mdist.get_world_size()
     pre_projection, captions = embedding_needs(suite["tasks"])
     was_training = model.training
     model.eval()
     start = time.time()
     try:
-        local = _embed_mine(model, preprocess, tokenizer, iter_dataset(dataset_spec(suite, data)), rank, world,
-                            batch_size, device, pre_projection, captions)
+        spec = dataset_spec(suite, data)
+        samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
+                        total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress and rank == 0)
+        local = _embed_mine(model, preprocess, tokenizer, samples, rank, world, batch_size, device, pre_projection,
+                            captions)
     finally:
         model.train(was_training)
     gathered = mdist.all_gather_object({"emb": local, "seconds": time.time() - start})
@@ -111,16 +116,17 @@ def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None,
     rank, world = mdist.get_rank(), mdist.get_world_size()
     mdist.prepare_slow_barrier()
     last = mdist.broadcast_object(_last_tasks_s)  # rank 0's measurement, on every rank
-    emb, embed_s = embed_sharded(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device)
+    emb, embed_s = embed_sharded(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
+                                 progress=progress)
     expected = last if last is not None else embed_s * world
     wait_s = max(MIN_WAIT_S, WAIT_FACTOR * expected)
     records: list[dict] = []
     if rank == 0:
         if world > 1:
+            what = "the last task phase" if last is not None else "the estimated task phase (embedding x world size)"
             log.info("evaluation %s: embedding sharded over %d ranks took %.1f s; ranks 1-%d wait for rank 0's "
-                     "tasks with a %.0f s timeout (%.0f x the %s %.1f s, at least %.0f s)", suite["name"], world,
-                     embed_s, world - 1, wait_s, WAIT_FACTOR, "last task phase's" if last is not None else
-                     "embedding's single-rank estimate of", expected, MIN_WAIT_S)
+                     "tasks with a %.0f s timeout (%.0f x %s, %.1f s; at least %.0f s)", suite["name"], world, embed_s,
+                     world - 1, wait_s, WAIT_FACTOR, what, expected, MIN_WAIT_S)
         start = time.time()
         records = run_suite(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
                             model_name=model_name, progress=progress, embedded=emb)
