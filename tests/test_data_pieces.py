@@ -4,7 +4,6 @@ images normalised on the device equal the float32 path."""
 
 import io
 import json
-import os
 import random
 import tarfile
 

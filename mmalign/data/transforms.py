@@ -157,8 +157,8 @@ class TrainTransform:
         the smallest crop this transform can draw still has >= size pixels per side there, so
         each crop is still downsampled.  Returns the scale (1 = full decode)."""
         a = self.aug
-        return draft_jpeg(image, min_crop_side(image.width, image.height, tuple(a.crop_scale), tuple(a.crop_ratio)),
-                     self.size)
+        smallest = min_crop_side(image.width, image.height, tuple(a.crop_scale), tuple(a.crop_ratio))
+        return draft_jpeg(image, smallest, self.size)
 
     def _augment(self, image: Image.Image, rng: random.Random | None) -> Image.Image:
         rng = rng or _fallback_rng
