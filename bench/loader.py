@@ -1,11 +1,14 @@
 """Loader throughput: mmalign's streaming loader vs a plain webdataset 1.x pipeline (a script, not a test).
 
 Both do the same work per sample: read the tar, decode the JPEG, random-resized-crop
-+ flip to 32 px and normalise (the same TrainTransform object), pick one caption
++ flip to 32 px (the same TrainTransform object; mmalign's workers send it uint8 and
+normalise on the training device, the plain pipeline normalises in its workers), pick one caption
 line at random, then batch and tokenize (CLIP BPE, context 32) in the workers.
 
     .venv/bin/python bench/loader.py                # prints the table
     .venv/bin/python bench/loader.py --write-doc    # ... and updates docs/benchmarks.md
+    .venv/bin/python bench/loader.py --size 224     # at 224 px against open_clip_train's pipeline
+                                                    # (bench/loader_openclip.py; its own section)
 
 Shards are built once into a temp folder from ../shared/data/cifar10/train.tar when
 present (CIFAR-10 with the 18 CLIP templates), else from the synthetic shapes.
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Loader throughput (bench/loader.py)"
+SECTION_224 = "## Loader at 224 px against open_clip (bench/loader.py --size 224)"
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10" / "train.tar"
 
 
@@ -114,14 +118,31 @@ def write_doc(body: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=10000, help="samples in the shards")
+    p.add_argument("--size", type=int, default=32,
+                   help="32: CIFAR vs plain webdataset; else generated 256-px JPEGs vs open_clip_train")
+    p.add_argument("--n", type=int, default=None, help="samples in the shards (10000 at 32 px, 3000 else)")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--batches", type=int, default=30, help="timed batches per case")
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--batches", type=int, default=None, help="timed batches per case (30 at 32 px, 8 else)")
+    p.add_argument("--warmup", type=int, default=None, help="(4 at 32 px, 2 else)")
     p.add_argument("--repeats", type=int, default=2, help="runs per case, alternating; the best is reported")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--write-doc", action="store_true")
     args = p.parse_args()
+    small = args.size == 32
+    args.n = args.n or (10000 if small else 3000)
+    args.batches = args.batches or (30 if small else 8)
+    args.warmup = args.warmup if args.warmup is not None else (4 if small else 2)
+    command = "python bench/loader.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if not small:
+        from loader_openclip import compare
+
+        body, _ = compare(args, command.strip())
+        print()
+        print(body)
+        if args.write_doc:
+            write_section(DOC, f"{SECTION_224}\n\n{body.strip()}\n")
+            print(f"\nwrote {DOC}")
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -140,13 +161,13 @@ def main() -> None:
     table = ["| workers | mmalign samples/s | plain webdataset samples/s | ratio |", "|---|---|---|---|"]
     for workers, ours, plain in rows:
         table.append(f"| {workers} | {ours:.0f} | {plain:.0f} | {ours / plain:.2f}x |")
-    command = "python bench/loader.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     body = (
         f"Command: `{command.strip()}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores "
         f"(shared), torch {torch.__version__}, webdataset {webdataset.__version__} · data: {what} · batch "
         f"{args.batch}, shuffle buffer 1000, resampled shards, best of {args.repeats} runs of {args.batches} "
         f"batches after {args.warmup} warm-up batches.\n\n"
-        "Both sides: read tar, decode JPEG, random-resized-crop (scale 0.5-1) + flip to 32 px, normalise, "
+        "Both sides: read tar, decode JPEG, random-resized-crop (scale 0.5-1) + flip to 32 px, normalise "
+        "(mmalign: on the training device, untimed; its workers send uint8), "
         "one random caption line, batch, CLIP-BPE tokenize (context 32), in the DataLoader workers. "
         "mmalign also tracks its exact-resume state and skip counts per batch.\n\n"
         + "\n".join(table)

@@ -73,6 +73,10 @@ class DataConfig:
     val: str = "data/shapes/val/00000.tar"
     mode: Literal["resampled", "epoch"] = "resampled"  # shards with replacement (endless) | each sample once per epoch
     workers: int = 1
+    # rows per piece a worker sends; the main process joins the pieces into the local batch
+    # (which rows form a batch does not depend on it). 0 = the gradient-cache chunk, else
+    # min(local batch, 256)
+    worker_batch_size: int = 0
     shuffle_buffer: int = 1000  # samples held per worker for shuffling; 1 = no shuffling
     views: int = 1  # 2 adds a second augmented view ``images2`` for image-image positives
     id_field: Optional[str] = None  # a .json field yielding ``ids`` (false-negative-aware positives)
@@ -446,6 +450,8 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.views' must be 1 or 2, got {d.views}")
     if d.workers < 0:
         raise ConfigError(f"config key 'data.workers' must be >= 0, got {d.workers}")
+    if d.worker_batch_size < 0:
+        raise ConfigError(f"config key 'data.worker_batch_size' must be >= 0 (0 = automatic), got {d.worker_batch_size}")
     if d.shuffle_buffer < 1:
         raise ConfigError(f"config key 'data.shuffle_buffer' must be >= 1 (1 = no shuffling), got {d.shuffle_buffer}")
     if d.max_image_pixels < 1:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from mmalign import checkpoint, progress, reshard, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
+from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
@@ -113,7 +114,7 @@ def extra_inputs(batch: dict, cfg: Config, device: torch.device) -> dict:
     term, the mined negative captions (``TwoTower.forward`` keywords)."""
     extra = {}
     if cfg.loss.image_image_weight > 0:
-        extra["images2"] = batch["images2"].to(device)  # (B, 3, H, W)
+        extra["images2"] = images_to(batch["images2"], device)  # (B, 3, H, W)
     if cfg.data.hard_negatives > 0:
         extra["neg_texts"] = batch["neg_tokens"].to(device)  # (B, k, L)
     return extra
@@ -248,7 +249,8 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         _say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
              + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
-                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world)
+                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world,
+                                grad_cache_chunk=t.grad_cache_chunk_size, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     loss_fn = build_loss(cfg.loss)
@@ -306,7 +308,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         fetch = time.time()
         batch = next(batches)
         data_wait += time.time() - fetch
-        images, tokens = batch["images"].to(device), batch["tokens"].to(device)
+        images, tokens = images_to(batch["images"], device), batch["tokens"].to(device)  # uint8 -> normalised
         ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
         pmask = positive_mask_for(batch, cfg.loss.positive_mask)
         extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")

@@ -1,15 +1,19 @@
 """The training loader: streams batches from tar shards and resumes exactly.
 
-Workers decode, augment and tokenize; each batch arrives with the state of the
-worker's stream *after* that batch.  The main process keeps, per worker, the state
-that came with the last batch the training loop actually took, so
+Workers decode, augment and tokenize; each piece they send arrives with the state of
+the worker's stream *after* it.  The main process keeps, per worker, the state that
+came with the last piece of the last local batch the training loop actually took, so
 :meth:`StreamingLoader.state_dict` reflects consumed batches only, however far the
 DataLoader has prefetched.
 
-Batches come from the workers round-robin (PyTorch's in-order DataLoader).  After
-``n`` consumed batches the next one is due from logical worker ``n mod K``; a new
-iterator therefore maps DataLoader worker ``w`` to logical worker ``(w + n) mod K``,
-so a resumed run interleaves the workers exactly as the uninterrupted one would.
+A local batch of B rows takes B // K rows (one more for the first B mod K) from each of
+the K workers, in the same number c of pieces per worker, each piece at most
+``data.worker_batch_size`` rows (:func:`worker_shares`).  PyTorch's in-order
+DataLoader takes one piece from each worker in turn, so a local batch is exactly c
+rounds; the main process orders the rows by worker and concatenates them.  A batch's
+rows therefore depend on B and K only, never on the piece size: a run resumes exactly
+with another ``worker_batch_size``.  Pieces keep the memory in flight (K workers x
+prefetch x piece) independent of the local batch; images travel as uint8.
 """
 
 from __future__ import annotations
@@ -20,27 +24,46 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from itertools import islice
 
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmalign.config import ConfigError, DataConfig
-from mmalign.data.samples import SampleProcessor
+from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.remote import RemoteOptions
 from mmalign.data.stream import NoSamples, SlotStream, StreamSpec, check_resumable
 
 log = logging.getLogger("mmalign.data")
 
-STATE_VERSION = 1
+# 2: every local batch takes rows from all workers (1: each batch came whole from one worker,
+# in turn; such a state still resumes each worker's stream where it stopped)
+STATE_VERSION = 2
+DEFAULT_WORKER_BATCH = 256
+
+
+def worker_shares(batch_size: int, workers: int, piece: int) -> list[list[int]]:
+    """Rows of one local batch, per worker as the sizes of the pieces it sends, in order.
+
+    Worker w gives ``batch_size // workers`` rows (one more when w < batch_size mod
+    workers), split into c near-equal pieces of at most ``piece`` rows; every worker
+    sends the same c (a worker with fewer rows sends smaller, possibly empty, pieces),
+    so the DataLoader's round-robin lines up with local batches.
+    """
+    base, extra = divmod(batch_size, workers)
+    rows = [base + (w < extra) for w in range(workers)]
+    pieces = -(-rows[0] // piece)  # rows[0] is the largest share
+    return [[r // pieces + (j < r % pieces) for j in range(pieces)] for r in rows]
 
 
 class _Slots(IterableDataset):
-    """What each DataLoader worker runs: the stream of its logical slot."""
+    """What each DataLoader worker runs: the stream of its slot, cut into its pieces."""
 
-    def __init__(self, spec: StreamSpec, processor: SampleProcessor, rank: int, states: dict, rotation: int):
+    def __init__(self, spec: StreamSpec, processor: SampleProcessor, rank: int, states: dict,
+                 shares: list[list[int]]):
         self.spec, self.processor, self.rank = spec, processor, rank
-        self.states, self.rotation = states, rotation
+        self.states, self.shares = states, shares
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -50,10 +73,17 @@ class _Slots(IterableDataset):
             # training process keeps PIL's default (evaluation reads through it) and the
             # per-sample check in shards.open_image applies data.max_image_pixels everywhere.
             Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels
-        slot = self.rank * self.spec.workers + (worker + self.rotation) % self.spec.workers
+        slot = self.rank * self.spec.workers + worker
         try:
             stream = SlotStream(self.spec, slot, self.processor, self.states.get(slot))
-            yield from stream.batches()
+            samples = stream.samples()
+            while True:
+                for size in self.shares[worker]:
+                    taken = list(islice(samples, size))  # exactly `size` rows: the state is after them
+                    rows, epochs = [r for r, _ in taken], [e for _, e in taken]
+                    piece = self.processor.collate(rows, epochs) if rows else {}
+                    piece["_loader"] = {"slot": slot, "state": stream.state()}
+                    yield piece
         except NoSamples as e:  # reported by the main process as a one-line error
             yield {"_loader": {"slot": slot, "error": str(e)}}
 
@@ -87,32 +117,44 @@ class StreamingLoader:
     """
 
     def __init__(self, spec: StreamSpec, processor: SampleProcessor, *, rank: int = 0, num_workers: int = 1,
-                 prefetch_factor: int = 2, pin_memory: bool = False):
+                 prefetch_factor: int = 2, pin_memory: bool = False, worker_batch_size: int = DEFAULT_WORKER_BATCH):
         self.spec = spec
         self.processor = processor
         self.rank = rank
         self.num_workers = num_workers  # DataLoader processes; 0 = read in this process
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor  # pieces in flight per worker
+        self.pin_memory = pin_memory  # batches assembled in pinned memory (CUDA training)
+        self.shares = worker_shares(spec.batch_size, spec.workers, max(1, worker_batch_size))
         self._states: dict[int, dict] = {}  # slot -> stream state after its last consumed batch
         self._consumed = 0  # batches consumed from this rank's loader
 
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[dict]:
-        dataset = _Slots(self.spec, self.processor, self.rank, dict(self._states), self._consumed % self.spec.workers)
+        dataset = _Slots(self.spec, self.processor, self.rank, dict(self._states), self.shares)
         if self.num_workers == 0:
             source = iter(dataset)
         else:
             source = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                     prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory,
-                                     persistent_workers=False, worker_init_fn=_worker_init))
+                                     prefetch_factor=self.prefetch_factor, persistent_workers=False,
+                                     worker_init_fn=_worker_init))
+        rounds, workers = len(self.shares[0]), self.spec.workers
         try:
-            for batch in source:
-                info = batch.pop("_loader")
-                if "error" in info:
-                    raise ConfigError(f"config key 'data.train': {info['error']}")
-                self._states[info["slot"]] = info["state"]
+            while True:
+                pieces: list[list[dict]] = [[] for _ in range(workers)]  # per worker, in its order
+                states = {}
+                for _ in range(rounds):
+                    for w in range(workers):  # the DataLoader's round-robin
+                        piece = next(source, None)
+                        if piece is None:
+                            return
+                        info = piece.pop("_loader")
+                        if "error" in info:
+                            raise ConfigError(f"config key 'data.train': {info['error']}")
+                        states[info["slot"]] = info["state"]
+                        pieces[w].append(piece)
+                batch = merge([p for parts in pieces for p in parts], self.pin_memory)
+                self._states.update(states)
                 self._consumed += 1
                 batch["skipped"] = self.skipped()
                 yield batch
@@ -157,8 +199,11 @@ class StreamingLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches ``state`` records; the layout must match."""
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise ConfigError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+        if state["version"] == 1 and self.spec.workers > 1:
+            log.warning("the checkpoint's data position is from an mmalign whose batches came whole from one "
+                        "worker each: every worker resumes where it stopped, batches now take rows from all")
         mine = {"mode": self.spec.mode, "seed": self.spec.seed, "rank": self.rank,
                 "world_size": self.spec.world_size, "workers": self.spec.workers,
                 "batch_size": self.spec.batch_size, "shards": self._fingerprint()}
@@ -207,11 +252,16 @@ def build_train_loader(
     world_size: int = 1,
     workers: int | None = None,
     shuffle_buffer: int | None = None,
+    grad_cache_chunk: int = 0,
+    pin_memory: bool = False,
 ) -> StreamingLoader:
     """This rank's loader of ``batch_size`` (the per-rank batch) from ``data`` (a DataConfig).
 
     A plain list of shard paths is accepted too (resampled mode, DataConfig defaults).
-    ``workers``/``shuffle_buffer`` override the config's values when given.
+    ``workers``/``shuffle_buffer`` override the config's values when given.  Workers send
+    pieces of at most ``data.worker_batch_size`` rows; 0 means ``grad_cache_chunk`` (the
+    gradient-cache chunk, when caching) or else min(batch_size, 256).  ``pin_memory``: on
+    CUDA, assemble batches in pinned memory for asynchronous copies.
     """
     if not isinstance(data, DataConfig):
         data = DataConfig(train=list(data))
@@ -235,6 +285,10 @@ def build_train_loader(
                     len(urls), world_size, spec.workers, how)
     processor = SampleProcessor(transform, tokenizer, views=data.views, id_field=data.id_field,
                                 max_pixels=data.max_image_pixels, hard_negatives=data.hard_negatives)
-    log.info("data: %d shards in %d source(s), mode %s, shuffle buffer %d, %d worker(s), views %d",
-             len(urls), len(sources), data.mode, spec.shuffle_buffer, num_workers, data.views)
-    return StreamingLoader(spec, processor, rank=rank, num_workers=num_workers)
+    piece = data.worker_batch_size or grad_cache_chunk or min(batch_size, DEFAULT_WORKER_BATCH)
+    loader = StreamingLoader(spec, processor, rank=rank, num_workers=num_workers, pin_memory=pin_memory,
+                             worker_batch_size=piece)
+    log.info("data: %d shards in %d source(s), mode %s, shuffle buffer %d, %d worker(s), views %d, "
+             "%d piece(s) of <= %d rows per worker per local batch of %d", len(urls), len(sources), data.mode,
+             spec.shuffle_buffer, num_workers, data.views, len(loader.shares[0]), max(loader.shares[0]), batch_size)
+    return loader

@@ -9,6 +9,10 @@ valid positive pair, and skipping would bias training toward samples that happen
 have many mined neighbours.  The loss reports the filled fraction (``mined_neg_valid``).
 A field that is present but malformed is a counted skip (``bad_hard_negatives``).
 
+Images leave the workers as uint8 when the transform is ours (:meth:`TrainTransform.raw`;
+normalised on the training device), and large JPEGs are drafted (decoded at reduced
+scale) before decoding.  :func:`merge` joins the workers' pieces of one local batch.
+
 Everything random about a sample (its crop, flip, jitter, and which of its captions
 is used) comes from one ``random.Random`` the stream seeds from (seed, slot, sample
 number), so a resumed run reproduces it exactly.
@@ -69,12 +73,14 @@ class SampleProcessor:
         self.id_field = id_field
         self.max_pixels = max_pixels
         self.hard_negatives = hard_negatives
-        # Our train transform takes the per-sample generator; a plain callable (e.g. a
-        # torchvision Compose) uses torch's global RNG and is then not reproducible.
+        # Our train transform takes the per-sample generator, drafts large JPEGs and returns
+        # uint8; a plain callable (e.g. a torchvision Compose) uses torch's global RNG and is
+        # then not reproducible, and its output crosses processes as it is.
         self._seeded = isinstance(transform, TrainTransform)
+        self._prepare = transform.draft if self._seeded else None
 
     def _apply(self, image, rng: random.Random) -> torch.Tensor:
-        return self.transform(image, rng) if self._seeded else self.transform(image)
+        return self.transform.raw(image, rng) if self._seeded else self.transform(image)
 
     def __call__(self, key: str, members: dict[str, bytes], rng: random.Random) -> dict:
         """Raises BadSample(reason) for anything the run should skip."""
@@ -93,7 +99,7 @@ class SampleProcessor:
                 raise BadSample("missing_id", str(e)) from None
         if self.hard_negatives:
             row["negatives"] = mined_captions(meta, self.hard_negatives)
-        image = open_image(image_bytes, self.max_pixels)
+        image = open_image(image_bytes, self.max_pixels, self._prepare)
         try:
             row["image"] = self._apply(image, rng)  # (3, H, W)
             if self.views == 2:
@@ -105,7 +111,7 @@ class SampleProcessor:
     def collate(self, rows: list[dict], epochs: list[int]) -> dict:
         captions = [r["caption"] for r in rows]
         batch = {
-            "images": torch.stack([r["image"] for r in rows]),  # (B, 3, H, W)
+            "images": torch.stack([r["image"] for r in rows]),  # (B, 3, H, W) uint8 (our transform)
             "tokens": self.tokenizer(captions),  # (B, L)
             "captions": captions,
             "keys": [r["key"] for r in rows],
@@ -122,3 +128,20 @@ class SampleProcessor:
             batch["neg_tokens"] = tokens.reshape(len(rows), k, -1)  # (B, k, L)
             batch["neg_mask"] = torch.tensor([[bool(c) for c in p] for p in padded])  # (B, k)
         return batch
+
+
+def merge(parts: list[dict], pin_memory: bool = False) -> dict:
+    """Collated pieces -> one batch: tensors concatenated on dim 0 (into pinned memory when
+    ``pin_memory``, for asynchronous copies to a GPU), lists joined, in the order given.
+    Empty pieces (``{}``) are left out."""
+    parts = [p for p in parts if p]
+    batch = {}
+    for key, first in parts[0].items():
+        values = [p[key] for p in parts]
+        if isinstance(first, torch.Tensor):
+            shape = (sum(v.shape[0] for v in values), *first.shape[1:])
+            out = torch.empty(shape, dtype=first.dtype, pin_memory=pin_memory)
+            batch[key] = torch.cat(values, out=out)  # (B, ...)
+        else:
+            batch[key] = [x for v in values for x in v]
+    return batch

@@ -13,7 +13,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -155,12 +155,14 @@ def check_train_shards(data, rank: int = 0, broadcast=lambda problem: problem) -
                     "them exactly; store shards as plain .tar", gz)
 
 
-def open_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
+def open_image(data: bytes, max_pixels: int | None = None,
+               prepare: Callable[[Image.Image], object] | None = None) -> Image.Image:
     """Bytes -> a loaded PIL image, or BadSample (corrupt_image / decompression_bomb).
 
     The pixel count is checked from the header before any pixel is decoded, so a
     bomb costs nothing; PIL's own limit (``Image.MAX_IMAGE_PIXELS``, set by the
-    loader from ``data.max_image_pixels``) is the backstop.
+    loader from ``data.max_image_pixels``) is the backstop.  ``prepare`` sees the image
+    after its header is read and before it is decoded (a JPEG draft).
     """
     try:
         with warnings.catch_warnings():
@@ -168,6 +170,8 @@ def open_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
             image = Image.open(io.BytesIO(data))
             if max_pixels is not None and image.width * image.height > max_pixels:
                 raise BadSample("decompression_bomb", f"{image.width}x{image.height} > {max_pixels} pixels")
+            if prepare is not None:
+                prepare(image)
             image.load()
     except BadSample:
         raise

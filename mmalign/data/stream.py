@@ -287,15 +287,3 @@ class SlotStream:
                 continue
             bad_run = 0
             yield row, epoch
-
-    def batches(self) -> Iterator[dict]:
-        """Batches of ``spec.batch_size`` rows, each with this slot's state *after* it."""
-        rows, epochs = [], []
-        for row, epoch in self.samples():
-            rows.append(row)
-            epochs.append(epoch)
-            if len(rows) == self.spec.batch_size:
-                batch = self.process.collate(rows, epochs)
-                batch["_loader"] = {"slot": self.slot, "state": self.state()}
-                rows, epochs = [], []
-                yield batch

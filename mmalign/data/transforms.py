@@ -8,6 +8,16 @@ The train transform draws all of its random parameters from a ``random.Random``
 passed per call, never from torch's global RNG: the loader seeds that generator
 per sample, so a resumed run reproduces the very same crops and flips, and
 ``workers=0`` leaves the training process's RNG untouched.
+
+The train transform's :meth:`TrainTransform.raw` output is uint8: the loader ships
+uint8 batches (4x smaller than float32) and normalises on the training device
+(:mod:`mmalign.data.device`).  Calling the transform gives the normalised float
+tensor, element for element the same numbers.
+
+A JPEG much larger than the target is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's
+DCT scaling, PIL's ``draft``) when every crop the transform can draw stays at
+least the target size there: the result is close to, not equal to, the full decode
+(tests/test_data_decode.py states the bound).
 """
 
 from __future__ import annotations
@@ -24,6 +34,31 @@ from torchvision.transforms import functional as F
 from mmalign.config import AugmentConfig
 
 _fallback_rng = random.Random(0)  # only for callers that pass no generator
+DRAFT = "mmalign_draft"  # image.info key: (full width, full height, DCT scale) of a drafted JPEG
+
+
+def draft_scale(min_side: float, target: int) -> int:
+    """The largest JPEG DCT scale (8, 4, 2; 1 = none) that keeps ``min_side`` >= ``target`` pixels."""
+    for scale in (8, 4, 2):
+        if min_side / scale >= target:
+            return scale
+    return 1
+
+
+def draft_jpeg(image: Image.Image, min_side: float, target: int) -> int:
+    """Before decoding: let a JPEG decode at the largest scale that keeps ``min_side`` (in full-size
+    pixels) >= ``target``; returns the scale used (1: none, e.g. not a JPEG, already decoded or
+    not large enough).  ``image.info[DRAFT]`` records the full size and scale for the crop."""
+    width, height = image.size
+    scale = draft_scale(min_side, target)
+    if scale == 1 or image.format != "JPEG":
+        return 1
+    done = image.draft(image.mode, (width // scale, height // scale))  # None once decoded
+    if done is None:
+        return 1
+    scale = round(width / done[1][2])  # PIL's own choice (the same power of two)
+    image.info[DRAFT] = (width, height, scale)
+    return scale
 
 
 def _to_rgb(image):
@@ -42,9 +77,25 @@ def preprocess_cfg(image_size: int) -> dict:
     }
 
 
-def eval_transform(image_size: int) -> T.Compose:
+class _EvalDraft:
+    """A not yet decoded JPEG whose shorter side is >= 2x the target decodes at reduced scale."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, image):
+        if isinstance(image, Image.Image):
+            draft_jpeg(image, min(image.size), self.size)
+        return image
+
+
+def eval_transform(image_size: int, *, draft: bool = False) -> T.Compose:
+    """open_clip's eval preprocessing.  ``draft=True`` lets large JPEGs that are not yet decoded
+    (``Image.open``) decode at reduced scale: faster, close but not equal; off by default so that
+    evaluation stays exactly clip_benchmark's."""
     return T.Compose(
-        [
+        ([_EvalDraft(image_size)] if draft else [])
+        + [
             T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
             T.CenterCrop(image_size),
             _to_rgb,
@@ -79,8 +130,16 @@ def crop_box(width: int, height: int, scale: tuple, ratio: tuple, rng: random.Ra
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def min_crop_side(width: int, height: int, scale: tuple, ratio: tuple) -> float:
+    """A lower bound on either side of any box :func:`crop_box` can return for this image."""
+    least = scale[0] * width * height
+    return min(math.sqrt(least * ratio[0]), math.sqrt(least / ratio[1]),  # the ten tries
+               width, height, width / ratio[0], height * ratio[1]) - 1  # the fallback; -1: rounding
+
+
 class TrainTransform:
-    """PIL image (+ generator) -> normalised (3, S, S) tensor with the declared augmentations."""
+    """PIL image (+ generator) -> normalised (3, S, S) tensor with the declared augmentations;
+    :meth:`raw` gives the same image as uint8 (the loader's batches)."""
 
     def __init__(self, image_size: int, augment: AugmentConfig):
         self.size = int(image_size)
@@ -88,12 +147,33 @@ class TrainTransform:
         self.normalize = T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)
 
     def __call__(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+        return self.normalize(F.to_tensor(self._augment(image, rng)))  # (3, S, S) float32
+
+    def raw(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+        return F.pil_to_tensor(self._augment(image, rng))  # (3, S, S) uint8
+
+    def draft(self, image: Image.Image) -> int:
+        """Call on an opened, not yet decoded image: a JPEG decodes at 1/2, 1/4 or 1/8 scale when
+        the smallest crop this transform can draw still has >= size pixels per side there, so
+        each crop is still downsampled.  Returns the scale (1 = full decode)."""
+        a = self.aug
+        smallest = min_crop_side(image.width, image.height, tuple(a.crop_scale), tuple(a.crop_ratio))
+        return draft_jpeg(image, smallest, self.size)
+
+    def _augment(self, image: Image.Image, rng: random.Random | None) -> Image.Image:
         rng = rng or _fallback_rng
         a = self.aug
+        # a drafted JPEG: the crop is drawn on the full-size grid (the same draws and framing as
+        # the full decode) and read from the reduced image at fractional coordinates
+        width, height, scale = image.info.get(DRAFT, (image.width, image.height, 1))
         image = image.convert("RGB")
-        top, left, h, w = crop_box(image.width, image.height, tuple(a.crop_scale), tuple(a.crop_ratio), rng)
-        image = F.resized_crop(image, top, left, h, w, [self.size, self.size],
-                               interpolation=T.InterpolationMode.BICUBIC)
+        top, left, h, w = crop_box(width, height, tuple(a.crop_scale), tuple(a.crop_ratio), rng)
+        if scale == 1:
+            image = F.resized_crop(image, top, left, h, w, [self.size, self.size],
+                                   interpolation=T.InterpolationMode.BICUBIC)
+        else:
+            box = (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
+            image = image.resize((self.size, self.size), Image.Resampling.BICUBIC, box=box)
         if a.hflip and rng.random() < 0.5:
             image = F.hflip(image)
         if any(a.color_jitter) and rng.random() < a.color_jitter_prob:
@@ -102,7 +182,7 @@ class TrainTransform:
             image = F.rgb_to_grayscale(image, num_output_channels=3)
         if a.blur_prob and rng.random() < a.blur_prob:
             image = image.filter(ImageFilter.GaussianBlur(rng.uniform(*a.blur_sigma)))
-        return self.normalize(F.to_tensor(image))
+        return image
 
     def _jitter(self, image: Image.Image, rng: random.Random) -> Image.Image:
         brightness, contrast, saturation, hue = self.aug.color_jitter

@@ -1,0 +1,28 @@
+"""The training side of uint8 batches: copy to the device, normalise there.
+
+The loader's workers ship images as uint8 (B, 3, H, W), 4x smaller than float32 in
+shared memory and over PCIe; on CUDA the main process gathers them into pinned
+memory, so the copy here runs asynchronously (``non_blocking``).  Normalising on the
+device applies exactly the operations of torchvision's ``to_tensor`` + ``Normalize``
+(``x / 255``, ``- mean``, ``/ std`` in float32, each IEEE-rounded), so the float
+batch equals the one the CPU path would have built, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+
+def normalize_images(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 (B, 3, H, W), CLIP-normalised, on the images' device."""
+    mean = torch.tensor(OPENAI_DATASET_MEAN, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(OPENAI_DATASET_STD, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
+    return images.to(torch.float32).div_(255).sub_(mean).div_(std)
+
+
+def images_to(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's images on ``device`` as normalised float32; float input (a custom transform
+    that normalises itself) is only moved."""
+    moved = images.to(device, non_blocking=True)  # (B, 3, H, W)
+    return normalize_images(moved) if moved.dtype == torch.uint8 else moved
