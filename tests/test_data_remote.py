@@ -135,7 +135,9 @@ def _same(got, ref):
 
 @pytest.mark.parametrize("kind", ["http", "http-without-ranges", "pipe"])
 def test_remote_stream_and_its_resume_equal_the_local_stream(tmp_path, kind, caplog):
-    rng = random.Random()
+    # A fixed draw whose resume point lies inside a shard: with others the refill may start at
+    # a shard's first sample, where no seek is needed and so nothing is said.
+    rng = random.Random(0)
     make_shards(tmp_path, [rng.randint(9, 14) for _ in range(4)], rng)
     local = f"{tmp_path}/{{00000..00003}}.tar"
     seed, total = rng.randrange(1000), 12
@@ -165,7 +167,7 @@ def test_remote_stream_and_its_resume_equal_the_local_stream(tmp_path, kind, cap
 
 def test_pipe_and_fsspec_specs_read_the_same_samples(tmp_path):
     fsspec = pytest.importorskip("fsspec")
-    rng = random.Random()
+    rng = random.Random(0)
     make_shards(tmp_path, [7, 9], rng)
     local = f"{tmp_path}/{{00000..00001}}.tar"
     reference = take(loader_for(local, mode="epoch", workers=0, buffer=1, batch=4), 4)
@@ -179,7 +181,7 @@ def test_pipe_and_fsspec_specs_read_the_same_samples(tmp_path):
 
 
 def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
-    rng = random.Random()
+    rng = random.Random(0)
     keys = make_shards(tmp_path, [4, 4, 4, 4], rng)
     by_shard = {s: [k for k in keys if k.startswith(f"{s:05d}")] for s in range(4)}
     with serve(tmp_path) as server:
@@ -202,7 +204,7 @@ def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
 
 
 def test_gzip_shards_stream_but_refuse_exact_resume(tmp_path):
-    rng = random.Random()
+    rng = random.Random(0)
     make_shards(tmp_path, [8, 8], rng)
     for name in ("00000", "00001"):
         (tmp_path / f"{name}.tar.gz").write_bytes(gzip.compress((tmp_path / f"{name}.tar").read_bytes()))
@@ -219,7 +221,7 @@ def test_gzip_shards_stream_but_refuse_exact_resume(tmp_path):
 
 @pytest.mark.parametrize("where", ["local", "http"])
 def test_refilling_the_shuffle_buffer_opens_each_shard_once(tmp_path, where, monkeypatch):
-    rng = random.Random()
+    rng = random.Random(0)
     make_shards(tmp_path, [15] * 4, rng)
     with serve(tmp_path) as server:
         base = server.url if where == "http" else str(tmp_path)
