@@ -120,8 +120,8 @@ def _continue_on_restart(args, out: Path) -> int:
     if not restart or not (args.overwrite or args.resume not in (None, "latest")):
         return restart  # the first attempt, or a line that already continues the run
     has_latest = (out / "checkpoints" / "latest").is_file()
-    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite), (f"--resume {args.resume}",
-                                                                             bool(args.resume))) if on)
+    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite),
+                                           (f"--resume {args.resume}", args.resume not in (None, "latest"))) if on)
     if args.overwrite or has_latest:
         args.overwrite, args.resume = False, "latest"
     if os.environ.get("RANK", "0") == "0":
