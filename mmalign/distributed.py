@@ -320,11 +320,14 @@ def lost_peer(exc: BaseException) -> str | None:
     killed process, a network partition), or None for any other error."""
     if not is_initialized() and _timeout_s is None:
         return None
-    dist_error = isinstance(exc, getattr(dist, "DistError", ()))
     text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    if not dist_error and not (isinstance(exc, RuntimeError) and any(s in text.lower() for s in _LOST_PEER_SIGNS)):
+    lower = text.lower()
+    # a communication error (not, say, a DataLoader that "timed out"), and one that says a peer is gone
+    communication = isinstance(exc, getattr(dist, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and any(k in lower for k in ("gloo", "nccl", "c10d", "processgroup", "store")))
+    if not communication or not any(s in lower for s in _LOST_PEER_SIGNS):
         return None
+    first = text.splitlines()[0]
     limit = f"dist.timeout_s={_timeout_s:g} s" if _timeout_s else "the process-group timeout"
     return (f"lost contact with another rank (a host or process is gone, or the network is split; collectives "
             f"wait at most {limit}): {first[:200]}; once every host is back, relaunch with --resume latest")

@@ -25,6 +25,7 @@ import json
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import yaml
@@ -130,6 +131,20 @@ def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None
                           f"({checkpoint.name})")
 
 
+def _sees(file: Path, text: str, tries: int = 10, pause_s: float = 0.5) -> bool:
+    """Whether ``file`` holds ``text``; a few tries, for network filesystems whose clients
+    cache directory attributes for a moment (only a failing check waits)."""
+    for attempt in range(tries):
+        try:
+            if file.read_text() == text:
+                return True
+        except OSError:
+            pass
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    return False
+
+
 def check_shared(out: Path) -> None:
     """Collective (every rank, after rank 0 created ``out``): a one-line ConfigError on every
     rank when some rank does not see rank 0's files in ``out``.
@@ -150,10 +165,7 @@ def check_shared(out: Path) -> None:
         if rank == 0:
             file.write_text(name)
         mdist.barrier()
-        try:
-            seen = file.read_text() == name
-        except OSError:
-            seen = False
+        seen = _sees(file, name)
         verdicts = mdist.all_gather_object(None if seen else socket.gethostname())
     finally:
         if rank == 0:

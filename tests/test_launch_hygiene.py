@@ -269,3 +269,31 @@ def test_torchrun_restart_without_resume_says_what_to_add(short_run, tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "restart 2" in lines[0] and "--resume latest" in lines[0], res.stderr
     assert (out / "checkpoints" / "step_00000008").is_dir()
+
+
+def test_every_readme_launch_line_resumes():
+    """A launch line that a restart (or a relaunch after a failure) runs again must continue the run."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = [c.strip() for block in blocks for c in block.replace("\\\n", " ").splitlines()]
+    launches = [c for c in commands if re.match(r"(mmalign train|torchrun|srun|deepspeed|python -m mmalign\.cli train)\b", c)]
+    assert len(launches) >= 5, launches  # the tour, --nproc, torchrun, srun, the DeepSpeed launcher
+    missing = [c for c in launches if "--resume latest" not in c]
+    assert not missing, missing
+
+
+def test_lost_peer_is_one_line(monkeypatch):
+    monkeypatch.setattr(mdist, "_timeout_s", 15.0)
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 15000ms "
+                        "for send operation to complete\nmore detail")
+    line = mdist.lost_peer(gloo)
+    assert line is not None and "\n" not in line
+    assert "lost contact with another rank" in line and "dist.timeout_s=15 s" in line and "--resume latest" in line
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:3242: Connection reset by peer")
+    assert mdist.lost_peer(reset) is not None
+    # not communication errors: reported as they are
+    assert mdist.lost_peer(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds")) is None
+    assert mdist.lost_peer(ValueError("connection reset by peer")) is None
+    assert mdist.lost_peer(RuntimeError("gloo: invalid tensor size")) is None

@@ -16,6 +16,7 @@ Every run is the micro preset (ZeRO-2, gradient caching) for 12 steps; every wai
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -30,6 +31,10 @@ pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
 PORT = 29400  # the c10d rendezvous, on hostA's veth address (exists only inside the namespaces)
 SHORT_TIMEOUT_S = 20  # dist.timeout_s of the loss / partition cases: above the ranks' start-up skew here
+
+
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None,
+                                   reason="needs util-linux's unshare and mount (private mount namespaces)")
 
 
 def _pair(hosts, argv, run_id, port=PORT, max_restarts=0, wrap_b=None):
@@ -124,6 +129,7 @@ def test_partition_both_exit_then_resume(hosts, reference, train_argv, tmp_path)
     assert_same_run(out, reference)
 
 
+@needs_unshare
 def test_slurm_without_torchrun(hosts, reference, train_argv, tmp_path):
     """srun's variables and no MASTER_ADDR: every task dials the node list's first host."""
     names = tmp_path / "hosts"  # the job's host names, seen only inside each task's mount namespace
@@ -140,6 +146,7 @@ def test_slurm_without_torchrun(hosts, reference, train_argv, tmp_path):
     assert_same_run(out, reference)
 
 
+@needs_unshare
 def test_node_local_output_is_refused(hosts, train_argv, tmp_path):
     """hostB sees a private tmpfs at the run path: every rank stops at start-up with one line."""
     out = tmp_path / "run"
