@@ -125,7 +125,7 @@ def _continue_on_restart(args, out: Path) -> int:
     if args.overwrite or has_latest:
         args.overwrite, args.resume = False, "latest"
     if os.environ.get("RANK", "0") == "0":
-        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint "
+        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
               f"(`{given}` is not applied again)" if args.resume == "latest" else
               f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given", flush=True)
     return restart

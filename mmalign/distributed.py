@@ -212,10 +212,12 @@ def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
             source="torchrun",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        addr, port, where = cluster.slurm_master(env)
+        world = int(env["SLURM_NTASKS"])
+        # one task needs no rendezvous (a private loopback group): its node list is not read
+        addr, port, where = cluster.slurm_master(env) if world > 1 else (addr, port, "MASTER_ADDR")
         return DistInfo(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=world,
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=addr,
             master_port=port,

@@ -73,6 +73,9 @@ def test_slurm_master_address():
     assert (info.master_addr, info.master_port) == ("10.0.0.5", "2222")
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST.*cannot be parsed.*MASTER_ADDR"):
         mdist.env_dist_info({**env, "SLURM_JOB_NODELIST": "gpu[07-"})
+    # one task has no rendezvous to find: its node list is not read
+    assert mdist.env_dist_info({**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                                "SLURM_JOB_NODELIST": "gpu[07-"}).world_size == 1
 
 
 def test_cli_unparsable_nodelist_is_one_line(tmp_path):
