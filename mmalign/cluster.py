@@ -24,10 +24,11 @@ from mmalign.config import ConfigError
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = "29500"
 # A port per SLURM job (the same in every task of it) below Linux's ephemeral range
-# (32768-60999), so two jobs sharing a node do not collide on one rendezvous port.
+# (32768-60999), so two jobs sharing a node rarely pick the same rendezvous port.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 12000, 20000
 
 NODELIST_KEYS = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
+MAX_HOSTS = 1_000_000  # a bracket range beyond this is a typo, not a job
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -51,9 +52,6 @@ def _split_top(text: str) -> list[str]:
         raise ValueError("'[' without ']'")
     parts.append(text[start:])
     return parts
-
-
-MAX_HOSTS = 1_000_000  # a bracket range beyond this is a typo, not a job
 
 
 def _numbers(body: str) -> list[str]:
