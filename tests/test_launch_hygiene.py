@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from mmalign import checkpoint, cluster, gradcache
 from mmalign import distributed as mdist
-from mmalign.config import ConfigError, load_config
+from mmalign.config import ConfigError
 from tests.conftest import ROOT
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
