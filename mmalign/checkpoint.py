@@ -54,7 +54,9 @@ def rng_state() -> dict:
     py = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible
+        # GPU in every rank (with 8 ranks x 8 GPUs, 7 stray contexts per GPU)
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
         "python": list(py[1]),
         "python_version": py[0],
         "python_gauss": [] if py[2] is None else [py[2]],
@@ -65,7 +67,9 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state (this rank's device); a checkpoint from before held every visible device's
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state(cuda[0] if len(cuda) == 1 else cuda[torch.cuda.current_device()])
     gauss = state["python_gauss"][0] if state["python_gauss"] else None
     random.setstate((state["python_version"], tuple(int(v) for v in state["python"]), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

@@ -77,7 +77,17 @@ def cmd_train(args) -> int:
     meta_model = check_buildable(cfg.model)
     from mmalign.rundir import check_fresh_start
 
-    check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
+    from mmalign import cluster
+
+    cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
+    restart = _continue_on_restart(args, Path(cfg.output))
+    try:
+        check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
+    except ConfigError as e:
+        if not restart:
+            raise
+        raise ConfigError(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
+                          f"so that a restart continues the run)") from None
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
         from mmalign.config import validate
@@ -101,6 +111,29 @@ def cmd_train(args) -> int:
         print(f"run written to {out} ({written})")
     mdist.shutdown()
     return 0
+
+
+def _continue_on_restart(args, out: Path) -> int:
+    """Under a torchrun restart (TORCHELASTIC_RESTART_COUNT >= 1) the launch line runs again
+    as it was typed.  ``--overwrite`` would delete the checkpoints this job wrote, and an older
+    ``--resume PATH`` would, at its first save, prune every newer checkpoint and move
+    ``latest`` back: a restart instead continues from the run's ``latest`` (with nothing saved
+    yet, from step 0).  Returns the restart count (0: the first attempt)."""
+    from mmalign import cluster
+
+    restart = cluster.restart_count(os.environ)
+    if not restart or not (args.overwrite or args.resume not in (None, "latest")):
+        return restart  # the first attempt, or a line that already continues the run
+    has_latest = (out / "checkpoints" / "latest").is_file()
+    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite),
+                                           (f"--resume {args.resume}", args.resume not in (None, "latest"))) if on)
+    if args.overwrite or has_latest:
+        args.overwrite, args.resume = False, "latest"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
+              f"(`{given}` is not applied again)" if args.resume == "latest" else
+              f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given", flush=True)
+    return restart
 
 
 def _check_batchnorm(cfg, model, world_size: int) -> None:
@@ -447,6 +480,15 @@ def drop_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+def _lost_peer(e: BaseException) -> str | None:
+    """One line when ``e`` is a collective that lost another rank (see mmalign.distributed)."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    from mmalign.distributed import lost_peer
+
+    return lost_peer(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = drop_local_rank(sys.argv[1:] if argv is None else argv)
     try:
@@ -457,10 +499,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmalign: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a stopped run: one line, not a traceback
-        if type(e).__name__ != "RunStopped":
+        if type(e).__name__ == "RunStopped":
+            print(f"mmalign: stopped: {e}", file=sys.stderr)
+            return 1
+        lost = _lost_peer(e)
+        if lost is None:
             raise
-        print(f"mmalign: stopped: {e}", file=sys.stderr)
-        return 1
+        print(f"mmalign: error: {lost}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not a normal exit: tearing down a process group whose peer is gone can block on
+        # that peer (the reason we are here), so this rank leaves at once.
+        os._exit(1)
     except KeyboardInterrupt:
         print("mmalign: interrupted", file=sys.stderr)
         return 130

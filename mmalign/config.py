@@ -165,6 +165,13 @@ class MonitorConfig:
 
 
 @dataclass
+class DistConfig:
+    # Longest wait of any collective (and of the rendezvous store) before a rank gives up on a
+    # lost peer with a one-line error; 0 = 600 s on GPU, 120 s on CPU (torch's default is 30 min).
+    timeout_s: float = 0.0
+
+
+@dataclass
 class Config:
     seed: int = 0
     output: str = "runs/quickstart"
@@ -175,6 +182,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 # ---------------------------------------------------------------- building
@@ -379,6 +387,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
     if t.log_every <= 0:
         raise ConfigError(f"config key 'train.log_every' must be > 0, got {t.log_every}")
+    if not cfg.dist.timeout_s >= 0:
+        raise ConfigError(f"config key 'dist.timeout_s' must be >= 0 (0 = 600 s on GPU, 120 s on CPU), "
+                          f"got {cfg.dist.timeout_s}")
 
 
 def _validate_queue(cfg: Config) -> None:

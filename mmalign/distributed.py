@@ -6,17 +6,27 @@ single-process code paths never need to branch on distributed state.
 
 Launchers: torchrun and the DeepSpeed launcher export RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT; SLURM exports SLURM_PROCID /
-SLURM_NTASKS / SLURM_LOCALID. :func:`init_from_env` understands both.
+SLURM_NTASKS / SLURM_LOCALID and the node list, from which the rendezvous address is
+derived (:mod:`mmalign.cluster`). :func:`init_from_env` understands both.
+
+Every process group gets the run's ``dist.timeout_s``: a peer that vanished (a lost
+host, a network partition) ends the survivors' collectives with an error after that
+long, instead of torch's 10-30 minute defaults; :func:`lost_peer` turns that error into
+one line for the user.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from mmalign import cluster
 
 __all__ = [
     "DistInfo",
@@ -35,11 +45,18 @@ __all__ = [
     "all_reduce_sum_with_grad",
     "init_from_env",
     "env_dist_info",
+    "local_device_index",
+    "default_timeout_s",
+    "lost_peer",
     "shutdown",
 ]
 
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = "29500"
+DEFAULT_MASTER_ADDR = cluster.DEFAULT_MASTER_ADDR
+DEFAULT_MASTER_PORT = cluster.DEFAULT_MASTER_PORT
+# dist.timeout_s = 0 means these: a GPU job's collectives (a slow all-gather of a large
+# model, a checkpoint save on a busy filesystem) get more slack than a CPU job's.
+DEFAULT_TIMEOUT_GPU_S, DEFAULT_TIMEOUT_CPU_S = 600.0, 120.0
+_timeout_s: float | None = None  # the timeout of the group this process initialised (for lost_peer)
 
 
 def is_initialized() -> bool:
@@ -127,14 +144,6 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@torch.no_grad()
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over ranks IN PLACE and return it."""
-    if get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def all_gather_object(obj) -> list:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` when not distributed)."""
     if get_world_size() == 1:
@@ -216,10 +225,15 @@ class DistInfo:
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: str = DEFAULT_MASTER_PORT
     source: str = "none"  # "torchrun" | "slurm" | "none"
+    master_from: str = "MASTER_ADDR"  # where master_addr came from (SLURM: the node list)
 
 
 def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
-    """Read rank/world size from torchrun-style variables, else from SLURM."""
+    """Read rank/world size from torchrun-style variables, else from SLURM.
+
+    Under SLURM without ``MASTER_ADDR`` the address is the first host of the job's node list
+    (a list that cannot be parsed is a one-line ConfigError), not 127.0.0.1, which would
+    leave every task of a multi-node job dialling itself until the store timeout."""
     env = os.environ if environ is None else environ
     addr = env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
     port = env.get("MASTER_PORT", DEFAULT_MASTER_PORT)
@@ -233,15 +247,30 @@ def env_dist_info(environ: Mapping[str, str] | None = None) -> DistInfo:
             source="torchrun",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        # one task needs no rendezvous (a private loopback group): its node list is not read
+        addr, port, where = cluster.slurm_master(env) if world > 1 else (addr, port, "MASTER_ADDR")
         return DistInfo(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=world,
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=addr,
             master_port=port,
             source="slurm",
+            master_from=where,
         )
     return DistInfo()
+
+
+def local_device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a rank: LOCAL_RANK when that many devices are visible (one process
+    per GPU of a node), else 0 (a scheduler bound one GPU to each task, e.g. SLURM's
+    ``--gpus-per-task 1``, so every task sees its own GPU as device 0)."""
+    return local_rank if local_rank < visible else 0
+
+
+def default_timeout_s(cuda: bool) -> float:
+    return DEFAULT_TIMEOUT_GPU_S if cuda else DEFAULT_TIMEOUT_CPU_S
 
 
 def free_port() -> str:
@@ -253,30 +282,48 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def init_from_env(backend: str | None = None, require_group: bool = False) -> DistInfo:
+def init_from_env(backend: str | None = None, require_group: bool = False,
+                  timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group from the environment.
 
     No-op for world size 1 (unless ``require_group``: DeepSpeed needs a group even
     for one process, which then gets a private loopback port) and when a group
     already exists. ``backend`` defaults to nccl when CUDA is available, else
-    gloo. With nccl the current CUDA device is set to LOCAL_RANK.
+    gloo. With CUDA the current device is :func:`local_device_index`, and nccl binds the
+    group to it (``device_id``). ``timeout_s`` (None or 0: :func:`default_timeout_s`)
+    bounds every collective of this group and of the groups created later (DeepSpeed's).
     """
+    global _timeout_s
     info = env_dist_info()
     if is_initialized():
         return DistInfo(get_rank(), get_world_size(), info.local_rank,
-                        info.master_addr, info.master_port, info.source)
+                        info.master_addr, info.master_port, info.source, info.master_from)
     if info.world_size <= 1 and not require_group:
         return info
+    cuda = torch.cuda.is_available()
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank)
+        backend = "nccl" if cuda else "gloo"
+    device_id = None
+    if cuda:
+        index = local_device_index(info.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        if backend == "nccl":
+            device_id = torch.device("cuda", index)
+    _timeout_s = float(timeout_s) if timeout_s else default_timeout_s(cuda)
+    timeout = timedelta(seconds=_timeout_s)
+    # torch.distributed.new_group() without a timeout (DeepSpeed clones the world group for
+    # ZeRO's collectives) takes c10d's module default, 30 min, not the default group's:
+    # make ours the default for every group this process creates.
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
     if info.world_size <= 1:
         # A private group on a free loopback port, without touching os.environ
         # (child processes must not inherit a port this process holds). DeepSpeed
         # insists on LOCAL_RANK, which alone does not make a child look distributed.
         os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=timeout, device_id=device_id)
         return info
     # env:// reads MASTER_ADDR / MASTER_PORT (SLURM does not set them); DeepSpeed
     # also reads RANK / WORLD_SIZE / LOCAL_RANK, so make them explicit.
@@ -284,9 +331,43 @@ def init_from_env(backend: str | None = None, require_group: bool = False) -> Di
     os.environ.setdefault("MASTER_PORT", info.master_port)
     for key, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
         os.environ.setdefault(key, str(value))
-    dist.init_process_group(backend=backend, init_method="env://",
-                            rank=info.rank, world_size=info.world_size)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun keeps one TCP store for all its restarts, and every attempt's groups write
+        # the same keys (each rank's address): a restarted rank would read a dead rank's
+        # address from the previous attempt, fail to connect and burn the restart. A prefix
+        # per attempt keeps the attempts apart.
+        store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+        store = dist.PrefixStore(f"mmalign/attempt_{cluster.restart_count(os.environ)}/", store)
+        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timeout, device_id=device_id)
+        return info
+    dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+                            timeout=timeout, device_id=device_id)
     return info
+
+
+# What gloo / nccl / the TCP store say when a peer is gone or silent: the process was
+# killed (connection reset / closed), its host vanished or the network split (timeout).
+_LOST_PEER_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe",
+                    "connection refused", "no route to host", "socket closed", "nccl communicator was aborted")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another rank is gone (a lost host, a
+    killed process, a network partition), or None for any other error."""
+    if not is_initialized() and _timeout_s is None:
+        return None
+    text = str(exc).strip()
+    lower = text.lower()
+    # a communication error (not, say, a DataLoader that "timed out"), and one that says a peer is gone
+    communication = isinstance(exc, getattr(dist, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and any(k in lower for k in ("gloo", "nccl", "c10d", "processgroup", "store")))
+    if not communication or not any(s in lower for s in _LOST_PEER_SIGNS):
+        return None
+    first = text.splitlines()[0]
+    limit = f"dist.timeout_s={_timeout_s:g} s" if _timeout_s else "the process-group timeout"
+    return (f"lost contact with another rank (a host or process is gone, or the network is split; collectives "
+            f"wait at most {limit}): {first[:200]}; once every host is back, relaunch with --resume latest")
 
 
 def shutdown() -> None:

@@ -59,20 +59,21 @@ PER_STEP = ("logit_scale", "logit_bias")
 
 @dataclass
 class RngState:
-    """CPU and (when present) every CUDA device's generator state."""
+    """CPU and (when present) the current CUDA device's generator state: the forward runs on
+    that device alone, and touching every visible device would create a context on each."""
 
     cpu: torch.Tensor
-    cuda: Optional[list[torch.Tensor]]
+    cuda: Optional[torch.Tensor]
 
     @classmethod
     def capture(cls) -> "RngState":
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         return cls(torch.get_rng_state(), cuda)
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+            torch.cuda.set_rng_state(self.cuda)
 
 
 def chunk_sizes(n: int, chunk: int) -> list[int]:

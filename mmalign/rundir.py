@@ -12,13 +12,20 @@ So a fresh start needs an empty (or absent) directory, or ``--overwrite``; and e
 checkpoint stores the resolved config it was written under, which a resume must
 match except for the keys in :data:`RESUMABLE_CHANGES` (a longer run, another
 evaluation or logging schedule, another output path).
+
+A third, across nodes: a run directory that is node-local (each host its own disk at the
+same path) lets every node write its own checkpoint shards where no other node reads them.
+:func:`check_shared` finds it at start-up: rank 0 writes a nonce there, the others read it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import yaml
@@ -29,15 +36,16 @@ CONFIG_FILE = "config.yaml"  # in the run directory and in every checkpoint
 
 # What a run writes; --overwrite removes these and nothing else (a directory may hold the
 # user's own files too).
+NONCE_PREFIX = ".mmalign-shared-check-"  # check_shared's file (removed at once; one a kill left is ignored)
 RUN_ARTEFACTS = ("checkpoints", "final", "tensorboard", "report", "config.yaml", "train.log", "metrics.jsonl",
-                 "eval.json", "eval_step*.json", "samples_rank*.jsonl")
+                 "eval.json", "eval_step*.json", "samples_rank*.jsonl", NONCE_PREFIX + "*")
 
 # Keys a resumed run may change: how long it runs, when it evaluates / logs / saves, where
 # its files go, how many threads and how it watches itself. Everything else shapes the
 # optimisation or the data order, and a change would splice two experiments into one run.
 RESUMABLE_CHANGES = ("output", "train.steps", "train.eval_every", "train.log_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.max_consecutive_skips", "train.threads", "eval.", "monitor.",
-                     "data.val", "data.max_consecutive_skips")
+                     "data.val", "data.max_consecutive_skips", "dist.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -67,7 +75,7 @@ def check_fresh_start(out: Path, resume: str | None, overwrite: bool) -> None:
     Pure (no writes): every rank may call it before any rank writes."""
     if resume or overwrite or not out.is_dir():
         return
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX))
     if entries:
         shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
         raise ConfigError(f"config key 'output': {out} is not empty ({shown}); continue that run with "
@@ -121,3 +129,50 @@ def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None
     if step is not None and cfg.train.steps < step:
         raise ConfigError(f"config key 'train.steps'={cfg.train.steps} is below the checkpoint's step {step} "
                           f"({checkpoint.name})")
+
+
+def _sees(file: Path, text: str, tries: int = 10, pause_s: float = 0.5) -> bool:
+    """Whether ``file`` holds ``text``; a few tries, for network filesystems whose clients
+    cache directory attributes for a moment (only a failing check waits)."""
+    for attempt in range(tries):
+        try:
+            if file.read_text() == text:
+                return True
+        except OSError:
+            pass
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    return False
+
+
+def check_shared(out: Path) -> None:
+    """Collective (every rank, after rank 0 created ``out``): a one-line ConfigError on every
+    rank when some rank does not see rank 0's files in ``out``.
+
+    Rank 0 writes a random nonce into the run directory; after a barrier every other rank
+    reads it back.  A node-local path (another disk, a tmpfs, a container's private volume
+    at the same path) shows another file or none: the checkpoints, whose shards every rank
+    writes, would be split across hosts and a resume could never load them."""
+    from mmalign import distributed as mdist
+
+    if mdist.get_world_size() == 1:
+        return
+    rank = mdist.get_rank()
+    token = secrets.token_hex(16) if rank == 0 else None
+    name = mdist.all_gather_object(token)[0]  # rank 0's nonce, by the network, to compare with the file
+    file = out / f"{NONCE_PREFIX}{name}"
+    try:
+        if rank == 0:
+            file.write_text(name)
+        mdist.barrier()
+        seen = _sees(file, name)
+        verdicts = mdist.all_gather_object(None if seen else socket.gethostname())
+    finally:
+        if rank == 0:
+            file.unlink(missing_ok=True)
+    blind = [(r, host) for r, host in enumerate(verdicts) if host is not None]
+    if blind:
+        shown = ", ".join(f"rank {r} on {host}" for r, host in blind[:4]) + (" ..." if len(blind) > 4 else "")
+        raise ConfigError(f"config key 'output': {out} is not shared between the ranks ({shown} cannot see rank 0's "
+                          f"files there); the output directory must be on a filesystem every node mounts at "
+                          f"the same path")

@@ -184,7 +184,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
 
     # setup: everything that depends only on the config, the shard list and the run directory
     # is checked here, before any write and before the model and DeepSpeed are built
-    mdist.init_from_env(require_group=True)
+    info = mdist.init_from_env(require_group=True, timeout_s=cfg.dist.timeout_s)
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0
     out = Path(cfg.output)
@@ -205,6 +205,9 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         setup_logging(out)
         checkpoint.clean_partial(out)
     mdist.barrier()
+    rundir.check_shared(out)  # every rank sees rank 0's files (not a node-local directory)
+    if main and info.source == "slurm":
+        _say(f"SLURM: {world} tasks, rendezvous at {info.master_addr}:{info.master_port} ({info.master_from})")
     seed_everything(cfg.seed)  # same init on every rank (reseeded per rank once the engine is built)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)

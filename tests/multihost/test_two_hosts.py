@@ -1,0 +1,164 @@
+"""Two hosts on one machine (network namespaces + a veth pair), one rank per host.
+
+1. torchrun on two hosts ends bitwise equal to ``mmalign train --nproc 2`` on one;
+2. a worker killed with a restart budget: re-rendezvous, resume from latest, bitwise equal,
+   every step logged once;
+3. a host lost without a restart budget: the survivor exits with one line within
+   ``dist.timeout_s``;
+4. a network partition longer than the timeout: both sides exit, then ``--resume latest``
+   completes, bitwise equal;
+6. SLURM without torchrun: the rendezvous address comes from the node list;
+7. a node-local output directory: a one-line start-up error on every rank.
+
+Every run is the micro preset (ZeRO-2, gradient caching) for 12 steps; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+
+from tests.multihost.conftest import RUN_LIMIT_S
+from tests.multihost.hosts import wait_all, wait_for
+from tests.multihost.runs import assert_same_run
+
+pytestmark = [pytest.mark.multihost, pytest.mark.integration]
+
+PORT = 29400  # the c10d rendezvous, on hostA's veth address (exists only inside the namespaces)
+SHORT_TIMEOUT_S = 20  # dist.timeout_s of the loss / partition cases: above the ranks' start-up skew here
+
+
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None,
+                                   reason="needs util-linux's unshare and mount (private mount namespaces)")
+
+
+def _pair(hosts, argv, run_id, port=PORT, max_restarts=0, wrap_b=None):
+    a = hosts.torchrun("a", port, run_id, argv, max_restarts=max_restarts, log=f"{run_id}-a.log")
+    b = hosts.torchrun("b", port, run_id, argv, max_restarts=max_restarts, log=f"{run_id}-b.log", wrap=wrap_b)
+    return a, b
+
+
+def _logs(hosts, procs) -> str:
+    return "\n".join(f"----- {p.args[3]}\n{hosts.log(p)[-4000:]}" for p in procs)
+
+
+def _finish(hosts, procs, limit=RUN_LIMIT_S) -> None:
+    codes = wait_all(procs, limit)
+    assert codes == [0] * len(procs), f"exit codes {codes}\n{_logs(hosts, procs)}"
+
+
+def _first_checkpoint(out, procs) -> None:
+    latest = out / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() or any(p.poll() is not None for p in procs), RUN_LIMIT_S,
+             what="the first checkpoint")
+    assert latest.is_file(), "a host exited before the first checkpoint"
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("mmalign: error:")]
+
+
+def _no_mmalign_traceback(log: str) -> None:
+    """torchrun prints its own ChildFailedError; no frame of ours may appear."""
+    frames = [line for line in log.splitlines() if line.strip().startswith('File "')]
+    assert not [f for f in frames if "/mmalign/" in f], "a traceback from mmalign's code:\n" + log[-4000:]
+
+
+def test_two_hosts_equal_one_host(hosts, reference, train_argv, tmp_path):
+    out = tmp_path / "run"
+    _finish(hosts, _pair(hosts, train_argv(out), "launch"))
+    assert_same_run(out, reference)
+
+
+def test_killed_worker_restarts_and_resumes(hosts, reference, train_argv, tmp_path):
+    out = tmp_path / "run"
+    a, b = _pair(hosts, train_argv(out), "restart", max_restarts=1)
+    worker = hosts.worker_of(b, time.time() + RUN_LIMIT_S)
+    _first_checkpoint(out, (a, b))
+    os.kill(worker, signal.SIGKILL)  # hostB's rank, mid-run (raises if the run had already ended)
+    _finish(hosts, (a, b))
+    log = hosts.log(a)
+    assert "no checkpoint in" in log and "resumed from" in log, log[-4000:]  # two attempts, the second resumed
+    assert_same_run(out, reference)  # metrics.jsonl: steps 1..12, each once
+
+
+def test_host_loss_survivor_exits_within_timeout(hosts, train_argv, tmp_path):
+    out = tmp_path / "run"
+    a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "loss")
+    _first_checkpoint(out, (a, b))
+    hosts.link("b", up=False)  # the host vanishes: no FIN / RST reaches hostA
+    hosts.kill_host("b")
+    lost = time.time()
+    [code] = wait_all([a], SHORT_TIMEOUT_S + 120)
+    elapsed = time.time() - lost
+    log = hosts.log(a)
+    assert code not in (0, None), f"hostA's agent: {code}\n{log[-4000:]}"
+    # within the timeout (plus the agent's monitor interval and exit), not torch's 30 minutes
+    assert elapsed <= SHORT_TIMEOUT_S + 20, f"{elapsed:.0f} s\n{log[-4000:]}"
+    lines = _error_lines(log)
+    assert len(lines) == 1, log[-4000:]
+    assert "lost contact with another rank" in lines[0] and f"dist.timeout_s={SHORT_TIMEOUT_S} s" in lines[0]
+    _no_mmalign_traceback(log)
+
+
+def test_partition_both_exit_then_resume(hosts, reference, train_argv, tmp_path):
+    out = tmp_path / "run"
+    a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "split")
+    _first_checkpoint(out, (a, b))
+    hosts.link("b", up=False)
+    time.sleep(SHORT_TIMEOUT_S + 15)  # longer than the timeout
+    hosts.link("b", up=True)
+    codes = wait_all([a, b], 180)
+    assert None not in codes and 0 not in codes, f"exit codes {codes}\n{_logs(hosts, (a, b))}"
+    for proc in (a, b):
+        log = hosts.log(proc)
+        assert len(_error_lines(log)) == 1 and "lost contact" in _error_lines(log)[0], log[-4000:]
+        _no_mmalign_traceback(log)
+    for host in ("a", "b"):  # nothing left behind on either side
+        wait_for(lambda: not hosts.pids(host), 30, what=f"host {host}'s processes to end")
+    assert not (out / "final").exists()
+
+    a, b = _pair(hosts, train_argv(out), "resume", port=PORT + 1)
+    _finish(hosts, (a, b))
+    assert "resumed from" in hosts.log(a)
+    assert_same_run(out, reference)
+
+
+@needs_unshare
+def test_slurm_without_torchrun(hosts, reference, train_argv, tmp_path):
+    """srun's variables and no MASTER_ADDR: every task dials the node list's first host."""
+    names = tmp_path / "hosts"  # the job's host names, seen only inside each task's mount namespace
+    names.write_text(f"127.0.0.1 localhost\n{hosts['a'].addr} mmnode01\n{hosts['b'].addr} mmnode02\n")
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'mount --bind {names} /etc/hosts && exec "$@"',
+            "sh"]
+    out = tmp_path / "run"
+    env = {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "mmnode[01-02]", "SLURM_JOB_ID": "4242"}
+    procs = [hosts.start(host, [sys.executable, "-m", "mmalign.cli", *train_argv(out)],
+                         env={**env, "SLURM_PROCID": str(rank)}, wrap=wrap, log=f"slurm-{host}.log")
+             for rank, host in enumerate("ab")]
+    _finish(hosts, procs)
+    assert "rendezvous at mmnode01:16242 (first host of SLURM_JOB_NODELIST)" in hosts.log(procs[0])
+    assert_same_run(out, reference)
+
+
+@needs_unshare
+def test_node_local_output_is_refused(hosts, train_argv, tmp_path):
+    """hostB sees a private tmpfs at the run path: every rank stops at start-up with one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    wrap_b = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+              f'mount -t tmpfs mmalign-node-local {out} && exec "$@"', "sh"]
+    a, b = _pair(hosts, train_argv(out), "local", wrap_b=wrap_b)
+    codes = wait_all([a, b], RUN_LIMIT_S)
+    assert None not in codes and 0 not in codes, f"exit codes {codes}\n{_logs(hosts, (a, b))}"
+    for proc in (a, b):
+        lines = _error_lines(hosts.log(proc))
+        assert len(lines) == 1 and "config key 'output'" in lines[0] and "is not shared" in lines[0] \
+            and "rank 1" in lines[0], hosts.log(proc)[-4000:]
+        _no_mmalign_traceback(hosts.log(proc))
+    assert not (out / "checkpoints").exists()
