@@ -24,8 +24,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
 
 from mmalign.evaluation.zeroshot import classification_metrics
 
@@ -44,11 +42,15 @@ def split_indices(n: int, fractions: Sequence[float], seed: int = 0) -> list[tor
     return parts
 
 
-def _logreg(c: float, seed: int) -> LogisticRegression:
+def _logreg(c: float, seed: int):
+    # sklearn (and scipy under it) is imported here, not at module level: it costs ~1.5 s of
+    # start-up in every training process, most of which never fits a probe
+    from sklearn.linear_model import LogisticRegression
+
     return LogisticRegression(C=c, max_iter=1000, random_state=seed)
 
 
-def _scores(clf: LogisticRegression, x: torch.Tensor, n_classes: int) -> torch.Tensor:
+def _scores(clf, x: torch.Tensor, n_classes: int) -> torch.Tensor:
     """Class scores (N, n_classes); classes absent from the training split score -inf."""
     out = torch.full((x.shape[0], n_classes), -math.inf, dtype=torch.float64)
     # log-probabilities are (N, fitted classes) even for two classes, unlike decision_function
@@ -62,6 +64,8 @@ def linear_probe(train_x, train_y, val_x, val_y, test_x, test_y, n_classes: int,
     ``say(line)``, when given, hears of each fit (they can take minutes)."""
     sweep = {}
     with warnings.catch_warnings():
+        from sklearn.exceptions import ConvergenceWarning
+
         warnings.simplefilter("ignore", ConvergenceWarning)  # the sweep's strongest C may not converge
         for i, c in enumerate(cs):
             if say is not None:
