@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test install clean
+.PHONY: quickstart test test-all install clean
 
 install: $(STAMP)
 
@@ -18,6 +18,10 @@ quickstart: $(STAMP)
 	$(BIN)/mmalign quickstart
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu and not slow" -q
+
+# also the `slow` tests: costly ones whose property a cheaper test already checks
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu" -q
 
 clean:

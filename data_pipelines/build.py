@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
-from tqdm import tqdm
 
 from data_pipelines.sources import Item
 from data_pipelines.writer import ShardWriter
+from mmalign.progress import track
 
 log = logging.getLogger("mmalign.shards")
 
@@ -101,10 +101,10 @@ def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int =
     work = ((item, opts) for item in items)
     pool = mp.get_context("fork").Pool(processes) if processes > 1 else None
     results = pool.imap(_encode_one, work, chunksize=16) if pool else map(_encode_one, work)
-    bar = tqdm(total=total, desc=f"shards -> {out}", unit="img", disable=not progress, dynamic_ncols=True)
+    # a bar on a terminal, a readable line every 10 s elsewhere (not tqdm's carriage returns)
+    tracked = track(results, f"shards -> {out}", total=total, unit="images", enabled=progress)
     try:
-        for captions, item_meta, ref, result in results:
-            bar.update(1)
+        for captions, item_meta, ref, result in tracked:
             caption = "\n".join(captions)
             if "error" in result:
                 failures += 1
@@ -120,7 +120,7 @@ def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int =
             writer.write_encoded(result["jpg"], caption, meta, width=result["width"], height=result["height"])
             written += 1
     finally:
-        bar.close()
+        tracked.close()
         if pool:
             pool.close()
             pool.join()

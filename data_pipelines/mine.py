@@ -45,9 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from mmalign.config import ConfigError
+from mmalign.progress import track
 
 log = logging.getLogger("mmalign.mine")
 
@@ -118,31 +118,33 @@ def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, 
             corpus.caption.append(F.normalize(model.encode_text(tokens).float(), dim=-1).cpu().numpy())
         pending.clear()
 
-    bar = tqdm(desc="mining: embedding", unit="img", disable=not progress, dynamic_ncols=True)
-    for shard, url in enumerate(urls):
+    def raw_samples():  # (shard, index in shard, raw sample); a shard that ends early is counted
+        for shard, url in enumerate(urls):
+            try:
+                for index, raw in enumerate(iter_tar_groups(url)):
+                    yield shard, index, raw
+            except (TruncatedTar, CorruptTar, OSError) as e:
+                corpus.shards_ended_early += 1
+                log.warning("mine: shard %s ended early: %s", url, e)
+
+    # a bar on a terminal, a readable line every 10 s elsewhere (not tqdm's carriage returns)
+    for shard, index, raw in track(raw_samples(), "mining: embedding", unit="samples", enabled=progress):
+        corpus.samples += 1
         try:
-            for index, raw in enumerate(iter_tar_groups(url)):
-                corpus.samples += 1
-                try:
-                    sample = decode_sample(raw)
-                except BadSample as e:
-                    corpus.unreadable[e.reason] = corpus.unreadable.get(e.reason, 0) + 1
-                    log.warning("mine: copying unreadable sample %s of %s unchanged: %s", raw["__key__"], url, e)
-                    continue
-                value = sample["json"].get(id_field) if id_field else None
-                corpus.where.append((shard, index))
-                corpus.keys.append(raw["__key__"])
-                corpus.texts.append(sample["captions"])
-                corpus.ids.append(None if value is None else json.dumps(value, sort_keys=True))
-                pending.append((sample["image"].convert("RGB"), sample["captions"]))
-                bar.update(1)
-                if len(pending) == batch_size:
-                    flush()
-        except (TruncatedTar, CorruptTar, OSError) as e:
-            corpus.shards_ended_early += 1
-            log.warning("mine: shard %s ended early: %s", url, e)
+            sample = decode_sample(raw)
+        except BadSample as e:
+            corpus.unreadable[e.reason] = corpus.unreadable.get(e.reason, 0) + 1
+            log.warning("mine: copying unreadable sample %s of %s unchanged: %s", raw["__key__"], urls[shard], e)
+            continue
+        value = sample["json"].get(id_field) if id_field else None
+        corpus.where.append((shard, index))
+        corpus.keys.append(raw["__key__"])
+        corpus.texts.append(sample["captions"])
+        corpus.ids.append(None if value is None else json.dumps(value, sort_keys=True))
+        pending.append((sample["image"].convert("RGB"), sample["captions"]))
+        if len(pending) == batch_size:
+            flush()
     flush()
-    bar.close()
     return corpus
 
 

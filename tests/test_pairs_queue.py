@@ -416,6 +416,7 @@ def test_gradient_caching_with_a_queue_equals_one_pass(micro_overrides, tmp_path
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # make test-all: one-rank resume with a queue above, 2-rank queues + ZeRO below
 def test_two_process_run_zero3_cached_resumes_exactly(micro_overrides, tmp_path):
     """The whole loop on 2 ranks (ZeRO-3, gradient caching, caption ids): resuming from the
     step-2 checkpoint reaches the straight run's weights and queue."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def test_recipe_first_line_is_its_command(path: Path):
     assert first.startswith("# mmalign"), f"{path.name}: first line must be the command that runs it"
     if path.name != "quickstart.yaml":  # quickstart's command is `mmalign quickstart`
         assert f"--config configs/{path.name}" in first
+    # every training launch in the header continues the run when run again (a restart, a relaunch)
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    launches = [line for line in header if re.search(r"mmalign(\.cli)? train --config", line)]
+    assert launches and all("--resume latest" in line for line in launches), launches
+    # and says how long it takes: measured on 2 idle cores (CPU recipes) or what is known (GPU)
+    text = " ".join(line.lstrip("# ") for line in header)
+    assert re.search(r"Measured on 2 idle cores \(\d{4}-\d\d-\d\d\): [\d.]+ min", text) or \
+        (path.name.endswith("_gpu.yaml") and "Time:" in text), f"{path.name}: the header states no time"
 
 
 def test_committed_recipes_use_no_machine_specific_paths():
