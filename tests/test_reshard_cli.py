@@ -50,7 +50,10 @@ def _keys(files, steps):
     return keys
 
 
-@pytest.mark.parametrize("before,after,stage,mode", [(2, 1, 2, "epoch"), (1, 2, 3, "resampled")])
+# 1 -> 2 is `slow` (make test-all): the engine test covers both directions at every stage and
+# tests/test_reshard_data.py the resampled restart; make test keeps 2 -> 1, the lost-node case.
+@pytest.mark.parametrize("before,after,stage,mode", [(2, 1, 2, "epoch"),
+                                                     pytest.param(1, 2, 3, "resampled", marks=pytest.mark.slow)])
 def test_resume_on_another_world_size(micro_overrides, tmp_path, before, after, stage, mode):
     out = tmp_path / "run"
     extra = [f"deepspeed.zero_stage={stage}", f"data.mode={mode}"]
