@@ -328,10 +328,13 @@ def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path):
         ref_grads, ref_params, ref_buffers = _reference(model_seed, data_seed, groups)
         params = {n: state[n] for n in ref_params}
         # Whole-set bound 1e-5 (default BatchNorm under caching is ~0.6 off); per tensor 1e-4 in
-        # train mode (its fp32 rounding, see _reference). Ghost groups of < 4 rows normalise < 4
-        # values per channel at the 1 x 1 last stage, which amplifies fp32 rounding: 1e-4.
+        # every mode: the attention pool's q/k projection gradients are differences of nearly
+        # equal terms (softmax ignores a shift shared by all keys), so their fp32 rounding reaches
+        # ~1.2e-5 relative on some draws even in frozen mode (seen once in a full run). Ghost
+        # groups of < 4 rows normalise < 4 values per channel at the 1 x 1 last stage, which
+        # amplifies fp32 rounding: whole-set 1e-4 there.
         tol = 1e-5 if groups is None or min(map(len, groups)) >= 4 else 1e-4
-        tensor_tol = 1e-5 if groups is None else 1e-4
+        tensor_tol = 1e-4
         _close(grads, ref_grads, "grad", case, tol, tensor_tol)
         _close(params, ref_params, "param", case, tol, tensor_tol)
         _close({n: buffers[n] for n in running}, {n: ref_buffers[n] for n in running}, "buffers", case)

@@ -175,8 +175,7 @@ def test_an_image_folder_embedding_knows_its_files(corpus, tmp_path):
         searcher.image_bytes(hits[0].row, 10)
 
 
-@pytest.fixture(scope="module")
-def served(corpus):
+def _serve(corpus):
     lines: list[str] = []
     srv = make_server(Searcher(corpus["idx"], corpus["model"]), "127.0.0.1", 0, access_log=lines.append)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -185,6 +184,18 @@ def served(corpus):
     yield srv
     srv.shutdown()
     srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(corpus):
+    yield from _serve(corpus)
+
+
+@pytest.fixture
+def quiet_server(corpus):
+    """A server of its own: a shared one may still log an earlier test's request (a line is
+    written after its reply is sent, so the client can be done first)."""
+    yield from _serve(corpus)
 
 
 def test_server_shows_sources_dedupes_and_serves_thumbnails(corpus, served):
@@ -220,7 +231,8 @@ def test_server_shows_sources_dedupes_and_serves_thumbnails(corpus, served):
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
 
 
-def test_one_access_log_line_per_request(served):
+def test_one_access_log_line_per_request(quiet_server):
+    served = quiet_server
     before = len(served.lines)
     assert _status(f"{served.base}/health") == 200
     assert _status(f"{served.base}/nowhere") == 404
