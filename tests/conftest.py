@@ -117,3 +117,10 @@ def spawn_ranks(worker, world: int, args: tuple, out_path) -> object:
         p.join(timeout=600)
         assert p.exitcode == 0
     return torch.load(out_path, weights_only=False)
+
+
+def max_rel_error(got: dict, want: dict) -> tuple[float, str]:
+    """The largest relative error over the floating-point tensors of a state dict (attention
+    masks skipped), with the tensor's name."""
+    return max((float((got[n] - w).norm() / w.norm().clamp_min(1e-12)), n) for n, w in want.items()
+               if w.is_floating_point() and not n.endswith("attn_mask"))

@@ -62,3 +62,21 @@ def build_corpus(root: Path) -> dict:
     assert main(["index", "--emb", str(root / "emb"), "--out", str(root / "idx")]) == 0
     return {"root": root, "model": model, "colours": colours, "shards": root / "shards", "emb": root / "emb",
             "idx": root / "idx"}
+
+
+def serve_corpus(corpus: dict):
+    """A search server over ``corpus`` on a free loopback port, its access-log lines in
+    ``.lines`` and its URL in ``.base``; a generator for fixtures (shut down after the yield)."""
+    import threading
+
+    from mmalign.search import Searcher
+    from mmalign.serve import make_server
+
+    lines: list[str] = []
+    srv = make_server(Searcher(corpus["idx"], corpus["model"]), "127.0.0.1", 0, access_log=lines.append)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    srv.base, srv.lines = f"http://127.0.0.1:{srv.server_address[1]}", lines
+    yield srv
+    srv.shutdown()
+    srv.server_close()

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ENGINE_BATCH, engine_batch, engine_cfg, spawn_ranks
+from tests.conftest import ENGINE_BATCH, engine_batch, engine_cfg, max_rel_error, spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -66,11 +66,6 @@ def _worker(rank: int, world: int, port: int, cases: tuple, seed: int, out_path:
     mdist.shutdown()
 
 
-def _max_rel(got: dict, want: dict) -> tuple[float, str]:
-    return max((float((got[n] - w).norm() / w.norm().clamp_min(1e-12)), n) for n, w in want.items()
-               if w.is_floating_point() and not n.endswith("attn_mask"))
-
-
 def test_lamb_under_zero_equals_lamb_on_whole_tensors(tmp_path):
     assert ENGINE_BATCH % 2 == 0
     seed = 7
@@ -78,9 +73,9 @@ def test_lamb_under_zero_equals_lamb_on_whole_tensors(tmp_path):
     got = spawn_ranks(_worker, 2, (((1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")), seed, str(tmp_path / "z.pt"),
                                    str(tmp_path / "ckpt")), str(tmp_path / "z.pt"))
     for stage in (1, 2, 3):
-        rel, name = _max_rel(got[stage, "fp32"], ref[0, "fp32"])
+        rel, name = max_rel_error(got[stage, "fp32"], ref[0, "fp32"])
         assert rel <= 1e-5, (stage, name, rel)
-    rel, name = _max_rel(got["resumed"], got[2, "fp32"])
+    rel, name = max_rel_error(got["resumed"], got[2, "fp32"])
     assert rel <= 1e-6, ("resumed", name, rel)
     # bf16 weights at ZeRO-1 run DeepSpeed's BF16_Optimizer (fp32 accumulation): 2 ranks against one
     # rank, where the partition holds whole tensors. bf16 arithmetic (local batches of 4 vs 8 rows)
@@ -91,7 +86,7 @@ def test_lamb_under_zero_equals_lamb_on_whole_tensors(tmp_path):
     diff = torch.linalg.vector_norm(torch.stack([(have[n] - want[n]).norm() for n in names]))
     total = torch.linalg.vector_norm(torch.stack([want[n].norm() for n in names]))
     assert float(diff / total) <= 2e-3, ("bf16", float(diff / total))
-    rel, name = _max_rel(have, want)
+    rel, name = max_rel_error(have, want)
     assert rel <= 0.1, ("bf16", name, rel)
     # the steps did move the weights (the comparison is not of the initial values)
     from mmalign.models import build_model

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import engine_batch, engine_cfg, spawn_ranks
+from tests.conftest import engine_batch, engine_cfg, max_rel_error, spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -68,11 +68,6 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, train: bool, load_f
     mdist.shutdown()
 
 
-def _max_rel(got: dict, want: dict) -> tuple[float, str]:
-    return max((float((got[n] - w).norm() / w.norm().clamp_min(1e-12)), n) for n, w in want.items()
-               if w.is_floating_point() and not n.endswith("attn_mask"))
-
-
 def test_resume_on_another_world_size_continues_exactly(tmp_path):
     ckpt = str(tmp_path)
     one = spawn_ranks(_worker, 1, (ckpt, True, 0, str(tmp_path / "1.pt")), str(tmp_path / "1.pt"))
@@ -80,9 +75,9 @@ def test_resume_on_another_world_size_continues_exactly(tmp_path):
     one_from_two = spawn_ranks(_worker, 1, (ckpt, False, 2, str(tmp_path / "12.pt")), str(tmp_path / "12.pt"))
     for stage, _ in CASES:
         for got, want, how in ((one_from_two, two, "2 -> 1"), (two_from_one, one, "1 -> 2")):
-            rel, name = _max_rel(got[stage, "resumed"], want[stage, "uninterrupted"])
+            rel, name = max_rel_error(got[stage, "resumed"], want[stage, "uninterrupted"])
             assert rel <= 1e-5, (stage, how, name, rel)
             assert got[stage, "resumed_lr"] == pytest.approx(want[stage, "lr"], rel=1e-12), (stage, how)
         # the premise: with the same global batch, 1 and 2 ranks train the same weights
-        same, _ = _max_rel(one[stage, "uninterrupted"], two[stage, "uninterrupted"])
+        same, _ = max_rel_error(one[stage, "uninterrupted"], two[stage, "uninterrupted"])
         assert same <= 1e-5

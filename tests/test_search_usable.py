@@ -26,7 +26,7 @@ from mmalign.cli import main
 from mmalign.data.shards import read_samples
 from mmalign.search import ImageUnavailable, Searcher, format_hits
 from mmalign.serve import _is_loopback, make_server
-from tests.searchdata import CLASSES, PER_CLASS, TEMPLATES, build_corpus
+from tests.searchdata import CLASSES, PER_CLASS, TEMPLATES, build_corpus, serve_corpus
 
 
 @pytest.fixture(scope="module")
@@ -175,27 +175,16 @@ def test_an_image_folder_embedding_knows_its_files(corpus, tmp_path):
         searcher.image_bytes(hits[0].row, 10)
 
 
-def _serve(corpus):
-    lines: list[str] = []
-    srv = make_server(Searcher(corpus["idx"], corpus["model"]), "127.0.0.1", 0, access_log=lines.append)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    srv.base, srv.lines = f"http://127.0.0.1:{srv.server_address[1]}", lines
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
 @pytest.fixture(scope="module")
 def served(corpus):
-    yield from _serve(corpus)
+    yield from serve_corpus(corpus)
 
 
 @pytest.fixture
 def quiet_server(corpus):
     """A server of its own: a shared one may still log an earlier test's request (a line is
     written after its reply is sent, so the client can be done first)."""
-    yield from _serve(corpus)
+    yield from serve_corpus(corpus)
 
 
 def test_server_shows_sources_dedupes_and_serves_thumbnails(corpus, served):

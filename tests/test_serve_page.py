@@ -15,15 +15,12 @@ import os
 import select
 import shutil
 import signal
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from mmalign.search import Searcher
-from mmalign.serve import make_server
-from tests.searchdata import build_corpus
+from tests.searchdata import build_corpus, serve_corpus
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 QUERY = "a photo of a cat"
@@ -152,15 +149,7 @@ def browser(tmp_path):
 
 @pytest.fixture
 def served(tmp_path):
-    corpus = build_corpus(tmp_path / "corpus")
-    lines: list[str] = []
-    srv = make_server(Searcher(corpus["idx"], corpus["model"]), "127.0.0.1", 0, access_log=lines.append)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    srv.base, srv.lines = f"http://127.0.0.1:{srv.server_address[1]}", lines
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    yield from serve_corpus(build_corpus(tmp_path / "corpus"))
 
 
 # the result rows as JSON once every row's thumbnail has loaded, else null
