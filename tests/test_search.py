@@ -3,9 +3,7 @@ HTTP front end, and Recall@k from the index equal to the evaluation suite's."""
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import threading
 import urllib.error
 import urllib.request
@@ -21,30 +19,18 @@ import mmalign.embed
 from mmalign.cli import main
 from mmalign.config import ConfigError
 from mmalign.data.shards import read_samples
-from mmalign.data.transforms import preprocess_cfg
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
 from mmalign.index import build_index
-from mmalign.models import TwoTower
-from mmalign.models.io import save_pretrained
-from mmalign.models.presets import PRESETS
 from mmalign.search import Searcher, index_recall
-
-
-def _save_random(path, seed: int, embed_dim: int = 32) -> str:
-    arch = copy.deepcopy(PRESETS["micro"])
-    arch["embed_dim"] = embed_dim
-    torch.manual_seed(seed)
-    model = TwoTower(arch, init_logit_scale=math.log(10.0))
-    save_pretrained(model, path, preprocess=preprocess_cfg(model.image_size))
-    return str(path)
+from tests.searchdata import save_random_model
 
 
 @pytest.fixture(scope="module")
 def built(shapes_dir, tmp_path_factory):
     """A model, its embeddings of the shapes val shard (parts of 50 rows) and an exact index."""
     root = tmp_path_factory.mktemp("search")
-    model = _save_random(root / "model", seed=21)
+    model = save_random_model(root / "model", seed=21)
     val = f"{shapes_dir}/val/00000.tar"
     assert main(["embed", "--model", model, "--data", val, "--out", str(root / "emb"), "--part-size", "50",
                  "--batch-size", "32"]) == 0
@@ -165,7 +151,7 @@ def test_ivfpq_past_the_exact_size(built, tmp_path):
 
 
 def test_errors_are_one_line(built, tmp_path, capsys):
-    other = _save_random(tmp_path / "dim16", seed=1, embed_dim=16)
+    other = save_random_model(tmp_path / "dim16", seed=1, embed_dim=16)
     with pytest.raises(ConfigError, match="dim 32.*dim 16"):
         Searcher(built["idx"], other)
     cases = [

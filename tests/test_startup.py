@@ -4,6 +4,7 @@ training, suite paths from any directory, and no orphaned data workers after a k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -155,38 +156,51 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@contextlib.contextmanager
+def _training(cmd: list[str], log: Path, limit_s: float):
+    """A training run in its own session, stdout to ``log``, until its first step line; yields
+    (the process, the live processes under it then).  Afterwards the run and every one of
+    those processes is gone, whatever the test asserted."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    family: list[int] = []
+    try:
+        deadline = time.time() + limit_s
+        while "\nstep " not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert "\nstep " in log.read_text(), log.read_text()[-2000:]
+        family.extend(p for p in _descendants(proc.pid) if _alive(p))
+        yield proc, family
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for p in family:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _wait_gone(pids: list[int], within_s: float) -> None:
+    deadline = time.time() + within_s
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
         "data.workers=2", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
     log = tmp_path / "stdout.txt"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(_train_cmd(overrides), stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
-    workers: list[int] = []
-    try:
-        deadline = time.time() + 180
-        while "\nstep " not in log.read_text() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert "\nstep " in log.read_text(), log.read_text()[-2000:]
-        workers = [p for p in _descendants(proc.pid) if _alive(p)]
+    with _training(_train_cmd(overrides), log, 180) as (proc, workers):
         assert len(workers) >= 2, workers  # the two DataLoader workers
         proc.send_signal(sig)  # the main process only, as `kill` or a scheduler would
         code = proc.wait(timeout=60)
-        deadline = time.time() + 2  # workers go with the run, not at PyTorch's next 5 s poll
-        while any(_alive(p) for p in workers) and time.time() < deadline:
-            time.sleep(0.1)
+        _wait_gone(workers, 2)  # workers go with the run, not at PyTorch's next 5 s poll
         assert not [p for p in workers if _alive(p)], log.read_text()[-2000:]
         # ... and the run ended as an interrupted one (exit handlers ran), not killed outright
         assert code == {signal.SIGTERM: 143, signal.SIGINT: 130}[sig], log.read_text()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for p in workers:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
 
 
 def test_embed_total_comes_from_the_shards_sizes_json(shapes_dir, tmp_path):
@@ -229,30 +243,12 @@ def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides,
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
         "data.workers=1", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
     log = tmp_path / "stdout.txt"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(_train_cmd(overrides, "--nproc", "2"), stdout=sink, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
-    family: list[int] = []
-    try:
-        deadline = time.time() + 240
-        while "\nstep " not in log.read_text() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert "\nstep " in log.read_text(), log.read_text()[-2000:]
-        family = [p for p in _descendants(proc.pid) if _alive(p)]
+    with _training(_train_cmd(overrides, "--nproc", "2"), log, 240) as (proc, family):
         assert len(family) >= 5, family  # torchrun, 2 ranks, a worker each
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
-        deadline = time.time() + 5
-        while any(_alive(p) for p in family) and time.time() < deadline:
-            time.sleep(0.1)
+        _wait_gone(family, 5)
         assert not [p for p in family if _alive(p)], log.read_text()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for p in family:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
 
 
 def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(micro_overrides, tmp_path, monkeypatch):
