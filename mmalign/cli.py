@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from mmalign.config import ConfigError
+from mmalign.errors import UserError
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPES_DIR = "data/shapes"
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv = argv
         return args.func(args)
-    except ConfigError as e:
+    except UserError as e:  # ConfigError or UsageError
         print(f"mmalign: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a stopped run: one line, not a traceback

@@ -21,8 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 
-class ConfigError(ValueError):
-    """A user mistake in a config file or override (one line, names the key)."""
+from mmalign.errors import ConfigError  # re-exported: the config's own error
 
 
 MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
