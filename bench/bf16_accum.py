@@ -19,14 +19,13 @@ import copy
 import datetime
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## bf16 gradient accumulation (bench/bf16_accum.py)"
 
@@ -152,12 +151,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write-doc", action="store_true", help="record the table in docs/benchmarks.md")
+    add_flag(ap)
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    watch = LoadWatch()
     rows = []
     for seed in args.seeds:
         res = measure(args.preset, args.chunk, args.chunks, args.stage, seed, args.device)
@@ -166,16 +166,14 @@ def main() -> None:
             r = res[label]
             print(f"seed {seed} {label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}): "
                   f"rel. grad error vs fp32 {r['fp32']:.2e}, vs exact chunk sum {r['exact_sum']:.2e}", flush=True)
-    load_after = os.getloadavg()
+    watch.stop()
     if not args.write_doc:
         return
     cmd = "python bench/bf16_accum.py " + " ".join(sys.argv[1:])
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     lines = [
         SECTION, "",
         f"Command: `{cmd}` · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch threads, device {args.device} · "
-        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (`uptime`: {uptime.split('load average:')[-1].strip()})",
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch threads, device {args.device}",
         "",
         f"One gradient-cached step, `{args.preset}` towers, {args.chunks} chunks x {args.chunk} rows, bf16 weights in "
         f"DeepSpeed ZeRO-{args.stage}, 1 rank. Relative error = ||g - g_ref|| / ||g_ref|| over all parameters as one "
@@ -199,7 +197,8 @@ def main() -> None:
               "chunks; against the exact sum of the same chunk gradients the accumulation error drops from ~4e-3 "
               "(bf16 sums) to <= 3e-6 (fp32 sums). The GPU recipes use fp32 weights with bf16 autocast (open_clip's "
               "choice), where every sum is fp32 anyway."]
-    write_section(ROOT / "docs" / "benchmarks.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    write_section(ROOT / "docs" / "benchmarks.md", "\n".join(lines) + "\n", watch, args.allow_loaded)
     print("wrote docs/benchmarks.md")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = [1, 5, 10]
@@ -117,8 +118,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text)
+def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
 
 
 def main() -> int:
@@ -130,11 +131,13 @@ def main() -> int:
     p.add_argument("--cap-gb", type=float, default=12.0, help="address-space cap per side (0: none)")
     p.add_argument("--sides", default="mmalign,clip_benchmark")
     p.add_argument("--write-doc", action="store_true")
+    add_flag(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(run_side(args.child, args.images, args.captions, args.dim, args.cap_gb)))
         return 0
+    watch = LoadWatch()
     sizes = [(args.images, args.captions)]
     if args.check_scale:
         sizes.insert(0, (args.images // args.check_scale, args.captions // args.check_scale))
@@ -148,14 +151,14 @@ def main() -> int:
     if args.write_doc:
         cmd = "python bench/eval.py " + " ".join(a for a in sys.argv[1:] if a != "--write-doc")
         head = (f"{SECTION}\n\nCommand: `{cmd.strip()} --write-doc` · {time.strftime('%Y-%m-%d')} · "
-                f"{platform.machine()}, 2 CPU cores (shared with other jobs), torch {torch.__version__} · "
+                f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} · "
                 f"random normalised embeddings, D={args.dim}, 5 captions per image, ks {KS}; each side in its own "
                 f"subprocess under a {args.cap_gb:g} GB address-space cap.\n\n"
                 "mmalign computes each (caption block x images) score block once and keeps only ranks and a running "
                 "top-k per image (memory O(block x images + k x images)); clip_benchmark 1.6.2's "
                 "`zeroshot_retrieval.evaluate` builds the full captions x images matrix plus a boolean positives "
                 "matrix of the same shape.\n\n")
-        write_doc(head + out + "\n")
+        write_doc(head + out + "\n", watch, args.allow_loaded)
     return 0
 
 

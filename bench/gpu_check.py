@@ -17,7 +17,9 @@ Parts, each a row group of one table:
 
 A CUDA device is required unless ``--dry-run`` is given; the dry run uses the
 micro preset and small sizes on the CPU and writes its table only where
-``--doc`` says, so the script cannot rot before a GPU runs it.
+``--doc`` says, so the script cannot rot before a GPU runs it.  A GPU run on a
+loaded host leaves the doc alone and exits 3 unless ``--allow-loaded`` (bench/idle.py);
+a dry run is a rehearsal, not a measurement, and always writes (its table says the load).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## GPU check (bench/gpu_check.py)"
@@ -213,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="markdown file for the table (default: docs/benchmarks.md on a GPU, none on a dry run)")
     p.add_argument("--parts", nargs="+", default=["tests", "bf16", "loss", "step"],
                    choices=["tests", "bf16", "loss", "step"])
+    add_flag(p)
     args = p.parse_args(argv)
+    watch = LoadWatch()
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
         print("bench/gpu_check.py: no CUDA device; run with --dry-run for the CPU-sized rehearsal", file=sys.stderr)
@@ -256,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ])
     print(body)
     if doc is not None:
-        write_section(doc, body)
+        write_section(doc, body, watch, args.allow_loaded or args.dry_run)
         print(f"wrote {doc}", file=sys.stderr)
     failed = any(r[2].endswith("FAILED") for r in rows)
     return 1 if failed else 0

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Gradient caching (bench/gradcache.py)"
@@ -102,8 +102,8 @@ def table(rows: list[dict], base_rss: float) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text)
+def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
 
 
 def main() -> None:
@@ -118,9 +118,11 @@ def main() -> None:
     p.add_argument("--uncached-cap-gb", type=float, default=14.0)
     p.add_argument("--batches", help="comma-separated global batches (default 256,512,1024,2048,4096)")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    add_flag(p)
     args = p.parse_args()
     if args.child:
         return child(args)
+    watch = LoadWatch()
 
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else [256, 1024] if args.quick else [256, 512, 1024, 2048, 4096])
@@ -143,7 +145,7 @@ def main() -> None:
             "Targets: cached step time <= 1.4x uncached at the same batch; peak RSS at batch 4096 cached "
             "<= 1.3x the uncached batch-256 step.\n")
     if not args.no_doc:
-        write_doc(text)
+        write_doc(text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -112,8 +112,8 @@ def _time(it, batches: int, warmup: int, batch: int) -> float:
     return batches * batch / (time.perf_counter() - start)
 
 
-def write_doc(body: str) -> None:
-    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n")
+def write_doc(body: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n", watch, allow_loaded)
 
 
 def main() -> None:
@@ -127,7 +127,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs per case, alternating; the best is reported")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--write-doc", action="store_true")
+    add_flag(p)
     args = p.parse_args()
+    watch = LoadWatch()
     small = args.size == 32
     args.n = args.n or (10000 if small else 3000)
     args.batches = args.batches or (30 if small else 8)
@@ -140,7 +142,7 @@ def main() -> None:
         print()
         print(body)
         if args.write_doc:
-            write_section(DOC, f"{SECTION_224}\n\n{body.strip()}\n")
+            write_section(DOC, f"{SECTION_224}\n\n{body.strip()}\n", watch, args.allow_loaded)
             print(f"\nwrote {DOC}")
         return
     import torch
@@ -162,8 +164,8 @@ def main() -> None:
     for workers, ours, plain in rows:
         table.append(f"| {workers} | {ours:.0f} | {plain:.0f} | {ours / plain:.2f}x |")
     body = (
-        f"Command: `{command.strip()}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores "
-        f"(shared), torch {torch.__version__}, webdataset {webdataset.__version__} · data: {what} · batch "
+        f"Command: `{command.strip()}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}, webdataset {webdataset.__version__} · data: {what} · batch "
         f"{args.batch}, shuffle buffer 1000, resampled shards, best of {args.repeats} runs of {args.batches} "
         f"batches after {args.warmup} warm-up batches.\n\n"
         "Both sides: read tar, decode JPEG, random-resized-crop (scale 0.5-1) + flip to 32 px, normalise "
@@ -176,7 +178,7 @@ def main() -> None:
     print()
     print("\n".join(table))
     if args.write_doc:
-        write_doc(body)
+        write_doc(body, watch, args.allow_loaded)
         print(f"\nwrote {DOC}")
 
 

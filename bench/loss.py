@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -142,8 +142,8 @@ def sweep_table(args) -> str:
     return "\n".join(lines)
 
 
-def write_doc(body: str) -> None:
-    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n")
+def write_doc(body: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(DOC, f"{SECTION}\n\n{body.strip()}\n", watch, allow_loaded)
 
 
 def main() -> None:
@@ -164,8 +164,10 @@ def main() -> None:
     p.add_argument("--sweep-b", type=int, default=16384)
     p.add_argument("--write-doc", action="store_true", help=f"write the results into {DOC.relative_to(ROOT)}")
     p.add_argument("--note", default="", help="free text appended to the doc section")
+    add_flag(p)
     args = p.parse_args()
     args.tile_for = {}
+    watch = LoadWatch()
 
     command = "python bench/loss.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table, _ = main_table(args)
@@ -174,8 +176,8 @@ def main() -> None:
     header = (
         f"Command: `{command.strip()}`  \n"
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  \n"
-        f"Machine: {cpus} CPU cores ({platform.processor() or platform.machine()}), torch threads = {args.threads}, "
-        f"shared with other jobs; D = {args.dim}, float32, logit scale 1/0.07.  \n"
+        f"Machine: {cpus} CPU cores ({platform.processor() or platform.machine()}), torch threads = {args.threads}; "
+        f"D = {args.dim}, float32, logit scale 1/0.07.  \n"
         f"Peak RSS is the child's `ru_maxrss`; each case's baseline is a child that makes the same imports "
         f"(torch, plus mmalign.losses or open_clip) and creates the inputs, then exits. "
         f"Times are the median wall-clock fwd+bwd of the timed runs (one warm-up first; a single cold run at "
@@ -188,7 +190,7 @@ def main() -> None:
         body += f"\n{args.note}\n"
     print(body)
     if args.write_doc:
-        write_doc(body)
+        write_doc(body, watch, args.allow_loaded)
         print(f"wrote {DOC}", file=sys.stderr)
 
 

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -173,8 +173,8 @@ def table(name: str, rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    write_section(DOC, text, title="# Pair-construction policies")
+def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(DOC, text, watch, allow_loaded, title="# Pair-construction policies")
 
 
 def main() -> None:
@@ -186,7 +186,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=str(ROOT / "data" / "bench_pair_policies"))
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/pair_policies.md alone")
+    add_flag(p)
     args = p.parse_args()
+    watch = LoadWatch()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sections = []
@@ -219,7 +221,8 @@ def main() -> None:
         cmd = " ".join(["python bench/pair_policies.py", *sys.argv[1:]])
         write_doc(f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
                   f"{os.cpu_count()} CPU cores · shapes: configs/quickstart.yaml's towers and settings; "
-                  f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n")
+                  f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n",
+                  watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from mmalign.data.tokenizer import build_tokenizer  # noqa: E402
 from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
 from mmalign.evaluation import load_suite, run_suite  # noqa: E402
 from mmalign.models.presets import PRESETS  # noqa: E402
-from docsection import write_section  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
 WDS_OLD = "0.2.86"
@@ -277,8 +277,8 @@ def table_b(rows: list[dict], minutes: float, rates: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text)
+def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
+    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
 
 
 def main() -> None:
@@ -296,7 +296,9 @@ def main() -> None:
                    help="folder with CIFAR-10 train.tar and test.tar (class folders)")
     p.add_argument("--work", default=str(ROOT / "data" / "bench_quality_cifar10"), help="shards, runs, logs")
     p.add_argument("--write-doc", action="store_true", help="write the tables into docs/benchmarks.md")
+    add_flag(p)
     args = p.parse_args()
+    watch = LoadWatch()
     q = args.quick
     n_train = args.train_samples or (3000 if q else 50000)
     n_test = args.test_samples or (500 if q else 10000)
@@ -373,7 +375,7 @@ def main() -> None:
     results["markdown"] = text
     (work / "results.json").write_text(json.dumps(results, indent=2))
     if args.write_doc:
-        write_doc(text)
+        write_doc(text, watch, args.allow_loaded)
         print(f"\nwrote {SECTION!r} in docs/benchmarks.md")
 
 

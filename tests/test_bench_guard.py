@@ -1,0 +1,163 @@
+"""bench/idle.py, the load guard of the benchmark tables: an idle run writes its section with the
+two loads, a loaded run leaves the document alone and says why in one line (exit status 3), and
+``--allow-loaded`` writes the section marked as taken under load.  Every bench script that writes
+a doc table goes through it and accepts ``--allow-loaded``.  No bench is run here: the load
+average and the core count are patched."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = ROOT / "bench"
+HEADING = "## Some bench (bench/some.py)"
+TEXT = f"{HEADING}\n\nCommand: `python bench/some.py`\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+
+
+def _load_idle():
+    spec = importlib.util.spec_from_file_location("bench_idle_under_test", BENCH / "idle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def idle():
+    return _load_idle()
+
+
+def machine(monkeypatch, loads: list[float], cpu_count: int = 2, affinity: int | None = None) -> None:
+    """The 1-minute load averages successive os.getloadavg() calls return, and the core counts."""
+    it = iter(loads)
+    monkeypatch.setattr(os, "getloadavg", lambda: (next(it), 0.0, 0.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity or cpu_count)), raising=False)
+
+
+def _doc(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Other (bench/other.py)\n\nkept\n")
+    return doc
+
+
+def test_idle_run_writes_the_section_with_both_loads(idle, monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, [0.4, 1.9])
+    watch = idle.LoadWatch()
+    doc = _doc(tmp_path)
+    idle.write_section(doc, TEXT, watch, allow_loaded=False)
+    text = doc.read_text()
+    assert watch.describe() == "load 0.4 at start, 1.9 at end, 2 cores"
+    assert f"{HEADING}\n\nIdle machine: load 0.4 at start, 1.9 at end, 2 cores" in text
+    assert "| 1 | 2 |" in text and "## Other (bench/other.py)\n\nkept" in text  # the other section stays
+    assert "under load" not in text.lower()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("loads", [[0.5, 3.1], [2.6, 1.2]], ids=["loaded-at-end", "loaded-at-start"])
+def test_loaded_run_leaves_the_doc_alone_and_says_why_in_one_line(idle, monkeypatch, tmp_path, capsys, loads):
+    machine(monkeypatch, loads)
+    watch = idle.LoadWatch()
+    doc = _doc(tmp_path)
+    before = doc.read_text()
+    with pytest.raises(SystemExit) as exc:
+        idle.write_section(doc, TEXT, watch, allow_loaded=False)
+    assert exc.value.code == idle.EXIT_LOADED == 3
+    assert doc.read_text() == before
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    assert "not written" in err and f"load {loads[0]:.1f} at start, {loads[1]:.1f} at end, 2 cores" in err
+    assert "--allow-loaded" in err
+
+
+def test_loaded_run_does_not_create_a_missing_doc(idle, monkeypatch, tmp_path):
+    machine(monkeypatch, [4.0, 4.0])
+    doc = tmp_path / "docs" / "benchmarks.md"
+    with pytest.raises(SystemExit):
+        idle.write_section(doc, TEXT, idle.LoadWatch(), allow_loaded=False)
+    assert not doc.exists()
+
+
+def test_allow_loaded_writes_the_section_marked_as_taken_under_load(idle, monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, [0.5, 3.1])
+    doc = _doc(tmp_path)
+    idle.write_section(doc, TEXT, idle.LoadWatch(), allow_loaded=True)
+    text = doc.read_text()
+    assert f"{HEADING}\n\nTaken under load (load 0.5 at start, 3.1 at end, 2 cores): not comparable" in text
+    assert "| 1 | 2 |" in text and "Idle machine" not in text
+    assert capsys.readouterr().err == ""
+
+
+def test_load_equal_to_the_core_count_is_not_loaded(idle, monkeypatch):
+    machine(monkeypatch, [2.0, 2.0])
+    assert not idle.LoadWatch().loaded
+    machine(monkeypatch, [2.0, 2.01])
+    assert idle.LoadWatch().loaded
+
+
+def test_affinity_narrower_than_the_machine_sets_the_core_count(idle, monkeypatch):
+    machine(monkeypatch, [0.2, 3.0], cpu_count=16, affinity=2)
+    watch = idle.LoadWatch()
+    assert watch.cores == 2 and watch.loaded
+    assert watch.describe().endswith(", 2 cores")
+    machine(monkeypatch, [0.2, 3.0], cpu_count=16)
+    assert not idle.LoadWatch().loaded
+
+
+def test_the_end_is_read_once(idle, monkeypatch):
+    machine(monkeypatch, [0.1, 0.3, 9.0])
+    watch = idle.LoadWatch()
+    watch.stop()  # the bench ends here; the doc is written later
+    assert watch.end == 0.3 and not watch.loaded and "0.3 at end" in watch.note()
+
+
+def test_add_flag(idle):
+    p = argparse.ArgumentParser()
+    idle.add_flag(p)
+    assert p.parse_args(["--allow-loaded"]).allow_loaded is True
+    assert p.parse_args([]).allow_loaded is False
+
+
+# ------------------------------------------------------------ every doc-writing bench script
+
+
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and ((isinstance(n.func, ast.Name) and n.func.id == name)
+                 or (isinstance(n.func, ast.Attribute) and n.func.attr == name))]
+
+
+def _doc_writers() -> dict[str, ast.AST]:
+    """bench scripts that write a section of a doc (they call a ``write_section``)."""
+    out = {}
+    for path in sorted(BENCH.glob("*.py")):
+        if path.stem in ("idle", "docsection"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if _calls(tree, "write_section"):
+            out[path.stem] = tree
+    return out
+
+
+def test_every_doc_writing_bench_goes_through_the_guard_and_accepts_allow_loaded():
+    writers = _doc_writers()
+    # the detection must find the scripts known to write docs/benchmarks.md (and pair_policies.md)
+    assert {"bf16_accum", "eval", "gpu_check", "gradcache", "loader", "loss", "pair_policies",
+            "quality_cifar10"} <= set(writers), sorted(writers)
+    for name, tree in writers.items():
+        sources = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert ("idle", "write_section") in sources, f"bench/{name}.py writes its doc through bench/idle.py's guard"
+        assert ("docsection", "write_section") not in sources, f"bench/{name}.py imports the unguarded writer"
+        flag = _calls(tree, "add_flag") or [
+            c for c in _calls(tree, "add_argument")
+            if any(isinstance(a, ast.Constant) and a.value == "--allow-loaded" for a in c.args)]
+        assert flag, f"bench/{name}.py has no --allow-loaded flag"
+        assert any(isinstance(n, ast.Attribute) and n.attr == "allow_loaded" for n in ast.walk(tree)), \
+            f"bench/{name}.py never passes args.allow_loaded on"
+        for call in _calls(tree, "write_section"):
+            assert len(call.args) + len(call.keywords) >= 4, f"bench/{name}.py line {call.lineno}: no watch/flag"
