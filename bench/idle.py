@@ -19,11 +19,11 @@ averages with the cores this process may run on (``os.sched_getaffinity`` where 
 - above it, with ``--allow-loaded`` (``add_flag`` adds the flag): the section is written and
   says "Taken under load (...): not comparable".
 
-The end reading includes the bench's own runnable threads and processes: a bench that keeps
-exactly the cores busy (torch threads = cores) ends near the core count on an idle machine, and
-one that runs more than that itself (bench/loader.py's 2 workers plus the consuming process on
-2 cores) ends above it and is refused even there: give such a bench fewer workers than cores, or
-read its load line before passing ``--allow-loaded``.
+The end reading includes the bench's own runnable threads and processes: a bench that keeps the
+cores busy ends near (or, with more workers than cores, above) the core count on an idle
+machine.  So the end reading is judged after taking away the bench's own average CPU use over
+its run (``os.times()``: this process and the children it has waited for, per wall-clock
+second): what is left is the other jobs' share.  The start reading is judged as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,28 +55,39 @@ class LoadWatch:
         self.cores = usable_cores()
         self.start = os.getloadavg()[0]
         self.end: float | None = None
+        self.own = 0.0  # the bench's own average CPU use (cores) over its run, read with the end load
+        self._cpu0, self._wall0 = _cpu_seconds(), time.monotonic()
 
     def stop(self) -> "LoadWatch":
         """Read the end load once; later calls keep the first reading."""
         if self.end is None:
             self.end = os.getloadavg()[0]
+            wall = time.monotonic() - self._wall0
+            self.own = (_cpu_seconds() - self._cpu0) / wall if wall > 0 else 0.0
         return self
 
     @property
     def loaded(self) -> bool:
         self.stop()
-        return max(self.start, self.end) > self.cores
+        return max(self.start, self.end - self.own) > self.cores
 
     def describe(self) -> str:
         """One line for the table's header, e.g. 'load 0.4 at start, 1.9 at end, 2 cores'."""
         self.stop()
-        return f"load {self.start:.1f} at start, {self.end:.1f} at end, {self.cores} cores"
+        return (f"load {self.start:.1f} at start, {self.end:.1f} at end (the bench itself used {self.own:.1f}), "
+                f"{self.cores} cores")
 
     def note(self) -> str:
         """The line a written section carries under its heading."""
         if self.loaded:
             return f"Taken under load ({self.describe()}): not comparable with tables taken on an idle machine."
         return f"Idle machine: {self.describe()} (1-minute load averages)."
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its waited-for children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import argparse
 import ast
 import importlib.util
 import os
+import time
 
 import pytest
 
@@ -32,9 +33,15 @@ def idle():
     return _load_idle()
 
 
-def machine(monkeypatch, loads: list[float], cpu_count: int = 2, affinity: int | None = None) -> None:
-    """The 1-minute load averages successive os.getloadavg() calls return, and the core counts."""
+def machine(monkeypatch, loads: list[float], cpu_count: int = 2, affinity: int | None = None,
+            own: float = 0.0) -> None:
+    """The 1-minute load averages successive os.getloadavg() calls return, the core counts, and the
+    bench's own CPU use (cores busy over a 10 s run; successive os.times() / monotonic readings)."""
     it = iter(loads)
+    cpu = iter([0.0, 10.0 * own])
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(os, "times", lambda: os.times_result((next(cpu), 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(os, "getloadavg", lambda: (next(it), 0.0, 0.0))
     monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity or cpu_count)), raising=False)
@@ -52,8 +59,8 @@ def test_idle_run_writes_the_section_with_both_loads(idle, monkeypatch, tmp_path
     doc = _doc(tmp_path)
     idle.write_section(doc, TEXT, watch, allow_loaded=False)
     text = doc.read_text()
-    assert watch.describe() == "load 0.4 at start, 1.9 at end, 2 cores"
-    assert f"{HEADING}\n\nIdle machine: load 0.4 at start, 1.9 at end, 2 cores" in text
+    assert watch.describe() == "load 0.4 at start, 1.9 at end (the bench itself used 0.0), 2 cores"
+    assert f"{HEADING}\n\nIdle machine: load 0.4 at start, 1.9 at end (the bench itself used 0.0), 2 cores" in text
     assert "| 1 | 2 |" in text and "## Other (bench/other.py)\n\nkept" in text  # the other section stays
     assert "under load" not in text.lower()
     assert capsys.readouterr().err == ""
@@ -71,7 +78,7 @@ def test_loaded_run_leaves_the_doc_alone_and_says_why_in_one_line(idle, monkeypa
     assert doc.read_text() == before
     err = capsys.readouterr().err.strip()
     assert "\n" not in err, err
-    assert "not written" in err and f"load {loads[0]:.1f} at start, {loads[1]:.1f} at end, 2 cores" in err
+    assert "not written" in err and f"load {loads[0]:.1f} at start, {loads[1]:.1f} at end (the bench itself used 0.0), 2 cores" in err
     assert "--allow-loaded" in err
 
 
@@ -88,7 +95,7 @@ def test_allow_loaded_writes_the_section_marked_as_taken_under_load(idle, monkey
     doc = _doc(tmp_path)
     idle.write_section(doc, TEXT, idle.LoadWatch(), allow_loaded=True)
     text = doc.read_text()
-    assert f"{HEADING}\n\nTaken under load (load 0.5 at start, 3.1 at end, 2 cores): not comparable" in text
+    assert f"{HEADING}\n\nTaken under load (load 0.5 at start, 3.1 at end (the bench itself used 0.0), 2 cores): not comparable" in text
     assert "| 1 | 2 |" in text and "Idle machine" not in text
     assert capsys.readouterr().err == ""
 
@@ -97,6 +104,19 @@ def test_load_equal_to_the_core_count_is_not_loaded(idle, monkeypatch):
     machine(monkeypatch, [2.0, 2.0])
     assert not idle.LoadWatch().loaded
     machine(monkeypatch, [2.0, 2.01])
+    assert idle.LoadWatch().loaded
+
+
+def test_the_bench_own_cpu_use_is_not_counted_as_load(idle, monkeypatch):
+    # an idle machine: the bench kept 2 cores busy with 3 runnable processes (2 loader workers + main)
+    machine(monkeypatch, [0.1, 3.0], own=2.0)
+    watch = idle.LoadWatch()
+    assert not watch.loaded and "the bench itself used 2.0" in watch.describe()
+    # the same bench beside another job that kept 1.5 cores busy
+    machine(monkeypatch, [0.1, 4.5], own=2.0)
+    assert idle.LoadWatch().loaded
+    # the start reading is judged as it is (the bench has not run yet)
+    machine(monkeypatch, [2.5, 2.5], own=2.0)
     assert idle.LoadWatch().loaded
 
 
