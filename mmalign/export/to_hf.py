@@ -70,7 +70,7 @@ def _check(cfg: dict, fixed: dict, tower: str) -> None:
     for key, allowed in fixed.items():
         if key in cfg and cfg[key] not in allowed:
             raise UsageError(f"--format hf: {tower}.{key}={cfg[key]!r} has no transformers CLIPModel equivalent "
-                              f"(export with --format open_clip or onnx instead)")
+                             f"(export with --format open_clip or onnx instead)")
 
 
 def _intermediate(width: int, mlp_ratio: float, tower: str) -> int:

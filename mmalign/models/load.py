@@ -91,6 +91,7 @@ def is_step_checkpoint(path: Path) -> bool:
 
 def locate(path: str | Path) -> tuple[str, Path]:
     """``(kind, folder)`` of the model at ``path``; a one-line UsageError when there is none."""
+    from mmalign.checkpoint import is_step_name
     from mmalign.models.io import resolve_model_dir
 
     p = Path(path)
@@ -102,9 +103,10 @@ def locate(path: str | Path) -> tuple[str, Path]:
         if is_step_checkpoint(p):
             return CHECKPOINT, p
         hint = ""
-        latest = p / "checkpoints" / "latest"
-        if latest.is_file() and not (p / "final").exists():
-            hint = f" (the run has no final/ yet; its newest checkpoint is {latest.parent / latest.read_text().strip()[:40]})"
+        latest = p / "checkpoints" / "latest"  # a run killed or still training: name what it has
+        newest = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if is_step_name(newest) and not (p / "final").exists():
+            hint = f" (the run has no final/ yet; its newest checkpoint is {latest.parent / newest})"
         raise UsageError(f"{e}; or a step checkpoint RUN/checkpoints/step_N{hint}") from None
 
 
