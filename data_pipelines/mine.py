@@ -298,8 +298,7 @@ def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, m
          max_relative: float | None = None, id_field: str | None = None, batch_size: int = 64, device: str = "cpu",
          progress: bool = True) -> dict:
     """Mine ``k`` hard negative captions per sample of ``data`` with ``model``; returns ``mine.json``'s content."""
-    from mmalign.data.transforms import eval_transform
-    from mmalign.export.source import load_source
+    from mmalign.models.load import load
 
     if k < 1:
         raise ConfigError(f"-k must be >= 1, got {k}")
@@ -313,10 +312,8 @@ def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, m
     out = Path(out)
     urls = _shard_urls(data)
     _check_out(urls, out)
-    source = load_source(model)
-    net = source.model.to(device).eval()
-    size = source.preprocess_cfg["size"]
-    preprocess = eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
+    source = load(model, device=device)
+    net, preprocess = source.model, source.preprocess
 
     corpus = _embed(urls, net, preprocess, source.tokenizer, id_field, batch_size, device, progress)
     if not corpus.keys:

@@ -4,8 +4,9 @@ __version__ = "0.1.0"
 
 
 def load(path, device: str = "cpu"):
-    """Load a trained model (a run directory or its ``final/``); see :mod:`mmalign.pretrained`."""
-    from mmalign.pretrained import load as _load
+    """Load a trained model: a run directory, its ``final/``, a model folder or a step
+    checkpoint ``RUN/checkpoints/step_N``; see :mod:`mmalign.models.load`."""
+    from mmalign.models.load import load as _load
 
     return _load(path, device)
 

@@ -153,12 +153,9 @@ def cmd_eval(args) -> int:
 
     from mmalign.evaluation import load_suite, run_suite, write_results
     from mmalign.evaluation.suite import check_suite_data, label_field
-    from mmalign.pretrained import load
+    from mmalign.models.load import load
 
-    try:
-        loaded = load(args.model)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+    loaded = load(args.model)  # a model folder, a run directory or RUN/checkpoints/step_N
     train_cfg = loaded.config.get("train_config", {})
     suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
     suite = load_suite(suite_name)
@@ -171,11 +168,19 @@ def cmd_eval(args) -> int:
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
                         model_name=str(args.model), batch_size=args.batch_size, progress=True,
                         user_data=args.data)
-    out = Path(args.out) if args.out else Path(args.model) / f"eval_cli_{_suite_label(suite_name)}.json"
+    out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), _suite_label(suite_name))
     write_results(records, out)
     _print_table(records)
     print(f"results written to {out}")
     return 0
+
+
+def _eval_out(loaded, model: Path, label: str) -> Path:
+    """MODEL/eval_cli_SUITE.json; for a step checkpoint RUN/eval_cli_SUITE_step_N.json (a
+    checkpoint's folder is pruned and replaced by training)."""
+    if loaded.kind == "checkpoint":
+        return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}.json"
+    return model / f"eval_cli_{label}.json"
 
 
 def _suite_label(name: str) -> str:
@@ -364,12 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
-    p.add_argument("--model", required=True, help="a run directory or its final/")
+    p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
     p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
     p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
                    "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
     p.add_argument("--output", "--out", dest="out",
-                   help="results JSON (default: MODEL/eval_cli_SUITE.json; the run's own eval.json is kept)")
+                   help="results JSON (default: MODEL/eval_cli_SUITE.json, for a step checkpoint "
+                   "RUN/eval_cli_SUITE_step_N.json; the run's own eval.json is kept)")
     p.add_argument("--limit", type=int,
                    help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label")
     p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")

@@ -197,15 +197,12 @@ def _encode_batch(model, samples: list[dict], preprocess, tokenizer, with_text: 
 def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_size: int = 64,
           part_size: int = 100_000, device: str = "cpu", progress: bool = True) -> dict:
     """Embed every sample of ``data`` with the model in ``model_dir``; returns ``embed.json``'s content."""
-    from mmalign.data.transforms import eval_transform
-    from mmalign.export.source import load_source
+    from mmalign.models.load import load
 
     if batch_size <= 0 or part_size <= 0:
         raise ConfigError("--batch-size and --part-size must be positive")
-    source = load_source(model_dir)
-    model = source.model.to(device).eval()
-    size = source.preprocess_cfg["size"]
-    preprocess = eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
+    source = load(model_dir, device=device)
+    model, preprocess = source.model, source.preprocess
     samples, with_text = open_data(data)
     out = Path(out)
     if (out / EMBED_INFO).exists():

@@ -83,17 +83,14 @@ class Searcher:
         self.max_pixels = MAX_QUERY_PIXELS
         self.source = None
         if model_dir is not None:
-            from mmalign.data.transforms import eval_transform
-            from mmalign.export.source import load_source
+            from mmalign.models.load import load
 
-            self.source = load_source(model_dir)
-            self.source.model.to(device).eval()
+            self.source = load(model_dir, device=device)
             model_dim = self.source.model.embed_dim
             if model_dim != self.dim:
                 raise ConfigError(f"--index: {self.index_dir} was built with embedding dim {self.dim}, but the model "
                                   f"{model_dir} embeds to dim {model_dim}; rebuild the index with this model")
-            size = self.source.preprocess_cfg["size"]
-            self.preprocess = eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
+            self.preprocess = self.source.preprocess
 
     # ------------------------------------------------------------ encoding
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 import mmalign
 from mmalign.cli import main
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.data.transforms import preprocess_cfg
 from mmalign.export import export
 from mmalign.models import TwoTower
@@ -99,10 +99,10 @@ def test_hf_clipmodel_round_trip(tmp_path, quick_gelu):
 
 def test_hf_rejects_towers_without_clipmodel_equivalent(tmp_path):
     src = _save_random(tmp_path / "final", seed=0, vision_cfg={"ls_init_value": 0.1})
-    with pytest.raises(ConfigError, match="ls_init_value"):
+    with pytest.raises(UsageError, match="ls_init_value"):
         export(src, "hf", tmp_path / "hf")
     src = _save_random(tmp_path / "final2", seed=0, vision_cfg={"pool_type": "avg"})
-    with pytest.raises(ConfigError, match="pool_type"):
+    with pytest.raises(UsageError, match="pool_type"):
         export(src, "hf", tmp_path / "hf2")
 
 

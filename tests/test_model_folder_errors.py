@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from mmalign.config import ConfigError, ModelConfig
+from mmalign.config import ModelConfig
+from mmalign.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_mmalign_load_raises_one_line(kind, good_folder, tmp_path):
     from mmalign.pretrained import load
 
     d = _damage(kind, good_folder, tmp_path)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(UsageError) as err:
         load(d)
     assert KINDS[kind] in str(err.value) and "\n" not in str(err.value) and str(d) in str(err.value)
 

@@ -223,15 +223,24 @@ def test_server_shows_sources_dedupes_and_serves_thumbnails(corpus, served):
 def test_one_access_log_line_per_request(quiet_server):
     served = quiet_server
     before = len(served.lines)
+
+    def logged(n: int) -> None:
+        # a line is written once its reply is sent: the client may be first, and its next
+        # request's line could come before this one's; wait for it
+        deadline = time.monotonic() + 5
+        while len(served.lines) < before + n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     assert _status(f"{served.base}/health") == 200
+    logged(1)
     assert _status(f"{served.base}/nowhere") == 404
+    logged(2)
     assert _status(f"{served.base}/search?k=1", data=b"not an image") == 400
+    logged(3)
     with socket.create_connection(served.server_address, timeout=5) as s:  # a forged log line in the path
         s.sendall(b"GET /health\x1b[2J HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         s.recv(4096)
-    deadline = time.monotonic() + 5  # a line is written once its reply is sent: the client may be first
-    while len(served.lines) < before + 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    logged(4)
     new = served.lines[before:]
     pattern = r"127\.0\.0\.1 (GET|POST) (\S+) (\d{3}) \d+\.\d ms"
     assert [re.fullmatch(pattern, line).group(1, 2, 3) for line in new] == [

@@ -2,7 +2,7 @@
 file) is never unpickled with code execution, whichever command reads the folder.
 
 Every command that takes ``--model`` (export, embed, search, serve, mine) reads it
-through ``mmalign.export.source.load_source``; the CLI's export is driven end to end.
+through ``mmalign.models.load.load``; the CLI's export is driven end to end.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from mmalign import checkpoint
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config, save_config
+from mmalign.errors import UsageError
 from mmalign.data.transforms import preprocess_cfg
-from mmalign.export.source import load_source
 from mmalign.models import TwoTower
 from mmalign.models.io import save_pretrained
+from mmalign.models.load import load
 from mmalign.models.presets import PRESETS
 
 
@@ -60,8 +61,8 @@ def test_model_folder_with_planted_engine_uses_the_safetensors(tmp_path, capsys)
     plant(folder / "engine" / "mp_rank_00_model_states.pt", marker)
     plant(folder / "engine" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
 
-    source = load_source(folder)
-    assert source.origin == "model" and not marker.exists()
+    loaded = load(folder)
+    assert loaded.kind == "model" and not marker.exists()
     assert main(["export", "--model", str(folder), "--format", "open_clip", "--out", str(tmp_path / "oc")]) == 0
     assert not marker.exists()
     exported = load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))
@@ -99,8 +100,8 @@ def test_engine_folder_outside_checkpoints_is_not_a_checkpoint(tmp_path, capsys)
     folder.mkdir()
     save_config(load_config(None, ["model.preset=micro"]), folder.parent / "config.yaml")
     plant(folder / "engine" / "mp_rank_00_model_states.pt", marker)
-    with pytest.raises(ConfigError, match="no mmalign model"):
-        load_source(folder)
+    with pytest.raises(UsageError, match="no mmalign model"):
+        load(folder)
     assert main(["export", "--model", str(folder), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
     _one_line_error(capsys)
     assert not marker.exists()

@@ -203,7 +203,7 @@ def _fmt(value) -> str:
 
 def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0,
                progress: bool = False) -> tuple[dict, dict]:
-    from mmalign.pretrained import load
+    from mmalign.models.load import load
 
     loaded = load(run)
     train_cfg = loaded.config.get("train_config", {})

@@ -16,8 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from mmalign.config import ConfigError
-from mmalign.export.source import Source, load_source
+from mmalign.errors import UsageError
 
 FORMATS = ("open_clip", "hf", "onnx")
 
@@ -25,12 +24,12 @@ FORMATS = ("open_clip", "hf", "onnx")
 def _check_out(out: Path, model_dir: Path, force: bool) -> None:
     """One-line errors for an ``--out`` that cannot or must not be written, before any work."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {out} exists and is not a directory")
+        raise UsageError(f"--out: {out} exists and is not a directory")
     target, model = out.resolve(), model_dir.resolve()
     if target == model or target in model.parents:
-        raise ConfigError(f"--out: {out} would replace the model being exported ({model_dir})")
+        raise UsageError(f"--out: {out} would replace the model being exported ({model_dir})")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise ConfigError(f"--out: {out} is not empty (pass --force to replace it)")
+        raise UsageError(f"--out: {out} is not empty (pass --force to replace it)")
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -45,7 +44,7 @@ def _publish(tmp: Path, out: Path) -> None:
 def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = False) -> Path:
     """Write ``model_dir`` (a saved model, run directory or ``RUN/checkpoints/step_N``) as ``fmt`` into ``out``."""
     if fmt not in FORMATS:
-        raise ConfigError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+        raise UsageError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     out = Path(out)
     _check_out(out, Path(model_dir), force)
     tmp = out.with_name(out.name + ".tmp")
@@ -54,9 +53,11 @@ def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = Fa
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     except OSError as e:
-        raise ConfigError(f"--out: cannot write {tmp} ({e.strerror or type(e).__name__})") from None
+        raise UsageError(f"--out: cannot write {tmp} ({e.strerror or type(e).__name__})") from None
     try:
-        source = load_source(model_dir)
+        from mmalign.models.load import load
+
+        source = load(model_dir)
         if fmt == "open_clip":
             from mmalign.export.to_open_clip import export_open_clip
 
@@ -76,4 +77,4 @@ def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = Fa
     return out
 
 
-__all__ = ["FORMATS", "Source", "export", "load_source"]
+__all__ = ["FORMATS", "export"]

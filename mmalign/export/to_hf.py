@@ -4,7 +4,8 @@ Possible whenever both towers are plain open_clip transformers that HF's CLIP ca
 express: a ViT with class-token pooling, pre/post layernorms and a bias-free linear
 projection, and a causal text transformer pooled at the end-of-text token.  Anything
 else (layer scale, attentional pooling, custom attention blocks, timm or HF towers,
-...) has no CLIPModel equivalent and raises :class:`ConfigError` naming the key.
+...) has no CLIPModel equivalent and raises :class:`~mmalign.errors.UsageError` naming
+the key.
 
 Weight map (open_clip -> HF, per tower; REFERENCE.md):
 ``in_proj_weight/bias`` (3W, W) -> ``q_proj``/``k_proj``/``v_proj`` (chunks in that
@@ -36,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.export.hf_tokenizer import write_clip_tokenizer, write_sentencepiece_tokenizer
-from mmalign.export.source import Source
+from mmalign.models.load import Loaded
 
 log = logging.getLogger("mmalign.export")
 
@@ -60,7 +61,7 @@ _TEXT_FIXED = {
 def _square(value, what: str) -> int:
     if isinstance(value, (list, tuple)):
         if len(set(value)) != 1:
-            raise ConfigError(f"--format hf: vision_cfg.{what}={list(value)} is not square; HF CLIP needs square")
+            raise UsageError(f"--format hf: vision_cfg.{what}={list(value)} is not square; HF CLIP needs square")
         value = value[0]
     return int(value)
 
@@ -68,32 +69,32 @@ def _square(value, what: str) -> int:
 def _check(cfg: dict, fixed: dict, tower: str) -> None:
     for key, allowed in fixed.items():
         if key in cfg and cfg[key] not in allowed:
-            raise ConfigError(f"--format hf: {tower}.{key}={cfg[key]!r} has no transformers CLIPModel equivalent "
-                              f"(export with --format open_clip or onnx instead)")
+            raise UsageError(f"--format hf: {tower}.{key}={cfg[key]!r} has no transformers CLIPModel equivalent "
+                             f"(export with --format open_clip or onnx instead)")
 
 
 def _intermediate(width: int, mlp_ratio: float, tower: str) -> int:
     size = width * float(mlp_ratio)
     if size != int(size):
-        raise ConfigError(f"--format hf: {tower}.mlp_ratio={mlp_ratio} gives a fractional MLP width")
+        raise UsageError(f"--format hf: {tower}.mlp_ratio={mlp_ratio} gives a fractional MLP width")
     return int(size)
 
 
-def hf_config(source: Source):
+def hf_config(source: Loaded):
     """Our architecture -> ``transformers.CLIPConfig`` (built offline, no hub access)."""
     from transformers import CLIPConfig
 
     arch = source.model.arch
     v, t = dict(arch["vision_cfg"]), dict(arch["text_cfg"])
     if not isinstance(v.get("layers", 12), int):
-        raise ConfigError("--format hf: vision_cfg.layers is a ResNet spec; HF CLIPModel export needs a ViT")
+        raise UsageError("--format hf: vision_cfg.layers is a ResNet spec; HF CLIPModel export needs a ViT")
     _check(v, _VISION_FIXED, "vision_cfg")
     _check(t, _TEXT_FIXED, "text_cfg")
     act = "quick_gelu" if arch.get("quick_gelu") else "gelu"  # open_clip: QuickGELU or exact nn.GELU
     v_width, t_width = int(v.get("width", 768)), int(t.get("width", 512))
     head_width = int(v.get("head_width", 64))
     if v_width % head_width:
-        raise ConfigError(f"--format hf: vision_cfg.width={v_width} is not a multiple of head_width={head_width}")
+        raise UsageError(f"--format hf: vision_cfg.width={v_width} is not a multiple of head_width={head_width}")
     image_size, patch = _square(v.get("image_size", 224), "image_size"), _square(v.get("patch_size", 16), "patch_size")
     tok = source.tokenizer
     eot = int(t["eos_id"]) if t.get("pool_type") == "eos" else int(tok.eot_token_id)
@@ -158,7 +159,7 @@ def hf_state_dict(src: dict[str, torch.Tensor], vision_layers: int, text_layers:
     used.add("logit_scale")
     left = sorted(set(src) - used - {"logit_bias"})
     if left:
-        raise ConfigError(f"--format hf: weights with no CLIPModel counterpart: {', '.join(left[:5])}")
+        raise UsageError(f"--format hf: weights with no CLIPModel counterpart: {', '.join(left[:5])}")
     return {k: v.detach().cpu().float().contiguous().clone() for k, v in out.items()}
 
 
@@ -174,7 +175,7 @@ def image_processor_config(preprocess: dict) -> dict:
     }
 
 
-def export_hf(source: Source, out: Path) -> Path:
+def export_hf(source: Loaded, out: Path) -> Path:
     from transformers import CLIPModel
 
     config = hf_config(source)

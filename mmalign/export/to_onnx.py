@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmalign.export.source import Source
+from mmalign.models.load import Loaded
 
 OPSET = 17  # >= 14 for the attention ops; 17 adds a native LayerNormalization
 IMAGE_GRAPH = "image_encoder.onnx"
@@ -66,7 +66,7 @@ def _export(module: nn.Module, example: torch.Tensor, path: Path, input_name: st
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
-def export_onnx(source: Source, out: Path) -> Path:
+def export_onnx(source: Loaded, out: Path) -> Path:
     import onnx
 
     model = source.model.eval()

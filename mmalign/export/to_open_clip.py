@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from mmalign.export.source import Source
+from mmalign.models.load import Loaded
 
 log = logging.getLogger("mmalign.export")
 
@@ -31,7 +31,7 @@ CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
 
 
-def model_cfg(source: Source) -> dict:
+def model_cfg(source: Loaded) -> dict:
     model = source.model
     cfg = copy.deepcopy({k: model.arch[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu")
                          if k in model.arch})
@@ -44,7 +44,7 @@ def model_cfg(source: Source) -> dict:
     return cfg
 
 
-def export_open_clip(source: Source, out: Path) -> Path:
+def export_open_clip(source: Loaded, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, tensor in source.model.state_dict().items():

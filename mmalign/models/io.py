@@ -14,6 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from mmalign.errors import UsageError
 from mmalign.models.two_tower import TwoTower
 
 WEIGHTS = "model.safetensors"
@@ -85,21 +86,19 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 def _read_config(d: Path) -> dict:
     """``model_config.json`` as a dict; a one-line error for anything that is not one."""
-    from mmalign.config import ConfigError
-
     path = d / CONFIG
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model folder {d}: {CONFIG} is not valid JSON ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"model folder {d}: {CONFIG} is not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"model folder {d}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
+        raise UsageError(f"model folder {d}: {CONFIG} must hold a JSON object, got {type(config).__name__}")
     arch = config.get("arch")
     if not isinstance(arch, dict) or not all(k in arch for k in ("embed_dim", "vision_cfg", "text_cfg")):
-        raise ConfigError(f"model folder {d}: {CONFIG} has no usable 'arch' (embed_dim, vision_cfg, text_cfg)")
+        raise UsageError(f"model folder {d}: {CONFIG} has no usable 'arch' (embed_dim, vision_cfg, text_cfg)")
     pre = config.get("preprocess_cfg")
     if not isinstance(pre, dict) or not isinstance(pre.get("size"), (int, list)):
-        raise ConfigError(f"model folder {d}: {CONFIG} has no usable 'preprocess_cfg' (an object with 'size')")
+        raise UsageError(f"model folder {d}: {CONFIG} has no usable 'preprocess_cfg' (an object with 'size')")
     return config
 
 
@@ -108,10 +107,8 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
 
     Everything a damaged or foreign folder can do wrong (invalid JSON, no ``arch``, a
     truncated or non-safetensors weights file, weights of another shape) is a one-line
-    ConfigError naming the folder; nothing in the folder is executed.
+    UsageError naming the folder; nothing in the folder is executed.
     """
-    from mmalign.config import ConfigError
-
     d = resolve_model_dir(path)
     config = _read_config(d)
     try:
@@ -121,30 +118,39 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
             max_logit_scale=config.get("max_logit_scale", 100.0),
         )
     except Exception as e:  # open_clip's constructors on a bad arch
-        raise ConfigError(f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+        raise UsageError(f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     try:
         state = load_file(str(d / WEIGHTS), device=map_location)
     except Exception as e:  # safetensors raises its own error types for truncated / foreign files
-        raise ConfigError(f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
-                          f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        def few(keys):
-            return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
-
-        parts = ([f"missing {few(missing)}"] if missing else []) + ([f"unexpected {few(unexpected)}"] if unexpected else [])
-        if wrong:
-            k = wrong[0]
-            parts.append(f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
-                         + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-        raise ConfigError(f"model folder {d}: {WEIGHTS} does not fit its {CONFIG}: " + "; ".join(parts))
+        raise UsageError(f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    problem = misfit(model.state_dict(), state)
+    if problem:
+        raise UsageError(f"model folder {d}: {WEIGHTS} does not fit its {CONFIG}: {problem}")
     model.load_state_dict(state, strict=True)
     model.eval()
     return model, config
 
 
-__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "resolve_model_dir", "respect_umask", "save_pretrained"]
+def misfit(own: dict, state: dict) -> str | None:
+    """Why ``state`` cannot be loaded into a model whose state dict is ``own`` (missing or
+    unexpected keys, other shapes), as one line; None when it fits."""
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if not (missing or unexpected or wrong):
+        return None
+
+    def few(keys):
+        return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    parts = ([f"missing {few(missing)}"] if missing else []) + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+    if wrong:
+        k = wrong[0]
+        parts.append(f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
+                     + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+    return "; ".join(parts)
+
+
+__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "misfit", "resolve_model_dir", "respect_umask", "save_pretrained"]

@@ -1,0 +1,221 @@
+"""The one model loader: every command that reads a trained model (eval, report, export,
+embed, search, serve, mine, ``mmalign.load``) calls :func:`load`.
+
+A path may be
+
+* a model folder (what :func:`mmalign.models.io.save_pretrained` writes, e.g. ``RUN/final``):
+  ``model.safetensors`` + ``model_config.json``;
+* a run directory: its ``final/``;
+* a step checkpoint ``RUN/checkpoints/step_N`` (``engine/`` is DeepSpeed's state, any ZeRO
+  stage): the weights are consolidated into one fp32 state dict by
+  :func:`mmalign.engine.consolidate_checkpoint`, and the architecture is rebuilt from the
+  resolved config stored *in that checkpoint* (``step_N/config.yaml``, written by
+  :func:`mmalign.checkpoint.save`), never from ``RUN/config.yaml``, which may have been
+  edited since.  A checkpoint from before checkpoints stored their config falls back to
+  ``RUN/config.yaml`` with one logged warning.
+
+A model folder can come from anyone, so its safetensors win whenever they are present: a
+folder is read as a step checkpoint only when it has no saved model and sits at
+``checkpoints/step_N``; even then every torch file is unpickled with ``weights_only=True``
+(a planted pickle is a one-line error, never executed), and nothing in a folder is imported.
+
+A path that is none of these, or a folder whose files are damaged, is a one-line
+:class:`~mmalign.errors.UsageError` naming the path.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mmalign.errors import ConfigError, UsageError
+from mmalign.models.two_tower import TwoTower
+
+log = logging.getLogger(__name__)
+
+MODEL, CHECKPOINT = "model", "checkpoint"  # Loaded.kind
+
+
+@dataclass
+class Loaded:
+    """A trained model and what its callers need besides the weights.
+
+    Follows clip_benchmark's model protocol: :meth:`encode_image` / :meth:`encode_text`
+    return L2-normalised joint-space embeddings, ``preprocess`` maps a PIL image to a
+    tensor and ``tokenizer(list[str])`` returns token ids.
+    """
+
+    model: TwoTower  # eval mode, on the device asked for
+    preprocess: Callable  # PIL image -> (3, S, S) tensor (the eval transform)
+    tokenizer: Callable  # list[str] -> LongTensor (N, context_length)
+    # model_config.json's keys (arch, preprocess_cfg, ...); "train_config" is the run's resolved
+    # config when known (for a step checkpoint: the one stored in it)
+    config: dict
+    preprocess_cfg: dict = field(default_factory=dict)  # open_clip keys: size, mean, std, interpolation, ...
+    tokenizer_file: Path | None = None  # a sentencepiece model to ship beside exported weights, else None
+    kind: str = MODEL  # MODEL (a model folder) or CHECKPOINT (a step checkpoint)
+    path: Path | None = None  # the folder the weights were read from (a run directory's final/)
+
+    @torch.no_grad()
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_image(images)  # (B, D), normalised
+
+    @torch.no_grad()
+    def encode_text(self, tokens: torch.Tensor | list[str]) -> torch.Tensor:
+        if isinstance(tokens, (list, str)):
+            tokens = self.tokenizer(tokens)
+        return self.model.encode_text(tokens)  # (B, D), normalised
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self.model.logit_scale.exp())
+
+    @property
+    def source(self) -> str:
+        """What was loaded, for messages: ``model folder X`` or ``step checkpoint X``."""
+        return f"{'model folder' if self.kind == MODEL else 'step checkpoint'} {self.path}"
+
+
+def is_step_checkpoint(path: Path) -> bool:
+    """Only ``.../checkpoints/step_N`` with an ``engine/`` folder is a step checkpoint."""
+    from mmalign.checkpoint import ENGINE_TAG, ROOT, is_step_name
+
+    return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
+
+
+def locate(path: str | Path) -> tuple[str, Path]:
+    """``(kind, folder)`` of the model at ``path``; a one-line UsageError when there is none."""
+    from mmalign.checkpoint import is_step_name
+    from mmalign.models.io import resolve_model_dir
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"model path {p} does not exist")
+    try:
+        return MODEL, resolve_model_dir(p)  # safetensors first, whatever else the folder holds
+    except FileNotFoundError as e:
+        if is_step_checkpoint(p):
+            return CHECKPOINT, p
+        hint = ""
+        latest = p / "checkpoints" / "latest"  # a run killed or still training: name what it has
+        newest = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if is_step_name(newest) and not (p / "final").exists():
+            hint = f" (the run has no final/ yet; its newest checkpoint is {latest.parent / newest})"
+        raise UsageError(f"{e}; or a step checkpoint RUN/checkpoints/step_N{hint}") from None
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
+    """The model at ``path`` (a model folder, a run directory, ``RUN/final`` or
+    ``RUN/checkpoints/step_N``), in eval mode on ``device``."""
+    from mmalign.data.tokenizer import build_tokenizer, tokenizer_file
+    from mmalign.models.io import load_pretrained
+
+    kind, folder = locate(path)
+    if kind == MODEL:
+        model, config = load_pretrained(folder)
+        tokenizer = build_tokenizer(model.arch, base_dir=folder)  # a saved tokenizer.model, relative to it
+        base = folder
+    else:
+        model, config = _load_checkpoint(folder)
+        tokenizer = build_tokenizer(model.arch)  # the run's own tokenizer file
+        base = None
+    spm = tokenizer_file(model.arch)
+    spm_path = None if spm is None else (Path(spm) if Path(spm).is_absolute() or base is None else base / spm)
+    return Loaded(
+        model=model.to(device).eval(),
+        preprocess=_eval_transform(config["preprocess_cfg"]),
+        tokenizer=tokenizer,
+        config=config,
+        preprocess_cfg=dict(config["preprocess_cfg"]),
+        tokenizer_file=spm_path,
+        kind=kind,
+        path=folder,
+    )
+
+
+def _eval_transform(preprocess_cfg: dict):
+    from mmalign.data.transforms import eval_transform
+
+    size = preprocess_cfg["size"]
+    return eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
+
+
+def checkpoint_config(step_dir: Path) -> Path:
+    """The config file a step checkpoint is rebuilt from: its own, else (older runs) the
+    run's ``config.yaml``, with one warning."""
+    from mmalign.rundir import CONFIG_FILE
+
+    own = step_dir / CONFIG_FILE
+    if own.is_file():
+        return own
+    run_config = step_dir.resolve().parent.parent / CONFIG_FILE
+    if not run_config.is_file():
+        raise UsageError(f"step checkpoint {step_dir} has no {CONFIG_FILE} of its own, nor the run at {run_config}")
+    log.warning("step checkpoint %s has no %s of its own (written before checkpoints stored their config); "
+                "rebuilding it from %s, which may have been edited since the checkpoint", step_dir, CONFIG_FILE,
+                run_config)
+    return run_config
+
+
+def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
+    """``RUN/checkpoints/step_N`` -> (model, a model_config.json-like dict): weights
+    consolidated from any ZeRO stage, architecture from the checkpoint's own config."""
+    from mmalign.checkpoint import ENGINE_TAG
+    from mmalign.config import load_config, to_dict
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.engine import consolidate_checkpoint  # imports deepspeed: only on this path
+    from mmalign.models.io import misfit
+    from mmalign.models.presets import resolve_arch
+
+    config_file = checkpoint_config(step_dir)
+    try:
+        cfg = load_config(config_file)
+        arch = resolve_arch(cfg.model)
+        # plain torch BatchNorm whatever model.batchnorm says, as final/ is loaded (the
+        # modes differ in train mode only)
+        model = TwoTower(arch, init_logit_scale=cfg.model.init_logit_scale, init_logit_bias=cfg.model.init_logit_bias,
+                         max_logit_scale=cfg.model.max_logit_scale)
+    except ConfigError as e:
+        raise UsageError(f"step checkpoint {step_dir}: its config {config_file} cannot be used ({e})") from None
+    except Exception as e:  # open_clip's constructors on a bad tower setting
+        raise UsageError(f"step checkpoint {step_dir}: the towers of {config_file} cannot be built: "
+                         f"{type(e).__name__}: {_first_line(e)}") from None
+    try:
+        state = consolidate_checkpoint(step_dir, ENGINE_TAG)
+    except FileNotFoundError as e:
+        raise UsageError(f"step checkpoint {step_dir}: {e}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError) as e:
+        # weights_only refuses anything but tensors and plain containers (a planted or
+        # foreign pickle); a cut file fails as RuntimeError/EOFError.
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        why = f"it would import {refused.group(1)}" if refused else f"{type(e).__name__}: {_first_line(e)[:160]}"
+        raise UsageError(f"step checkpoint {step_dir} holds a file that is not a plain weights file "
+                         f"({why}); not loaded") from None
+    problem = misfit(model.state_dict(), state)
+    if problem:
+        raise UsageError(f"step checkpoint {step_dir}: its weights do not fit {config_file}: {problem}")
+    # Non-persistent buffers (e.g. the causal mask) are in neither; strict=True still
+    # catches any missing or unexpected parameter.
+    model.load_state_dict(state, strict=True)
+    config = {
+        "arch": model.arch,
+        "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0]),
+        "max_logit_scale": model.max_logit_scale,
+        "preprocess_cfg": preprocess_cfg(model.image_size),
+        "train_config": to_dict(cfg),
+    }
+    return model, config
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+__all__ = ["CHECKPOINT", "MODEL", "Loaded", "checkpoint_config", "is_step_checkpoint", "load", "locate"]
