@@ -264,5 +264,9 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(map(str, args))
     if origin is list:
-        return f"a list of {_type_name(args[0])}" if args else "a list"
+        if not args:
+            return "a list"
+        if typing.get_origin(args[0]) is Literal:
+            return "a list of " + ", ".join(map(str, typing.get_args(args[0])))
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(args[0], str(args[0]))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
