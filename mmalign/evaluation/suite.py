@@ -1,5 +1,10 @@
 """Run an evaluation suite from ``eval/`` on a model and write clip_benchmark-style JSON.
 
+The suites of ``eval/`` ship with the package (:mod:`mmalign.resources`) and are named by
+their file stem; any other suite is a YAML path.  Each file is checked against
+:mod:`mmalign.evaluation.suite_schema` (an unknown key, a wrong type, a missing required
+key: one line naming the file and the key) before anything is embedded.
+
 A suite YAML names a dataset (see :mod:`mmalign.evaluation.datasets`: shards, the
 sklearn digits, an image folder) and a list of tasks:
 
