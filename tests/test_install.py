@@ -1,6 +1,7 @@
 """The package as a user installs it: ``pip install .`` (not editable) ships the recipes,
-suites and caption templates, the commands find them from any directory, and every
-third-party module the library imports is a declared dependency.
+suites and caption templates, the commands find them from any directory (``pip install
+-e .`` reads them from the checkout), and every third-party module the library imports is
+a declared dependency.
 
 The fresh venv reuses the already installed dependencies through a ``.pth`` line (no
 network, no torch download); only mmalign itself is built and installed into it, and
@@ -108,10 +109,8 @@ def _shards(folder: Path, n: int, per_shard: int) -> None:
                     tar.addfile(info, io.BytesIO(data))
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A fresh venv with mmalign built from a copy of the checkout and installed (``pip install .``)."""
-    tmp = tmp_path_factory.mktemp("install")
+def _install(tmp: Path, *how: str) -> tuple[Path, Path]:
+    """A fresh venv with mmalign from a copy of the checkout, ``pip install [how] SRC``: (venv, SRC)."""
     src = tmp / "src"  # a copy: the build writes build/ and *.egg-info next to its sources
     for name in (*SOURCES, "configs", "eval"):
         shutil.copytree(ROOT / name, src / name, symlinks=True,
@@ -120,16 +119,24 @@ def installed(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, src / name)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", where], capture_output=True, text=True, check=True,
+                               timeout=60).stdout.strip())
     # the shared dependencies (torch, ...), after the venv's own site-packages; a .pth line
     # adds the folder to sys.path without running its .pth files (no editable-install finder)
-    (site / "shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "shared_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # --ignore-installed: never touch the mmalign the shared folder may hold
     res = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                          "--no-build-isolation", "--ignore-installed", str(src)],
+                          "--no-build-isolation", "--ignore-installed", *how, str(src)],
                          capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp)
     assert res.returncode == 0, res.stderr[-3000:]
+    return venv, src
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with mmalign built and installed as a wheel (``pip install .``)."""
+    venv, src = _install(tmp_path_factory.mktemp("install"))
     shutil.rmtree(src)  # nothing can come from the copy any more
     return venv
 
@@ -145,6 +152,7 @@ def _run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=_env(), cwd=cwd)
 
 
+@pytest.mark.integration
 def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
     res = _run(installed, "python", "-c",
                "import json, mmalign, data_pipelines, mmalign.resources as r, data_pipelines.sources as s; "
@@ -163,6 +171,7 @@ def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
     assert template_files == sorted(p.name for p in (ROOT / "data_pipelines" / "templates").glob("*.yaml"))
 
 
+@pytest.mark.integration
 def test_installed_train_finds_a_shipped_recipe_by_name(installed, tmp_path):
     # 300 warm-up steps exceed cifar10_cpu's train.steps (200; the default is 400): the
     # recipe was found, read and validated, and nothing trained
@@ -176,6 +185,7 @@ def test_installed_train_finds_a_shipped_recipe_by_name(installed, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.integration
 def test_installed_eval_finds_a_shipped_suite_and_its_data(installed, tmp_path):
     """``--suite cifar10`` from a project folder: the suite comes from the package, its
     ``../data/cifar10/test/{00000..00009}.tar`` (relative to the repository's eval/)
@@ -198,3 +208,16 @@ def test_installed_eval_finds_a_shipped_suite_and_its_data(installed, tmp_path):
     (record,) = json.loads((tmp_path / "out.json").read_text())
     assert record["dataset"] == "cifar10/zeroshot" and record["n_images"] == 20
     assert record["metrics"]["chance_acc1"] == pytest.approx(0.1)
+
+
+@pytest.mark.integration
+def test_editable_install_reads_the_checkouts_folders(tmp_path):
+    venv, src = _install(tmp_path, "--editable")
+    (tmp_path / "elsewhere").mkdir()
+    res = _run(venv, "python", "-c", "import mmalign.resources as r, data_pipelines.sources as s; "
+               "print(r.shipped(r.RECIPES, 'cifar10_cpu').resolve(), r.shipped(r.SUITES, 'cifar10').resolve(), "
+               "s.TEMPLATE_DIR.resolve())", cwd=tmp_path / "elsewhere")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [str(src.resolve() / "configs" / "cifar10_cpu.yaml"),
+                                  str(src.resolve() / "eval" / "cifar10.yaml"),
+                                  str(src.resolve() / "data_pipelines" / "templates")]

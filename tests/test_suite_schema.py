@@ -95,7 +95,8 @@ def _error(tmp_path, text: str) -> str:
      "task 'probe': key 'features' expects one of joint, pre_projection, got 'backbone'"),
     ("type: probe", "type: probes", "task 'probe': key 'type' must be one of zeroshot, retrieval, probe, "
      "diagnostics, counterfactual, got 'probes'"),
-    ("{name: hflip}", "{name: vflip}", "task 'cf': edit 1: key 'name' expects one of hflip, crop, rerender, got 'vflip'"),
+    ("{name: hflip}", "{name: vflip}",
+     "task 'cf': edit 1: key 'name' expects one of hflip, crop, rerender, got 'vflip'"),
     ("size: 16}", "size: 1.5}", "dataset: key 'size' expects an integer, got 1.5"),
     ("knn_k: [1, 3]", "knn_k: [1, 3]\n    methods: [linear, svm]",
      "task 'probe': key 'methods' expects a list of linear, knn, fewshot, got ['linear', 'svm']"),
@@ -121,6 +122,7 @@ def test_a_suite_that_is_not_a_mapping_or_not_yaml(tmp_path):
 
 
 def test_a_mistake_in_an_extending_suite_names_that_file(tmp_path):
-    (tmp_path / "child.yaml").write_text("name: child\nextends: shapes\ntasks:\n  - {name: g, type: diagnostics, k: 1}\n")
+    (tmp_path / "child.yaml").write_text("name: child\nextends: shapes\n"
+                                         "tasks:\n  - {name: g, type: diagnostics, k: 1}\n")
     with pytest.raises(UsageError, match=rf"^suite {tmp_path}/child.yaml: task 'g': unknown key 'k' "):
         load_suite(str(tmp_path / "child.yaml"))
