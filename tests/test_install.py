@@ -29,7 +29,7 @@ import pytest
 from tests.conftest import ROOT
 
 SOURCES = ("mmalign", "data_pipelines")  # the installed packages (tests/ and bench/ are not shipped)
-FIRST_PARTY = {"mmalign", "data_pipelines", "tests"}
+FIRST_PARTY = {"mmalign", "data_pipelines", "tests", "bench"}  # the repository's own folders
 
 
 def _declared(group: str | None = None) -> set[str]:
