@@ -13,13 +13,15 @@ import random
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from mmalign.config import ConfigError
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+# package data (pyproject.toml): found the same way in a checkout and in an installed wheel
+TEMPLATE_DIR = Path(str(resources.files("data_pipelines") / "templates"))
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from mmalign.config import ConfigError
 from mmalign.errors import UserError
 
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPES_DIR = "data/shapes"
 
 
@@ -56,7 +55,8 @@ EXPORT_FORMATS = ("open_clip", "hf", "onnx")
 
 
 def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = None) -> None:
-    p.add_argument("--config", default=default_config, help="experiment YAML (defaults: the embedded quickstart)")
+    p.add_argument("--config", default=default_config,
+                   help="experiment YAML, or a shipped recipe's name, e.g. cifar10_cpu (defaults: the embedded quickstart)")
     p.add_argument("--output", help="run directory (overrides the config's output)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
@@ -269,8 +269,10 @@ def cmd_quickstart(args) -> int:
     if not shapes.is_complete(SHAPES_DIR):
         print(f"generating the synthetic shapes dataset into {SHAPES_DIR} ...")
         shapes.generate(SHAPES_DIR)
-    if args.config is None and (REPO_CONFIGS / "quickstart.yaml").is_file():
-        args.config = str(REPO_CONFIGS / "quickstart.yaml")
+    if args.config is None:  # the shipped recipe: the config defaults' settings, with their comments
+        from mmalign.resources import RECIPES, shipped
+
+        args.config = str(shipped(RECIPES, "quickstart"))
     cfg = _load(args)
     out = train(cfg, overwrite=True)  # the demo regenerates its run directory each time
     records = json.loads((out / "eval.json").read_text())
@@ -370,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
-    p.add_argument("--suite", help="suite name in eval/ or a suite YAML (default: the run's)")
+    p.add_argument("--suite", help="a shipped suite's name (eval/) or a suite YAML (default: the run's)")
     p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
                    "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
     p.add_argument("--output", "--out", dest="out",

@@ -22,6 +22,7 @@ import yaml
 
 
 from mmalign.errors import ConfigError  # re-exported: the config's own error
+from mmalign.resources import recipe_path
 
 
 MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
@@ -285,9 +286,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple 
     """Defaults <- YAML file <- overrides, then validation."""
     tree: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        path = recipe_path(path)  # a file, or a shipped recipe's name (one line when neither)
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:

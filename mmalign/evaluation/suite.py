@@ -1,5 +1,10 @@
 """Run an evaluation suite from ``eval/`` on a model and write clip_benchmark-style JSON.
 
+The suites of ``eval/`` ship with the package (:mod:`mmalign.resources`) and are named by
+their file stem; any other suite is a YAML path.  Each file is checked against
+:mod:`mmalign.evaluation.suite_schema` (an unknown key, a wrong type, a missing required
+key: one line naming the file and the key) before anything is embedded.
+
 A suite YAML names a dataset (see :mod:`mmalign.evaluation.datasets`: shards, the
 sklearn digits, an image folder) and a list of tasks:
 
@@ -34,17 +39,19 @@ from pathlib import Path
 import torch
 import yaml
 
+from mmalign import resources
 from mmalign.config import ConfigError
 from mmalign.data.shards import check_urls, expand_urls
+from mmalign.errors import UsageError
 from mmalign.evaluation import counterfactual, diagnostics, probes
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset
 from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.slices import slice_metrics
+from mmalign.evaluation.suite_schema import parse_suite
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
 from mmalign.progress import track
 
-EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
 CAPTION_TASKS = ("retrieval", "diagnostics")  # the tasks that read the dataset's own captions
 TASK_KINDS = {
     "zeroshot": "zeroshot_classification",
@@ -56,30 +63,50 @@ TASK_KINDS = {
 
 
 def load_suite(name_or_path: str) -> dict:
+    """A suite (a YAML path, else the name of a shipped suite) checked against
+    :mod:`~mmalign.evaluation.suite_schema`, as the mapping :func:`run_suite` reads."""
     path = Path(name_or_path)
-    if not path.is_file():
-        path = EVAL_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in EVAL_DIR.glob("*.yaml"))
+    shipped = not path.is_file()
+    if shipped:
+        path = resources.shipped(resources.SUITES, str(name_or_path))
+    if path is None:
+        known = resources.names(resources.SUITES)
         raise ConfigError(f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})")
-    suite = yaml.safe_load(path.read_text())
-    if not isinstance(suite, dict):
-        raise ConfigError(f"config key 'eval.suite': {path} is not a suite (a YAML mapping)")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"suite {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    suite = parse_suite(raw, str(path)).to_dict()
     if "dataset" in suite:
-        suite["dataset"] = _resolve_dataset(suite["dataset"], path.resolve().parent)
+        suite["dataset"] = _resolve_dataset(suite["dataset"], _roots(path, shipped))
     if suite.get("extends"):  # the base suite's dataset and tasks, then this suite's tasks
-        # a sibling file of that name, else a path, else a suite name from eval/
+        # a sibling file of that name, else a path, else a shipped suite's name
         sibling = path.parent / f"{suite['extends']}.yaml"
         base = load_suite(str(sibling) if sibling.is_file() else suite["extends"])
         suite = {**base, **suite, "tasks": base.get("tasks", []) + suite.get("tasks", [])}
-    for task in suite.get("tasks", []):
-        if task.get("type") not in TASK_KINDS:
-            raise ConfigError(f"suite {path}: task {task.get('name')!r} has unknown type {task.get('type')!r} "
-                              f"(one of {', '.join(TASK_KINDS)})")
-        if task["type"] == "probe" and task.get("features", "joint") not in FEATURE_KINDS:
-            raise ConfigError(f"suite {path}: task {task.get('name')!r}: features must be one of "
-                              f"{', '.join(FEATURE_KINDS)}")
+    _check_counterfactual_tasks(suite, path)
     return suite
+
+
+def _roots(path: Path, shipped: bool) -> tuple[Path, ...]:
+    """Where a suite's relative data paths may lie: its own folder, then the working directory.
+    A shipped suite's paths are written relative to the repository's ``eval/``; installed,
+    that folder is inside the package, so they also resolve against ``./eval`` (the
+    working directory as a checkout root: ``../data/x`` is ``./data/x``)."""
+    own = path.resolve().parent
+    return (own, Path.cwd() / "eval", Path.cwd()) if shipped else (own, Path.cwd())
+
+
+def _check_counterfactual_tasks(suite: dict, path: Path) -> None:
+    seen: list[str] = []  # zeroshot tasks so far (a counterfactual task scores their classifiers)
+    for task in suite["tasks"]:
+        if task["type"] == "counterfactual":
+            missing = [n for n in task.get("tasks", []) if n not in seen]
+            if missing:
+                raise UsageError(f"suite {path}: task {task['name']!r}: key 'tasks' names {missing}, "
+                                 f"which are not zeroshot tasks listed before it")
+        elif task["type"] == "zeroshot":
+            seen.append(task["name"])
 
 
 def captions_are_templates(suite: dict) -> bool:
@@ -94,30 +121,30 @@ def label_field(suite: dict) -> str:
     return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
 
 
-def _resolve_dataset(dataset, suite_dir: Path):
+def _resolve_dataset(dataset, roots: tuple[Path, ...]):
     """The dataset entry with its relative paths resolved: against the suite file's folder
     when the files are there, else against the working directory, else left as written
     (``--data`` / ``data.val`` may replace them; a missing one is reported when used)."""
     if isinstance(dataset, (str, list)):
-        return _resolve_spec(dataset, suite_dir)
+        return _resolve_spec(dataset, roots)
     if isinstance(dataset, dict):
         dataset = dict(dataset)
         for key in ("urls", "path"):
             if isinstance(dataset.get(key), (str, list)):
-                dataset[key] = _resolve_spec(dataset[key], suite_dir)
+                dataset[key] = _resolve_spec(dataset[key], roots)
     return dataset
 
 
-def _resolve_spec(spec, suite_dir: Path):
+def _resolve_spec(spec, roots: tuple[Path, ...]):
     if isinstance(spec, list):
-        return [_resolve_spec(s, suite_dir) for s in spec]
-    return "::".join(_resolve_path(part.strip(), suite_dir) for part in str(spec).split("::"))
+        return [_resolve_spec(s, roots) for s in spec]
+    return "::".join(_resolve_path(part.strip(), roots) for part in str(spec).split("::"))
 
 
-def _resolve_path(path: str, suite_dir: Path) -> str:
+def _resolve_path(path: str, roots: tuple[Path, ...]) -> str:
     if not path or "://" in path or Path(path).is_absolute():
         return path
-    for root in (suite_dir, Path.cwd()):
+    for root in roots:
         candidate = os.path.normpath(root / path)  # braces survive normpath
         urls = expand_urls(candidate)
         if urls and all(Path(u).exists() for u in urls):
