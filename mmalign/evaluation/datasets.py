@@ -186,7 +186,7 @@ def _digits(spec: dict, keep: set | None = None) -> Iterator[dict]:
 
 def _folder_items(spec: dict):
     # The shard builder's enumeration (directory or tar, class order) is reused, not repeated.
-    from data_pipelines.sources import Captioner, image_folder
+    from mmalign.data.imagefolder import Captioner, image_folder
 
     templates = spec.get("caption_templates", DEFAULT_CAPTION_TEMPLATES)
     return image_folder(spec["path"], Captioner(templates), spec.get("classnames"))[1]
