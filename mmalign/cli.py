@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from mmalign.config import ConfigError
 from mmalign.errors import UsageError, UserError
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -44,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # A usage mistake is one line and exit 2 like any other (argparse prints the usage first).
-        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
@@ -84,10 +83,10 @@ def cmd_train(args) -> int:
     restart = _continue_on_restart(args, Path(cfg.output))
     try:
         check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
-    except ConfigError as e:
+    except UserError as e:
         if not restart:
             raise
-        raise ConfigError(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
+        raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
                           f"so that a restart continues the run)") from None
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
@@ -158,7 +157,7 @@ def cmd_eval(args) -> int:
     try:
         loaded = load(args.model)
     except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+        raise UsageError(str(e)) from None
     train_cfg = loaded.config.get("train_config", {})
     suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
     suite = load_suite(suite_name)
@@ -320,7 +319,7 @@ def cmd_search(args) -> int:
     from mmalign.search import Searcher, format_hits
 
     if (args.text is None) == (args.image is None):
-        raise ConfigError("search: give exactly one of --text or --image")
+        raise UsageError("search: give exactly one of --text or --image")
     searcher = Searcher(args.index, args.model)
     dedupe = not args.no_dedupe
     hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \

@@ -33,6 +33,7 @@ import torch
 from PIL import Image, ImageOps
 
 from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.data.shapes_scene import VOCABULARIES, draw
 from mmalign.evaluation.features import embed_images
 
@@ -68,7 +69,7 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
         for s in samples:
             attrs = dict(s["json"], jitter=[0.0, 0.0])  # jitter is not stored: re-render both sides
             if field not in attrs or "grid" not in attrs:
-                raise ConfigError(f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none")
+                raise UsageError(f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none")
             new = dict(attrs, **{field: rng.choice([v for v in vocab if v != attrs[field]])})
             originals.append(draw(attrs, s["image"].width))
             edited.append(draw(new, s["image"].width))
