@@ -78,3 +78,12 @@ def test_an_unimportable_command_fails_alone_in_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # the other commands are untouched
         cli.main(["models", "--help"])
     assert e.value.code == 0
+
+
+def test_quickstart_builds_its_data_through_the_registered_shards_command(declared, tmp_path):
+    """cmd_quickstart's data step: `mmalign shards shapes` run by name (here with a small size)."""
+    from mmalign.data.shapes_scene import is_complete
+
+    out = tmp_path / "shapes"
+    cli._run_command("shards", ["shapes", "--out", str(out), "--n-train", "3", "--n-val", "2"])
+    assert is_complete(out)
