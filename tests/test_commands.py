@@ -87,3 +87,11 @@ def test_quickstart_builds_its_data_through_the_registered_shards_command(declar
     out = tmp_path / "shapes"
     cli._run_command("shards", ["shapes", "--out", str(out), "--n-train", "3", "--n-val", "2"])
     assert is_complete(out)
+
+
+def test_the_installed_metadata_declares_the_builders():
+    """Fails on an install older than the entry points (then `mmalign shards` and the tests that
+    run it fail too): install again, `pip install -e .` (`make` does when pyproject.toml changes)."""
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group=GROUP)}
+    declared = {ep.name: ep.value for ep in _declared()}
+    assert installed == declared, "the mmalign install predates pyproject.toml's entry points: pip install -e ."
