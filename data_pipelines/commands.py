@@ -1,14 +1,18 @@
 """The ``mmalign shards …``, ``mmalign mine …`` and ``mmalign tokenizer …`` command lines (arguments and dispatch).
 
 Kept apart from ``mmalign/cli.py`` so the builders' options live next to the
-builders; heavy imports happen only when a command runs.
+builders; heavy imports happen only when a command runs. The CLI finds the three
+:class:`~mmalign.commands.Command` objects at the end of this file through the
+``mmalign.commands`` entry points in pyproject.toml (mmalign does not import
+data_pipelines).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from mmalign.config import ConfigError
+from mmalign.commands import Command
+from mmalign.errors import UsageError
 
 SOURCES = ("shapes", "imagefolder", "table", "hf")
 PER_SHARD = 1000
@@ -68,7 +72,7 @@ def _items(args):
     from data_pipelines import sources
 
     if not args.input:
-        raise ConfigError(f"mmalign shards {args.source} needs --input")
+        raise UsageError(f"mmalign shards {args.source} needs --input")
     if args.source in ("imagefolder", "hf"):
         tset = sources.load_templates(args.templates or "generic")
         captioner = sources.Captioner(tset["templates"], args.templates_per_image, args.seed)
@@ -87,14 +91,14 @@ def run_shards(args) -> dict:
     if per_shard is None:
         per_shard = SHAPES_PER_SHARD if args.source == "shapes" else PER_SHARD
     if not 0 < per_shard <= 10_000:
-        raise ConfigError(f"--per-shard must be in 1..10000, got {per_shard}")
+        raise UsageError(f"--per-shard must be in 1..10000, got {per_shard}")
     if args.source == "shapes":
         from data_pipelines import shapes
 
         # flags of the other sources would be silently ignored here: refuse them instead
         for flag, given in (("--input", args.input), ("--resize", args.resize)):
             if given:
-                raise ConfigError(f"mmalign shards shapes: {flag} does not apply to the synthetic source")
+                raise UsageError(f"mmalign shards shapes: {flag} does not apply to the synthetic source")
         out = args.out or "data/shapes"
         info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard)
         print(f"wrote {info['splits']} samples to {out}")
@@ -102,9 +106,9 @@ def run_shards(args) -> dict:
     from data_pipelines.build import EncodeOptions, build_shards
 
     if not args.out:
-        raise ConfigError(f"mmalign shards {args.source} needs --out")
+        raise UsageError(f"mmalign shards {args.source} needs --out")
     if args.resize < 0 or args.processes < 1:
-        raise ConfigError("--resize must be >= 0 and --processes >= 1")
+        raise UsageError("--resize must be >= 0 and --processes >= 1")
     summary = build_shards(
         _items(args), args.out, per_shard=per_shard,
         opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode), dedupe=not args.no_dedupe,
@@ -161,3 +165,10 @@ def run_mine(args) -> dict:
           f"({stats['samples_with_fewer_than_k']} with fewer than {args.k}, {stats['filtered_false_negatives']} "
           f"suspected false negatives filtered); train on them with data.hard_negatives: k <= {args.k}")
     return stats
+
+
+SHARDS = Command("shards", "build WebDataset shards (img2dataset layout) from a source", add_shard_args, run_shards)
+MINE = Command("mine", "mine hard negative captions with a trained model into a copy of the shards",
+               add_mine_args, run_mine)
+TOKENIZER = Command("tokenizer", "train a sentencepiece tokenizer on shard captions", add_tokenizer_args,
+                    run_tokenizer)

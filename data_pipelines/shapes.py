@@ -19,38 +19,22 @@ treats image i as a positive of caption j iff i has every attribute j mentions.
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
 from data_pipelines.writer import ShardWriter
-
-SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond"]
-COLOURS = {
-    "red": (220, 30, 30),
-    "green": (30, 170, 40),
-    "blue": (30, 60, 220),
-    "yellow": (240, 220, 20),
-    "purple": (140, 40, 180),
-    "orange": (250, 140, 10),
-    "pink": (250, 120, 190),
-}
-BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
-SIZES = {"small": 0.3, "large": 0.45}  # shape radius as a fraction of half the canvas
-# 3x3 grid; the phrase reads after "in the" / "at the".
-POSITIONS = {
-    (0, 0): "top left corner",
-    (1, 0): "top",
-    (2, 0): "top right corner",
-    (0, 1): "left",
-    (1, 1): "center",
-    (2, 1): "right",
-    (0, 2): "bottom left corner",
-    (1, 2): "bottom",
-    (2, 2): "bottom right corner",
-}
+# The scene schema, renderer and codec live in the library (the counterfactual eval re-draws scenes).
+from mmalign.data.shapes_scene import (  # noqa: F401  (re-exported: SHAPES, draw, is_complete, ...)
+    BACKGROUNDS,
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    SUBSET_ATTRS,
+    draw,
+    is_complete,
+    subset_code,
+)
 
 TEMPLATES = [
     "a {size} {colour} {shape} in the {position}",
@@ -66,45 +50,6 @@ TEMPLATES = [
 ]
 
 SPLIT_OFFSET = {"train": 0, "val": 1_000_003}
-
-
-def _polygon(kind: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
-    if kind == "triangle":
-        return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
-    if kind == "diamond":
-        return [(cx, cy - r), (cx + 0.7 * r, cy), (cx, cy + r), (cx - 0.7 * r, cy)]
-    if kind == "star":
-        pts = []
-        for i in range(10):
-            rr = r if i % 2 == 0 else 0.45 * r
-            a = -math.pi / 2 + i * math.pi / 5
-            pts.append((cx + rr * math.cos(a), cy + rr * math.sin(a)))
-        return pts
-    raise ValueError(kind)
-
-
-def draw(attrs: dict, size: int = 64) -> Image.Image:
-    """Render one scene from its attributes."""
-    image = Image.new("RGB", (size, size), BACKGROUNDS[attrs["background"]])
-    d = ImageDraw.Draw(image)
-    r = SIZES[attrs["size"]] * size / 2
-    gx, gy = attrs["grid"]
-    cx = (gx + 0.5) * size / 3 + attrs["jitter"][0] * size / 16
-    cy = (gy + 0.5) * size / 3 + attrs["jitter"][1] * size / 16
-    fill = COLOURS[attrs["colour"]]
-    kind = attrs["shape"]
-    if kind == "circle":
-        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-    elif kind == "square":
-        h = 0.85 * r
-        d.rectangle([cx - h, cy - h, cx + h, cy + h], fill=fill)
-    elif kind == "cross":
-        w = 0.35 * r
-        d.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
-        d.rectangle([cx - w, cy - r, cx + w, cy + r], fill=fill)
-    else:
-        d.polygon(_polygon(kind, cx, cy, r), fill=fill)
-    return image
 
 
 def sample_attributes(rng: random.Random) -> dict:
@@ -124,16 +69,6 @@ def captions_for(attrs: dict, rng: random.Random, n: int = 2) -> list[str]:
     return [t.format(**attrs) for t in rng.sample(TEMPLATES, n)]
 
 
-# Attribute order of the subset code (mmalign.losses.metadata): name -> its vocabulary.
-SUBSET_ATTRS = {
-    "shape": SHAPES,
-    "colour": list(COLOURS),
-    "size": list(SIZES),
-    "position": list(POSITIONS.values()),
-    "background": list(BACKGROUNDS),
-}
-
-
 def subset_caption(attrs: dict, rng: random.Random) -> tuple[str, list[str]]:
     """One caption mentioning a random non-empty subset of attributes; returns (caption, mentioned)."""
     names = list(SUBSET_ATTRS)
@@ -151,13 +86,6 @@ def subset_caption(attrs: dict, rng: random.Random) -> tuple[str, list[str]]:
     if "background" in mentioned:
         words.append(f"on a {attrs['background']} background")
     return " ".join(words), mentioned
-
-
-def subset_code(attrs: dict, mentioned: list[str]) -> int:
-    from mmalign.losses.metadata import encode_subset_code  # pure-int helper, shared with the loss
-
-    values = [vocab.index(attrs[name]) for name, vocab in SUBSET_ATTRS.items()]
-    return encode_subset_code(values, [name in mentioned for name in SUBSET_ATTRS])
 
 
 def generate_split(out_dir: str | Path, split: str, n: int, seed: int = 0, per_shard: int = 1000, size: int = 64,
@@ -210,8 +138,3 @@ def generate(out_dir: str | Path, n_train: int = 16000, n_val: int = 1000, seed:
         info["caption_mode"] = caption_mode
     (out / "dataset.json").write_text(json.dumps(info, indent=2))
     return info
-
-
-def is_complete(out_dir: str | Path) -> bool:
-    out = Path(out_dir)
-    return all((out / split / "sizes.json").is_file() for split in ("train", "val")) and (out / "dataset.json").is_file()

@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.data.shards import check_urls, expand_urls, read_samples
 from mmalign.data.tokenizer import clean_caption
 
@@ -22,12 +22,12 @@ def train_from_shards(spec: str, vocab_size: int, out: str | Path, *, model_type
     import sentencepiece as spm
 
     if vocab_size < 8:
-        raise ConfigError(f"--vocab-size must be >= 8, got {vocab_size}")
+        raise UsageError(f"--vocab-size must be >= 8, got {vocab_size}")
     urls = expand_urls(spec)
     check_urls(urls, "--data")
     out = Path(out)
     if out.suffix != ".model":
-        raise ConfigError(f"--out must end in .model (sentencepiece writes PREFIX.model and PREFIX.vocab), got {out}")
+        raise UsageError(f"--out must end in .model (sentencepiece writes PREFIX.model and PREFIX.vocab), got {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     count = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,7 +40,7 @@ def train_from_shards(spec: str, vocab_size: int, out: str | Path, *, model_type
                 if count >= max_captions:
                     break
         if count == 0:
-            raise ConfigError(f"--data {spec}: no captions found")
+            raise UsageError(f"--data {spec}: no captions found")
         try:
             spm.SentencePieceTrainer.train(
                 input=str(corpus), model_prefix=str(out.with_suffix("")), vocab_size=vocab_size,
@@ -49,7 +49,7 @@ def train_from_shards(spec: str, vocab_size: int, out: str | Path, *, model_type
                 unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2,
             )
         except RuntimeError as e:
-            raise ConfigError(f"sentencepiece could not train: {str(e).splitlines()[0]}") from None
+            raise UsageError(f"sentencepiece could not train: {str(e).splitlines()[0]}") from None
     pieces = spm.SentencePieceProcessor(model_file=str(out)).get_piece_size()
     info = {"data": spec, "captions": count, "requested": vocab_size, "pieces": pieces, "vocab_size": pieces + 3,
             "model_type": model_type}

@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from mmalign.config import ConfigError
-from mmalign.errors import UserError
+from mmalign.errors import UsageError, UserError
 
 SHAPES_DIR = "data/shapes"
 
@@ -43,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # A usage mistake is one line and exit 2 like any other (argparse prints the usage first).
-        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
@@ -84,10 +83,10 @@ def cmd_train(args) -> int:
     restart = _continue_on_restart(args, Path(cfg.output))
     try:
         check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
-    except ConfigError as e:
+    except UserError as e:
         if not restart:
             raise
-        raise ConfigError(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
+        raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
                           f"so that a restart continues the run)") from None
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
@@ -224,27 +223,6 @@ def _print_table(records: list[dict]) -> None:
     Console().print(table)
 
 
-def cmd_shards(args) -> int:
-    from data_pipelines.commands import run_shards
-
-    run_shards(args)
-    return 0
-
-
-def cmd_mine(args) -> int:
-    from data_pipelines.commands import run_mine
-
-    run_mine(args)
-    return 0
-
-
-def cmd_tokenizer(args) -> int:
-    from data_pipelines.commands import run_tokenizer
-
-    run_tokenizer(args)
-    return 0
-
-
 def quickstart_verdict(records: list[dict]) -> list[str]:
     """The quickstart's promise: shape zero-shot >= 2x chance, text->image R@5 >= 3x chance."""
     problems = []
@@ -262,13 +240,13 @@ def quickstart_verdict(records: list[dict]) -> list[str]:
 def cmd_quickstart(args) -> int:
     import json
 
-    from data_pipelines import shapes
+    from mmalign.data.shapes_scene import is_complete
     from mmalign.train import train
 
     start = time.time()
-    if not shapes.is_complete(SHAPES_DIR):
+    if not is_complete(SHAPES_DIR):
         print(f"generating the synthetic shapes dataset into {SHAPES_DIR} ...")
-        shapes.generate(SHAPES_DIR)
+        _run_command("shards", ["shapes", "--out", SHAPES_DIR])  # = `mmalign shards shapes --out data/shapes`
     if args.config is None:  # the shipped recipe: the config defaults' settings, with their comments
         from mmalign.resources import RECIPES, shipped
 
@@ -287,6 +265,17 @@ def cmd_quickstart(args) -> int:
     else:
         print("quickstart: learned well above chance (shape zero-shot >= 2x, text->image R@5 >= 3x)")
     return 0
+
+
+def _run_command(name: str, argv: list[str]) -> None:
+    """Run a sub-command another package adds (:mod:`mmalign.commands`), e.g. the shapes builder."""
+    from mmalign.commands import discover
+
+    if name not in discover():
+        raise UsageError(f"`mmalign {name}` is not installed (it comes with the package's data_pipelines "
+                         f"through the mmalign.commands entry points): install mmalign again, e.g. pip install -e .")
+    args = build_parser().parse_args([name, *argv])
+    args.func(args)
 
 
 def cmd_models(args) -> int:
@@ -337,7 +326,7 @@ def cmd_search(args) -> int:
     from mmalign.search import Searcher, format_hits
 
     if (args.text is None) == (args.image is None):
-        raise ConfigError("search: give exactly one of --text or --image")
+        raise UsageError("search: give exactly one of --text or --image")
     searcher = Searcher(args.index, args.model)
     dedupe = not args.no_dedupe
     hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \
@@ -396,20 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_quickstart)
 
-    from data_pipelines.commands import add_mine_args, add_shard_args, add_tokenizer_args
-
-    p = sub.add_parser("shards", help="build WebDataset shards (img2dataset layout) from a source")
-    add_shard_args(p)
-    p.set_defaults(func=cmd_shards)
-
-    p = sub.add_parser("mine", help="mine hard negative captions with a trained model into a copy of the shards")
-    add_mine_args(p)
-    p.set_defaults(func=cmd_mine)
-
-    p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer on shard captions")
-    add_tokenizer_args(p)
-    p.set_defaults(func=cmd_tokenizer)
-
     p = sub.add_parser("models", help="list architecture presets that build offline (parameters, image size)")
     p.add_argument("--all", action="store_true", help="also list the presets that need a download, marked")
     p.set_defaults(func=cmd_models)
@@ -461,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
     p.set_defaults(func=cmd_serve)
+
+    from mmalign.commands import add_commands, discover
+
+    # shards, mine, tokenizer: declared by data_pipelines as entry points (mmalign does not import it)
+    add_commands(sub, discover(reserved=sub.choices))
     _show_bare_defaults(parser)
     return parser
 

@@ -19,7 +19,7 @@ import itertools
 import re
 from typing import Mapping
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = "29500"
@@ -111,7 +111,7 @@ def slurm_master(env: Mapping[str, str]) -> tuple[str, str, str]:
 
     ``MASTER_ADDR`` / ``MASTER_PORT`` win when set; else the first host of the job's node
     list and a port derived from ``SLURM_JOB_ID``.  A node list we cannot parse is a
-    one-line :class:`ConfigError` (guessing would hang every task until the store timeout)."""
+    one-line :class:`~mmalign.errors.UsageError` (guessing would hang every task until the store timeout)."""
     port = env.get("MASTER_PORT")
     if port is None:
         job = env.get("SLURM_JOB_ID", "")
@@ -123,7 +123,7 @@ def slurm_master(env: Mapping[str, str]) -> tuple[str, str, str]:
             try:
                 return first_host(env[key]), port, f"first host of {key}"
             except ValueError as e:
-                raise ConfigError(f"{key}={env[key][:120]!r} cannot be parsed as a Slurm node list ({e}); "
+                raise UsageError(f"{key}={env[key][:120]!r} cannot be parsed as a Slurm node list ({e}); "
                                   f"export MASTER_ADDR=<the first node's address> (and MASTER_PORT)") from None
     return DEFAULT_MASTER_ADDR, port, "default (no SLURM node list)"
 
@@ -146,7 +146,7 @@ def check_nproc(nproc: int, env: Mapping[str, str]) -> None:
     found = job_world(env) if nproc > 1 else None
     if found is not None:
         key, size = found
-        raise ConfigError(f"--nproc {nproc} inside a job that already runs {size} ranks ({key}={size}): every "
+        raise UsageError(f"--nproc {nproc} inside a job that already runs {size} ranks ({key}={size}): every "
                           f"task would start its own {nproc}-rank run; drop --nproc and let the launcher "
                           f"(srun / torchrun / deepspeed) start one process per rank")
 

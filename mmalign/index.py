@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.embed import EMBED_INFO
 
 INDEX_INFO = "index.json"
@@ -35,7 +35,7 @@ def _parts(emb_dir: Path, kind: str, n_parts: int) -> list[Path]:
     files = [emb_dir / f"{kind}_emb" / f"{kind}_emb_{i}.npy" for i in range(n_parts)]
     missing = [f for f in files if not f.is_file()]
     if missing:
-        raise ConfigError(f"--emb: missing {missing[0]} ({len(missing)} part file(s) missing)")
+        raise UsageError(f"--emb: missing {missing[0]} ({len(missing)} part file(s) missing)")
     return files
 
 
@@ -43,7 +43,7 @@ def read_embeddings_info(emb_dir: str | Path) -> dict:
     emb_dir = Path(emb_dir)
     info_file = emb_dir / EMBED_INFO
     if not info_file.is_file():
-        raise ConfigError(f"--emb: {emb_dir} is not an embedding directory (no {EMBED_INFO}; run `mmalign embed`)")
+        raise UsageError(f"--emb: {emb_dir} is not an embedding directory (no {EMBED_INFO}; run `mmalign embed`)")
     return json.loads(info_file.read_text())
 
 
@@ -53,7 +53,7 @@ def load_metadata(emb_dir: Path, n_parts: int):
     files = [emb_dir / "metadata" / f"metadata_{i}.parquet" for i in range(n_parts)]
     for f in files:
         if not f.is_file():
-            raise ConfigError(f"--emb: missing {f}")
+            raise UsageError(f"--emb: missing {f}")
     return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
 
 
@@ -73,11 +73,11 @@ def ivf_params(count: int, dim: int, nlist: int | None, pq_m: int | None, nbits:
     if pq_m is None:
         pq_m = max(m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0)
     if dim % pq_m:
-        raise ConfigError(f"--pq-m={pq_m} must divide the embedding dim {dim}")
+        raise UsageError(f"--pq-m={pq_m} must divide the embedding dim {dim}")
     if nbits is None:
         nbits = max(1, min(8, int(math.log2(max(2, train_rows)))))
     if train_rows < nlist or train_rows < 2 ** nbits:
-        raise ConfigError(f"IVF-PQ needs at least max(nlist={nlist}, 2^nbits={2 ** nbits}) training vectors, "
+        raise UsageError(f"IVF-PQ needs at least max(nlist={nlist}, 2^nbits={2 ** nbits}) training vectors, "
                           f"have {train_rows}")
     return {"nlist": int(nlist), "m": int(pq_m), "nbits": int(nbits)}
 
@@ -125,7 +125,7 @@ def build_index(emb_dir: str | Path, out: str | Path, *, exact_max: int = 100_00
     # Per part: which of its rows go into each index (image: an image's first row only).
     offsets = np.cumsum([0] + [int(np.load(f, mmap_mode="r").shape[0]) for f in files["img"]])
     if offsets[-1] != len(meta):
-        raise ConfigError(f"--emb: {offsets[-1]} embedding rows but {len(meta)} metadata rows in {emb_dir}")
+        raise UsageError(f"--emb: {offsets[-1]} embedding rows but {len(meta)} metadata rows in {emb_dir}")
     first = meta["caption_index"].to_numpy() == 0
     selected = {"img": [np.flatnonzero(first[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]}
     if "text" in kinds:
@@ -139,7 +139,7 @@ def build_index(emb_dir: str | Path, out: str | Path, *, exact_max: int = 100_00
         for f in files[kind]:
             shape = np.load(f, mmap_mode="r").shape
             if len(shape) != 2 or shape[1] != dim:
-                raise ConfigError(f"--emb: {f} has shape {shape}, expected (rows, {dim})")
+                raise UsageError(f"--emb: {f} has shape {shape}, expected (rows, {dim})")
         index, params = _build_one(files[kind], selected[kind], dim, exact_max=exact_max, nlist=nlist,
                                    pq_m=pq_m, nbits=nbits, nprobe=nprobe)
         faiss.write_index(index, str(out / f"{name}.index"))

@@ -11,6 +11,7 @@ import torch
 
 import mmalign
 from mmalign.cli import EXPORT_FORMATS, build_parser, main
+from mmalign.errors import UsageError
 
 
 def _subparsers(parser):
@@ -49,6 +50,18 @@ def test_export_formats_match_the_exporter():
     from mmalign.export import FORMATS
 
     assert EXPORT_FORMATS == FORMATS
+
+
+def test_a_usage_error_is_one_line_exit_2(capsys, tmp_path):
+    """Not a config key: two flags that exclude each other, a path that is not a model."""
+    args = build_parser().parse_args(["search", "--index", "i", "--model", "m"])
+    with pytest.raises(UsageError, match="give exactly one of --text or --image"):
+        args.func(args)
+    assert main(["search", "--index", "i", "--model", "m"]) == 2
+    assert capsys.readouterr().err == "mmalign: error: search: give exactly one of --text or --image\n"
+    assert main(["eval", "--model", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmalign: error: ") and str(tmp_path / "nothing") in err and err.count("\n") == 1
 
 
 def test_usage_mistakes_are_one_line_exit_2(capsys):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from mmalign import checkpoint, cluster, gradcache
 from mmalign import distributed as mdist
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from tests.conftest import ROOT
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
@@ -71,7 +71,7 @@ def test_slurm_master_address():
     # an explicit MASTER_ADDR / MASTER_PORT wins
     info = mdist.env_dist_info({**env, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "2222"})
     assert (info.master_addr, info.master_port) == ("10.0.0.5", "2222")
-    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST.*cannot be parsed.*MASTER_ADDR"):
+    with pytest.raises(UsageError, match="SLURM_JOB_NODELIST.*cannot be parsed.*MASTER_ADDR"):
         mdist.env_dist_info({**env, "SLURM_JOB_NODELIST": "gpu[07-"})
     # one task has no rendezvous to find: its node list is not read
     assert mdist.env_dist_info({**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
@@ -98,7 +98,7 @@ def test_cli_unparsable_nodelist_is_one_line(tmp_path):
 ])
 def test_nproc_inside_a_job(env, refused):
     if refused:
-        with pytest.raises(ConfigError, match="--nproc 2 inside a job"):
+        with pytest.raises(UsageError, match="--nproc 2 inside a job"):
             cluster.check_nproc(2, env)
     else:
         cluster.check_nproc(2, env)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mmalign.config import ConfigError, load_config
+from mmalign.errors import UsageError
 from mmalign.progress import duration, track, train_line
 from tests.conftest import ROOT
 
@@ -275,7 +276,7 @@ def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(micro_
     assert check_suite_data(suite, "shards/{0..1}.tar", user_data=str(folder))["path"] == str(folder)
     with pytest.raises(ConfigError, match=r"--data: image folder '.*gone' not found"):
         check_suite_data(suite, user_data=str(tmp_path / "gone"))
-    with pytest.raises(ConfigError, match="reads sklearn's digits"):
+    with pytest.raises(UsageError, match="reads sklearn's digits"):  # a flag, not a config key
         check_suite_data(load_suite("digits"), user_data=str(folder))
 
     run = Path(micro_overrides[-1].split("=", 1)[1])

@@ -33,19 +33,17 @@ import torch
 from PIL import Image, ImageOps
 
 from mmalign.config import ConfigError
+from mmalign.errors import UsageError
+from mmalign.data.shapes_scene import VOCABULARIES, draw
 from mmalign.evaluation.features import embed_images
 
 KINDS = ("hflip", "crop", "rerender")
 
 
 def _shapes_vocab(field: str) -> list:
-    from data_pipelines import shapes
-
-    vocab = {"colour": list(shapes.COLOURS), "background": list(shapes.BACKGROUNDS),
-             "shape": list(shapes.SHAPES), "size": list(shapes.SIZES)}
-    if field not in vocab:
-        raise ConfigError(f"counterfactual rerender: field {field!r} is not one of {sorted(vocab)}")
-    return vocab[field]
+    if field not in VOCABULARIES:
+        raise ConfigError(f"counterfactual rerender: field {field!r} is not one of {sorted(VOCABULARIES)}")
+    return VOCABULARIES[field]
 
 
 def _crop(image: Image.Image, scale: float) -> Image.Image:
@@ -64,8 +62,6 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
         scale = float(edit.get("scale", 0.9))
         return [s["image"] for s in samples], [_crop(s["image"], scale) for s in samples], [s["json"] for s in samples]
     if kind == "rerender":
-        from data_pipelines.shapes import draw
-
         field = edit.get("field", "colour")
         vocab = _shapes_vocab(field)
         rng = random.Random(seed)
@@ -73,7 +69,7 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
         for s in samples:
             attrs = dict(s["json"], jitter=[0.0, 0.0])  # jitter is not stored: re-render both sides
             if field not in attrs or "grid" not in attrs:
-                raise ConfigError(f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none")
+                raise UsageError(f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none")
             new = dict(attrs, **{field: rng.choice([v for v in vocab if v != attrs[field]])})
             originals.append(draw(attrs, s["image"].width))
             edited.append(draw(new, s["image"].width))

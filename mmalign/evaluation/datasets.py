@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from PIL import Image
 
 from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, check_urls, expand_urls, \
     iter_tar_groups, open_image, parse_meta, read_samples
 
@@ -59,13 +60,13 @@ def dataset_spec(suite: dict, data: str | None = None, *, user_data: str | None 
         raise ConfigError(f"suite {suite.get('name')!r}: dataset type {kind!r} is not shards, digits or imagefolder")
     if user_data is not None:
         if kind == "digits":
-            raise ConfigError(f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
+            raise UsageError(f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
                               f"drop --data or pick a shards / imagefolder suite")
         spec["path" if kind == "imagefolder" else "urls"] = user_data
     elif kind == "shards" and data is not None:
         spec["urls"] = data
     if kind == "shards" and not spec.get("urls"):
-        raise ConfigError(f"suite {suite.get('name')!r} names no shards: give them with --data")
+        raise UsageError(f"suite {suite.get('name')!r} names no shards: give them with --data")
     return spec
 
 
@@ -75,7 +76,7 @@ def iter_dataset(spec: dict) -> Iterator[dict]:
     keep = None
     if limit is not None:
         if int(limit) < 1:
-            raise ConfigError(f"dataset limit must be >= 1, got {limit}")
+            raise UsageError(f"dataset limit must be >= 1, got {limit}")
         keys = list(_keys_strata_labels(spec))
         if per_class is not None:  # the draw is from what per_class leaves
             keys = _first_per_class(keys, int(per_class))
@@ -186,7 +187,7 @@ def _digits(spec: dict, keep: set | None = None) -> Iterator[dict]:
 
 def _folder_items(spec: dict):
     # The shard builder's enumeration (directory or tar, class order) is reused, not repeated.
-    from data_pipelines.sources import Captioner, image_folder
+    from mmalign.data.imagefolder import Captioner, image_folder
 
     templates = spec.get("caption_templates", DEFAULT_CAPTION_TEMPLATES)
     return image_folder(spec["path"], Captioner(templates), spec.get("classnames"))[1]

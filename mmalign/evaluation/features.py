@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 
 FEATURE_KINDS = {
     "joint": "joint-space image embedding after the projection head (encode_image), L2-normalised",
@@ -113,7 +114,7 @@ def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_s
 
     feats = embed_images(model, preprocess, images(), batch_size, device, pre_projection)
     if not keys:
-        raise ConfigError("the evaluation dataset holds no readable samples")
+        raise UsageError("the evaluation dataset holds no readable samples")
     out = {
         "image_features": feats["joint"],  # (N, D)
         "text_features": embed_texts(model, tokenizer, captions, batch_size, device),  # (M, D)

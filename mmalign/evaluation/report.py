@@ -32,19 +32,15 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from mmalign.evaluation.datasets import dataset_spec, iter_dataset  # noqa: E402
-from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc  # noqa: E402
-from mmalign.evaluation.features import embed_dataset  # noqa: E402
-from mmalign.evaluation.retrieval import retrieval_ranks  # noqa: E402
-from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite  # noqa: E402
-from mmalign.progress import track  # noqa: E402
+from mmalign.evaluation.datasets import dataset_spec, iter_dataset
+from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc
+from mmalign.evaluation.features import embed_dataset
+from mmalign.evaluation.retrieval import retrieval_ranks
+from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite
+from mmalign.progress import track
 
 # (title, keys drawn on one axes, dashed keys on the same axes)
 CURVES = [
@@ -57,6 +53,17 @@ CURVES = [
     ("throughput (samples/s)", ["samples_per_s"], []),
 ]
 MAX_RECALL_K = 50
+
+
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend; imported by the plots that need it (this
+    module is the one owner of matplotlib, and importing it costs about a second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -76,6 +83,7 @@ def plot_curves(rows: list[dict], out: Path) -> Path | None:
     if not panels:
         return None
     cols = 2
+    plt = _pyplot()
     fig, axes = plt.subplots((len(panels) + 1) // cols, cols, figsize=(11, 2.8 * ((len(panels) + 1) // cols)),
                              squeeze=False)
     for ax, (title, keys, dashed) in zip(axes.flat, panels):
@@ -103,6 +111,7 @@ def plot_similarity(sims: dict, out: Path) -> Path:
     auc = positive_negative_auc(sims["positive"], sims["negative"])
     lo, hi = min(pos.min(), neg.min()), max(pos.max(), neg.max())
     bins = np.linspace(lo, hi, 60)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for values, colour, label in ((neg, "tab:blue", f"non-matching pairs (n={len(neg)})"),
                                   (pos, "tab:orange", f"caption with its own image (n={len(pos)})")):
@@ -126,6 +135,7 @@ def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, 
     n = features.shape[0]
     xy = TSNE(n_components=2, perplexity=float(min(30, max(2, (n - 1) // 3))), init="pca",
               random_state=seed).fit_transform(features.numpy())  # (N, 2)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 6))
     classes = sorted(set(labels))
     cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
@@ -144,6 +154,7 @@ def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, 
 
 def plot_recall(t2i: torch.Tensor, i2t: torch.Tensor, n_images: int, n_captions: int, out: Path) -> Path:
     ks = np.arange(1, min(MAX_RECALL_K, n_images, n_captions) + 1)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(ks, [(t2i < k).float().mean().item() for k in ks], label="text->image (image_retrieval_recall@k)")
     ax.plot(ks, [(i2t < k).float().mean().item() for k in ks], label="image->text (text_retrieval_recall@k)")

@@ -23,7 +23,7 @@ import time
 import torch
 
 from mmalign import distributed as mdist
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError, UserError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.suite import embedding_needs, run_suite
@@ -50,7 +50,7 @@ def _embed_mine(model, preprocess, tokenizer, samples, rank: int, world: int, ba
 
     try:
         return embed_dataset(model, preprocess, tokenizer, mine(), batch_size, device, pre_projection, captions)
-    except ConfigError:
+    except UserError:  # embed_dataset found no sample (or refused the features) on this rank
         if count:
             raise
         # no sample on this rank (fewer samples than ranks); all ranks empty is reported by interleave
@@ -64,7 +64,7 @@ def interleave(parts: list[dict]) -> dict:
     world = len(parts)
     n = sum(len(p["keys"]) for p in parts)
     if n == 0:
-        raise ConfigError("the evaluation dataset holds no readable samples")
+        raise UsageError("the evaluation dataset holds no readable samples")
     out: dict = {"keys": [None] * n, "metas": [None] * n}
     for key in ("image_features", "image_pre_projection"):
         present = [p[key] for p in parts if key in p and len(p["keys"])]
