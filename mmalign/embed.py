@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.embed")
@@ -59,10 +59,10 @@ def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
         if with_text:
             txt = path.with_suffix(".txt")
             if not txt.is_file():
-                raise ConfigError(f"--data: {path} has no caption file {txt.name} (other images in {root} do)")
+                raise UsageError(f"--data: {path} has no caption file {txt.name} (other images in {root} do)")
             captions = [line.strip() for line in txt.read_text(encoding="utf-8").splitlines() if line.strip()]
             if not captions:
-                raise ConfigError(f"--data: caption file {txt} is empty")
+                raise UsageError(f"--data: caption file {txt} is empty")
         meta_file = path.with_suffix(".json")
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
         try:
@@ -89,7 +89,7 @@ def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
             return _located(read_samples(tars, locate=True)), True
         images = [p for p in path.rglob("*") if p.suffix.lower() in FOLDER_IMAGE_EXTS]
         if not images:
-            raise ConfigError(f"--data: {path} holds no .tar shards and no images")
+            raise UsageError(f"--data: {path} holds no .tar shards and no images")
         with_text = any(p.with_suffix(".txt").is_file() for p in images)
         return _folder_samples(path, with_text), with_text
     urls = expand_urls(str(data))
@@ -200,13 +200,13 @@ def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_siz
     from mmalign.models.load import load
 
     if batch_size <= 0 or part_size <= 0:
-        raise ConfigError("--batch-size and --part-size must be positive")
+        raise UsageError("--batch-size and --part-size must be positive")
     source = load(model_dir, device=device)
     model, preprocess = source.model, source.preprocess
     samples, with_text = open_data(data)
     out = Path(out)
     if (out / EMBED_INFO).exists():
-        raise ConfigError(f"--out: {out} already holds embeddings; choose an empty directory")
+        raise UsageError(f"--out: {out} already holds embeddings; choose an empty directory")
     writer = _PartWriter(out, part_size, with_text)
     images, batch = 0, []
     # a bar on a terminal, else a line every 10 s; the total comes from the shards' sizes.json
@@ -222,7 +222,7 @@ def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_siz
         images += len(batch)
     writer.close()
     if images == 0:
-        raise ConfigError(f"--data: {data} holds no readable samples")
+        raise UsageError(f"--data: {data} holds no readable samples")
     info = {
         "model": str(model_dir), "dim": model.embed_dim, "rows": writer.rows, "images": images,
         "parts": writer.parts, "part_size": int(part_size), "dtype": "float16", "normalised": True,

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.index import INDEX_INFO, METADATA
 
 TARGETS = ("image", "text")
@@ -54,7 +54,7 @@ class ImageUnavailable(LookupError):
 
 def _read_index_dir(index_dir: Path) -> dict:
     if not (index_dir / INDEX_INFO).is_file():
-        raise ConfigError(f"--index: {index_dir} is not an index directory (no {INDEX_INFO}; run `mmalign index`)")
+        raise UsageError(f"--index: {index_dir} is not an index directory (no {INDEX_INFO}; run `mmalign index`)")
     return json.loads((index_dir / INDEX_INFO).read_text())
 
 
@@ -76,7 +76,7 @@ class Searcher:
                 if "nprobe" in self.info[name]:  # IVF: the probe count is a search-time setting
                     faiss.extract_index_ivf(self.indexes[name]).nprobe = int(self.info[name]["nprobe"])
                 if self.indexes[name].d != self.dim:
-                    raise ConfigError(f"--index: {name}.index has dim {self.indexes[name].d}, "
+                    raise UsageError(f"--index: {name}.index has dim {self.indexes[name].d}, "
                                       f"index.json says {self.dim}")
         self.meta = pd.read_parquet(self.index_dir / METADATA)
         self.device = device
@@ -88,7 +88,7 @@ class Searcher:
             self.source = load(model_dir, device=device)
             model_dim = self.source.model.embed_dim
             if model_dim != self.dim:
-                raise ConfigError(f"--index: {self.index_dir} was built with embedding dim {self.dim}, but the model "
+                raise UsageError(f"--index: {self.index_dir} was built with embedding dim {self.dim}, but the model "
                                   f"{model_dir} embeds to dim {model_dim}; rebuild the index with this model")
             self.preprocess = self.source.preprocess
 
@@ -96,7 +96,7 @@ class Searcher:
 
     def _need_model(self):
         if self.source is None:
-            raise ConfigError("a model is needed to embed queries (pass --model)")
+            raise UsageError("a model is needed to embed queries (pass --model)")
         return self.source.model
 
     @torch.no_grad()
@@ -118,11 +118,11 @@ class Searcher:
             if not isinstance(image, Image.Image):
                 path = Path(image)
                 if not path.is_file():
-                    raise ConfigError(f"--image: {path} does not exist")
+                    raise UsageError(f"--image: {path} does not exist")
                 try:
                     image = open_image(path.read_bytes(), self.max_pixels)  # pixels counted before decoding
                 except BadSample as e:
-                    raise ConfigError(f"--image: cannot read {path} ({e})") from None
+                    raise UsageError(f"--image: cannot read {path} ({e})") from None
             pixels.append(self.preprocess(image))
         return model.encode_image(torch.stack(pixels).to(self.device)).float().cpu().numpy()
 
@@ -133,12 +133,12 @@ class Searcher:
         """(n, D) query vectors -> for each, the top-``k`` hits of the ``against`` index
         (against ``text`` with ``dedupe``: the top ``k`` distinct captions)."""
         if against not in self.indexes:
-            raise ConfigError(f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})")
+            raise UsageError(f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[1] != self.dim:
-            raise ConfigError(f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}")
+            raise UsageError(f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}")
         if k <= 0:
-            raise ConfigError(f"-k must be positive, got {k}")
+            raise UsageError(f"-k must be positive, got {k}")
         index, k = self.indexes[against], int(k)
         dedupe = dedupe and against == "text"
         total = index.ntotal
@@ -196,7 +196,7 @@ class Searcher:
         from mmalign.data.tario import CorruptTar, TruncatedTar, open_shard, read_sample_at
 
         if not 0 <= row < len(self.meta):
-            raise ConfigError(f"row must be in [0, {len(self.meta)})")
+            raise UsageError(f"row must be in [0, {len(self.meta)})")
         if "file" not in self.meta.columns:
             raise ImageUnavailable("this index records no image locations (built before they were kept: "
                                    "re-run `mmalign embed` and `mmalign index`)")

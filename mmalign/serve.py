@@ -39,7 +39,7 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError, UserError
 from mmalign.search import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
 from mmalign.serve_page import PAGE
 
@@ -145,15 +145,15 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             k = int(params.get("k", 10))
         except ValueError:
-            raise ConfigError("k must be an integer") from None
+            raise UsageError("k must be an integer") from None
         if not 1 <= k <= self.max_k:
-            raise ConfigError(f"k must be in [1, {self.max_k}]")
+            raise UsageError(f"k must be in [1, {self.max_k}]")
         return k, params.get("against", "image")
 
     def _dedupe(self, params: dict) -> bool:
         value = params.get("dedupe", "true").lower()
         if value not in ("true", "1", "yes", "false", "0", "no"):
-            raise ConfigError("dedupe must be true or false")
+            raise UsageError("dedupe must be true or false")
         return value in ("true", "1", "yes")
 
     def _handle(self, route) -> None:
@@ -163,7 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
                 route()
             except _Refused as e:
                 self._reply(e.status, {"error": str(e)})
-            except ConfigError as e:
+            except UserError as e:
                 self._reply(400, {"error": str(e)})
         except (TimeoutError, ConnectionError):  # a client that stalled or left (mid-body, or before the reply)
             self.close_connection = True
@@ -191,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(404, {"error": f"no route {path}"})
         text = params.get("text", "")
         if not text or len(text) > self.max_text:
-            raise ConfigError(f"text must be 1..{self.max_text} characters")
+            raise UsageError(f"text must be 1..{self.max_text} characters")
         k, against = self._k_against(params)
         dedupe = self._dedupe(params)
         with self.lock:
@@ -208,9 +208,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             row, size = int(params.get("row", "")), int(params.get("size", 128))
         except ValueError:
-            raise ConfigError("row and size must be integers") from None
+            raise UsageError("row and size must be integers") from None
         if not 16 <= size <= self.max_thumb:
-            raise ConfigError(f"size must be in [16, {self.max_thumb}]")
+            raise UsageError(f"size must be in [16, {self.max_thumb}]")
         try:
             data = self.searcher.image_bytes(row, self.max_body)  # no model or index: no lock
             image = open_image(data, self.max_pixels)  # the pixel count is checked before decoding
@@ -236,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(raw)
         except ValueError:
             self.close_connection = True
-            raise ConfigError(f"Content-Length {raw[:40]!r} is not a number") from None
+            raise UsageError(f"Content-Length {raw[:40]!r} is not a number") from None
         if not 0 < length <= self.max_body:
             self.close_connection = True
             raise _Refused(413, f"image body must be 1..{self.max_body} bytes")
@@ -245,13 +245,13 @@ class _Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(length)
         if len(data) < length:
             self.close_connection = True
-            raise ConfigError(f"body ended after {len(data)} of {length} bytes")
+            raise UsageError(f"body ended after {len(data)} of {length} bytes")
         try:
             image = open_image(data, self.max_pixels)  # the pixel count is checked before decoding
         except BadSample as e:
             if e.reason == "decompression_bomb":
                 raise _Refused(413, f"image has too many pixels ({e}); at most {self.max_pixels}") from None
-            raise ConfigError(f"body is not a readable image ({e.reason})") from None
+            raise UsageError(f"body is not a readable image ({e.reason})") from None
         with self.lock:
             hits = self.searcher.image(image, k, against, dedupe=dedupe)
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
@@ -283,7 +283,7 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
         return _Server((host, int(port)), handler)
     except (OSError, OverflowError) as e:
         why = getattr(e, "strerror", None) or e
-        raise ConfigError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
+        raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
 def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100) -> None:

@@ -17,7 +17,7 @@ from PIL import Image
 import mmalign
 import mmalign.embed
 from mmalign.cli import main
-from mmalign.config import ConfigError
+from mmalign.errors import UsageError
 from mmalign.data.shards import read_samples
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
@@ -152,7 +152,7 @@ def test_ivfpq_past_the_exact_size(built, tmp_path):
 
 def test_errors_are_one_line(built, tmp_path, capsys):
     other = save_random_model(tmp_path / "dim16", seed=1, embed_dim=16)
-    with pytest.raises(ConfigError, match="dim 32.*dim 16"):
+    with pytest.raises(UsageError, match="dim 32.*dim 16"):
         Searcher(built["idx"], other)
     cases = [
         (["search", "--index", str(built["idx"]), "--model", other, "--text", "x"], "embedding dim 32"),
