@@ -413,6 +413,7 @@ class Engine:
         self.ds.train()
 
     def eval_mode(self) -> None:
+        """Deterministic forwards (a probe, an evaluation); :meth:`train_mode` switches back."""
         self.ds.eval()
 
     def named_parameters(self):

@@ -166,7 +166,6 @@ class _Parts:
     """What the loop runs on, built once by :func:`_build`."""
     cfg: Config
     out: Path
-    suite: dict | None
     device: torch.device
     world: int
     model_flops: float  # per sample, forward + backward
@@ -196,7 +195,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     out, suite, device = _setup(cfg, resume, overwrite)
     rank, t, mon = mdist.get_rank(), cfg.train, cfg.monitor
     main = rank == 0
-    p = _build(cfg, out, suite, device)
+    p = _build(cfg, out, device)
     # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position, momentum queue
     resumed = resume_run(p.engine, p.loader, p.queue, out, resume, cfg)
     start, tally = resumed.start, _Tally(skipped_steps=resumed.skipped_steps)
@@ -275,7 +274,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
     return out, suite, device
 
 
-def _build(cfg: Config, out: Path, suite: dict | None, device: torch.device) -> _Parts:
+def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     """The model, its momentum queue, the engine, the data and the loss."""
     from mmalign.engine import Engine  # deepspeed is imported only when training
 
@@ -331,7 +330,7 @@ def _build(cfg: Config, out: Path, suite: dict | None, device: torch.device) -> 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
-    return _Parts(cfg, out, suite, device, world, model_flops, model.embed_dim, tokenizer, queue, engine, loader,
+    return _Parts(cfg, out, device, world, model_flops, model.embed_dim, tokenizer, queue, engine, loader,
                   probe, loss_fn, view_term, autocast, peak)
 
 
