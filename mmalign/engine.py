@@ -404,6 +404,40 @@ class Engine:
                 state[name] = buf.detach().cpu().clone()
         return state
 
+    # ------------------------------------------- for the loop and for resharding
+    # What the training loop (mmalign.train) and the re-partitioning of a checkpoint
+    # (mmalign.reshard) need from DeepSpeed's engine: nothing outside this module reads ``.ds``.
+
+    def train_mode(self) -> None:
+        """Dropout, patch dropout and BatchNorm batch statistics on (the module's ``train()``)."""
+        self.ds.train()
+
+    def eval_mode(self) -> None:
+        """Deterministic forwards (a probe, an evaluation); :meth:`train_mode` switches back."""
+        self.ds.eval()
+
+    def named_parameters(self):
+        """The module's (name, parameter) pairs; under ZeRO-3 each holds only this rank's partition."""
+        return self.module.named_parameters()
+
+    def named_buffers(self):
+        """The module's (name, buffer) pairs (BatchNorm running statistics), whole on every rank."""
+        return self.module.named_buffers()
+
+    def zero3_slot(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, int, int]:
+        """ZeRO-3: (the flat fp32 partition of the sub-group holding this rank's slice of ``p``,
+        the slice's offset in it, the per-rank slice size). ``p`` is split evenly over the
+        ranks: rank r holds its flattened elements [r * size, (r + 1) * size)."""
+        z3 = self.ds.optimizer
+        sub, offset, size = z3.grad_position[z3.get_param_id(p)]
+        return list(z3.fp32_partitioned_groups_flat)[sub], int(offset), int(size)
+
+    def set_step_counters(self, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+        """DeepSpeed's own step counters, as restored from a checkpoint's model-states file."""
+        self.ds.global_steps = global_steps
+        self.ds.global_samples = global_samples
+        self.ds.skipped_steps = skipped_steps
+
 
 @contextlib.contextmanager
 def _without_shm_comm_op():

@@ -62,18 +62,16 @@ def _module_fragments(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, int
     out = []
     rank = mdist.get_rank()
     if engine.stage == 3:
-        z3 = engine.ds.optimizer
-        parts = list(z3.fp32_partitioned_groups_flat)
-        for name, p in engine.module.named_parameters():
+        for name, p in engine.named_parameters():
             if not p.requires_grad:
                 continue
-            sub, offset, size = z3.grad_position[z3.get_param_id(p)]
+            partition, offset, size = engine.zero3_slot(p)
             # parameter p is split evenly: rank r holds elements [r*size, (r+1)*size)
             length = max(0, min(size, p.ds_numel - rank * size))
-            out.append((name, p, parts[sub], int(offset), rank * size, length))
+            out.append((name, p, partition, offset, rank * size, length))
         return out
     partitions = [t for group in engine.base_optimizer.param_groups for t in group["params"]]
-    for name, p in engine.module.named_parameters():
+    for name, p in engine.named_parameters():
         mapping = getattr(p, "_hp_mapping", None)
         if mapping is None:
             continue
@@ -129,10 +127,10 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
         if engine.stage == 3:
             p.ds_tensor.data.narrow(0, 0, length).copy_(flat)
     if engine.stage < 3:  # the module holds the full (fp32 or bf16) weights
-        for name, p in engine.module.named_parameters():
+        for name, p in engine.named_parameters():
             if name in weights:
                 p.data.copy_(weights[name].view_as(p))
-    for name, buf in engine.module.named_buffers():
+    for name, buf in engine.named_buffers():
         if name in weights:
             buf.copy_(weights[name].to(buf.dtype))
 
@@ -140,9 +138,9 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
     engine.scheduler.load_state_dict(states["lr_scheduler"])
     for group, lr in zip(engine.base_optimizer.param_groups, engine.scheduler.get_last_lr()):
         group["lr"] = lr
-    engine.ds.global_steps = states["global_steps"]
-    engine.ds.global_samples = states.get("global_samples", states["global_steps"] * engine.plan.global_batch)
-    engine.ds.skipped_steps = states["skipped_steps"]
+    engine.set_step_counters(states["global_steps"],
+                             states.get("global_samples", states["global_steps"] * engine.plan.global_batch),
+                             states["skipped_steps"])
 
 
 # ------------------------------------------------------------- trainer state

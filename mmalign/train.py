@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import random
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from mmalign import checkpoint, progress, reshard, rundir
+from mmalign import checkpoint, progress, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.device import images_to
@@ -40,6 +39,8 @@ from mmalign.models.io import save_pretrained
 from mmalign.momentum import MomentumQueue
 from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
                               probe_stats)
+from mmalign.resume import resume_run
+from mmalign.runlog import RunLog, say
 
 log = logging.getLogger("mmalign.train")
 
@@ -66,7 +67,10 @@ def setup_logging(out: Path) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("mmalign")
     root.setLevel(logging.INFO)
-    root.handlers = [h for h in root.handlers if not isinstance(h, logging.FileHandler)] + [handler]
+    for old in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:  # an earlier run's train.log
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
 
 
 def resolve_suite(cfg: Config) -> dict | None:
@@ -77,12 +81,6 @@ def resolve_suite(cfg: Config) -> dict | None:
     suite = load_suite(cfg.eval.suite)
     check_suite_data(suite, cfg.data.val or None)
     return suite
-
-
-def _say(line: str) -> None:
-    """A start-up phase or a run event: one line on stdout and in train.log (rank 0 calls it)."""
-    print(f"mmalign: {line}", flush=True)
-    log.info("%s", line)
 
 
 # ---------------------------------------------------------------- the run
@@ -134,22 +132,6 @@ def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, 
     return (torch.stack(images), tokenizer(captions)) if images else None
 
 
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """On resume, drop records of steps after the checkpoint (they will be redone), and a
-    line torn by a kill mid-write."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn (partly written) line
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
-            keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
-
-
 @contextlib.contextmanager
 def _exit_on_sigterm():
     """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
@@ -179,11 +161,86 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
         return _train(cfg, show_progress, resume, overwrite)
 
 
-def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool) -> Path:
-    from mmalign.engine import Engine  # deepspeed is imported only when training
+@dataclass
+class _Parts:
+    """What the loop runs on, built once by :func:`_build`."""
+    cfg: Config
+    out: Path
+    device: torch.device
+    world: int
+    model_flops: float  # per sample, forward + backward
+    embed_dim: int
+    tokenizer: object
+    queue: MomentumQueue | None
+    engine: object  # mmalign.engine.Engine
+    loader: object
+    probe: tuple | None
+    loss_fn: object
+    view_term: object
+    autocast: object  # () -> the autocast context of train.precision
+    peak: float | None  # TFLOP/s of one device, for MFU
 
-    # setup: everything that depends only on the config, the shard list and the run directory
-    # is checked here, before any write and before the model and DeepSpeed are built
+
+@dataclass
+class _Tally:
+    """What the loop counts from step to step."""
+    skipped_steps: int = 0  # non-finite steps skipped in the whole run
+    consecutive: int = 0  # ... in a row, up to this step
+    window_start: float = 0.0  # since the last record: wall time, samples (all ranks), data wait (this rank)
+    window_samples: int = 0
+    data_wait: float = 0.0
+
+
+def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool) -> Path:
+    out, suite, device = _setup(cfg, resume, overwrite)
+    rank, t, mon = mdist.get_rank(), cfg.train, cfg.monitor
+    main = rank == 0
+    p = _build(cfg, out, device)
+    # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position, momentum queue
+    resumed = resume_run(p.engine, p.loader, p.queue, out, resume, cfg)
+    start, tally = resumed.start, _Tally(skipped_steps=resumed.skipped_steps)
+
+    # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
+    if main:
+        say(f"training {t.steps - start} step(s)" + (f" (steps {start + 1}..{t.steps})" if start else "")
+            + (f", evaluating on suite {suite['name']} at the end" if suite is not None else ", no evaluation"))
+    with RunLog(out, rank, start, t.steps, t.log_every, sample_keys=mon.log_sample_keys,
+                tensorboard=mon.tensorboard, show_progress=show_progress) as runlog:
+        batches = iter(p.loader)
+        tally.window_start = time.time()
+        p.engine.train_mode()
+        for step in range(start + 1, t.steps + 1):
+            batch, result = _train_step(p, step, batches, tally, runlog)
+            eta = runlog.progress(step)  # and, once, the run time the first steps measure
+            if step % t.log_every == 0 or step == t.steps:
+                _log_step(p, step, batch, result, tally, runlog, eta)
+            if t.eval_every and step % t.eval_every == 0 and step != t.steps and suite is not None:
+                records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / f"eval_step{step:08d}.json", device,
+                                           suite=suite, show_progress=show_progress and not runlog.use_bar)
+                runlog.evaluation(records, step)
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:  # no saves mid-streak
+                shared = {"momentum": p.queue.state_dict()} if p.queue is not None and main else None
+                checkpoint.save(p.engine, out, step, {"rng": checkpoint.rng_state(),
+                                                      "skipped_steps": tally.skipped_steps},
+                                p.loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
+            runlog.advance()
+        runlog.end_loop()
+
+        if main:
+            say(f"trained {t.steps - start} step(s) in {progress.duration(runlog.elapsed())}; saving final/"
+                + (f", then evaluating on suite {suite['name']}" if suite is not None else ""))
+        # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
+        records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / "eval.json", device, final=out / "final",
+                                   suite=suite, show_progress=show_progress)
+        runlog.evaluation(records, t.steps, hparams=to_dict(cfg))  # and the hyper-parameters against them
+    mdist.barrier()
+    return out
+
+
+def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict | None, torch.device]:
+    """Everything that depends only on the config, the shard list and the run directory is
+    checked here, before any write and before the model and DeepSpeed are built; then rank 0
+    prepares the run directory. Returns (run directory, evaluation suite, device)."""
     info = mdist.init_from_env(require_group=True, timeout_s=cfg.dist.timeout_s)
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0
@@ -207,18 +264,27 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     mdist.barrier()
     rundir.check_shared(out)  # every rank sees rank 0's files (not a node-local directory)
     if main and info.source == "slurm":
-        _say(f"SLURM: {world} tasks, rendezvous at {info.master_addr}:{info.master_port} ({info.master_from})")
+        say(f"SLURM: {world} tasks, rendezvous at {info.master_addr}:{info.master_port} ({info.master_from})")
     seed_everything(cfg.seed)  # same init on every rank (reseeded per rank once the engine is built)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
-    t, mon = cfg.train, cfg.monitor
-    if t.precision == "fp16" and device.type != "cuda":
+    if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
+    return out, suite, device
+
+
+def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
+    """The model, its momentum queue, the engine, the data and the loss."""
+    from mmalign.engine import Engine  # deepspeed is imported only when training
+
+    rank, world = mdist.get_rank(), mdist.get_world_size()
+    main = rank == 0
+    t, mon = cfg.train, cfg.monitor
 
     # model
     if main:
-        _say(f"building model {cfg.model.preset} on {device}")
+        say(f"building model {cfg.model.preset} on {device}")
     model: TwoTower = build_model(cfg.model)
     model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
                                                second_view=cfg.loss.image_image_weight > 0,
@@ -238,19 +304,19 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
-        _say(f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
-             f"{world} process{'es' if world > 1 else ''})")
+        say(f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
+            f"{world} process{'es' if world > 1 else ''})")
     engine = Engine(model, cfg)
     if main:
-        _say(f"{engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}")
+        say(f"{engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}")
     # Per-rank randomness from here on (dropout, patch dropout), as open_clip does: the model's
     # init above is identical on every rank; a resume restores each rank's own RNG state.
     seed_everything(cfg.seed + rank)
 
     # data
     if main:
-        _say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
-             + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
+        say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
+            + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
                                 engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world,
                                 grad_cache_chunk=t.grad_cache_chunk_size, pin_memory=device.type == "cuda")
@@ -264,187 +330,90 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
-    # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position
-    start, skipped_steps, consecutive = 0, 0, 0
-    found = checkpoint.resume(engine, out, resume, cfg, say=lambda line: (print(line, flush=True),
-                                                                        log.warning("%s", line)))
-    if found is not None:
-        ckpt, trainer, loader_state = found
-        start, skipped_steps = trainer["step"], trainer["skipped_steps"]
-        # another world size: fresh per-rank RNG, the data position converted to the new slots
-        trainer, loader_state, changed = reshard.adopt(trainer, loader_state, loader.spec, cfg.seed, start, rank)
-        if changed and main:
-            _say(changed)
-        checkpoint.set_rng_state(trainer["rng"])
-        loader.load_state_dict(loader_state)
-        if queue is not None:
-            _load_queue(queue, ckpt)
-        if main:
-            print(f"mmalign: resumed from {ckpt} at step {start}", flush=True)
-            log.info("resumed from %s at step %d", ckpt, start)
-    elif resume and main:
-        print(f"mmalign: no checkpoint in {out} yet, starting from step 0", flush=True)
-    keys_path = out / f"samples_rank{rank}.jsonl"
-    if main:
-        _truncate_jsonl(out / "metrics.jsonl", start)
-    if mon.log_sample_keys and start:
-        _truncate_jsonl(keys_path, start)
-    elif mon.log_sample_keys:
-        keys_path.unlink(missing_ok=True)
-    mode = "a" if start else "w"
-    metrics_file = (out / "metrics.jsonl").open(mode) if main else None
-    keys_file = keys_path.open("a") if mon.log_sample_keys else None
-    board = _tensorboard(out) if main and mon.tensorboard else None
-
-    # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
-    if main:
-        _say(f"training {t.steps - start} step(s)" + (f" (steps {start + 1}..{t.steps})" if start else "")
-             + (f", evaluating on suite {suite['name']} at the end" if suite is not None else ", no evaluation"))
-    batches = iter(loader)
-    use_bar = show_progress and main and progress.is_terminal()
-    lines = show_progress and main and not use_bar
-    bar = tqdm(total=t.steps, initial=start, desc="train", disable=not use_bar, dynamic_ncols=True)
-    window_start, window_samples, data_wait = time.time(), 0, 0.0
-    loop_start, estimated = time.time(), False
-    engine.ds.train()
-    for step in range(start + 1, t.steps + 1):
-        fetch = time.time()
-        batch = next(batches)
-        data_wait += time.time() - fetch
-        images, tokens = images_to(batch["images"], device), batch["tokens"].to(device)  # uint8 -> normalised
-        ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
-        pmask = positive_mask_for(batch, cfg.loss.positive_mask)
-        extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
-        if keys_file is not None:
-            keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
-            keys_file.flush()
-
-        entries = queue.entries() if queue is not None else None  # earlier steps' entries only
-
-        def loss_of(outputs: dict):
-            return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                                     outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries,
-                                     neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
-                             outputs)
-
-        result = engine.step(images, tokens, loss_of, autocast, extra=extra)
-        if queue is not None and not result.skipped:
-            # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
-            queue.update(engine.full_params(), dict(engine.module.named_buffers()))
-            queue.push(images, tokens, ids, chunk=engine.plan.micro_batch, autocast=autocast)
-        window_samples += images.shape[0] * world
-        if result.skipped:
-            skipped_steps += 1
-            consecutive += 1
-            log.warning("step %d skipped: non-finite loss or gradient (%d in a row)", step, consecutive)
-            if consecutive >= t.max_consecutive_skips:
-                last = checkpoint.resolve(out, "latest")
-                raise RunStopped(f"{consecutive} non-finite steps in a row at step {step}; stopping. "
-                                 f"Last good checkpoint: {last or 'none (nothing saved yet)'}")
-        else:
-            consecutive = 0
-
-        done = step - start
-        eta = (time.time() - loop_start) / done * (t.steps - step)
-        if main and not estimated and step != t.steps and (step % t.log_every == 0 or time.time() - loop_start >= 10):
-            # the run time as the first steps measure it, before the first log line is due
-            estimated = True
-            per_step = (time.time() - loop_start) / done
-            _say(f"first {done} step(s): {per_step:.2f} s/step, estimated training time "
-                 f"{progress.duration(per_step * (t.steps - start))} (ETA {progress.duration(eta)})")
-
-        if step % t.log_every == 0 or step == t.steps:
-            elapsed = time.time() - window_start
-            sps = window_samples / max(elapsed, 1e-9)
-            summed = global_log_values(result.loss, data_wait, batch.get("skipped", {}))  # collective
-            record = {
-                "step": step,
-                "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
-                "lr": engine.lr,
-                "grad_norm": engine.grad_norm(),
-                "samples_per_s": sps,
-                "data_wait_s": summed.pop("data_wait_s"),  # summed over ranks
-                "tflops": sps * model_flops / 1e12,
-                "skipped_steps": skipped_steps,
-                **{k: float(v) for k, v in result.stats.items() if k != "loss"},
-                **summed,  # skipped_samples/<reason>, summed over ranks
-            }
-            if peak:
-                record["mfu"] = mfu(record["tflops"], peak, world)  # over the peak of all devices
-            if queue is not None:
-                record["queue_fill"] = queue.fill
-            if probe is not None:
-                record.update(_probe(engine, probe, device, autocast))
-            if main:
-                # A random tower's outputs are anisotropic; judge collapse once warmup is over.
-                watch = probe is not None and step > t.warmup_steps
-                for alarm in collapse_alarms(record, model.embed_dim, mon.min_dim_std,
-                                             mon.min_effective_rank_frac) if watch else []:
-                    log.warning("COLLAPSE ALARM at step %d: %s", step, alarm)
-                    bar.write(f"mmalign: COLLAPSE ALARM at step {step}: {alarm}")
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                if board is not None:
-                    for k, v in record.items():
-                        if k != "step":
-                            board.add_scalar(k, v, step)
-                line = progress.train_line(step, t.steps, record, eta)
-                log.info("%s", line)  # readable; the full record is in metrics.jsonl
-                if lines:
-                    print(line, flush=True)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record.get('logit_scale', 0):.1f}",
-                                sps=f"{sps:.0f}")
-            window_start, window_samples, data_wait = time.time(), 0, 0.0
-
-        if t.eval_every and step % t.eval_every == 0 and step != t.steps and suite is not None:
-            records = _evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device,
-                                       suite=suite, show_progress=show_progress and not use_bar)
-            if main and board is not None:
-                _board_eval(board, records, step)
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and consecutive == 0:  # no saves mid-streak
-            shared = {"momentum": queue.state_dict()} if queue is not None and main else None
-            checkpoint.save(engine, out, step, {"rng": checkpoint.rng_state(), "skipped_steps": skipped_steps},
-                            loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
-        bar.update(1)
-    bar.close()
-    for f in (metrics_file, keys_file):
-        if f is not None:
-            f.close()
-
-    if main:
-        _say(f"trained {t.steps - start} step(s) in {progress.duration(time.time() - loop_start)}; saving final/"
-             + (f", then evaluating on suite {suite['name']}" if suite is not None else ""))
-    # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
-    records = _evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final", suite=suite,
-                               show_progress=show_progress)
-    if board is not None:  # the final metrics, and the run's hyper-parameters against them
-        _board_eval(board, records, t.steps, hparams=to_dict(cfg))
-        board.close()
-    mdist.barrier()
-    return out
+    return _Parts(cfg, out, device, world, model_flops, model.embed_dim, tokenizer, queue, engine, loader,
+                  probe, loss_fn, view_term, autocast, peak)
 
 
-def _load_queue(queue: MomentumQueue, ckpt: Path) -> None:
-    """Restore the EMA weights and the queue (rank 0's file, read by every rank); one-line errors."""
-    state = checkpoint.load_shared(ckpt, "momentum")
-    if state is None:
-        raise ConfigError(f"config key 'loss.queue_size': {ckpt} holds no momentum queue (written by a run "
-                          f"without one)")
-    try:
-        queue.load_state_dict(state)
-    except (ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"config key 'loss.queue_size': the checkpoint's momentum queue does not fit: "
-                          f"{first}") from None
+def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
+    """One step: the next batch, the engine's guarded update, the momentum queue, the count of
+    skipped steps (too many in a row stop the run). Returns (batch, StepResult)."""
+    cfg, engine, queue, device, autocast, loss_fn, view_term = (p.cfg, p.engine, p.queue, p.device, p.autocast,
+                                                                p.loss_fn, p.view_term)
+    fetch = time.time()
+    batch = next(batches)
+    tally.data_wait += time.time() - fetch
+    images, tokens = images_to(batch["images"], device), batch["tokens"].to(device)  # uint8 -> normalised
+    ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
+    pmask = positive_mask_for(batch, cfg.loss.positive_mask)
+    extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
+    runlog.sample_keys(step, batch["keys"])
+
+    entries = queue.entries() if queue is not None else None  # earlier steps' entries only
+
+    def loss_of(outputs: dict):
+        return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
+                                 outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries,
+                                 neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
+                         outputs)
+
+    result = engine.step(images, tokens, loss_of, autocast, extra=extra)
+    if queue is not None and not result.skipped:
+        # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
+        queue.update(engine.full_params(), dict(engine.named_buffers()))
+        queue.push(images, tokens, ids, chunk=engine.plan.micro_batch, autocast=autocast)
+    tally.window_samples += images.shape[0] * p.world
+    if result.skipped:
+        tally.skipped_steps += 1
+        tally.consecutive += 1
+        log.warning("step %d skipped: non-finite loss or gradient (%d in a row)", step, tally.consecutive)
+        if tally.consecutive >= cfg.train.max_consecutive_skips:
+            last = checkpoint.resolve(p.out, "latest")
+            raise RunStopped(f"{tally.consecutive} non-finite steps in a row at step {step}; stopping. "
+                             f"Last good checkpoint: {last or 'none (nothing saved yet)'}")
+    else:
+        tally.consecutive = 0
+    return batch, result
+
+
+def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog, eta: float) -> None:
+    """The record of ``step`` (a collective: the global loss, data wait and skipped samples;
+    every rank runs the probe), written by rank 0; the throughput window restarts."""
+    t, mon, engine = p.cfg.train, p.cfg.monitor, p.engine
+    elapsed = time.time() - tally.window_start
+    sps = tally.window_samples / max(elapsed, 1e-9)
+    summed = global_log_values(result.loss, tally.data_wait, batch.get("skipped", {}))  # collective
+    record = {
+        "step": step,
+        "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
+        "lr": engine.lr,
+        "grad_norm": engine.grad_norm(),
+        "samples_per_s": sps,
+        "data_wait_s": summed.pop("data_wait_s"),  # summed over ranks
+        "tflops": sps * p.model_flops / 1e12,
+        "skipped_steps": tally.skipped_steps,
+        **{k: float(v) for k, v in result.stats.items() if k != "loss"},
+        **summed,  # skipped_samples/<reason>, summed over ranks
+    }
+    if p.peak:
+        record["mfu"] = mfu(record["tflops"], p.peak, p.world)  # over the peak of all devices
+    if p.queue is not None:
+        record["queue_fill"] = p.queue.fill
+    if p.probe is not None:
+        record.update(_probe(engine, p.probe, p.device, p.autocast))
+    # A random tower's outputs are anisotropic; judge collapse once warmup is over.
+    watch = runlog.main and p.probe is not None and step > t.warmup_steps
+    alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
+    runlog.record(step, record, eta, alarms)
+    tally.window_start, tally.window_samples, tally.data_wait = time.time(), 0, 0.0
 
 
 @torch.no_grad()
 def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
-    engine.ds.eval()
+    engine.eval_mode()
     with autocast():
         out = engine.forward(probe[0].to(device), probe[1].to(device))
-    engine.ds.train()
+    engine.train_mode()
     return probe_stats(out["image_features"].float().cpu(), out["text_features"].float().cpu())
 
 
@@ -472,30 +441,3 @@ def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.d
     mdist.barrier()
     return records
 
-
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is a dependency; degrade rather than die mid-run
-        log.warning("tensorboard is not importable; no event files")
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
-def _board_eval(board, records: list[dict], step: int, hparams: dict | None = None) -> None:
-    """``eval/<suite>/<task>/<metric>`` scalars; with ``hparams``, TensorBoard's HPARAMS entry
-    (the flattened config against the final metrics, tagged ``hparam/...``)."""
-    metrics = {f"{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for k, v in metrics.items():
-        board.add_scalar(f"eval/{k}", v, step)
-    if hparams is not None:
-        flat, todo = {}, [("", hparams)]
-        while todo:
-            prefix, d = todo.pop()
-            for k, v in d.items():
-                if isinstance(v, dict):
-                    todo.append((f"{prefix}{k}.", v))
-                else:  # HPARAMS takes numbers, strings and bools only
-                    flat[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
-        board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)

@@ -1,0 +1,205 @@
+"""What a training run writes about itself while it runs, behind one object.
+
+:class:`RunLog` owns every output of the loop that is not a checkpoint: ``metrics.jsonl``
+(one JSON record per ``train.log_every``, rank 0), ``samples_rank<R>.jsonl`` (the sample
+keys of every step, each rank, with ``monitor.log_sample_keys``), the TensorBoard event
+files (rank 0), the progress (a tqdm bar on a terminal, one readable line per record
+elsewhere, an early run-time estimate) and the collapse alarms.
+
+It is a context manager: entering it truncates the jsonl files of a resumed run to the
+checkpoint's step and opens them; leaving it closes every handle, however the loop ends
+(its last step, an exception, or ``SystemExit`` from SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mmalign import progress
+
+# the run's lines: train.log names them mmalign.train, whichever module of the run writes them
+log = logging.getLogger("mmalign.train")
+
+
+def say(line: str) -> None:
+    """A start-up phase or a run event: one line on stdout and in train.log (rank 0 calls it)."""
+    print(f"mmalign: {line}", flush=True)
+    log.info("%s", line)
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """On resume, drop records of steps after the checkpoint (they will be redone), and a
+    line torn by a kill mid-write."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn (partly written) line
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class RunLog:
+    """The loop's outputs from step ``start + 1`` to ``steps`` in the run directory ``out``.
+
+    Rank 0 (``main``) writes the metrics, TensorBoard and progress; every rank its own
+    sample keys (``sample_keys``). ``show_progress``: a bar on a terminal, else plain lines.
+    """
+
+    def __init__(self, out: str | Path, rank: int, start: int, steps: int, log_every: int, *,
+                 sample_keys: bool = False, tensorboard: bool = False, show_progress: bool = True):
+        self.out, self.start, self.steps, self.log_every = Path(out), start, steps, log_every
+        self.main = rank == 0
+        self.keys_path = self.out / f"samples_rank{rank}.jsonl" if sample_keys else None
+        self.tensorboard = tensorboard and self.main
+        self.use_bar = show_progress and self.main and progress.is_terminal()
+        self.lines = show_progress and self.main and not self.use_bar  # off a terminal: one line per record
+        self.metrics_file = self.keys_file = self.board = self.bar = None
+        self.loop_start, self.estimated = time.time(), False
+
+    # ---------------------------------------------------------- open / close
+
+    def __enter__(self) -> RunLog:
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def _open(self) -> None:
+        metrics = self.out / "metrics.jsonl"
+        if self.main:
+            truncate_jsonl(metrics, self.start)
+        if self.keys_path is not None:
+            if self.start:
+                truncate_jsonl(self.keys_path, self.start)
+            else:
+                self.keys_path.unlink(missing_ok=True)
+        if self.main:
+            self.metrics_file = metrics.open("a" if self.start else "w")
+        if self.keys_path is not None:
+            self.keys_file = self.keys_path.open("a")
+        if self.tensorboard:
+            self.board = _tensorboard(self.out)
+        self.bar = tqdm(total=self.steps, initial=self.start, desc="train", disable=not self.use_bar,
+                        dynamic_ncols=True)
+        self.loop_start = time.time()
+
+    def end_loop(self) -> None:
+        """The loop is over: the bar and the jsonl files close (TensorBoard stays open for the
+        final evaluation). Safe to call again."""
+        bar, self.bar = self.bar, None
+        files, self.metrics_file, self.keys_file = (self.metrics_file, self.keys_file), None, None
+        try:
+            if bar is not None:
+                bar.close()
+        finally:
+            for f in files:
+                if f is not None:
+                    f.close()
+
+    def close(self) -> None:
+        """Every handle closed; safe to call again."""
+        try:
+            self.end_loop()
+        finally:
+            board, self.board = self.board, None
+            if board is not None:
+                board.close()
+
+    # ---------------------------------------------------------------- writes
+
+    def sample_keys(self, step: int, keys: list) -> None:
+        """This rank's sample keys of ``step`` (with ``monitor.log_sample_keys``)."""
+        if self.keys_file is not None:
+            self.keys_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+            self.keys_file.flush()
+
+    def progress(self, step: int) -> float:
+        """After ``step``: the estimated seconds left; once, before the first record is due, one
+        line with the run time the first steps measure (rank 0)."""
+        done = step - self.start
+        eta = (time.time() - self.loop_start) / done * (self.steps - step)
+        if (self.main and not self.estimated and step != self.steps
+                and (step % self.log_every == 0 or time.time() - self.loop_start >= 10)):
+            self.estimated = True
+            per_step = (time.time() - self.loop_start) / done
+            say(f"first {done} step(s): {per_step:.2f} s/step, estimated training time "
+                f"{progress.duration(per_step * (self.steps - self.start))} (ETA {progress.duration(eta)})")
+        return eta
+
+    def record(self, step: int, record: dict, eta: float, alarms: list[str] = ()) -> None:
+        """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
+        readable line in train.log (and on stdout off a terminal, or the bar's postfix)."""
+        if not self.main:
+            return
+        for alarm in alarms:
+            log.warning("COLLAPSE ALARM at step %d: %s", step, alarm)
+            self.bar.write(f"mmalign: COLLAPSE ALARM at step {step}: {alarm}")
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.board is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self.board.add_scalar(k, v, step)
+        line = progress.train_line(step, self.steps, record, eta)
+        log.info("%s", line)  # readable; the full record is in metrics.jsonl
+        if self.lines:
+            print(line, flush=True)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record.get('logit_scale', 0):.1f}",
+                             sps=f"{record['samples_per_s']:.0f}")
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def evaluation(self, records: list[dict], step: int, hparams: dict | None = None) -> None:
+        """Rank 0: ``eval/<suite>/<task>/<metric>`` scalars in TensorBoard; with ``hparams``
+        (the run's config), TensorBoard's HPARAMS entry against these final metrics."""
+        if self.board is not None:
+            _board_eval(self.board, records, step, hparams)
+
+    def elapsed(self) -> float:
+        """Seconds since the loop started."""
+        return time.time() - self.loop_start
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; degrade rather than die mid-run
+        log.warning("tensorboard is not importable; no event files")
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def _board_eval(board, records: list[dict], step: int, hparams: dict | None = None) -> None:
+    """``eval/<suite>/<task>/<metric>`` scalars; with ``hparams``, TensorBoard's HPARAMS entry
+    (the flattened config against the final metrics, tagged ``hparam/...``)."""
+    metrics = {f"{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k, v in metrics.items():
+        board.add_scalar(f"eval/{k}", v, step)
+    if hparams is not None:
+        flat, todo = {}, [("", hparams)]
+        while todo:
+            prefix, d = todo.pop()
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    todo.append((f"{prefix}{k}.", v))
+                else:  # HPARAMS takes numbers, strings and bools only
+                    flat[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+        board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)
