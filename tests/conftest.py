@@ -1,8 +1,10 @@
 import os
 import random
 import sys
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,11 +12,43 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SEED_ENV = "MMALIGN_TEST_SEED"
+
+
+def pick_seed(default: int) -> int:
+    """The seed of a test's random data: ``default`` (fixed, so that a run replays), the integer in
+    MMALIGN_TEST_SEED, or a fresh draw with MMALIGN_TEST_SEED=random. Printed either way with the
+    line that replays it (pytest shows a test's output when it fails)."""
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        seed = default
+    elif value == "random":
+        seed = random.SystemRandom().randrange(2**31)
+    else:
+        try:
+            seed = int(value)
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV} must be an integer or 'random', not {value!r}") from None
+    print(f"seed: {seed} (replay: {SEED_ENV}={seed})")
+    return seed
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """Every test's one seed (derive the others from it, so that one replay line replays them all).
+    Its fixed default comes from the test's name (with its parameters, without its file: a file
+    rename keeps it), so that tests draw different data. Python's, NumPy's and torch's global
+    generators start from it too, so data drawn without an explicit generator replays as well."""
+    value = pick_seed(zlib.crc32(request.node.name.encode()) % 2**31)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    return value
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A fresh random generator per test; its seed is printed so a failure can be replayed."""
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")  # shown on failure
+def gen(seed) -> torch.Generator:
+    """A torch generator seeded with the test's seed."""
     return torch.Generator().manual_seed(seed)
 
 
