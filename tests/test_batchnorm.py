@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import types
 
 import pytest
@@ -304,8 +303,8 @@ def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path):
-    model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
+def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path, seed):
+    model_seed, data_seed = seed, seed + 1
     out_path = str(tmp_path / "results.pt")
     results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
     error = results.pop("error")

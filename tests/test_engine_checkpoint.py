@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -80,8 +79,8 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
 
 
 
-def test_checkpoint_resume_consolidation_and_precisions(tmp_path):
-    world, seed = 2, random.randrange(10**6)
+def test_checkpoint_resume_consolidation_and_precisions(tmp_path, seed):
+    world = 2
     out_path = str(tmp_path / "r.pt")
     results = spawn_ranks(_worker, world, (seed, str(tmp_path / "ckpt"), out_path), out_path)
     for stage in (0, 1, 2, 3):

@@ -12,7 +12,6 @@ gradients and parameters after one step, to <= 1e-5 relative.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -122,8 +121,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_with_view_and_mined_negatives_matches_full_batch_reference(world, tmp_path):
-    model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
+def test_engine_with_view_and_mined_negatives_matches_full_batch_reference(world, tmp_path, seed):
+    model_seed, data_seed = seed, seed + 1
     ref_grads, ref_params = _reference(model_seed, data_seed)
     out_path = str(tmp_path / "results.pt")
     results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
