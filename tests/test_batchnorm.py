@@ -12,7 +12,6 @@ and parameters to <= 1e-5 relative (default torch BatchNorm under 2-chunk cachin
 from __future__ import annotations
 
 import copy
-import os
 import types
 
 import pytest
@@ -23,7 +22,7 @@ from mmalign.config import ConfigError, ModelConfig
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
 from mmalign.gradcache import chunk_sizes
-from tests.conftest import clip_batch, naive_clip_loss, run_cli, spawn_ranks
+from tests.conftest import clip_batch, naive_clip_loss, run_cli, run_ranks
 
 GLOBAL_BATCH = 12
 LR = 0.5
@@ -237,15 +236,11 @@ CASES = {
 }
 
 
-def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
 
-    mdist.init_from_env(backend="gloo")
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
     images, tokens = images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
@@ -278,10 +273,7 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         if rank == 0:
             results[(mode, stage, chunk, poison)] = (engine.plan.chunks, step.skipped, captured, state, buffers,
                                                      same_on_ranks)
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
@@ -303,10 +295,9 @@ def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path, seed):
+def test_engine_batchnorm_modes_match_full_batch_references(world, seed):
     model_seed, data_seed = seed, seed + 1
-    out_path = str(tmp_path / "results.pt")
-    results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
+    results = run_ranks(_worker, world, model_seed, data_seed)[0]
     error = results.pop("error")
     assert error is not None and "\n" not in error and "frozen | sync | local" in error, error
     assert len(results) == len(CASES[world])

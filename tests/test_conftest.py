@@ -1,17 +1,20 @@
-"""The test seed helper: fixed by default, an integer or a fresh draw from MMALIGN_TEST_SEED, always
-printed with the line that replays it; the global generators start from the test's seed."""
+"""The conftest helpers. The seed: fixed by default, an integer or a fresh draw from MMALIGN_TEST_SEED,
+always printed with the line that replays it; the global generators start from the test's seed.
+The ranks: run_ranks starts each rank as a launcher would and returns what each returned; a failing
+rank fails the test at once."""
 
 from __future__ import annotations
 
 import os
 import random
+import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SEED_ENV, pick_seed
+from tests.conftest import SEED_ENV, pick_seed, run_ranks
 
 
 def test_the_default_is_fixed_and_printed(monkeypatch, capsys):
@@ -51,3 +54,32 @@ def test_the_default_seed_comes_from_the_test_name(seed):
     if os.environ.get(SEED_ENV):
         pytest.skip(f"{SEED_ENV} is set: the fixture took it instead of the default")
     assert seed == zlib.crc32(b"test_the_default_seed_comes_from_the_test_name") % 2**31
+
+
+def _describe_rank(rank, world, tag):
+    from mmalign import distributed as mdist
+
+    env = tuple(os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+    return (rank, world, tag, env, torch.get_num_threads(), mdist.all_gather_object(rank))
+
+
+def _fail_on_rank_1(rank, world):
+    from mmalign import distributed as mdist
+
+    if rank == 1:
+        raise RuntimeError("rank 1 fails")
+    mdist.barrier()  # rank 0 would wait here for the collective's default timeout
+
+
+@pytest.mark.integration
+def test_run_ranks_starts_ranks_like_a_launcher_and_returns_their_results_in_order():
+    got = run_ranks(_describe_rank, 2, "x")
+    assert got == [(r, 2, "x", (str(r), "2", str(r), "127.0.0.1"), 1, [0, 1]) for r in (0, 1)]
+
+
+@pytest.mark.integration
+def test_run_ranks_fails_at_once_when_a_rank_fails_and_stops_the_others():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank exit codes \[(None|1), 1\]"):
+        run_ranks(_fail_on_rank_1, 2, timeout_s=120)
+    assert time.monotonic() - start < 60  # not the 120 s limit, nor the barrier's timeout
