@@ -11,7 +11,6 @@ would hide exactly the scale bugs (k x, world x) this guards against.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -11,7 +11,6 @@ gradients and parameters after one step, to <= 1e-5 relative.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,5 @@
 """GradCache (plain PyTorch, injected backward) against one-pass references."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F

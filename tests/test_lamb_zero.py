@@ -15,7 +15,6 @@ across reduction orders.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

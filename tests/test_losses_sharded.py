@@ -15,7 +15,6 @@ single-process reference on the full batch, that
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,6 @@ size the checkpoint was written by.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
