@@ -1,8 +1,10 @@
 import os
 import random
 import sys
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,11 +12,43 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SEED_ENV = "MMALIGN_TEST_SEED"
+
+
+def pick_seed(default: int) -> int:
+    """The seed of a test's random data: ``default`` (fixed, so that a run replays), the integer in
+    MMALIGN_TEST_SEED, or a fresh draw with MMALIGN_TEST_SEED=random. Printed either way with the
+    line that replays it (pytest shows a test's output when it fails)."""
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        seed = default
+    elif value == "random":
+        seed = random.SystemRandom().randrange(2**31)
+    else:
+        try:
+            seed = int(value)
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV} must be an integer or 'random', not {value!r}") from None
+    print(f"seed: {seed} (replay: {SEED_ENV}={seed})")
+    return seed
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """Every test's one seed (derive the others from it, so that one replay line replays them all).
+    Its fixed default comes from the test's name (with its parameters, without its file: a file
+    rename keeps it), so that tests draw different data. Python's, NumPy's and torch's global
+    generators start from it too, so data drawn without an explicit generator replays as well."""
+    value = pick_seed(zlib.crc32(request.node.name.encode()) % 2**31)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    return value
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A fresh random generator per test; its seed is printed so a failure can be replayed."""
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")  # shown on failure
+def gen(seed) -> torch.Generator:
+    """A torch generator seeded with the test's seed."""
     return torch.Generator().manual_seed(seed)
 
 
@@ -101,22 +135,58 @@ def engine_batch(seed: int, rank: int, world: int):
     return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
 
 
-def spawn_ranks(worker, world: int, args: tuple, out_path) -> object:
-    """Run ``worker(rank, world, port, *args)`` on ``world`` spawned processes (gloo on a free
-    loopback port), require every one to exit cleanly, and return what rank 0 saved at ``out_path``."""
+def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 600) -> list:
+    """Run ``worker(rank, world, *args)`` on ``world`` spawned processes and return what each returned,
+    in rank order. Each process is set up as a launcher would start a rank (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR and a free loopback MASTER_PORT), with one torch thread (the ranks share
+    the machine's cores) and, with ``group``, the gloo process group (one process gets it only when
+    DeepSpeed asks; ``group=False`` leaves it to the worker, e.g. to ``train()``). A rank that fails
+    or outlives ``timeout_s`` fails the test at once and the others are stopped, not waited for."""
+    import tempfile
+    import time
+
     import torch.multiprocessing as mp
 
     from mmalign.distributed import free_port
 
     ctx = mp.get_context("spawn")
     port = int(free_port())
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0
-    return torch.load(out_path, weights_only=False)
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(worker, r, world, port, args, group, out_dir))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (any(p.is_alive() for p in procs) and time.monotonic() < deadline
+                   and all(p.exitcode in (None, 0) for p in procs)):
+                time.sleep(0.1)
+        finally:
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        assert codes == [0] * world, (f"rank exit codes {codes} (None: stopped, still running when a rank "
+                                      f"failed or at {timeout_s:.0f} s)")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _rank_main(worker, rank: int, world: int, port: int, args: tuple, group: bool, out_dir: str) -> None:
+    """One spawned rank of :func:`run_ranks`: its result goes to a file, so that passing it on needs
+    no collective (and works whether or not a process group is left)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mmalign import distributed as mdist
+
+    if group:
+        mdist.init_from_env(backend="gloo")
+    result = worker(rank, world, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if mdist.is_initialized():
+        mdist.barrier()  # no rank leaves the group while another still uses it
+        mdist.shutdown()
 
 
 def max_rel_error(got: dict, want: dict) -> tuple[float, str]:

@@ -12,8 +12,6 @@ and parameters to <= 1e-5 relative (default torch BatchNorm under 2-chunk cachin
 from __future__ import annotations
 
 import copy
-import os
-import random
 import types
 
 import pytest
@@ -24,9 +22,10 @@ from mmalign.config import ConfigError, ModelConfig
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
 from mmalign.gradcache import chunk_sizes
-from tests.conftest import clip_batch, naive_clip_loss, run_cli, spawn_ranks
+from tests.conftest import clip_batch, naive_clip_loss, run_cli, run_ranks
 
 GLOBAL_BATCH = 12
+FP32_SLACK = 4.0  # the engine's float32 and plain torch's round differently: same order, not same value
 LR = 0.5
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -160,7 +159,7 @@ def _random_stats(model: nn.Module, seed: int) -> None:
             buf.copy_(torch.rand(buf.shape, generator=g) * 1.5 + 0.5)
 
 
-def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
+def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None, dtype=torch.float64):
     """Plain torch in float64 with torch's BatchNorm2d; returns (grads, params after SGD,
     buffers after).
 
@@ -170,11 +169,12 @@ def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
     updated ONCE from every row's BatchNorm input (momentum 0.1, unbiased variance).
     One group = one uncached full-batch step.  Float64 because train-mode BatchNorm's
     own fp32 rounding already puts the attention pool's q/k gradients up to ~3e-5 from
-    float64 (measured on this model)."""
+    float64 (measured on this model). ``dtype=torch.float32``: the same in float32, to measure
+    how far float32 itself is from float64 on this draw."""
     torch.manual_seed(model_seed)
     model = build_model(ModelConfig(preset="micro-rn"))
     _random_stats(model, model_seed)
-    model.double()
+    model.to(dtype)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
     initial = {n: {k: getattr(m, k).clone() for k in BUFFERS} for n, m in layers.items()}
     inputs = {n: [] for n in layers}
@@ -182,7 +182,7 @@ def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
         m.train(groups is not None)
         m.register_forward_pre_hook(lambda mod, args, n=n: inputs[n].append(args[0].detach()))
     images, tokens = _inputs(data_seed)
-    outs = [model(images[g].double(), tokens[g]) for g in (groups or [list(range(GLOBAL_BATCH))])]
+    outs = [model(images[g].to(dtype), tokens[g]) for g in (groups or [list(range(GLOBAL_BATCH))])]
     img = torch.cat([o["image_features"] for o in outs])  # (B, D) in group order: the loss is
     txt = torch.cat([o["text_features"] for o in outs])  # invariant to a joint permutation of pairs
     naive_clip_loss(img, txt, outs[0]["logit_scale"]).backward()
@@ -238,15 +238,11 @@ CASES = {
 }
 
 
-def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
 
-    mdist.init_from_env(backend="gloo")
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
     images, tokens = images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
@@ -279,35 +275,42 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         if rank == 0:
             results[(mode, stage, chunk, poison)] = (engine.plan.chunks, step.skipped, captured, state, buffers,
                                                      same_on_ranks)
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor))
 
 
-def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol: float | None = None) -> None:
+def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol: float | None = None,
+           ref32: dict | None = None) -> None:
     """Over the whole set to ``tol``, and per tensor to ``tensor_tol`` (default ``tol``)
     relative to max(its norm, 1e-4 x the set's): some gradients are float noise around an
-    exact zero (the attention pool's key bias: softmax ignores a shift shared by all keys)."""
+    exact zero (the attention pool's key bias: softmax ignores a shift shared by all keys).
+    With ``ref32`` (the reference computed in float32), each bound is at least FP32_SLACK x
+    plain float32's own distance from float64 on this draw: the problem's conditioning."""
     total = float(torch.linalg.vector_norm(torch.stack([r.double().norm() for r in ref.values()])))
+
+    base = tol if tensor_tol is None else tensor_tol
     for n, r in ref.items():
         assert got[n] is not None, (case, what, n)
-        err = _rel(got[n], r, 1e-4 * total)
-        assert err <= (tol if tensor_tol is None else tensor_tol), (case, what, n, err)
-    flat = [torch.cat([d[n].double().reshape(-1) for n in ref]) for d in (got, ref)]
-    assert _rel(*flat) <= tol, (case, what, _rel(*flat))
+        err, limit = _rel(got[n], r, 1e-4 * total), base
+        if ref32 is not None:
+            limit = max(limit, FP32_SLACK * _rel(ref32[n], r, 1e-4 * total))
+        assert err <= limit, (case, what, n, err, limit)
+
+    def flat(d: dict) -> torch.Tensor:
+        return torch.cat([d[n].double().reshape(-1) for n in ref])
+
+    limit = tol if ref32 is None else max(tol, FP32_SLACK * _rel(flat(ref32), flat(ref)))
+    assert _rel(flat(got), flat(ref)) <= limit, (case, what, _rel(flat(got), flat(ref)), limit)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path):
-    model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
-    out_path = str(tmp_path / "results.pt")
-    results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
+def test_engine_batchnorm_modes_match_full_batch_references(world, seed):
+    model_seed, data_seed = seed, seed + 1
+    results = run_ranks(_worker, world, model_seed, data_seed)[0]
     error = results.pop("error")
     assert error is not None and "\n" not in error and "frozen | sync | local" in error, error
     assert len(results) == len(CASES[world])
@@ -332,11 +335,18 @@ def test_engine_batchnorm_modes_match_full_batch_references(world, tmp_path):
         # equal terms (softmax ignores a shift shared by all keys), so their fp32 rounding reaches
         # ~1.2e-5 relative on some draws even in frozen mode (seen once in a full run). Ghost
         # groups of < 4 rows normalise < 4 values per channel at the 1 x 1 last stage, which
-        # amplifies fp32 rounding: whole-set 1e-4 there.
+        # amplifies fp32 rounding: whole-set 1e-4 there, and on some draws far more: plain torch
+        # in float32 is itself up to ~2e-2 from float64 on a few % of draws (a 2-row group, e.g.
+        # seed 1782980526). There the bound is the conditioning measured on the draw: a few times
+        # the float32 reference's own distance from the float64 one.
         tol = 1e-5 if groups is None or min(map(len, groups)) >= 4 else 1e-4
         tensor_tol = 1e-4
-        _close(grads, ref_grads, "grad", case, tol, tensor_tol)
-        _close(params, ref_params, "param", case, tol, tensor_tol)
+        ref32 = None
+        if groups is not None and min(map(len, groups)) < 4:
+            ref32_grads, ref32_params, _ = _reference(model_seed, data_seed, groups, torch.float32)
+            ref32 = {"grad": ref32_grads, "param": ref32_params}
+        _close(grads, ref_grads, "grad", case, tol, tensor_tol, ref32 and ref32["grad"])
+        _close(params, ref_params, "param", case, tol, tensor_tol, ref32 and ref32["param"])
         _close({n: buffers[n] for n in running}, {n: ref_buffers[n] for n in running}, "buffers", case)
         tracked = {int(b) for n, b in buffers.items() if n.endswith("num_batches_tracked")}
         assert tracked == {0 if mode == "frozen" else 1}, (case, tracked)  # frozen: buffers never move

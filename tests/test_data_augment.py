@@ -1,6 +1,5 @@
 """Declared augmentations: explicit, logged, reproducible per seed, shapes-safe defaults, checked keys."""
 
-import os
 import random
 
 import pytest
@@ -13,29 +12,29 @@ from mmalign.data.transforms import crop_box, describe, train_transform
 
 def picture(rng):
     w, h = rng.randint(20, 60), rng.randint(20, 60)
-    return Image.frombytes("RGB", (w, h), os.urandom(w * h * 3))
+    return Image.frombytes("RGB", (w, h), rng.randbytes(w * h * 3))
 
 
-def test_default_keeps_left_right_and_colours():
+def test_default_keeps_left_right_and_colours(seed):
     a = load_config(None, []).data.augment
     assert not a.hflip and not any(a.color_jitter) and a.grayscale_prob == 0 and a.blur_prob == 0
     line = describe(a)
     assert "no flip" in line and "no colour jitter" in line and "no grayscale" in line and "no blur" in line
     # with no crop either, the train transform is the identity up to resizing and normalising
-    rng = random.Random()
+    rng = random.Random(seed)
     image = picture(rng).resize((24, 24))
     t = train_transform(16, AugmentConfig(crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0]))
     assert torch.equal(t(image, random.Random(1)), t(image, random.Random(2)))
 
 
-def test_every_declared_augmentation_is_described_and_applied():
+def test_every_declared_augmentation_is_described_and_applied(seed):
     a = AugmentConfig(crop_scale=[0.3, 0.9], hflip=True, color_jitter=[0.4, 0.4, 0.4, 0.1], color_jitter_prob=1.0,
                       grayscale_prob=0.5, blur_prob=0.5)
     line = describe(a, views=2)
     for phrase in ("scale [0.3, 0.9]", "horizontal flip", "colour jitter p=1.0", "grayscale p=0.5",
                    "gaussian blur p=0.5", "2 views"):
         assert phrase in line
-    rng = random.Random()
+    rng = random.Random(seed)
     image = picture(rng)
     t = train_transform(16, a)
     seed = rng.randrange(10**6)
@@ -45,8 +44,8 @@ def test_every_declared_augmentation_is_described_and_applied():
     assert not torch.equal(out, t(image, random.Random(seed + 1)))
 
 
-def test_grayscale_and_flip_do_what_they_say():
-    rng = random.Random()
+def test_grayscale_and_flip_do_what_they_say(seed):
+    rng = random.Random(seed)
     image = picture(rng)
     gray = train_transform(16, AugmentConfig(crop_scale=[1, 1], crop_ratio=[0.01, 100.0], grayscale_prob=1.0))
     out = gray(image, random.Random(0))
@@ -69,8 +68,8 @@ def test_grayscale_and_flip_do_what_they_say():
     assert kinds == {"same", "mirrored"}
 
 
-def test_crop_box_stays_inside_and_respects_scale():
-    rng = random.Random()
+def test_crop_box_stays_inside_and_respects_scale(seed):
+    rng = random.Random(seed)
     for _ in range(200):
         w, h = rng.randint(5, 300), rng.randint(5, 300)
         lo = rng.uniform(0.05, 1.0)

@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import random
 import tarfile
 
@@ -19,7 +18,7 @@ MAX_PIXELS = 900  # a 40x40 image (1600 pixels) is a "bomb" under this limit
 
 def jpeg(size=(10, 10)) -> bytes:
     buf = io.BytesIO()
-    Image.frombytes("RGB", size, os.urandom(size[0] * size[1] * 3)).save(buf, format="JPEG")
+    Image.frombytes("RGB", size, random.randbytes(size[0] * size[1] * 3)).save(buf, format="JPEG")
     return buf.getvalue()
 
 
@@ -30,9 +29,9 @@ def good(key):
 def bad_samples(prefix):
     """One sample per reason, with the reason expected."""
     broken = bytearray(jpeg())
-    broken[len(broken) // 3 :] = os.urandom(len(broken) - len(broken) // 3)
+    broken[len(broken) // 3 :] = random.randbytes(len(broken) - len(broken) // 3)
     return [
-        ("corrupt_image", (f"{prefix}1", {"jpg": os.urandom(300), "txt": b"random bytes"})),
+        ("corrupt_image", (f"{prefix}1", {"jpg": random.randbytes(300), "txt": b"random bytes"})),
         ("corrupt_image", (f"{prefix}2", {"jpg": bytes(broken[:40]), "txt": b"cut jpeg"})),
         ("missing_caption", (f"{prefix}3", {"jpg": jpeg(), "json": b'{"label": 2}'})),
         ("empty_caption", (f"{prefix}4", {"jpg": jpeg(), "txt": b"  \n \n"})),
@@ -84,15 +83,15 @@ def test_each_kind_of_bad_sample_is_skipped_and_counted_in_order(tmp_path):
     assert batches[1]["skipped"]["corrupt_image"] == 2 * expected["corrupt_image"]
 
 
-def test_bad_shards_never_crash_a_multi_worker_run(tmp_path):
-    rng = random.Random()
+def test_bad_shards_never_crash_a_multi_worker_run(tmp_path, seed):
+    rng = random.Random(seed)
     goods = [good(f"g{i:03d}") for i in range(rng.randint(12, 20))]
     split = rng.randint(3, len(goods) - 3)
     bad = bad_samples("b")
     (tmp_path / "00000.tar").write_bytes(tar_bytes(goods[:split] + [b for _, b in bad]))
     truncated = tar_bytes(goods[split:] + [good("lost")])
     (tmp_path / "00001.tar").write_bytes(truncated[: truncated.index(b"lost.jpg") + 600])
-    (tmp_path / "00002.tar").write_bytes(os.urandom(2000))  # not a tar at all
+    (tmp_path / "00002.tar").write_bytes(rng.randbytes(2000))  # not a tar at all
     (tmp_path / "00003.tar").write_bytes(b"")  # an empty file
 
     ld = loader(f"{tmp_path}/{{00000..00003}}.tar", workers=2, shuffle_buffer=5)
@@ -120,7 +119,7 @@ def _unusable_shards(tmp_path, n=2):
         for i in range(30):
             kind = i % 3
             members = ({"txt": b"a caption without an image"} if kind == 0 else
-                       {"jpg": os.urandom(200), "txt": b"random bytes"} if kind == 1 else
+                       {"jpg": random.randbytes(200), "txt": b"random bytes"} if kind == 1 else
                        {"jpg": jpeg(), "txt": b"caf\xe9 \xff"})
             samples.append((f"{s}{i:03d}", members))
         (tmp_path / f"{s:05d}.tar").write_bytes(tar_bytes(samples))

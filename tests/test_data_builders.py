@@ -21,7 +21,7 @@ CLASSES = ["bird", "cat", "dog"]
 
 def png(w=12, h=9) -> bytes:
     buf = io.BytesIO()
-    Image.frombytes("RGB", (w, h), os.urandom(w * h * 3)).save(buf, format="PNG")
+    Image.frombytes("RGB", (w, h), random.randbytes(w * h * 3)).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -44,8 +44,8 @@ def shard_rows(out):
     return pd.concat([pd.read_parquet(p) for p in sorted(out.glob("*.parquet"))], ignore_index=True)
 
 
-def test_image_folder_dir_and_tar_give_the_same_shards(tmp_path):
-    rng = random.Random()
+def test_image_folder_dir_and_tar_give_the_same_shards(tmp_path, seed):
+    rng = random.Random(seed)
     files = class_folder(tmp_path / "src", rng)
     with tarfile.open(tmp_path / "src.tar", "w") as tar:
         tar.add(tmp_path / "src", arcname=".")
@@ -88,8 +88,8 @@ def test_image_folder_dir_and_tar_give_the_same_shards(tmp_path):
         sorted(s["captions"][0] + s["json"]["source_sha256"] for s in samples)
 
 
-def test_table_source_with_resize_and_processes(tmp_path):
-    rng = random.Random()
+def test_table_source_with_resize_and_processes(tmp_path, seed):
+    rng = random.Random(seed)
     rows = []
     for i in range(rng.randint(6, 12)):
         (tmp_path / f"im{i}.png").write_bytes(png(rng.randint(20, 40), rng.randint(20, 40)))
@@ -113,10 +113,10 @@ def test_table_source_with_resize_and_processes(tmp_path):
         list(table(tmp_path / "t.csv", "nope", "text"))
 
 
-def test_hf_sources_from_local_files(tmp_path):
+def test_hf_sources_from_local_files(tmp_path, seed):
     import datasets
 
-    rng = random.Random()
+    rng = random.Random(seed)
     n = rng.randint(4, 8)
     images = [png() for _ in range(n)]
     captions = [f"hf caption {i}" for i in range(n)]
@@ -136,8 +136,8 @@ def test_hf_sources_from_local_files(tmp_path):
     assert all(i.meta["classname"] == CLASSES[i.meta["label"]] for i in items)
 
 
-def test_cli_builds_shards_and_reports_mistakes(tmp_path, capsys):
-    rng = random.Random()
+def test_cli_builds_shards_and_reports_mistakes(tmp_path, capsys, seed):
+    rng = random.Random(seed)
     files = class_folder(tmp_path / "src", rng)
     code = main(["shards", "imagefolder", "--input", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
                  "--templates", "generic", "--templates-per-image", "1", "--per-shard", "3", "--no-progress",
@@ -170,7 +170,7 @@ def test_cifar10_tar_when_present(tmp_path):
 
 def jpeg(w=12, h=9, mode="RGB") -> bytes:
     buf = io.BytesIO()
-    Image.frombytes(mode, (w, h), os.urandom(w * h * len(mode))).save(buf, format="JPEG", quality=75)
+    Image.frombytes(mode, (w, h), random.randbytes(w * h * len(mode))).save(buf, format="JPEG", quality=75)
     return buf.getvalue()
 
 

@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import random
 import tarfile
 
@@ -20,7 +19,7 @@ from mmalign.data.transforms import train_transform
 
 def jpeg(w, h) -> bytes:
     buf = io.BytesIO()
-    Image.frombytes("RGB", (w, h), os.urandom(w * h * 3)).save(buf, format="JPEG")
+    Image.frombytes("RGB", (w, h), random.randbytes(w * h * 3)).save(buf, format="JPEG")
     return buf.getvalue()
 
 
@@ -56,8 +55,8 @@ def img2dataset_shard(out, shard_id, n, rng):
     return expected
 
 
-def test_img2dataset_shards_load_unchanged(tmp_path):
-    rng = random.Random()
+def test_img2dataset_shards_load_unchanged(tmp_path, seed):
+    rng = random.Random(seed)
     expected = {}
     for shard_id in range(2):
         expected.update(img2dataset_shard(tmp_path, shard_id, rng.randint(10, 20), rng))
@@ -80,8 +79,8 @@ def test_img2dataset_shards_load_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
-def test_tar_formats_long_names_and_offsets(tmp_path, fmt):
-    rng = random.Random()
+def test_tar_formats_long_names_and_offsets(tmp_path, fmt, seed):
+    rng = random.Random(seed)
     # ustar keeps long paths as a directory prefix (<= 155) plus a name (<= 100)
     folder, limit = ("d" * 60, 90) if fmt == tarfile.USTAR_FORMAT else ("dir", 250)
     names = []

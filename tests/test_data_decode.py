@@ -61,8 +61,8 @@ def drafts(monkeypatch):
 
 
 @pytest.mark.parametrize("scale", [[0.9, 1.0], [0.3, 1.0]])
-def test_a_1024px_jpeg_is_drafted_and_its_crop_stays_close(drafts, scale):
-    rng = random.Random()
+def test_a_1024px_jpeg_is_drafted_and_its_crop_stays_close(drafts, scale, seed):
+    rng = random.Random(seed)
     aug = AugmentConfig(crop_scale=scale)  # no flip, no jitter: the crop is all that differs
     processor = SampleProcessor(train_transform(224, aug), lambda captions: torch.zeros(len(captions), 4))
     for _ in range(2):
@@ -78,8 +78,8 @@ def test_a_1024px_jpeg_is_drafted_and_its_crop_stays_close(drafts, scale):
     assert drafts == [(512, 512)] * 2  # 1/2 scale: the smallest crop (> 448 px) stays >= 224 px there
 
 
-def test_no_draft_when_the_source_is_not_much_larger(drafts):
-    rng = random.Random()
+def test_no_draft_when_the_source_is_not_much_larger(drafts, seed):
+    rng = random.Random(seed)
     aug = AugmentConfig(crop_scale=[0.9, 1.0])
     t = train_transform(224, aug)
     data = photo(rng, 256)
@@ -90,8 +90,8 @@ def test_no_draft_when_the_source_is_not_much_larger(drafts):
     assert torch.equal(t.raw(image, random.Random(seed)), full_decode_crop(data, aug, random.Random(seed)))  # exactly today's
 
 
-def test_eval_drafts_only_on_request(drafts):
-    rng = random.Random()
+def test_eval_drafts_only_on_request(drafts, seed):
+    rng = random.Random(seed)
     data = photo(rng, 1024)
     exact = eval_transform(224)(Image.open(io.BytesIO(data)))
     assert drafts == []

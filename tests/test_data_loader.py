@@ -4,7 +4,6 @@ sample-granular splitting with few shards, weighted sources, batch contents."""
 import io
 import json
 import logging
-import os
 import random
 import tarfile
 
@@ -21,7 +20,7 @@ TOKENIZER = SimpleTokenizer(context_length=12)
 
 
 def jpeg(size=(12, 10)) -> bytes:
-    image = Image.frombytes("RGB", size, os.urandom(size[0] * size[1] * 3))
+    image = Image.frombytes("RGB", size, random.randbytes(size[0] * size[1] * 3))
     buf = io.BytesIO()
     image.save(buf, format="JPEG")
     return buf.getvalue()
@@ -67,8 +66,8 @@ def take(loader, n):
 
 
 @pytest.mark.parametrize("mode", ["resampled", "epoch"])
-def test_resume_mid_epoch_yields_exactly_the_uninterrupted_samples(tmp_path, mode):
-    rng = random.Random()
+def test_resume_mid_epoch_yields_exactly_the_uninterrupted_samples(tmp_path, mode, seed):
+    rng = random.Random(seed)
     sizes = [rng.randint(8, 16) for _ in range(3)]
     make_shards(tmp_path, sizes, rng)
     spec = f"{tmp_path}/{{00000..00002}}.tar"
@@ -95,8 +94,8 @@ def test_resume_mid_epoch_yields_exactly_the_uninterrupted_samples(tmp_path, mod
     assert [b["keys"] for b in other] != [b["keys"] for b in reference[:3]]
 
 
-def test_resume_in_process_and_iterating_again_continues(tmp_path):
-    rng = random.Random()
+def test_resume_in_process_and_iterating_again_continues(tmp_path, seed):
+    rng = random.Random(seed)
     make_shards(tmp_path, [rng.randint(6, 12), rng.randint(6, 12)], rng)
     spec = f"{tmp_path}/{{00000..00001}}.tar"
     reference = take(loader_for(spec, mode="epoch", workers=0), 8)
@@ -113,8 +112,8 @@ def _epoch0_keys(loaders, batches):
     return seen
 
 
-def test_epoch_mode_reads_each_sample_once_across_ranks_and_workers(tmp_path):
-    rng = random.Random()
+def test_epoch_mode_reads_each_sample_once_across_ranks_and_workers(tmp_path, seed):
+    rng = random.Random(seed)
     # 8 shards of 7 for 2 ranks x 2 workers: each slot owns 14 samples per epoch.
     keys = make_shards(tmp_path, [7] * 8, rng)
     spec = f"{tmp_path}/{{00000..00007}}.tar"
@@ -123,8 +122,8 @@ def test_epoch_mode_reads_each_sample_once_across_ranks_and_workers(tmp_path):
     assert sorted(seen) == sorted(keys)
 
 
-def test_fewer_shards_than_workers_splits_by_sample_and_warns(tmp_path, caplog):
-    rng = random.Random()
+def test_fewer_shards_than_workers_splits_by_sample_and_warns(tmp_path, caplog, seed):
+    rng = random.Random(seed)
     keys = make_shards(tmp_path, [rng.randint(9, 13)], rng)
     spec = f"{tmp_path}/00000.tar"
     with caplog.at_level(logging.WARNING, logger="mmalign.data"):
@@ -137,8 +136,8 @@ def test_fewer_shards_than_workers_splits_by_sample_and_warns(tmp_path, caplog):
     assert all(set(b["keys"]) <= set(keys) for b in batches)
 
 
-def test_weighted_sources(tmp_path):
-    rng = random.Random()
+def test_weighted_sources(tmp_path, seed):
+    rng = random.Random(seed)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     keys_a = make_shards(tmp_path / "a", [6, 6], rng)
@@ -151,8 +150,8 @@ def test_weighted_sources(tmp_path):
     assert got & set(keys_a) and got & set(keys_b)
 
 
-def test_batch_contents_views_and_ids(tmp_path):
-    rng = random.Random()
+def test_batch_contents_views_and_ids(tmp_path, seed):
+    rng = random.Random(seed)
     make_shards(tmp_path, [10], rng)
     loader = loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=4, views=2, id_field="label")
     batch = take(loader, 1)[0]
@@ -166,8 +165,8 @@ def test_batch_contents_views_and_ids(tmp_path):
     assert batch["skipped"] == {}
 
 
-def test_resume_rejects_a_different_layout(tmp_path):
-    rng = random.Random()
+def test_resume_rejects_a_different_layout(tmp_path, seed):
+    rng = random.Random(seed)
     make_shards(tmp_path, [6, 6], rng)
     spec = f"{tmp_path}/{{00000..00001}}.tar"
     loader = loader_for(spec, mode="epoch", workers=0)
@@ -177,8 +176,8 @@ def test_resume_rejects_a_different_layout(tmp_path):
         other.load_state_dict(loader.state_dict())
 
 
-def test_too_few_samples_for_the_workers_is_an_error_not_a_hang(tmp_path):
-    rng = random.Random()
+def test_too_few_samples_for_the_workers_is_an_error_not_a_hang(tmp_path, seed):
+    rng = random.Random(seed)
     make_shards(tmp_path, [2], rng)  # 2 samples for 2 ranks x 2 workers: rank 1 gets none
     loader = loader_for(f"{tmp_path}/00000.tar", mode="epoch", rank=1, world_size=2, batch=2)
     with pytest.raises(ConfigError, match="too few samples"):

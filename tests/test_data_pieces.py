@@ -80,8 +80,8 @@ def test_worker_shares():
 
 
 @pytest.mark.parametrize("mode", ["epoch", "resampled"])
-def test_piece_size_changes_nothing_resume_included(tmp_path, mode):
-    rng = random.Random()
+def test_piece_size_changes_nothing_resume_included(tmp_path, mode, seed):
+    rng = random.Random(seed)
     spec = make_shards(tmp_path, [rng.randint(10, 16) for _ in range(3)], rng)
     seed = rng.randrange(1000)
     total = 9  # 63 samples: past the epoch end (<= 48 samples) in epoch mode
@@ -101,9 +101,9 @@ def test_piece_size_changes_nothing_resume_included(tmp_path, mode):
     assert [b["keys"] for b in other] != [b["keys"] for b in reference[:2]]
 
 
-def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path):
+def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path, seed):
     """Naive reference: run each slot's stream alone and cut B = 7 rows as 4 + 3."""
-    rng = random.Random()
+    rng = random.Random(seed)
     spec = make_shards(tmp_path, [rng.randint(10, 16) for _ in range(3)], rng)
     loader = loader_for(spec, piece=2)
     got = take(loader, 5)
@@ -115,8 +115,8 @@ def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path):
         assert torch.equal(batch["images"], torch.stack([r["image"] for r in rows]))
 
 
-def test_uint8_normalised_on_the_device_equals_the_float32_path():
-    rng = random.Random()
+def test_uint8_normalised_on_the_device_equals_the_float32_path(seed):
+    rng = random.Random(seed)
     size = 16
     images = [Image.frombytes("RGB", (size, size), rng.randbytes(size * size * 3)) for _ in range(5)]
     whole = AugmentConfig(crop_scale=[1.0, 1.0], crop_ratio=[1.0, 1.0])  # the crop is the image itself

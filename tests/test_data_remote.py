@@ -21,7 +21,7 @@ import torch
 
 from mmalign.config import ConfigError, DataConfig
 from mmalign.data import remote, shards
-from tests.conftest import ROOT, spawn_ranks
+from tests.conftest import ROOT, run_ranks
 
 
 # The loader-test helpers import open_clip (seconds): imported when used, so the spawned ranks
@@ -281,12 +281,9 @@ def test_startup_probes_a_sample_of_remote_shards_and_names_backends(tmp_path):
         shards.check_urls(["nosuch://x/00000.tar"], "data.train")
 
 
-def _rank_check(rank: int, world: int, port: int, base: str, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_check(rank: int, world: int, base: str) -> dict:
     from mmalign import distributed as mdist
 
-    mdist.init_from_env(backend="gloo")
     results = {}
     for name, spec in (("good", f"{base}/{{00..39}}.tar"), ("bad", f"{base}/{{00..40}}.tar")):
         try:
@@ -294,10 +291,7 @@ def _rank_check(rank: int, world: int, port: int, base: str, out_path: str) -> N
             results[name] = None
         except ConfigError as e:
             results[name] = str(e)
-    everyone = mdist.all_gather_object(results)
-    if rank == 0:
-        torch.save(everyone, out_path)
-    mdist.shutdown()
+    return results
 
 
 @pytest.mark.integration
@@ -305,7 +299,7 @@ def test_only_rank_0_checks_the_shards_and_every_rank_learns_the_result(tmp_path
     for i in range(40):
         (tmp_path / f"{i:02d}.tar").write_bytes(b"\0" * 1024)
     with serve(tmp_path) as server:
-        everyone = spawn_ranks(_rank_check, 2, (server.url, str(tmp_path / "out.pt")), tmp_path / "out.pt")
+        everyone = run_ranks(_rank_check, 2, server.url)
         names = [name for name, _ in server.requests]
     assert everyone[0] == everyone[1]
     assert everyone[0]["good"] is None and "40.tar" in everyone[0]["bad"]

@@ -10,6 +10,7 @@ from data_pipelines.writer import ShardWriter
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config
 from mmalign.data.tokenizer import SentencePieceTokenizer, build_tokenizer
+from tests.conftest import pick_seed
 
 WORDS = ["red", "green", "blue", "circle", "square", "small", "large", "left", "right", "photo", "of", "a", "the"]
 
@@ -18,7 +19,7 @@ WORDS = ["red", "green", "blue", "circle", "square", "small", "large", "left", "
 def caption_shards(tmp_path_factory):
     from PIL import Image
 
-    rng = random.Random()
+    rng = random.Random(pick_seed(21))
     out = tmp_path_factory.mktemp("caps")
     with ShardWriter(out, samples_per_shard=60) as w:
         for _ in range(120):
@@ -35,13 +36,13 @@ def spm_file(caption_shards, tmp_path_factory):
     return out
 
 
-def test_token_layout_sot_eot_padding_and_truncation(spm_file):
+def test_token_layout_sot_eot_padding_and_truncation(spm_file, seed):
     info = json.loads(spm_file.with_suffix(".json").read_text())
     assert info["captions"] == 240 and 13 < info["pieces"] <= 60
     # 24 fits two words even split into single characters, and 30 words never fit
     tok = SentencePieceTokenizer(spm_file, context_length=24)
     assert tok.vocab_size == info["vocab_size"] == info["pieces"] + 3
-    rng = random.Random()
+    rng = random.Random(seed)
     short = " ".join(rng.choice(WORDS) for _ in range(2))
     long = " ".join(rng.choice(WORDS) for _ in range(30))
     ids = tok([short, long, "RED  Circle"])

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
 
-from tests.conftest import engine_batch, engine_cfg, spawn_ranks
+from tests.conftest import engine_batch, engine_cfg, run_ranks
 
 pytestmark = pytest.mark.integration
 
 
-def _worker(rank, world, port, seed, ckpt_dir, out_path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank, world, seed, ckpt_dir):
     from mmalign import distributed as mdist
     from mmalign.engine import Engine, consolidate_checkpoint
     from mmalign.losses import build_loss
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     results = {}
 
     def run(engine, batch_seed):
@@ -73,17 +67,13 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
                      lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]), autocast=auto)
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 
-def test_checkpoint_resume_consolidation_and_precisions(tmp_path):
-    world, seed = 2, random.randrange(10**6)
-    out_path = str(tmp_path / "r.pt")
-    results = spawn_ranks(_worker, world, (seed, str(tmp_path / "ckpt"), out_path), out_path)
+def test_checkpoint_resume_consolidation_and_precisions(tmp_path, seed):
+    world = 2
+    results = run_ranks(_worker, world, seed, str(tmp_path / "ckpt"))[0]
     for stage in (0, 1, 2, 3):
         want, got, after_one, consolidated, client, lr_b, lr_a = results[stage]
         assert client == {"step": 1} or client.get("step") == 1

@@ -11,13 +11,10 @@ would hide exactly the scale bugs (k x, world x) this guards against.
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 
-from tests.conftest import clip_batch, naive_clip_loss, spawn_ranks
+from tests.conftest import clip_batch, naive_clip_loss, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -70,16 +67,11 @@ def _cases(world: int):
             yield stage, name, chunk
 
 
-def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mmalign import distributed as mdist
+def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
     images, tokens = images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
@@ -98,19 +90,15 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         params = engine.consolidated_state_dict()
         if rank == 0:
             results[(stage, name)] = (engine.plan.chunks, captured, params, engine.grad_norm())
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_matches_full_batch_sgd_reference(world, tmp_path):
-    model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
+def test_engine_matches_full_batch_sgd_reference(world, seed):
+    model_seed, data_seed = seed, seed + 1
     ref_grads, ref_params = _reference(model_seed, data_seed)
-    out_path = str(tmp_path / "results.pt")
-    results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
+    results = run_ranks(_worker, world, model_seed, data_seed)[0]
     assert len(results) == 12
     ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
     for (stage, name), (chunks, grads, params, norm) in results.items():

@@ -11,14 +11,11 @@ gradients and parameters after one step, to <= 1e-5 relative.
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import spawn_ranks
+from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -79,17 +76,12 @@ def _reference(model_seed: int, data_seed: int):
     return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mmalign import distributed as mdist
+def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
     from mmalign.losses.ntxent import ImageImageTerm
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     local = GLOBAL_BATCH // world
     images, tokens, images2, neg, mask = (t[rank * local:(rank + 1) * local] for t in _inputs(data_seed))
     results = {}
@@ -111,10 +103,7 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
             params = engine.consolidated_state_dict()
             if rank == 0:
                 results[(stage, name)] = (engine.plan.chunks, captured, params, result.stats)
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,11 +111,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_engine_with_view_and_mined_negatives_matches_full_batch_reference(world, tmp_path):
-    model_seed, data_seed = random.randrange(10**6), random.randrange(10**6)
+def test_engine_with_view_and_mined_negatives_matches_full_batch_reference(world, seed):
+    model_seed, data_seed = seed, seed + 1
     ref_grads, ref_params = _reference(model_seed, data_seed)
-    out_path = str(tmp_path / "results.pt")
-    results = spawn_ranks(_worker, world, (model_seed, data_seed, out_path), out_path)
+    results = run_ranks(_worker, world, model_seed, data_seed)[0]
     assert len(results) == 4
     for (stage, name), (chunks, grads, params, stats) in results.items():
         assert (len(chunks) > 1) == (name == "uneven"), chunks

@@ -10,21 +10,16 @@ The log states the other ranks' barrier timeout.
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-from tests.conftest import spawn_ranks
+from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.integration
 
 
-def _worker(rank: int, world: int, port: int, val: str, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mmalign import distributed as mdist
+def _worker(rank: int, world: int, val: str) -> dict:
     from mmalign.config import ModelConfig
     from mmalign.data.tokenizer import build_tokenizer
     from mmalign.data.transforms import eval_transform
@@ -32,7 +27,6 @@ def _worker(rank: int, world: int, port: int, val: str, out_path: str) -> None:
     from mmalign.evaluation.sharded import embed_sharded, evaluate
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -43,16 +37,12 @@ def _worker(rank: int, world: int, port: int, val: str, out_path: str) -> None:
     suite, tokenizer, transform = load_suite("shapes"), build_tokenizer(model.arch), eval_transform(model.image_size)
     emb, _ = embed_sharded(model, transform, tokenizer, suite, val, batch_size=16)
     records = evaluate(model, transform, tokenizer, suite, val, batch_size=16)
-    if rank == 0:
-        torch.save({"emb": emb, "records": records, "log": lines}, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return {"emb": emb, "records": records, "log": lines}
 
 
-def test_two_rank_evaluation_equals_one_rank(shapes_dir, tmp_path):
+def test_two_rank_evaluation_equals_one_rank(shapes_dir):
     val = str(shapes_dir / "val" / "00000.tar")
-    one = spawn_ranks(_worker, 1, (val, str(tmp_path / "1.pt")), str(tmp_path / "1.pt"))
-    two = spawn_ranks(_worker, 2, (val, str(tmp_path / "2.pt")), str(tmp_path / "2.pt"))
+    one, two = run_ranks(_worker, 1, val)[0], run_ranks(_worker, 2, val)[0]
     a, b = one["emb"], two["emb"]
     assert a["keys"] == b["keys"] and a["captions"] == b["captions"] and len(a["keys"]) == 120
     assert torch.equal(a["text_to_image"], b["text_to_image"])

@@ -200,17 +200,18 @@ def test_zero_shot_never_embeds_the_dataset_captions(run_dir, shapes_dir):
 def sorted_shards(tmp_path_factory):
     """Class-sorted shards (as --no-shuffle writes CIFAR's tar): 3 classes x 20, 20 per shard, one class each."""
     import io
-    import os
+    import random
 
     from data_pipelines.build import build_shards
     from data_pipelines.sources import Captioner, image_folder
+    from tests.conftest import pick_seed
 
-    root = tmp_path_factory.mktemp("sorted")
+    root, rng = tmp_path_factory.mktemp("sorted"), random.Random(pick_seed(199))
     for c in ("bird", "cat", "dog"):
         (root / "src" / c).mkdir(parents=True)
         for i in range(20):
             buf = io.BytesIO()
-            Image.frombytes("RGB", (16, 16), os.urandom(16 * 16 * 3)).save(buf, format="PNG")
+            Image.frombytes("RGB", (16, 16), rng.randbytes(16 * 16 * 3)).save(buf, format="PNG")
             (root / "src" / c / f"{i:04d}.png").write_bytes(buf.getvalue())
     build_shards(image_folder(root / "src", Captioner(["a photo of a {c}."]))[1], root / "shards", per_shard=20,
                  progress=False)

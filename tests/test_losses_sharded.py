@@ -15,17 +15,13 @@ single-process reference on the full batch, that
 
 from __future__ import annotations
 
-import os
-import random
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mmalign import distributed as mdist
 from mmalign.losses import ContrastiveLoss
+from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -52,18 +48,8 @@ ESTIMATOR = {  # (hard_negative_beta, debias_prior) of the hardneg cases (Robins
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, in_path: str, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    info = mdist.init_from_env(backend="gloo")
-    assert (info.rank, info.world_size, mdist.get_world_size()) == (rank, WORLD, WORLD)
+def _worker(rank: int, world: int, in_path: str) -> dict:
+    assert (mdist.get_rank(), mdist.get_world_size()) == (rank, world) == (rank, WORLD)
     data = torch.load(in_path)
     sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
     results = {}
@@ -80,8 +66,7 @@ def _worker(rank: int, port: int, in_path: str, out_dir: str) -> None:
         out.loss.backward()
         results[name] = {"loss": out.loss.detach(), "dx": x.grad, "dy": y.grad, "ds": s.grad,
                          "db": b.grad, "stats": out.stats}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    mdist.shutdown()
+    return results
 
 
 def close(got, want, what, tol=1e-5):
@@ -127,9 +112,7 @@ def ref_siglip(x, y, s, b, ids):
     return -F.logsigmoid(z * logits).sum() / x.shape[0]
 
 
-def test_sharded_gradients_equal_full_batch(tmp_path):
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
+def test_sharded_gradients_equal_full_batch(tmp_path, seed):
     g = torch.Generator().manual_seed(seed)
     n, d = WORLD * B_LOCAL, 16
     x = F.normalize(torch.randn(n, d, generator=g), dim=1)
@@ -141,8 +124,7 @@ def test_sharded_gradients_equal_full_batch(tmp_path):
     in_path = str(tmp_path / "inputs.pt")
     torch.save({"x": x, "y": y, "ids": ids, "scale": scale, "bias": bias}, in_path)
 
-    mp.spawn(_worker, args=(_free_port(), in_path, str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = run_ranks(_worker, WORLD, in_path)
 
     distinct = torch.arange(n)
     for name, loss_name, tile, with_ids in CASES:

@@ -10,8 +10,6 @@ import collections
 import copy
 import json
 import math
-import os
-import random
 import shutil
 
 import pytest
@@ -23,7 +21,7 @@ from torch import nn
 from mmalign.config import ConfigError, load_config
 from mmalign.losses import ContrastiveLoss, QueueEntries, clip_loss, queue_clip_loss
 from mmalign.momentum import FeatureQueue, MomentumQueue
-from tests.conftest import engine_batch, engine_cfg, run_cli, spawn_ranks, unit  # noqa: F401  (the `gen` fixture lives there too)
+from tests.conftest import engine_batch, engine_cfg, run_cli, run_ranks, unit  # noqa: F401  (the `gen` fixture lives there too)
 
 TOL = 2e-5
 
@@ -453,15 +451,10 @@ WORLD, B_LOCAL, Q = 2, 5, 7
 SHARDED_CASES = [("paired", 0, False), ("ids", 0, True), ("ids_tiled", 3, True)]  # (name, tile, with_ids)
 
 
-def _rank_worker(rank, world, port, in_path, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mmalign import distributed as mdist
+def _rank_worker(rank, world, in_path):
     from mmalign.engine import Engine
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     data = torch.load(in_path)
     sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
     results = {}
@@ -500,15 +493,11 @@ def _rank_worker(rank, world, port, in_path, out_dir):
             record.append({"master": master, "ema": {k: v.detach().cpu().clone()
                                                      for k, v in mq.model.named_parameters()}})
         results[f"zero{stage}"] = {"init": init, "steps": record, "queue": mq.queue.state_dict()}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 @pytest.mark.integration
-def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path):
-    seed = int(os.environ.get("MMALIGN_TEST_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"random seed: {seed} (replay: MMALIGN_TEST_SEED={seed})")
+def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path, seed):
     g = torch.Generator().manual_seed(seed)
     n = WORLD * B_LOCAL
     x, y, qx, qy = unit(g, n, 8), unit(g, n, 8), unit(g, Q, 8), unit(g, Q, 8)
@@ -521,8 +510,7 @@ def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path):
     in_path = tmp_path / "inputs.pt"
     torch.save({"x": x, "y": y, "qx": qx, "qy": qy, "ids": ids, "qids": qids, "scale": scale,
                 "seed": seed % 10**6}, in_path)
-    spawn_ranks(_rank_worker, WORLD, (str(in_path), str(tmp_path)), tmp_path / "rank0.pt")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = run_ranks(_rank_worker, WORLD, str(in_path))
 
     for name, tile, with_ids in SHARDED_CASES:
         case_ids, case_qids = (ids, qids) if with_ids else (None, None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -13,34 +12,21 @@ from safetensors.torch import load_file
 from mmalign.config import ModelConfig, load_config
 from mmalign.models import build_model
 from mmalign.monitors import forward_flops_per_sample, global_log_values, mfu
-from tests.conftest import spawn_ranks
+from tests.conftest import run_ranks
 
 WORLD = 2
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
 
 
 # ------------------------------------------------------------- the reduction
 
 
-def _reduce_worker(rank, world, port, out):
-    from mmalign import distributed as mdist
-
-    _init(rank, world, port)
-    mdist.init_from_env(backend="gloo")
+def _reduce_worker(rank, world):
     skipped = [{"decode": 1}, {"decode": 3, "too_small": 2}][rank]  # rank 1 knows a reason rank 0 does not
-    got = global_log_values(torch.tensor(1.0 + 2 * rank), 0.5 + rank, skipped)
-    if rank == 0:
-        torch.save(got, out)
-    mdist.shutdown()
+    return global_log_values(torch.tensor(1.0 + 2 * rank), 0.5 + rank, skipped)
 
 
-def test_global_log_values_mean_the_loss_and_sum_waits_and_skips(tmp_path):
-    got = spawn_ranks(_reduce_worker, WORLD, (str(tmp_path / "got.pt"),), tmp_path / "got.pt")
+def test_global_log_values_mean_the_loss_and_sum_waits_and_skips():
+    got = run_ranks(_reduce_worker, WORLD)[0]
     # losses 1 and 3 -> mean 2; waits 0.5 + 1.5; skips {decode: 1 + 3, too_small: 0 + 2}
     assert got == {"loss": 2.0, "data_wait_s": 2.0, "skipped_samples/decode": 4, "skipped_samples/too_small": 2}
 
@@ -77,7 +63,7 @@ def test_flops_are_counted_in_train_mode_without_a_trace():
 # ------------------------------------------------- 2-rank training runs
 
 
-def _train_worker(rank, world, port, overrides, out):
+def _train_worker(rank, world, overrides, out):
     """A straight run (recording every train-mode patch-dropout mask and every step's local
     loss), then, in the same processes, a resume from its step-3 checkpoint."""
     import open_clip.transformer as oct
@@ -86,7 +72,6 @@ def _train_worker(rank, world, port, overrides, out):
     from mmalign import engine as eng
     from mmalign.train import train
 
-    _init(rank, world, port)
     masks, losses = [], []
     original = oct.PatchDropout.forward
 
@@ -127,7 +112,7 @@ def two_rank_run(shapes_dir, tmp_path_factory):
         "train.log_every=1", "train.checkpoint_every=3", "train.keep_checkpoints=5",
         "model.vision.patch_dropout=0.5", "monitor.peak_tflops=0.001", f"output={out / 'run'}",
     ]
-    spawn_ranks(_train_worker, WORLD, (ov, str(out)), out / "rank0.pt")
+    run_ranks(_train_worker, WORLD, ov, str(out), group=False)  # train() makes the group
     return out
 
 

@@ -33,8 +33,8 @@ def _loaders(spec, world, mode, seed, states=None, step=0):
 
 @pytest.mark.parametrize("old_world,new_world", [(2, 1), (1, 2)])
 @pytest.mark.parametrize("n_shards", [5, 1])  # 1: fewer shards than slots (slots split a shard by sample)
-def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, new_world, n_shards):
-    rng = random.Random()
+def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, new_world, n_shards, seed):
+    rng = random.Random(seed)
     keys = make_shards(tmp_path, [rng.randint(5, 13) if n_shards > 1 else rng.randint(14, 24) for _ in range(n_shards)],
                        rng)
     spec = f"{tmp_path}/{{00000..{n_shards - 1:05d}}}.tar"
@@ -62,8 +62,8 @@ def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, ne
     assert [b["keys"] for b in head + take(resumed, 3)] == [b["keys"] for b in reference]
 
 
-def test_resampled_mode_restarts_from_seed_step_and_layout(tmp_path):
-    rng = random.Random()
+def test_resampled_mode_restarts_from_seed_step_and_layout(tmp_path, seed):
+    rng = random.Random(seed)
     make_shards(tmp_path, [rng.randint(6, 12) for _ in range(3)], rng)
     spec = f"{tmp_path}/{{00000..00002}}.tar"
     old = _loaders(spec, 2, "resampled", 5)

@@ -12,12 +12,10 @@ size the checkpoint was written by.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.conftest import engine_batch, engine_cfg, max_rel_error, spawn_ranks
+from tests.conftest import engine_batch, engine_cfg, max_rel_error, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -25,18 +23,13 @@ CASES = ((0, "adamw"), (1, "lamb"), (2, "lamb"), (3, "lamb"))
 STEPS = 3  # the checkpoint is written after step 2; the resume takes step 3
 
 
-def _worker(rank: int, world: int, port: int, ckpt_dir: str, train: bool, load_from: int, out_path: str) -> None:
+def _worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -> dict:
     """Per case: with ``train``, train STEPS steps saving after STEPS-1 (the reference); when
     ``load_from`` names another world size, resume that world's checkpoint and take the last step."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from mmalign import distributed as mdist
     from mmalign.engine import Engine
     from mmalign.losses import build_loss
     from mmalign.models import build_model
 
-    mdist.init_from_env(backend="gloo")
     seed, results = 11, {}
     for stage, optimizer in CASES:
         cfg = engine_cfg(stage, f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.eps=1e-2")
@@ -62,17 +55,14 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, train: bool, load_f
             step(engine, STEPS - 1)
             results[stage, "resumed_lr"] = engine.lr
             results[stage, "resumed"] = engine.consolidated_state_dict()
-    if rank == 0:
-        torch.save(results, out_path)
-    mdist.barrier()
-    mdist.shutdown()
+    return results
 
 
 def test_resume_on_another_world_size_continues_exactly(tmp_path):
     ckpt = str(tmp_path)
-    one = spawn_ranks(_worker, 1, (ckpt, True, 0, str(tmp_path / "1.pt")), str(tmp_path / "1.pt"))
-    two = two_from_one = spawn_ranks(_worker, 2, (ckpt, True, 1, str(tmp_path / "2.pt")), str(tmp_path / "2.pt"))
-    one_from_two = spawn_ranks(_worker, 1, (ckpt, False, 2, str(tmp_path / "12.pt")), str(tmp_path / "12.pt"))
+    one = run_ranks(_worker, 1, ckpt, True, 0)[0]
+    two = two_from_one = run_ranks(_worker, 2, ckpt, True, 1)[0]
+    one_from_two = run_ranks(_worker, 1, ckpt, False, 2)[0]
     for stage, _ in CASES:
         for got, want, how in ((one_from_two, two, "2 -> 1"), (two_from_one, one, "1 -> 2")):
             rel, name = max_rel_error(got[stage, "resumed"], want[stage, "uninterrupted"])
