@@ -183,8 +183,8 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         def step():
-            engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"],
-                                                          o["logit_scale"]), autocast)
+            engine.step(images, tokens, lambda o: loss_fn(o.image, o.text,
+                                                          o.logit_scale), autocast)
 
         for _ in range(2):
             step()

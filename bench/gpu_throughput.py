@@ -47,7 +47,7 @@ def main() -> None:
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step():
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+        engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale),
                     autocast)
 
     for _ in range(3):

@@ -47,7 +47,7 @@ def run_case(batch: int, chunk: int, steps: int, threads: int) -> dict:
     tokens[:, 0], tokens[:, 20], tokens[:, 21:] = 49406, 49407, 0
 
     def loss_of(out):
-        return loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+        return loss_fn(out.image, out.text, out.logit_scale)
 
     engine.step(images, tokens, loss_of)  # warm-up (allocator, DeepSpeed lazy init)
     start = time.perf_counter()

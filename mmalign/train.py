@@ -10,7 +10,6 @@ DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import random
@@ -26,18 +25,15 @@ from tqdm import tqdm
 from mmalign import checkpoint, progress, reshard, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
-from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
-from mmalign.losses import build_loss, caption_ids
-from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.io import save_pretrained
-from mmalign.momentum import MomentumQueue
+from mmalign.objective import MomentumQueue, build_objective
 from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
                               probe_stats)
 
@@ -90,34 +86,6 @@ def _say(line: str) -> None:
 
 class RunStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
-
-
-def positive_mask_for(batch: dict, mode: str) -> torch.Tensor | None:
-    """(B, B) bool metadata positives (image i vs caption j) for ``loss.positive_mask``."""
-    if mode == "none":
-        return None
-    from mmalign.losses.metadata import subset_mask
-
-    return subset_mask(batch["ids"])  # mode "attribute_subset": ids are subset codes
-
-
-def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
-    if mode == "none":
-        return None
-    if mode == "caption":
-        return caption_ids(batch["captions"])
-    return batch["ids"]
-
-
-def extra_inputs(batch: dict, cfg: Config, device: torch.device) -> dict:
-    """Per-sample model inputs beyond (images, tokens): the second view for the image-image
-    term, the mined negative captions (``TwoTower.forward`` keywords)."""
-    extra = {}
-    if cfg.loss.image_image_weight > 0:
-        extra["images2"] = images_to(batch["images2"], device)  # (B, 3, H, W)
-    if cfg.data.hard_negatives > 0:
-        extra["neg_texts"] = batch["neg_tokens"].to(device)  # (B, k, L)
-    return extra
 
 
 def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -229,12 +197,10 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
-    # momentum queue (MoCo): the EMA encoder starts as a copy of the initial weights, taken
-    # before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
-    queue = None
-    if cfg.loss.queue_size > 0:
-        queue = MomentumQueue(copy.deepcopy(model), cfg.loss.queue_size, cfg.loss.momentum,
-                              with_ids=cfg.loss.false_negative_ids != "none", device=device)
+    # the objective (loss terms); a MoCo queue's EMA encoder starts as a copy of the initial
+    # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
+    objective = build_objective(cfg, world, model=model, device=device)
+    queue = objective.queue  # its state is checkpointed (None without a queue term)
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
@@ -256,8 +222,6 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
                                 grad_cache_chunk=t.grad_cache_chunk_size, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
-    loss_fn = build_loss(cfg.loss)
-    view_term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature, cfg.loss.tile_size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     peak = peak_tflops(device, mon.peak_tflops)
 
@@ -311,28 +275,16 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         fetch = time.time()
         batch = next(batches)
         data_wait += time.time() - fetch
-        images, tokens = images_to(batch["images"], device), batch["tokens"].to(device)  # uint8 -> normalised
-        ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
-        pmask = positive_mask_for(batch, cfg.loss.positive_mask)
-        extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
+        batch = objective.select(batch).to(device)  # the inputs the terms read; uint8 images -> normalised
         if keys_file is not None:
-            keys_file.write(json.dumps({"step": step, "keys": batch["keys"]}) + "\n")
+            keys_file.write(json.dumps({"step": step, "keys": batch.keys}) + "\n")
             keys_file.flush()
 
-        entries = queue.entries() if queue is not None else None  # earlier steps' entries only
-
-        def loss_of(outputs: dict):
-            return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                                     outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries,
-                                     neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
-                             outputs)
-
-        result = engine.step(images, tokens, loss_of, autocast, extra=extra)
-        if queue is not None and not result.skipped:
-            # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
-            queue.update(engine.full_params(), dict(engine.module.named_buffers()))
-            queue.push(images, tokens, ids, chunk=engine.plan.micro_batch, autocast=autocast)
-        window_samples += images.shape[0] * world
+        result = engine.step(batch, objective.loss_for(batch), autocast)
+        if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
+            objective.after_update(engine.full_params, lambda: dict(engine.module.named_buffers()), batch,
+                                   chunk=engine.plan.micro_batch, autocast=autocast)
+        window_samples += len(batch) * world
         if result.skipped:
             skipped_steps += 1
             consecutive += 1
@@ -356,7 +308,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         if step % t.log_every == 0 or step == t.steps:
             elapsed = time.time() - window_start
             sps = window_samples / max(elapsed, 1e-9)
-            summed = global_log_values(result.loss, data_wait, batch.get("skipped", {}))  # collective
+            summed = global_log_values(result.loss, data_wait, batch.skipped)  # collective
             record = {
                 "step": step,
                 "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
@@ -445,7 +397,7 @@ def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     with autocast():
         out = engine.forward(probe[0].to(device), probe[1].to(device))
     engine.ds.train()
-    return probe_stats(out["image_features"].float().cpu(), out["text_features"].float().cpu())
+    return probe_stats(out.image.float().cpu(), out.text.float().cpu())
 
 
 def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,

@@ -183,9 +183,9 @@ def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None):
         m.register_forward_pre_hook(lambda mod, args, n=n: inputs[n].append(args[0].detach()))
     images, tokens = _inputs(data_seed)
     outs = [model(images[g].double(), tokens[g]) for g in (groups or [list(range(GLOBAL_BATCH))])]
-    img = torch.cat([o["image_features"] for o in outs])  # (B, D) in group order: the loss is
-    txt = torch.cat([o["text_features"] for o in outs])  # invariant to a joint permutation of pairs
-    naive_clip_loss(img, txt, outs[0]["logit_scale"]).backward()
+    img = torch.cat([o.image for o in outs])  # (B, D) in group order: the loss is
+    txt = torch.cat([o.text for o in outs])  # invariant to a joint permutation of pairs
+    naive_clip_loss(img, txt, outs[0].logit_scale).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.clamp_logit_scale()
@@ -268,7 +268,7 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         captured = {}
 
         def loss_of(out):
-            result = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+            result = loss_fn(out.image, out.text, out.logit_scale)
             return types.SimpleNamespace(loss=result.loss * float("nan"), stats={}) if poison else result
 
         step = engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))

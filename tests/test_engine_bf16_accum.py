@@ -43,7 +43,7 @@ def _inputs(seed: int):
 def _fp32_reference(model, images, tokens) -> dict:
     model = copy.deepcopy(model)
     out = model(images, tokens)
-    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -53,19 +53,19 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
     chunks = list(zip(images.bfloat16().split(CHUNK), tokens.split(CHUNK)))
     with torch.no_grad():
         outs = [model(im, tok) for im, tok in chunks]
-    img = torch.cat([o["image_features"].float() for o in outs]).requires_grad_(True)  # (B, D)
-    txt = torch.cat([o["text_features"].float() for o in outs]).requires_grad_(True)
-    scale = outs[0]["logit_scale"].float().detach().requires_grad_(True)
+    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
+    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
+    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
     naive_clip_loss(img, txt, scale).backward()
     total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
     for k, (im, tok) in enumerate(chunks):
         model.zero_grad(set_to_none=True)
         out = model(im, tok)
         rows = slice(k * CHUNK, (k + 1) * CHUNK)
-        surrogate = (out["image_features"].float() * img.grad[rows]).sum() \
-            + (out["text_features"].float() * txt.grad[rows]).sum()
+        surrogate = (out.image.float() * img.grad[rows]).sum() \
+            + (out.text.float() * txt.grad[rows]).sum()
         if k == 0:  # the temperature's gradient belongs to the step, not to a chunk
-            surrogate = surrogate + (out["logit_scale"].float() * scale.grad).sum()
+            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
         surrogate.backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_path: str) -> None:
         engine = eng.Engine(copy.deepcopy(model), cfg)
         eng.ds_config = generated
         grads = {}
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+        engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale),
                     before_update=lambda: grads.update(engine.full_grads()))
         results[label] = (engine.ds_config.get("data_types"), grads)
         results[label + "_used"] = (engine.ds.get_data_types()[1], engine.ds.communication_data_type)

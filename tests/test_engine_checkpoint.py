@@ -29,7 +29,7 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
     def run(engine, batch_seed):
         loss_fn = build_loss(engine.cfg.loss)
         return engine.step(*engine_batch(batch_seed, rank, world),
-                           lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+                           lambda o: loss_fn(o.image, o.text, o.logit_scale))
 
     for stage in (0, 1, 2, 3):
         cfg = engine_cfg(stage)
@@ -70,7 +70,7 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
         before = e.consolidated_state_dict()
         loss_fn = build_loss(cfg.loss)
         res = e.step(*engine_batch(seed + 1, rank, world),
-                     lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]), autocast=auto)
+                     lambda o: loss_fn(o.image, o.text, o.logit_scale), autocast=auto)
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)
     if rank == 0:

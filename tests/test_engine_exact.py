@@ -48,7 +48,7 @@ def _reference(model_seed: int, data_seed: int):
     model = build_model(ModelConfig(preset="micro"))
     images, tokens = _inputs(data_seed)
     out = model(images, tokens)
-    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         captured = {}
 
         def loss_of(out):
-            return loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+            return loss_fn(out.image, out.text, out.logit_scale)
 
         engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
         params = engine.consolidated_state_dict()

@@ -53,8 +53,8 @@ def _inputs(seed: int):
 
 
 def _naive_objective(out, mask):
-    img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
-    img2, neg = out["image2_features"], out["neg_text_features"]
+    img, txt, scale = out.image, out.text, out.logit_scale
+    img2, neg = out.image2, out.neg_text
     b = img.shape[0]
     labels = torch.arange(b)
     neg_logits = (scale * torch.einsum("bd,bkd->bk", img, neg)).masked_fill(~mask, float("-inf"))
@@ -103,8 +103,8 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
             captured = {}
 
             def loss_of(out):
-                return term(loss_fn(out["image_features"], out["text_features"], out["logit_scale"],
-                                    neg_text_features=out["neg_text_features"], neg_mask=mask), out)
+                return term(loss_fn(out.image, out.text, out.logit_scale,
+                                    neg_text_features=out.neg_text, neg_mask=mask), out)
 
             result = engine.step(images, tokens, loss_of, extra={"images2": images2, "neg_texts": neg},
                                  before_update=lambda: captured.update(engine.full_grads()))

@@ -26,7 +26,7 @@ def test_zero2_bf16_step_on_cuda():
     tokens = torch.randint(1, 49000, (16, 16), device="cuda")
     tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
     before = engine.consolidated_state_dict()
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale))
     after = engine.consolidated_state_dict()
     assert not res.skipped and torch.isfinite(res.loss)
     assert sum(int(not torch.equal(before[k], after[k])) for k in before) > len(before) // 2
@@ -40,7 +40,7 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout():
     from mmalign.models import build_model
 
     def loss(full):
-        logits = full["logit_scale"] * full["image_features"] @ full["text_features"].T
+        logits = full.logit_scale * full.image @ full.text.T
         labels = torch.arange(logits.shape[0], device=logits.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
@@ -59,7 +59,7 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout():
     torch.manual_seed(data_seed)
     outs = [model(*c) for c in chunks]
     full = {k: torch.cat([o[k] for o in outs]) for k in ("image_features", "text_features")}
-    full["logit_scale"] = outs[0]["logit_scale"]
+    full.logit_scale = outs[0].logit_scale
     loss(full).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -94,7 +94,7 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     loss_fn = build_loss(cfg.loss)
     images, tokens = _cuda_batch(16, 16)
     before = engine.consolidated_state_dict()
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale))
     after = engine.consolidated_state_dict()
     assert not res.skipped and torch.isfinite(res.loss)
     assert sum(int(not torch.equal(before[k], after[k])) for k in before) > len(before) // 2
@@ -112,7 +112,7 @@ def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     loss_fn = build_loss(cfg.loss)
     images, tokens = _cuda_batch(12, 32)
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale))
     assert not res.skipped
     tracked = {n: int(b) for n, b in engine.module.named_buffers() if n.endswith("num_batches_tracked")}
     assert tracked and set(tracked.values()) == {1}

@@ -13,7 +13,7 @@ from mmalign.models import build_model
 
 
 def _naive_loss(full):
-    img, txt, scale = full["image_features"], full["text_features"], full["logit_scale"]
+    img, txt, scale = full.image, full.text, full.logit_scale
     logits = scale * img @ txt.T
     labels = torch.arange(img.shape[0])
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
@@ -78,7 +78,7 @@ def test_rng_replay_makes_cached_equal_uncached_with_patch_dropout(monkeypatch):
     torch.manual_seed(data_seed)
     outs = [model(*c) for c in chunks]
     full = {k: torch.cat([o[k] for o in outs]) for k in ("image_features", "text_features")}
-    full["logit_scale"] = outs[0]["logit_scale"]
+    full.logit_scale = outs[0].logit_scale
     _naive_loss(full).backward()
     want = _grads(model)
     after_uncached = torch.get_rng_state()
@@ -143,8 +143,8 @@ def _extras_loss(mask):
     """Naive full-batch objective: CLIP + image rows' own mined negatives + 0.5 x NT-Xent of the views."""
 
     def loss(full):
-        img, txt, scale = full["image_features"], full["text_features"], full["logit_scale"]
-        img2, neg = full["image2_features"], full["neg_text_features"]  # (B, D), (B, k, D)
+        img, txt, scale = full.image, full.text, full.logit_scale
+        img2, neg = full.image2, full.neg_text  # (B, D), (B, k, D)
         b = img.shape[0]
         labels = torch.arange(b)
         neg_logits = (scale * torch.einsum("bd,bkd->bk", img, neg)).masked_fill(~mask, float("-inf"))
@@ -173,7 +173,7 @@ def test_cached_equals_one_pass_with_second_view_and_mined_negatives(sizes):
     images2, neg, mask = _extras(12)
     loss_fn = _extras_loss(mask)
     out = model(images, tokens, images2=images2, neg_texts=neg)
-    assert out["neg_text_features"].shape == (12, 2, model.embed_dim)
+    assert out.neg_text.shape == (12, 2, model.embed_dim)
     want_loss = loss_fn(out)
     want_loss.backward()
     want = _grads(model)

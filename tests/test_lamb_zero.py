@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, cases: tuple, seed: int, out_path:
         loss_fn = build_loss(cfg.loss)
         def step(e, k):
             e.step(*engine_batch(seed + 1 + k, rank, world),
-                   lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+                   lambda o: loss_fn(o.image, o.text, o.logit_scale))
 
         for k in range(STEPS):
             step(engine, k)

@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, train: bool, load_f
 
         def step(engine, k):
             engine.step(*engine_batch(seed + 1 + k, rank, world),
-                        lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+                        lambda o: loss_fn(o.image, o.text, o.logit_scale))
 
         if train:
             torch.manual_seed(seed)
