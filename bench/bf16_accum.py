@@ -90,7 +90,8 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
 
     from mmalign import engine as eng
     from mmalign.config import load_config
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     batch = chunk * chunks
@@ -114,7 +115,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     del ref_model
 
     generated = eng.ds_config
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     results = {}
     for label, deepspeed_defaults in (("before", True), ("after", False)):
         def config(c, plan, deepspeed_defaults=deepspeed_defaults):
@@ -130,7 +131,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
         finally:
             eng.ds_config = generated
         grads = {}
-        engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale),
+        engine.step(Batch(images, tokens), objective,
                     before_update=lambda: grads.update(engine.full_grads()))
         accum, comm = engine.ds.get_data_types()[1], engine.ds.communication_data_type
         results[label] = {"accum": str(accum).removeprefix("torch."), "comm": str(comm).removeprefix("torch."),

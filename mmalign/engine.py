@@ -234,19 +234,22 @@ class Engine:
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
 
-    def step(self, batch: Batch, loss_fn, autocast=None, before_update=None) -> StepResult:
+    def step(self, batch: Batch, objective, autocast=None, before_update=None) -> StepResult:
         """Forward, loss, backward and one optimiser update over the local batch.
 
         ``batch``: this rank's :class:`~mmalign.data.batch.Batch` on the device; every
         model input it holds (images, tokens, and ``images2`` / ``neg_tokens`` when
         present) is encoded, chunk by chunk (:meth:`Batch.slice`) with gradient caching.
-        ``loss_fn(embeddings) -> LossOutput`` receives the full local batch's float32
-        :class:`~mmalign.models.embeddings.Embeddings` (e.g. ``objective.loss_for(batch)``).
+        ``objective``: a :class:`mmalign.objective.Objective` (its loss on this batch), or
+        any ``loss_fn(embeddings) -> LossOutput``; it receives the full local batch's float32
+        :class:`~mmalign.models.embeddings.Embeddings`.
         ``before_update()`` runs after the last backward, before the update (the
         averaged gradients are then readable with :meth:`full_grads`).  A step whose
         loss or representation gradients are non-finite on any rank is skipped
         before anything reaches the model (``StepResult.skipped``).
         """
+
+        loss_fn = objective.loss_for(batch) if hasattr(objective, "loss_for") else objective
 
         def update(i: int = 0, last: bool = True) -> None:
             if last and before_update is not None:

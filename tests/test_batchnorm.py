@@ -244,7 +244,8 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
 
     mdist.init_from_env(backend="gloo")
     images, tokens = _inputs(data_seed)
@@ -264,14 +265,15 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         model = build_model(cfg.model)
         _random_stats(model, model_seed)
         engine = Engine(model, cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         captured = {}
+        batch = Batch(images, tokens)
 
         def loss_of(out):
-            result = loss_fn(out.image, out.text, out.logit_scale)
+            result = objective(out, batch)
             return types.SimpleNamespace(loss=result.loss * float("nan"), stats={}) if poison else result
 
-        step = engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
+        step = engine.step(batch, loss_of, before_update=lambda: captured.update(engine.full_grads()))
         state = engine.consolidated_state_dict()
         buffers = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
         gathered = [mdist.all_gather_nograd(buffers[n].double().reshape(1, -1)) for n in sorted(buffers)]

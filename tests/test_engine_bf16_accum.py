@@ -80,7 +80,8 @@ def _worker(rank: int, world: int, port: int, seed: int, out_path: str) -> None:
     from mmalign import distributed as mdist
     from mmalign import engine as eng
     from mmalign.config import load_config
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
@@ -97,7 +98,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_path: str) -> None:
     results = {"fp32": _fp32_reference(model, images, tokens),
                "exact_sum": _bf16_chunks_summed_exactly(model, images, tokens)}
     generated = eng.ds_config
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     for label, deepspeed_defaults in (("before", True), ("after", False)):
         def config(c, plan, deepspeed_defaults=deepspeed_defaults):
             conf = generated(c, plan)
@@ -109,7 +110,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_path: str) -> None:
         engine = eng.Engine(copy.deepcopy(model), cfg)
         eng.ds_config = generated
         grads = {}
-        engine.step(images, tokens, lambda o: loss_fn(o.image, o.text, o.logit_scale),
+        engine.step(Batch(images, tokens), objective,
                     before_update=lambda: grads.update(engine.full_grads()))
         results[label] = (engine.ds_config.get("data_types"), grads)
         results[label + "_used"] = (engine.ds.get_data_types()[1], engine.ds.communication_data_type)

@@ -20,16 +20,16 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine, consolidate_checkpoint
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
     results = {}
 
     def run(engine, batch_seed):
-        loss_fn = build_loss(engine.cfg.loss)
-        return engine.step(*engine_batch(batch_seed, rank, world),
-                           lambda o: loss_fn(o.image, o.text, o.logit_scale))
+        objective = build_objective(engine.cfg)
+        return engine.step(Batch(*engine_batch(batch_seed, rank, world)), objective)
 
     for stage in (0, 1, 2, 3):
         cfg = engine_cfg(stage)
@@ -68,9 +68,8 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
         torch.manual_seed(seed)
         e = Engine(build_model(cfg.model), cfg)
         before = e.consolidated_state_dict()
-        loss_fn = build_loss(cfg.loss)
-        res = e.step(*engine_batch(seed + 1, rank, world),
-                     lambda o: loss_fn(o.image, o.text, o.logit_scale), autocast=auto)
+        objective = build_objective(cfg)
+        res = e.step(Batch(*engine_batch(seed + 1, rank, world)), objective, autocast=auto)
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)
     if rank == 0:

@@ -76,7 +76,8 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
@@ -88,13 +89,9 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
         cfg = _cfg(stage, chunk, world)
         torch.manual_seed(model_seed)
         engine = Engine(build_model(cfg.model), cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         captured = {}
-
-        def loss_of(out):
-            return loss_fn(out.image, out.text, out.logit_scale)
-
-        engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
+        engine.step(Batch(images, tokens), objective, before_update=lambda: captured.update(engine.full_grads()))
         params = engine.consolidated_state_dict()
         if rank == 0:
             results[(stage, name)] = (engine.plan.chunks, captured, params, engine.grad_norm())

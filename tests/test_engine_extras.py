@@ -4,8 +4,8 @@ and mined negative captions.
 Reference: one process, the full global batch, one forward, a naive float32 objective
 written out here (CLIP + each image row's own mined negatives + weight x NT-Xent over all
 views), plain torch SGD. Compared: 1 and 2 ranks x ZeRO {0, 3} x caching {off, uneven
-chunks}, running the trainer's own loss composition (``ContrastiveLoss`` with mined
-negatives + ``ImageImageTerm``, both gathered across ranks). Checked: rank-averaged
+chunks}, running the trainer's own objective (``build_objective``: contrastive + mined negatives +
+image-image terms, gathered across ranks). Checked: rank-averaged
 gradients and parameters after one step, to <= 1e-5 relative.
 """
 
@@ -85,8 +85,8 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
-    from mmalign.losses.ntxent import ImageImageTerm
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
@@ -98,15 +98,10 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
             cfg = _cfg(stage, chunk)
             torch.manual_seed(model_seed)
             engine = Engine(build_model(cfg.model), cfg)
-            loss_fn = build_loss(cfg.loss)
-            term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature)
+            objective = build_objective(cfg, world)
             captured = {}
-
-            def loss_of(out):
-                return term(loss_fn(out.image, out.text, out.logit_scale,
-                                    neg_text_features=out.neg_text, neg_mask=mask), out)
-
-            result = engine.step(images, tokens, loss_of, extra={"images2": images2, "neg_texts": neg},
+            batch = Batch(images, tokens, images2=images2, neg_tokens=neg, neg_mask=mask)
+            result = engine.step(objective.select(batch), objective,
                                  before_update=lambda: captured.update(engine.full_grads()))
             params = engine.consolidated_state_dict()
             if rank == 0:

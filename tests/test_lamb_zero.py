@@ -33,7 +33,8 @@ def _worker(rank: int, world: int, port: int, cases: tuple, seed: int, out_path:
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
@@ -43,10 +44,9 @@ def _worker(rank: int, world: int, port: int, cases: tuple, seed: int, out_path:
                          f"deepspeed.precision={precision}")
         torch.manual_seed(seed)
         engine = Engine(build_model(cfg.model), cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         def step(e, k):
-            e.step(*engine_batch(seed + 1 + k, rank, world),
-                   lambda o: loss_fn(o.image, o.text, o.logit_scale))
+            e.step(Batch(*engine_batch(seed + 1 + k, rank, world)), objective)
 
         for k in range(STEPS):
             step(engine, k)

@@ -33,18 +33,18 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, train: bool, load_f
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
+    from mmalign.objective import build_objective
     from mmalign.models import build_model
 
     mdist.init_from_env(backend="gloo")
     seed, results = 11, {}
     for stage, optimizer in CASES:
         cfg = engine_cfg(stage, f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.eps=1e-2")
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
 
         def step(engine, k):
-            engine.step(*engine_batch(seed + 1 + k, rank, world),
-                        lambda o: loss_fn(o.image, o.text, o.logit_scale))
+            engine.step(Batch(*engine_batch(seed + 1 + k, rank, world)), objective)
 
         if train:
             torch.manual_seed(seed)
