@@ -66,7 +66,7 @@ def assert_same(got, want):
     for a, b in zip(got, want):
         assert a.keys == b.keys and a.captions == b.captions and a.skipped == b.skipped
         for name in ("images", "tokens", "epochs"):
-            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+            assert getattr(a, name).dtype == getattr(b, name).dtype and torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_worker_shares():
