@@ -188,19 +188,19 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     if main:
         _say(f"building model {cfg.model.preset} on {device}")
     model: TwoTower = build_model(cfg.model)
+    # the objective (loss terms); a MoCo queue's EMA encoder starts as a copy of the initial
+    # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
+    objective = build_objective(cfg, world, model=model, device=device)
+    queue = objective.queue  # its state is checkpointed (None without a queue term)
     model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
-                                               second_view=cfg.loss.image_image_weight > 0,
-                                               negatives=cfg.data.hard_negatives)
+                                               second_view="image2" in objective.embeddings,
+                                               negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings
+                                               else 0)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
-
-    # the objective (loss terms); a MoCo queue's EMA encoder starts as a copy of the initial
-    # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
-    objective = build_objective(cfg, world, model=model, device=device)
-    queue = objective.queue  # its state is checkpointed (None without a queue term)
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
@@ -280,7 +280,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
             keys_file.write(json.dumps({"step": step, "keys": batch.keys}) + "\n")
             keys_file.flush()
 
-        result = engine.step(batch, objective.loss_for(batch), autocast)
+        result = engine.step(batch, objective, autocast)
         if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
             objective.after_update(engine.full_params, lambda: dict(engine.module.named_buffers()), batch,
                                    chunk=engine.plan.micro_batch, autocast=autocast)

@@ -61,14 +61,13 @@ PARTS: tuple[Part, ...] = (
     # weights / priors and a B x B metadata mask say nothing about entries of past batches.
     Part("queue", ("loss.queue_size",), lambda c: c.loss.queue_size > 0,
          refuses={"siglip": "queued entries are InfoNCE negatives (needs loss.name=infonce)",
-                  "hardneg": "does not combine with loss.hard_negative_beta / loss.debias_prior",
-                  "mask": "does not combine with loss.positive_mask"},
+                  "hardneg": "the estimators' weights and prior say nothing about entries of past batches",
+                  "mask": "a (B, B) metadata mask says nothing about entries of past batches"},
          example=("loss.queue_size=64",)),
     Part("mined", ("data.hard_negatives",), lambda c: c.data.hard_negatives > 0,
          refuses={"siglip": "mined negatives extend the plain InfoNCE (needs loss.name=infonce)",
-                  "hardneg": "mined negatives extend the plain InfoNCE (no loss.hard_negative_beta / "
-                             "loss.debias_prior)",
-                  "queue": "does not combine with loss.queue_size (not implemented)"},
+                  "hardneg": "mined negatives extend the plain InfoNCE, not the estimators",
+                  "queue": "mined negatives with a momentum queue are not implemented"},
          example=("data.hard_negatives=2",)),
     Part("views", ("loss.image_image_weight",), lambda c: c.loss.image_image_weight > 0,
          example=("data.views=2", "loss.image_image_weight=0.5")),
