@@ -22,7 +22,6 @@ import yaml
 
 
 from mmalign.errors import ConfigError  # re-exported: the config's own error
-from mmalign.objective import rules as objective_rules
 
 
 MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
@@ -344,7 +343,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
                               "(e.g. subset_code)")
     _validate_queue(cfg)
-    objective_rules.check(cfg, world_size)  # which loss terms / options combine: the objective's one table
+    from mmalign.objective import rules  # which loss terms combine: the objective's one table (no torch)
+
+    rules.check(cfg, world_size)
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json

@@ -248,7 +248,6 @@ class Engine:
         loss or representation gradients are non-finite on any rank is skipped
         before anything reaches the model (``StepResult.skipped``).
         """
-
         loss_fn = objective.loss_for(batch) if hasattr(objective, "loss_for") else objective
 
         def update(i: int = 0, last: bool = True) -> None:

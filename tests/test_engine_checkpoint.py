@@ -56,7 +56,7 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
         e = Engine(build_model(cfg.model), cfg)
         for k in range(2):
             run(e, seed + 10 + k)
-        seen = float(e.forward(*engine_batch(seed, rank, world))["logit_scale"].detach().reshape(-1)[0])
+        seen = float(e.forward(*engine_batch(seed, rank, world)).logit_scale.detach().reshape(-1)[0])
         results[f"clamp{stage}"] = (float(e.consolidated_state_dict()["logit_scale"].reshape(-1)[0]), seen)
 
     # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
