@@ -163,6 +163,7 @@ class Engine:
         t = cfg.train
         optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        self._output_type = _dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
         self.ds_config = ds_config(cfg, self.plan)
         if mdist.get_rank() == 0:
             log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
@@ -222,7 +223,8 @@ class Engine:
         if self.input_dtype is not None:
             images = images.to(self.input_dtype)
             extra = {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in extra.items()}
-        return self.ds(images, tokens, **extra)
+        out = self.ds(images, tokens, **extra)  # the fields as a dict (_dict_at_the_deepspeed_boundary)
+        return self._output_type[0](**out) if isinstance(out, dict) else out
 
     def encode(self, batch: Batch, autocast=None) -> Embeddings:
         """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`) under ``autocast``."""
@@ -411,6 +413,25 @@ class Engine:
             if name in persistent:
                 state[name] = buf.detach().cpu().clone()
         return state
+
+
+def _dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:
+    """Let DeepSpeed see the model's output tensors: it looks for them only in tensors, tuples,
+    lists and dicts (its backward hooks on a forward's outputs run the backward prologue that
+    fp32 gradient accumulation of bf16 weights needs; ZeRO-3 wraps them for its pre-backward
+    parameter fetch).  A forward hook registered before DeepSpeed's turns the model's
+    Embeddings into a dict of its present fields; :meth:`Engine.forward` rebuilds the same
+    Embeddings class from it.  Returns the one-element list holding that class."""
+    kind: list = [Embeddings]
+
+    def to_dict(module, args, output):
+        if isinstance(output, Embeddings):
+            kind[0] = type(output)
+            return output.tensors()
+        return output
+
+    model.register_forward_hook(to_dict)
+    return kind
 
 
 @contextlib.contextmanager
