@@ -128,8 +128,11 @@ class Objective:
                      chunk: int = 0, autocast: Any = None) -> None:
         """Let the terms with training state follow an update that was made (not skipped):
         the queue's EMA and enqueue (collectives: every rank calls it)."""
+        stateful = [t for t in self.terms if type(t).after_update is not Term.after_update]
+        if not stateful:
+            return
         ctx = UpdateContext(params, buffers, batch, self.positives.ids(batch), chunk, autocast)
-        for term in self.terms:
+        for term in stateful:
             term.after_update(ctx)
 
 
