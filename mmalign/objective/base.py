@@ -65,10 +65,6 @@ class Term:
     def after_update(self, ctx: "UpdateContext") -> None:
         """Called once after each optimiser update that was not skipped (e.g. the queue's EMA)."""
 
-    def state_dict(self) -> dict | None:
-        """Training state to checkpoint (None: the term has none)."""
-        return None
-
 
 @dataclass
 class UpdateContext:

@@ -219,6 +219,3 @@ class QueueNegatives(Term):
     def after_update(self, ctx: UpdateContext) -> None:
         self.queue.update(ctx.params(), ctx.buffers())
         self.queue.push(ctx.batch.images, ctx.batch.tokens, ctx.ids, chunk=ctx.chunk, autocast=ctx.autocast)
-
-    def state_dict(self) -> dict:
-        return self.queue.state_dict()
