@@ -91,8 +91,8 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     from mmalign import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     batch = chunk * chunks
     cfg = load_config(None, [

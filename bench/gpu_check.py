@@ -165,10 +165,10 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
     """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1), uncached and cached."""
     from bf16_accum import _inputs
 
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     rows = []
     for chunk in (0, sizes.step_chunk):

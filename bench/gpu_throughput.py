@@ -26,11 +26,11 @@ def main() -> None:
         raise SystemExit("bench/gpu_throughput.py needs a CUDA device")
 
     from mmalign.config import load_config
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
     from mmalign.monitors import forward_flops_per_sample, peak_tflops
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, [f"model.preset={args.model}", f"train.global_batch_size={args.batch}",
                              f"train.grad_cache_chunk_size={args.chunk}", "train.warmup_steps=0",

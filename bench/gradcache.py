@@ -33,10 +33,10 @@ def run_case(batch: int, chunk: int, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from mmalign.config import load_config
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, [f"train.global_batch_size={batch}", f"train.grad_cache_chunk_size={chunk}",
                              "train.warmup_steps=0", f"train.steps={steps + 1}"])

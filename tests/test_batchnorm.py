@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig
+from mmalign.gradcache import chunk_sizes
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
-from mmalign.gradcache import chunk_sizes
 from tests.conftest import clip_batch, naive_clip_loss, run_cli, spawn_ranks
 
 GLOBAL_BATCH = 12
@@ -243,8 +243,8 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
+    from mmalign.engine import Engine
     from mmalign.objective import build_objective
 
     mdist.init_from_env(backend="gloo")

@@ -14,9 +14,9 @@ from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
 
 from mmalign.config import AugmentConfig, ConfigError, DataConfig, load_config
+from mmalign.data.batch import Batch
 from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader, worker_shares
-from mmalign.data.batch import Batch
 from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.stream import SlotStream
 from mmalign.data.transforms import train_transform

@@ -81,8 +81,8 @@ def _worker(rank: int, world: int, port: int, seed: int, out_path: str) -> None:
     from mmalign import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     mdist.init_from_env(backend="gloo")
     cfg = load_config(None, ["model.preset=micro", f"train.global_batch_size={BATCH}",

@@ -19,10 +19,10 @@ def _worker(rank, world, port, seed, ckpt_dir, out_path):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
-    from mmalign.engine import Engine, consolidate_checkpoint
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine, consolidate_checkpoint
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     mdist.init_from_env(backend="gloo")
     results = {}

@@ -75,10 +75,10 @@ def _worker(rank: int, world: int, port: int, model_seed: int, data_seed: int, o
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from mmalign import distributed as mdist
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     mdist.init_from_env(backend="gloo")
     images, tokens = _inputs(data_seed)

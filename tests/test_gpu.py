@@ -12,10 +12,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_zero2_bf16_step_on_cuda():
     from mmalign.config import load_config
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
                              "train.warmup_steps=0", "deepspeed.zero_stage=2", "deepspeed.precision=bf16",
@@ -39,6 +39,7 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout():
     from mmalign.config import ModelConfig
     from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch
     from mmalign.models import build_model
+    from mmalign.models.embeddings import Embeddings
 
     def loss(full):
         logits = full.logit_scale * full.image @ full.text.T
@@ -82,10 +83,10 @@ def _cuda_batch(n: int, size: int):
 def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     """bf16 weights at ZeRO-1 (BF16_Optimizer, fp32 accumulation) with the per-tensor LAMB layout."""
     from mmalign.config import load_config
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
                              "train.warmup_steps=0", "deepspeed.zero_stage=1", "deepspeed.precision=bf16",
@@ -104,10 +105,10 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
 
 def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     from mmalign.config import load_config
-    from mmalign.engine import Engine
     from mmalign.data.batch import Batch
-    from mmalign.objective import build_objective
+    from mmalign.engine import Engine
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro-rn", "model.batchnorm=local", "train.global_batch_size=12",
                              "train.steps=2", "train.warmup_steps=0", "train.grad_cache_chunk_size=4"])

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from mmalign import distributed as mdist
 from mmalign.losses import caption_ids, clip_loss, siglip_loss
-from mmalign.objective import LossOutput, build_objective
 from mmalign.models.embeddings import Embeddings
+from mmalign.objective import LossOutput, build_objective
 from tests import objectives
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
