@@ -62,19 +62,19 @@ def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
     chunks = list(zip(images.bfloat16().split(chunk), tokens.split(chunk)))
     with torch.no_grad():
         outs = [model(im, tok) for im, tok in chunks]
-    img = torch.cat([o["image_features"].float() for o in outs]).requires_grad_(True)  # (B, D)
-    txt = torch.cat([o["text_features"].float() for o in outs]).requires_grad_(True)
-    scale = outs[0]["logit_scale"].float().detach().requires_grad_(True)
+    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
+    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
+    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
     _naive_clip_loss(img, txt, scale).backward()
     total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
     for k, (im, tok) in enumerate(chunks):
         model.zero_grad(set_to_none=True)
         out = model(im, tok)
         rows = slice(k * chunk, (k + 1) * chunk)
-        surrogate = (out["image_features"].float() * img.grad[rows]).sum() \
-            + (out["text_features"].float() * txt.grad[rows]).sum()
+        surrogate = (out.image.float() * img.grad[rows]).sum() \
+            + (out.text.float() * txt.grad[rows]).sum()
         if k == 0:
-            surrogate = surrogate + (out["logit_scale"].float() * scale.grad).sum()
+            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
         surrogate.backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
@@ -89,8 +89,9 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
 
     from mmalign import engine as eng
     from mmalign.config import load_config
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     batch = chunk * chunks
     cfg = load_config(None, [
@@ -107,13 +108,13 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
 
     ref_model = copy.deepcopy(model)
     out = ref_model(images, tokens)  # fp32, uncached, full batch
-    _naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    _naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     refs = {"fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
             "exact_sum": _exact_chunk_sum(model, images, tokens, chunk)}
     del ref_model
 
     generated = eng.ds_config
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     results = {}
     for label, deepspeed_defaults in (("before", True), ("after", False)):
         def config(c, plan, deepspeed_defaults=deepspeed_defaults):
@@ -129,7 +130,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
         finally:
             eng.ds_config = generated
         grads = {}
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+        engine.step(Batch(images, tokens), objective,
                     before_update=lambda: grads.update(engine.full_grads()))
         accum, comm = engine.ds.get_data_types()[1], engine.ds.communication_data_type
         results[label] = {"accum": str(accum).removeprefix("torch."), "comm": str(comm).removeprefix("torch."),

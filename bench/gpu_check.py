@@ -167,9 +167,10 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
     """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1), uncached and cached."""
     from bf16_accum import _inputs
 
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     rows = []
     for chunk in (0, sizes.step_chunk):
@@ -179,14 +180,13 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
         model = build_model(cfg.model)
         images, tokens = (t.to(device) for t in _inputs(sizes.batch, model.image_size, model.context_length, 0))
         engine = Engine(model.to(device), cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
 
         def autocast():
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         def step():
-            engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"],
-                                                          o["logit_scale"]), autocast)
+            engine.step(Batch(images, tokens), objective, autocast)
 
         for _ in range(2):
             step()

@@ -26,10 +26,11 @@ def main() -> None:
         raise SystemExit("bench/gpu_throughput.py needs a CUDA device")
 
     from mmalign.config import load_config
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
     from mmalign.monitors import forward_flops_per_sample, peak_tflops
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, [f"model.preset={args.model}", f"train.global_batch_size={args.batch}",
                              f"train.grad_cache_chunk_size={args.chunk}", "train.warmup_steps=0",
@@ -38,7 +39,7 @@ def main() -> None:
     model = build_model(cfg.model)
     flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length)
     engine = Engine(model.cuda(), cfg)
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     images = torch.randn(args.batch, 3, model.image_size, model.image_size, device="cuda")
     tokens = torch.randint(1, 49000, (args.batch, model.context_length), device="cuda")
     tokens[:, 0], tokens[:, 20], tokens[:, 21:] = 49406, 49407, 0
@@ -47,7 +48,7 @@ def main() -> None:
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step():
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+        engine.step(Batch(images, tokens), objective,
                     autocast)
 
     for _ in range(3):

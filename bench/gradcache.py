@@ -33,26 +33,25 @@ def run_case(batch: int, chunk: int, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from mmalign.config import load_config
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, [f"train.global_batch_size={batch}", f"train.grad_cache_chunk_size={chunk}",
                              "train.warmup_steps=0", f"train.steps={steps + 1}"])
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model), cfg)
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     images = torch.randn(batch, 3, 32, 32)
     tokens = torch.randint(1, 49000, (batch, 32))
     tokens[:, 0], tokens[:, 20], tokens[:, 21:] = 49406, 49407, 0
 
-    def loss_of(out):
-        return loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
-
-    engine.step(images, tokens, loss_of)  # warm-up (allocator, DeepSpeed lazy init)
+    inputs = Batch(images, tokens)
+    engine.step(inputs, objective)  # warm-up (allocator, DeepSpeed lazy init)
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step(images, tokens, loss_of)
+        engine.step(inputs, objective)
     step_s = (time.perf_counter() - start) / steps
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"batch": batch, "chunk": chunk, "step_s": step_s, "peak_rss_mb": peak_mb}

@@ -24,6 +24,7 @@ neighbour on a shared machine slows both alike; the best run of each is reported
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -88,10 +89,13 @@ def crossing_bytes(item) -> int:
         nonlocal tensors
         if isinstance(x, torch.Tensor):
             tensors += x.untyped_storage().nbytes()
+        elif dataclasses.is_dataclass(x):  # a collated Batch piece
+            walk(vars(x))
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v) if isinstance(v, (torch.Tensor, dict, list, tuple)) else rest.append((k, v))
-        elif isinstance(x, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in x):
+        elif isinstance(x, (list, tuple)) and any(isinstance(v, torch.Tensor) or dataclasses.is_dataclass(v)
+                                                  for v in x):
             for v in x:
                 walk(v)
         else:

@@ -334,19 +334,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'loss.hard_negative_beta' must be >= 0, got {cfg.loss.hard_negative_beta}")
     if not 0 <= cfg.loss.debias_prior < 1:
         raise ConfigError(f"config key 'loss.debias_prior' must be in [0, 1), got {cfg.loss.debias_prior}")
-    if (cfg.loss.hard_negative_beta or cfg.loss.debias_prior) and cfg.loss.name != "infonce":
-        raise ConfigError("config keys 'loss.hard_negative_beta' / 'loss.debias_prior' need loss.name=infonce")
     if cfg.loss.positive_mask not in ("none", "attribute_subset"):
         raise ConfigError(f"config key 'loss.positive_mask' must be none or attribute_subset, got "
                           f"{cfg.loss.positive_mask!r}")
     if cfg.loss.positive_mask != "none":
-        if cfg.loss.name != "infonce" or cfg.loss.false_negative_ids != "none" or world_size > 1:
-            raise ConfigError("config key 'loss.positive_mask' needs loss.name=infonce, loss.false_negative_ids=none "
-                              "and one process")
         if cfg.data.id_field is None:
             raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
                               "(e.g. subset_code)")
     _validate_queue(cfg)
+    from mmalign.objective import rules  # which loss terms combine: the objective's one table (no torch)
+
+    rules.check(cfg, world_size)
     fn_ids = cfg.loss.false_negative_ids
     if fn_ids not in ("none", "caption"):
         # an id field: the loader must read it from each sample's .json
@@ -391,23 +389,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 
 def _validate_queue(cfg: Config) -> None:
-    """The momentum queue's keys and the options it does not combine with."""
+    """The momentum queue's keys (what it combines with: mmalign.objective.rules)."""
     loss = cfg.loss
     if loss.queue_size < 0:
         raise ConfigError(f"config key 'loss.queue_size' must be >= 0 (0 = off), got {loss.queue_size}")
     if not 0 <= loss.momentum < 1:
         raise ConfigError(f"config key 'loss.momentum' must be in [0, 1), got {loss.momentum}")
-    if loss.queue_size == 0:
-        return
-    # Queued entries are negatives of the plain (multi-positive) InfoNCE only: the estimators'
-    # weights / priors and a B x B metadata mask say nothing about entries of past batches.
-    if loss.name != "infonce":
-        raise ConfigError("config key 'loss.queue_size' needs loss.name=infonce")
-    if loss.hard_negative_beta or loss.debias_prior:
-        raise ConfigError("config key 'loss.queue_size' does not combine with loss.hard_negative_beta / "
-                          "loss.debias_prior")
-    if loss.positive_mask != "none":
-        raise ConfigError("config key 'loss.queue_size' does not combine with loss.positive_mask")
 
 
 def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
@@ -499,11 +486,6 @@ def _validate_extras(cfg: Config) -> None:
         raise ConfigError("config key 'loss.image_image_weight' > 0 needs data.views: 2 (a second augmented view)")
     if data.hard_negatives < 0:
         raise ConfigError(f"config key 'data.hard_negatives' must be >= 0, got {data.hard_negatives}")
-    if data.hard_negatives and (loss.name != "infonce" or loss.hard_negative_beta or loss.debias_prior):
-        raise ConfigError("config key 'data.hard_negatives' needs loss.name=infonce without "
-                          "loss.hard_negative_beta / loss.debias_prior (mined negatives extend the plain InfoNCE)")
-    if data.hard_negatives and loss.queue_size:
-        raise ConfigError("config key 'data.hard_negatives' does not combine with loss.queue_size (not implemented)")
 
 
 def grad_accum_dtype(cfg: Config) -> Optional[str]:

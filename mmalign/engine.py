@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import math
@@ -43,8 +44,10 @@ from deepspeed.utils import (  # noqa: E402
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign import reshard  # noqa: E402
 from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
-from mmalign.gradcache import PER_SAMPLE, PER_STEP, chunk_sizes, grad_cache_step, split_batch  # noqa: E402
+from mmalign.data.batch import Batch  # noqa: E402
+from mmalign.gradcache import chunk_sizes, grad_cache_step  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
+from mmalign.models.embeddings import Embeddings  # noqa: E402
 from mmalign.optim import Lamb, build_optimizer, param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
@@ -160,6 +163,7 @@ class Engine:
         t = cfg.train
         optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        self._output_type = _dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
         self.ds_config = ds_config(cfg, self.plan)
         if mdist.get_rank() == 0:
             log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
@@ -214,30 +218,39 @@ class Engine:
 
     # -------------------------------------------------------------- stepping
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, **extra: torch.Tensor) -> dict:
-        """``extra``: per-sample model inputs by keyword (``images2``, ``neg_texts``)."""
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, **extra: torch.Tensor) -> Embeddings:
+        """The model's Embeddings; ``extra``: further model inputs by keyword (``images2``, ``neg_texts``)."""
         if self.input_dtype is not None:
             images = images.to(self.input_dtype)
             extra = {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in extra.items()}
-        return self.ds(images, tokens, **extra)
+        out = self.ds(images, tokens, **extra)  # the fields as a dict (_dict_at_the_deepspeed_boundary)
+        return self._output_type[0](**out) if isinstance(out, dict) else out
+
+    def encode(self, batch: Batch, autocast=None) -> Embeddings:
+        """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`) under ``autocast``."""
+        inputs = batch.model_inputs()
+        with (autocast or _null_context)():
+            out = self.forward(inputs.pop("images"), inputs.pop("texts"), **inputs)
+        return out.map(lambda t: t.float())
 
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
 
-    def step(self, images: torch.Tensor, tokens: torch.Tensor, loss_fn, autocast=None, before_update=None,
-             extra: dict[str, torch.Tensor] | None = None):
+    def step(self, batch: Batch, objective, autocast=None, before_update=None) -> StepResult:
         """Forward, loss, backward and one optimiser update over the local batch.
 
-        ``loss_fn(outputs) -> LossOutput`` receives float32 features.
-        ``extra`` holds further per-sample model inputs (name -> (B, ...) tensor,
-        passed to the model by keyword, e.g. ``images2`` / ``neg_texts``); they are
-        chunked along dim 0 with the images and tokens.
+        ``batch``: this rank's :class:`~mmalign.data.batch.Batch` on the device; every
+        model input it holds (images, tokens, and ``images2`` / ``neg_tokens`` when
+        present) is encoded, chunk by chunk (:meth:`Batch.slice`) with gradient caching.
+        ``objective``: a :class:`mmalign.objective.Objective` (its loss on this batch), or
+        any ``loss_fn(embeddings) -> LossOutput``; it receives the full local batch's float32
+        :class:`~mmalign.models.embeddings.Embeddings`.
         ``before_update()`` runs after the last backward, before the update (the
         averaged gradients are then readable with :meth:`full_grads`).  A step whose
         loss or representation gradients are non-finite on any rank is skipped
         before anything reaches the model (``StepResult.skipped``).
         """
-        autocast = autocast or _null_context
+        loss_fn = objective.loss_for(batch) if hasattr(objective, "loss_for") else objective
 
         def update(i: int = 0, last: bool = True) -> None:
             if last and before_update is not None:
@@ -246,21 +259,18 @@ class Engine:
                 self._own_norm = self._module_grad_norm()
             self.ds.step()
 
-        names = list(extra or {})
-        inputs = (images, tokens, *(extra or {}).values())
-
-        def encode(im, tok, *rest):
-            with autocast():
-                out = self.forward(im, tok, **dict(zip(names, rest)))
-            return {k: (v.float() if torch.is_tensor(v) else v) for k, v in out.items()}
+        def encode(chunk: Batch) -> Embeddings:
+            return self.encode(chunk, autocast)
 
         # BatchNorm running statistics: recorded by the first pass, one update per step (commit)
         with StepStatistics(self.module) as bn:
             if self.plan.accumulation == 1:
-                result, skipped = self._single_pass(encode(*inputs), loss_fn, update)
+                result, skipped = self._single_pass(encode(batch), loss_fn, update)
             else:
+                bounds = [0, *itertools.accumulate(self.plan.chunks)]
+                chunks = [batch.slice(i, j) for i, j in zip(bounds, bounds[1:])]
                 cached = grad_cache_step(
-                    encode, split_batch(inputs, list(self.plan.chunks)), loss_fn, self._backward,
+                    encode, chunks, loss_fn, self._backward,
                     after_chunk=update, guard=self._all_finite, replay=bn.replay,
                 )
                 result, skipped = cached.result, cached.skipped
@@ -270,18 +280,18 @@ class Engine:
             self.clamp_logit_scale()
         return StepResult(result, skipped)
 
-    def _single_pass(self, out: dict, loss_fn, update) -> tuple:
+    def _single_pass(self, out: Embeddings, loss_fn, update) -> tuple:
         """Uncached step with the same guard as the cached one: take d(loss)/d(outputs)
         first, check it on every rank, then back-propagate it through the towers."""
-        keys = [k for k in PER_SAMPLE + PER_STEP if torch.is_tensor(out.get(k)) and out[k].requires_grad]
+        keys = [k for k, v in out.tensors().items() if v.requires_grad]  # every field, per-sample or per-step
         # The loss sees detached leaves, so taking its gradient never runs a backward
         # through the (DeepSpeed-hooked) model; the towers then get one engine backward.
-        leaves = {k: out[k].detach().requires_grad_(True) for k in keys}
-        result = loss_fn({**out, **leaves})
+        leaves = {k: getattr(out, k).detach().requires_grad_(True) for k in keys}
+        result = loss_fn(out.replace(**leaves))
         grads = dict(zip(keys, torch.autograd.grad(result.loss, [leaves[k] for k in keys], allow_unused=True)))
         if not self._all_finite(result.loss, grads):
             return result, True
-        surrogate = sum((out[k] * g).sum() for k, g in grads.items() if g is not None)
+        surrogate = sum((getattr(out, k) * g).sum() for k, g in grads.items() if g is not None)
         self._backward(surrogate)
         update()
         return result, False
@@ -437,6 +447,25 @@ class Engine:
         self.ds.global_steps = global_steps
         self.ds.global_samples = global_samples
         self.ds.skipped_steps = skipped_steps
+
+
+def _dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:
+    """Let DeepSpeed see the model's output tensors: it looks for them only in tensors, tuples,
+    lists and dicts (its backward hooks on a forward's outputs run the backward prologue that
+    fp32 gradient accumulation of bf16 weights needs; ZeRO-3 wraps them for its pre-backward
+    parameter fetch).  A forward hook registered before DeepSpeed's turns the model's
+    Embeddings into a dict of its present fields; :meth:`Engine.forward` rebuilds the same
+    Embeddings class from it.  Returns the one-element list holding that class."""
+    kind: list = [Embeddings]
+
+    def to_dict(module, args, output):
+        if isinstance(output, Embeddings):
+            kind[0] = type(output)
+            return output.tensors()
+        return output
+
+    model.register_forward_hook(to_dict)
+    return kind
 
 
 @contextlib.contextmanager

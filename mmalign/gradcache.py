@@ -20,10 +20,12 @@ graph, so a step of n chunks costs n - 1 extra forwards, not n.  With one chunk,
 caching costs nothing.
 
 Extra per-sample inputs (a second image view, mined negative captions) ride
-along: a chunk is any tuple of tensors split along dim 0, and every per-sample
-output the model returns (``PER_SAMPLE``: (b, D) features of either view, or
-(b, k, D) negative-caption features) is concatenated, cached and
-back-propagated like the two main ones.
+along: a chunk is whatever ``encode`` takes (the engine slices its Batch),
+and every per-sample output field of the returned
+:class:`~mmalign.models.embeddings.Embeddings` ((b, D) features of either view,
+(b, k, D) negative-caption features, or a field a subclass adds) is
+concatenated, cached and back-propagated like the two main ones: the fields'
+metadata, not a list here, says which outputs are per-sample.
 
 The temperature (``logit_scale``) and SigLIP bias are also representations here:
 the model returns them from ``forward`` (ZeRO-3 only materialises parameters
@@ -51,10 +53,8 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-# Per-sample outputs are concatenated across chunks (along dim 0, whatever their
-# trailing shape); per-step ones are taken once. Absent keys are skipped.
-PER_SAMPLE = ("image_features", "text_features", "image2_features", "neg_text_features")
-PER_STEP = ("logit_scale", "logit_bias")
+from mmalign.models.embeddings import PER_SAMPLE, PER_STEP, Embeddings
+
 
 
 @dataclass
@@ -97,9 +97,9 @@ class CachedStep:
 
 
 def grad_cache_step(
-    encode: Callable[..., dict],
-    chunks: Sequence[tuple],
-    loss_fn: Callable[[dict], Any],
+    encode: Callable[[Any], Embeddings],
+    chunks: Sequence[Any],
+    loss_fn: Callable[[Embeddings], Any],
     backward: Callable[[torch.Tensor], None],
     after_chunk: Optional[Callable[[int, bool], None]] = None,
     guard: Optional[Callable[[torch.Tensor, dict], bool]] = None,
@@ -108,14 +108,12 @@ def grad_cache_step(
     """One optimisation step's gradients, accumulated chunk by chunk.
 
     Args:
-        encode: ``encode(*chunk) -> dict`` with (b, D) ``image_features`` /
-            ``text_features`` (optionally ``image2_features`` (b, D) and
-            ``neg_text_features`` (b, k, D)) and the per-step ``logit_scale``
-            (and optionally ``logit_bias``), e.g. the model's (or engine's)
-            forward.
-        chunks: the local batch split into chunk inputs (see :func:`split_batch`).
-        loss_fn: maps the full-batch dict of detached leaf tensors to either a
-            loss tensor or an object with a ``.loss`` tensor (e.g. LossOutput).
+        encode: ``encode(chunk) -> Embeddings`` (per-sample fields (b, ...), per-step
+            fields such as ``logit_scale``), e.g. the model's (or engine's) forward.
+        chunks: the local batch split into chunks along the samples (e.g.
+            ``Batch.slice`` or :func:`split_batch`).
+        loss_fn: maps the full-batch Embeddings of detached leaf tensors to either
+            a loss tensor or an object with a ``.loss`` tensor (e.g. LossOutput).
             A sharded loss may communicate here; every rank calls it once.
         backward: back-propagates a surrogate scalar through the model
             (gradients accumulate across chunks).
@@ -131,30 +129,30 @@ def grad_cache_step(
     # 1. no-grad forward of every chunk but the last, remembering the RNG state each
     #    started from; the last keeps its graph (it is back-propagated from it in 3)
     states: list[RngState] = []
-    reps: list[dict] = []
+    reps: list[Optional[Embeddings]] = []
     last = len(chunks) - 1
     for i, chunk in enumerate(chunks):
         states.append(RngState.capture())
         with torch.set_grad_enabled(i == last):
-            reps.append(encode(*chunk))
+            reps.append(encode(chunk))
     after_first_pass = RngState.capture()
 
     # 2. loss on detached representations; cache its gradient w.r.t. each of them
-    full: dict[str, torch.Tensor] = {}
-    per_sample = [k for k in PER_SAMPLE if torch.is_tensor(reps[-1].get(k))]
-    for key in per_sample:
-        full[key] = torch.cat([r[key].detach() for r in reps]).requires_grad_(True)  # (B, D) or (B, k, D)
-    for key in PER_STEP:
-        if reps[-1].get(key) is not None:
-            full[key] = reps[-1][key].detach().requires_grad_(True)  # (1,)
-    result = loss_fn(full)
+    per_sample = list(reps[-1].tensors(PER_SAMPLE))
+    per_step = list(reps[-1].tensors(PER_STEP))
+    leaves: dict[str, torch.Tensor] = {}
+    for name in per_sample:  # (B, ...) concatenated along the samples, whatever the trailing shape
+        leaves[name] = torch.cat([getattr(r, name).detach() for r in reps]).requires_grad_(True)
+    for name in per_step:  # taken once
+        leaves[name] = getattr(reps[-1], name).detach().requires_grad_(True)
+    result = loss_fn(reps[-1].replace(**leaves))
     loss = result if isinstance(result, torch.Tensor) else result.loss
-    names = list(full)
-    grads = dict(zip(names, torch.autograd.grad(loss, [full[k] for k in names], allow_unused=True)))
+    names = list(leaves)
+    grads = dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)))
     if guard is not None and not guard(loss, grads):
         after_first_pass.restore()
         return CachedStep(loss=loss.detach(), result=result, skipped=True)
-    sizes = [r[per_sample[0]].shape[0] for r in reps]
+    sizes = [getattr(r, per_sample[0]).shape[0] for r in reps]
     sample_grads = {k: grads[k].split(sizes) for k in per_sample if grads.get(k) is not None}
 
     # 3. back-propagate rep . grad: the last chunk from its kept graph, then every
@@ -165,15 +163,15 @@ def grad_cache_step(
         else:
             states[i].restore()
             with (replay or contextlib.nullcontext)():
-                out = encode(*chunks[i])
-        surrogate = sum((out[k] * g[i]).sum() for k, g in sample_grads.items())
+                out = encode(chunks[i])
+        surrogate = sum((getattr(out, k) * g[i]).sum() for k, g in sample_grads.items())
         if i == last:  # the per-step outputs take their gradient exactly once
-            for key in PER_STEP:
+            for key in per_step:
                 if grads.get(key) is not None:
-                    surrogate = surrogate + (out[key] * grads[key]).sum()
+                    surrogate = surrogate + (getattr(out, key) * grads[key]).sum()
         backward(surrogate)
         if i == last:
-            reps[last] = {}  # free the kept graph before the next chunk's forward
+            reps[last] = None  # free the kept graph before the next chunk's forward
             out = None
         if after_chunk is not None:
             after_chunk(n, n == last)

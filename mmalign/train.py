@@ -10,7 +10,6 @@ DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import random
 import signal
@@ -25,18 +24,15 @@ import torch
 from mmalign import checkpoint, progress, rundir
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
-from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
-from mmalign.losses import build_loss, caption_ids
-from mmalign.losses.ntxent import ImageImageTerm
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.io import save_pretrained
-from mmalign.momentum import MomentumQueue
+from mmalign.objective import MomentumQueue, build_objective
 from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
                               probe_stats)
 from mmalign.resume import resume_run
@@ -88,34 +84,6 @@ def resolve_suite(cfg: Config) -> dict | None:
 
 class RunStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
-
-
-def positive_mask_for(batch: dict, mode: str) -> torch.Tensor | None:
-    """(B, B) bool metadata positives (image i vs caption j) for ``loss.positive_mask``."""
-    if mode == "none":
-        return None
-    from mmalign.losses.metadata import subset_mask
-
-    return subset_mask(batch["ids"])  # mode "attribute_subset": ids are subset codes
-
-
-def positive_ids_for(batch: dict, mode: str) -> torch.Tensor | None:
-    if mode == "none":
-        return None
-    if mode == "caption":
-        return caption_ids(batch["captions"])
-    return batch["ids"]
-
-
-def extra_inputs(batch: dict, cfg: Config, device: torch.device) -> dict:
-    """Per-sample model inputs beyond (images, tokens): the second view for the image-image
-    term, the mined negative captions (``TwoTower.forward`` keywords)."""
-    extra = {}
-    if cfg.loss.image_image_weight > 0:
-        extra["images2"] = images_to(batch["images2"], device)  # (B, 3, H, W)
-    if cfg.data.hard_negatives > 0:
-        extra["neg_texts"] = batch["neg_tokens"].to(device)  # (B, k, L)
-    return extra
 
 
 def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -175,8 +143,7 @@ class _Parts:
     engine: object  # mmalign.engine.Engine
     loader: object
     probe: tuple | None
-    loss_fn: object
-    view_term: object
+    objective: object  # mmalign.objective.Objective: the loss terms and their state
     autocast: object  # () -> the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device, for MFU
 
@@ -286,21 +253,19 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     if main:
         say(f"building model {cfg.model.preset} on {device}")
     model: TwoTower = build_model(cfg.model)
+    # the objective (loss terms); a MoCo queue's EMA encoder starts as a copy of the initial
+    # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
+    objective = build_objective(cfg, world, model=model, device=device)
+    queue = objective.queue  # its state is checkpointed (None without a queue term)
     model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
-                                               second_view=cfg.loss.image_image_weight > 0,
-                                               negatives=cfg.data.hard_negatives)
+                                               second_view="image2" in objective.embeddings,
+                                               negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings
+                                               else 0)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
-
-    # momentum queue (MoCo): the EMA encoder starts as a copy of the initial weights, taken
-    # before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
-    queue = None
-    if cfg.loss.queue_size > 0:
-        queue = MomentumQueue(copy.deepcopy(model), cfg.loss.queue_size, cfg.loss.momentum,
-                              with_ids=cfg.loss.false_negative_ids != "none", device=device)
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
@@ -322,8 +287,6 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
                                 grad_cache_chunk=t.grad_cache_chunk_size, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
-    loss_fn = build_loss(cfg.loss)
-    view_term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature, cfg.loss.tile_size)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     peak = peak_tflops(device, mon.peak_tflops)
 
@@ -331,42 +294,28 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     return _Parts(cfg, out, device, world, model_flops, model.embed_dim, tokenizer, queue, engine, loader,
-                  probe, loss_fn, view_term, autocast, peak)
+                  probe, objective, autocast, peak)
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
     """One step: the next batch, the engine's guarded update, the momentum queue, the count of
     skipped steps (too many in a row stop the run). Returns (batch, StepResult)."""
-    cfg, engine, queue, device, autocast, loss_fn, view_term = (p.cfg, p.engine, p.queue, p.device, p.autocast,
-                                                                p.loss_fn, p.view_term)
+    engine, objective = p.engine, p.objective
     fetch = time.time()
     batch = next(batches)
     tally.data_wait += time.time() - fetch
-    images, tokens = images_to(batch["images"], device), batch["tokens"].to(device)  # uint8 -> normalised
-    ids = positive_ids_for(batch, cfg.loss.false_negative_ids)
-    pmask = positive_mask_for(batch, cfg.loss.positive_mask)
-    extra, neg_mask = extra_inputs(batch, cfg, device), batch.get("neg_mask")
-    runlog.sample_keys(step, batch["keys"])
-
-    entries = queue.entries() if queue is not None else None  # earlier steps' entries only
-
-    def loss_of(outputs: dict):
-        return view_term(loss_fn(outputs["image_features"], outputs["text_features"], outputs["logit_scale"],
-                                 outputs.get("logit_bias"), positive_ids=ids, positive_mask=pmask, queue=entries,
-                                 neg_text_features=outputs.get("neg_text_features"), neg_mask=neg_mask),
-                         outputs)
-
-    result = engine.step(images, tokens, loss_of, autocast, extra=extra)
-    if queue is not None and not result.skipped:
-        # after the update: EMA <- the new weights, then enqueue this batch as the EMA sees it
-        queue.update(engine.full_params(), dict(engine.named_buffers()))
-        queue.push(images, tokens, ids, chunk=engine.plan.micro_batch, autocast=autocast)
-    tally.window_samples += images.shape[0] * p.world
+    batch = objective.select(batch).to(p.device)  # the inputs the terms read; uint8 images -> normalised
+    runlog.sample_keys(step, batch.keys)
+    result = engine.step(batch, objective, p.autocast)
+    if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
+        objective.after_update(engine.full_params, lambda: dict(engine.named_buffers()), batch,
+                               chunk=engine.plan.micro_batch, autocast=p.autocast)
+    tally.window_samples += len(batch) * p.world
     if result.skipped:
         tally.skipped_steps += 1
         tally.consecutive += 1
         log.warning("step %d skipped: non-finite loss or gradient (%d in a row)", step, tally.consecutive)
-        if tally.consecutive >= cfg.train.max_consecutive_skips:
+        if tally.consecutive >= p.cfg.train.max_consecutive_skips:
             last = checkpoint.resolve(p.out, "latest")
             raise RunStopped(f"{tally.consecutive} non-finite steps in a row at step {step}; stopping. "
                              f"Last good checkpoint: {last or 'none (nothing saved yet)'}")
@@ -381,7 +330,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     t, mon, engine = p.cfg.train, p.cfg.monitor, p.engine
     elapsed = time.time() - tally.window_start
     sps = tally.window_samples / max(elapsed, 1e-9)
-    summed = global_log_values(result.loss, tally.data_wait, batch.get("skipped", {}))  # collective
+    summed = global_log_values(result.loss, tally.data_wait, batch.skipped)  # collective
     record = {
         "step": step,
         "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
@@ -414,7 +363,7 @@ def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     with autocast():
         out = engine.forward(probe[0].to(device), probe[1].to(device))
     engine.train_mode()
-    return probe_stats(out["image_features"].float().cpu(), out["text_features"].float().cpu())
+    return probe_stats(out.image.float().cpu(), out.text.float().cpu())
 
 
 def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig
+from mmalign.gradcache import chunk_sizes
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
-from mmalign.gradcache import chunk_sizes
 from tests.conftest import clip_batch, naive_clip_loss, run_cli, run_ranks
 
 GLOBAL_BATCH = 12
@@ -183,9 +183,9 @@ def _reference(model_seed: int, data_seed: int, groups: list[list[int]] | None, 
         m.register_forward_pre_hook(lambda mod, args, n=n: inputs[n].append(args[0].detach()))
     images, tokens = _inputs(data_seed)
     outs = [model(images[g].to(dtype), tokens[g]) for g in (groups or [list(range(GLOBAL_BATCH))])]
-    img = torch.cat([o["image_features"] for o in outs])  # (B, D) in group order: the loss is
-    txt = torch.cat([o["text_features"] for o in outs])  # invariant to a joint permutation of pairs
-    naive_clip_loss(img, txt, outs[0]["logit_scale"]).backward()
+    img = torch.cat([o.image for o in outs])  # (B, D) in group order: the loss is
+    txt = torch.cat([o.text for o in outs])  # invariant to a joint permutation of pairs
+    naive_clip_loss(img, txt, outs[0].logit_scale).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.clamp_logit_scale()
@@ -240,8 +240,9 @@ CASES = {
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign import distributed as mdist
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
+    from mmalign.objective import build_objective
 
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
@@ -260,14 +261,15 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
         model = build_model(cfg.model)
         _random_stats(model, model_seed)
         engine = Engine(model, cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         captured = {}
+        batch = Batch(images, tokens)
 
         def loss_of(out):
-            result = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+            result = objective(out, batch)
             return types.SimpleNamespace(loss=result.loss * float("nan"), stats={}) if poison else result
 
-        step = engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
+        step = engine.step(batch, loss_of, before_update=lambda: captured.update(engine.full_grads()))
         state = engine.consolidated_state_dict()
         buffers = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
         gathered = [mdist.all_gather_nograd(buffers[n].double().reshape(1, -1)) for n in sorted(buffers)]

@@ -70,7 +70,7 @@ def test_oversized_member_is_a_counted_skip(tmp_path):
     shard = tmp_path / "00000.tar.gz"
     goods = _bomb_shard(shard)
     batch = next(iter(loader(str(shard), workers=0, shuffle_buffer=1, batch=2, max_member_bytes=CAP)))
-    assert batch["keys"] == goods and batch["skipped"] == {"member_too_large": 1}
+    assert batch.keys == goods and batch.skipped == {"member_too_large": 1}
     assert [s["key"] for s in read_samples([str(shard)], max_member=CAP)] == goods  # evaluation / embed / mine
 
 

@@ -72,15 +72,15 @@ def test_each_kind_of_bad_sample_is_skipped_and_counted_in_order(tmp_path):
     batches = [b for _, b in zip(range(2), iter(loader(str(tmp_path / "00000.tar"), workers=0,
                                                        shuffle_buffer=1, batch=len(goods))))]
     assert Image.MAX_IMAGE_PIXELS == pil_limit  # in-process reading leaves PIL's global alone
-    assert batches[0]["keys"] == [k for k, _ in goods]
+    assert batches[0].keys == [k for k, _ in goods]
     expected = {}
     for reason, _ in bad:
         expected[reason] = expected.get(reason, 0) + 1
-    assert batches[0]["skipped"] == dict(sorted(expected.items()))
+    assert batches[0].skipped == dict(sorted(expected.items()))
     # the next epoch starts after the truncated tail was met (once per shard read)
-    assert batches[1]["keys"] == [k for k, _ in goods]
-    assert batches[1]["skipped"]["truncated_tar"] == 1
-    assert batches[1]["skipped"]["corrupt_image"] == 2 * expected["corrupt_image"]
+    assert batches[1].keys == [k for k, _ in goods]
+    assert batches[1].skipped["truncated_tar"] == 1
+    assert batches[1].skipped["corrupt_image"] == 2 * expected["corrupt_image"]
 
 
 def test_bad_shards_never_crash_a_multi_worker_run(tmp_path, seed):
@@ -97,8 +97,8 @@ def test_bad_shards_never_crash_a_multi_worker_run(tmp_path, seed):
     ld = loader(f"{tmp_path}/{{00000..00003}}.tar", workers=2, shuffle_buffer=5)
     seen, skipped = [], {}
     for _, batch in zip(range(12), iter(ld)):
-        seen += [k for k, e in zip(batch["keys"], batch["epochs"].tolist()) if e == 0]
-        skipped = batch["skipped"]
+        seen += [k for k, e in zip(batch.keys, batch.epochs.tolist()) if e == 0]
+        skipped = batch.skipped
     assert sorted(seen) == sorted(k for k, _ in goods)  # every good sample, once, in epoch 0
     assert set(skipped) == {r for r, _ in bad} | {"truncated_tar", "unreadable_shard"}
     assert ld.skipped() == skipped  # aggregated over both workers, same as carried in the batch
@@ -108,8 +108,8 @@ def test_missing_id_field_is_a_counted_skip(tmp_path):
     samples = [good("a"), ("b", {"jpg": jpeg(), "txt": b"no label", "json": b'{"other": 1}'}), good("c")]
     (tmp_path / "00000.tar").write_bytes(tar_bytes(samples))
     batch = next(iter(loader(str(tmp_path / "00000.tar"), workers=0, shuffle_buffer=1, batch=2, id_field="label")))
-    assert batch["keys"] == ["a", "c"] and batch["ids"].tolist() == [1, 1]
-    assert batch["skipped"] == {"missing_id": 1}
+    assert batch.keys == ["a", "c"] and batch.ids.tolist() == [1, 1]
+    assert batch.skipped == {"missing_id": 1}
 
 
 def _unusable_shards(tmp_path, n=2):
@@ -165,7 +165,7 @@ def test_consecutive_skip_limit_counts_only_unbroken_runs(tmp_path):
                      shuffle_buffer=1, max_consecutive_skips=4)
     batches = [b for _, b in zip(range(3), iter(build_train_loader(cfg, train_transform(8, AugmentConfig()),
                                                                    TOKENIZER, 20, seed=1)))]
-    assert [k for b in batches[:2] for k in b["keys"]] == [f"g{i:03d}" for i in range(40)]
+    assert [k for b in batches[:2] for k in b.keys] == [f"g{i:03d}" for i in range(40)]
 
 
 def test_cli_train_on_unusable_shards_exits_2_with_one_line(tmp_path):

@@ -65,11 +65,11 @@ def test_img2dataset_shards_load_unchanged(tmp_path, seed):
     loader = build_train_loader(cfg, train_transform(8, cfg.augment), SimpleTokenizer(context_length=10), 3, seed=0)
     seen = {}
     for _, batch in zip(range(2 * len(expected)), iter(loader)):
-        for key, caption, epoch in zip(batch["keys"], batch["captions"], batch["epochs"].tolist()):
+        for key, caption, epoch in zip(batch.keys, batch.captions, batch.epochs.tolist()):
             if epoch == 0:
                 assert key not in seen
                 seen[key] = caption
-        if min(batch["epochs"].tolist()) >= 1 and len(seen) == len(expected):
+        if min(batch.epochs.tolist()) >= 1 and len(seen) == len(expected):
             break
     assert seen == expected
     assert loader.skipped() == {}

@@ -85,13 +85,13 @@ def test_resume_mid_epoch_yields_exactly_the_uninterrupted_samples(tmp_path, mod
     tail = take(resumed, total - cut)
 
     got = head + tail
-    assert [b["keys"] for b in got] == [b["keys"] for b in reference]
-    assert [b["captions"] for b in got] == [b["captions"] for b in reference]
+    assert [b.keys for b in got] == [b.keys for b in reference]
+    assert [b.captions for b in got] == [b.captions for b in reference]
     for a, b in zip(got, reference):  # the same crops, flips and jitter
-        assert torch.equal(a["images"], b["images"])
+        assert torch.equal(a.images, b.images)
     # a different seed gives a different stream (the comparison above can fail)
     other = take(loader_for(spec, mode=mode, seed=seed + 1), 3)
-    assert [b["keys"] for b in other] != [b["keys"] for b in reference[:3]]
+    assert [b.keys for b in other] != [b.keys for b in reference[:3]]
 
 
 def test_resume_in_process_and_iterating_again_continues(tmp_path, seed):
@@ -101,14 +101,14 @@ def test_resume_in_process_and_iterating_again_continues(tmp_path, seed):
     reference = take(loader_for(spec, mode="epoch", workers=0), 8)
     loader = loader_for(spec, mode="epoch", workers=0)
     got = take(loader, 3) + take(loader, 5)  # a second iter() continues after consumed batches
-    assert [b["keys"] for b in got] == [b["keys"] for b in reference]
+    assert [b.keys for b in got] == [b.keys for b in reference]
 
 
 def _epoch0_keys(loaders, batches):
     seen = []
     for loader in loaders:
         for b in take(loader, batches):
-            seen += [k for k, e in zip(b["keys"], b["epochs"].tolist()) if e == 0]
+            seen += [k for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
     return seen
 
 
@@ -133,7 +133,7 @@ def test_fewer_shards_than_workers_splits_by_sample_and_warns(tmp_path, caplog, 
     assert sorted(seen) == sorted(keys)
     # resampled mode with one shard and 4 slots makes progress as well
     batches = take(loader_for(spec, mode="resampled", rank=1, world_size=2, batch=4), 3)
-    assert all(set(b["keys"]) <= set(keys) for b in batches)
+    assert all(set(b.keys) <= set(keys) for b in batches)
 
 
 def test_weighted_sources(tmp_path, seed):
@@ -144,9 +144,9 @@ def test_weighted_sources(tmp_path, seed):
     keys_b = make_shards(tmp_path / "b", [6, 6], rng, shard_id0=7)
     specs = [f"{tmp_path}/a/{{00000..00001}}.tar", f"{tmp_path}/b/{{00007..00008}}.tar"]
     only_b = take(loader_for(specs, mode="resampled", train_weights=[0, 1], workers=1), 4)
-    assert {k for b in only_b for k in b["keys"]} <= set(keys_b)
+    assert {k for b in only_b for k in b.keys} <= set(keys_b)
     mixed = take(loader_for(specs, mode="resampled", train_weights=[1, 1], workers=1, batch=6), 10)
-    got = {k for b in mixed for k in b["keys"]}
+    got = {k for b in mixed for k in b.keys}
     assert got & set(keys_a) and got & set(keys_b)
 
 
@@ -155,14 +155,14 @@ def test_batch_contents_views_and_ids(tmp_path, seed):
     make_shards(tmp_path, [10], rng)
     loader = loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=4, views=2, id_field="label")
     batch = take(loader, 1)[0]
-    assert batch["images"].shape == batch["images2"].shape == (4, 3, 8, 8)
-    assert not torch.equal(batch["images"], batch["images2"])  # independently augmented views
-    assert batch["tokens"].shape == (4, 12) and batch["tokens"].dtype == torch.long
-    assert batch["ids"].dtype == torch.long and batch["ids"].shape == (4,)
-    for key, caption, label in zip(batch["keys"], batch["captions"], batch["ids"].tolist()):
+    assert batch.images.shape == batch.images2.shape == (4, 3, 8, 8)
+    assert not torch.equal(batch.images, batch.images2)  # independently augmented views
+    assert batch.tokens.shape == (4, 12) and batch.tokens.dtype == torch.long
+    assert batch.ids.dtype == torch.long and batch.ids.shape == (4,)
+    for key, caption, label in zip(batch.keys, batch.captions, batch.ids.tolist()):
         assert caption.startswith(f"caption {key} ")
         assert 0 <= label < 5
-    assert batch["skipped"] == {}
+    assert batch.skipped == {}
 
 
 def test_resume_rejects_a_different_layout(tmp_path, seed):

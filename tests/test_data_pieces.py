@@ -14,6 +14,7 @@ from open_clip.tokenizer import SimpleTokenizer
 from PIL import Image
 
 from mmalign.config import AugmentConfig, ConfigError, DataConfig, load_config
+from mmalign.data.batch import Batch
 from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader, worker_shares
 from mmalign.data.samples import SampleProcessor, merge
@@ -63,9 +64,9 @@ def take(loader, n):
 def assert_same(got, want):
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        assert a["keys"] == b["keys"] and a["captions"] == b["captions"] and a["skipped"] == b["skipped"]
+        assert a.keys == b.keys and a.captions == b.captions and a.skipped == b.skipped
         for name in ("images", "tokens", "epochs"):
-            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+            assert getattr(a, name).dtype == getattr(b, name).dtype and torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_worker_shares():
@@ -86,8 +87,8 @@ def test_piece_size_changes_nothing_resume_included(tmp_path, mode, seed):
     seed = rng.randrange(1000)
     total = 9  # 63 samples: past the epoch end (<= 48 samples) in epoch mode
     reference = take(loader_for(spec, mode=mode, seed=seed), total)  # default: one piece per worker
-    assert reference[0]["images"].dtype == torch.uint8 and reference[0]["images"].shape == (7, 3, 8, 8)
-    assert sum(reference[-1]["skipped"].values()) > 0  # the corrupt images were met and counted
+    assert reference[0].images.dtype == torch.uint8 and reference[0].images.shape == (7, 3, 8, 8)
+    assert sum(reference[-1].skipped.values()) > 0  # the corrupt images were met and counted
     assert_same(take(loader_for(spec, mode=mode, seed=seed, piece=2), total), reference)
     # resume: pieces of 1 (one of them empty per batch), then pieces of 3 after the checkpoint
     cut = rng.randrange(2, total - 2)
@@ -98,7 +99,7 @@ def test_piece_size_changes_nothing_resume_included(tmp_path, mode, seed):
     resumed.load_state_dict(state)
     assert_same(head + take(resumed, total - cut), reference)
     other = take(loader_for(spec, mode=mode, seed=seed + 1, piece=2), 2)  # the comparison can fail
-    assert [b["keys"] for b in other] != [b["keys"] for b in reference[:2]]
+    assert [b.keys for b in other] != [b.keys for b in reference[:2]]
 
 
 def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path, seed):
@@ -111,8 +112,8 @@ def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path, seed):
     streams = [SlotStream(loader.spec, slot, processor).samples() for slot in range(2)]
     for batch in got:
         rows = [row for stream, share in zip(streams, (4, 3)) for row, _ in (next(stream) for _ in range(share))]
-        assert batch["keys"] == [r["key"] for r in rows]
-        assert torch.equal(batch["images"], torch.stack([r["image"] for r in rows]))
+        assert batch.keys == [r["key"] for r in rows]
+        assert torch.equal(batch.images, torch.stack([r["image"] for r in rows]))
 
 
 def test_uint8_normalised_on_the_device_equals_the_float32_path(seed):
@@ -139,10 +140,10 @@ def test_uint8_normalised_on_the_device_equals_the_float32_path(seed):
 
 
 def test_merge_joins_in_order_and_leaves_out_empty_pieces():
-    a = {"images": torch.zeros(2, 3, 1, 1, dtype=torch.uint8), "keys": ["a", "b"]}
-    b = {"images": torch.ones(1, 3, 1, 1, dtype=torch.uint8), "keys": ["c"]}
-    out = merge([a, {}, b])
-    assert out["keys"] == ["a", "b", "c"] and out["images"][:, 0, 0, 0].tolist() == [0, 0, 1]
+    a = Batch(torch.zeros(2, 3, 1, 1, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.long), keys=["a", "b"])
+    b = Batch(torch.ones(1, 3, 1, 1, dtype=torch.uint8), torch.ones(1, 4, dtype=torch.long), keys=["c"])
+    out = merge([a, None, b])
+    assert out.keys == ["a", "b", "c"] and out.images[:, 0, 0, 0].tolist() == [0, 0, 1]
 
 
 def test_worker_batch_size_is_checked():

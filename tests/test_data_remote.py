@@ -124,10 +124,10 @@ def _fresh_process_state(monkeypatch):
 
 
 def _same(got, ref):
-    assert [b["keys"] for b in got] == [b["keys"] for b in ref]
-    assert [b["captions"] for b in got] == [b["captions"] for b in ref]
+    assert [b.keys for b in got] == [b.keys for b in ref]
+    assert [b.captions for b in got] == [b.captions for b in ref]
     for a, b in zip(got, ref):
-        assert torch.equal(a["images"], b["images"])
+        assert torch.equal(a.images, b.images)
 
 
 # ---------------------------------------------------------------- loader level
@@ -194,10 +194,10 @@ def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
         os.rename(tmp_path / "00003.tar", tmp_path / "gone.tar")  # 404: not retried
         batches = take(loader, 3)
         requests = [name for name, _ in server.requests]
-    got = [k for b in batches for k, e in zip(b["keys"], b["epochs"].tolist()) if e == 0]
+    got = [k for b in batches for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
     assert sorted(got) == sorted(by_shard[0] + by_shard[2])
-    failed = batches[-1]["skipped"]["unreadable_shard"]
-    assert batches[-1]["skipped"] == {"unreadable_shard": failed} and failed in (2, 3, 4)  # epoch 1 may begin
+    failed = batches[-1].skipped["unreadable_shard"]
+    assert batches[-1].skipped == {"unreadable_shard": failed} and failed in (2, 3, 4)  # epoch 1 may begin
     reads_of_1 = requests.count("00001.tar")
     assert reads_of_1 in (3, 6) and requests.count("00002.tar") >= 3 and requests.count("00000.tar") >= 2
     assert failed == reads_of_1 // 3 + requests.count("00003.tar")

@@ -42,7 +42,7 @@ def _inputs(seed: int):
 def _fp32_reference(model, images, tokens) -> dict:
     model = copy.deepcopy(model)
     out = model(images, tokens)
-    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -52,19 +52,19 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
     chunks = list(zip(images.bfloat16().split(CHUNK), tokens.split(CHUNK)))
     with torch.no_grad():
         outs = [model(im, tok) for im, tok in chunks]
-    img = torch.cat([o["image_features"].float() for o in outs]).requires_grad_(True)  # (B, D)
-    txt = torch.cat([o["text_features"].float() for o in outs]).requires_grad_(True)
-    scale = outs[0]["logit_scale"].float().detach().requires_grad_(True)
+    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
+    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
+    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
     naive_clip_loss(img, txt, scale).backward()
     total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
     for k, (im, tok) in enumerate(chunks):
         model.zero_grad(set_to_none=True)
         out = model(im, tok)
         rows = slice(k * CHUNK, (k + 1) * CHUNK)
-        surrogate = (out["image_features"].float() * img.grad[rows]).sum() \
-            + (out["text_features"].float() * txt.grad[rows]).sum()
+        surrogate = (out.image.float() * img.grad[rows]).sum() \
+            + (out.text.float() * txt.grad[rows]).sum()
         if k == 0:  # the temperature's gradient belongs to the step, not to a chunk
-            surrogate = surrogate + (out["logit_scale"].float() * scale.grad).sum()
+            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
         surrogate.backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
@@ -75,8 +75,9 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
 def _worker(rank: int, world: int, seed: int) -> dict:
     from mmalign import engine as eng
     from mmalign.config import load_config
-    from mmalign.losses import build_loss
+    from mmalign.data.batch import Batch
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro", f"train.global_batch_size={BATCH}",
                              f"train.grad_cache_chunk_size={CHUNK}", "train.optimizer=sgd", "train.lr=0.1",
@@ -91,7 +92,7 @@ def _worker(rank: int, world: int, seed: int) -> dict:
     results = {"fp32": _fp32_reference(model, images, tokens),
                "exact_sum": _bf16_chunks_summed_exactly(model, images, tokens)}
     generated = eng.ds_config
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     for label, deepspeed_defaults in (("before", True), ("after", False)):
         def config(c, plan, deepspeed_defaults=deepspeed_defaults):
             conf = generated(c, plan)
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, seed: int) -> dict:
         engine = eng.Engine(copy.deepcopy(model), cfg)
         eng.ds_config = generated
         grads = {}
-        engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]),
+        engine.step(Batch(images, tokens), objective,
                     before_update=lambda: grads.update(engine.full_grads()))
         results[label] = (engine.ds_config.get("data_types"), grads)
         results[label + "_used"] = (engine.ds.get_data_types()[1], engine.ds.communication_data_type)

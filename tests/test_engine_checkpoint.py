@@ -14,16 +14,16 @@ pytestmark = pytest.mark.integration
 
 def _worker(rank, world, seed, ckpt_dir):
     from mmalign import distributed as mdist
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine, consolidate_checkpoint
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     results = {}
 
     def run(engine, batch_seed):
-        loss_fn = build_loss(engine.cfg.loss)
-        return engine.step(*engine_batch(batch_seed, rank, world),
-                           lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+        objective = build_objective(engine.cfg)
+        return engine.step(Batch(*engine_batch(batch_seed, rank, world)), objective)
 
     for stage in (0, 1, 2, 3):
         cfg = engine_cfg(stage)
@@ -50,7 +50,7 @@ def _worker(rank, world, seed, ckpt_dir):
         e = Engine(build_model(cfg.model), cfg)
         for k in range(2):
             run(e, seed + 10 + k)
-        seen = float(e.forward(*engine_batch(seed, rank, world))["logit_scale"].detach().reshape(-1)[0])
+        seen = float(e.forward(*engine_batch(seed, rank, world)).logit_scale.detach().reshape(-1)[0])
         results[f"clamp{stage}"] = (float(e.consolidated_state_dict()["logit_scale"].reshape(-1)[0]), seen)
 
     # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
@@ -62,9 +62,8 @@ def _worker(rank, world, seed, ckpt_dir):
         torch.manual_seed(seed)
         e = Engine(build_model(cfg.model), cfg)
         before = e.consolidated_state_dict()
-        loss_fn = build_loss(cfg.loss)
-        res = e.step(*engine_batch(seed + 1, rank, world),
-                     lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]), autocast=auto)
+        objective = build_objective(cfg)
+        res = e.step(Batch(*engine_batch(seed + 1, rank, world)), objective, autocast=auto)
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)
     return results

@@ -45,7 +45,7 @@ def _reference(model_seed: int, data_seed: int):
     model = build_model(ModelConfig(preset="micro"))
     images, tokens = _inputs(data_seed)
     out = model(images, tokens)
-    naive_clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+    naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
@@ -68,9 +68,10 @@ def _cases(world: int):
 
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
@@ -80,13 +81,9 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
         cfg = _cfg(stage, chunk, world)
         torch.manual_seed(model_seed)
         engine = Engine(build_model(cfg.model), cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         captured = {}
-
-        def loss_of(out):
-            return loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
-
-        engine.step(images, tokens, loss_of, before_update=lambda: captured.update(engine.full_grads()))
+        engine.step(Batch(images, tokens), objective, before_update=lambda: captured.update(engine.full_grads()))
         params = engine.consolidated_state_dict()
         if rank == 0:
             results[(stage, name)] = (engine.plan.chunks, captured, params, engine.grad_norm())

@@ -4,8 +4,8 @@ and mined negative captions.
 Reference: one process, the full global batch, one forward, a naive float32 objective
 written out here (CLIP + each image row's own mined negatives + weight x NT-Xent over all
 views), plain torch SGD. Compared: 1 and 2 ranks x ZeRO {0, 3} x caching {off, uneven
-chunks}, running the trainer's own loss composition (``ContrastiveLoss`` with mined
-negatives + ``ImageImageTerm``, both gathered across ranks). Checked: rank-averaged
+chunks}, running the trainer's own objective (``build_objective``: contrastive + mined negatives +
+image-image terms, gathered across ranks). Checked: rank-averaged
 gradients and parameters after one step, to <= 1e-5 relative.
 """
 
@@ -50,8 +50,8 @@ def _inputs(seed: int):
 
 
 def _naive_objective(out, mask):
-    img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
-    img2, neg = out["image2_features"], out["neg_text_features"]
+    img, txt, scale = out.image, out.text, out.logit_scale
+    img2, neg = out.image2, out.neg_text
     b = img.shape[0]
     labels = torch.arange(b)
     neg_logits = (scale * torch.einsum("bd,bkd->bk", img, neg)).masked_fill(~mask, float("-inf"))
@@ -77,10 +77,10 @@ def _reference(model_seed: int, data_seed: int):
 
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
-    from mmalign.losses.ntxent import ImageImageTerm
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     local = GLOBAL_BATCH // world
     images, tokens, images2, neg, mask = (t[rank * local:(rank + 1) * local] for t in _inputs(data_seed))
@@ -90,15 +90,10 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
             cfg = _cfg(stage, chunk)
             torch.manual_seed(model_seed)
             engine = Engine(build_model(cfg.model), cfg)
-            loss_fn = build_loss(cfg.loss)
-            term = ImageImageTerm(cfg.loss.image_image_weight, cfg.loss.image_image_temperature)
+            objective = build_objective(cfg, world)
             captured = {}
-
-            def loss_of(out):
-                return term(loss_fn(out["image_features"], out["text_features"], out["logit_scale"],
-                                    neg_text_features=out["neg_text_features"], neg_mask=mask), out)
-
-            result = engine.step(images, tokens, loss_of, extra={"images2": images2, "neg_texts": neg},
+            batch = Batch(images, tokens, images2=images2, neg_tokens=neg, neg_mask=mask)
+            result = engine.step(objective.select(batch), objective,
                                  before_update=lambda: captured.update(engine.full_grads()))
             params = engine.consolidated_state_dict()
             if rank == 0:

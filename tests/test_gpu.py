@@ -10,21 +10,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_zero2_bf16_step_on_cuda():
     from mmalign.config import load_config
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
                              "train.warmup_steps=0", "deepspeed.zero_stage=2", "deepspeed.precision=bf16",
                              "train.grad_cache_chunk_size=8"])
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     images = torch.randn(16, 3, 16, 16, device="cuda")
     tokens = torch.randint(1, 49000, (16, 16), device="cuda")
     tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
     before = engine.consolidated_state_dict()
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(Batch(images, tokens), objective)
     after = engine.consolidated_state_dict()
     assert not res.skipped and torch.isfinite(res.loss)
     assert sum(int(not torch.equal(before[k], after[k])) for k in before) > len(before) // 2
@@ -36,9 +37,10 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout(seed):
     from mmalign.config import ModelConfig
     from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch
     from mmalign.models import build_model
+    from mmalign.models.embeddings import Embeddings
 
     def loss(full):
-        logits = full["logit_scale"] * full["image_features"] @ full["text_features"].T
+        logits = full.logit_scale * full.image @ full.text.T
         labels = torch.arange(logits.shape[0], device=logits.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
@@ -56,14 +58,14 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout(seed):
     model = fresh()
     torch.manual_seed(data_seed)
     outs = [model(*c) for c in chunks]
-    full = {k: torch.cat([o[k] for o in outs]) for k in ("image_features", "text_features")}
-    full["logit_scale"] = outs[0]["logit_scale"]
+    full = Embeddings(image=torch.cat([o.image for o in outs]), text=torch.cat([o.text for o in outs]),
+                      logit_scale=outs[0].logit_scale)
     loss(full).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model = fresh()
     torch.manual_seed(data_seed)
-    grad_cache_step(model, chunks, loss, lambda x: x.backward())
+    grad_cache_step(lambda c: model(*c), chunks, loss, lambda x: x.backward())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
 
@@ -79,9 +81,10 @@ def _cuda_batch(n: int, size: int):
 def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     """bf16 weights at ZeRO-1 (BF16_Optimizer, fp32 accumulation) with the per-tensor LAMB layout."""
     from mmalign.config import load_config
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
                              "train.warmup_steps=0", "deepspeed.zero_stage=1", "deepspeed.precision=bf16",
@@ -89,10 +92,10 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     assert type(engine.ds.optimizer).__name__ == "BF16_Optimizer"
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     images, tokens = _cuda_batch(16, 16)
     before = engine.consolidated_state_dict()
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(Batch(images, tokens), objective)
     after = engine.consolidated_state_dict()
     assert not res.skipped and torch.isfinite(res.loss)
     assert sum(int(not torch.equal(before[k], after[k])) for k in before) > len(before) // 2
@@ -100,17 +103,18 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
 
 def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     from mmalign.config import load_config
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     cfg = load_config(None, ["model.preset=micro-rn", "model.batchnorm=local", "train.global_batch_size=12",
                              "train.steps=2", "train.warmup_steps=0", "train.grad_cache_chunk_size=4"])
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
-    loss_fn = build_loss(cfg.loss)
+    objective = build_objective(cfg)
     images, tokens = _cuda_batch(12, 32)
-    res = engine.step(images, tokens, lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+    res = engine.step(Batch(images, tokens), objective)
     assert not res.skipped
     tracked = {n: int(b) for n, b in engine.module.named_buffers() if n.endswith("num_batches_tracked")}
     assert tracked and set(tracked.values()) == {1}

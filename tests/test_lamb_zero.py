@@ -26,9 +26,10 @@ STEPS = 3
 
 
 def _worker(rank: int, world: int, cases: tuple, seed: int, ckpt: str = "") -> dict:
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     results = {}
     for stage, precision in cases:
@@ -36,10 +37,9 @@ def _worker(rank: int, world: int, cases: tuple, seed: int, ckpt: str = "") -> d
                          f"deepspeed.precision={precision}")
         torch.manual_seed(seed)
         engine = Engine(build_model(cfg.model), cfg)
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
         def step(e, k):
-            e.step(*engine_batch(seed + 1 + k, rank, world),
-                   lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+            e.step(Batch(*engine_batch(seed + 1 + k, rank, world)), objective)
 
         for k in range(STEPS):
             step(engine, k)

@@ -11,22 +11,15 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmalign import distributed as mdist
-from mmalign.losses import (
-    DEFAULT_TILE_SIZE,
-    ContrastiveLoss,
-    LossOutput,
-    build_loss,
-    caption_ids,
-    clip_loss,
-    siglip_loss,
-)
+from mmalign.losses import caption_ids, clip_loss, siglip_loss
+from mmalign.models.embeddings import Embeddings
+from mmalign.objective import LossOutput, build_objective
+from tests import objectives
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 TOL = 1e-5  # relative, float32 vs float64 reference
@@ -209,7 +202,7 @@ def test_worked_vector_temperature_table(tau, loss, hard_p, hard_share, easy_sha
     # The monitor reports the same hardest-negative probability.
     x, y = circulant_features(sims)
     for tile in (None, 4):
-        stats = ContrastiveLoss("infonce", tile or 0)(x, y, scalar_param(1.0 / tau)).stats
+        stats = objectives.loss(x, y, scalar_param(1.0 / tau), tile=tile or 0).stats
         assert stats["hardest_neg_prob"] == pytest.approx(hard_p, abs=5e-4)
 
 
@@ -222,7 +215,7 @@ def test_worked_vector_positive_probability():
 def test_loss_floor(gen, n, floor):
     # Indistinguishable candidates (all logits equal) score exactly log N.
     v = unit(gen, 1, 16).expand(n, 16).contiguous()
-    out = ContrastiveLoss("infonce", 0)(v, v, scalar_param(uniform(gen, 1.0, 100.0)))
+    out = objectives.loss(v, v, scalar_param(uniform(gen, 1.0, 100.0)))
     assert out.stats["loss_floor"] == pytest.approx(floor, abs=5e-4)
     assert out.loss.item() == pytest.approx(math.log(n), rel=TOL)  # float32: ulp(100) ~ 8e-6
     assert clip_loss(v, v, scalar_param(30.0), tile_size=3).item() == pytest.approx(math.log(n), rel=TOL)
@@ -351,8 +344,7 @@ def test_infonce_monitors_match_naive(gen, tile, with_ids):
     ids = dup_ids(gen, b) if with_ids else torch.arange(b)
     x, y, logits = draw_until_no_near_ties(gen, b, d, s, ids.tolist())
     rows = naive_monitor_rows(logits, ids.tolist()) + naive_monitor_rows(logits.T, ids.tolist())
-    module = ContrastiveLoss("infonce", tile, use_positive_ids=with_ids)
-    out = module(x, y, scalar_param(s), positive_ids=ids if with_ids else None)
+    out = objectives.loss(x, y, scalar_param(s), tile=tile, ids=ids if with_ids else None)
     assert isinstance(out, LossOutput)
     st = out.stats
     assert st["pos_rank"] == pytest.approx(sum(r[0] for r in rows) / len(rows), abs=1e-6)
@@ -372,8 +364,8 @@ def test_siglip_monitors_match_naive(gen, tile, with_ids):
     ids = dup_ids(gen, b) if with_ids else torch.arange(b)
     x, y, logits = draw_until_no_near_ties(gen, b, d, s, ids.tolist())
     rows = naive_monitor_rows(logits + bias, ids.tolist())
-    out = ContrastiveLoss("siglip", tile, use_positive_ids=with_ids)(
-        x, y, scalar_param(s), scalar_param(bias), positive_ids=ids if with_ids else None)
+    out = objectives.loss(x, y, scalar_param(s), scalar_param(bias), name="siglip", tile=tile,
+                          ids=ids if with_ids else None)
     st = out.stats
     assert st["pos_rank"] == pytest.approx(sum(r[0] for r in rows) / b, abs=1e-6)
     assert st["top1"] == pytest.approx(sum(r[1] for r in rows) / b, abs=1e-6)
@@ -407,29 +399,36 @@ def test_caption_ids_drive_positives(gen):
 
 
 # ----------------------------------------------------- module and config
-def test_build_loss_from_config(gen):
-    m = build_loss(SimpleNamespace(name="infonce", tile_size=0, false_negative_ids="none"))
-    assert isinstance(m, ContrastiveLoss) and m.tile_size is None and not m.use_positive_ids
-    m = build_loss(SimpleNamespace(name="siglip", tile_size=DEFAULT_TILE_SIZE, false_negative_ids="caption"))
-    assert m.name == "siglip" and m.tile_size == DEFAULT_TILE_SIZE and m.use_positive_ids
-    m = build_loss(SimpleNamespace(name="infonce", tile_size=4, false_negative_ids="class_id"))
-    assert m.use_positive_ids
+def test_build_objective_from_config(gen):
+    from mmalign.config import load_config
+    from mmalign.data.batch import Batch
+    from mmalign.objective import Contrastive
+
+    (term,) = build_objective(load_config(None, [])).terms
+    assert isinstance(term, Contrastive) and term.kind == "infonce" and term.tile_size is None
+    obj = build_objective(load_config(None, ["loss.name=siglip", "model.init_logit_bias=-10", "loss.tile_size=64",
+                                             "loss.false_negative_ids=caption"]))
+    assert obj.terms[0].kind == "siglip" and obj.terms[0].tile_size == 64 and obj.positives.ids_mode == "caption"
+    obj = build_objective(load_config(None, ["loss.false_negative_ids=class_id"]))
+    assert obj.positives.ids_mode == "field" and obj.batch_fields == {"ids"}
     with pytest.raises(ValueError):
-        build_loss(SimpleNamespace(name="triplet", tile_size=0, false_negative_ids="none"))
+        Contrastive("triplet")
+    x, y = unit(gen, 4, 8), unit(gen, 4, 8)
+    batch = Batch(torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.long))
     with pytest.raises(ValueError):
-        m(unit(gen, 4, 8), unit(gen, 4, 8), scalar_param(10.0))  # ids required but missing
+        obj.loss_for(batch)(Embeddings(image=x, text=y, logit_scale=scalar_param(10.0)))  # ids required but missing
 
 
 def test_module_loss_equals_function(gen):
     x, y = unit(gen, 9, 8), unit(gen, 9, 8)
     s, bias = scalar_param(12.0), scalar_param(-5.0)
     ids = dup_ids(gen, 9)
-    out = ContrastiveLoss("infonce", 4, use_positive_ids=True)(x, y, s, positive_ids=ids)
+    out = objectives.loss(x, y, s, tile=4, ids=ids)
     assert out.loss.item() == pytest.approx(clip_loss(x, y, s, positive_ids=ids).item(), rel=1e-6)
-    out = ContrastiveLoss("siglip", 0)(x, y, s, bias)
+    out = objectives.loss(x, y, s, bias, name="siglip")
     assert out.loss.item() == pytest.approx(siglip_loss(x, y, s, bias).item(), rel=1e-6)
     with pytest.raises(ValueError):
-        ContrastiveLoss("siglip", 0)(x, y, s)  # bias required
+        objectives.loss(x, y, s, name="siglip")  # bias required
 
 
 # --------------------------------------------------------------- distributed

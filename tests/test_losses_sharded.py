@@ -1,7 +1,7 @@
 """Sharded losses: 2 gloo ranks on CPU must reproduce the full-batch gradient.
 
 One spawn runs every case. Each rank holds its slice of a global batch, runs
-``ContrastiveLoss`` (gather-with-grad, local rows vs all candidates) and
+the objective's contrastive term (gather-with-grad, local rows vs all candidates) and
 backpropagates its own loss. The parent checks, against a float64
 single-process reference on the full batch, that
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mmalign import distributed as mdist
-from mmalign.losses import ContrastiveLoss
+from tests import objectives
 from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -59,10 +59,8 @@ def _worker(rank: int, world: int, in_path: str) -> dict:
         s = data["scale"].clone().requires_grad_()
         b = data["bias"].clone().requires_grad_()
         beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
-        module = ContrastiveLoss(loss_name, tile, use_positive_ids=with_ids, hard_negative_beta=beta,
-                                 debias_prior=prior)
-        out = module(x, y, s, b if loss_name == "siglip" else None,
-                     positive_ids=data["ids"][sl] if with_ids else None)
+        out = objectives.loss(x, y, s, b if loss_name == "siglip" else None, name=loss_name, tile=tile,
+                              ids=data["ids"][sl] if with_ids else None, beta=beta, prior=prior)
         out.loss.backward()
         results[name] = {"loss": out.loss.detach(), "dx": x.grad, "dy": y.grad, "ds": s.grad,
                          "db": b.grad, "stats": out.stats}
@@ -155,9 +153,8 @@ def test_sharded_gradients_equal_full_batch(tmp_path, seed):
 
         # Stats are rank-averaged: both ranks report the full-batch values.
         beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
-        full = ContrastiveLoss(loss_name, 0, use_positive_ids=with_ids, hard_negative_beta=beta,
-                               debias_prior=prior)(
-            x, y, scale, bias if loss_name == "siglip" else None, positive_ids=ids if with_ids else None).stats
+        full = objectives.loss(x, y, scale, bias if loss_name == "siglip" else None, name=loss_name,
+                               ids=ids if with_ids else None, beta=beta, prior=prior).stats
         for key in ("pos_rank", "top1", "hardest_neg_prob", "loss_floor", "n_candidates", "loss"):
             for r in ranks:
                 assert r[name]["stats"][key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), (name, key)

@@ -211,18 +211,18 @@ def test_loader_emits_negative_tokens_and_masks(mined_dir, shapes_dir, tmp_path)
     out, _ = mined_dir
     loader = loader_for(f"{out}/{{00000..00001}}.tar", mode="epoch", workers=0, batch=6, hard_negatives=2)
     batch = next(iter(loader))
-    assert batch["neg_tokens"].shape == (6, 2, 12) and batch["neg_mask"].all()
+    assert batch.neg_tokens.shape == (6, 2, 12) and batch.neg_mask.all()
     by_key = {raw["__key__"]: json.loads(raw["json"])["hard_negatives"]
               for url in sorted(out.glob("*.tar")) for raw in iter_tar_groups(str(url))}
     from tests.test_data_loader import TOKENIZER
 
-    for key, tokens in zip(batch["keys"], batch["neg_tokens"]):
+    for key, tokens in zip(batch.keys, batch.neg_tokens):
         want = TOKENIZER([n["caption"] for n in by_key[key][:2]])
         assert torch.equal(tokens, want)
     # unmined shards: every slot masked, nothing skipped
     plain = next(iter(loader_for(f"{shapes_dir}/train/00000.tar", mode="epoch", workers=0, batch=4,
                                  hard_negatives=2)))
-    assert plain["neg_tokens"].shape == (4, 2, 12) and not plain["neg_mask"].any() and plain["skipped"] == {}
+    assert plain.neg_tokens.shape == (4, 2, 12) and not plain.neg_mask.any() and plain.skipped == {}
 
 
 def test_loader_pads_short_lists_and_skips_malformed_ones(tmp_path):
@@ -234,9 +234,9 @@ def test_loader_pads_short_lists_and_skips_malformed_ones(tmp_path):
     write_shard(tmp_path / "00000.tar", samples)
     batch = next(iter(loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=4, buffer=1,
                                  hard_negatives=2)))
-    assert batch["keys"] == ["00000000", "00000001", "00000002", "00000005"]
-    assert batch["neg_mask"].tolist() == [[True, True], [True, False], [False, False], [False, False]]
-    assert batch["skipped"] == {"bad_hard_negatives": 2}
+    assert batch.keys == ["00000000", "00000001", "00000002", "00000005"]
+    assert batch.neg_mask.tolist() == [[True, True], [True, False], [False, False], [False, False]]
+    assert batch.skipped == {"bad_hard_negatives": 2}
 
 
 # ------------------------------------------------------------------------- config and training

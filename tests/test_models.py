@@ -24,12 +24,12 @@ def test_forward_shapes_and_normalisation(preset):
     images, tokens = _batch(model)
     out = model(images, tokens)
     d = model.embed_dim
-    assert out["image_features"].shape == (3, d) and out["text_features"].shape == (3, d)
-    torch.testing.assert_close(out["image_features"].norm(dim=-1), torch.ones(3))
-    torch.testing.assert_close(out["text_features"].norm(dim=-1), torch.ones(3))
+    assert out.image.shape == (3, d) and out.text.shape == (3, d)
+    torch.testing.assert_close(out.image.norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(out.text.norm(dim=-1), torch.ones(3))
     assert model.logit_scale.shape == (1,)
     assert model.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
-    assert out["logit_scale"].item() == pytest.approx(1 / 0.07, rel=1e-5)
+    assert out.logit_scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
 
 
 def test_logit_scale_clamped_at_100():
@@ -49,7 +49,7 @@ def test_every_trainable_parameter_gets_a_nonzero_gradient():
     model = build_model(ModelConfig(preset="micro"))
     images, tokens = _batch(model, b=4)
     out = model(images, tokens)
-    loss = clip_loss(out["image_features"], out["text_features"], out["logit_scale"])
+    loss = clip_loss(out.image, out.text, out.logit_scale)
     loss.backward()
     missing = [n for n, p in model.named_parameters()
                if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
@@ -71,11 +71,11 @@ def test_second_view_and_negative_captions_are_embedded_like_separate_calls():
     images2 = torch.randn_like(images)
     neg = tokens[torch.tensor([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])]  # (4, 3, L): the other captions
     out = model(images, tokens, images2=images2, neg_texts=neg)
-    torch.testing.assert_close(out["image_features"], model.encode_image(images))
-    torch.testing.assert_close(out["image2_features"], model.encode_image(images2))
-    torch.testing.assert_close(out["text_features"], model.encode_text(tokens))
-    assert out["neg_text_features"].shape == (4, 3, model.embed_dim)
-    torch.testing.assert_close(out["neg_text_features"][2, 1], out["text_features"][1])
+    torch.testing.assert_close(out.image, model.encode_image(images))
+    torch.testing.assert_close(out.image2, model.encode_image(images2))
+    torch.testing.assert_close(out.text, model.encode_text(tokens))
+    assert out.neg_text.shape == (4, 3, model.embed_dim)
+    torch.testing.assert_close(out.neg_text[2, 1], out.text[1])
     with pytest.raises(ValueError, match="images2 needs images"):
         model(None, tokens, images2=images2)
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmalign.losses import ContrastiveLoss, build_loss, clip_loss
+from mmalign.losses import clip_loss
+from mmalign.objective import Contrastive, build_objective
+from tests import objectives
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 
@@ -121,28 +123,25 @@ def test_hard_weighting_raises_the_hardest_negatives_weight(gen):
     assert hard.item() > plain.item()
 
 
-def test_module_and_build_loss(gen):
-    from types import SimpleNamespace
-    cfg = SimpleNamespace(name="infonce", tile_size=0, false_negative_ids="none", hard_negative_beta=0.5,
-                          debias_prior=0.1)
-    mod = build_loss(cfg)
-    assert (mod.hard_negative_beta, mod.debias_prior) == (0.5, 0.1)
+def test_objective_term_and_build_objective(gen):
+    from mmalign.config import load_config
+    cfg = load_config(None, ["loss.hard_negative_beta=0.5", "loss.debias_prior=0.1"])
+    (term,) = build_objective(cfg).terms
+    assert (term.hard_negative_beta, term.debias_prior) == (0.5, 0.1)
     x, y = unit(gen, 6, 8), unit(gen, 6, 8)
     s = torch.tensor(7.0)
-    out = mod(x, y, s)
+    out = objectives.loss(x, y, s, beta=0.5, prior=0.1)
     want = clip_loss(x, y, s, hard_negative_beta=0.5, debias_prior=0.1)
     assert torch.allclose(out.loss, want)
     assert math.isfinite(out.stats["hardest_neg_prob"]) and out.stats["n_candidates"] == 6
     with pytest.raises(ValueError):
-        ContrastiveLoss("siglip", hard_negative_beta=0.5)
-    with pytest.raises(ValueError):
-        ContrastiveLoss("infonce", debias_prior=1.0)
+        Contrastive("infonce", debias_prior=1.0)
 
 
 def test_config_keys_and_checks():
     from mmalign.config import ConfigError, load_config
     cfg = load_config(None, ["loss.hard_negative_beta=0.5", "loss.debias_prior=0.1"])
-    assert build_loss(cfg.loss).hard_negative_beta == 0.5 and build_loss(cfg.loss).debias_prior == 0.1
+    assert (cfg.loss.hard_negative_beta, cfg.loss.debias_prior) == (0.5, 0.1)
     for bad, key in [("loss.hard_negative_beta=-1", "loss.hard_negative_beta"),
                      ("loss.debias_prior=1.0", "loss.debias_prior")]:
         with pytest.raises(ConfigError, match=key):

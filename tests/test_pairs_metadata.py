@@ -13,10 +13,10 @@ import tarfile
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from mmalign.losses import ContrastiveLoss, clip_loss
+from mmalign.losses import clip_loss
 from mmalign.losses.metadata import encode_subset_code, subset_mask
+from tests import objectives
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 
@@ -114,14 +114,14 @@ def test_module_and_checks(gen):
     codes, _, _ = random_codes(gen, b)
     mask = subset_mask(codes)
     x, y, s = unit(gen, b, 8), unit(gen, b, 8), torch.tensor(5.0)
-    out = ContrastiveLoss("infonce")(x, y, s, positive_mask=mask)
+    out = objectives.loss(x, y, s, mask=mask)
     assert torch.allclose(out.loss, clip_loss(x, y, s, positive_mask=mask))
     bad = mask.clone()
     bad[0, 0] = False
     with pytest.raises(ValueError):
         clip_loss(x, y, s, positive_mask=bad)
     with pytest.raises(ValueError):
-        ContrastiveLoss("siglip")(x, y, s, torch.tensor(-10.0), positive_mask=mask)
+        objectives.loss(x, y, s, torch.tensor(-10.0), name="siglip", mask=mask)
 
 
 def test_config_keys():

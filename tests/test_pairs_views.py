@@ -69,13 +69,12 @@ def test_identical_uninformative_views_give_log_of_candidates():
 
 
 def test_image_image_term_adds_weighted_ntxent_at_fixed_temperature(gen):
-    from mmalign.losses import ContrastiveLoss
-    from mmalign.losses.ntxent import ImageImageTerm
+    from tests import objectives
 
     b, w, tau = 6, 0.3, 0.1
     x, x2, y = (F.normalize(torch.randn(b, 8, generator=gen), dim=1).requires_grad_() for _ in range(3))
     s = torch.tensor([12.0])
-    out = ImageImageTerm(w, tau)(ContrastiveLoss()(x, y, s), {"image_features": x, "image2_features": x2})
+    out = objectives.loss(x, y, s, x2=x2, views=(w, tau))
     out.loss.backward()
     r = [t.detach().double().requires_grad_() for t in (x, x2, y)]
     logits = s.double() * r[0] @ r[2].T
@@ -89,8 +88,8 @@ def test_image_image_term_adds_weighted_ntxent_at_fixed_temperature(gen):
     assert out.stats["image_image_loss"] == pytest.approx(ref_ntxent(*r[:2], 1 / tau).item(), rel=1e-5)
     assert out.stats["contrastive_loss"] == pytest.approx(clip.item(), rel=1e-5)
     assert out.stats["loss"] == pytest.approx(ref.item(), rel=1e-5)
-    with pytest.raises(ValueError, match="image2_features"):
-        ImageImageTerm(w, tau)(ContrastiveLoss()(x, y, s), {"image_features": x})
+    with pytest.raises(ValueError, match="image2"):
+        objectives.loss(x, y, s, views=(w, tau))
 
 
 def _sharded_worker(rank, world, in_path):

@@ -41,13 +41,13 @@ def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, ne
     seed, steps = rng.randrange(1000), rng.randint(1, len(keys) // GLOBAL_BATCH - 1)
 
     old = _loaders(spec, old_world, "epoch", seed)
-    consumed = [k for loader in old for b in take(loader, steps) for k, e in zip(b["keys"], b["epochs"].tolist())
+    consumed = [k for loader in old for b in take(loader, steps) for k, e in zip(b.keys, b.epochs.tolist())
                 if e == 0]
     states = [loader.state_dict() for loader in old]
 
     new = _loaders(spec, new_world, "epoch", seed, states, steps)
     per_rank = len(keys) // (GLOBAL_BATCH // new_world) + 2  # more than the rest of the epoch on any slot
-    after = [k for loader in new for b in take(loader, per_rank) for k, e in zip(b["keys"], b["epochs"].tolist())
+    after = [k for loader in new for b in take(loader, per_rank) for k, e in zip(b.keys, b.epochs.tolist())
              if e == 0]
     assert not set(consumed) & set(after), "a consumed sample came again in the same epoch"
     assert sorted(consumed + after) == sorted(keys), "the epoch lost or repeated samples"
@@ -59,7 +59,7 @@ def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, ne
                          world_size=new_world)
     resumed.load_state_dict(json.loads(json.dumps(again.state_dict())))
     reference = take(_loaders(spec, new_world, "epoch", seed, states, steps)[0], 5)
-    assert [b["keys"] for b in head + take(resumed, 3)] == [b["keys"] for b in reference]
+    assert [b.keys for b in head + take(resumed, 3)] == [b.keys for b in reference]
 
 
 def test_resampled_mode_restarts_from_seed_step_and_layout(tmp_path, seed):
@@ -72,9 +72,9 @@ def test_resampled_mode_restarts_from_seed_step_and_layout(tmp_path, seed):
     states = [loader.state_dict() for loader in old]
 
     def first(step):
-        return [b["keys"] for b in take(_loaders(spec, 1, "resampled", 5, states, step)[0], 4)]
+        return [b.keys for b in take(_loaders(spec, 1, "resampled", 5, states, step)[0], 4)]
 
     assert first(3) == first(3)  # deterministic in (seed, step, layout)
     assert first(3) != first(4)
-    fresh = [b["keys"] for b in take(_loaders(spec, 1, "resampled", 5)[0], 4)]
+    fresh = [b.keys for b in take(_loaders(spec, 1, "resampled", 5)[0], 4)]
     assert first(3) != fresh  # not a replay of the run's start

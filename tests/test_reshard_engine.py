@@ -26,18 +26,18 @@ STEPS = 3  # the checkpoint is written after step 2; the resume takes step 3
 def _worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -> dict:
     """Per case: with ``train``, train STEPS steps saving after STEPS-1 (the reference); when
     ``load_from`` names another world size, resume that world's checkpoint and take the last step."""
+    from mmalign.data.batch import Batch
     from mmalign.engine import Engine
-    from mmalign.losses import build_loss
     from mmalign.models import build_model
+    from mmalign.objective import build_objective
 
     seed, results = 11, {}
     for stage, optimizer in CASES:
         cfg = engine_cfg(stage, f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.eps=1e-2")
-        loss_fn = build_loss(cfg.loss)
+        objective = build_objective(cfg)
 
         def step(engine, k):
-            engine.step(*engine_batch(seed + 1 + k, rank, world),
-                        lambda o: loss_fn(o["image_features"], o["text_features"], o["logit_scale"]))
+            engine.step(Batch(*engine_batch(seed + 1 + k, rank, world)), objective)
 
         if train:
             torch.manual_seed(seed)

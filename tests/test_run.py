@@ -67,45 +67,50 @@ def test_kill_and_resume_equals_straight_run(micro_overrides, tmp_path):
     assert steps == [5, 10, 15, 20]
 
 
-def _nan_after(calls_ok: int):
-    """A build_loss whose losses turn NaN after ``calls_ok`` good calls."""
-    from mmalign.losses import build_loss as real
+def _poisoned(build_objective, poison):
+    """``build_objective`` whose objective's losses pass through ``poison(out)`` (e.g. NaN on a call)."""
 
-    def build(cfg):
-        loss = real(cfg)
-        count = {"n": 0}
+    def build(*args, **kwargs):
+        objective = build_objective(*args, **kwargs)
+        loss_for = objective.loss_for
 
-        def poisoned(*args, **kwargs):
-            out = loss(*args, **kwargs)
-            count["n"] += 1
-            if count["n"] > calls_ok:
-                out.loss = out.loss * float("nan")
-            return out
+        def poisoned_loss_for(batch):
+            loss = loss_for(batch)
+            return lambda emb: poison(loss(emb))
 
-        return poisoned
+        objective.loss_for = poisoned_loss_for
+        return objective
 
     return build
+
+
+def _nan_after(calls_ok: int):
+    """A build_objective whose losses turn NaN after ``calls_ok`` good calls."""
+    from mmalign.objective import build_objective as real
+
+    count = {"n": 0}
+
+    def poison(out):
+        count["n"] += 1
+        if count["n"] > calls_ok:
+            out.loss = out.loss * float("nan")
+        return out
+
+    return _poisoned(real, poison)
 
 
 def test_nan_step_is_skipped_and_counted(micro_overrides, monkeypatch):
     import mmalign.train as train_mod
 
     calls = {"n": 0}
-    real = train_mod.build_loss
 
-    def build(cfg):
-        loss = real(cfg)
+    def once_nan(out):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third step's loss is NaN
+            out.loss = out.loss * float("nan")
+        return out
 
-        def once_nan(*args, **kwargs):
-            out = loss(*args, **kwargs)
-            calls["n"] += 1
-            if calls["n"] == 3:  # the third step's loss is NaN
-                out.loss = out.loss * float("nan")
-            return out
-
-        return once_nan
-
-    monkeypatch.setattr(train_mod, "build_loss", build)
+    monkeypatch.setattr(train_mod, "build_objective", _poisoned(train_mod.build_objective, once_nan))
     cfg = load_config(None, micro_overrides + ["train.steps=6", "monitor.probe_size=0"])
     out = train_mod.train(cfg, show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -119,7 +124,7 @@ def test_nan_step_is_skipped_and_counted(micro_overrides, monkeypatch):
 def test_consecutive_nan_steps_stop_the_run_and_keep_the_checkpoint(micro_overrides, monkeypatch, tmp_path):
     import mmalign.train as train_mod
 
-    monkeypatch.setattr(train_mod, "build_loss", _nan_after(4))
+    monkeypatch.setattr(train_mod, "build_objective", _nan_after(4))
     cfg = load_config(None, micro_overrides + ["train.steps=20", "train.checkpoint_every=2",
                                                "train.max_consecutive_skips=3", "monitor.probe_size=0"])
     with pytest.raises(train_mod.RunStopped, match="3 non-finite steps in a row at step 7"):

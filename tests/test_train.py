@@ -24,7 +24,7 @@ def _fixed_batch(loaded, cfg, n=64):
 def _loss(model, images, tokens):
     with torch.no_grad():
         out = model(images, tokens)
-        return clip_loss(out["image_features"], out["text_features"], out["logit_scale"]).item()
+        return clip_loss(out.image, out.text, out.logit_scale).item()
 
 
 def test_loss_falls_over_20_steps(micro_overrides):

@@ -30,6 +30,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmalign.config import ConfigError, DataConfig
+from mmalign.data.batch import Batch
 from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.remote import RemoteOptions
@@ -65,7 +66,7 @@ class _Slots(IterableDataset):
         self.spec, self.processor, self.rank = spec, processor, rank
         self.states, self.shares = states, shares
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[tuple[Batch | None, dict]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         if info is not None:
@@ -81,11 +82,10 @@ class _Slots(IterableDataset):
                 for size in self.shares[worker]:
                     taken = list(islice(samples, size))  # exactly `size` rows: the state is after them
                     rows, epochs = [r for r, _ in taken], [e for _, e in taken]
-                    piece = self.processor.collate(rows, epochs) if rows else {}
-                    piece["_loader"] = {"slot": slot, "state": stream.state()}
-                    yield piece
+                    piece = self.processor.collate(rows, epochs) if rows else None  # Batch or None
+                    yield piece, {"slot": slot, "state": stream.state()}
         except NoSamples as e:  # reported by the main process as a one-line error
-            yield {"_loader": {"slot": slot, "error": str(e)}}
+            yield None, {"slot": slot, "error": str(e)}
 
 
 def _worker_init(_worker_id: int) -> None:
@@ -107,7 +107,8 @@ def _worker_init(_worker_id: int) -> None:
 
 
 class StreamingLoader:
-    """Iterable of batch dicts with ``state_dict``/``load_state_dict`` and ``skipped``.
+    """Iterable of :class:`~mmalign.data.batch.Batch` with ``state_dict``/``load_state_dict``
+    and ``skipped``.
 
     A batch: ``images`` (B,3,H,W), ``tokens`` (B,L), ``captions``, ``keys``, ``epochs``
     (B,), optional ``ids`` (B,), ``images2`` (B,3,H,W), ``neg_tokens`` (B,k,L) with
@@ -130,7 +131,7 @@ class StreamingLoader:
 
     # ------------------------------------------------------------ iteration
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Batch]:
         dataset = _Slots(self.spec, self.processor, self.rank, dict(self._states), self.shares)
         if self.num_workers == 0:
             source = iter(dataset)
@@ -141,14 +142,14 @@ class StreamingLoader:
         rounds, workers = len(self.shares[0]), self.spec.workers
         try:
             while True:
-                pieces: list[list[dict]] = [[] for _ in range(workers)]  # per worker, in its order
+                pieces: list[list[Batch | None]] = [[] for _ in range(workers)]  # per worker, in its order
                 states = {}
                 for _ in range(rounds):
                     for w in range(workers):  # the DataLoader's round-robin
-                        piece = next(source, None)
-                        if piece is None:
+                        item = next(source, None)
+                        if item is None:
                             return
-                        info = piece.pop("_loader")
+                        piece, info = item
                         if "error" in info:
                             raise ConfigError(f"config key 'data.train': {info['error']}")
                         states[info["slot"]] = info["state"]
@@ -156,7 +157,7 @@ class StreamingLoader:
                 batch = merge([p for parts in pieces for p in parts], self.pin_memory)
                 self._states.update(states)
                 self._consumed += 1
-                batch["skipped"] = self.skipped()
+                batch.skipped = self.skipped()
                 yield batch
         finally:
             # closing this iterator (or an error) stops the workers now, not at garbage collection

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from mmalign.data.batch import Batch
 from mmalign.data.shards import IMAGE_EXTS, BadSample, open_image, parse_captions, parse_meta
 from mmalign.data.transforms import TrainTransform
 
@@ -108,40 +109,28 @@ class SampleProcessor:
             raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from None
         return row
 
-    def collate(self, rows: list[dict], epochs: list[int]) -> dict:
+    def collate(self, rows: list[dict], epochs: list[int]) -> Batch:
         captions = [r["caption"] for r in rows]
-        batch = {
-            "images": torch.stack([r["image"] for r in rows]),  # (B, 3, H, W) uint8 (our transform)
-            "tokens": self.tokenizer(captions),  # (B, L)
-            "captions": captions,
-            "keys": [r["key"] for r in rows],
-            "epochs": torch.tensor(epochs, dtype=torch.long),  # (B,) the epoch each sample belongs to
-        }
+        batch = Batch(
+            images=torch.stack([r["image"] for r in rows]),  # (B, 3, H, W) uint8 (our transform)
+            tokens=self.tokenizer(captions),  # (B, L)
+            captions=captions,
+            keys=[r["key"] for r in rows],
+            epochs=torch.tensor(epochs, dtype=torch.long),  # (B,) the epoch each sample belongs to
+        )
         if self.id_field is not None:
-            batch["ids"] = torch.tensor([r["id"] for r in rows], dtype=torch.long)  # (B,)
+            batch.ids = torch.tensor([r["id"] for r in rows], dtype=torch.long)  # (B,)
         if self.views == 2:
-            batch["images2"] = torch.stack([r["image2"] for r in rows])  # (B, 3, H, W)
+            batch.images2 = torch.stack([r["image2"] for r in rows])  # (B, 3, H, W)
         if self.hard_negatives:
             k = self.hard_negatives
             padded = [(r["negatives"] + [""] * k)[:k] for r in rows]  # "" marks an empty slot
             tokens = self.tokenizer([c for p in padded for c in p])  # (B k, L)
-            batch["neg_tokens"] = tokens.reshape(len(rows), k, -1)  # (B, k, L)
-            batch["neg_mask"] = torch.tensor([[bool(c) for c in p] for p in padded])  # (B, k)
+            batch.neg_tokens = tokens.reshape(len(rows), k, -1)  # (B, k, L)
+            batch.neg_mask = torch.tensor([[bool(c) for c in p] for p in padded])  # (B, k)
         return batch
 
 
-def merge(parts: list[dict], pin_memory: bool = False) -> dict:
-    """Collated pieces -> one batch: tensors concatenated on dim 0 (into pinned memory when
-    ``pin_memory``, for asynchronous copies to a GPU), lists joined, in the order given.
-    Empty pieces (``{}``) are left out."""
-    parts = [p for p in parts if p]
-    batch = {}
-    for key, first in parts[0].items():
-        values = [p[key] for p in parts]
-        if isinstance(first, torch.Tensor):
-            shape = (sum(v.shape[0] for v in values), *first.shape[1:])
-            out = torch.empty(shape, dtype=first.dtype, pin_memory=pin_memory)
-            batch[key] = torch.cat(values, out=out)  # (B, ...)
-        else:
-            batch[key] = [x for v in values for x in v]
-    return batch
+def merge(parts: list[Batch | None], pin_memory: bool = False) -> Batch:
+    """Collated pieces -> one batch (:meth:`Batch.cat`); empty pieces (None) are left out."""
+    return Batch.cat([p for p in parts if p is not None], pin_memory)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .hardneg import hardneg_local
-from .monitors import full_matrix_tracks
+from .tracks import full_matrix_tracks
 from .positives import Positives, positive_logit
 from .tiled import tiled_lse
 

@@ -20,10 +20,10 @@ tiles) with the same values and gradients.
 with :func:`mmalign.distributed.all_gather_with_grad` into the 2WB candidates,
 rank r's block at offset 2rB (so anchor a's excluded self is column 2rB + a,
 a shifted diagonal); a rank averages over its local anchors, as
-:mod:`.module` does for InfoNCE, so the mean over ranks is the global NT-Xent
+:mod:`mmalign.objective` does for InfoNCE, so the mean over ranks is the global NT-Xent
 of the 2WB views and the data-parallel average gives its exact gradient.
 
-**In the trainer** (:class:`ImageImageTerm`) the total loss is the
+**In the trainer** (:class:`mmalign.objective.extras.ImageImage`) the total loss is the
 contrastive loss + ``loss.image_image_weight`` x NT-Xent at the fixed
 temperature ``loss.image_image_temperature`` (SimCLR / SLIP use 0.1: a
 fixed, low temperature, because the image-image logits of two views of one
@@ -39,10 +39,9 @@ from torch import Tensor
 from mmalign import distributed as mdist
 
 from .hardneg import masked_lse
-from .module import LossOutput
 from .positives import Positives
 
-__all__ = ["ntxent_loss", "ImageImageTerm"]
+__all__ = ["ntxent_loss"]
 
 
 def ntxent_loss(view1: Tensor, view2: Tensor, scale: float | Tensor = 10.0, *, tile_size: int | None = None) -> Tensor:
@@ -64,33 +63,3 @@ def ntxent_loss(view1: Tensor, view2: Tensor, scale: float | Tensor = 10.0, *, t
     partner = torch.cat([view2, view1])  # (2B, D): row a's other view
     pos = s * torch.linalg.vecdot(z, partner)  # (2B,)
     return (lse - pos).mean()
-
-
-class ImageImageTerm:
-    """Adds ``weight`` x NT-Xent(image_features, image2_features) to a contrastive LossOutput.
-
-    Stats gain ``image_image_loss`` (the NT-Xent, averaged over ranks) and
-    ``contrastive_loss``; ``loss`` becomes the total. weight 0 returns the result
-    unchanged (and needs no second view).
-    """
-
-    def __init__(self, weight: float = 0.0, temperature: float = 0.1, tile_size: int | None = 0):
-        if weight < 0 or temperature <= 0:
-            raise ValueError(f"need weight >= 0 and temperature > 0, got {weight}, {temperature}")
-        self.weight, self.scale, self.tile_size = float(weight), 1.0 / float(temperature), tile_size or None
-
-    def __call__(self, result: LossOutput, outputs: dict) -> LossOutput:
-        if not self.weight:
-            return result
-        if outputs.get("image2_features") is None:
-            raise ValueError("the image-image term needs image2_features (data.views: 2)")
-        term = ntxent_loss(outputs["image_features"], outputs["image2_features"], self.scale,
-                           tile_size=self.tile_size)
-        loss = result.loss + self.weight * term
-        stats = dict(result.stats)
-        if stats:
-            value = mdist.all_reduce_mean(term.detach().float().reshape(1).clone()).item()
-            contrastive = stats.get("loss", float(result.loss.detach()))
-            stats.update(contrastive_loss=contrastive, image_image_loss=value,
-                         loss=contrastive + self.weight * value)
-        return LossOutput(loss=loss, stats=stats)

@@ -8,7 +8,7 @@ entries of different ages stay comparable; the queue enlarges the negative set
 without enlarging the batch. Here, cross-modal (as in CLIP pretraining with a
 queue): image rows get the queued TEXT embeddings as extra negatives, text
 rows the queued IMAGE embeddings. The queue state itself lives in
-:mod:`mmalign.momentum`; this module is the loss, a pure function.
+:mod:`mmalign.objective.queue`; this module is the loss, a pure function.
 
 For image row i (global candidate index ``offset + i``), with in-batch text
 candidates y_j (j < N, all ranks' texts), queued texts u_k (k < Q), logits
@@ -32,7 +32,7 @@ untiled or tiled) and the queue part, joined by ``logaddexp``; a row whose
 every entry is excluded has queue LSE -inf and gets no queue gradient.
 Sharded: each rank scores its local rows against the gathered batch and the
 (identical on every rank) queue, so the mean over ranks is the global loss, as
-in :mod:`.module`.
+in :mod:`mmalign.objective.base`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .monitors import full_matrix_tracks
+from .tracks import full_matrix_tracks
 from .positives import Positives
 from .tiled_sigmoid import tiled_sigmoid_rows
 

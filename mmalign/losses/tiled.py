@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .monitors import RankTracker, track_tile
+from .tracks import RankTracker, track_tile
 from .positives import Positives
 
 __all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass", "Workspace", "tile_logits", "add_mm",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .monitors import RankTracker, track_tile
+from .tracks import RankTracker, track_tile
 from .positives import Positives
 from .tiled import Workspace, add_mm, compute_dtype, count_pass, fold_scale, scale_of, scaled_tile, tile_ranges
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from open_clip.model import _build_text_tower, _build_vision_tower
 from torch import nn
 
+from mmalign.models.embeddings import Embeddings
+
 
 class TwoTower(nn.Module):
     """CLIP-style dual encoder built from an open_clip architecture dict.
@@ -63,35 +65,33 @@ class TwoTower(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, images: Optional[torch.Tensor] = None, texts: Optional[torch.Tensor] = None,
-                images2: Optional[torch.Tensor] = None, neg_texts: Optional[torch.Tensor] = None) -> dict:
-        """Features of whatever is given.
+                images2: Optional[torch.Tensor] = None, neg_texts: Optional[torch.Tensor] = None) -> Embeddings:
+        """Features of whatever is given, as :class:`~mmalign.models.embeddings.Embeddings`.
 
         ``images2`` (B, 3, H, W), a second augmented view of ``images``, adds
-        ``image2_features`` (B, D); ``neg_texts`` (B, k, L), k mined negative
-        captions per sample, adds ``neg_text_features`` (B, k, D).  Each tower runs
-        once on the concatenation (views / captions are independent rows of one
-        batch): under ZeRO-3 its parameters are gathered once per forward, and the
-        gradient hooks fire once per backward, as without the extra inputs.
+        ``image2`` (B, D); ``neg_texts`` (B, k, L), k mined negative captions per
+        sample, adds ``neg_text`` (B, k, D).  Each tower runs once on the
+        concatenation (views / captions are independent rows of one batch): under
+        ZeRO-3 its parameters are gathered once per forward, and the gradient hooks
+        fire once per backward, as without the extra inputs.
         """
-        out = {"logit_scale": self.logit_scale.exp()}  # (1,)
-        if self.logit_bias is not None:
-            out["logit_bias"] = self.logit_bias
+        out = Embeddings(logit_scale=self.logit_scale.exp(), logit_bias=self.logit_bias)  # (1,), (1,) or None
         if (images2 is not None and images is None) or (neg_texts is not None and texts is None):
             raise ValueError("images2 needs images and neg_texts needs texts")
         if images is not None:
             if images2 is None:
-                out["image_features"] = self.encode_image(images)  # (B, D)
+                out.image = self.encode_image(images)  # (B, D)
             else:
                 both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
-                out["image_features"], out["image2_features"] = both.split([images.shape[0], images2.shape[0]])
+                out.image, out.image2 = both.split([images.shape[0], images2.shape[0]])
         if texts is not None:
             if neg_texts is None:
-                out["text_features"] = self.encode_text(texts)  # (B, D)
+                out.text = self.encode_text(texts)  # (B, D)
             else:
                 b, k, length = neg_texts.shape
                 both = self.encode_text(torch.cat([texts, neg_texts.reshape(b * k, length)]))  # (B + B k, D)
-                out["text_features"] = both[: texts.shape[0]]  # (B, D)
-                out["neg_text_features"] = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
+                out.text = both[: texts.shape[0]]  # (B, D)
+                out.neg_text = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
         return out
 
     @torch.no_grad()

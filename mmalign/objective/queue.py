@@ -1,8 +1,9 @@
-"""The MoCo momentum queue: an EMA copy of the towers and a FIFO queue of their embeddings.
+"""The MoCo queue: its state (an EMA copy of the towers and a FIFO queue of their
+embeddings) and the objective's term that puts its entries into the InfoNCE softmax.
 
 He, Fan, Wu, Xie & Girshick 2020, "Momentum Contrast for Unsupervised Visual
 Representation Learning" (MoCo, arXiv 1911.05722). Two pieces of training
-state, used by the loss of :mod:`mmalign.losses.queue`:
+state, used by the loss kernel of :mod:`mmalign.losses.queue`:
 
 * **the momentum encoder**: a copy of the model whose weights follow the
   trained ("online") ones slowly, ``ema = m * ema + (1 - m) * online`` after
@@ -20,9 +21,9 @@ state, used by the loss of :mod:`mmalign.losses.queue`:
   global batch (rank order), so every rank holds the same queue, bit for bit,
   and the sharded loss stays the global loss.
 
-The order per step (train.py) is MoCo's: the loss sees the queue of earlier
-steps only; after the optimiser step the EMA is updated and this step's batch,
-encoded by the updated EMA, is enqueued. Both pieces are saved in checkpoints
+The order per step is MoCo's (:class:`QueueNegatives`): the loss sees the queue of
+earlier steps only; after the optimiser step the EMA is updated and this step's
+batch, encoded by the updated EMA, is enqueued. Both pieces are saved in checkpoints
 (:meth:`MomentumQueue.state_dict`), so a resumed run continues exactly.
 """
 
@@ -37,7 +38,9 @@ from torch import Tensor, nn
 from mmalign import distributed as mdist
 from mmalign.losses.queue import QueueEntries
 
-__all__ = ["FeatureQueue", "MomentumQueue"]
+from .base import StepContext, Term, TermOutput, UpdateContext
+
+__all__ = ["FeatureQueue", "MomentumQueue", "QueueNegatives"]
 
 
 class FeatureQueue:
@@ -161,8 +164,8 @@ class MomentumQueue:
         for i in range(0, images.shape[0], step):
             with autocast():
                 out = self.model(images[i:i + step], tokens[i:i + step])
-            image_parts.append(out["image_features"].float())
-            text_parts.append(out["text_features"].float())
+            image_parts.append(out.image.float())
+            text_parts.append(out.text.float())
         return torch.cat(image_parts), torch.cat(text_parts)
 
     @torch.no_grad()
@@ -192,3 +195,27 @@ class MomentumQueue:
     def load_state_dict(self, state: Mapping) -> None:
         self.queue.load_state_dict(state["queue"])
         self.model.load_state_dict(state["model"])
+
+
+class QueueNegatives(Term):
+    """The queue's live entries as extra InfoNCE negatives of both directions (same-id
+    entries excluded); after each update: EMA <- the new weights, then this step's batch,
+    as the updated EMA encodes it, is enqueued (a collective: every rank enqueues the
+    gathered global batch).  It adds no summand of its own: the contrastive term scores
+    the entries (:func:`mmalign.losses.queue.queue_infonce_local`)."""
+
+    name = "queue"
+    embeddings = ("image", "text")
+    batch_fields = ("images", "tokens")
+
+    def __init__(self, queue: MomentumQueue):
+        self.queue = queue
+
+    def __call__(self, ctx: StepContext) -> TermOutput:
+        entries = self.queue.entries()  # earlier steps' entries only
+        ctx.queue = entries if entries.size else None  # empty (first step): the plain loss, bit for bit
+        return TermOutput()
+
+    def after_update(self, ctx: UpdateContext) -> None:
+        self.queue.update(ctx.params(), ctx.buffers())
+        self.queue.push(ctx.batch.images, ctx.batch.tokens, ctx.ids, chunk=ctx.chunk, autocast=ctx.autocast)

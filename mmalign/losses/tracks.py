@@ -1,4 +1,4 @@
-"""Training monitors computed alongside the loss, under no_grad.
+"""Per-row rank tracks computed alongside the loss kernels, under no_grad.
 
 Per row we keep three numbers, updated tile by tile in the tiled path so no
 B x B matrix is ever held:
@@ -7,7 +7,8 @@ B x B matrix is ever held:
 * ``pos_max``: the best positive's logit,
 * ``n_above``: how many negatives score above the best positive.
 
-From those (and the row log-sum-exp for InfoNCE) we report
+From those (and the row log-sum-exp for InfoNCE) the contrastive term of the
+objective (:mod:`mmalign.objective.contrastive`) reports
 
 * ``pos_rank``  = mean of ``1 + n_above`` (1-based rank of the best positive),
 * ``top1``      = fraction of rows whose best positive beats every negative,
@@ -19,12 +20,10 @@ From those (and the row log-sum-exp for InfoNCE) we report
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-__all__ = ["RankTracker", "track_tile", "full_matrix_tracks", "infonce_stats", "siglip_stats"]
+__all__ = ["RankTracker", "track_tile", "full_matrix_tracks"]
 
 NEG_INF = float("-inf")
 
@@ -98,41 +97,3 @@ def full_matrix_tracks(logits: Tensor, mask: Tensor) -> Tensor:
     pos_max = logits.masked_fill(~mask, NEG_INF).amax(dim=1)
     n_above = (neg > pos_max[:, None]).sum(dim=1).float()
     return torch.stack([neg.amax(dim=1), pos_max, n_above])
-
-
-def _rank_stats(tracks: Tensor) -> dict[str, Tensor]:
-    neg_max, pos_max, n_above = tracks
-    return {
-        "pos_rank": (1.0 + n_above).mean(),
-        "top1": (pos_max > neg_max).float().mean(),
-    }
-
-
-@torch.no_grad()
-def infonce_stats(tracks: list[Tensor], lses: list[Tensor], n_candidates: int, scale: Tensor) -> dict[str, Tensor]:
-    """Stats over all rows of all directions (i2t and t2i rows pooled)."""
-    tr = torch.cat(tracks, dim=1)  # (3, rows)
-    lse = torch.cat([l.detach().float() for l in lses])  # (rows,)
-    out = _rank_stats(tr)
-    out["hardest_neg_prob"] = torch.exp(tr[0] - lse).mean()
-    out["loss_floor"] = torch.tensor(math.log(n_candidates))
-    out["n_candidates"] = torch.tensor(float(n_candidates))
-    out["logit_scale"] = scale.detach().float().reshape(())
-    return out
-
-
-@torch.no_grad()
-def siglip_stats(tracks: Tensor, n_candidates: int, scale: Tensor, bias: Tensor) -> dict[str, Tensor]:
-    """Stats over image rows. ``loss_floor`` is the best loss of a model that
-    cannot tell candidates apart (all logits equal to one constant c):
-    ``min_c -[log s(c) + (N-1) log s(-c)]`` at ``s(c) = 1/N``, i.e.
-    ``log N + (N-1) log(N/(N-1))`` (about ``log N + 1`` for large N)."""
-    out = _rank_stats(tracks)
-    out["hardest_neg_prob"] = torch.sigmoid(tracks[0]).mean()
-    n = n_candidates
-    floor = math.log(n) + ((n - 1) * math.log(n / (n - 1)) if n > 1 else 0.0)
-    out["loss_floor"] = torch.tensor(floor)
-    out["n_candidates"] = torch.tensor(float(n))
-    out["logit_scale"] = scale.detach().float().reshape(())
-    out["logit_bias"] = bias.detach().float().reshape(())
-    return out

@@ -1,0 +1,32 @@
+"""The objective of a training step: a list of terms over the model's Embeddings.
+
+* :func:`build_objective` (``objective.py``): the run's objective from its config, the
+  only run-time reader of ``cfg.loss.*``.
+* Terms: :class:`Contrastive` (InfoNCE / SigLIP with its positives and estimators,
+  ``contrastive.py``), :class:`QueueNegatives` (MoCo queue: its state and its term,
+  ``queue.py``), :class:`MinedNegatives` and :class:`ImageImage` (``extras.py``).
+* ``rules.py``: which terms combine, one table (also checked at config validation).
+
+The maths live in :mod:`mmalign.losses` (pure kernels).  Attributes load lazily so that
+``mmalign.config`` can import ``rules`` without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Objective": "objective", "build_objective": "objective",
+    "LossOutput": "base", "Term": "base", "TermOutput": "base", "StepContext": "base",
+    "Contrastive": "contrastive", "PositiveSource": "contrastive", "LOSS_NAMES": "contrastive",
+    "QueueNegatives": "queue", "MomentumQueue": "queue", "FeatureQueue": "queue",
+    "MinedNegatives": "extras", "ImageImage": "extras",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
