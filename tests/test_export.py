@@ -151,7 +151,7 @@ def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
     init = TwoTower(PRESETS["micro"]).state_dict()  # the run really moved the weights
     assert not torch.equal(a["visual.proj"], init["visual.proj"])
     # a pickle planted into this real checkpoint is refused (one line, exit 2), never run
-    from tests.test_untrusted_models import plant
+    from tests.test_models_load_untrusted import plant
 
     marker = tmp_path / "MARKER"
     plant(next((step / "engine").glob("*optim_states.pt")), marker)

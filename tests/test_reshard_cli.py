@@ -51,7 +51,7 @@ def _keys(files, steps):
 
 
 # 1 -> 2 is `slow` (make test-all): the engine test covers both directions at every stage and
-# tests/test_reshard_data.py the resampled restart; make test keeps 2 -> 1, the lost-node case.
+# tests/test_data_resharding.py the resampled restart; make test keeps 2 -> 1, the lost-node case.
 @pytest.mark.parametrize("before,after,stage,mode", [(2, 1, 2, "epoch"),
                                                      pytest.param(1, 2, 3, "resampled", marks=pytest.mark.slow)])
 def test_resume_on_another_world_size(micro_overrides, tmp_path, before, after, stage, mode):

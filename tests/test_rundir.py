@@ -133,7 +133,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_next(finished, tmp_path, ca
 
 def test_planted_pickle_in_the_newest_checkpoint_never_runs_on_resume(finished, tmp_path, capsys):
     from mmalign.train import train
-    from tests.test_untrusted_models import plant
+    from tests.test_models_load_untrusted import plant
 
     out, overrides = _copy(finished, tmp_path), finished[1]
     marker = tmp_path / "MARKER"

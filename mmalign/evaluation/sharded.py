@@ -4,7 +4,7 @@ The costly part of a suite is embedding its images (and captions).  Rank r embed
 samples r, r + W, r + 2W, ... of the dataset's fixed order; the pieces are gathered
 and interleaved back into that order, so rank 0 receives exactly what one process
 would have computed (up to the last bits of fp32 matrix products over other batch
-compositions; tests/test_eval_sharded.py bounds it).  Rank 0 then runs the tasks on
+compositions; tests/test_evaluation_sharded.py bounds it).  Rank 0 then runs the tasks on
 the gathered features (classifiers, recalls, probes, counterfactuals) and writes
 the results.
 

@@ -13,7 +13,7 @@ import pytest
 from mmalign.config import ConfigError, load_config, validate
 from mmalign.data.shards import read_samples
 from mmalign.data.tario import iter_samples, open_shard
-from tests.test_data_bad_samples import good, loader
+from tests.test_data_samples import good, loader
 
 BIG = 24 << 20  # compresses to ~24 KB
 CAP = 1 << 20
