@@ -47,6 +47,14 @@ class ModelConfig:
     # (gradients exact under caching / ranks); sync = statistics of the same chunk of every rank;
     # local = each chunk's own rows ("ghost"). Needed with caching or > 1 process (models/batchnorm.py).
     batchnorm: Optional[Literal["frozen", "sync", "local"]] = None
+    # LiT (Zhai et al. 2022): lock a tower's weights (no gradient, no optimiser state) through
+    # the tower's own lock(); N > 0 leaves its last N layer groups (image) / layers (text)
+    # trainable. A fully locked tower is forwarded once per step under gradient caching.
+    lock_image: bool = False
+    lock_image_unlocked_groups: int = 0
+    lock_image_freeze_bn_stats: bool = False  # the image tower's BatchNorm: model.batchnorm=frozen
+    lock_text: bool = False
+    lock_text_unlocked_layers: int = 0
 
 
 @dataclass
@@ -374,6 +382,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(f"config key 'train.{key}' must be >= 0, got {getattr(t, key)}")
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
+    _validate_lock(cfg.model)
     _validate_data(cfg)
     _validate_extras(cfg)
     _validate_tokenizer(cfg)
@@ -386,6 +395,26 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if not cfg.dist.timeout_s >= 0:
         raise ConfigError(f"config key 'dist.timeout_s' must be >= 0 (0 = 600 s on GPU, 120 s on CPU), "
                           f"got {cfg.dist.timeout_s}")
+
+
+def _validate_lock(m: ModelConfig) -> None:
+    """LiT keys (the towers' lock() is applied by mmalign.models.build_model)."""
+    for key, lock in (("lock_image_unlocked_groups", "lock_image"), ("lock_image_freeze_bn_stats", "lock_image"),
+                      ("lock_text_unlocked_layers", "lock_text")):
+        if getattr(m, key) and not getattr(m, lock):
+            raise ConfigError(f"config key 'model.{key}' needs model.{lock}: true")
+    for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"config key 'model.{key}' must be >= 0 (0 = the whole tower locked), "
+                              f"got {getattr(m, key)}")
+    if m.lock_image and m.lock_text and not (m.lock_image_unlocked_groups or m.lock_text_unlocked_layers):
+        raise ConfigError("config key 'model.lock_text': with model.lock_image both towers are fully locked and "
+                          "only the temperature would train (unlock some groups or layers of one)")
+    if m.lock_image_freeze_bn_stats:
+        if m.batchnorm not in (None, "frozen"):
+            raise ConfigError(f"config key 'model.lock_image_freeze_bn_stats' freezes the BatchNorm statistics, "
+                              f"model.batchnorm={m.batchnorm} updates them: set one of them")
+        m.batchnorm = "frozen"  # the same maths as open_clip's FrozenBatchNorm2d, torch's names kept
 
 
 def _validate_queue(cfg: Config) -> None:

@@ -26,6 +26,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -218,20 +219,31 @@ class Engine:
 
     # -------------------------------------------------------------- stepping
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, **extra: torch.Tensor) -> Embeddings:
-        """The model's Embeddings; ``extra``: further model inputs by keyword (``images2``, ``neg_texts``)."""
+    def forward(self, images: Optional[torch.Tensor], tokens: Optional[torch.Tensor],
+                **extra: torch.Tensor) -> Embeddings:
+        """The model's Embeddings; ``extra``: further model inputs by keyword (``images2``, ``neg_texts``).
+        A None input skips its tower."""
         if self.input_dtype is not None:
-            images = images.to(self.input_dtype)
+            images = None if images is None else images.to(self.input_dtype)
             extra = {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in extra.items()}
         out = self.ds(images, tokens, **extra)  # the fields as a dict (_dict_at_the_deepspeed_boundary)
         return self._output_type[0](**out) if isinstance(out, dict) else out
 
-    def encode(self, batch: Batch, autocast=None) -> Embeddings:
-        """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`) under ``autocast``."""
-        inputs = batch.model_inputs()
+    def encode(self, batch: Batch, autocast=None, first: Optional[Embeddings] = None) -> Embeddings:
+        """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`) under ``autocast``.
+
+        ``first``: this batch's earlier outputs (a gradient-cache re-forward): the fully locked
+        towers (:meth:`TwoTower.fully_locked`) are not run again, their fields are taken from it."""
+        inputs, reused = batch.model_inputs(), {}
+        if first is not None:
+            inputs, reused = self.module.without_locked(inputs, first)
         with (autocast or _null_context)():
-            out = self.forward(inputs.pop("images"), inputs.pop("texts"), **inputs)
-        return out.map(lambda t: t.float())
+            out = self.forward(inputs.pop("images", None), inputs.pop("texts", None), **inputs)
+        return out.map(lambda t: t.float()).replace(**reused)
+
+    def _fully_locked(self) -> tuple[str, ...]:
+        locked = getattr(self.module, "fully_locked", None)
+        return locked() if locked is not None else ()
 
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
@@ -272,6 +284,9 @@ class Engine:
                 cached = grad_cache_step(
                     encode, chunks, loss_fn, self._backward,
                     after_chunk=update, guard=self._all_finite, replay=bn.replay,
+                    # a fully locked tower: forwarded once per chunk, its first-pass outputs reused
+                    reencode=(lambda chunk, first: self.encode(chunk, autocast, first)) if self._fully_locked()
+                    else None,
                 )
                 result, skipped = cached.result, cached.skipped
             if not skipped:
@@ -394,6 +409,10 @@ class Engine:
         """
         params = {}
         for name, p in self.module.named_parameters():
+            if self.stage == 3 and not p.requires_grad:  # locked: no fp32 master; gather the module's
+                with deepspeed.zero.GatheredParameters([p]):
+                    params[name] = p.detach().float().clone()
+                continue
             local = not master and self.stage < 3 and p.dtype == torch.float32
             full = None if local else safe_get_full_fp32_param(p)
             if full is None:  # stage 0 without a master copy: the module holds the weights
@@ -576,6 +595,10 @@ def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | Non
                     state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
                 finally:
                     zero_to_fp32.torch, zero_to_fp32.tqdm = real
+            if state_key is None:  # locked (frozen) weights: ZeRO-1 keeps them in the module state only
+                for model_file in sorted(path.glob("*model_states.pt"))[:1]:
+                    module = torch.load(model_file, map_location="cpu", weights_only=True)["module"]
+                    state.update({k: v for k, v in module.items() if k not in state and v.numel()})
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 

@@ -39,6 +39,13 @@ BatchNorm tower in train mode couples the rows of a chunk (see
 re-forwards of 3 run inside the injected ``replay`` context, where such layers
 record no statistics: they see the same rows a second time.
 
+A fully locked tower (LiT: no weight takes a gradient) is not re-forwarded: the
+injected ``reencode`` reuses its first-pass outputs, which need no graph, and runs
+only the trainable tower(s).  Those must be the first to draw random numbers in
+the model's forward (``TwoTower`` runs a locked tower last), so that the
+recorded RNG state replays their masks exactly.  A step of n chunks then runs
+the locked tower n times instead of 2n - 1.
+
 This module never imports DeepSpeed: ``backward``, ``after_chunk`` and
 ``replay`` are injected (``engine.backward(x, scale_wrt_gas=False)`` /
 ``engine.step()`` under DeepSpeed, ``x.backward()`` in plain PyTorch).
@@ -104,6 +111,7 @@ def grad_cache_step(
     after_chunk: Optional[Callable[[int, bool], None]] = None,
     guard: Optional[Callable[[torch.Tensor, dict], bool]] = None,
     replay: Optional[Callable[[], ContextManager]] = None,
+    reencode: Optional[Callable[[Any, Embeddings], Embeddings]] = None,
 ) -> CachedStep:
     """One optimisation step's gradients, accumulated chunk by chunk.
 
@@ -125,6 +133,11 @@ def grad_cache_step(
             loss or representation gradient), and ``skipped`` is set.
         replay: ``replay()`` returns a context entered around each re-forward
             (e.g. BatchNorm layers then record no running statistics).
+        reencode: ``reencode(chunk, first) -> Embeddings``, the re-forward of step 3 given
+            the chunk's first-pass (no-grad) outputs ``first``; default ``encode(chunk)``.
+            It may reuse outputs that take no gradient (a locked tower's) instead of
+            recomputing them, provided the parts it does recompute draw the same random
+            numbers from the recorded RNG state as in the first pass (run them first).
     """
     # 1. no-grad forward of every chunk but the last, remembering the RNG state each
     #    started from; the last keeps its graph (it is back-propagated from it in 3)
@@ -163,8 +176,11 @@ def grad_cache_step(
         else:
             states[i].restore()
             with (replay or contextlib.nullcontext)():
-                out = encode(chunks[i])
-        surrogate = sum((getattr(out, k) * g[i]).sum() for k, g in sample_grads.items())
+                out = encode(chunks[i]) if reencode is None else reencode(chunks[i], reps[i])
+            reps[i] = None  # its first-pass outputs are not needed any more
+        # outputs without a graph (a locked tower's) have nothing to back-propagate into
+        surrogate = sum((getattr(out, k) * g[i]).sum() for k, g in sample_grads.items()
+                        if getattr(out, k).requires_grad)
         if i == last:  # the per-step outputs take their gradient exactly once
             for key in per_step:
                 if grads.get(key) is not None:

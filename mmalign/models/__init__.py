@@ -8,7 +8,8 @@ from mmalign.models.two_tower import TwoTower
 
 def build_model(cfg: ModelConfig) -> TwoTower:
     """Random-init model from a model config; never downloads weights.  With
-    ``model.batchnorm`` its BatchNorm layers take that mode (models/batchnorm.py)."""
+    ``model.batchnorm`` its BatchNorm layers take that mode (models/batchnorm.py); with
+    ``model.lock_image`` / ``model.lock_text`` a tower is locked (:meth:`TwoTower.lock`)."""
     model = TwoTower(
         resolve_arch(cfg),
         init_logit_scale=cfg.init_logit_scale,
@@ -17,6 +18,13 @@ def build_model(cfg: ModelConfig) -> TwoTower:
     )
     if cfg.batchnorm is not None and has_batchnorm(model):
         convert_batchnorm(model, cfg.batchnorm)
+    elif cfg.lock_image_freeze_bn_stats and has_batchnorm(model.visual):  # config validation sets batchnorm too
+        convert_batchnorm(model.visual, "frozen")
+    # LiT: after init (and, later, pretrained weights), before the engine builds the optimiser
+    if cfg.lock_image:
+        model.lock("visual", cfg.lock_image_unlocked_groups)
+    if cfg.lock_text:
+        model.lock("text", cfg.lock_text_unlocked_layers)
     return model
 
 

@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from open_clip.model import _build_text_tower, _build_vision_tower
 from torch import nn
 
+from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
+
+
+# which forward keywords feed a tower, and which Embeddings fields it produces
+TOWER_INPUTS = {"visual": ("images", "images2"), "text": ("texts", "neg_texts")}
+TOWER_FIELDS = {"visual": ("image", "image2"), "text": ("text", "neg_text")}
 
 
 class TwoTower(nn.Module):
@@ -56,6 +62,47 @@ class TwoTower(nn.Module):
         size = self.arch["vision_cfg"].get("image_size", 224)
         return int(size[0] if isinstance(size, (list, tuple)) else size)
 
+    def lock(self, tower: str, unlocked: int = 0) -> None:
+        """LiT (Zhai et al. 2022, "LiT: Zero-Shot Transfer with Locked-image text Tuning"):
+        the tower's own ``lock()`` sets ``requires_grad=False`` on its weights but its last
+        ``unlocked`` groups (open_clip's VisionTransformer / timm: layer groups; TextTransformer:
+        layers).  A tower without ``lock()`` (or a ResNet asked for partial locking) is a
+        one-line ConfigError."""
+        key = {"visual": "model.lock_image", "text": "model.lock_text"}[tower]
+        module = getattr(self, tower)
+        if not callable(getattr(module, "lock", None)):
+            raise ConfigError(f"config key '{key}': the {type(module).__name__} tower has no lock() method")
+        try:
+            if tower == "visual":
+                module.lock(unlocked_groups=unlocked, freeze_bn_stats=False)  # BatchNorm: model.batchnorm=frozen
+            else:
+                module.lock(unlocked_layers=unlocked)
+        except AssertionError as e:  # open_clip's ModifiedResNet: partial locking unsupported
+            raise ConfigError(f"config key '{key}': {type(module).__name__}.lock refused "
+                              f"{unlocked} unlocked groups: {e}") from None
+
+    def fully_locked(self) -> tuple[str, ...]:
+        """The towers (``visual``, ``text``) none of whose weights takes a gradient."""
+        return tuple(name for name in TOWER_FIELDS
+                     if not any(p.requires_grad for p in getattr(self, name).parameters()))
+
+    def without_locked(self, inputs: dict, first: Embeddings) -> tuple[dict, dict]:
+        """For a re-forward of the same rows: ``inputs`` (forward keywords) less those of the
+        fully locked towers, and those towers' fields taken from ``first`` (their earlier,
+        gradient-free outputs), to set on the re-forward's Embeddings."""
+        inputs, reused = dict(inputs), {}
+        for tower in self.fully_locked():
+            for key in TOWER_INPUTS[tower]:
+                inputs.pop(key, None)
+            reused.update({f: getattr(first, f) for f in TOWER_FIELDS[tower] if getattr(first, f) is not None})
+        return inputs, reused
+
+    def _tower_order(self) -> tuple[str, ...]:
+        # A fully locked tower runs last: the trainable towers' random draws (dropout, patch
+        # dropout) then start at the RNG state a gradient-cache chunk recorded, and a
+        # re-forward that skips the locked tower replays them exactly.
+        return ("text", "visual") if "visual" in self.fully_locked() else ("visual", "text")
+
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         features = self.visual(images)  # (B, D) after the vision projection head
         return F.normalize(features, dim=-1) if normalize else features
@@ -73,26 +120,34 @@ class TwoTower(nn.Module):
         sample, adds ``neg_text`` (B, k, D).  Each tower runs once on the
         concatenation (views / captions are independent rows of one batch): under
         ZeRO-3 its parameters are gathered once per forward, and the gradient hooks
-        fire once per backward, as without the extra inputs.
+        fire once per backward, as without the extra inputs.  A fully locked image tower
+        runs after the text tower (:meth:`_tower_order`).
         """
         out = Embeddings(logit_scale=self.logit_scale.exp(), logit_bias=self.logit_bias)  # (1,), (1,) or None
         if (images2 is not None and images is None) or (neg_texts is not None and texts is None):
             raise ValueError("images2 needs images and neg_texts needs texts")
-        if images is not None:
-            if images2 is None:
-                out.image = self.encode_image(images)  # (B, D)
-            else:
-                both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
-                out.image, out.image2 = both.split([images.shape[0], images2.shape[0]])
-        if texts is not None:
-            if neg_texts is None:
-                out.text = self.encode_text(texts)  # (B, D)
-            else:
-                b, k, length = neg_texts.shape
-                both = self.encode_text(torch.cat([texts, neg_texts.reshape(b * k, length)]))  # (B + B k, D)
-                out.text = both[: texts.shape[0]]  # (B, D)
-                out.neg_text = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
+        for tower in self._tower_order():
+            if tower == "visual" and images is not None:
+                self._image_fields(out, images, images2)
+            elif tower == "text" and texts is not None:
+                self._text_fields(out, texts, neg_texts)
         return out
+
+    def _image_fields(self, out: Embeddings, images: torch.Tensor, images2: Optional[torch.Tensor]) -> None:
+        if images2 is None:
+            out.image = self.encode_image(images)  # (B, D)
+        else:
+            both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
+            out.image, out.image2 = both.split([images.shape[0], images2.shape[0]])
+
+    def _text_fields(self, out: Embeddings, texts: torch.Tensor, neg_texts: Optional[torch.Tensor]) -> None:
+        if neg_texts is None:
+            out.text = self.encode_text(texts)  # (B, D)
+        else:
+            b, k, length = neg_texts.shape
+            both = self.encode_text(torch.cat([texts, neg_texts.reshape(b * k, length)]))  # (B + B k, D)
+            out.text = both[: texts.shape[0]]  # (B, D)
+            out.neg_text = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
