@@ -59,8 +59,8 @@ def _tower_layers(tower: torch.nn.Module, key: str) -> tuple[Callable[[str], int
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None,
                  lr_image: float | None = None, lr_text: float | None = None,
                  layer_decay: float = 1.0) -> list[dict]:
-    """Optimiser parameter groups: one per (learning rate, weight decay) pair, the decayed
-    groups first.
+    """Optimiser parameter groups: one per (learning rate, weight decay or not) pair, the
+    decayed groups first.
 
     No weight decay on gains, biases, norms or the temperature (open_clip's rule: tensors
     with fewer than 2 dims, which covers all of these, plus names).  Frozen parameters
@@ -76,7 +76,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
     so the ratios hold over the run.
     """
     towers: dict[str, tuple[float | None, Callable[[str], int] | None, int]] = {}
-    for prefix, tower_lr, key in (("visual", lr_image, "train.lr_image"), ("text", lr_text, "train.lr_text")):
+    for prefix, tower_lr in (("visual", lr_image), ("text", lr_text)):
         module = getattr(model, prefix, None)
         if module is None:
             continue
@@ -97,11 +97,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
                 if layer is not None and base is not None:
                     group_lr = base * layer_decay ** (depth - layer(name[len(prefix):]))
                 break
-        wd = 0.0 if _no_weight_decay(name, p) else weight_decay
-        groups.setdefault((group_lr, wd), []).append(p)
+        # keyed by the flag, not the value: with weight_decay 0 the two kinds stay two groups,
+        # as they always were (a checkpoint's optimiser state has one entry per group)
+        groups.setdefault((group_lr, _no_weight_decay(name, p)), []).append(p)
     out = []
-    for (group_lr, wd), params in sorted(groups.items(), key=lambda kv: kv[0][1] == 0.0):  # stable: decayed first
-        group = {"params": params, "weight_decay": wd}
+    for (group_lr, exempt), params in sorted(groups.items(), key=lambda kv: kv[0][1]):  # stable: decayed first
+        group = {"params": params, "weight_decay": 0.0 if exempt else weight_decay}
         if group_lr is not None:
             group["lr"] = group_lr
         out.append(group)

@@ -299,8 +299,10 @@ def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
 
     results = run_ranks(_group_lr_worker, 1, seed)[0]
     model = build_model(ModelConfig(preset="micro"))
-    want = _lr_of(param_groups(model, 0.0, lr=LR, lr_image=LR_IMAGE, lr_text=LR_TEXT, layer_decay=DECAY), model)
-    group_lrs = sorted({lr for lr, _ in want.values()})
+    groups = param_groups(model, 0.0, lr=LR, lr_image=LR_IMAGE, lr_text=LR_TEXT, layer_decay=DECAY)
+    want = _lr_of(groups, model)
+    group_lrs = sorted(g["lr"] for g in groups)
+    assert len(set(group_lrs)) == 4  # micro (L = 2): image 1, 2, 4e-3; text 0.5, 1, 2e-3; temperature 1e-3
     for stage, (before, after, grads, lrs) in results.items():
         for step, (ours, deepspeeds, engine_lr) in enumerate(lrs):
             factor = warmup_cosine(step + 1, 0, 4)  # after step s the schedule has moved to s + 1
@@ -316,3 +318,13 @@ def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
             # fp32 rounding of w - lr g is ~1e-7 |w|: ~1e-4 of an update; the next lr is 2x away
             rel = float((delta - lr * g).norm() / (lr * g).norm())
             assert rel <= 2e-3, (stage, name, lr, rel)
+
+
+def test_weight_decay_zero_keeps_two_groups():
+    """A checkpoint's optimiser state has one entry per group: weight_decay 0 must not merge them."""
+    from mmalign.optim import train_param_groups
+
+    model = build_model(ModelConfig(preset="micro"))
+    groups = train_param_groups(model, load_config(None, ["train.weight_decay=0.0"]).train)
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
+    assert all(p.ndim >= 2 for p in groups[0]["params"]) and any(p.ndim < 2 for p in groups[1]["params"])
