@@ -126,6 +126,13 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Fine-tuning (mmalign/optim.py): per-tower base learning rates (null = train.lr; the
+    # temperature / SigLIP bias always use train.lr) and EVA-style layer-wise decay (1.0 = off:
+    # layer i of a tower with layers 0..L gets its tower's lr x layer_decay^(L - i)).
+    lr_image: Optional[float] = None
+    lr_text: Optional[float] = None
+    layer_decay: float = 1.0
+    grad_checkpointing: bool = False  # recompute each transformer block's activations in the backward
 
 
 @dataclass
@@ -323,6 +330,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(f"config key '{key}' must be > 0, got {value}")
     if t.lr <= 0:
         raise ConfigError(f"config key 'train.lr' must be > 0, got {t.lr}")
+    for key in ("lr_image", "lr_text"):
+        if getattr(t, key) is not None and not getattr(t, key) > 0:
+            raise ConfigError(f"config key 'train.{key}' must be > 0 (or null for train.lr), got {getattr(t, key)}")
+    if not 0 < t.layer_decay <= 1:
+        raise ConfigError(f"config key 'train.layer_decay' must be in (0, 1] (1 = off), got {t.layer_decay}")
     if not 0 <= t.warmup_steps <= t.steps:
         raise ConfigError(f"config key 'train.warmup_steps' must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
     if t.global_batch_size % world_size:

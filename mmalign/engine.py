@@ -49,7 +49,7 @@ from mmalign.data.batch import Batch  # noqa: E402
 from mmalign.gradcache import chunk_sizes, grad_cache_step  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
 from mmalign.models.embeddings import Embeddings  # noqa: E402
-from mmalign.optim import Lamb, build_optimizer, param_groups, warmup_cosine  # noqa: E402
+from mmalign.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -162,7 +162,10 @@ class Engine:
         if bn_line is not None:
             log.info("%s", bn_line)
         t = cfg.train
-        optimizer = build_optimizer(param_groups(model, t.weight_decay), t)
+        if t.grad_checkpointing:
+            model.set_grad_checkpointing(True)  # ConfigError for a tower without it, before DeepSpeed
+        # per-tower lrs and layer-wise decay: each group carries its own lr, which the schedule scales
+        optimizer = build_optimizer(train_param_groups(model, t), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
         self._output_type = _dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
         self.ds_config = ds_config(cfg, self.plan)
@@ -351,7 +354,9 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+        """train.lr under the schedule (groups with their own lr, train.lr_image / lr_text /
+        layer_decay, scale from their base lr by the same factor)."""
+        return float(self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0] * self.cfg.train.lr)
 
     def grad_norm(self) -> float:
         """Global gradient norm of the last update (before clipping)."""

@@ -17,24 +17,102 @@ rank, so the trust ratio stays per tensor whatever the stage or world size.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 import torch
 
 from mmalign.config import TrainConfig
+from mmalign.errors import ConfigError
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on gains, biases, norms or the temperature (open_clip's rule:
-    tensors with fewer than 2 dims, which covers all of these, plus names)."""
-    decay, no_decay = [], []
+# Parameters of a tower's stem: layer 0 of layer-wise decay (relative to the tower module).
+_EMBEDDING_PREFIXES = ("conv1.", "class_embedding", "positional_embedding", "ln_pre.", "token_embedding.", "cls_emb")
+_BLOCK = re.compile(r"^transformer\.resblocks\.(\d+)\.")
+
+
+def _no_weight_decay(name: str, p: torch.nn.Parameter) -> bool:
+    # open_clip's rule: tensors with fewer than 2 dims (gains, biases, the temperature), plus names
+    return p.ndim < 2 or "bias" in name or "ln" in name or "norm" in name or "logit_" in name
+
+
+def _tower_layers(tower: torch.nn.Module, key: str) -> tuple[Callable[[str], int], int]:
+    """(name within the tower -> layer id, L) for an open_clip transformer tower of n blocks:
+    the stem (patch / token / positional embeddings, class token, ln_pre) is layer 0, block i
+    is layer i + 1, everything after the blocks (final norm, projection, pooler) is L = n + 1
+    (the layer numbering of BEiT / EVA's layer-wise decay)."""
+    blocks = getattr(getattr(tower, "transformer", None), "resblocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ConfigError(f"config key '{key}': layer-wise decay needs open_clip transformer towers; "
+                          f"the {type(tower).__name__} tower has no transformer.resblocks (use {key}: 1.0)")
+    depth = len(blocks) + 1
+
+    def layer(name: str) -> int:
+        if name.startswith(_EMBEDDING_PREFIXES):
+            return 0
+        match = _BLOCK.match(name)
+        return int(match.group(1)) + 1 if match else depth
+
+    return layer, depth
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None,
+                 lr_image: float | None = None, lr_text: float | None = None,
+                 layer_decay: float = 1.0) -> list[dict]:
+    """Optimiser parameter groups: one per (learning rate, weight decay or not) pair, the
+    decayed groups first.
+
+    No weight decay on gains, biases, norms or the temperature (open_clip's rule: tensors
+    with fewer than 2 dims, which covers all of these, plus names).  Frozen parameters
+    (``requires_grad=False``) are in no group, so they get no optimiser state.
+
+    Learning rates (only with ``lr``; without it the groups carry none, the optimiser's
+    default applies): parameters of the vision tower (``visual.*``) start from ``lr_image``,
+    of the text tower (``text.*``) from ``lr_text`` (None: ``lr``), anything else (the
+    temperature, the SigLIP bias) uses ``lr``.  With ``layer_decay`` < 1 a tower
+    parameter in layer i of a tower with layers 0..L (:func:`_tower_layers`) gets
+    ``tower lr x layer_decay ** (L - i)`` (layer-wise decay as in BEiT, Bao et al. 2021,
+    and EVA-CLIP, Sun et al. 2023).  The schedule multiplies each group's own base lr,
+    so the ratios hold over the run.
+    """
+    towers: dict[str, tuple[float | None, Callable[[str], int] | None, int]] = {}
+    for prefix, tower_lr in (("visual", lr_image), ("text", lr_text)):
+        module = getattr(model, prefix, None)
+        if module is None:
+            continue
+        base = lr if tower_lr is None else tower_lr
+        if layer_decay != 1.0:
+            layer, depth = _tower_layers(module, "train.layer_decay")
+            towers[prefix + "."] = (base, layer, depth)
+        else:
+            towers[prefix + "."] = (base, None, 0)
+    groups: dict[tuple, list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        exclude = p.ndim < 2 or "bias" in name or "ln" in name or "norm" in name or "logit_" in name
-        (no_decay if exclude else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        group_lr = lr
+        for prefix, (base, layer, depth) in towers.items():
+            if name.startswith(prefix):
+                group_lr = base
+                if layer is not None and base is not None:
+                    group_lr = base * layer_decay ** (depth - layer(name[len(prefix):]))
+                break
+        # keyed by the flag, not the value: with weight_decay 0 the two kinds stay two groups,
+        # as they always were (a checkpoint's optimiser state has one entry per group)
+        groups.setdefault((group_lr, _no_weight_decay(name, p)), []).append(p)
+    out = []
+    for (group_lr, exempt), params in sorted(groups.items(), key=lambda kv: kv[0][1]):  # stable: decayed first
+        group = {"params": params, "weight_decay": 0.0 if exempt else weight_decay}
+        if group_lr is not None:
+            group["lr"] = group_lr
+        out.append(group)
+    return out
+
+
+def train_param_groups(model: torch.nn.Module, t: TrainConfig) -> list[dict]:
+    """:func:`param_groups` from the ``train.*`` keys (weight_decay, lr, lr_image, lr_text, layer_decay)."""
+    return param_groups(model, t.weight_decay, lr=t.lr, lr_image=t.lr_image, lr_text=t.lr_text,
+                        layer_decay=t.layer_decay)
 
 
 Segment = tuple[int, int, int]  # (tensor index, offset in the flat partition, length)

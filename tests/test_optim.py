@@ -142,3 +142,189 @@ def test_segmented_lamb_equals_per_tensor_lamb():
     other.grad = torch.randn(4)
     with pytest.raises(RuntimeError, match="layout"):
         bad.step()
+
+
+# ------------------------------------------------ per-tower learning rates and layer-wise decay
+
+LR, LR_IMAGE, LR_TEXT, DECAY = 1e-3, 4e-3, 2e-3, 0.5
+
+
+def _lr_of(groups: list[dict], model: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """name -> (lr, weight decay), checking that every trainable parameter is in exactly one group."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: dict[str, tuple[float, float]] = {}
+    for g in groups:
+        for p in g["params"]:
+            n = names[id(p)]
+            assert n not in seen, f"{n} in two groups"
+            seen[n] = (g["lr"], g["weight_decay"])
+    assert set(seen) == {n for n, p in model.named_parameters() if p.requires_grad}
+    return seen
+
+
+def test_layer_decay_groups_on_the_tiny_vit():
+    from mmalign.optim import train_param_groups
+
+    cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.lr_text={LR_TEXT}",
+                             f"train.layer_decay={DECAY}", "train.weight_decay=0.2"])
+    model = build_model(ModelConfig(preset="tiny"))  # 4 blocks per tower: layers 0 (stem) .. 5 (head)
+    got = _lr_of(train_param_groups(model, cfg.train), model)
+    # (lr, weight decay) written out from the rule: tower lr x decay^(5 - layer)
+    want = {
+        "visual.conv1.weight": (LR_IMAGE * DECAY ** 5, 0.2),  # patch embedding: layer 0
+        "visual.positional_embedding": (LR_IMAGE * DECAY ** 5, 0.2),
+        "visual.class_embedding": (LR_IMAGE * DECAY ** 5, 0.0),
+        "visual.ln_pre.weight": (LR_IMAGE * DECAY ** 5, 0.0),
+        "visual.transformer.resblocks.0.attn.in_proj_weight": (LR_IMAGE * DECAY ** 4, 0.2),  # first block
+        "visual.transformer.resblocks.0.attn.in_proj_bias": (LR_IMAGE * DECAY ** 4, 0.0),
+        "visual.transformer.resblocks.3.mlp.c_fc.weight": (LR_IMAGE * DECAY, 0.2),  # last block
+        "visual.transformer.resblocks.3.ln_2.weight": (LR_IMAGE * DECAY, 0.0),
+        "visual.ln_post.bias": (LR_IMAGE, 0.0),  # head: layer 5
+        "visual.proj": (LR_IMAGE, 0.2),
+        "text.token_embedding.weight": (LR_TEXT * DECAY ** 5, 0.2),
+        "text.positional_embedding": (LR_TEXT * DECAY ** 5, 0.2),
+        "text.transformer.resblocks.0.mlp.c_proj.weight": (LR_TEXT * DECAY ** 4, 0.2),
+        "text.transformer.resblocks.3.attn.out_proj.weight": (LR_TEXT * DECAY, 0.2),
+        "text.ln_final.weight": (LR_TEXT, 0.0),
+        "text.text_projection": (LR_TEXT, 0.2),
+        "logit_scale": (LR, 0.0),  # the temperature: train.lr, no decay of either kind
+    }
+    for name, (lr, wd) in want.items():
+        assert got[name][0] == pytest.approx(lr, rel=1e-12), (name, got[name], lr)
+        assert got[name][1] == wd, (name, got[name], wd)
+    # every tower parameter has one of the L + 1 = 6 lrs of its tower
+    for name, (lr, _) in got.items():
+        if name.startswith(("visual.", "text.")):
+            base = LR_IMAGE if name.startswith("visual.") else LR_TEXT
+            assert any(lr == pytest.approx(base * DECAY ** k, rel=1e-12) for k in range(6)), (name, lr)
+    # the temperature and SigLIP bias stay at train.lr under per-tower lrs
+    siglip = build_model(ModelConfig(preset="micro", init_logit_bias=-10.0))
+    assert _lr_of(train_param_groups(siglip, cfg.train), siglip)["logit_bias"] == (LR, 0.0)
+
+
+def test_defaults_keep_two_groups_at_train_lr():
+    from mmalign.optim import train_param_groups
+
+    cfg = load_config(None, ["train.lr=0.02", "train.weight_decay=0.3"])
+    model = build_model(ModelConfig(preset="micro"))
+    groups = train_param_groups(model, cfg.train)
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(0.02, 0.3), (0.02, 0.0)]
+    # per-tower lrs without decay: one lr per tower, no layer split
+    cfg = load_config(None, ["train.lr=0.02", "train.lr_text=0.005"])
+    got = _lr_of(train_param_groups(model, cfg.train), model)
+    assert {lr for n, (lr, _) in got.items() if n.startswith("text.")} == {0.005}
+    assert {lr for n, (lr, _) in got.items() if not n.startswith("text.")} == {0.02}
+    # frozen parameters get no group (no optimiser state)
+    for p in model.visual.parameters():
+        p.requires_grad_(False)
+    assert not any(n.startswith("visual.") for n in _lr_of(train_param_groups(model, cfg.train), model))
+
+
+def test_schedule_keeps_the_group_ratios():
+    from mmalign.optim import train_param_groups, warmup_cosine
+
+    cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.layer_decay={DECAY}",
+                             "train.steps=10", "train.warmup_steps=3"])
+    model = build_model(ModelConfig(preset="micro"))
+    opt = build_optimizer(train_param_groups(model, cfg.train), cfg.train)
+    base = [g["lr"] for g in opt.param_groups]
+    assert len(set(base)) >= 4  # stems, blocks and heads of two towers, the temperature
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 3, 10))
+    for step in range(10):
+        factor = warmup_cosine(step, 3, 10)
+        for g, b in zip(opt.param_groups, base):
+            assert g["lr"] == pytest.approx(b * factor, rel=1e-12, abs=1e-18), (step, b)
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.lr_image=0", "train.lr_image"), ("train.lr_text=-1e-3", "train.lr_text"),
+    ("train.layer_decay=0", "train.layer_decay"), ("train.layer_decay=1.5", "train.layer_decay"),
+])
+def test_lr_keys_are_validated(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_layer_decay_needs_transformer_towers():
+    from mmalign.optim import train_param_groups
+
+    cfg = load_config(None, ["train.layer_decay=0.8"])
+    with pytest.raises(ConfigError, match="train.layer_decay.*ModifiedResNet"):
+        train_param_groups(build_model(ModelConfig(preset="micro-rn")), cfg.train)
+    # without decay the ResNet tower gets its own lr as any tower
+    cfg = load_config(None, ["train.lr_image=0.01"])
+    model = build_model(ModelConfig(preset="micro-rn"))
+    assert {lr for n, (lr, _) in _lr_of(train_param_groups(model, cfg.train), model).items()
+            if n.startswith("visual.")} == {0.01}
+
+
+def _group_lr_worker(rank: int, world: int, seed: int) -> dict:
+    """Two SGD steps at ZeRO 0 and 2 with per-tower lrs and layer decay: the group lrs DeepSpeed's
+    optimiser holds, and each parameter's first update divided by its gradient (= its lr)."""
+    from mmalign.data.batch import Batch
+    from mmalign.engine import Engine
+    from mmalign.objective import build_objective
+    from tests.conftest import clip_batch
+
+    out = {}
+    for stage in (0, 2):
+        cfg = load_config(None, [
+            "model.preset=micro", "train.global_batch_size=4", "train.steps=4", "train.warmup_steps=0",
+            "train.optimizer=sgd", f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.lr_text={LR_TEXT}",
+            f"train.layer_decay={DECAY}", "train.weight_decay=0.0", f"deepspeed.zero_stage={stage}"])
+        torch.manual_seed(seed)
+        engine = Engine(build_model(cfg.model), cfg)
+        before = {n: p.detach().clone() for n, p in engine.consolidated_state_dict().items()}
+        grads, lrs = {}, []
+        for step in range(2):
+            images, tokens = clip_batch(4, seed + step)
+            captured = {}
+            engine.step(Batch(images, tokens), build_objective(cfg),
+                        before_update=lambda: captured.update(engine.full_grads()))
+            if step == 0:
+                grads = captured
+                after = engine.consolidated_state_dict()
+            lrs.append(([g["lr"] for g in engine.base_optimizer.param_groups],
+                        [g["lr"] for g in engine.ds.optimizer.param_groups], engine.lr))
+        out[stage] = (before, after, grads, lrs)
+    return out
+
+
+@pytest.mark.integration
+def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
+    from mmalign.optim import param_groups, warmup_cosine
+    from tests.conftest import run_ranks
+
+    results = run_ranks(_group_lr_worker, 1, seed)[0]
+    model = build_model(ModelConfig(preset="micro"))
+    groups = param_groups(model, 0.0, lr=LR, lr_image=LR_IMAGE, lr_text=LR_TEXT, layer_decay=DECAY)
+    want = _lr_of(groups, model)
+    group_lrs = sorted(g["lr"] for g in groups)
+    assert len(set(group_lrs)) == 4  # micro (L = 2): image 1, 2, 4e-3; text 0.5, 1, 2e-3; temperature 1e-3
+    for stage, (before, after, grads, lrs) in results.items():
+        for step, (ours, deepspeeds, engine_lr) in enumerate(lrs):
+            factor = warmup_cosine(step + 1, 0, 4)  # after step s the schedule has moved to s + 1
+            assert sorted(ours) == pytest.approx([lr * factor for lr in group_lrs], rel=1e-9), (stage, step)
+            assert deepspeeds == ours, (stage, step)
+            assert engine_lr == pytest.approx(LR * factor, rel=1e-9)
+        # plain SGD, no clipping: the update of every parameter is its own group's lr x gradient
+        for name, (lr, _) in want.items():
+            delta = (before[name] - after[name]).flatten()
+            g = grads[name].flatten()
+            if name == "logit_scale" or not g.abs().max() > 0:
+                continue  # clamped after the update / no gradient
+            # fp32 rounding of w - lr g is ~1e-7 |w|: ~1e-4 of an update; the next lr is 2x away
+            rel = float((delta - lr * g).norm() / (lr * g).norm())
+            assert rel <= 2e-3, (stage, name, lr, rel)
+
+
+def test_weight_decay_zero_keeps_two_groups():
+    """A checkpoint's optimiser state has one entry per group: weight_decay 0 must not merge them."""
+    from mmalign.optim import train_param_groups
+
+    model = build_model(ModelConfig(preset="micro"))
+    groups = train_param_groups(model, load_config(None, ["train.weight_decay=0.0"]).train)
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
+    assert all(p.ndim >= 2 for p in groups[0]["params"]) and any(p.ndim < 2 for p in groups[1]["params"])

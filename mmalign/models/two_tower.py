@@ -149,6 +149,23 @@ class TwoTower(nn.Module):
             out.text = both[: texts.shape[0]]  # (B, D)
             out.neg_text = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing through each tower's own ``set_grad_checkpointing``
+        (open_clip's transformers: each block's activations are recomputed in the backward
+        by ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks
+        match the first forward)).  A tower whose method is missing or does nothing
+        (open_clip's ModifiedResNet) is a ConfigError naming ``train.grad_checkpointing``."""
+        for name in ("visual", "text"):
+            tower = getattr(self, name)
+            setter = getattr(tower, "set_grad_checkpointing", None)
+            if setter is not None:
+                setter(enable)
+            flags = [getattr(m, attr) for m in tower.modules()
+                     for attr in ("grad_checkpointing", "gradient_checkpointing") if hasattr(m, attr)]
+            if enable and not any(f is True for f in flags):
+                raise ConfigError(f"config key 'train.grad_checkpointing': the {'image' if name == 'visual' else 'text'}"
+                                  f" tower ({type(tower).__name__}) does not support activation checkpointing")
+
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
         """open_clip's convention: log-scale in [0, ln max], i.e. scale in [1, max]."""
