@@ -30,10 +30,11 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 
 @torch.no_grad()
 def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
-                             second_view: bool = False, negatives: int = 0) -> float:
-    """FLOPs of one training-mode forward pass of both towers for a single sample (on the
-    model's device, float32), including its second image view and its ``negatives`` mined
-    captions when the run embeds them.
+                             second_view: bool = False, negatives: int = 0,
+                             towers: tuple[str, ...] = ("visual", "text")) -> float:
+    """FLOPs of one training-mode forward pass of ``towers`` (both by default) for a single
+    sample (on the model's device, float32), including its second image view and its
+    ``negatives`` mined captions when the run embeds them.
 
     Train mode, so patch dropout shrinks the count; the pass leaves no trace: the RNG is
     forked (the run's dropout stream is unchanged) and every buffer (BatchNorm running
@@ -48,9 +49,9 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     tokens = torch.zeros(n, context_length, dtype=torch.long, device=device)
     tokens[:, 0], tokens[:, 1] = 49406, 49407
     extra = {}
-    if second_view:
+    if second_view and "visual" in towers:
         extra["images2"] = images.clone()
-    if negatives:
+    if negatives and "text" in towers:
         extra["neg_texts"] = tokens[:, None].repeat(1, negatives, 1)  # (n, k, L)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     counter = FlopCounterMode(display=False)
@@ -58,12 +59,26 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     try:
         with torch.random.fork_rng(devices=devices), counter:
             model.train()
-            model(images, tokens, **extra)
+            model(images if "visual" in towers else None, tokens if "text" in towers else None, **extra)
     finally:
         model.train(was_training)
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     return float(counter.get_total_flops()) / n
+
+
+def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
+                           second_view: bool = False, negatives: int = 0) -> float:
+    """FLOPs of one training step for a single sample: forward and backward (about twice the
+    forward: gradients of inputs and of weights) of each tower that trains, the forward alone of
+    a fully locked one (LiT: no gradient flows into it, so it has no backward at all).  A partly
+    locked tower counts as trainable (its backward stops at the lowest unlocked layer; this
+    over-counts it, never under-counts)."""
+    locked = set(model.fully_locked()) if hasattr(model, "fully_locked") else set()
+    return sum((1 if tower in locked else 3)
+               * forward_flops_per_sample(model, image_size, context_length, second_view=second_view,
+                                          negatives=negatives, towers=(tower,))
+               for tower in ("visual", "text"))
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:

@@ -33,8 +33,8 @@ from mmalign.evaluation.suite import check_suite_data
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
-from mmalign.monitors import (collapse_alarms, forward_flops_per_sample, global_log_values, mfu, peak_tflops,
-                              probe_stats)
+from mmalign.monitors import (collapse_alarms, global_log_values, mfu, peak_tflops, probe_stats,
+                              train_flops_per_sample)
 from mmalign.resume import resume_run
 from mmalign.runlog import RunLog, say
 
@@ -257,10 +257,9 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
     objective = build_objective(cfg, world, model=model, device=device)
     queue = objective.queue  # its state is checkpointed (None without a queue term)
-    model_flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
-                                               second_view="image2" in objective.embeddings,
-                                               negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings
-                                               else 0)
+    model_flops = train_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
+                                         second_view="image2" in objective.embeddings,
+                                         negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,

@@ -80,6 +80,29 @@ def test_second_view_and_negative_captions_are_embedded_like_separate_calls():
         model(None, tokens, images2=images2)
 
 
+@pytest.mark.parametrize("lock", ["none", "image", "text"])
+def test_train_flops_count_a_locked_tower_forward_only(lock):
+    """fwd + bwd (3x the forward) for a tower that trains; the forward alone for a fully locked
+    one (LiT). Reference: each tower's forward counted here with torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mmalign.monitors import train_flops_per_sample
+
+    model = build_model(ModelConfig(preset="micro", lock_image=lock == "image", lock_text=lock == "text"))
+    size, length = model.image_size, model.context_length
+    images, tokens = torch.zeros(1, 3, size, size), torch.zeros(1, length, dtype=torch.long)
+    tokens[:, 0], tokens[:, 1] = 49406, 49407
+    tower = {}
+    for name, run in (("image", lambda: model.encode_image(images)), ("text", lambda: model.encode_text(tokens))):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            run()
+        tower[name] = counter.get_total_flops()
+    want = sum(f * (1 if name == lock else 3) for name, f in tower.items())
+    assert tower["image"] > 0 and tower["text"] > 0
+    assert train_flops_per_sample(model, size, length) == pytest.approx(want, rel=1e-9)
+
+
 def test_flops_per_sample_count_the_second_view_and_the_mined_captions():
     from mmalign.monitors import forward_flops_per_sample
 
