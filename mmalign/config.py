@@ -31,7 +31,8 @@ MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar member
 @dataclass
 class ModelConfig:
     # A preset name: "tiny" (CPU-sized) or any open_clip architecture ("ViT-B-32", ...).
-    preset: str = "tiny"
+    # None: the architecture of model.pretrained when that carries one, else "tiny".
+    preset: Optional[str] = None
     embed_dim: Optional[int] = None  # overrides the preset's joint embedding size
     image_size: Optional[int] = None  # overrides vision.image_size
     vision: dict = field(default_factory=dict)  # merged into the preset's vision_cfg
@@ -55,6 +56,13 @@ class ModelConfig:
     lock_image_freeze_bn_stats: bool = False  # the image tower's BatchNorm: model.batchnorm=frozen
     lock_text: bool = False
     lock_text_unlocked_layers: int = 0
+    # Pretrained weights from local files, loaded after init and before locking (models/init_from.py):
+    # an open_clip checkpoint file (.pt/.bin/.safetensors), an open_clip local-dir folder, an HF
+    # CLIPModel folder, or an mmalign model / run folder. The _image / _text keys load one tower.
+    pretrained: Optional[str] = None
+    pretrained_image: Optional[str] = None
+    pretrained_text: Optional[str] = None
+    pretrained_strict: bool = True  # false: missing / unexpected weights are logged, not refused
 
 
 @dataclass
@@ -395,6 +403,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_lock(cfg.model)
+    _validate_pretrained(cfg.model)
     _validate_data(cfg)
     _validate_extras(cfg)
     _validate_tokenizer(cfg)
@@ -427,6 +436,20 @@ def _validate_lock(m: ModelConfig) -> None:
             raise ConfigError(f"config key 'model.lock_image_freeze_bn_stats' freezes the BatchNorm statistics, "
                               f"model.batchnorm={m.batchnorm} updates them: set one of them")
         m.batchnorm = "frozen"  # the same maths as open_clip's FrozenBatchNorm2d, torch's names kept
+
+
+def _validate_pretrained(m: ModelConfig) -> None:
+    """model.pretrained*: the paths exist (what they hold is read by mmalign.models.init_from);
+    a folder carries an architecture, so only then may model.preset stay unset."""
+    for key in ("pretrained", "pretrained_image", "pretrained_text"):
+        path = getattr(m, key)
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"config key 'model.{key}': {path} does not exist")
+    if m.pretrained is not None and (m.pretrained_image is not None or m.pretrained_text is not None):
+        raise ConfigError("config key 'model.pretrained' loads both towers; model.pretrained_image / "
+                          "model.pretrained_text load one: set one or the other")
+    if m.preset is None and not (m.pretrained is not None and Path(m.pretrained).is_dir()):
+        m.preset = "tiny"
 
 
 def _validate_queue(cfg: Config) -> None:

@@ -116,17 +116,43 @@ def hf_config(source: Loaded):
                       logit_scale_init_value=float(source.model.logit_scale.detach().reshape(-1)[0]))
 
 
+# The weight map, one table read both ways (export here, ``model.pretrained`` in
+# mmalign/models/init_from.py).  Per model: (ours, theirs, transposed); transposed marks
+# the (W, D) projections that HF stores as nn.Linear weights (D, W).
+TOP_KEYS: tuple[tuple[str, str, bool], ...] = (
+    ("visual.conv1.weight", "vision_model.embeddings.patch_embedding.weight", False),
+    ("visual.class_embedding", "vision_model.embeddings.class_embedding", False),
+    ("visual.positional_embedding", "vision_model.embeddings.position_embedding.weight", False),
+    *((f"visual.ln_pre.{p}", f"vision_model.pre_layrnorm.{p}", False) for p in ("weight", "bias")),
+    *((f"visual.ln_post.{p}", f"vision_model.post_layernorm.{p}", False) for p in ("weight", "bias")),
+    *((f"text.ln_final.{p}", f"text_model.final_layer_norm.{p}", False) for p in ("weight", "bias")),
+    ("visual.proj", "visual_projection.weight", True),  # (W, D) -> (D, W)
+    ("text.token_embedding.weight", "text_model.embeddings.token_embedding.weight", False),
+    ("text.positional_embedding", "text_model.embeddings.position_embedding.weight", False),
+    ("text.text_projection", "text_projection.weight", True),  # (W, D) -> (D, W)
+)
+TOWERS = (("visual", "vision_model"), ("text", "text_model"))  # our prefix, HF's
+# per transformer block i: ours under ``{tower}.transformer.resblocks.{i}.``, HF's under
+# ``{hf}.encoder.layers.{i}.``, each with .weight and .bias
+BLOCK_KEYS = (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"),
+              ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
+IN_PROJ = "attn.in_proj"  # ours (3W, W) / (3W,), chunked in QKV order into HF's separate projections
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+SCALE = "logit_scale"  # HF keeps log(scale) 0-dim, we keep it in shape [1]
+
+
+def block_prefixes(tower: str, hf_tower: str, i: int) -> tuple[str, str]:
+    return f"{tower}.transformer.resblocks.{i}.", f"{hf_tower}.encoder.layers.{i}."
+
+
 def _blocks(src: dict, prefix: str, dst_prefix: str, layers: int, out: dict, used: set) -> None:
     for i in range(layers):
-        s, d = f"{prefix}.transformer.resblocks.{i}.", f"{dst_prefix}.encoder.layers.{i}."
-        q, k, v = src[s + "attn.in_proj_weight"].chunk(3, dim=0)  # (3W, W) -> 3 x (W, W), q/k/v order
-        qb, kb, vb = src[s + "attn.in_proj_bias"].chunk(3, dim=0)
-        out.update({d + "self_attn.q_proj.weight": q, d + "self_attn.k_proj.weight": k,
-                    d + "self_attn.v_proj.weight": v, d + "self_attn.q_proj.bias": qb,
-                    d + "self_attn.k_proj.bias": kb, d + "self_attn.v_proj.bias": vb})
-        used.update({s + "attn.in_proj_weight", s + "attn.in_proj_bias"})
-        for ours, theirs in (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"),
-                             ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+        s, d = block_prefixes(prefix, dst_prefix, i)
+        for p in ("weight", "bias"):
+            chunks = src[f"{s}{IN_PROJ}_{p}"].chunk(3, dim=0)  # (3W, W) -> 3 x (W, W), q/k/v order
+            out.update({f"{d}{name}.{p}": chunk for name, chunk in zip(QKV, chunks)})
+            used.add(f"{s}{IN_PROJ}_{p}")
+        for ours, theirs in BLOCK_KEYS:
             for p in ("weight", "bias"):
                 out[f"{d}{theirs}.{p}"] = src[f"{s}{ours}.{p}"]
                 used.add(f"{s}{ours}.{p}")
@@ -136,27 +162,13 @@ def hf_state_dict(src: dict[str, torch.Tensor], vision_layers: int, text_layers:
     """open_clip-named TwoTower weights -> CLIPModel names; errors on any weight left unmapped."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
-
-    def take(ours: str, theirs: str, transpose: bool = False) -> None:
-        value = src[ours]
-        out[theirs] = value.T if transpose else value
+    for ours, theirs, transpose in TOP_KEYS:
+        out[theirs] = src[ours].T if transpose else src[ours]
         used.add(ours)
-
-    take("visual.conv1.weight", "vision_model.embeddings.patch_embedding.weight")
-    take("visual.class_embedding", "vision_model.embeddings.class_embedding")
-    take("visual.positional_embedding", "vision_model.embeddings.position_embedding.weight")
-    for p in ("weight", "bias"):
-        take(f"visual.ln_pre.{p}", f"vision_model.pre_layrnorm.{p}")
-        take(f"visual.ln_post.{p}", f"vision_model.post_layernorm.{p}")
-        take(f"text.ln_final.{p}", f"text_model.final_layer_norm.{p}")
-    take("visual.proj", "visual_projection.weight", transpose=True)  # (W, D) -> (D, W)
-    take("text.token_embedding.weight", "text_model.embeddings.token_embedding.weight")
-    take("text.positional_embedding", "text_model.embeddings.position_embedding.weight")
-    take("text.text_projection", "text_projection.weight", transpose=True)  # (W, D) -> (D, W)
-    _blocks(src, "visual", "vision_model", vision_layers, out, used)
-    _blocks(src, "text", "text_model", text_layers, out, used)
-    out["logit_scale"] = src["logit_scale"].reshape(())  # HF keeps log(scale) 0-dim, as we do in [1]
-    used.add("logit_scale")
+    for (tower, hf_tower), layers in zip(TOWERS, (vision_layers, text_layers)):
+        _blocks(src, tower, hf_tower, layers, out, used)
+    out[SCALE] = src[SCALE].reshape(())
+    used.add(SCALE)
     left = sorted(set(src) - used - {"logit_bias"})
     if left:
         raise UsageError(f"--format hf: weights with no CLIPModel counterpart: {', '.join(left[:5])}")

@@ -29,6 +29,8 @@ log = logging.getLogger("mmalign.export")
 
 CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
+# the only names that differ from ours in shape: 0-dim in CustomTextCLIP, (1,) in TwoTower
+SCALARS = ("logit_scale", "logit_bias")
 
 
 def model_cfg(source: Loaded) -> dict:
@@ -49,7 +51,7 @@ def export_open_clip(source: Loaded, out: Path) -> Path:
     state = {}
     for name, tensor in source.model.state_dict().items():
         tensor = tensor.detach().cpu().float().contiguous().clone()
-        if name in ("logit_scale", "logit_bias"):
+        if name in SCALARS:
             tensor = tensor.reshape(())  # (1,) -> 0-dim, CustomTextCLIP's shape
         state[name] = tensor
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})

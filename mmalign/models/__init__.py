@@ -2,12 +2,14 @@
 
 from mmalign.config import ModelConfig
 from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
+from mmalign.models.init_from import load_pretrained_weights
 from mmalign.models.presets import PRESETS, available, resolve_arch
 from mmalign.models.two_tower import TwoTower
 
 
 def build_model(cfg: ModelConfig) -> TwoTower:
-    """Random-init model from a model config; never downloads weights.  With
+    """Model from a model config: random init, then the local weights of ``model.pretrained*``
+    (models/init_from.py); never downloads weights.  With
     ``model.batchnorm`` its BatchNorm layers take that mode (models/batchnorm.py); with
     ``model.lock_image`` / ``model.lock_text`` a tower is locked (:meth:`TwoTower.lock`)."""
     model = TwoTower(
@@ -20,7 +22,8 @@ def build_model(cfg: ModelConfig) -> TwoTower:
         convert_batchnorm(model, cfg.batchnorm)
     elif cfg.lock_image_freeze_bn_stats and has_batchnorm(model.visual):  # config validation sets batchnorm too
         convert_batchnorm(model.visual, "frozen")
-    # LiT: after init (and, later, pretrained weights), before the engine builds the optimiser
+    load_pretrained_weights(model, cfg)  # model.pretrained*: after init, before locking (meta: checked only)
+    # LiT: after init and pretrained weights, before the engine builds the optimiser
     if cfg.lock_image:
         model.lock("visual", cfg.lock_image_unlocked_groups)
     if cfg.lock_text:

@@ -70,20 +70,31 @@ def describe_presets(include_unavailable: bool = False, names: list[str] | None 
                "image_size": model.image_size, "why": None}
 
 
-def resolve_arch(cfg: ModelConfig) -> dict:
-    """Model config -> a complete architecture dict (preset + overrides)."""
-    if cfg.preset in PRESETS:
-        arch = copy.deepcopy(PRESETS[cfg.preset])
+def preset_arch(name: str) -> dict:
+    """The architecture dict of a preset (a copy)."""
+    if name in PRESETS:
+        arch = copy.deepcopy(PRESETS[name])
     else:
-        found = open_clip.get_model_config(cfg.preset)
+        found = open_clip.get_model_config(name)
         if found is None:
             raise ConfigError(
-                f"config key 'model.preset': unknown architecture {cfg.preset!r} "
+                f"config key 'model.preset': unknown architecture {name!r} "
                 f"(try tiny, micro, ViT-B-32, ViT-B-16, ... ; `mmalign models` lists them)"
             )
         arch = copy.deepcopy(found)
         # open_clip configs may carry tokenizer/preprocess hints next to the towers.
         arch = {k: arch[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu") if k in arch}
+    return arch
+
+
+def resolve_arch(cfg: ModelConfig) -> dict:
+    """Model config -> a complete architecture dict (preset, or the architecture that
+    ``model.pretrained`` carries (models/init_from.py), + overrides)."""
+    from mmalign.models.init_from import pretrained_arch  # imports this module
+
+    arch = pretrained_arch(cfg)
+    if arch is None:
+        arch = preset_arch(cfg.preset or "tiny")
     arch.setdefault("quick_gelu", False)
     arch["quick_gelu"] = bool(arch["quick_gelu"] or cfg.quick_gelu)
     if cfg.embed_dim is not None:
