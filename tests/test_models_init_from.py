@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmalign.config import Config, ConfigError, ModelConfig, validate
+from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import preprocess_cfg
 from mmalign.export import export
 from mmalign.models import TwoTower, build_model, check_buildable
@@ -48,8 +49,6 @@ def _cfg(**model_keys) -> ModelConfig:
 def _embeddings(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(4, 3, 16, 16, generator=g)  # (4, 3, S, S)
-    from mmalign.data.tokenizer import build_tokenizer
-
     tokens = build_tokenizer(model.arch)(CAPTIONS)  # (4, L)
     model.eval()
     with torch.no_grad():
@@ -81,7 +80,8 @@ def test_init_from_each_source_reproduces_the_source_embeddings(src, source, pre
     torch.manual_seed(99)  # another random init: everything must come from the source
     model = build_model(_cfg(pretrained=str(src / source), preset=preset))
     assert differences(model.arch, reference.arch) == []  # the architecture came from the source
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in reference.state_dict().items()}
+    shapes = {k: v.shape for k, v in reference.state_dict().items()}
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
     for got, want in zip(_embeddings(model), _embeddings(reference)):
         assert (got - want).abs().max().item() <= tol
     assert math.isclose(float(model.logit_scale.detach().exp()), 23.0, rel_tol=1e-6)
