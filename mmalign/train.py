@@ -251,7 +251,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
 
     # model
     if main:
-        say(f"building model {cfg.model.preset} on {device}")
+        say(f"building model {_model_name(cfg)} on {device}")
     model: TwoTower = build_model(cfg.model)
     # the objective (loss terms); a MoCo queue's EMA encoder starts as a copy of the initial
     # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
@@ -262,7 +262,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
                                          negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", cfg.model.preset,
+    log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", _model_name(cfg),
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
@@ -356,6 +356,12 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
 
 
 @torch.no_grad()
+def _model_name(cfg: Config) -> str:
+    """The preset, or (its architecture taken from a pretrained folder) that folder's name."""
+    return cfg.model.preset or f"pretrained:{Path(cfg.model.pretrained).name}"
+
+
+@torch.no_grad()
 def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
     engine.eval_mode()
@@ -382,7 +388,7 @@ def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.d
     if suite is not None:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
         records = sharded.evaluate(model.to(device), eval_transform(model.image_size), tokenizer, suite,
                                    cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
-                                   model_name=cfg.model.preset, progress=show_progress and main)
+                                   model_name=_model_name(cfg), progress=show_progress and main)
         if main:
             write_results(records, path)
             log.info("evaluation written to %s", path)

@@ -103,6 +103,8 @@ def layer_violations(source: str, path: str) -> list[str]:
                 problems.append(f"{where}: {guarded} is imported only in {owner}")
         if _is(imp.name, "data_pipelines"):
             problems.append(f"{where}: mmalign does not import data_pipelines (data_pipelines imports mmalign)")
+        if path.startswith("mmalign/models/") and _is(imp.name, "mmalign.export"):
+            problems.append(f"{where}: models do not import export (export imports models)")
         dep = heavy_dependency(imp.name)
         if dep and imp.at_import:
             problems.append(f"{where}: {dep} is heavy; import it inside the function that needs it")
@@ -188,6 +190,13 @@ BAD = [
 def test_the_checker_flags_each_forbidden_import(source, problem):
     found = layer_violations(source, "mmalign/evaluation/newthing.py")
     assert len(found) == 1 and problem in found[0], found
+
+
+def test_models_do_not_import_export():
+    bad = "def f():\n    from mmalign.export.to_hf import TOP_KEYS\n"
+    found = layer_violations(bad, "mmalign/models/newthing.py")
+    assert len(found) == 1 and "models do not import export" in found[0], found
+    assert layer_violations(bad, "mmalign/evaluation/newthing.py") == []  # export may be used elsewhere
 
 
 def test_the_checker_allows_the_owners_and_lazy_imports():

@@ -39,6 +39,7 @@ import torch
 
 from mmalign.errors import UsageError
 from mmalign.export.hf_tokenizer import write_clip_tokenizer, write_sentencepiece_tokenizer
+from mmalign.models.keymaps import BLOCK_KEYS, IN_PROJ, QKV, SCALE, TOP_KEYS, TOWERS, block_prefixes
 from mmalign.models.load import Loaded
 
 log = logging.getLogger("mmalign.export")
@@ -114,35 +115,6 @@ def hf_config(source: Loaded):
     }
     return CLIPConfig(text_config=text_config, vision_config=vision_config, projection_dim=int(arch["embed_dim"]),
                       logit_scale_init_value=float(source.model.logit_scale.detach().reshape(-1)[0]))
-
-
-# The weight map, one table read both ways (export here, ``model.pretrained`` in
-# mmalign/models/init_from.py).  Per model: (ours, theirs, transposed); transposed marks
-# the (W, D) projections that HF stores as nn.Linear weights (D, W).
-TOP_KEYS: tuple[tuple[str, str, bool], ...] = (
-    ("visual.conv1.weight", "vision_model.embeddings.patch_embedding.weight", False),
-    ("visual.class_embedding", "vision_model.embeddings.class_embedding", False),
-    ("visual.positional_embedding", "vision_model.embeddings.position_embedding.weight", False),
-    *((f"visual.ln_pre.{p}", f"vision_model.pre_layrnorm.{p}", False) for p in ("weight", "bias")),
-    *((f"visual.ln_post.{p}", f"vision_model.post_layernorm.{p}", False) for p in ("weight", "bias")),
-    *((f"text.ln_final.{p}", f"text_model.final_layer_norm.{p}", False) for p in ("weight", "bias")),
-    ("visual.proj", "visual_projection.weight", True),  # (W, D) -> (D, W)
-    ("text.token_embedding.weight", "text_model.embeddings.token_embedding.weight", False),
-    ("text.positional_embedding", "text_model.embeddings.position_embedding.weight", False),
-    ("text.text_projection", "text_projection.weight", True),  # (W, D) -> (D, W)
-)
-TOWERS = (("visual", "vision_model"), ("text", "text_model"))  # our prefix, HF's
-# per transformer block i: ours under ``{tower}.transformer.resblocks.{i}.``, HF's under
-# ``{hf}.encoder.layers.{i}.``, each with .weight and .bias
-BLOCK_KEYS = (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"),
-              ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
-IN_PROJ = "attn.in_proj"  # ours (3W, W) / (3W,), chunked in QKV order into HF's separate projections
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-SCALE = "logit_scale"  # HF keeps log(scale) 0-dim, we keep it in shape [1]
-
-
-def block_prefixes(tower: str, hf_tower: str, i: int) -> tuple[str, str]:
-    return f"{tower}.transformer.resblocks.{i}.", f"{hf_tower}.encoder.layers.{i}."
 
 
 def _blocks(src: dict, prefix: str, dst_prefix: str, layers: int, out: dict, used: set) -> None:

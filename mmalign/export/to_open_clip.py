@@ -23,14 +23,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from mmalign.models.keymaps import SCALARS
 from mmalign.models.load import Loaded
 
 log = logging.getLogger("mmalign.export")
 
 CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
-# the only names that differ from ours in shape: 0-dim in CustomTextCLIP, (1,) in TwoTower
-SCALARS = ("logit_scale", "logit_bias")
 
 
 def model_cfg(source: Loaded) -> dict:

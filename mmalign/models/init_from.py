@@ -21,8 +21,8 @@ by ``resolve_arch``); ``model.preset`` must agree with it or be unset.
 Key mapping (to TwoTower's names, which are open_clip ``CustomTextCLIP``'s: ``visual.*``,
 ``text.*``, ``logit_scale``, ``logit_bias``) is explicit: open_clip's plain ``CLIP`` keeps its
 text tower at the top level (:data:`CLIP_TEXT_MODULES` gain ``text.``), open_clip's 0-dim
-scalars (``export/to_open_clip.SCALARS``) become shape (1,), and HF names go backwards through
-``export/to_hf.py``'s table.  Any missing or unexpected weight is a one-line ConfigError listing
+scalars (``models/keymaps.SCALARS``) become shape (1,), and HF names go backwards through
+``models/keymaps.py``'s HF table.  Any missing or unexpected weight is a one-line ConfigError listing
 them (``model.pretrained_strict: false``: a logged report, the rest loaded); a weight of another
 shape is always refused.
 """
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from mmalign.config import ConfigError, ModelConfig
+from mmalign.models.keymaps import BLOCK_KEYS, IN_PROJ, QKV, SCALARS, SCALE, TOP_KEYS, TOWERS, block_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,6 @@ def _read_weights(file: Path, key: str, meta: bool = False) -> dict:
 
 def from_open_clip(state: dict) -> dict:
     """open_clip CLIP / CustomTextCLIP names and shapes -> TwoTower's."""
-    from mmalign.export.to_open_clip import SCALARS
 
     out = {}
     for name, tensor in state.items():
@@ -259,9 +259,8 @@ def from_open_clip(state: dict) -> dict:
 
 
 def from_hf(state: dict, vision_layers: int, text_layers: int) -> dict:
-    """CLIPModel names -> TwoTower's, through export/to_hf.py's table backwards; HF weights the
+    """CLIPModel names -> TwoTower's, through models/keymaps.py's HF table backwards; HF weights the
     table does not name are kept under their own names (so they are reported as unexpected)."""
-    from mmalign.export.to_hf import BLOCK_KEYS, IN_PROJ, QKV, SCALE, TOP_KEYS, TOWERS, block_prefixes
 
     state = {k: v for k, v in state.items() if k not in HF_BUFFERS}
     out, used = {}, set()
