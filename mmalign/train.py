@@ -355,7 +355,6 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     tally.window_start, tally.window_samples, tally.data_wait = time.time(), 0, 0.0
 
 
-@torch.no_grad()
 def _model_name(cfg: Config) -> str:
     """The preset, or (its architecture taken from a pretrained folder) that folder's name."""
     return cfg.model.preset or f"pretrained:{Path(cfg.model.pretrained).name}"
