@@ -63,6 +63,10 @@ class ModelConfig:
     pretrained_image: Optional[str] = None
     pretrained_text: Optional[str] = None
     pretrained_strict: bool = True  # false: missing / unexpected weights are logged, not refused
+    # FLIP (Li et al. 2023): drop this fraction of a ViT image tower's patch tokens in training
+    # (open_clip's PatchDropout, a new random subset per sample and step; evaluation never masks).
+    # 0 = off; the paper uses 0.5-0.75. train.unmasked_steps ends the run unmasked.
+    patch_dropout: float = 0.0
 
 
 @dataclass
@@ -141,6 +145,7 @@ class TrainConfig:
     lr_text: Optional[float] = None
     layer_decay: float = 1.0
     grad_checkpointing: bool = False  # recompute each transformer block's activations in the backward
+    unmasked_steps: int = 0  # FLIP's unmasked tuning: the last K steps run without model.patch_dropout
 
 
 @dataclass
@@ -404,6 +409,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_lock(cfg.model)
     _validate_pretrained(cfg.model)
+    _validate_patch_dropout(cfg)
     _validate_data(cfg)
     _validate_extras(cfg)
     _validate_tokenizer(cfg)
@@ -450,6 +456,23 @@ def _validate_pretrained(m: ModelConfig) -> None:
                           "model.pretrained_text load one: set one or the other")
     if m.preset is None and not (m.pretrained is not None and Path(m.pretrained).is_dir()):
         m.preset = "tiny"
+
+
+def _validate_patch_dropout(cfg: Config) -> None:
+    """FLIP keys (a tower without patch tokens is refused by mmalign.models.flip, at check_buildable)."""
+    m, k = cfg.model, cfg.train.unmasked_steps
+    if "patch_dropout" in m.vision:  # the tower key works too; model.patch_dropout then mirrors it
+        if m.patch_dropout and m.patch_dropout != m.vision["patch_dropout"]:
+            raise ConfigError(f"config key 'model.patch_dropout'={m.patch_dropout} differs from "
+                              f"model.vision.patch_dropout={m.vision['patch_dropout']}: set one of them")
+        m.patch_dropout = m.vision["patch_dropout"]
+    p = m.patch_dropout
+    if not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1):
+        raise ConfigError(f"config key 'model.patch_dropout' must be in [0, 1) (0 = off), got {p}")
+    if not 0 <= k <= cfg.train.steps:
+        raise ConfigError(f"config key 'train.unmasked_steps' must be in [0, train.steps={cfg.train.steps}], got {k}")
+    if k and not p:
+        raise ConfigError("config key 'train.unmasked_steps' needs model.patch_dropout > 0")
 
 
 def _validate_queue(cfg: Config) -> None:

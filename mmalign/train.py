@@ -31,6 +31,7 @@ from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, tr
 from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.models import TwoTower, build_model, check_buildable
+from mmalign.models.flip import patch_dropout_at
 from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
 from mmalign.monitors import (collapse_alarms, global_log_values, mfu, peak_tflops, probe_stats,
@@ -136,7 +137,8 @@ class _Parts:
     out: Path
     device: torch.device
     world: int
-    model_flops: float  # per sample, forward + backward
+    model_flops: float  # per sample, forward + backward (patch dropout's kept tokens only)
+    model_flops_unmasked: float  # the same without patch dropout (FLIP's train.unmasked_steps)
     embed_dim: int
     tokenizer: object
     queue: MomentumQueue | None
@@ -155,6 +157,7 @@ class _Tally:
     consecutive: int = 0  # ... in a row, up to this step
     window_start: float = 0.0  # since the last record: wall time, samples (all ranks), data wait (this rank)
     window_samples: int = 0
+    window_flops: float = 0.0  # model FLOPs of those samples (masked and unmasked steps differ)
     data_wait: float = 0.0
 
 
@@ -257,9 +260,15 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
     objective = build_objective(cfg, world, model=model, device=device)
     queue = objective.queue  # its state is checkpointed (None without a queue term)
-    model_flops = train_flops_per_sample(model, model.image_size, model.context_length,  # fwd + bwd, train mode
-                                         second_view="image2" in objective.embeddings,
-                                         negatives=cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0)
+    flops_kw = {"second_view": "image2" in objective.embeddings,
+                "negatives": cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0}
+    # fwd + bwd, train mode: patch dropout (FLIP) counts only the kept tokens; its unmasked steps all of them
+    model_flops = model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length,
+                                                                **flops_kw)
+    if cfg.model.patch_dropout:
+        model.set_patch_dropout(0.0)
+        model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length, **flops_kw)
+        model.set_patch_dropout(cfg.model.patch_dropout)
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", _model_name(cfg),
@@ -292,8 +301,8 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
-    return _Parts(cfg, out, device, world, model_flops, model.embed_dim, tokenizer, queue, engine, loader,
-                  probe, objective, autocast, peak)
+    return _Parts(cfg, out, device, world, model_flops, model_flops_unmasked, model.embed_dim, tokenizer, queue,
+                  engine, loader, probe, objective, autocast, peak)
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
@@ -305,11 +314,14 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     tally.data_wait += time.time() - fetch
     batch = objective.select(batch).to(p.device)  # the inputs the terms read; uint8 images -> normalised
     runlog.sample_keys(step, batch.keys)
+    masking = patch_dropout_at(p.cfg, step)  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
+    engine.module.set_patch_dropout(masking)
     result = engine.step(batch, objective, p.autocast)
     if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
         objective.after_update(engine.full_params, lambda: dict(engine.named_buffers()), batch,
                                chunk=engine.plan.micro_batch, autocast=p.autocast)
     tally.window_samples += len(batch) * p.world
+    tally.window_flops += len(batch) * p.world * (p.model_flops if masking else p.model_flops_unmasked)
     if result.skipped:
         tally.skipped_steps += 1
         tally.consecutive += 1
@@ -337,7 +349,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
         "grad_norm": engine.grad_norm(),
         "samples_per_s": sps,
         "data_wait_s": summed.pop("data_wait_s"),  # summed over ranks
-        "tflops": sps * p.model_flops / 1e12,
+        "tflops": tally.window_flops / max(elapsed, 1e-9) / 1e12,
         "skipped_steps": tally.skipped_steps,
         **{k: float(v) for k, v in result.stats.items() if k != "loss"},
         **summed,  # skipped_samples/<reason>, summed over ranks
@@ -352,7 +364,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     watch = runlog.main and p.probe is not None and step > t.warmup_steps
     alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
     runlog.record(step, record, eta, alarms)
-    tally.window_start, tally.window_samples, tally.data_wait = time.time(), 0, 0.0
+    tally.window_start, tally.window_samples, tally.window_flops, tally.data_wait = time.time(), 0, 0.0, 0.0
 
 
 def _model_name(cfg: Config) -> str:

@@ -2,6 +2,7 @@
 
 from mmalign.config import ModelConfig
 from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
+from mmalign.models.flip import add_patch_dropout
 from mmalign.models.init_from import load_pretrained_weights
 from mmalign.models.presets import PRESETS, available, resolve_arch
 from mmalign.models.two_tower import TwoTower
@@ -23,6 +24,8 @@ def build_model(cfg: ModelConfig) -> TwoTower:
     elif cfg.lock_image_freeze_bn_stats and has_batchnorm(model.visual):  # config validation sets batchnorm too
         convert_batchnorm(model.visual, "frozen")
     load_pretrained_weights(model, cfg)  # model.pretrained*: after init, before locking (meta: checked only)
+    if cfg.patch_dropout:  # FLIP (models/flip.py); not part of the saved arch
+        add_patch_dropout(model, cfg.patch_dropout)
     # LiT: after init and pretrained weights, before the engine builds the optimiser
     if cfg.lock_image:
         model.lock("visual", cfg.lock_image_unlocked_groups)

@@ -17,6 +17,7 @@ from torch import nn
 
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
+from mmalign.models.flip import set_patch_dropout
 
 
 # which forward keywords feed a tower, and which Embeddings fields it produces
@@ -165,6 +166,11 @@ class TwoTower(nn.Module):
             if enable and not any(f is True for f in flags):
                 raise ConfigError(f"config key 'train.grad_checkpointing': the {'image' if name == 'visual' else 'text'}"
                                   f" tower ({type(tower).__name__}) does not support activation checkpointing")
+
+    def set_patch_dropout(self, prob: float) -> int:
+        """FLIP (models/flip.py): the drop fraction of the image tower's patch dropout (0 = every
+        patch kept, as in the last ``train.unmasked_steps``); returns how many modules it set."""
+        return set_patch_dropout(self.visual, prob)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
