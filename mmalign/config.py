@@ -146,6 +146,10 @@ class TrainConfig:
     layer_decay: float = 1.0
     grad_checkpointing: bool = False  # recompute each transformer block's activations in the backward
     unmasked_steps: int = 0  # FLIP's unmasked tuning: the last K steps run without model.patch_dropout
+    # torch.compile the towers in place (mmalign/compile.py; the loss stays eager); the backend
+    # is torch's name: inductor (default), aot_eager / eager to debug without a C++ compiler.
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -361,6 +365,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         )
     if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
+    if t.compile and cfg.deepspeed.zero_stage == 3:
+        # torch.compile would trace ZeRO-3's parameter-gathering hooks and see empty partitions
+        raise ConfigError("config key 'train.compile': not supported with deepspeed.zero_stage=3 (ZeRO-3's "
+                          "parameter gathering cannot be traced); use zero_stage <= 2 or train.compile: false")
     if cfg.loss.tile_size < 0:
         raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
     if cfg.loss.hard_negative_beta < 0:

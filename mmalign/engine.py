@@ -44,6 +44,7 @@ from deepspeed.utils import (  # noqa: E402
 
 from mmalign import distributed as mdist  # noqa: E402
 from mmalign import reshard  # noqa: E402
+from mmalign.compile import compile_failures, compile_towers  # noqa: E402
 from mmalign.config import Config, ConfigError, grad_accum_dtype  # noqa: E402
 from mmalign.data.batch import Batch  # noqa: E402
 from mmalign.gradcache import chunk_sizes, grad_cache_step  # noqa: E402
@@ -164,6 +165,8 @@ class Engine:
         t = cfg.train
         if t.grad_checkpointing:
             model.set_grad_checkpointing(True)  # ConfigError for a tower without it, before DeepSpeed
+        if t.compile:
+            compile_towers(model, t.compile_backend)  # in place: parameter names unchanged for DeepSpeed
         # per-tower lrs and layer-wise decay: each group carries its own lr, which the schedule scales
         optimizer = build_optimizer(train_param_groups(model, t), t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
@@ -277,8 +280,9 @@ class Engine:
         def encode(chunk: Batch) -> Embeddings:
             return self.encode(chunk, autocast)
 
-        # BatchNorm running statistics: recorded by the first pass, one update per step (commit)
-        with StepStatistics(self.module) as bn:
+        # BatchNorm running statistics: recorded by the first pass, one update per step (commit);
+        # a torch.compile failure (lazy: in the first step) is one ConfigError line
+        with compile_failures(self.cfg.train.compile), StepStatistics(self.module) as bn:
             if self.plan.accumulation == 1:
                 result, skipped = self._single_pass(encode(batch), loss_fn, update)
             else:
