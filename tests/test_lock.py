@@ -15,21 +15,16 @@ from mmalign.models import build_model, check_buildable
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.two_tower import TwoTower
 
+from tests.conftest import clip_batch, naive_clip_loss
+
 DROP = 0.3
 
 
 def _naive_loss(full: Embeddings) -> torch.Tensor:
-    logits = full.logit_scale * full.image @ full.text.T  # (B, B)
-    labels = torch.arange(full.image.shape[0])
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return naive_clip_loss(full.image, full.text, full.logit_scale)
 
 
-def _batch(b: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(b, 3, 16, 16, generator=g)
-    tokens = torch.randint(1, 49000, (b, 16), generator=g)
-    tokens[:, 0], tokens[:, 9], tokens[:, 10:] = 49406, 49407, 0
-    return images, tokens
+_batch = clip_batch  # (n, seed) -> random images and token rows
 
 
 def _with_dropout(model: TwoTower) -> TwoTower:

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmalign.config import ConfigError, ModelConfig, load_config
 from mmalign.gradcache import split_batch
@@ -17,23 +16,18 @@ from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import patch_dropout_at
 from mmalign.monitors import forward_flops_per_sample
 
+from tests.conftest import clip_batch, naive_clip_loss
+
 DROP = 0.5
 FULL = 1 + (16 // 4) ** 2  # micro: class token + 16 patches of 4 px on 16 px images
 KEPT = 1 + int(16 * (1 - DROP))  # open_clip keeps max(1, int(patches * (1 - p))) patches and the class token
 
 
 def _naive_loss(full: Embeddings) -> torch.Tensor:
-    logits = full.logit_scale * full.image @ full.text.T  # (B, B)
-    labels = torch.arange(full.image.shape[0])
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return naive_clip_loss(full.image, full.text, full.logit_scale)
 
 
-def _batch(b: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(b, 3, 16, 16, generator=g)
-    tokens = torch.randint(1, 49000, (b, 16), generator=g)
-    tokens[:, 0], tokens[:, 9], tokens[:, 10:] = 49406, 49407, 0
-    return images, tokens
+_batch = clip_batch  # (n, seed) -> random images and token rows
 
 
 def _model(seed: int, drop: float = DROP):
