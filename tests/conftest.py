@@ -114,6 +114,13 @@ def naive_clip_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
+def chunkwise_clip_loss(outs) -> torch.Tensor:
+    """The reference loss of chunks forwarded one by one (each with grad, in order): the naive CLIP
+    loss of their features concatenated in chunk order, (B, D) each, at the first chunk's scale."""
+    return naive_clip_loss(torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]),
+                           outs[0].logit_scale)
+
+
 ENGINE_BATCH = 8  # global batch of the engine integration runs (4 rows per rank at 2 ranks)
 
 

@@ -12,19 +12,14 @@ import torch
 from mmalign.config import ConfigError, ModelConfig, load_config
 from mmalign.gradcache import split_batch
 from mmalign.models import build_model, check_buildable
-from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import patch_dropout_at
 from mmalign.monitors import forward_flops_per_sample
 
-from tests.conftest import clip_batch, naive_clip_loss
+from tests.conftest import chunkwise_clip_loss, clip_batch
 
 DROP = 0.5
 FULL = 1 + (16 // 4) ** 2  # micro: class token + 16 patches of 4 px on 16 px images
 KEPT = 1 + int(16 * (1 - DROP))  # open_clip keeps max(1, int(patches * (1 - p))) patches and the class token
-
-
-def _naive_loss(full: Embeddings) -> torch.Tensor:
-    return naive_clip_loss(full.image, full.text, full.logit_scale)
 
 
 _batch = clip_batch  # (n, seed) -> random images and token rows
@@ -144,9 +139,7 @@ def _chunkwise_reference(seed: int, mask_seed: int, chunks):
     model = _model(seed)
     torch.manual_seed(mask_seed)
     outs = [model(*c) for c in chunks]
-    full = Embeddings(image=torch.cat([o.image for o in outs]), text=torch.cat([o.text for o in outs]),
-                      logit_scale=outs[0].logit_scale)
-    _naive_loss(full).backward()
+    chunkwise_clip_loss(outs).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
