@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
-from mmalign.errors import UsageError
+from mmalign.errors import UsageError, first_line
 
 GROUP = "mmalign.commands"
 
@@ -39,7 +39,7 @@ class Command:
 
 def _unloadable(name: str, error: Exception) -> Command:
     """A stand-in for a command whose entry point cannot be loaded: it fails when it runs."""
-    why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    why = f"{type(error).__name__}: {first_line(error)}"
 
     def add_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)

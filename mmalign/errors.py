@@ -14,7 +14,7 @@ ValueError`` callers keep working.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "UsageError"]
+__all__ = ["UserError", "ConfigError", "UsageError", "first_line"]
 
 
 class UserError(ValueError):
@@ -27,3 +27,10 @@ class ConfigError(UserError):
 
 class UsageError(UserError):
     """A user mistake that is not about a config key (a path, a file, a flag)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message ("" if it has none): what a one-line error quotes of
+    a library's multi-line exception."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""

@@ -16,6 +16,7 @@ from pathlib import Path
 from mmalign import checkpoint, reshard
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError
+from mmalign.errors import first_line
 from mmalign.runlog import say
 
 # the run's lines: train.log names them mmalign.train, whichever module of the run writes them
@@ -65,6 +66,5 @@ def load_queue(queue, ckpt: Path) -> None:
     try:
         queue.load_state_dict(state)
     except (ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config key 'loss.queue_size': the checkpoint's momentum queue does not fit: "
-                          f"{first}") from None
+                          f"{first_line(e) or type(e).__name__}") from None

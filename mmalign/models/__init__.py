@@ -40,7 +40,7 @@ def check_buildable(cfg: ModelConfig) -> TwoTower:
     process or DeepSpeed engine starts, not a traceback after them."""
     import torch
 
-    from mmalign.config import ConfigError
+    from mmalign.errors import ConfigError, first_line
 
     resolve_arch(cfg)  # unknown presets: their own one-line error
     try:
@@ -49,9 +49,9 @@ def check_buildable(cfg: ModelConfig) -> TwoTower:
     except ConfigError:
         raise
     except Exception as e:  # whatever open_clip's constructors raise on a bad value
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"config key 'model': the towers of preset {cfg.preset!r} cannot be built with "
-                          f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first}") from None
+                          f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first_line(e)}"
+                          ) from None
 
 
 __all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "resolve_arch"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from mmalign.errors import UsageError
+from mmalign.errors import UsageError, first_line
 from mmalign.models.two_tower import TwoTower
 
 WEIGHTS = "model.safetensors"
@@ -119,12 +119,12 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
         )
     except Exception as e:  # open_clip's constructors on a bad arch
         raise UsageError(f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+                         f"{first_line(e)}") from None
     try:
         state = load_file(str(d / WEIGHTS), device=map_location)
     except Exception as e:  # safetensors raises its own error types for truncated / foreign files
         raise UsageError(f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+                         f"({type(e).__name__}: {first_line(e)})") from None
     problem = misfit(model.state_dict(), state)
     if problem:
         raise UsageError(f"model folder {d}: {WEIGHTS} does not fit its {CONFIG}: {problem}")

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from mmalign.errors import ConfigError, UsageError
+from mmalign.errors import ConfigError, UsageError, first_line
 from mmalign.models.two_tower import TwoTower
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         raise UsageError(f"step checkpoint {step_dir}: its config {config_file} cannot be used ({e})") from None
     except Exception as e:  # open_clip's constructors on a bad tower setting
         raise UsageError(f"step checkpoint {step_dir}: the towers of {config_file} cannot be built: "
-                         f"{type(e).__name__}: {_first_line(e)}") from None
+                         f"{type(e).__name__}: {first_line(e)}") from None
     try:
         state = consolidate_checkpoint(step_dir, ENGINE_TAG)
     except FileNotFoundError as e:
@@ -194,7 +194,7 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         # weights_only refuses anything but tensors and plain containers (a planted or
         # foreign pickle); a cut file fails as RuntimeError/EOFError.
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        why = f"it would import {refused.group(1)}" if refused else f"{type(e).__name__}: {_first_line(e)[:160]}"
+        why = f"it would import {refused.group(1)}" if refused else f"{type(e).__name__}: {first_line(e)[:160]}"
         raise UsageError(f"step checkpoint {step_dir} holds a file that is not a plain weights file "
                          f"({why}); not loaded") from None
     problem = misfit(model.state_dict(), state)
@@ -211,11 +211,6 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         "train_config": to_dict(cfg),
     }
     return model, config
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 __all__ = ["CHECKPOINT", "MODEL", "Loaded", "checkpoint_config", "is_step_checkpoint", "load", "locate"]
