@@ -150,12 +150,18 @@ class TrainConfig:
     # is torch's name: inductor (default), aot_eager / eager to debug without a C++ compiler.
     compile: bool = False
     compile_backend: str = "inductor"
+    # CUDA only: float32 matmuls / convolutions in TF32 (10-bit mantissa inputs, float32 accumulation);
+    # false keeps them exact float32 (mmalign/tf32.py). No effect on CPU.
+    tf32: bool = True
 
 
 @dataclass
 class LossConfig:
     name: Literal["infonce", "siglip"] = "infonce"
-    tile_size: int = 0  # 0 = untiled
+    # 0 = untiled, N = N x N tiles (Inf-CL), auto = untiled while the logits fit loss.tile_budget_mb,
+    # else the largest power-of-two tile that fits (mmalign/losses/tile_choice.py)
+    tile_size: Union[int, Literal["auto"]] = "auto"
+    tile_budget_mb: float = 256.0  # MiB, per process; read by tile_size: auto only
     false_negative_ids: str = "none"  # none | caption | <a .json id field>
     hard_negative_beta: float = 0.0  # infonce: weight negatives by exp(beta * logit) (Robinson et al. 2021)
     debias_prior: float = 0.0  # infonce: class prior tau+ in [0, 1) of debiased InfoNCE (Chuang et al. 2020)
@@ -369,8 +375,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         # torch.compile would trace ZeRO-3's parameter-gathering hooks and see empty partitions
         raise ConfigError("config key 'train.compile': not supported with deepspeed.zero_stage=3 (ZeRO-3's "
                           "parameter gathering cannot be traced); use zero_stage <= 2 or train.compile: false")
-    if cfg.loss.tile_size < 0:
-        raise ConfigError(f"config key 'loss.tile_size' must be >= 0, got {cfg.loss.tile_size}")
+    if cfg.loss.tile_size != "auto" and cfg.loss.tile_size < 0:
+        raise ConfigError(f"config key 'loss.tile_size' must be >= 0 or auto, got {cfg.loss.tile_size}")
+    if cfg.loss.tile_budget_mb <= 0:
+        raise ConfigError(f"config key 'loss.tile_budget_mb' must be > 0, got {cfg.loss.tile_budget_mb}")
     if cfg.loss.hard_negative_beta < 0:
         raise ConfigError(f"config key 'loss.hard_negative_beta' must be >= 0, got {cfg.loss.hard_negative_beta}")
     if not 0 <= cfg.loss.debias_prior < 1:

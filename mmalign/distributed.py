@@ -35,6 +35,7 @@ __all__ = [
     "get_world_size",
     "barrier",
     "all_gather_with_grad",
+    "gather_path",
     "all_gather_nograd",
     "all_reduce_mean",
     "all_reduce_sum",
@@ -76,14 +77,42 @@ def barrier() -> None:
         dist.barrier()
 
 
+# The single-tensor collectives (torch 2.14 names; all_gather_into_tensor / reduce_scatter_tensor
+# before): one flat (W*B, ...) buffer, no list of W tensors and no concatenation copy.
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_path(backend: str) -> str:
+    """How :func:`all_gather_with_grad` / :func:`all_gather_nograd` talk to the other ranks:
+    "single" (one all-gather into a flat tensor forward, one reduce-scatter backward: NCCL's
+    native collectives, each rank receives only its B rows of the summed gradient) or
+    "all_reduce" (a list all-gather forward and an all-reduce of the whole (W*B, D) gradient
+    backward, then this rank's slice: W times the traffic, kept for gloo, whose reduce-scatter
+    is not a native ring). ``backend``: ``torch.distributed.get_backend()``'s name."""
+    return "single" if "nccl" in str(backend).lower() else "all_reduce"
+
+
+def _gather(tensor: torch.Tensor, path: str) -> torch.Tensor:
+    """(B, ...) contiguous -> (W*B, ...), every rank's rows in rank order."""
+    world = dist.get_world_size()
+    if path == "single":
+        out = tensor.new_empty((world * tensor.shape[0],) + tuple(tensor.shape[1:]))  # (W*B, ...)
+        _gather_single(out, tensor)
+        return out
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts, dim=0)  # (W*B, ...)
+
+
 class _AllGatherWithGrad(torch.autograd.Function):
     """Concatenate every rank's tensor along dim 0, keeping the graph.
 
     Backward: rank r's loss L_r depends on every rank's slice of the gathered
     tensor, so the gradient of ``sum_r L_r`` with respect to this rank's input
     is the SUM over ranks of the incoming gradients, restricted to this rank's
-    slice. We all_reduce(SUM) the full incoming gradient and slice it, rather
-    than reduce_scatter, because gloo has no reduce_scatter.
+    slice: a reduce-scatter ("single" path of :func:`gather_path`), or an
+    all-reduce of the whole gradient and a slice ("all_reduce" path, gloo).
 
     After data-parallel averaging (DDP / DeepSpeed divide by W), the result is
     the gradient of ``mean_r L_r``, i.e. the full-batch gradient when each L_r
@@ -91,19 +120,21 @@ class _AllGatherWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        world, rank = dist.get_world_size(), dist.get_rank()
+    def forward(ctx, tensor: torch.Tensor, path: str) -> torch.Tensor:
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor)
-        ctx.rank, ctx.n = rank, tensor.shape[0]
-        return torch.cat(parts, dim=0)  # (W*B, ...)
+        ctx.rank, ctx.n, ctx.path = dist.get_rank(), tensor.shape[0], path
+        return _gather(tensor, path)  # (W*B, ...)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.path == "single":
+            grad = grad.contiguous()  # read only: the reduce-scatter writes into its own output
+            out = grad.new_empty((ctx.n,) + tuple(grad.shape[1:]))  # (B, ...)
+            _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM)
+            return out, None
         grad = grad.contiguous().clone()  # all_reduce is in place; do not clobber autograd's buffer
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad.narrow(0, ctx.rank * ctx.n, ctx.n)
+        return grad.narrow(0, ctx.rank * ctx.n, ctx.n), None
 
 
 def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,7 +144,7 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """
     if get_world_size() == 1:
         return tensor
-    return _AllGatherWithGrad.apply(tensor)
+    return _AllGatherWithGrad.apply(tensor, gather_path(dist.get_backend()))
 
 
 @torch.no_grad()
@@ -121,10 +152,7 @@ def all_gather_nograd(tensor: torch.Tensor) -> torch.Tensor:
     """(B, ...) -> (W*B, ...), detached; identity when not distributed."""
     if get_world_size() == 1:
         return tensor
-    tensor = tensor.detach().contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
-    return torch.cat(parts, dim=0)
+    return _gather(tensor.detach().contiguous(), gather_path(dist.get_backend()))
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from mmalign.monitors import (collapse_alarms, global_log_values, mfu, peak_tflo
                               train_flops_per_sample)
 from mmalign.resume import resume_run
 from mmalign.runlog import RunLog, say
+from mmalign.tf32 import set_tf32
 
 log = logging.getLogger("mmalign.train")
 
@@ -239,6 +240,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
+    set_tf32(device, cfg.train.tf32)  # CUDA only; before the model's first matmul
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
     return out, suite, device

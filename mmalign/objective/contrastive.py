@@ -23,6 +23,7 @@ from mmalign.losses.metadata import subset_mask
 from mmalign.losses.positives import caption_ids
 from mmalign.losses.queue import queue_infonce_local
 from mmalign.losses.siglip import siglip_local
+from mmalign.losses.tile_choice import AUTO, DEFAULT_BUDGET_MB, resolve_tile
 
 from .base import StepContext, Term, TermOutput
 
@@ -70,7 +71,10 @@ class Contrastive(Term):
 
     Args:
         name: "infonce" | "siglip".
-        tile_size: 0 / None for the full-matrix path, else the tile edge t (Inf-CL).
+        tile_size: 0 / None for the full-matrix path, an integer for the tile edge t (Inf-CL),
+            "auto" to choose per call from the shapes and ``tile_budget_mb``
+            (:mod:`mmalign.losses.tile_choice`).
+        tile_budget_mb: the memory budget of ``tile_size="auto"``.
         hard_negative_beta, debias_prior: InfoNCE only; the estimators of
             :mod:`mmalign.losses.hardneg` (Robinson et al. 2021; Chuang et al. 2020).
 
@@ -81,21 +85,21 @@ class Contrastive(Term):
 
     name = "contrastive"
 
-    def __init__(self, name: str = "infonce", tile_size: int | None = 0, hard_negative_beta: float = 0.0,
-                 debias_prior: float = 0.0):
+    def __init__(self, name: str = "infonce", tile_size: int | str | None = 0, hard_negative_beta: float = 0.0,
+                 debias_prior: float = 0.0, tile_budget_mb: float = DEFAULT_BUDGET_MB):
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r}; expected one of {LOSS_NAMES}")
-        if tile_size is not None and tile_size < 0:
-            raise ValueError(f"tile_size must be >= 0, got {tile_size}")
+        if tile_size != AUTO and tile_size is not None and (isinstance(tile_size, str) or tile_size < 0):
+            raise ValueError(f"tile_size must be >= 0 or {AUTO!r}, got {tile_size!r}")
         if hard_negative_beta < 0 or not 0 <= debias_prior < 1:
             raise ValueError(f"need hard_negative_beta >= 0 and 0 <= debias_prior < 1, got "
                              f"{hard_negative_beta}, {debias_prior}")
-        self.kind, self.tile_size = name, tile_size or None
+        self.kind, self.tile_size, self.tile_budget_mb = name, tile_size or None, float(tile_budget_mb)
         self.hard_negative_beta, self.debias_prior = float(hard_negative_beta), float(debias_prior)
         self.embeddings = ("image", "text", "logit_scale") + (("logit_bias",) if name == "siglip" else ())
 
     def __repr__(self) -> str:
-        return (f"Contrastive({self.kind}, tile_size={self.tile_size}, hard_negative_beta={self.hard_negative_beta}, "
+        return (f"Contrastive({self.kind}, tile_size={self.tile_size!r}, hard_negative_beta={self.hard_negative_beta}, "
                 f"debias_prior={self.debias_prior})")
 
     def __call__(self, ctx: StepContext) -> TermOutput:
@@ -117,8 +121,9 @@ class Contrastive(Term):
             if emb.logit_bias is None:
                 raise ValueError("siglip needs logit_bias")
             text_all = ctx.gathered("text")  # images stay local
+            tile = self.tile_for("siglip", image, text_all.shape[0])
             loss, tracks = siglip_local(image, text_all, scale, emb.logit_bias, ids=ids, ids_all=ids_all,
-                                        offset=ctx.offset, tile_size=self.tile_size, track=ctx.track)
+                                        offset=ctx.offset, tile_size=tile, track=ctx.track)
             stats = siglip_stats(tracks, text_all.shape[0], scale, emb.logit_bias) if ctx.track else {}
             return TermOutput(loss, stats)
         image_all, text_all = ctx.gathered("image"), ctx.gathered("text")  # (W*B, D)
@@ -126,12 +131,16 @@ class Contrastive(Term):
         if queue is not None and (self.hard_negative_beta or self.debias_prior or ctx.mask is not None):
             raise ValueError("queue entries need the plain infonce (no estimator, no positive_mask)")
         if queue is not None:  # in-batch candidates + queued negatives
+            tile = self.tile_for("queue", image, text_all.shape[0] + queue.size)
             loss, tracks, lses = queue_infonce_local(image, text, image_all, text_all, scale, queue, ids=ids,
-                                                     ids_all=ids_all, offset=ctx.offset, tile_size=self.tile_size,
+                                                     ids_all=ids_all, offset=ctx.offset, tile_size=tile,
                                                      track=ctx.track)
         else:
+            kernel = ("hardneg" if self.hard_negative_beta or self.debias_prior else
+                      "infonce_sharded" if ctx.world > 1 else "infonce")
+            tile = self.tile_for(kernel, image, text_all.shape[0])
             loss, tracks, lses = infonce_local(image, text, image_all, text_all, scale, ids=ids, ids_all=ids_all,
-                                               offset=ctx.offset, tile_size=self.tile_size, track=ctx.track,
+                                               offset=ctx.offset, tile_size=tile, track=ctx.track,
                                                hard_negative_beta=self.hard_negative_beta,
                                                debias_prior=self.debias_prior, pair_mask=ctx.mask)
         # the estimators' LSEs (if any) are monitors without grad: only the plain row LSE can be extended
@@ -140,6 +149,12 @@ class Contrastive(Term):
         n_cand = text_all.shape[0] + (queue.size if queue is not None else 0)
         stats = infonce_stats(tracks, lses, n_cand, scale) if ctx.track else {}
         return TermOutput(loss, stats)
+
+
+    def tile_for(self, kernel: str, rows: Tensor, n_cols: int) -> int | None:
+        """The tile edge of this call (None: untiled); ``auto`` decides from the shapes, equal on
+        every rank."""
+        return resolve_tile(self.tile_size, kernel, rows.shape[0], n_cols, rows.dtype, self.tile_budget_mb)
 
 
 def _rank_stats(tracks: Tensor) -> dict[str, Tensor]:

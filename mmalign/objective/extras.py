@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from mmalign.losses.mined import mined_negatives_term
 from mmalign.losses.ntxent import ntxent_loss
+from mmalign.losses.tile_choice import DEFAULT_BUDGET_MB, resolve_tile
 
 from .base import StepContext, Term, TermOutput
 
@@ -39,16 +40,20 @@ class ImageImage(Term):
     batch_fields = ("images2",)
     stat = "image_image_loss"
 
-    def __init__(self, weight: float, temperature: float = 0.1, tile_size: int | None = 0):
+    def __init__(self, weight: float, temperature: float = 0.1, tile_size: int | str | None = 0,
+                 tile_budget_mb: float = DEFAULT_BUDGET_MB):
         if weight <= 0 or temperature <= 0:
             raise ValueError(f"need weight > 0 and temperature > 0, got {weight}, {temperature}")
         self.weight, self.scale, self.tile_size = float(weight), 1.0 / float(temperature), tile_size or None
+        self.tile_budget_mb = float(tile_budget_mb)
 
     def __repr__(self) -> str:
-        return f"ImageImage(weight={self.weight}, temperature={1 / self.scale}, tile_size={self.tile_size})"
+        return f"ImageImage(weight={self.weight}, temperature={1 / self.scale}, tile_size={self.tile_size!r})"
 
     def __call__(self, ctx: StepContext) -> TermOutput:
         if ctx.emb.image2 is None:
             raise ValueError("the image-image term needs image2 features (data.views: 2)")
-        term = ntxent_loss(ctx.emb.image, ctx.emb.image2, self.scale, tile_size=self.tile_size)
+        rows = 2 * ctx.emb.image.shape[0]  # both views are anchors, against every rank's
+        tile = resolve_tile(self.tile_size, "ntxent", rows, ctx.world * rows, ctx.emb.image.dtype, self.tile_budget_mb)
+        term = ntxent_loss(ctx.emb.image, ctx.emb.image2, self.scale, tile_size=tile)
         return TermOutput(term, {self.stat: term.detach().float().reshape(())} if ctx.track else {})

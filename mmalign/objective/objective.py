@@ -155,9 +155,11 @@ def build_objective(cfg: Any, world_size: int = 1, model: Optional[torch.nn.Modu
             raise ValueError("loss.queue_size > 0: build_objective needs the initial model for the EMA encoder")
         terms.append(QueueNegatives(MomentumQueue(copy.deepcopy(model), loss.queue_size, loss.momentum,
                                                   with_ids=fn_ids != "none", device=device)))
-    terms.append(Contrastive(loss.name, loss.tile_size, loss.hard_negative_beta, loss.debias_prior))
+    terms.append(Contrastive(loss.name, loss.tile_size, loss.hard_negative_beta, loss.debias_prior,
+                             loss.tile_budget_mb))
     if cfg.data.hard_negatives > 0:
         terms.append(MinedNegatives())
     if loss.image_image_weight > 0:
-        terms.append(ImageImage(loss.image_image_weight, loss.image_image_temperature, loss.tile_size))
+        terms.append(ImageImage(loss.image_image_weight, loss.image_image_temperature, loss.tile_size,
+                                loss.tile_budget_mb))
     return Objective(terms, positives)
