@@ -85,11 +85,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def gather_path(backend: str) -> str:
     """How :func:`all_gather_with_grad` / :func:`all_gather_nograd` talk to the other ranks:
-    "single" (one all-gather into a flat tensor forward, one reduce-scatter backward: NCCL's
-    native collectives, each rank receives only its B rows of the summed gradient) or
-    "all_reduce" (a list all-gather forward and an all-reduce of the whole (W*B, D) gradient
-    backward, then this rank's slice: W times the traffic, kept for gloo, whose reduce-scatter
-    is not a native ring). ``backend``: ``torch.distributed.get_backend()``'s name."""
+    "single" (one all-gather into a flat tensor forward, one reduce-scatter backward: each
+    rank receives only its B rows of the summed gradient, half the traffic of a ring
+    all-reduce, which is a reduce-scatter plus an all-gather) on NCCL, or "all_reduce" (a list
+    all-gather forward, an all-reduce of the whole (W*B, D) gradient backward, then this rank's
+    slice) elsewhere: the path gloo runs have always taken. torch 2.14's gloo also has the
+    single-tensor collectives, so tests run the "single" path on CPU by overriding this
+    choice. ``backend``: ``torch.distributed.get_backend()``'s name."""
     return "single" if "nccl" in str(backend).lower() else "all_reduce"
 
 

@@ -2,13 +2,13 @@
 
 On Ampere and later GPUs a TF32 matmul rounds its float32 inputs to a 10-bit mantissa and
 accumulates in float32, several times faster than exact float32 (torch's notes, "TensorFloat-32
-(TF32) on Ampere (and later) devices"). It changes fp32 runs and the float32 parts of autocast
-runs (the loss's logits, the norms); bf16 / fp16 matmuls are unaffected. torch leaves cuBLAS
+(TF32) on Ampere (and later) devices"). It changes fp32 runs and the float32 matmuls of
+autocast runs; bf16 / fp16 matmuls are unaffected. torch leaves cuBLAS
 matmuls exact and cuDNN convolutions in TF32 by default; this module sets both one way, so
 ``train.tf32: false`` means exact float32 throughout.
 
-CPU runs are left alone: torch's float32 precision setting also governs oneDNN's CPU kernels,
-where a lower setting may compute in bf16.
+Only the CUDA backends' flags are set (not ``torch.set_float32_matmul_precision``, which is
+global, not CUDA's alone), and only when the run's device is CUDA: CPU runs are left as they were.
 """
 
 from __future__ import annotations

@@ -405,7 +405,9 @@ def test_build_objective_from_config(gen):
     from mmalign.objective import Contrastive
 
     (term,) = build_objective(load_config(None, [])).terms
-    assert isinstance(term, Contrastive) and term.kind == "infonce" and term.tile_size is None
+    assert isinstance(term, Contrastive) and term.kind == "infonce" and term.tile_size == "auto"
+    assert term.tile_budget_mb == 256.0
+    assert build_objective(load_config(None, ["loss.tile_size=0"])).terms[0].tile_size is None
     obj = build_objective(load_config(None, ["loss.name=siglip", "model.init_logit_bias=-10", "loss.tile_size=64",
                                              "loss.false_negative_ids=caption"]))
     assert obj.terms[0].kind == "siglip" and obj.terms[0].tile_size == 64 and obj.positives.ids_mode == "caption"
