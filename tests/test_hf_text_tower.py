@@ -81,7 +81,8 @@ def test_folder_weights_and_tokenizer_are_the_towers(bert_dir):
 
 
 @pytest.mark.integration
-def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_overrides, tmp_path, monkeypatch):
+def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_overrides, tmp_path, monkeypatch,
+                                                               capsys):
     import open_clip
 
     from mmalign.errors import UsageError
@@ -91,7 +92,8 @@ def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_o
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    cfg = load_config(None, micro_overrides + ["train.steps=5", f"model.text.hf_local_dir={bert_dir}",
+    cfg = load_config(None, micro_overrides + ["train.steps=5", "train.global_batch_size=8", "eval.suite=none",
+                                               "monitor.probe_size=0", f"model.text.hf_local_dir={bert_dir}",
                                                f"model.text.context_length={CONTEXT}"])
     # The tower's 43-id embedding table: CLIP BPE ids (up to 49407) would fail the first step,
     # so training ran on the folder's tokenizer.
@@ -122,9 +124,19 @@ def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_o
     with torch.no_grad():
         theirs = torch.nn.functional.normalize(oc.encode_text(oc_tok(texts)), dim=-1)
     assert torch.allclose(theirs, emb, atol=1e-5)
+    import onnxruntime as ort
+    from transformers import AutoTokenizer
+
+    onnx_dir = export(run, "onnx", tmp_path / "onnx")
+    info = json.loads((onnx_dir / "onnx_config.json").read_text())["tokenizer"]
+    assert info == {"type": "hf", "folder": "hf_text", "context_length": CONTEXT}
+    shipped = AutoTokenizer.from_pretrained(str(onnx_dir / "hf_text"), local_files_only=True)
+    ids = shipped(texts, padding="max_length", truncation=True, max_length=CONTEXT, return_tensors="np")["input_ids"]
+    session = ort.InferenceSession(str(onnx_dir / "text_encoder.onnx"), providers=["CPUExecutionProvider"])
+    assert torch.allclose(torch.from_numpy(session.run(None, {"tokens": ids})[0]), emb, atol=1e-5)
     with pytest.raises(UsageError, match="hf_model_name"):  # no CLIPModel equivalent: one line
         export(run, "hf", tmp_path / "hf")
-    assert main(["eval", "--model", str(final), "--limit", "20"]) == 0
+    assert main(["eval", "--model", str(final), "--suite", "shapes", "--limit", "20"]) == 0, capsys.readouterr().err
 
 
 def test_misuse_is_one_config_error_line(bert_dir, tmp_path):

@@ -114,6 +114,8 @@ def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
     if problem:
         raise ConfigError(f"{KEY}: {path} does not fit timm's {visual.trunk.__class__.__name__} "
                           f"({getattr(trunk, 'default_cfg', {}).get('architecture', '?')}): {problem}")
+    if any(p.is_meta for p in trunk.parameters()):  # check_buildable's meta model: checked only
+        return
     with torch.no_grad():
         trunk.load_state_dict(state, strict=True)
 
