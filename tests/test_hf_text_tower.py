@@ -115,6 +115,13 @@ def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_o
 
     initial = load_file(str(moved / "model.safetensors"))
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # the text tower trained
+    # a new run initialised from this one (model.pretrained) rebuilds the tower from final/hf_text
+    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models import build_model
+
+    again = build_model(load_config(None, [f"model.pretrained={run}"]).model).eval()
+    with torch.no_grad():
+        assert torch.allclose(again.encode_text(build_tokenizer(again.arch)(texts)), emb, atol=1e-6)
 
     out = export(run, "open_clip", tmp_path / "oc")
     oc = open_clip.create_model("local-dir:" + str(out))
