@@ -5,8 +5,8 @@ a transformers ``config.json``, optionally the weights (``model.safetensors`` /
 ``pytorch_model.bin``; without them the tower starts from random init) and the tokenizer
 files.  The tower is open_clip's ``HFTextEncoder`` (pooler ``model.text.hf_pooler_type``,
 default mean pooling over the attention mask; projection ``model.text.hf_proj_type``,
-default a 2-layer MLP), built from the folder's path, so transformers never contacts the
-hub (a local directory is read as such; HF_HUB_OFFLINE=1 makes sure).
+default a 2-layer MLP), built from the folder's path: transformers reads a local directory without contacting
+the hub (HF_HUB_OFFLINE=1 on an offline cluster makes sure of it).
 
 In the architecture dict the folder becomes open_clip's ``hf_model_name`` /
 ``hf_tokenizer_name`` (its absolute path) and ``hf_model_pretrained`` (whether it holds
