@@ -63,6 +63,9 @@ class ModelConfig:
     pretrained_image: Optional[str] = None
     pretrained_text: Optional[str] = None
     pretrained_strict: bool = True  # false: missing / unexpected weights are logged, not refused
+    # A timm image tower (model.vision.timm_model_name) starts from this local timm checkpoint
+    # (.safetensors / .pth) instead of random init; timm never downloads (models/timm_tower.py).
+    timm_weights: Optional[str] = None
     # FLIP (Li et al. 2023): drop this fraction of a ViT image tower's patch tokens in training
     # (open_clip's PatchDropout, a new random subset per sample and step; evaluation never masks).
     # 0 = off; the paper uses 0.5-0.75. train.unmasked_steps ends the run unmasked.

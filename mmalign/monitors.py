@@ -47,7 +47,7 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     device = next(model.parameters()).device
     images = torch.zeros(n, 3, image_size, image_size, device=device)
     tokens = torch.zeros(n, context_length, dtype=torch.long, device=device)
-    tokens[:, 0], tokens[:, 1] = 49406, 49407
+    tokens[:, 0], tokens[:, 1] = 1, 2  # ids every vocabulary has (an HF or sentencepiece tower's is small)
     extra = {}
     if second_view and "visual" in towers:
         extra["images2"] = images.clone()

@@ -32,8 +32,8 @@ HEAVY = ("faiss", "onnx", "onnxruntime", "transformers", "matplotlib", "sklearn"
 SHARED_OWNERS = {
     # search reads the index files that index builds
     "faiss": {"mmalign/index.py", "mmalign/search.py"},
-    # the Hugging Face export: the model and its tokenizer
-    "transformers": {"mmalign/export/to_hf.py", "mmalign/export/hf_tokenizer.py"},
+    # the Hugging Face export: the model and its tokenizer; an HF text tower's tokenizer (models/hf_text.py)
+    "transformers": {"mmalign/export/to_hf.py", "mmalign/export/hf_tokenizer.py", "mmalign/data/tokenizer.py"},
     # four unrelated tools of evaluation: digits data, linear probes, t-SNE, balanced accuracy
     "sklearn": {"mmalign/evaluation/datasets.py", "mmalign/evaluation/probes.py", "mmalign/evaluation/report.py",
                 "mmalign/evaluation/zeroshot.py"},

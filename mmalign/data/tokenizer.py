@@ -1,4 +1,5 @@
-"""Text tokenizers: open_clip's bundled CLIP BPE (default) or a trained sentencepiece model.
+"""Text tokenizers: open_clip's bundled CLIP BPE (default), a trained sentencepiece model, or
+the tokenizer saved in a Hugging Face text tower's folder (``model.text.hf_local_dir``).
 
 Both map ``list[str]`` to a ``(N, context_length)`` LongTensor of ``[sot, pieces...,
 eot, 0, 0, ...]``; a caption too long is cut and still ends with eot.  The text
@@ -12,7 +13,10 @@ is collapsed before encoding, as the CLIP tokenizer does.
 
 Which tokenizer a model uses lives in its architecture dict:
 ``text_cfg["tokenizer_kwargs"] = {"sentencepiece": PATH}`` (a field open_clip's text
-config carries and ignores), set by ``validate()`` from ``model.tokenizer``.
+config carries and ignores), set by ``validate()`` from ``model.tokenizer``; for a Hugging
+Face text tower it is open_clip's ``text_cfg["hf_tokenizer_name"]`` (a local folder, see
+mmalign/models/hf_text.py), whose ids go to the tower unchanged (it pools by attention mask
+or CLS, not at the largest id).
 """
 
 from __future__ import annotations
@@ -68,6 +72,41 @@ class SentencePieceTokenizer:
         return out
 
 
+class HFTextTokenizer:
+    """A transformers tokenizer saved in a local folder, as ``list[str] -> (N, L)`` ids:
+    the tokenizer's own special tokens (e.g. BERT's ``[CLS] ... [SEP]``), truncated to
+    ``context_length`` and padded with its pad id (the HF tower's attention mask is
+    ``ids != pad_token_id``).  Loaded from local files only."""
+
+    def __init__(self, folder: str | Path, context_length: int):
+        from transformers import AutoTokenizer
+
+        self.folder = str(folder)
+        self.context_length = int(context_length)
+        self._tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        self.vocab_size = len(self._tok)
+        self.pad_token_id = self._tok.pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(clean_whitespace(text), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
+        if isinstance(texts, str):
+            texts = [texts]
+        length = context_length or self.context_length
+        out = self._tok([clean_whitespace(t) for t in texts], padding="max_length", truncation=True,
+                        max_length=length, return_tensors="pt")
+        return out["input_ids"].long()  # (N, L)
+
+
+def clean_whitespace(text: str) -> str:
+    """open_clip's HFTokenizer default cleaning (case is the tokenizer's own business)."""
+    return re.sub(r"\s+", " ", text).strip()
+
+
 def sentencepiece_vocab_size(model_file: str | Path) -> int:
     """The text tower's vocab_size for a sentencepiece model (pieces + pad/sot/eot)."""
     import sentencepiece as spm
@@ -83,9 +122,15 @@ def tokenizer_file(arch: dict) -> str | None:
 def build_tokenizer(arch: dict, base_dir: str | Path | None = None):
     """Tokenizer for a text tower: ``tokenizer(list[str]) -> LongTensor (N, context_length)``.
 
-    A relative sentencepiece path resolves against ``base_dir`` (a saved model's folder).
+    A relative sentencepiece path or Hugging Face folder resolves against ``base_dir`` (a saved model's folder).
     """
     context_length = int(arch["text_cfg"].get("context_length", 77))
+    hf_folder = arch["text_cfg"].get("hf_tokenizer_name") or arch["text_cfg"].get("hf_model_name")
+    if hf_folder:  # a Hugging Face text tower's folder (absolute, or relative to a saved model)
+        path = Path(hf_folder)
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        return HFTextTokenizer(path, context_length)
     spm_file = tokenizer_file(arch)
     if spm_file is None:
         return SimpleTokenizer(context_length=context_length)

@@ -61,7 +61,7 @@ def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = Fa
         if fmt == "open_clip":
             from mmalign.export.to_open_clip import export_open_clip
 
-            export_open_clip(source, tmp)
+            export_open_clip(source, tmp, final=out)
         elif fmt == "hf":
             from mmalign.export.to_hf import export_hf
 

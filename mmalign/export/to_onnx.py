@@ -93,5 +93,10 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     }
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
+    if model.arch["text_cfg"].get("hf_model_name"):  # an HF text tower: its tokenizer files beside the graphs
+        from mmalign.models.hf_text import SAVED_DIR, copy_config_and_tokenizer
+
+        copy_config_and_tokenizer(model.arch["text_cfg"]["hf_model_name"], out / SAVED_DIR)
+        config["tokenizer"] = {"type": "hf", "folder": SAVED_DIR, "context_length": model.context_length}
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out

@@ -11,6 +11,11 @@ open_clip's ``_build_vision_tower`` / ``_build_text_tower``), which is the layou
 open_clip's ``CustomTextCLIP``; plain ``CLIP`` flattens the text tower into the top
 level (``token_embedding``, ``transformer``, ...).  ``CustomTextCLIP`` keeps a 0-dim
 ``logit_scale`` (ours is shape [1] for DeepSpeed), so it is reshaped here.
+
+A timm image tower exports as is (open_clip builds the same ``TimmModel``), unless its trunk
+was resized to another image size (a ViT's position embeddings), which open_clip cannot
+build: refused.  An HF text tower's config and tokenizer are copied into the folder
+(:func:`_hf_text`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from mmalign.errors import UsageError
 from mmalign.models.keymaps import SCALARS
 from mmalign.models.load import Loaded
 
@@ -45,7 +51,14 @@ def model_cfg(source: Loaded) -> dict:
     return cfg
 
 
-def export_open_clip(source: Loaded, out: Path) -> Path:
+def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Path:
+    """Write the folder into ``out``; ``final`` is where it will be published (an HF text
+    tower's config is named by that absolute path, see :func:`_hf_text`)."""
+    from mmalign.models.timm_tower import open_clip_refusal
+
+    refusal = open_clip_refusal(source.model.arch, source.model.state_dict())
+    if refusal:
+        raise UsageError(refusal)
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, tensor in source.model.state_dict().items():
@@ -55,6 +68,8 @@ def export_open_clip(source: Loaded, out: Path) -> Path:
         state[name] = tensor
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
     config = {"model_cfg": model_cfg(source), "preprocess_cfg": dict(source.preprocess_cfg)}
+    if source.model.arch["text_cfg"].get("hf_model_name"):
+        _hf_text(source, out, (final or out).resolve(), config["model_cfg"]["text_cfg"])
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
         config["mmalign_tokenizer"] = {"type": "sentencepiece", "file": "tokenizer.model",
@@ -64,3 +79,18 @@ def export_open_clip(source: Loaded, out: Path) -> Path:
                     "mmalign.data.tokenizer.SentencePieceTokenizer", out)
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out
+
+
+def _hf_text(source: Loaded, out: Path, final: Path, text_cfg: dict) -> None:
+    """An HF text tower: its transformers config and tokenizer files go into the folder itself.
+    ``open_clip.get_tokenizer("local-dir:OUT")`` reads the tokenizer from there
+    (``hf_tokenizer_name`` set); ``HFTextEncoder`` builds from ``hf_model_name``, which open_clip
+    resolves against the working directory, so it is the folder's absolute path at export time
+    (moved elsewhere, pass ``text_cfg`` with the new path, or edit ``open_clip_config.json``).
+    ``hf_model_pretrained`` is false: the trained weights are in the checkpoint."""
+    from mmalign.models.hf_text import copy_config_and_tokenizer
+
+    copy_config_and_tokenizer(source.model.arch["text_cfg"]["hf_model_name"], out)
+    text_cfg.update(hf_model_name=str(final), hf_tokenizer_name=str(final), hf_model_pretrained=False)
+    log.warning("open_clip_config.json names this folder by its absolute path %s (open_clip builds the HF text "
+                "tower from hf_model_name); if the folder moves, update text_cfg.hf_model_name", final)

@@ -4,6 +4,7 @@ from mmalign.config import ModelConfig
 from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
 from mmalign.models.flip import add_patch_dropout
 from mmalign.models.init_from import load_pretrained_weights
+from mmalign.models.timm_tower import load_timm_weights
 from mmalign.models.presets import PRESETS, available, resolve_arch
 from mmalign.models.two_tower import TwoTower
 
@@ -23,6 +24,8 @@ def build_model(cfg: ModelConfig) -> TwoTower:
         convert_batchnorm(model, cfg.batchnorm)
     elif cfg.lock_image_freeze_bn_stats and has_batchnorm(model.visual):  # config validation sets batchnorm too
         convert_batchnorm(model.visual, "frozen")
+    if cfg.timm_weights is not None:  # a timm trunk's own checkpoint (models/timm_tower.py)
+        load_timm_weights(model.visual, cfg.timm_weights)
     load_pretrained_weights(model, cfg)  # model.pretrained*: after init, before locking (meta: checked only)
     if cfg.patch_dropout:  # FLIP (models/flip.py); not part of the saved arch
         add_patch_dropout(model, cfg.patch_dropout)

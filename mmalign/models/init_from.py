@@ -151,6 +151,7 @@ def source_arch(path: Path, key: str) -> dict | None:
 def _mmalign_arch(path: Path, key: str) -> dict:
     from mmalign.config import load_config
     from mmalign.data.tokenizer import tokenizer_file
+    from mmalign.models.hf_text import absolutize
     from mmalign.models.io import CONFIG
     from mmalign.models.load import MODEL, checkpoint_config, locate
     from mmalign.models.presets import resolve_arch
@@ -161,7 +162,8 @@ def _mmalign_arch(path: Path, key: str) -> dict:
         if not isinstance(arch, dict) or not all(k in arch for k in ("embed_dim", "vision_cfg", "text_cfg")):
             raise ConfigError(f"config key '{key}': {folder / CONFIG} has no usable 'arch'")
         spm = tokenizer_file(arch)  # relative to the model folder when saved by save_pretrained
-        return _with_tokenizer(copy.deepcopy(arch), None if spm is None else folder / spm)
+        arch = absolutize(copy.deepcopy(arch), folder)  # an HF text tower's hf_text/ folder, likewise
+        return _with_tokenizer(arch, None if spm is None else folder / spm)
     return resolve_arch(load_config(checkpoint_config(folder)).model)  # a step checkpoint: its own config
 
 

@@ -47,9 +47,14 @@ def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, e
 
 def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     """The arch to save and a description of its tokenizer; a sentencepiece model file is
-    copied beside the weights (``tokenizer.model``) so the folder is self-contained."""
+    copied beside the weights (``tokenizer.model``), an HF text tower's config and tokenizer
+    into ``hf_text/`` (models/hf_text.py), so the folder is self-contained."""
     from mmalign.data.tokenizer import SPM_KEY, tokenizer_file
 
+    if model.arch["text_cfg"].get("hf_model_name"):  # an HF text tower: its config + tokenizer in hf_text/
+        from mmalign.models.hf_text import record_for_save
+
+        return record_for_save(model.arch, out)
     source = tokenizer_file(model.arch)
     if source is None:
         return model.arch, {"type": "clip_bpe", "context_length": model.context_length}
@@ -109,8 +114,11 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
     truncated or non-safetensors weights file, weights of another shape) is a one-line
     UsageError naming the folder; nothing in the folder is executed.
     """
+    from mmalign.models.hf_text import absolutize
+
     d = resolve_model_dir(path)
     config = _read_config(d)
+    config["arch"] = absolutize(config["arch"], d)  # a saved HF text tower's hf_text/ folder
     try:
         model = TwoTower(
             config["arch"],

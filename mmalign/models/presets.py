@@ -1,7 +1,9 @@
 """Architecture presets: mmalign's own small ones plus every open_clip architecture.
 
 An architecture is an open_clip-style dict ``{"embed_dim", "vision_cfg", "text_cfg",
-"quick_gelu"}``; nothing here downloads weights.
+"quick_gelu"}``; nothing here downloads weights.  A timm image tower
+(``model.vision.timm_model_name``, models/timm_tower.py) and a Hugging Face text tower
+(``model.text.hf_local_dir``, models/hf_text.py) are resolved here from local files.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import copy
 import open_clip
 
 from mmalign.config import ConfigError, ModelConfig
+from mmalign.models.hf_text import LOCAL_DIR, apply_local_dir, check_tokenizer, is_hf_text
+from mmalign.models.timm_tower import check_timm_cfg
 
 # Sized for CPU training on 32-64 px images in minutes (the calibration tower of the
 # CIFAR-10 recipe): ViT 4x128 on 32 px with patch 4, text transformer 4x128.
@@ -53,7 +57,7 @@ def describe_presets(include_unavailable: bool = False, names: list[str] | None 
     """Yield ``{"name", "offline", "params", "image_size", "why"}`` per preset (``mmalign models``).
 
     A preset is offline when its towers build without a download (a Hugging Face text tower
-    needs one); its parameters are counted on the meta device (no memory, no maths).  The
+    named by hub id needs one; ``model.text.hf_local_dir`` replaces it); its parameters are counted on the meta device (no memory, no maths).  The
     others are yielded, with ``why``, only under ``include_unavailable``.
     """
     from mmalign.models import check_buildable  # imports this module
@@ -103,7 +107,11 @@ def resolve_arch(cfg: ModelConfig) -> dict:
     arch["text_cfg"].update(cfg.text)
     if cfg.image_size is not None:
         arch["vision_cfg"]["image_size"] = cfg.image_size
-    if arch["text_cfg"].get("hf_model_name") or arch["text_cfg"].get("hf_tokenizer_name"):
-        # HF text towers need a hub download for their config/tokenizer; not offline-safe yet.
-        raise ConfigError(f"config key 'model.preset': {cfg.preset!r} uses a Hugging Face text tower, not supported offline")
+    # timm image towers: random init or model.timm_weights, never timm's download
+    arch["vision_cfg"] = check_timm_cfg(arch["vision_cfg"], cfg.timm_weights)
+    if LOCAL_DIR in cfg.text:  # a Hugging Face text tower from a local folder replaces the preset's
+        arch["text_cfg"] = apply_local_dir(cfg.text, cfg.preset)  # only model.text's own keys carry over
+        check_tokenizer(arch["text_cfg"])
+    elif is_hf_text(arch["text_cfg"]):  # by hub name: refused (or a saved arch's folder, made absolute)
+        arch["text_cfg"] = apply_local_dir(arch["text_cfg"], cfg.preset)
     return arch

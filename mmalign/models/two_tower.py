@@ -18,6 +18,7 @@ from torch import nn
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import set_patch_dropout
+from mmalign.models.timm_tower import fit_input_size
 
 
 # which forward keywords feed a tower, and which Embeddings fields it produces
@@ -46,7 +47,12 @@ class TwoTower(nn.Module):
         self.max_logit_scale = float(max_logit_scale)
         quick_gelu = bool(arch.get("quick_gelu", False))
         self.visual = _build_vision_tower(arch["embed_dim"], arch["vision_cfg"], quick_gelu)
-        self.text = _build_text_tower(arch["embed_dim"], arch["text_cfg"], quick_gelu)
+        fit_input_size(self.visual, arch["vision_cfg"])  # a timm ViT at another image size (models/timm_tower.py)
+        text_cfg = arch["text_cfg"]
+        if text_cfg.get("hf_model_pretrained") and torch.get_default_device().type == "meta":
+            # check_buildable: transformers refuses from_pretrained on meta; the config gives the shapes
+            text_cfg = {**text_cfg, "hf_model_pretrained": False}
+        self.text = _build_text_tower(arch["embed_dim"], text_cfg, quick_gelu)
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
 
@@ -56,7 +62,9 @@ class TwoTower(nn.Module):
 
     @property
     def context_length(self) -> int:
-        return int(self.text.context_length)
+        # an HF text tower's context_length is its model's limit; the tokenizer's length is the arch's
+        return int(self.arch["text_cfg"]["context_length"] if self.arch["text_cfg"].get("hf_model_name")
+                   else self.text.context_length)
 
     @property
     def image_size(self) -> int:
