@@ -39,6 +39,9 @@ def add_shard_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-shuffle", action="store_true",
                    help="imagefolder: keep folder order (default: a random order seeded by --seed, so every shard "
                         "mixes the classes)")
+    g.add_argument("--classes", default=None,
+                   help="imagefolder: only these class folders, comma-separated (class ids stay those of the "
+                        "full class list), e.g. half the classes for a held-out-classes experiment")
     g.add_argument("--image-col", default="image", help="column with the image (path in tables)")
     g.add_argument("--caption-col", default="caption", help="column with the caption(s)")
     g.add_argument("--label-col", default=None, help="hf: a ClassLabel column to caption from templates")
@@ -73,12 +76,15 @@ def _items(args):
 
     if not args.input:
         raise UsageError(f"mmalign shards {args.source} needs --input")
+    if args.classes and args.source != "imagefolder":
+        raise UsageError(f"mmalign shards {args.source}: --classes applies to imagefolder only")
     if args.source in ("imagefolder", "hf"):
         tset = sources.load_templates(args.templates or "generic")
         captioner = sources.Captioner(tset["templates"], args.templates_per_image, args.seed)
     if args.source == "imagefolder":
         seed = None if args.no_shuffle else args.seed
-        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed)
+        only = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
+        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed, only=only)
         return items
     if args.source == "table":
         return sources.table(args.input, args.image_col, args.caption_col, args.root)

@@ -61,21 +61,25 @@ def _relpath(name: str) -> str:
 
 
 def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] | None = None,
-                 shuffle_seed: int | None = None) -> tuple[list[str], Iterator[Item]]:
+                 shuffle_seed: int | None = None, only: list[str] | None = None) -> tuple[list[str], Iterator[Item]]:
     """``root/CLASS/*.jpg`` as a directory or a tar (``./cat/0001.jpg``).
 
     Class ids follow ``classnames`` when a template set gives them (CIFAR-10's label
     order), else the sorted folder names.  Items come in folder order, or, with
     ``shuffle_seed``, in a seeded random order: class folders are sorted, so shards
     written in folder order hold one class each and every "first N" reader sees one
-    class.  Returns (class names, items).
+    class.  ``only``: the images of these classes alone (their ids stay those of the full
+    class list, so a model trained on a subset is scored with the same labels; the other
+    images are never read).  Returns (class names, items).
     """
     path = Path(path)
     if not path.exists():
         raise UsageError(f"image folder not found: {path}")
     if path.is_dir():
         folders = sorted(p.name for p in path.iterdir() if p.is_dir())
-        files = [(d, f) for d in folders for f in sorted((path / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+        _check_only(path, only, folders)
+        files = [(d, f) for d in folders if only is None or d in only
+                 for f in sorted((path / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(files)
         pairs = ((d, f"{d}/{f.name}", str(f)) for d, f in files)
@@ -88,6 +92,8 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
             raise UsageError(f"image folder {path}: not a directory or a readable tar ({e})") from None
         files = [n for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES and len(Path(n).parts) >= 2]
         found = sorted({Path(n).parts[-2] for n in files})
+        _check_only(path, only, found)
+        files = [n for n in files if only is None or Path(n).parts[-2] in only]
         if shuffle_seed is None:
             pairs = _tar_pairs(path, files)
         else:
@@ -100,6 +106,12 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     if unknown:
         raise UsageError(f"image folder {path}: folders {unknown[:3]} are not in the template set's classnames")
     return names, _class_items(pairs, names, captioner)
+
+
+def _check_only(path: Path, only: list[str] | None, found: list[str]) -> None:
+    missing = sorted(set(only or ()) - set(found))
+    if missing:
+        raise UsageError(f"image folder {path}: no class folders {missing[:3]} (found: {', '.join(found)})")
 
 
 def _tar_pairs(path: Path, files: list[str]) -> Iterator[tuple[str, str, bytes]]:

@@ -9,7 +9,8 @@ A suite YAML names a dataset (see :mod:`mmalign.evaluation.datasets`: shards, th
 sklearn digits, an image folder) and a list of tasks:
 
 - ``zeroshot``: ``label_field``, ``classnames``, ``templates``; optional ``slices``
-  (metadata fields to break the accuracy down by);
+  (metadata fields to break the accuracy down by) and ``classes`` (only the images of
+  these classes, scored among them: :mod:`mmalign.evaluation.subset`);
 - ``retrieval``: ``ks``;
 - ``probe``: ``label_field``, ``classnames``, ``features`` (``joint`` or
   ``pre_projection``) and the options of :func:`mmalign.evaluation.probes.run_probes`;
@@ -48,6 +49,7 @@ from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset
 from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.slices import slice_metrics
+from mmalign.evaluation.subset import class_subset
 from mmalign.evaluation.suite_schema import parse_suite
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
 from mmalign.progress import track
@@ -230,11 +232,16 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
                 weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])  # (D, C)
                 classifiers[task["name"]] = {"weights": weights, "label_field": task["label_field"],
                                              "classnames": task["classnames"]}
-                metrics = zero_shot_metrics(emb["image_features"], weights, labels)
-                metrics["chance_acc1"] = 1.0 / len(task["classnames"])
+                feats, metas = emb["image_features"], emb["metas"]
+                if task.get("classes"):  # held-out classes: their images, their columns
+                    rows, cols, labels = class_subset(labels, task["classnames"], task["classes"], task["name"])
+                    feats, metas, weights = feats[rows], [metas[i] for i in rows], weights[:, cols]
+                    extra["n_images"] = len(rows)
+                metrics = zero_shot_metrics(feats, weights, labels)
+                metrics["chance_acc1"] = 1.0 / weights.shape[1]
                 if task.get("slices"):
-                    logits = 100.0 * emb["image_features"] @ weights
-                    extra["slices"] = {f: slice_metrics(logits, labels, emb["metas"], f) for f in task["slices"]}
+                    logits = 100.0 * feats @ weights
+                    extra["slices"] = {f: slice_metrics(logits, labels, metas, f) for f in task["slices"]}
             elif task["type"] == "retrieval":
                 if len(emb["text_to_image"]) == 0:
                     raise ConfigError(f"task {task['name']!r}: the dataset has no captions to retrieve")

@@ -36,6 +36,8 @@ class ZeroShotTask:
     classnames: list[str]
     templates: list[str]  # prompts with {c}
     slices: Optional[list[str]] = None  # .json fields to break the accuracy down by (default none)
+    # score only the images of these classes, among these classes (held-out classes; default all)
+    classes: Optional[list[str]] = None
 
 
 @dataclass
@@ -189,7 +191,12 @@ def _task(data: Any, index: int, where: str):
     kind = data.get("type")
     if kind not in TASKS:
         raise UsageError(f"{label}: key 'type' must be one of {', '.join(TASKS)}, got {kind!r}")
-    return _build(TASKS[kind], {k: v for k, v in data.items() if k != "type"}, label, skip=("type",))
+    task = _build(TASKS[kind], {k: v for k, v in data.items() if k != "type"}, label, skip=("type",))
+    if kind == "zeroshot" and task.classes is not None:
+        classes = task.classes
+        if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(task.classnames):
+            raise UsageError(f"{label}: key 'classes' must list distinct names of its classnames, got {classes!r}")
+    return task
 
 
 def _dataset(data: Any, where: str):
