@@ -7,25 +7,32 @@ class id sits in ``.json``.  Both final models are then scored by **mmalign's**
 zero-shot code (``eval/cifar10.yaml``: the 18 CIFAR templates, the same transform and
 tokenizer) on the CIFAR-10 test split, so the metric is identical.
 
-Two budgets:
+Three parts (``--parts``, comma-separated; default ``equal-steps,wallclock``), run in this order:
 
-(a) equal steps, batch, lr, schedule and float32 (same augmentation, weight decay,
-    Adam betas/eps, shuffle buffer, one loader worker each);
-(b) equal wall-clock: each tool at its best measured settings (float32 or bf16
-    autocast, whichever steps faster here), with the step count that fills
-    ``--minutes`` of training at the throughput measured by a short calibration run.
+speed        each tool's training speed on these shards and towers, no evaluation: short runs
+             (``--speed-steps``) alternating the tools (open_clip_train, mmalign, ... per setting,
+             ``--speed-reps`` times: A B A B), the median samples/s per tool and setting, and the
+             ratio mmalign / open_clip_train at equal settings (fp32, 1 loader worker each; goal
+             >= 1.15x) and at each tool's fastest setting (goal >= 1.5x).  Settings are
+             ``--speed-openclip`` / ``--speed-mmalign`` lists (bench/abspeed.py: a precision,
+             then +compile, +wN workers), the first of each being the equal one.
+(a) equal-steps  equal steps, batch, lr, schedule and float32 (same augmentation, weight decay,
+             Adam betas/eps, shuffle buffer, one loader worker each), then zero-shot.
+(b) wallclock    equal wall-clock: each tool at its fastest setting of the speed runs (run once
+             each when ``speed`` is not in --parts), for the steps that fill ``--minutes`` of
+             training at that setting's measured samples/s, then zero-shot.
 
-open_clip_train needs webdataset <= 0.2.86; it is installed into a side directory
-(``data/bench_pkgs/``) that only the open_clip subprocess puts on its PYTHONPATH, so the
-project's venv keeps webdataset 1.x.  The tiny architecture reaches open_clip through
-its offline ``local-dir:`` route (a folder holding ``open_clip_config.json`` and no
-weights, so the model starts from random init).
+open_clip_train runs from a side directory with webdataset <= 0.2.86 (bench/cifar10_runs.py).
 
-    python bench/quality_cifar10.py --quick                 # development: minutes
-    python bench/quality_cifar10.py --write-doc             # the full benchmark (~1 h+ on 2 cores)
+    python bench/quality_cifar10.py --quick                   # development: minutes
+    python bench/quality_cifar10.py --parts speed --write-doc # the speed table: ~10 min on 2 idle cores
+    python bench/quality_cifar10.py --parts speed,equal-steps,wallclock --write-doc
+        # everything at the full size (defaults: 50000 train / 10000 test images, batch 256,
+        # (a) 2 epochs = 392 steps, (b) --minutes 8 of training each): ~1 h on 2 idle cores
+    python bench/quality_cifar10.py --parts wallclock --minutes 0.2    # the full-size path, briefly
 
-Results go to ``WORK/results.json``; ``--write-doc`` replaces this benchmark's section
-of docs/benchmarks.md.
+Results go to ``WORK/results.json``; ``--write-doc`` replaces this benchmark's sections of
+docs/benchmarks.md (through bench/idle.py: refused when the machine was loaded).
 """
 
 from __future__ import annotations
@@ -37,11 +44,8 @@ import math
 import os
 import platform
 import random
-import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,17 +55,13 @@ sys.path.insert(0, str(ROOT))
 
 from data_pipelines.build import build_shards  # noqa: E402
 from data_pipelines.sources import Captioner, image_folder, load_templates  # noqa: E402
-from mmalign.data.tokenizer import build_tokenizer  # noqa: E402
-from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
-from mmalign.evaluation import load_suite, run_suite  # noqa: E402
-from mmalign.models.presets import PRESETS  # noqa: E402
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import abspeed  # noqa: E402
+from cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip  # noqa: E402
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
-WDS_OLD = "0.2.86"
-SIDE_DIR = ROOT / "data" / "bench_pkgs" / f"webdataset-{WDS_OLD}"
-# open_clip_train's sample shuffle buffer (data.py _SAMPLE_SHUFFLE_SIZE); mmalign gets the same.
-OPENCLIP_SHUFFLE = 5000
+SPEED_SECTION = "## Speed against open_clip_train on CIFAR-10 (bench/quality_cifar10.py --parts speed)"
+PARTS = ("speed", "equal-steps", "wallclock")
 
 
 # ------------------------------------------------------------------ data
@@ -93,132 +93,6 @@ def shard_spec(folder: Path) -> str:
     return str(tars[0]) if len(tars) == 1 else f"{folder}/{{{tars[0].stem}..{tars[-1].stem}}}.tar"
 
 
-# ------------------------------------------------------------- open_clip
-
-
-def ensure_side_webdataset() -> Path:
-    if not (SIDE_DIR / "webdataset").is_dir():
-        print(f"  installing webdataset=={WDS_OLD} into {SIDE_DIR} (open_clip_train only)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(SIDE_DIR),
-                        f"webdataset=={WDS_OLD}"], check=True)
-    return SIDE_DIR
-
-
-def openclip_model_dir(work: Path) -> Path:
-    """The tiny towers as an open_clip ``local-dir:`` model (config only: random init)."""
-    d = work / "openclip_tiny"
-    d.mkdir(parents=True, exist_ok=True)
-    arch = PRESETS["tiny"]
-    pre = preprocess_cfg(arch["vision_cfg"]["image_size"])
-    (d / "open_clip_config.json").write_text(json.dumps({"model_cfg": arch, "preprocess_cfg": pre}, indent=2))
-    return d
-
-
-def run_openclip(work: Path, name: str, *, train: str, n_train: int, batch: int, epochs: int, lr: float,
-                 warmup: int, precision: str, log_every: int) -> dict:
-    logs = work / "openclip_logs"
-    shutil.rmtree(logs / name, ignore_errors=True)  # open_clip refuses an existing experiment name
-    cmd = [sys.executable, "-m", "open_clip_train.main",
-           "--model", f"local-dir:{openclip_model_dir(work)}",
-           "--train-data", train, "--dataset-type", "webdataset", "--train-num-samples", str(n_train),
-           "--batch-size", str(batch), "--epochs", str(epochs), "--lr", str(lr), "--warmup", str(warmup),
-           "--wd", "0.1", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
-           "--precision", precision, "--device", "cpu", "--workers", "1", "--seed", "0",
-           "--save-most-recent", "--logs", str(logs), "--name", name,
-           "--log-every-n-steps", str(log_every), "--zeroshot-frequency", "0"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ensure_side_webdataset()), str(ROOT)]))
-    wall = _run(cmd, work / f"{name}.log", env)
-    text = (logs / name / "out.log").read_text()
-    # "Batch (t): 1.234" is the mean step time (data included) since the previous log line.
-    step_times = [float(x) for x in re.findall(r"Batch \(t\): ([0-9.]+)", text)]
-    steps = epochs * math.ceil(n_train / batch)
-    return {"tool": "open_clip", "name": name, "precision": precision, "steps": steps, "batch": batch,
-            "samples_per_s": _steady(batch / t for t in step_times), "process_s": wall,
-            "checkpoint": str(logs / name / "checkpoints" / "epoch_latest.pt")}
-
-
-class _Normalised(torch.nn.Module):
-    """open_clip's CLIP returns unnormalised features by default; the suite wants unit vectors."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def encode_image(self, x):
-        return self.model.encode_image(x, normalize=True)
-
-    def encode_text(self, t):
-        return self.model.encode_text(t, normalize=True)
-
-
-def eval_openclip(work: Path, checkpoint: str, test: str) -> dict:
-    import open_clip
-
-    model = open_clip.create_model(f"local-dir:{openclip_model_dir(work)}")
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
-    model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
-    return _zeroshot(_Normalised(model), test, "open_clip")
-
-
-# --------------------------------------------------------------- mmalign
-
-
-def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, batch: int, lr: float, warmup: int,
-                precision: str, log_every: int) -> dict:
-    out = work / "mmalign_runs" / name
-    shutil.rmtree(out, ignore_errors=True)
-    sets = [
-        f"output={out}", "model.preset=tiny",
-        f"data.train={train}", f"data.val={test}", "data.mode=epoch", "data.workers=1",
-        f"data.shuffle_buffer={OPENCLIP_SHUFFLE}",
-        # open_clip's default training augmentation: random-resized-crop scale 0.9-1, no flip
-        "data.augment.crop_scale=[0.9,1.0]", "data.augment.hflip=false",
-        f"train.steps={steps}", f"train.global_batch_size={batch}", f"train.lr={lr}", f"train.warmup_steps={warmup}",
-        "train.weight_decay=0.1", "train.betas=[0.9,0.98]", "train.eps=1e-6", "train.optimizer=adamw",
-        f"train.precision={precision}", "train.device=cpu", f"train.log_every={log_every}",
-        "loss.name=infonce", "loss.tile_size=0", "loss.false_negative_ids=none",
-        # open_clip has no probe forward and logs nowhere here; keep the work equal
-        "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=cifar10",
-    ]
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs" / "cifar10_cpu.yaml"), "--overwrite"]
-    for s in sets:
-        cmd += ["--set", s]
-    wall = _run(cmd, work / f"{name}.log", dict(os.environ))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    evals = json.loads((out / "eval.json").read_text())
-    return {"tool": "mmalign", "name": name, "precision": precision, "steps": steps, "batch": batch,
-            "samples_per_s": _steady(r["samples_per_s"] for r in records), "process_s": wall,
-            # the run's own final evaluation: run_suite on eval/cifar10.yaml, as for open_clip
-            "acc1": next(r["metrics"]["acc1"] for r in evals if r["dataset"] == "cifar10/zeroshot")}
-
-
-# ----------------------------------------------------------------- common
-
-
-def _zeroshot(model, test: str, model_name: str) -> float:
-    arch = PRESETS["tiny"]
-    records = run_suite(model, eval_transform(arch["vision_cfg"]["image_size"]), build_tokenizer(arch),
-                        load_suite("cifar10"), test, model_name=model_name)
-    return next(r["metrics"]["acc1"] for r in records if r["dataset"] == "cifar10/zeroshot")
-
-
-def _steady(rates) -> float:
-    """Mean of the per-window rates, without the first window (start-up, buffer fill)."""
-    rates = list(rates)
-    rates = rates[1:] if len(rates) > 1 else rates
-    return sum(rates) / len(rates) if rates else float("nan")
-
-
-def _run(cmd: list[str], log: Path, env: dict) -> float:
-    start = time.time()
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if proc.returncode:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {log}:\n{tail}")
-    return time.time() - start
-
-
 def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, batch: int, steps_per_epoch: int,
                epochs: int, lr: float, warmup: int, precisions: dict, log_every: int) -> list[dict]:
     """Train open_clip then mmalign for the same number of epochs/steps; evaluate both."""
@@ -237,13 +111,25 @@ def _say(r: dict) -> None:
           f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s", flush=True)
 
 
-def calibrate(work: Path, *, train: str, test_small: str, n_train: int, batch: int, steps: int, log_every: int) -> dict:
-    """Steady samples/s of bf16 autocast per tool, from a short run (fp32 comes from budget a)."""
-    oc = run_openclip(work, "openclip_calib_bf16", train=train, n_train=steps * batch, batch=batch, epochs=1,
-                      lr=1e-3, warmup=1, precision="amp_bf16", log_every=log_every)
-    mm = run_mmalign(work, "mmalign_calib_bf16", train=train, test=test_small, steps=steps, batch=batch, lr=1e-3,
-                     warmup=1, precision="bf16", log_every=log_every)
-    return {"open_clip": oc["samples_per_s"], "mmalign": mm["samples_per_s"]}
+def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, log_every: int,
+          settings: dict[str, list[str]], reps: int) -> tuple[list[dict], dict]:
+    """Short training runs of both tools, alternated (abspeed.alternation); no evaluation."""
+    runs = []
+    for tool, setting, rep in abspeed.alternation(settings, reps):
+        kw = abspeed.setting_args(tool, setting)
+        name = f"{'openclip' if tool == 'open_clip' else 'mmalign'}_speed_{setting.replace('+', '_')}_{rep}"
+        if tool == "open_clip":
+            r = run_openclip(work, name, train=train, n_train=steps * batch, batch=batch, epochs=1, lr=1e-3,
+                             warmup=1, log_every=log_every, **kw)
+            r.pop("checkpoint")
+        else:
+            r = run_mmalign(work, name, train=train, test=test_small, steps=steps, batch=batch, lr=1e-3, warmup=1,
+                            log_every=log_every, evaluate=False, **kw)
+        r.update(setting=setting, rep=rep)
+        print(f"  {tool:<9} {setting:<16} rep {rep}: {r['samples_per_s']:.1f} samples/s, data wait "
+              f"{r['data_ms_per_step']:.1f} ms/step, process {r['process_s']:.0f} s", flush=True)
+        runs.append(r)
+    return runs, abspeed.summarise(runs, settings)
 
 
 # ------------------------------------------------------------------ report
@@ -261,20 +147,54 @@ def table_a(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def table_b(rows: list[dict], minutes: float, rates: dict) -> str:
+def table_b(rows: list[dict], minutes: float, summary: dict) -> str:
     oc, mm = rows
-    lines = ["| tool | best settings (measured) | steps x batch | est. train time (s) | zero-shot top-1 (%) | "
+    lines = ["| tool | best setting (measured) | steps x batch | est. train time (s) | zero-shot top-1 (%) | "
              "train samples/s | process (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         est = r["steps"] * r["batch"] / r["samples_per_s"]
-        prec = "bf16 autocast" if r["precision"] == "bf16" else "fp32"
-        lines.append(f"| {r['tool']} | {prec}, {r['settings']} | {r['steps']} x {r['batch']} | "
+        lines.append(f"| {r['tool']} | {r['setting']}, {r['settings']} | {r['steps']} x {r['batch']} | "
                      f"{est:.0f} | {100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |")
-    lines.append(f"\nBudget {minutes:g} min of training each; steps = budget x calibrated samples/s / batch "
-                 f"(calibration: " + ", ".join(f"{k} {v['fp32']:.1f} fp32 / {v['bf16']:.1f} bf16 samples/s"
-                                               for k, v in rates.items()) + ").")
+    lines.append(f"\nBudget {minutes:g} min of training each; steps = budget x the best setting's median samples/s "
+                 "from the speed runs / batch (" + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                          sorted(summary["medians"].items())) + " samples/s).")
     lines.append(f"mmalign - open_clip: {100 * (mm['acc1'] - oc['acc1']):+.2f} points top-1.")
     return "\n".join(lines)
+
+
+def wallclock(work: Path, *, train: str, test: str, batch: int, lr: float, minutes: float, log_every: int,
+              summary: dict) -> list[dict]:
+    """Budget (b): each tool at its best setting of the speed runs, for the steps that fill ``minutes``."""
+    rows = []
+    for tool in ("open_clip", "mmalign"):
+        setting = summary["best"][tool]["setting"]
+        # cosine schedules need the length up front: fix the steps from the measured rate
+        steps = max(1, round(minutes * 60 * summary["best"][tool]["median"] / batch))
+        kw = dict(abspeed.setting_args(tool, setting), batch=batch, lr=lr, warmup=max(1, round(0.1 * steps)),
+                  log_every=log_every)
+        if tool == "open_clip":
+            # open_clip counts epochs over --train-num-samples: one "epoch" of steps x batch samples
+            r = run_openclip(work, "openclip_wallclock", train=train, n_train=steps * batch, epochs=1, **kw)
+            r["acc1"] = eval_openclip(work, r.pop("checkpoint"), test)
+            r["settings"] = "ClipLoss"
+        else:
+            r = run_mmalign(work, "mmalign_wallclock", train=train, test=test, steps=steps, **kw)
+            r["settings"] = "InfoNCE untiled, no id positives"
+        r["setting"] = setting
+        _say(r)
+        rows.append(r)
+    return rows
+
+
+def speed_text(summary: dict, cmd: str, env: str, setup: str, batch: int, steps: int, reps: int) -> str:
+    return "\n".join([
+        SPEED_SECTION, "", f"Command: `{cmd}` · {env}", "", setup, "",
+        f"Each tool trains {steps} steps x {batch} per run with no evaluation; the runs alternate the tools "
+        f"(open_clip_train, mmalign, ... for each setting, {reps} times), and each cell is the median of the "
+        "runs' steady samples/s (the runs in brackets). Settings: precision (fp32; bf16 = mmalign's "
+        "train.precision=bf16 autocast; amp_bf16 = open_clip_train's), +compile = torch.compile of the towers, "
+        "+wN = N loader workers (default 1). Equal settings = both fp32 with 1 worker; best = each tool's "
+        "fastest measured setting.", "", abspeed.speed_table(summary)])
 
 
 def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
@@ -283,21 +203,43 @@ def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="equal-steps,wallclock",
+                   help=f"comma-separated, from {','.join(PARTS)} (run in that order; wallclock includes "
+                        "the speed runs, once each unless speed is named)")
     p.add_argument("--quick", action="store_true", help="development size: 3k train / 500 test images, batch 100, "
-                                                         "1 epoch, 1 min wall-clock budget")
+                                                         "1 epoch, 1 min wall-clock budget, 10 steps per speed run")
     p.add_argument("--train-samples", type=int, help="train images used (default 50000, quick 3000)")
     p.add_argument("--test-samples", type=int, help="test images scored (default 10000, quick 500)")
     p.add_argument("--batch", type=int, help="batch size (default 256, quick 100)")
     p.add_argument("--epochs", type=int, help="epochs of budget (a) (default 2, quick 1)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--minutes", type=float, help="training minutes per tool in budget (b) (default 8, quick 1)")
-    p.add_argument("--skip-wallclock", action="store_true", help="only budget (a)")
+    p.add_argument("--skip-wallclock", action="store_true", help="drop wallclock from --parts")
+    p.add_argument("--speed-steps", type=int, help="steps per speed run (default 40, quick 10; a multiple of "
+                                                   "the log interval, 10 or quick 5)")
+    p.add_argument("--speed-reps", type=int, default=2, help="runs per tool and setting in the speed part")
+    p.add_argument("--speed-openclip", default="fp32,amp_bf16",
+                   help="open_clip_train settings, the first being the equal one (see bench/abspeed.py)")
+    p.add_argument("--speed-mmalign", default="fp32,bf16",
+                   help="mmalign settings, the first being the equal one (see bench/abspeed.py)")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "cifar10"),
                    help="folder with CIFAR-10 train.tar and test.tar (class folders)")
     p.add_argument("--work", default=str(ROOT / "data" / "bench_quality_cifar10"), help="shards, runs, logs")
     p.add_argument("--write-doc", action="store_true", help="write the tables into docs/benchmarks.md")
     add_flag(p)
     args = p.parse_args()
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if bad := set(parts) - set(PARTS):
+        p.error(f"--parts: unknown {', '.join(sorted(bad))} (choose from {', '.join(PARTS)})")
+    if args.skip_wallclock and "wallclock" in parts:
+        parts.remove("wallclock")
+    settings = {"open_clip": args.speed_openclip.split(","), "mmalign": args.speed_mmalign.split(",")}
+    try:
+        for tool, names in settings.items():
+            for name in names:
+                abspeed.setting_args(tool, name)
+    except ValueError as e:
+        p.error(str(e))
     watch = LoadWatch()
     q = args.quick
     n_train = args.train_samples or (3000 if q else 50000)
@@ -306,6 +248,7 @@ def main() -> None:
     epochs = args.epochs or (1 if q else 2)
     minutes = args.minutes or (1.0 if q else 8.0)
     log_every = 5 if q else 10
+    speed_steps = args.speed_steps or (2 * log_every if q else 4 * log_every)  # 1 (quick) or 3 steady windows
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
@@ -314,69 +257,68 @@ def main() -> None:
     per_shard = 1000 if n_train >= 5000 else max(1, n_train // 5)  # >= 5 shards: shard shuffling has work to do
     train = build_split(data / "train.tar", work / f"train{n_train}", n_train, 0, per_shard)
     test = build_split(data / "test.tar", work / f"test{n_test}", n_test, 1, 1000)
-    test_small = build_split(data / "test.tar", work / "test_calib", 200, 2, 200)  # calibration runs' own eval
+    test_small = build_split(data / "test.tar", work / "test_calib", 200, 2, 200)  # the speed runs' data.val
     steps_per_epoch = math.ceil(n_train / batch)  # open_clip's count (it rolls over into the next pass)
     warmup = max(1, round(0.1 * steps_per_epoch * epochs))
+    results: dict = {"parts": parts}
 
-    print(f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
-          f"lr {args.lr:g}, warmup {warmup}, fp32", flush=True)
-    rows_a = train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
-                        steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
-                        precisions={"open_clip": "fp32", "mmalign": "fp32"}, log_every=log_every)
-    results = {"budget_a": rows_a}
+    summary = None
+    if "speed" in parts or "wallclock" in parts:
+        reps = args.speed_reps if "speed" in parts else 1
+        print(f"speed: {speed_steps} steps x {batch} per run, {reps} run(s) per tool and setting, alternated: "
+              f"{settings}", flush=True)
+        runs, summary = speed(work, train=train, test_small=test_small, batch=batch, steps=speed_steps,
+                              log_every=log_every, settings=settings, reps=reps)
+        results.update(speed_runs=runs, speed=summary)
+        print(abspeed.speed_table(summary), flush=True)
 
-    rows_b, rates = None, None
-    if not args.skip_wallclock:
-        print(f"(b) equal wall-clock: {minutes:g} min of training each; calibrating bf16 autocast", flush=True)
-        calib_steps = (2 if q else 4) * log_every  # 1 (quick) or 3 steady windows after the first
-        bf16 = calibrate(work, train=train, test_small=test_small, n_train=n_train, batch=batch, steps=calib_steps,
-                         log_every=log_every)
-        rates = {r["tool"]: {"fp32": r["samples_per_s"], "bf16": bf16[r["tool"]]} for r in rows_a}
-        rows_b = []
-        for tool, names in (("open_clip", ("fp32", "amp_bf16")), ("mmalign", ("fp32", "bf16"))):
-            best = "bf16" if rates[tool]["bf16"] > rates[tool]["fp32"] else "fp32"
-            # cosine schedules need the length up front: fix the steps from the measured rate
-            steps = max(1, round(minutes * 60 * rates[tool][best] / batch))
-            warm_b = max(1, round(0.1 * steps))
-            prec = names[best == "bf16"]
-            if tool == "open_clip":
-                # open_clip counts epochs over --train-num-samples: one "epoch" of steps x batch samples
-                r = run_openclip(work, "openclip_wallclock", train=train, n_train=steps * batch, batch=batch,
-                                 epochs=1, lr=args.lr, warmup=warm_b, precision=prec, log_every=log_every)
-                r["acc1"] = eval_openclip(work, r.pop("checkpoint"), test)
-                r["settings"] = "ClipLoss"
-            else:
-                r = run_mmalign(work, "mmalign_wallclock", train=train, test=test, steps=steps, batch=batch,
-                                lr=args.lr, warmup=warm_b, precision=prec, log_every=log_every)
-                r["settings"] = "InfoNCE untiled, no id positives"
-            r["precision"] = best
-            _say(r)
-            rows_b.append(r)
-        results.update(budget_b=rows_b, minutes=minutes, calibration=rates)
+    rows_a = rows_b = None
+    if "equal-steps" in parts:
+        print(f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
+              f"lr {args.lr:g}, warmup {warmup}, fp32", flush=True)
+        rows_a = train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
+                            steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
+                            precisions={"open_clip": "fp32", "mmalign": "fp32"}, log_every=log_every)
+        results["budget_a"] = rows_a
+    if "wallclock" in parts:
+        print(f"(b) equal wall-clock: {minutes:g} min of training each, each tool at its fastest setting", flush=True)
+        rows_b = wallclock(work, train=train, test=test, batch=batch, lr=args.lr, minutes=minutes,
+                           log_every=log_every, summary=summary)
+        results.update(budget_b=rows_b, minutes=minutes)
 
-    cmd = "python bench/quality_cifar10.py " + " ".join(sys.argv[1:])
+    cmd = ("python bench/quality_cifar10.py " + " ".join(sys.argv[1:])).strip()
     env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
            f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
            f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
            f"{_version('webdataset')}")
-    setup = (f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random clip_benchmark "
-             f"CIFAR template per image; zero-shot top-1 on {n_test} test images with mmalign's suite "
-             f"(eval/cifar10.yaml, 18 templates) for both models · tiny towers (ViT 4x128 @32px patch 4, text 4x128) · "
-             f"AdamW lr {args.lr:g}, betas (0.9, 0.98), eps 1e-6, wd 0.1, warmup 10% then cosine · random-resized-crop "
-             f"0.9-1, no flip · 1 loader worker, {OPENCLIP_SHUFFLE}-sample shuffle buffer, one pass per epoch. "
-             f"samples/s: mean over log windows after the first (data wait included). process (s): the training "
-             f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split.")
-    text = [SECTION, "", f"Command: `{cmd.strip()}` · {env}", "", setup, "",
-            "**(a) Equal steps, batch, lr and float32**", "", table_a(rows_a)]
-    if rows_b:
-        text += ["", "**(b) Equal wall-clock, each at its best measured settings**", "", table_b(rows_b, minutes, rates)]
-    text = "\n".join(text)
-    print("\n" + text)
-    results["markdown"] = text
+    data_line = (f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random "
+                 f"clip_benchmark CIFAR template per image")
+    common = (f"tiny towers (ViT 4x128 @32px patch 4, text 4x128) · AdamW lr {args.lr:g}, betas (0.9, 0.98), "
+              f"eps 1e-6, wd 0.1, warmup 10% then cosine · random-resized-crop 0.9-1, no flip · "
+              f"{OPENCLIP_SHUFFLE}-sample shuffle buffer. samples/s: mean over log windows after the first "
+              f"(data wait included)")
+    texts = []
+    if summary is not None and "speed" in parts:
+        texts.append(speed_text(summary, cmd, env, f"{data_line} · {common}.", batch, speed_steps, args.speed_reps))
+    if rows_a or rows_b:
+        setup = (f"{data_line}; zero-shot top-1 on {n_test} test images with mmalign's suite (eval/cifar10.yaml, "
+                 f"18 templates) for both models · {common}; one pass per epoch. process (s): the training "
+                 f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split.")
+        text = [SECTION, "", f"Command: `{cmd}` · {env}", "", setup]
+        if rows_a:
+            text += ["", "**(a) Equal steps, batch, lr and float32, 1 loader worker each**", "", table_a(rows_a)]
+        if rows_b:
+            text += ["", "**(b) Equal wall-clock, each at its best measured setting**", "",
+                     table_b(rows_b, minutes, summary)]
+        texts.append("\n".join(text))
+    for text in texts:
+        print("\n" + text)
+    results["markdown"] = texts
     (work / "results.json").write_text(json.dumps(results, indent=2))
     if args.write_doc:
-        write_doc(text, watch, args.allow_loaded)
-        print(f"\nwrote {SECTION!r} in docs/benchmarks.md")
+        for text in texts:  # the load guard judges the whole run once; both sections or neither
+            write_doc(text, watch, args.allow_loaded)
+            print(f"\nwrote {text.splitlines()[0]!r} in docs/benchmarks.md")
 
 
 def _version(dist: str) -> str:
