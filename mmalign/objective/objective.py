@@ -5,9 +5,10 @@ One evaluation (:meth:`Objective.__call__`) builds a :class:`~.base.StepContext`
 positives derived from the batch once, each feature gathered across ranks at most once),
 runs the terms in order and sums their summands, then averages every term's stats over
 ranks in ONE packed all_reduce (only when stats are asked for: the training loop asks at
-log steps only, so other steps make no stats collective and no host read).  The total is ``sum_t weight_t * loss_t``; the logged
-``loss`` is that total, and when a weighted term is present its parts are logged too
-(``contrastive_loss``: the unweighted terms' sum, and the term's own ``stat``).
+log steps only, so other steps make no stats collective and no host read).  The total is
+``sum_t weight_t * loss_t``; the logged ``loss`` is that total, and when a weighted term is
+present its parts are logged too (``contrastive_loss``: the unweighted terms' sum, and the
+term's own ``stat``).
 """
 
 from __future__ import annotations
