@@ -38,7 +38,6 @@ from deepspeed.utils import (  # noqa: E402
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_local_fp32_param,
-    safe_set_full_fp32_param,
     safe_set_local_fp32_param,
 )
 
@@ -274,7 +273,7 @@ class Engine:
             if last and before_update is not None:
                 before_update()
             if last and self.stage == 0:
-                self._own_norm = self._module_grad_norm()
+                self._own_norm = self._module_grad_norm()  # a device tensor, read by grad_norm() at log steps
             self.ds.step()
 
         def encode(chunk: Batch) -> Embeddings:
@@ -319,29 +318,36 @@ class Engine:
         return result, False
 
     def _all_finite(self, loss: torch.Tensor, grads: dict) -> bool:
-        """True on every rank iff the loss and the representation gradients are finite on every rank."""
-        ok = bool(torch.isfinite(loss.detach()).all()) and all(
-            g is None or bool(torch.isfinite(g).all()) for g in grads.values())
-        flag = torch.tensor([1.0 if ok else 0.0], device=loss.device)
-        return bool(mdist.all_reduce_mean(flag).item() == 1.0)
+        """True on every rank iff the loss and the representation gradients are finite on every rank.
+
+        One fused device flag (the count of non-finite tensors on this rank), one all_reduce and
+        one host read per step: the step's control flow needs the answer, nothing else does."""
+        checks = [torch.isfinite(loss.detach()).all()]
+        checks += [torch.isfinite(g).all() for g in grads.values() if g is not None]
+        bad = torch.stack(checks).logical_not().sum().to(torch.float32).reshape(1)  # (1,) on the loss's device
+        return bool(mdist.all_reduce_sum(bad).item() == 0)
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
         """Clamp log-scale into [0, ln max] in the module and in ZeRO's fp32 master copy
-        (otherwise the next update would write the unclamped master value back)."""
+        (otherwise the next update would write the unclamped master value back).
+
+        No collective: each rank clamps what it holds. The module copy is whole on every
+        rank (stages 0-2, equal after the update) or this rank's partition (stage 3); the
+        fp32 master lives on the rank that owns its fragment (stages 1-2 and DeepSpeed's
+        BF16 optimizer: ``_hp_mapping``, None elsewhere; stage 3: the local partition).
+        Clamping is elementwise, so the pieces stay consistent with the whole."""
         p = self.module.logit_scale
         if hasattr(p, "ds_id"):
-            # ZeRO-3: each rank clamps its own partition of the master copy (DeepSpeed's
-            # full-param setter cannot split a 1-element parameter across ranks).
+            # ZeRO-3: this rank's partition of the master copy (DeepSpeed's full-param setter
+            # cannot split a 1-element parameter across ranks)
             master = safe_get_local_fp32_param(p)
             if master is not None and master.numel():
                 safe_set_local_fp32_param(p, master.clamp(0.0, self.max_log_scale))
         else:
-            full = safe_get_full_fp32_param(p)  # None at stage 0 (no master copy)
-            if full is not None:
-                clamped = full.clamp(0.0, self.max_log_scale)
-                if not torch.equal(clamped, full):
-                    safe_set_full_fp32_param(p, clamped)
+            mapping = getattr(p, "_hp_mapping", None)  # absent at stage 0: no master copy
+            if mapping is not None:
+                mapping.hp_fragment.clamp_(0.0, self.max_log_scale)  # a view into the flat fp32 partition
         local = p.ds_tensor if hasattr(p, "ds_tensor") else p  # ZeRO-3 keeps only a partition
         local.data.clamp_(0.0, self.max_log_scale)
 
@@ -370,10 +376,10 @@ class Engine:
         return float(norm) if norm is not None else float("nan")
 
     @torch.no_grad()
-    def _module_grad_norm(self) -> float:
+    def _module_grad_norm(self) -> torch.Tensor | None:
         # ZeRO-0: the module's .grad are the full, rank-averaged gradients after the last backward
         norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else float("nan")
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
 
     # ----------------------------------------------------------- checkpoints
 

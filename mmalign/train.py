@@ -183,7 +183,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         for step in range(start + 1, t.steps + 1):
             batch, result = _train_step(p, step, batches, tally, runlog)
             eta = runlog.progress(step)  # and, once, the run time the first steps measure
-            if step % t.log_every == 0 or step == t.steps:
+            if logs_at(t, step):
                 _log_step(p, step, batch, result, tally, runlog, eta)
             if t.eval_every and step % t.eval_every == 0 and step != t.steps and suite is not None:
                 records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / f"eval_step{step:08d}.json", device,
@@ -318,7 +318,8 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     runlog.sample_keys(step, batch.keys)
     masking = patch_dropout_at(p.cfg, step)  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
     engine.module.set_patch_dropout(masking)
-    result = engine.step(batch, objective, p.autocast)
+    # the loss's stats and rank tracks (an all_reduce and a host read) only where they are logged
+    result = engine.step(batch, objective.loss_for(batch, stats=logs_at(p.cfg.train, step)), p.autocast)
     if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
         objective.after_update(engine.full_params, lambda: dict(engine.named_buffers()), batch,
                                chunk=engine.plan.micro_batch, autocast=p.autocast)
@@ -335,6 +336,11 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     else:
         tally.consecutive = 0
     return batch, result
+
+
+def logs_at(t, step: int) -> bool:
+    """Whether ``step`` writes a record (every ``train.log_every`` steps, and the last)."""
+    return step % t.log_every == 0 or step == t.steps
 
 
 def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog, eta: float) -> None:

@@ -74,8 +74,8 @@ def _poisoned(build_objective, poison):
         objective = build_objective(*args, **kwargs)
         loss_for = objective.loss_for
 
-        def poisoned_loss_for(batch):
-            loss = loss_for(batch)
+        def poisoned_loss_for(batch, **kwargs):
+            loss = loss_for(batch, **kwargs)
             return lambda emb: poison(loss(emb))
 
         objective.loss_for = poisoned_loss_for

@@ -71,8 +71,13 @@ class Positives:
             return self
         return Positives(0, self.col_ids, self.row_ids)
 
-    def mask(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> Tensor | None:
-        """Bool (i1-i0, j1-j0) mask of a tile, or None if the tile has no positive."""
+    def mask(self, i0: int, i1: int, j0: int, j1: int, device: torch.device,
+             skip_empty: bool = True) -> Tensor | None:
+        """Bool (i1-i0, j1-j0) mask of a tile, or None if the tile has no positive.
+
+        Ids and masks: with ``skip_empty`` False an empty tile's all-False mask is returned
+        instead of None, which spares the host read that finding out costs (a backward's
+        tiles then make no device sync). Paired positives decide it from the indices."""
         if self.paired:
             # Paired positives lie on the shifted diagonal: skip tiles it misses.
             if max(i0 + self.offset, j0) >= min(i1 + self.offset, j1):
@@ -82,9 +87,9 @@ class Positives:
             return rows[:, None] == cols[None, :]
         if self.pair_mask is not None:
             m = self.pair_mask[i0:i1, j0:j1].to(device)
-            return m if bool(m.any()) else None
-        m = self.row_ids[i0:i1, None] == self.col_ids[None, j0:j1]
-        return m if bool(m.any()) else None
+        else:
+            m = self.row_ids[i0:i1, None] == self.col_ids[None, j0:j1]
+        return m if not skip_empty or bool(m.any()) else None
 
     def full_mask(self, m: int, n: int, device: torch.device) -> Tensor:
         """Bool (M, N) mask; only for the untiled path."""

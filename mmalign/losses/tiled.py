@@ -113,12 +113,13 @@ def add_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.add_((a @ b).to(acc.dtype))
 
 
-def _fold_weight(lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor | None]:
-    """``g * exp(l - lse) = exp(l - (lse - log g))`` for g > 0 (the usual case,
-    g = 1/(2B)): folding the weight into the shift saves a pass per tile."""
-    if bool((g > 0).all()):
-        return lse - torch.log(g), None
-    return lse, g
+def _fold_weight(lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``g * exp(l - lse) = sign(g) * exp(l - (lse - log|g|))``: the weight's magnitude folded
+    into the shift (saves a pass per tile; the usual g = 1/(2B) has sign 1) and its sign
+    returned, for the caller to apply outside the tile where it can. No host read: a zero
+    weight gets the shift +inf, so its terms vanish whatever its LSE."""
+    shift = torch.where(g == 0, torch.full_like(lse, float("inf")), lse - torch.log(g.abs()))
+    return shift, torch.sign(g)
 
 
 class _TiledLSE(torch.autograd.Function):
@@ -185,8 +186,8 @@ class _TiledLSE(torch.autograd.Function):
         if g_r is None:
             g_r = torch.zeros_like(lse_r)
         use_c = want_cols and g_c is not None
-        shift_r, mul_r = _fold_weight(lse_r, g_r)
-        shift_c, mul_c = _fold_weight(lse_c, g_c) if use_c else (None, None)
+        shift_r, sign_r = _fold_weight(lse_r, g_r)
+        shift_c, sign_c = _fold_weight(lse_c, g_c) if use_c else (None, None)
         pos, select = ctx.pos, ctx.select
         masked = select != "all"
         if masked:  # rows with nothing selected: LSE -inf, gradient 0; avoid -inf - -inf
@@ -200,24 +201,26 @@ class _TiledLSE(torch.autograd.Function):
         for i0, i1 in tile_ranges(rows.shape[0], t):
             acc = torch.zeros((i1 - i0, rows.shape[1]), dtype=cdt, device=rows.device)  # sum_j G_ij y_j
             rows_s = fold_scale(rows[i0:i1], s)  # (ti, D)
+            # rows only: the row signs act on the (ti, D) operands, not on each (ti, tj) tile
+            rows_w = rows[i0:i1] if use_c else rows[i0:i1] * sign_r[i0:i1, None].to(dt)  # (ti, D)
             for j0, j1 in tile_ranges(cols.shape[0], t):
-                if masked and _select_tile(pos, select, i0, i1, j0, j1, rows.device) is _SKIP:
+                # only paired positives tell an empty tile without a host read; an empty "pos"
+                # tile of ids is all -inf, its gradient 0
+                if masked and pos.paired and _select_tile(pos, select, i0, i1, j0, j1, rows.device) is _SKIP:
                     continue
                 tile = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))  # recomputed
                 if masked:
-                    _apply_select(tile, pos, select, i0, i1, j0, j1)
+                    _apply_select(tile, pos, select, i0, i1, j0, j1, skip_empty=False)
                 grad = torch.sub(tile, shift_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
-                grad.exp_()  # g_r[i] * softmax_row
-                if mul_r is not None:
-                    grad.mul_(mul_r[i0:i1, None])
-                if use_c:
-                    tile.sub_(shift_c[None, j0:j1]).exp_()  # g_c[j] * softmax_col
-                    if mul_c is not None:
-                        tile.mul_(mul_c[None, j0:j1])
-                    grad.add_(tile)
+                grad.exp_()  # |g_r[i]| * softmax_row
+                if use_c:  # sign_c[j] |g_c[j]| softmax_col + sign_r[i] |g_r[i]| softmax_row
+                    tile.sub_(shift_c[None, j0:j1]).exp_().mul_(sign_c[None, j0:j1])
+                    grad = tile.addcmul_(grad, sign_r[i0:i1, None])
                 grad = grad.to(dt)
                 add_mm(acc, grad, cols[j0:j1])  # (ti, D)
-                add_mm(d_cols[j0:j1], grad.T, rows[i0:i1])  # (tj, D)
+                add_mm(d_cols[j0:j1], grad.T, rows_w)  # (tj, D)
+            if not use_c:
+                acc.mul_(sign_r[i0:i1, None])
             d_rows[i0:i1] = (acc * s).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
         d_cols = d_cols.mul_(s).to(dt)
@@ -234,9 +237,11 @@ def _select_tile(pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int
     return None
 
 
-def _apply_select(tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int) -> None:
-    """Set the logits that ``select`` excludes to -inf, in place."""
-    mask = pos.mask(i0, i1, j0, j1, tile.device)  # (ti, tj) positives or None
+def _apply_select(tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int,
+                  skip_empty: bool = True) -> None:
+    """Set the logits that ``select`` excludes to -inf, in place (``skip_empty``: see
+    :meth:`Positives.mask`)."""
+    mask = pos.mask(i0, i1, j0, j1, tile.device, skip_empty=skip_empty)  # (ti, tj) positives or None
     if select == "neg":
         if mask is not None:
             tile.masked_fill_(mask, float("-inf"))

@@ -79,7 +79,7 @@ class _TiledSigmoid(torch.autograd.Function):
             for j0, j1 in tile_ranges(cols.shape[0], t):
                 grad = scaled_tile(rows_s, cols[j0:j1], s, ws.get(0, i1 - i0, j1 - j0))
                 grad.add_(b).sigmoid_()  # (ti, tj)
-                mask = pos.mask(i0, i1, j0, j1, rows.device)
+                mask = pos.mask(i0, i1, j0, j1, rows.device, skip_empty=False)  # no host read
                 if mask is not None:
                     grad.sub_(mask.to(cdt))
                 grad.mul_(g[i0:i1, None])

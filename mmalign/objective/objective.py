@@ -4,9 +4,11 @@ the one place that reads ``cfg.loss.*`` (and the data keys that feed terms) at r
 One evaluation (:meth:`Objective.__call__`) builds a :class:`~.base.StepContext` (the
 positives derived from the batch once, each feature gathered across ranks at most once),
 runs the terms in order and sums their summands, then averages every term's stats over
-ranks in ONE packed all_reduce.  The total is ``sum_t weight_t * loss_t``; the logged
-``loss`` is that total, and when a weighted term is present its parts are logged too
-(``contrastive_loss``: the unweighted terms' sum, and the term's own ``stat``).
+ranks in ONE packed all_reduce (only when stats are asked for: the training loop asks at
+log steps only, so other steps make no stats collective and no host read).  The total is
+``sum_t weight_t * loss_t``; the logged ``loss`` is that total, and when a weighted term is
+present its parts are logged too (``contrastive_loss``: the unweighted terms' sum, and the
+term's own ``stat``).
 """
 
 from __future__ import annotations
@@ -85,16 +87,21 @@ class Objective:
 
     # ------------------------------------------------------------ the loss
 
-    def loss_for(self, batch: Batch) -> Callable[[Embeddings], LossOutput]:
-        """``emb -> LossOutput`` for this batch (what ``Engine.step`` calls)."""
-        return lambda emb: self(emb, batch)
+    def loss_for(self, batch: Batch, stats: Optional[bool] = None) -> Callable[[Embeddings], LossOutput]:
+        """``emb -> LossOutput`` for this batch (what ``Engine.step`` calls); ``stats``: see
+        :meth:`__call__`."""
+        return lambda emb: self(emb, batch, stats)
 
-    def __call__(self, emb: Embeddings, batch: Batch) -> LossOutput:
-        ctx = StepContext(emb, batch, self.positives.ids(batch), self.positives.mask(batch), self.compute_stats)
-        main, weighted, stats = None, [], {}
+    def __call__(self, emb: Embeddings, batch: Batch, stats: Optional[bool] = None) -> LossOutput:
+        """The step's loss; with ``stats`` (default ``compute_stats``) also its stats, averaged
+        over ranks. The training loop asks for them at log steps only: off, no rank tracks are
+        kept and no all_reduce or host read is made (``LossOutput.stats`` is empty)."""
+        track = self.compute_stats if stats is None else bool(stats)
+        ctx = StepContext(emb, batch, self.positives.ids(batch), self.positives.mask(batch), track)
+        main, weighted, values = None, [], {}
         for term in self.terms:
             out = term(ctx)
-            stats.update(out.stats)
+            values.update(out.stats)
             if out.loss is None:
                 continue
             if term.stat is None:  # part of the contrastive value
@@ -106,7 +113,7 @@ class Objective:
         loss = main
         for term, value in weighted:
             loss = loss + term.weight * value
-        return LossOutput(loss=loss, stats=self._finish_stats(stats, main, [t for t, _ in weighted]))
+        return LossOutput(loss=loss, stats=self._finish_stats(values, main, [t for t, _ in weighted]) if track else {})
 
     def _finish_stats(self, stats: dict[str, torch.Tensor], main: torch.Tensor, weighted: list[Term]) -> dict:
         if not stats:
