@@ -222,12 +222,21 @@ class Lamb(torch.optim.Optimizer):
 
 def build_optimizer(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
+        # fused: one kernel over all tensors of a group instead of a per-tensor Python loop
+        # (tiny towers on 2 CPU cores: 187 vs 568 CPU ms per step, bench/quality_cifar10.py's
+        # profile); same update rule, float-rounding-level differences only.
+        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, fused=_fusable(groups))
     if t.optimizer == "lamb":
         return Lamb(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
     raise ValueError(t.optimizer)
+
+
+def _fusable(groups: list[dict]) -> bool:
+    """torch's fused AdamW needs floating tensors on CPU or CUDA (it raises otherwise)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
