@@ -113,3 +113,38 @@ def test_engine_matches_full_batch_sgd_reference(world, seed):
         # the temperature moved, by exactly the reference amount
         assert params["logit_scale"].item() == pytest.approx(ref_params["logit_scale"].item(), rel=1e-6)
 
+
+
+def _single_rank_reductions(rank: int, world: int, seed: int) -> dict:
+    """One step per fp32 stage (0, 1) on one rank: how often DeepSpeed's gradient reduction ran,
+    and the parameters after it."""
+    from mmalign.data.batch import Batch
+    from mmalign.engine import Engine
+    from mmalign.models import build_model
+    from mmalign.objective import build_objective
+
+    images, tokens = _inputs(seed + 1)
+    out = {}
+    for stage in (0, 1):
+        cfg = _cfg(stage, 0, world)
+        torch.manual_seed(seed)
+        engine = Engine(build_model(cfg.model), cfg)
+        calls = []
+        real = engine.ds.allreduce_gradients
+        engine.ds.allreduce_gradients = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        engine.step(Batch(images, tokens), build_objective(cfg))
+        out[stage] = (len(calls), engine.consolidated_state_dict())
+    return out
+
+
+def test_one_rank_zero0_skips_deepspeeds_identity_gradient_reduction(seed):
+    """One rank, fp32, ZeRO-0: DeepSpeed's flatten / average-over-1-rank / copy-back of every
+    gradient is skipped (an identity; engine.py), and the step still equals the plain-torch
+    reference. ZeRO-1 keeps its reduction (its optimizer reads the reduced partition)."""
+    _, ref_params = _reference(seed, seed + 1)
+    out = run_ranks(_single_rank_reductions, 1, seed)[0]
+    assert out[0][0] == 0
+    assert out[1][0] == 1
+    for stage in (0, 1):
+        for n, ref in ref_params.items():
+            assert _rel(out[stage][1][n], ref) <= 1e-5, (stage, n)
