@@ -178,10 +178,6 @@ class Engine:
                 model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
                 dist_init_required=False,
             )
-        if self.world_size == 1 and cfg.deepspeed.zero_stage == 0:
-            # One process, no partitions: DeepSpeed would still flatten every gradient, all-reduce
-            # it with itself, scale by 1/1 and copy it back each step (~6% of a tiny-tower step).
-            self.ds.enable_backward_allreduce = False
         self.module = self.ds.module
         if self.world_size == 1 and cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32":
             # One rank, fp32 ZeRO-0: DeepSpeed's gradient "all-reduce" would flatten every gradient

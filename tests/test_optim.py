@@ -378,7 +378,7 @@ def _one_rank_all_reduces(rank, world, stage):
     return calls
 
 
-def test_one_process_zero0_skips_deepspeeds_gradient_all_reduce():
+def test_one_process_fp32_zero0_skips_deepspeeds_gradient_all_reduce():
     """One process at ZeRO-0 has nothing to reduce: DeepSpeed's flatten/all-reduce/copy-back of
     every gradient is turned off (the guard's one-element all_reduce stays)."""
     from tests.conftest import run_ranks
