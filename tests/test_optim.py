@@ -355,34 +355,3 @@ def test_adamw_is_fused_and_steps_as_the_per_tensor_loop(seed):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert (p - q).abs().max() <= 1e-6, (n, float((p - q).abs().max()))
 
-
-def _one_rank_all_reduces(rank, world, stage):
-    import torch.distributed as dist
-
-    from mmalign.config import load_config
-    from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
-    from mmalign.objective import build_objective
-    from tests.conftest import clip_batch
-
-    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=4", f"deepspeed.zero_stage={stage}"])
-    engine = Engine(build_model(cfg.model), cfg)
-    objective = build_objective(cfg)
-    calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
-    try:
-        engine.step(Batch(*clip_batch(4, 0, image_size=16)), objective)
-    finally:
-        dist.all_reduce = real
-    return calls
-
-
-def test_one_process_fp32_zero0_skips_deepspeeds_gradient_all_reduce():
-    """One process at ZeRO-0 has nothing to reduce: DeepSpeed's flatten/all-reduce/copy-back of
-    every gradient is turned off (the guard's one-element all_reduce stays)."""
-    from tests.conftest import run_ranks
-
-    n_params = sum(p.numel() for p in build_model(ModelConfig(preset="micro")).parameters())
-    calls = run_ranks(_one_rank_all_reduces, 1, 0)[0]
-    assert sum(calls) < n_params, calls
