@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mmalign.errors import UsageError, UserError
 
+
 def _no_default(action: argparse.Action) -> bool:
     # identity, not ==: a default of 0 is worth showing, False (an off switch) is not;
     # nor is the empty list a repeatable flag starts from
