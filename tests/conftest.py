@@ -73,7 +73,6 @@ def micro_overrides(shapes_dir, tmp_path):
     """Overrides that make any config a seconds-long CPU run on the generated data."""
     return [
         "model.preset=micro",
-        "model.image_size=16",  # micro's own: a recipe's image_size (quickstart: 48) does not carry over
         f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
         f"data.val={shapes_dir}/val/00000.tar",
         "data.workers=0",
