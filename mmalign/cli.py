@@ -9,12 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from mmalign.errors import UsageError, UserError
-
-SHAPES_DIR = "data/shapes"
 
 
 def _no_default(action: argparse.Action) -> bool:
@@ -225,46 +222,25 @@ def _print_table(records: list[dict]) -> None:
 
 def quickstart_verdict(records: list[dict]) -> list[str]:
     """The quickstart's promise: shape zero-shot >= 2x chance, text->image R@5 >= 3x chance."""
-    problems = []
-    for r in records:
-        m = r["metrics"]
-        if r["dataset"].endswith("/shape") and m["acc1"] < 2 * m["chance_acc1"]:
-            problems.append(f"shape zero-shot top-1 {m['acc1']:.3f} < 2x chance {2 * m['chance_acc1']:.3f}")
-        if r["task"] == "zeroshot_retrieval":
-            chance = 5 / r["n_images"]
-            if m["image_retrieval_recall@5"] < 3 * chance:
-                problems.append(f"text->image R@5 {m['image_retrieval_recall@5']:.3f} < 3x chance {3 * chance:.3f}")
-    return problems
+    from mmalign.quickstart import verdict
+
+    return verdict(records)
 
 
 def cmd_quickstart(args) -> int:
-    import json
+    from mmalign.quickstart import PhaseClock, run
 
-    from mmalign.data.shapes_scene import is_complete
-    from mmalign.train import train
+    clock = PhaseClock()  # from the process start: the summary prints each phase's time
 
-    start = time.time()
-    if not is_complete(SHAPES_DIR):
-        print(f"generating the synthetic shapes dataset into {SHAPES_DIR} ...")
-        _run_command("shards", ["shapes", "--out", SHAPES_DIR])  # = `mmalign shards shapes --out data/shapes`
-    if args.config is None:  # the shipped recipe: the config defaults' settings, with their comments
-        from mmalign.resources import RECIPES, shipped
+    def load():
+        if args.config is None:  # the shipped recipe: the config defaults' settings, with their comments
+            from mmalign.resources import RECIPES, shipped
 
-        args.config = str(shipped(RECIPES, "quickstart"))
-    cfg = _load(args)
-    out = train(cfg, overwrite=True)  # the demo regenerates its run directory each time
-    records = json.loads((out / "eval.json").read_text())
-    _print_table(records)
-    minutes = (time.time() - start) / 60
-    print(f"quickstart finished in {minutes:.1f} min; model in {out / 'final'}, "
-          f"reload with mmalign.load({str(out)!r})")
-    problems = quickstart_verdict(records)
-    if problems:
-        # The run itself worked; say plainly which learning target it missed.
-        print("quickstart: WARNING, below the learning targets: " + "; ".join(problems), file=sys.stderr)
-    else:
-        print("quickstart: learned well above chance (shape zero-shot >= 2x, text->image R@5 >= 3x)")
-    return 0
+            args.config = str(shipped(RECIPES, "quickstart"))
+        return _load(args)
+
+    # data: `mmalign shards shapes --out data/shapes`, the registered builder
+    return run(clock, load, lambda out: _run_command("shards", ["shapes", "--out", out]), _print_table)
 
 
 def _run_command(name: str, argv: list[str]) -> None:
