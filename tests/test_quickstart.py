@@ -87,3 +87,39 @@ def test_quickstart_prints_targets_time_and_phases(tmp_path, monkeypatch):
         assert f"time: {phase} " in out, phase
     assert "quickstart finished in" in out and "s CPU" in out
     assert (tmp_path / "runs" / "quickstart" / "final" / "model.safetensors").is_file()
+
+
+def test_the_recipes_text_context_holds_every_caption_and_prompt():
+    """configs/quickstart.yaml cuts the text context to 16 tokens: no training caption or eval
+    prompt may be truncated. The CLIP BPE splits on words, so a template's longest filling takes
+    each slot's longest value (checked against the whole product for one template below)."""
+    import itertools
+
+    import yaml
+
+    from data_pipelines.shapes import TEMPLATES
+    from mmalign.config import load_config
+    from mmalign.data.shapes_scene import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES
+    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.resources import RECIPES, SUITES, shipped
+
+    cfg = load_config(str(shipped(RECIPES, "quickstart")), [])
+    context = cfg.model.text["context_length"]
+    tok = build_tokenizer({"text_cfg": {"context_length": 10_000}})
+
+    def length(text: str) -> int:  # tokens with start and end
+        return int((tok([text])[0] != 0).sum())
+
+    slots = {"size": list(SIZES), "colour": list(COLOURS), "shape": list(SHAPES),
+             "position": list(POSITIONS.values()), "background": list(BACKGROUNDS)}
+    longest = {k: max(v, key=lambda w: length(w)) for k, v in slots.items()}
+    lengths = [length(t.format(**longest)) for t in TEMPLATES]
+    brute = max(length(TEMPLATES[0].format(size=s, colour=c, shape=sh, position=p, background="x"))
+                for s, c, sh, p in itertools.product(*(slots[k] for k in ("size", "colour", "shape", "position"))))
+    assert brute == lengths[0]
+    suite = yaml.safe_load(shipped(SUITES, "shapes").read_text())
+    for task in suite["tasks"]:
+        for template in task.get("templates", []):
+            lengths += [length(template.format(c=c)) for c in task["classnames"]]
+    assert max(lengths) <= context, (max(lengths), context)
+    assert max(lengths) > context - 4  # the bound is tight, not a loose guess
