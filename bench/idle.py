@@ -97,14 +97,19 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
                              f"{EXIT_LOADED} and leaves the doc alone")
 
 
-def write_section(doc: Path, text: str, watch: LoadWatch, allow_loaded: bool, title: str = "# Benchmarks") -> None:
+def write_section(doc: Path, text: str, watch: LoadWatch, allow_loaded: bool, title: str = "# Benchmarks",
+                  note: bool = True) -> None:
     """Write ``text`` (a section starting with its ``## `` heading) into ``doc`` with the load note
-    under the heading, or refuse: one line on stderr and ``SystemExit(EXIT_LOADED)``."""
+    under the heading (``note=False``: the text places it itself, e.g. one per subsection), or
+    refuse: one line on stderr and ``SystemExit(EXIT_LOADED)``."""
     watch.stop()
     if watch.loaded and not allow_loaded:
         print(f"{doc.parent.name}/{doc.name} not written: {watch.describe()}: the machine was loaded, so the table is not "
               "comparable (rerun on an idle machine, or pass --allow-loaded to record it marked as such)",
               file=sys.stderr, flush=True)
         raise SystemExit(EXIT_LOADED)
+    if not note:
+        docsection.write_section(doc, text, title)
+        return
     heading, _, rest = text.partition("\n")
     docsection.write_section(doc, f"{heading}\n\n{watch.note()}\n\n{rest.lstrip(chr(10))}", title)

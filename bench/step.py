@@ -47,8 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from idle import EXIT_LOADED, LoadWatch, add_flag  # noqa: E402
-import docsection  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## Training step profile (bench/step.py)"
 MODES = ("mmalign fp32", "mmalign bf16", "bare fp32", "bare bf16")
@@ -404,12 +403,7 @@ def write_doc(label: str, body: str, watch: LoadWatch, allow_loaded: bool) -> No
     """This label's subsection of the step-profile section (the other label's kept), through the
     idle guard: refused (exit 3) when the machine was loaded, unless ``allow_loaded``."""
     doc = ROOT / "docs" / "benchmarks.md"
-    watch.stop()
-    if watch.loaded and not allow_loaded:
-        print(f"docs/benchmarks.md not written: {watch.describe()}: the machine was loaded, so the table is not "
-              "comparable (rerun on an idle machine, or pass --allow-loaded to record it marked as such)",
-              file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_LOADED)
+    watch.stop()  # the note of this label's subsection reads the end load
     current = doc.read_text() if doc.is_file() else ""
     start = current.find(SECTION + "\n")
     old = ""
@@ -440,7 +434,7 @@ def write_doc(label: str, body: str, watch: LoadWatch, allow_loaded: bool) -> No
              "train.precision=P --set output=runs/cifar10_P` for P in fp32 and bf16, then compare the zero-shot "
              "top-1 in the two `eval.json` (target: within 1 point).\n")
     text = intro + "".join(f"\n{subs[n]}\n" for n in ("before", "after") if n in subs)
-    docsection.write_section(doc, text)
+    write_section(doc, text, watch, allow_loaded, note=False)  # refuses (exit 3) when loaded
     print(f"wrote the '{label}' table of docs/benchmarks.md", flush=True)
 
 
