@@ -39,7 +39,6 @@ import itertools
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cifar10_shards import cached_shards, cifar_items  # noqa: E402
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## Fine-tuning a half-class model: full vs LiT vs frozen (bench/finetune.py)"
@@ -75,27 +75,8 @@ def split_classes() -> tuple[list[str], list[str]]:
 def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int, only: list[str] | None) -> str:
     """The first ``n`` of a seeded shuffle of a class-folder tar (``only`` these classes) -> shards,
     captioned as ``mmalign shards imagefolder --templates cifar10`` does; reused while unchanged."""
-    from data_pipelines.build import build_shards
-    from data_pipelines.sources import Captioner, image_folder, load_templates
-
-    stamp = out / "bench_stamp.json"
     want = {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard, "only": only}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
-        return shard_spec(out)
-    shutil.rmtree(out, ignore_errors=True)
-    tset = load_templates("cifar10")
-    _, items = image_folder(src, Captioner(tset["templates"], per_image=1, seed=seed), tset["classnames"],
-                            shuffle_seed=seed, only=only)
-    summary = build_shards(itertools.islice(items, n), out, per_shard=per_shard, progress=False,
-                           source=f"imagefolder:{src}")
-    stamp.write_text(json.dumps(want))
-    print(f"  built {summary['written']} samples in {summary['shards']} shards under {out}", flush=True)
-    return shard_spec(out)
-
-
-def shard_spec(folder: Path) -> str:
-    tars = sorted(folder.glob("*.tar"))
-    return str(tars[0]) if len(tars) == 1 else f"{folder}/{{{tars[0].stem}..{tars[-1].stem}}}.tar"
+    return cached_shards(src, out, want, lambda: itertools.islice(cifar_items(src, seed, shuffle_seed=seed, only=only), n))
 
 
 # ------------------------------------------------------------------ runs

@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import random
-import shutil
 import sys
 from pathlib import Path
 
@@ -53,10 +52,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_pipelines.build import build_shards  # noqa: E402
-from data_pipelines.sources import Captioner, image_folder, load_templates  # noqa: E402
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 import abspeed  # noqa: E402
+from cifar10_shards import cached_shards, cifar_items  # noqa: E402
 from cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip  # noqa: E402
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
@@ -73,63 +71,12 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int) -> str:
     The folder tar is sorted by class; shuffling before writing gives every shard all
     classes, which open_clip's pipeline (5000-sample buffer) needs as much as ours.
     """
-    stamp = out / "bench_stamp.json"
-    want = {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
-        return shard_spec(out)
-    shutil.rmtree(out, ignore_errors=True)
-    tset = load_templates("cifar10")
-    _, items = image_folder(src, Captioner(tset["templates"], per_image=1, seed=seed), tset["classnames"])
-    items = list(items)  # 60k tiny jpgs: ~100 MB held briefly
-    random.Random(seed).shuffle(items)
-    summary = build_shards(items[:n], out, per_shard=per_shard, progress=False, source=f"imagefolder:{src}")
-    stamp.write_text(json.dumps(want))
-    print(f"  built {summary['written']} samples in {summary['shards']} shards under {out}", flush=True)
-    return shard_spec(out)
+    def shuffled() -> list:
+        items = list(cifar_items(src, seed))  # 60k tiny jpgs: ~100 MB held briefly
+        random.Random(seed).shuffle(items)
+        return items[:n]
 
-
-def shard_spec(folder: Path) -> str:
-    tars = sorted(folder.glob("*.tar"))
-    return str(tars[0]) if len(tars) == 1 else f"{folder}/{{{tars[0].stem}..{tars[-1].stem}}}.tar"
-
-
-def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, batch: int, steps_per_epoch: int,
-               epochs: int, lr: float, warmup: int, precisions: dict, log_every: int) -> list[dict]:
-    """Train open_clip then mmalign for the same number of epochs/steps; evaluate both."""
-    oc = run_openclip(work, f"openclip_{tag}", train=train, n_train=n_train, batch=batch, epochs=epochs, lr=lr,
-                      warmup=warmup, precision=precisions["open_clip"], log_every=log_every)
-    oc["acc1"] = eval_openclip(work, oc.pop("checkpoint"), test)
-    _say(oc)
-    mm = run_mmalign(work, f"mmalign_{tag}", train=train, test=test, steps=steps_per_epoch * epochs, batch=batch,
-                     lr=lr, warmup=warmup, precision=precisions["mmalign"], log_every=log_every)
-    _say(mm)
-    return [oc, mm]
-
-
-def _say(r: dict) -> None:
-    print(f"  {r['tool']:<9} {r['precision']:<9} {r['steps']:>5} steps: zero-shot top-1 {100 * r['acc1']:.2f}%, "
-          f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s", flush=True)
-
-
-def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, log_every: int,
-          settings: dict[str, list[str]], reps: int) -> tuple[list[dict], dict]:
-    """Short training runs of both tools, alternated (abspeed.alternation); no evaluation."""
-    runs = []
-    for tool, setting, rep in abspeed.alternation(settings, reps):
-        kw = abspeed.setting_args(tool, setting)
-        name = f"{'openclip' if tool == 'open_clip' else 'mmalign'}_speed_{setting.replace('+', '_')}_{rep}"
-        if tool == "open_clip":
-            r = run_openclip(work, name, train=train, n_train=steps * batch, batch=batch, epochs=1, lr=1e-3,
-                             warmup=1, log_every=log_every, **kw)
-            r.pop("checkpoint")
-        else:
-            r = run_mmalign(work, name, train=train, test=test_small, steps=steps, batch=batch, lr=1e-3, warmup=1,
-                            log_every=log_every, evaluate=False, **kw)
-        r.update(setting=setting, rep=rep)
-        print(f"  {tool:<9} {setting:<16} rep {rep}: {r['samples_per_s']:.1f} samples/s, data wait "
-              f"{r['data_ms_per_step']:.1f} ms/step, process {r['process_s']:.0f} s", flush=True)
-        runs.append(r)
-    return runs, abspeed.summarise(runs, settings)
+    return cached_shards(src, out, {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard}, shuffled)
 
 
 # ------------------------------------------------------------------ report
