@@ -240,23 +240,22 @@ def _split(prof) -> dict[str, float]:
         for e in top(name):
             t = e.cpu_time_total
             if row == "loss":  # the stats are inside the objective's call
-                t -= sum(s.cpu_time_total for s in _descendants(e) if s.name == "step/stats")
-                out["stats"] += sum(s.cpu_time_total for s in _descendants(e) if s.name == "step/stats")
-                labelled += sum(s.cpu_time_total for s in _descendants(e) if s.name == "step/stats")
+                stats = sum(s.cpu_time_total for s in _descendants(e) if s.name == "step/stats")
+                t -= stats
+                out["stats"] += stats
+                labelled += stats
             out[row] += t
             labelled += t
-    for e in top("step/backward"):
-        autograd = sum(d.cpu_time_total for d in _descendants(e, stop=lambda x: x.name.startswith("autograd::engine"))
-                       if d.name.startswith("autograd::engine"))
-        out["towers backward"] += autograd
-        out["DeepSpeed backward bookkeeping"] += e.cpu_time_total - autograd
-        labelled += e.cpu_time_total
-    for e in top("step/optimizer+DeepSpeed"):
-        opt = sum(d.cpu_time_total for d in _descendants(e, stop=lambda x: x.name.startswith("Optimizer.step#"))
-                  if d.name.startswith("Optimizer.step#"))
-        out["optimizer"] += opt
-        out["DeepSpeed step bookkeeping"] += e.cpu_time_total - opt
-        labelled += e.cpu_time_total
+    # DeepSpeed's backward and step: the autograd / optimiser events inside, the rest its bookkeeping
+    for name, prefix, inner, rest in (
+            ("step/backward", "autograd::engine", "towers backward", "DeepSpeed backward bookkeeping"),
+            ("step/optimizer+DeepSpeed", "Optimizer.step#", "optimizer", "DeepSpeed step bookkeeping")):
+        for e in top(name):
+            part = sum(d.cpu_time_total for d in _descendants(e, stop=lambda x: x.name.startswith(prefix))
+                       if d.name.startswith(prefix))
+            out[inner] += part
+            out[rest] += e.cpu_time_total - part
+            labelled += e.cpu_time_total
     out["other"] = max(total - labelled, 0.0)
     return {k: v / 1e6 for k, v in out.items()}  # us -> s
 
