@@ -156,6 +156,9 @@ class TrainConfig:
     # CUDA only: float32 matmuls / convolutions in TF32 (10-bit mantissa inputs, float32 accumulation);
     # false keeps them exact float32 (mmalign/tf32.py). No effect on CPU.
     tf32: bool = True
+    # Cut each batch's trailing all-padding token columns before the text tower (causal,
+    # EOT-pooled towers only: the same features and gradients, less compute; models/text_trim.py).
+    trim_text_padding: bool = True
 
 
 @dataclass

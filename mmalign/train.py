@@ -32,6 +32,7 @@ from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
+from mmalign.models.text_trim import multiple_for, trim_batch
 from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
 from mmalign.monitors import (collapse_alarms, global_log_values, mfu, peak_tflops, probe_stats,
@@ -149,6 +150,7 @@ class _Parts:
     objective: object  # mmalign.objective.Objective: the loss terms and their state
     autocast: object  # () -> the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device, for MFU
+    text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
 
 
 @dataclass
@@ -272,6 +274,9 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length, **flops_kw)
         model.set_patch_dropout(cfg.model.patch_dropout)
     model = model.to(device)
+    # exact trailing-padding trim (models/text_trim.py): on the host, before each batch's copy
+    model.trim_text = t.trim_text_padding
+    text_trim = (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", _model_name(cfg),
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
@@ -304,7 +309,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     return _Parts(cfg, out, device, world, model_flops, model_flops_unmasked, model.embed_dim, tokenizer, queue,
-                  engine, loader, probe, objective, autocast, peak)
+                  engine, loader, probe, objective, autocast, peak, text_trim)
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
@@ -314,7 +319,10 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     fetch = time.time()
     batch = next(batches)
     tally.data_wait += time.time() - fetch
-    batch = objective.select(batch).to(p.device)  # the inputs the terms read; uint8 images -> normalised
+    batch = objective.select(batch)  # the inputs the terms read
+    if p.text_trim is not None:  # trailing pad columns cut on the host (exact: models/text_trim.py)
+        batch = trim_batch(batch, *p.text_trim)
+    batch = batch.to(p.device)  # uint8 images -> normalised
     runlog.sample_keys(step, batch.keys)
     masking = patch_dropout_at(p.cfg, step)  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
     engine.module.set_patch_dropout(masking)

@@ -18,6 +18,7 @@ from torch import nn
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import set_patch_dropout
+from mmalign.models.text_trim import short_context, trim_tokens, trimmable
 from mmalign.models.timm_tower import fit_input_size
 
 
@@ -55,6 +56,11 @@ class TwoTower(nn.Module):
         self.text = _build_text_tower(arch["embed_dim"], text_cfg, quick_gelu)
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
+        # models/text_trim.py: a causal, EOT-pooled text tower ignores trailing pad columns, so
+        # encode_text cuts them from CPU token tensors (exact); train.trim_text_padding: false
+        # turns it off (the loop then passes full-length tokens too).
+        self.text_trimmable = trimmable(self.text)
+        self.trim_text = True
 
     @property
     def embed_dim(self) -> int:
@@ -117,7 +123,13 @@ class TwoTower(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        features = self.text(tokens)  # (B, D) after the text projection head
+        if not self.text_trimmable:
+            features = self.text(tokens)  # (B, D) after the text projection head
+        else:
+            if self.trim_text and tokens.device.type == "cpu":  # a device tensor would need a host read
+                tokens = trim_tokens(tokens, pad_id=self.text.pad_id)  # (B, L') L' <= context length
+            with short_context(self.text, tokens.shape[1]):  # the loop trims on the host before the copy
+                features = self.text(tokens)  # (B, D)
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, images: Optional[torch.Tensor] = None, texts: Optional[torch.Tensor] = None,
