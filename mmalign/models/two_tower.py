@@ -18,6 +18,7 @@ from torch import nn
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import set_patch_dropout
+from mmalign.models.packed_attention import pack_self_attention
 from mmalign.models.text_trim import short_context, trim_tokens, trimmable
 from mmalign.models.timm_tower import fit_input_size
 
@@ -54,6 +55,9 @@ class TwoTower(nn.Module):
             # check_buildable: transformers refuses from_pretrained on meta; the config gives the shapes
             text_cfg = {**text_cfg, "hf_model_pretrained": False}
         self.text = _build_text_tower(arch["embed_dim"], text_cfg, quick_gelu)
+        # open_clip's blocks call nn.MultiheadAttention: the same function without its layout
+        # copies (models/packed_attention.py; parameters and state_dict unchanged)
+        pack_self_attention(self)
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
         # models/text_trim.py: a causal, EOT-pooled text tower ignores trailing pad columns, so
