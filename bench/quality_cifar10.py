@@ -79,6 +79,45 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int) -> str:
     return cached_shards(src, out, {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard}, shuffled)
 
 
+def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, batch: int, steps_per_epoch: int,
+               epochs: int, lr: float, warmup: int, precisions: dict, log_every: int) -> list[dict]:
+    """Train open_clip then mmalign for the same number of epochs/steps; evaluate both."""
+    oc = run_openclip(work, f"openclip_{tag}", train=train, n_train=n_train, batch=batch, epochs=epochs, lr=lr,
+                      warmup=warmup, precision=precisions["open_clip"], log_every=log_every)
+    oc["acc1"] = eval_openclip(work, oc.pop("checkpoint"), test)
+    _say(oc)
+    mm = run_mmalign(work, f"mmalign_{tag}", train=train, test=test, steps=steps_per_epoch * epochs, batch=batch,
+                     lr=lr, warmup=warmup, precision=precisions["mmalign"], log_every=log_every)
+    _say(mm)
+    return [oc, mm]
+
+
+def _say(r: dict) -> None:
+    print(f"  {r['tool']:<9} {r['precision']:<9} {r['steps']:>5} steps: zero-shot top-1 {100 * r['acc1']:.2f}%, "
+          f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s", flush=True)
+
+
+def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, log_every: int,
+          settings: dict[str, list[str]], reps: int) -> tuple[list[dict], dict]:
+    """Short training runs of both tools, alternated (abspeed.alternation); no evaluation."""
+    runs = []
+    for tool, setting, rep in abspeed.alternation(settings, reps):
+        kw = abspeed.setting_args(tool, setting)
+        name = f"{'openclip' if tool == 'open_clip' else 'mmalign'}_speed_{setting.replace('+', '_')}_{rep}"
+        if tool == "open_clip":
+            r = run_openclip(work, name, train=train, n_train=steps * batch, batch=batch, epochs=1, lr=1e-3,
+                             warmup=1, log_every=log_every, **kw)
+            r.pop("checkpoint")
+        else:
+            r = run_mmalign(work, name, train=train, test=test_small, steps=steps, batch=batch, lr=1e-3, warmup=1,
+                            log_every=log_every, evaluate=False, **kw)
+        r.update(setting=setting, rep=rep)
+        print(f"  {tool:<9} {setting:<16} rep {rep}: {r['samples_per_s']:.1f} samples/s, data wait "
+              f"{r['data_ms_per_step']:.1f} ms/step, process {r['process_s']:.0f} s", flush=True)
+        runs.append(r)
+    return runs, abspeed.summarise(runs, settings)
+
+
 # ------------------------------------------------------------------ report
 
 
