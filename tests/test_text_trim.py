@@ -142,3 +142,35 @@ def test_a_trimmed_run_trains_the_same_weights_as_a_full_length_run(micro_overri
     assert max(rows[True]) < 16 and rows[False] == {16}  # micro's context is 16 tokens
     for name, want in finals[False].items():
         assert torch.allclose(finals[True][name], want, rtol=0, atol=2e-5), name
+
+
+def test_threads_encoding_with_one_model_get_their_own_lengths():
+    """short_context swaps the tower's mask for a forward: concurrent callers must take turns
+    (otherwise one thread's blocks read the other's (L, L) mask and fail or mix lengths)."""
+    import threading
+
+    model = _model().float().eval()
+    _, tokens = clip_batch(8, seed=2, context=24)
+    short, long_ = tokens.clone(), tokens.clone()
+    short[:, 6:], short[:, 5] = 0, 49407
+    long_[:, 20:], long_[:, 19] = 0, 49407
+    with torch.no_grad():
+        want = {"short": model.encode_text(short), "long": model.encode_text(long_)}
+    errors, got = [], {"short": [], "long": []}
+
+    def work(name, toks):
+        try:
+            for _ in range(30):
+                with torch.no_grad():
+                    got[name].append(model.encode_text(toks))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=a) for a in (("short", short), ("long", long_))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for name in want:
+        assert all(torch.equal(g, want[name]) for g in got[name]), name

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -30,6 +31,9 @@ from torch import nn
 __all__ = ["trimmable", "trimmed_length", "trim_tokens", "trim_batch", "short_context", "multiple_for"]
 
 _EXACT_POOLS = ("argmax", "eos", "first")
+# short_context swaps a module attribute for the length of a forward: threads that encode
+# text with one model at once (a library user's thread pool) take turns
+_SWAP = threading.RLock()
 
 
 def trimmable(text: nn.Module) -> bool:
@@ -73,16 +77,18 @@ def trim_tokens(tokens: torch.Tensor, length: Optional[int] = None, pad_id: int 
 def short_context(text: nn.Module, length: int) -> Iterator[None]:
     """Run ``text`` (a :func:`trimmable` tower) on ``length`` columns: its causal mask is
     sliced to (length, length) for the duration (open_clip slices the positional embedding
-    itself but passes its whole (context, context) mask to every block)."""
-    full = text.attn_mask  # (C, C) additive causal mask, a non-persistent buffer
-    if length >= full.shape[0]:
-        yield
-        return
-    text.attn_mask = full[:length, :length]
-    try:
-        yield
-    finally:
-        text.attn_mask = full
+    itself but passes its whole (context, context) mask to every block). Held under one lock:
+    a concurrent forward of the same tower never sees another call's mask."""
+    with _SWAP:
+        full = text.attn_mask  # (C, C) additive causal mask, a non-persistent buffer
+        if length >= full.shape[0]:
+            yield
+            return
+        text.attn_mask = full[:length, :length]
+        try:
+            yield
+        finally:
+            text.attn_mask = full
 
 
 def trim_batch(batch, pad_id: int = 0, multiple: int = 1):
