@@ -19,7 +19,7 @@ from mmalign.models.presets import PRESETS
 from mmalign.models.text_trim import multiple_for, trim_batch, trimmed_length
 from mmalign.models.two_tower import TwoTower
 
-from conftest import clip_batch
+from tests.conftest import clip_batch
 
 
 def _model(**text) -> TwoTower:
