@@ -192,7 +192,7 @@ def _wait_gone(pids: list[int], within_s: float) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
-        "data.workers=2", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
+        "data.workers=2", "train.steps=100000", "monitor.probe_size=0", "eval.suite=none"]  # outlasts any wait
     log = tmp_path / "stdout.txt"
     with _training(_train_cmd(overrides), log, 180) as (proc, workers):
         assert len(workers) >= 2, workers  # the two DataLoader workers
