@@ -163,8 +163,11 @@ def _training(cmd: list[str], log: Path, limit_s: float):
     (the process, the live processes under it then).  Afterwards the run and every one of
     those processes is gone, whatever the test asserted."""
     with log.open("w") as sink:
+        # SIGINT at its default in the run: a shell's background job (make test under nohup, CI)
+        # can hand pytest an ignored SIGINT, which its children would inherit and never see Ctrl-C
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     family: list[int] = []
     try:
         deadline = time.time() + limit_s
@@ -192,7 +195,7 @@ def _wait_gone(pids: list[int], within_s: float) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
-        "data.workers=2", "train.steps=100000", "monitor.probe_size=0", "eval.suite=none"]  # outlasts any wait
+        "data.workers=2", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
     log = tmp_path / "stdout.txt"
     with _training(_train_cmd(overrides), log, 180) as (proc, workers):
         assert len(workers) >= 2, workers  # the two DataLoader workers
