@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import math
 import threading
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -66,11 +66,9 @@ def trimmed_length(tokens: torch.Tensor, pad_id: int = 0, multiple: int = 1) -> 
     return min(length, max(1, multiple * math.ceil(last / multiple)))
 
 
-def trim_tokens(tokens: torch.Tensor, length: Optional[int] = None, pad_id: int = 0,
-                multiple: int = 1) -> torch.Tensor:
+def trim_tokens(tokens: torch.Tensor, pad_id: int = 0, multiple: int = 1) -> torch.Tensor:
     """``tokens`` (..., L) without its trailing all-pad columns (a view)."""
-    length = trimmed_length(tokens, pad_id, multiple) if length is None else length
-    return tokens[..., :length]
+    return tokens[..., :trimmed_length(tokens, pad_id, multiple)]
 
 
 @contextlib.contextmanager
