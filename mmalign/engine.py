@@ -190,6 +190,10 @@ class Engine:
             optimizer.set_partition_layout(*self._partition_layout(optimizer), mdist.all_reduce_sum)
         # With bf16/fp16 weights DeepSpeed casts the module; images must follow.
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.deepspeed.precision)
+        # train.precision's autocast, entered inside the module DeepSpeed calls (module doc of
+        # _InnerAutocast): a caller's autocast around the engine is switched off on CUDA.
+        self._inner = _InnerAutocast(self.module)
+        self.autocast = autocast_for(cfg, _module_device(self.module))
 
     def _partition_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list, int]:
         """The flat fp32 partitions DeepSpeed will step ``optimizer`` with on this rank, each
@@ -229,26 +233,31 @@ class Engine:
 
     # -------------------------------------------------------------- stepping
 
-    def forward(self, images: Optional[torch.Tensor], tokens: Optional[torch.Tensor],
+    def forward(self, images: Optional[torch.Tensor], tokens: Optional[torch.Tensor], autocast=None,
                 **extra: torch.Tensor) -> Embeddings:
         """The model's Embeddings; ``extra``: further model inputs by keyword (``images2``, ``neg_texts``).
-        A None input skips its tower."""
+        A None input skips its tower.
+
+        ``autocast``: a ``() -> context manager`` the towers run under, entered inside the
+        module DeepSpeed calls; None = train.precision's (:attr:`autocast`). Do not wrap this
+        call in an autocast of your own: on CUDA DeepSpeed switches it off for the module."""
         if self.input_dtype is not None:
             images = None if images is None else images.to(self.input_dtype)
             extra = {k: v.to(self.input_dtype) if v.is_floating_point() else v for k, v in extra.items()}
-        out = self.ds(images, tokens, **extra)  # the fields as a dict (_dict_at_the_deepspeed_boundary)
+        with self._inner.using(autocast or self.autocast):
+            out = self.ds(images, tokens, **extra)  # the fields as a dict (_dict_at_the_deepspeed_boundary)
         return self._output_type[0](**out) if isinstance(out, dict) else out
 
     def encode(self, batch: Batch, autocast=None, first: Optional[Embeddings] = None) -> Embeddings:
-        """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`) under ``autocast``.
+        """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`), the towers
+        under ``autocast`` (None: train.precision's; see :meth:`forward`).
 
         ``first``: this batch's earlier outputs (a gradient-cache re-forward): the fully locked
         towers (:meth:`TwoTower.fully_locked`) are not run again, their fields are taken from it."""
         inputs, reused = batch.model_inputs(), {}
         if first is not None:
             inputs, reused = self.module.without_locked(inputs, first)
-        with (autocast or _null_context)():
-            out = self.forward(inputs.pop("images", None), inputs.pop("texts", None), **inputs)
+        out = self.forward(inputs.pop("images", None), inputs.pop("texts", None), autocast=autocast, **inputs)
         return out.map(lambda t: t.float()).replace(**reused)
 
     def _fully_locked(self) -> tuple[str, ...]:
@@ -486,6 +495,61 @@ class Engine:
         self.ds.global_steps = global_steps
         self.ds.global_samples = global_samples
         self.ds.skipped_steps = skipped_steps
+
+
+def autocast_for(cfg: Config, device: torch.device):
+    """``() -> context manager``: train.precision's autocast on ``device`` (bf16 / fp16), or a
+    no-op for fp32. Weights stay in deepspeed.precision; autocast only casts the ops' inputs."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    if dtype is None:
+        return _null_context
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class _InnerAutocast:
+    """Runs a module's ``forward`` under the autocast context of the current engine call.
+
+    DeepSpeed 0.19.8 runs the module inside ``autocast_if_enabled`` (runtime/torch_autocast.py):
+    when the caller's autocast is on and the DeepSpeed config has no ``torch_autocast``
+    section, it enters ``torch.autocast(device, enabled=False)`` around the whole module call.
+    Its check reads ``torch.is_autocast_enabled()`` without an argument, i.e. CUDA's state, so
+    on a GPU a caller's bf16 autocast silently became fp32 towers (on CPU the check is False
+    and bf16 survived, which is why CPU tests never saw it). An autocast opened inside the
+    module's own ``forward`` is below that wrapper and is left alone.
+
+    DeepSpeed's ``torch_autocast`` section is not the fix: it also casts and reduces the
+    gradients of Linear / Conv weights in the low precision, and mmalign sums every gradient
+    in fp32. Here only the forward's ops run in bf16; autograd casts each weight gradient back
+    to the fp32 parameter's dtype, so accumulation and reduction stay fp32.
+
+    The instance replaces ``module.forward`` (an instance attribute, not a wrapper module), so
+    parameter names, ``state_dict`` keys and checkpoints are unchanged."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._forward = module.forward  # the bound method of the module's class
+        self._context = None
+        module.forward = self
+
+    @contextlib.contextmanager
+    def using(self, context):
+        previous, self._context = self._context, context
+        try:
+            yield
+        finally:
+            self._context = previous
+
+    def __call__(self, *args, **kwargs):
+        context = self._context
+        if context is None:
+            return self._forward(*args, **kwargs)
+        with context():
+            return self._forward(*args, **kwargs)
 
 
 def _dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:

@@ -392,8 +392,7 @@ def _model_name(cfg: Config) -> str:
 def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
     engine.eval_mode()
-    with autocast():
-        out = engine.forward(probe[0].to(device), probe[1].to(device))
+    out = engine.forward(probe[0].to(device), probe[1].to(device), autocast=autocast)  # inside DeepSpeed's call
     engine.train_mode()
     return probe_stats(out.image.float().cpu(), out.text.float().cpu())
 

@@ -1,3 +1,4 @@
+import logging
 import os
 import random
 import sys
@@ -10,6 +11,21 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class _NestedAutocastIsAnError(logging.Handler):
+    """DeepSpeed's "torch.autocast is enabled outside DeepSpeed but disabled within the DeepSpeed
+    engine" warning means the towers silently ran in fp32 (issue 27): in tests it is an error.
+    Raised from the logging call, so it leaves DeepSpeed's warn-once flag unset and fires every
+    time. Installed at import, so the ranks spawned by run_ranks (which import this module) have it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "disabled within the DeepSpeed engine" in record.getMessage():
+            raise AssertionError("DeepSpeed switched the caller's autocast off around the module: "
+                                 "autocast must be entered inside the engine's module (mmalign.engine)")
+
+
+logging.getLogger("DeepSpeed").addHandler(_NestedAutocastIsAnError())
 
 
 SEED_ENV = "MMALIGN_TEST_SEED"

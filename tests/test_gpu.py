@@ -118,3 +118,38 @@ def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     assert not res.skipped
     tracked = {n: int(b) for n, b in engine.module.named_buffers() if n.endswith("num_batches_tracked")}
     assert tracked and set(tracked.values()) == {1}
+
+
+def test_bf16_autocast_reaches_the_towers_under_deepspeed_on_cuda():
+    """On CUDA DeepSpeed's wrapper sees the caller's autocast (issue 27): the engine enters
+    train.precision's autocast inside the module, so the towers compute and return bf16 while
+    the weights and their gradients stay fp32."""
+    from torch import nn
+
+    from mmalign.config import load_config
+    from mmalign.data.batch import Batch
+    from mmalign.engine import Engine
+    from mmalign.models import build_model
+    from mmalign.objective import build_objective
+
+    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
+                             "train.warmup_steps=0", "deepspeed.zero_stage=0", "train.precision=bf16"])
+    torch.manual_seed(0)
+    engine = Engine(build_model(cfg.model).cuda(), cfg)
+    seen = []
+    for m in engine.module.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    images = torch.randn(16, 3, 16, 16, device="cuda")
+    tokens = torch.randint(1, 49000, (16, 16), device="cuda")
+    tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
+    out = engine.forward(images, tokens)
+    assert out.image.dtype == out.text.dtype == torch.bfloat16
+    grad_dtypes = set()
+
+    def before_update():
+        grad_dtypes.update(p.grad.dtype for p in engine.module.parameters() if p.grad is not None)
+
+    res = engine.step(Batch(images, tokens), build_objective(cfg), before_update=before_update)
+    assert not res.skipped and set(seen) == {torch.bfloat16}
+    assert grad_dtypes == {torch.float32} and {p.dtype for p in engine.module.parameters()} == {torch.float32}
