@@ -15,6 +15,11 @@ padding mask, returned weights, a boolean mask, bias_k / zero-attention, sequenc
 layout) goes to ``nn.MultiheadAttention.forward`` unchanged.  :func:`pack_self_attention`
 switches the class of a model's plain ``nn.MultiheadAttention`` modules in place:
 parameter names, ``state_dict`` and exports are untouched.
+
+The attention itself runs through :mod:`mmalign.models.attention_kernel` (the SDPA kernel per
+device and dtype).  A module marked by :func:`mark_causal` (the blocks of an open_clip text
+tower whose only mask is its causal one) passes ``is_causal=True`` instead of the additive
+(N, N) mask: the same function, and fused kernels can skip the masked half.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedSelfAttention", "pack_self_attention"]
+from mmalign.models import attention_kernel
+
+__all__ = ["PackedSelfAttention", "pack_self_attention", "mark_causal"]
 
 
 class PackedSelfAttention(nn.MultiheadAttention):
@@ -49,10 +56,13 @@ class PackedSelfAttention(nn.MultiheadAttention):
         h = self.num_heads
         qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3E)
         q, k, v = qkv.view(b, n, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, N, E/H)
-        if attn_mask is not None:
+        causal = False
+        if attn_mask is not None and getattr(self, "causal_mask", False) and attn_mask.shape == (n, n):
+            attn_mask, causal = None, True  # mark_causal: this (N, N) mask is the causal one
+        elif attn_mask is not None:
             attn_mask = attn_mask.to(q.dtype)  # (N, N) additive, as nn.MultiheadAttention reads a float mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                             dropout_p=self.dropout if self.training else 0.0)  # (B, H, N, E/H)
+        out = attention_kernel.attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                         dropout_p=self.dropout if self.training else 0.0)  # (B, H, N, E/H)
         out = out.transpose(1, 2).reshape(b, n, e)  # (B, N, E)
         return F.linear(out, self.out_proj.weight, self.out_proj.bias), None
 
@@ -64,5 +74,29 @@ def pack_self_attention(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.MultiheadAttention:
             module.__class__ = PackedSelfAttention
+            count += 1
+    return count
+
+
+def mark_causal(text: nn.Module) -> int:
+    """Mark the attention modules of ``text`` to pass ``is_causal=True`` for their square mask,
+    when ``text`` is an open_clip ``TextTransformer`` whose blocks receive nothing but its causal
+    mask (no pad mask, no appended class token: open_clip adds those to the mask) and that
+    mask's buffer is exactly the causal pattern (0 on and below the diagonal, -inf above; a slice
+    [:L, :L] of it, as the text trim passes, is causal too). Returns how many were marked."""
+    from open_clip.transformer import TextTransformer
+
+    mask = getattr(text, "attn_mask", None)
+    if (not isinstance(text, TextTransformer) or mask is None or getattr(text, "cls_emb", None) is not None
+            or getattr(text, "use_pad_mask", False) or mask.dim() != 2 or mask.is_meta):
+        return 0
+    n = mask.shape[0]
+    upper = torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)
+    if not (bool(torch.isneginf(mask[upper]).all()) and bool((mask[~upper] == 0).all())):
+        return 0
+    count = 0
+    for module in text.modules():
+        if isinstance(module, PackedSelfAttention):
+            module.causal_mask = True
             count += 1
     return count

@@ -18,7 +18,7 @@ from torch import nn
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import set_patch_dropout
-from mmalign.models.packed_attention import pack_self_attention
+from mmalign.models.packed_attention import mark_causal, pack_self_attention
 from mmalign.models.text_trim import short_context, trim_tokens, trimmable
 from mmalign.models.timm_tower import fit_input_size
 
@@ -58,6 +58,7 @@ class TwoTower(nn.Module):
         # open_clip's blocks call nn.MultiheadAttention: the same function without its layout
         # copies (models/packed_attention.py; parameters and state_dict unchanged)
         pack_self_attention(self)
+        mark_causal(self.text)  # its blocks pass is_causal=True, not the additive mask (same function)
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
         self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
         # models/text_trim.py: a causal, EOT-pooled text tower ignores trailing pad columns, so
