@@ -202,3 +202,20 @@ def test_text_tower_features_and_gradients_equal_the_masked_path(seed):
         if a is not None:
             assert (a - b).abs().max() <= 1e-12
     assert F.cosine_similarity(out, out2).min() > 1 - 1e-12
+
+
+def test_the_measurement_is_invisible_to_saved_tensor_hooks_and_dispatch_modes():
+    """A memory probe's saved-tensor hooks see only the call's own tensors, and under a
+    dispatch mode (a FLOP counter) nothing is measured."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.randn(40, 2, 9, 8, dtype=torch.bfloat16, requires_grad=True)  # measured on 32 rows
+    packed = []
+    with ak.using("auto"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            ak.attention(q, q, q)  # measures (an empty cache), then runs
+        assert packed and not any(len(shape) and shape[0] == 32 for shape in packed), packed  # none of the measurement's
+        ak.clear_cache()
+        with FlopCounterMode(display=False):
+            assert ak.choose(q, q, q) == "default"
+        assert not ak._cache

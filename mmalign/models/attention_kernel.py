@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["MODES", "CANDIDATES", "set_mode", "get_mode", "using", "attention", "choose", "clear_cache"]
 
@@ -93,6 +94,10 @@ def _key(q, k, attn_mask, is_causal: bool, grad: bool) -> tuple:
             attn_mask is not None, grad)
 
 
+def _same(t):
+    return t
+
+
 def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[str, float]:
     """Seconds of one forward (+ backward when ``grad``) per candidate, on a batch slice of at most
     32 rows with fresh random inputs of the call's shape and dtype (best of 2 after a warm-up)."""
@@ -105,7 +110,11 @@ def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[st
 
     mask = None if attn_mask is None else (attn_mask[:rows] if attn_mask.dim() == 4 else attn_mask)
     times = {}
-    with torch.enable_grad() if grad else torch.no_grad():
+    # identity saved-tensor hooks on top of the stack: an outer hook (a memory probe counting the
+    # activations a step saves) does not see the measurement's tensors
+    hide = (torch.autograd.graph.saved_tensors_hooks(_same, _same) if torch._C._autograd._saved_tensors_hooks_is_enabled()
+            else contextlib.nullcontext())
+    with hide, torch.enable_grad() if grad else torch.no_grad():
         for kind in CANDIDATES:
             qs, ks, vs = rand(q), rand(k), rand(v)
             best = float("inf")
@@ -132,6 +141,8 @@ def choose(q, k, v, attn_mask=None, is_causal: bool = False, grad: Optional[bool
         return "default"  # CUDA: flash / memory-efficient; CPU fp32: torch's flash kernel
     if torch.compiler.is_compiling():
         return "default"  # no timing inside a trace; inductor picks its own attention
+    if _get_current_dispatch_mode() is not None:
+        return "default"  # e.g. a FLOP counter: the measurement's kernels would be counted; not cached
     if grad is None:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = _key(q, k, attn_mask, is_causal, grad)
