@@ -219,3 +219,29 @@ def test_the_measurement_is_invisible_to_saved_tensor_hooks_and_dispatch_modes()
         with FlopCounterMode(display=False):
             assert ak.choose(q, q, q) == "default"
         assert not ak._cache
+
+
+def test_fp32_text_tower_is_bit_identical_with_the_causal_flag(seed):
+    """fp32 paths must not change by a single bit: on CPU torch's kernel gives the same bits for
+    is_causal=True as for the additive causal mask (outputs and every text gradient)."""
+    from mmalign.config import ModelConfig
+    from mmalign.models import build_model
+    from tests.conftest import clip_batch
+
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(preset="tiny"))
+    _, tokens = clip_batch(64, seed, context=32)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model.encode_text(tokens)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach().clone(), [p.grad.clone() for p in model.text.parameters() if p.grad is not None]
+
+    marked, marked_grads = run()
+    for m in model.text.modules():
+        if isinstance(m, PackedSelfAttention):
+            m.causal_mask = False
+    plain, plain_grads = run()
+    assert torch.equal(marked, plain)
+    assert len(marked_grads) == len(plain_grads) and all(torch.equal(a, b) for a, b in zip(marked_grads, plain_grads))
