@@ -159,6 +159,9 @@ class TrainConfig:
     # Cut each batch's trailing all-padding token columns before the text tower (causal,
     # EOT-pooled towers only: the same features and gradients, less compute; models/text_trim.py).
     trim_text_padding: bool = True
+    # The towers' attention kernel (models/attention_kernel.py): auto = torch's on CUDA and for
+    # fp32, the fastest measured of flash / math / flash_fp32 on CPU under bf16 / fp16 autocast.
+    attention_kernel: Literal["auto", "default", "flash", "math", "flash_fp32"] = "auto"
 
 
 @dataclass

@@ -5,10 +5,12 @@ encoder can still lower it.  So, on a fixed probe batch, the loop logs the
 per-dimension standard deviation and the effective rank of both modalities and
 raises an alarm in the log when they fall below configured thresholds.  FLOP
 utilisation uses the model FLOPs of forward + backward (3x the forward, counted
-once per sample in train mode with torch's FLOP counter, so patch dropout's
+once per sample in train mode with torch's FLOP counter on the model's device, at
+the full context length, attention's QK^T and AV included, so patch dropout's
 shorter sequences count), whatever caching re-computes, over the peak of all
-devices.  Values that differ by rank (loss, data wait, skipped samples) are made
-global at log steps only (:func:`global_log_values`).
+devices for the dtype the matmuls run in (:func:`matmul_dtype`).  Values that
+differ by rank (loss, data wait, skipped samples) are made global at log steps
+only (:func:`global_log_values`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,64 @@ from mmalign.evaluation.diagnostics import effective_rank, per_dim_std
 
 log = logging.getLogger("mmalign.monitors")
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) for the usual training GPUs.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+# Dense peaks per device (TFLOP/s, datasheet figures without 2:4 sparsity), by the dtype the
+# matmuls run in: bf16 / fp16 on the tensor cores, tf32 (fp32 tensors, TF32 tensor cores:
+# train.tf32), fp32 (exact, the CUDA cores).  Keys match torch.cuda.get_device_name, longest
+# first ("H100 PCIe" before "H100").  A dtype a GPU has no units for is absent (V100: no bf16,
+# so no MFU); pre-Ampere GPUs have no TF32, their "tf32" is the fp32 peak (the flag is a no-op).
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0},  # SXM
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100-PCIE": {"fp16": 112.0, "tf32": 14.0, "fp32": 14.0},
+    "V100": {"fp16": 125.0, "tf32": 15.7, "fp32": 15.7},  # SXM2
+}
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+
+# torch's FLOP counter has formulas for the CUDA attention kernels but not for the CPU one
+# (flash attention for CPU): without these, a CPU count misses QK^T and AV, yet counts them
+# under the math backend (plain bmm).  Analytic formulas make both backends agree.
+_aten = torch.ops.aten
+
+
+def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Forward of softmax(Q K^T) V from the shapes q (B, H, L, E), k (B, Hkv, S, E),
+    v (B, Hkv, S, Ev): the two matmuls Q K^T (B H L S E multiply-adds) and P V (B H L S Ev),
+    2 FLOPs each; a mask (causal or additive) still computes every score, as on the math
+    backend. Softmax and scaling are not matmuls and, as everywhere in the count, not counted."""
+    b, h, length, e = query
+    s, ev = key[-2], value[-1]
+    return 2 * b * h * length * s * (e + ev)
+
+
+def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Backward of the same: a flash kernel keeps no (L, S) probabilities, so it recomputes
+    Q K^T, then dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q: 2.5x the forward at E = Ev,
+    the convention of torch's formulas for the CUDA kernels. (The math backend's autograd
+    keeps P and skips the recompute: 2x. The training count never runs a backward: it is
+    3x the forward, whichever backend runs.)"""
+    b, h, length, e = query
+    s, ev = key[-2], value[-1]
+    return 2 * b * h * length * s * (3 * e + 2 * ev)
+
+
+ATTENTION_FLOP_FORMULAS = {
+    op: formula for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
+                                      ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                                       _attention_backward_flops))
+    if (op := getattr(_aten, name, None)) is not None
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """torch's FLOP counter (matmuls and convolutions, 2 FLOPs per multiply-add) with the CPU
+    attention kernels added (:data:`ATTENTION_FLOP_FORMULAS`)."""
+    return FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
 
 
 @torch.no_grad()
@@ -36,32 +94,44 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     sample (on the model's device, float32), including its second image view and its
     ``negatives`` mined captions when the run embeds them.
 
+    Captions fill all ``context_length`` columns and the trailing-padding trim
+    (``model.trim_text``, models/text_trim.py) is off for the pass, so the text tower counts
+    the configured context length: the model FLOPs of a padded caption, whatever a batch's
+    trim saves.  Attention's matmuls count on every SDPA backend (:func:`flop_counter`).
     Train mode, so patch dropout shrinks the count; the pass leaves no trace: the RNG is
-    forked (the run's dropout stream is unchanged) and every buffer (BatchNorm running
-    statistics) is restored.  A model with BatchNorm gets two samples (train-mode
-    BatchNorm needs more than one value per channel) and the count is halved.
+    forked (the run's dropout stream is unchanged), every buffer (BatchNorm running
+    statistics), the mode and the trim flag are restored.  A model with BatchNorm gets two
+    samples (train-mode BatchNorm needs more than one value per channel) and the count is halved.
     """
-    was_training = model.training
+    # every module's own mode (a run may hold some in eval, e.g. frozen BatchNorm), the trim flag
+    modes, trim = [(m, m.training) for m in model.modules()], getattr(model, "trim_text", None)
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     n = 2 if has_bn else 1
     device = next(model.parameters()).device
     images = torch.zeros(n, 3, image_size, image_size, device=device)
-    tokens = torch.zeros(n, context_length, dtype=torch.long, device=device)
-    tokens[:, 0], tokens[:, 1] = 1, 2  # ids every vocabulary has (an HF or sentencepiece tower's is small)
+    # (n, L): ids every vocabulary has (an HF or sentencepiece tower's is small); no column is
+    # padding (pad id 0), and id 2 last is the argmax (EOT-pooled towers read the last column)
+    tokens = torch.ones(n, context_length, dtype=torch.long, device=device)
+    tokens[:, -1] = 2
     extra = {}
     if second_view and "visual" in towers:
         extra["images2"] = images.clone()
     if negatives and "text" in towers:
         extra["neg_texts"] = tokens[:, None].repeat(1, negatives, 1)  # (n, k, L)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), counter:
             model.train()
+            if trim is not None:
+                model.trim_text = False
             model(images if "visual" in towers else None, tokens if "text" in towers else None, **extra)
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
+        if trim is not None:
+            model.trim_text = trim
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     return float(counter.get_total_flops()) / n
@@ -73,7 +143,8 @@ def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_leng
     forward: gradients of inputs and of weights) of each tower that trains, the forward alone of
     a fully locked one (LiT: no gradient flows into it, so it has no backward at all).  A partly
     locked tower counts as trainable (its backward stops at the lowest unlocked layer; this
-    over-counts it, never under-counts)."""
+    over-counts it, never under-counts).  Text at the full ``context_length``
+    (:func:`forward_flops_per_sample`); ViT-B-16 at 224 px and 77 tokens: ~123 GFLOP."""
     locked = set(model.fully_locked()) if hasattr(model, "fully_locked") else set()
     return sum((1 if tower in locked else 3)
                * forward_flops_per_sample(model, image_size, context_length, second_view=second_view,
@@ -81,16 +152,54 @@ def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_leng
                for tower in ("visual", "text"))
 
 
-def peak_tflops(device: torch.device, configured: float) -> float | None:
-    """The configured peak, else a known GPU's bf16 peak, else None (CPUs vary too much)."""
-    if configured > 0:
-        return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value
+def matmul_dtype(cfg, device: torch.device | str) -> str:
+    """The dtype a run's matmuls run in, one of :data:`DTYPES`, from its config: train.precision's
+    autocast (bf16 / fp16), else deepspeed.precision's low-precision weights (their inputs are
+    cast too), else fp32 tensors: TF32 on a CUDA device with train.tf32 (mmalign/tf32.py sets
+    it there only), exact fp32 otherwise (CPU)."""
+    for precision in (cfg.train.precision, cfg.deepspeed.precision):
+        if precision in ("bf16", "fp16"):
+            return precision
+    return "tf32" if cfg.train.tf32 and torch.device(device).type == "cuda" else "fp32"
+
+
+def _known_gpu(device: torch.device) -> tuple[str, dict[str, float]] | None:
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key in name:
+            return key, GPU_PEAK_TFLOPS[key]
     return None
+
+
+def peak_tflops(device: torch.device | str, configured: float, dtype: str = "bf16") -> float | None:
+    """Peak TFLOP/s of one device for MFU: ``configured`` (monitor.peak_tflops) when > 0, else
+    a known GPU's dense peak in ``dtype`` (:data:`DTYPES`), else None (a CPU: they vary too
+    much; an unknown GPU, or a dtype the GPU has no units for)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if configured > 0:
+        return float(configured)
+    device = torch.device(device)
+    if device.type == "cuda":
+        known = _known_gpu(device)
+        if known is not None:
+            return known[1].get(dtype)
+    return None
+
+
+def describe_peak(device: torch.device | str, configured: float, dtype: str) -> str:
+    """One line for the run's log: which peak MFU is taken over, or why there is none."""
+    device = torch.device(device)
+    peak = peak_tflops(device, configured, dtype)
+    if configured > 0:
+        return f"MFU over monitor.peak_tflops = {peak:g} TFLOP/s per device (matmuls in {dtype})"
+    if peak is not None:
+        return (f"MFU over the {_known_gpu(device)[0]} dense {dtype} peak, {peak:g} TFLOP/s per device "
+                f"(monitor.peak_tflops overrides)")
+    if device.type == "cpu":
+        return f"no peak FLOP/s for a CPU (matmuls in {dtype}): logging achieved GFLOP/s, no MFU"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"no known {dtype} peak for {name}: no MFU (set monitor.peak_tflops)"
 
 
 def mfu(tflops: float, peak_per_device: float | None, world_size: int) -> float | None:

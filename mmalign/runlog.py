@@ -156,7 +156,7 @@ class RunLog:
             for k, v in record.items():
                 if k != "step":
                     self.board.add_scalar(k, v, step)
-        line = progress.train_line(step, self.steps, record, eta)
+        line = progress.train_line(step, self.steps, record, eta) + _throughput(record)
         log.info("%s", line)  # readable; the full record is in metrics.jsonl
         if self.lines:
             print(line, flush=True)
@@ -175,6 +175,23 @@ class RunLog:
     def elapsed(self) -> float:
         """Seconds since the loop started."""
         return time.time() - self.loop_start
+
+
+def _throughput(record: dict) -> str:
+    """The model FLOP rate for the readable line: GFLOP/s on a CPU (the record's ``gflops``: no
+    peak is known there), else TFLOP/s; then MFU where a peak is known. Empty without a rate."""
+    if "gflops" in record:
+        rate = f"  GFLOP/s {_figure(record['gflops'])}"
+    elif "tflops" in record:
+        rate = f"  TFLOP/s {_figure(record['tflops'])}"
+    else:
+        return ""
+    return rate + (f"  MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "")
+
+
+def _figure(value: float) -> str:
+    # one decimal, but three below 1 (a unit-test tower's 0.042 GFLOP/s is not "0.0")
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3f}"
 
 
 def _tensorboard(out: Path):

@@ -35,10 +35,11 @@ from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
 from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
-from mmalign.monitors import (collapse_alarms, global_log_values, mfu, peak_tflops, probe_stats,
-                              train_flops_per_sample)
+from mmalign.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
+                              probe_stats, train_flops_per_sample)
 from mmalign.resume import resume_run
 from mmalign.runlog import RunLog, say
+from mmalign.models import attention_kernel
 from mmalign.tf32 import set_tf32
 
 log = logging.getLogger("mmalign.train")
@@ -149,7 +150,7 @@ class _Parts:
     probe: tuple | None
     objective: object  # mmalign.objective.Objective: the loss terms and their state
     autocast: object  # () -> the autocast context of train.precision
-    peak: float | None  # TFLOP/s of one device, for MFU
+    peak: float | None  # TFLOP/s of one device in the run's matmul dtype, for MFU; None = no MFU
     text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
 
 
@@ -243,6 +244,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
     set_tf32(device, cfg.train.tf32)  # CUDA only; before the model's first matmul
+    attention_kernel.set_mode(cfg.train.attention_kernel)  # CPU bf16: the measured fastest SDPA kernel
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
     return out, suite, device
@@ -264,21 +266,23 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     # weights, taken before DeepSpeed partitions (ZeRO-3) or casts (bf16) the model
     objective = build_objective(cfg, world, model=model, device=device)
     queue = objective.queue  # its state is checkpointed (None without a queue term)
+    model = model.to(device)
+    # exact trailing-padding trim (models/text_trim.py): on the host, before each batch's copy
+    model.trim_text = t.trim_text_padding
+    text_trim = (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
     flops_kw = {"second_view": "image2" in objective.embeddings,
                 "negatives": cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0}
-    # fwd + bwd, train mode: patch dropout (FLIP) counts only the kept tokens; its unmasked steps all of them
+    # fwd + bwd, train mode, on the device (its attention kernels), text at the full context length
+    # (the count turns the trim off): patch dropout (FLIP) counts only the kept tokens; its unmasked
+    # steps all of them
     model_flops = model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length,
                                                                 **flops_kw)
     if cfg.model.patch_dropout:
         model.set_patch_dropout(0.0)
         model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length, **flops_kw)
         model.set_patch_dropout(cfg.model.patch_dropout)
-    model = model.to(device)
-    # exact trailing-padding trim (models/text_trim.py): on the host, before each batch's copy
-    model.trim_text = t.trim_text_padding
-    text_trim = (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters, embed_dim %d, %.2f GFLOP/sample (fwd+bwd)", _model_name(cfg),
+    log.info("model %s: %.2fM parameters, embed_dim %d, %.4g GFLOP/sample (fwd+bwd)", _model_name(cfg),
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
@@ -303,7 +307,9 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-    peak = peak_tflops(device, mon.peak_tflops)
+    flops_dtype = matmul_dtype(cfg, device)  # MFU over the peak of the dtype the matmuls actually run in
+    peak = peak_tflops(device, mon.peak_tflops, flops_dtype)
+    log.info("%s", describe_peak(device, mon.peak_tflops, flops_dtype))
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -358,6 +364,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     elapsed = time.time() - tally.window_start
     sps = tally.window_samples / max(elapsed, 1e-9)
     summed = global_log_values(result.loss, tally.data_wait, batch.skipped)  # collective
+    achieved = tally.window_flops / max(elapsed, 1e-9)  # model FLOP/s of all ranks together
     record = {
         "step": step,
         "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
@@ -365,12 +372,14 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
         "grad_norm": engine.grad_norm(),
         "samples_per_s": sps,
         "data_wait_s": summed.pop("data_wait_s"),  # summed over ranks
-        "tflops": tally.window_flops / max(elapsed, 1e-9) / 1e12,
+        "tflops": achieved / 1e12,
         "skipped_steps": tally.skipped_steps,
         **{k: float(v) for k, v in result.stats.items() if k != "loss"},
         **summed,  # skipped_samples/<reason>, summed over ranks
     }
-    if p.peak:
+    if p.device.type == "cpu":
+        record["gflops"] = achieved / 1e9  # no CPU peak, so no MFU: the achieved rate, at a CPU's scale
+    if p.peak:  # known (a listed GPU in the run's dtype, or monitor.peak_tflops): MFU
         record["mfu"] = mfu(record["tflops"], p.peak, p.world)  # over the peak of all devices
     if p.queue is not None:
         record["queue_fill"] = p.queue.fill

@@ -49,7 +49,7 @@ def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 2, out  # steps 3 and 6
     pattern = (r"step +(\d+)/6 \(\s*\d+%\)  loss \d+\.\d{4}  lr \d\.\d{3}e[+-]\d\d  scale \d+\.\d\d  "
-               r"samples/s \d+\.\d  ETA \d+:\d\d:\d\d")
+               r"samples/s \d+\.\d  ETA \d+:\d\d:\d\d(?:  GFLOP/s \d+\.\d+)?")
     assert [int(re.fullmatch(pattern, s).group(1)) for s in steps] == [3, 6], steps
     both = out + res.stderr
     assert "CUDA_HOME" not in both and "built successfully" not in both and "\r" not in both

@@ -83,18 +83,18 @@ def test_second_view_and_negative_captions_are_embedded_like_separate_calls():
 @pytest.mark.parametrize("lock", ["none", "image", "text"])
 def test_train_flops_count_a_locked_tower_forward_only(lock):
     """fwd + bwd (3x the forward) for a tower that trains; the forward alone for a fully locked
-    one (LiT). Reference: each tower's forward counted here with torch's FlopCounterMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from mmalign.monitors import train_flops_per_sample
+    one (LiT). Reference: each tower's forward at the full context counted here with torch's
+    FlopCounterMode (plus the monitors' formula for the CPU attention kernel, checked against an
+    analytic count in tests/test_monitors_flops.py)."""
+    from mmalign.monitors import flop_counter, train_flops_per_sample
 
     model = build_model(ModelConfig(preset="micro", lock_image=lock == "image", lock_text=lock == "text"))
     size, length = model.image_size, model.context_length
-    images, tokens = torch.zeros(1, 3, size, size), torch.zeros(1, length, dtype=torch.long)
-    tokens[:, 0], tokens[:, 1] = 49406, 49407
+    images, tokens = torch.zeros(1, 3, size, size), torch.ones(1, length, dtype=torch.long)
+    tokens[:, 0], tokens[:, -1] = 49406, 49407  # no padding: nothing is trimmed
     tower = {}
     for name, run in (("image", lambda: model.encode_image(images)), ("text", lambda: model.encode_text(tokens))):
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter:
             run()
         tower[name] = counter.get_total_flops()

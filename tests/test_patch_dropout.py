@@ -111,12 +111,10 @@ def test_the_last_unmasked_steps_come_from_the_step_alone():
 
 def _naive_vit_flops(tokens: int, width: int = 32, patch: int = 4, patches: int = 16, embed: int = 32) -> int:
     """micro's image tower (1 block, MLP ratio 4) for one image, as 2 x multiply-adds: the patch
-    convolution (all patches), per token qkv + out + 2 MLP matrices (2 x 12 d^2), the projection
-    of the class token.  Attention's QK^T and AV (4 N^2 d) are left out: torch's FLOP counter has
-    no formula for the CPU kernel of scaled_dot_product_attention (it counts the GPU ones), so on
-    CPU the monitors' count is this one."""
+    convolution (all patches), per token qkv + out + 2 MLP matrices (2 x 12 d^2), attention's
+    QK^T and AV (4 N^2 d), the projection of the class token."""
     conv = 2 * patches * width * 3 * patch * patch
-    block = 24 * tokens * width ** 2
+    block = 24 * tokens * width ** 2 + 4 * tokens ** 2 * width
     return conv + block + 2 * width * embed
 
 
@@ -127,8 +125,9 @@ def test_forward_flops_count_only_the_kept_tokens(seed):
     full = forward_flops_per_sample(model, 16, 16, towers=("visual",))
     assert masked == _naive_vit_flops(KEPT)
     assert full == _naive_vit_flops(FULL)
-    transformer = [f - _naive_vit_flops(0) for f in (masked, full)]
-    assert transformer[0] / transformer[1] == pytest.approx(KEPT / FULL)  # linear in the kept tokens
+    # the block's matrices are linear in the kept tokens, attention quadratic (4 N^2 d, width 32)
+    linear = [f - _naive_vit_flops(0) - 4 * n ** 2 * 32 for f, n in ((masked, KEPT), (full, FULL))]
+    assert linear[0] / linear[1] == pytest.approx(KEPT / FULL)
 
 
 # ------------------------------------------------------------------ the engine's cached step
