@@ -13,7 +13,9 @@ Parts, each a row group of one table:
 3. the contrastive loss of one rank's 1024 rows against 65536 global columns
    (64 ranks x 1024), untiled and tiled: fwd+bwd time and peak memory;
 4. training-step throughput of the GPU recipe's setting (fp32 weights + bf16
-   autocast, ZeRO-1) with and without gradient caching.
+   autocast, ZeRO-1, TF32 on) with and without gradient caching: bench/gpu_step.py's
+   ``Engine.step``, the step bench/gpu_vs_openclip.py compares with open_clip's, and the
+   dtype the towers really produced (bf16 unless the autocast was lost).
 
 A CUDA device is required unless ``--dry-run`` is given; the dry run uses the
 micro preset and small sizes on the CPU and writes its table only where
@@ -164,44 +166,34 @@ def part_loss(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
 
 
 def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
-    """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1), uncached and cached."""
+    """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1, TF32 on), uncached and cached:
+    bench/gpu_step.py's step, the one bench/gpu_vs_openclip.py times against open_clip."""
     from bf16_accum import _inputs
+    from gpu_step import MmalignStep, tf32_on
 
-    from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
-    from mmalign.models import build_model
-    from mmalign.objective import build_objective
+    def inputs(n, size, context):  # this check's batch: captions of random lengths (padding trimmed)
+        return tuple(t.to(device) for t in _inputs(n, size, context, 0))
 
     rows = []
     for chunk in (0, sizes.step_chunk):
         cfg = _engine_cfg(sizes, f"train.grad_cache_chunk_size={chunk}", "deepspeed.zero_stage=1",
                           "train.precision=bf16", "train.optimizer=adamw", "loss.tile_size=0")
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        images, tokens = (t.to(device) for t in _inputs(sizes.batch, model.image_size, model.context_length, 0))
-        engine = Engine(model.to(device), cfg)
-        objective = build_objective(cfg)
-
-        def autocast():
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-
-        def step():
-            engine.step(Batch(images, tokens), objective, autocast)
-
-        for _ in range(2):
-            step()
-        base = _reset_peak(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(sizes.steps):
-            step()
-        _sync(device)
-        sps = sizes.steps * sizes.batch / (time.perf_counter() - t0)
+        with tf32_on(device):  # train.tf32's default; restored after, so the other parts stay exact fp32
+            step = MmalignStep(cfg, device, inputs)  # the engine enters train.precision's autocast itself
+            for _ in range(2):
+                step()
+            base = _reset_peak(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(sizes.steps):
+                step()
+            _sync(device)
+            sps = sizes.steps * sizes.batch / (time.perf_counter() - t0)
         label = f"{sizes.preset}, batch {sizes.batch}, " + ("uncached" if not chunk else f"cached, chunk {chunk}")
-        rows.append(("step", label, f"{sps:.1f} samples/s, peak {_fmt(_peak_gb(device, base))} GB"))
-        del engine, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        rows.append(("step", label, f"{sps:.1f} samples/s, peak {_fmt(_peak_gb(device, base))} GB, "
+                                    f"tower outputs {step.dtypes.describe()} (image / text)"))
+        step.close()
+        del step
     return rows
 
 
