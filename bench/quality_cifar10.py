@@ -92,6 +92,17 @@ def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, bat
     return [oc, mm]
 
 
+def _bf16_flags() -> str:
+    """What /proc/cpuinfo says about native bf16 (avx512_bf16 / amx_bf16): bf16 figures differ
+    by an order of magnitude between CPUs with and without it."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text(errors="ignore").split())
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return ", ".join(found) + " (native bf16)" if found else "no avx512_bf16 / amx_bf16 (bf16 emulated)"
+
+
 def _say(r: dict) -> None:
     print(f"  {r['tool']:<9} {r['precision']:<9} {r['steps']:>5} steps: zero-shot top-1 {100 * r['acc1']:.2f}%, "
           f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s", flush=True)
@@ -276,7 +287,7 @@ def main() -> None:
     env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
            f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
            f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
-           f"{_version('webdataset')}")
+           f"{_version('webdataset')} · CPU flags: {_bf16_flags()}")
     data_line = (f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random "
                  f"clip_benchmark CIFAR template per image")
     common = (f"tiny towers (ViT 4x128 @32px patch 4, text 4x128) · AdamW lr {args.lr:g}, betas (0.9, 0.98), "
