@@ -117,8 +117,8 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     objective = build_objective(cfg)
     results = {}
     for label, deepspeed_defaults in (("before", True), ("after", False)):
-        def config(c, plan, deepspeed_defaults=deepspeed_defaults):
-            conf = generated(c, plan)
+        def config(c, plan, stage=None, *, deepspeed_defaults=deepspeed_defaults):
+            conf = generated(c, plan, stage)
             if deepspeed_defaults:  # DeepSpeed's defaults: accumulate and reduce in the weight dtype
                 conf.pop("data_types", None)
                 conf.pop("communication_data_type", None)

@@ -140,8 +140,10 @@ def _check_batchnorm(cfg, model, world_size: int) -> None:
     from mmalign.models.batchnorm import check_batchnorm
 
     local = cfg.train.global_batch_size // world_size
-    check_batchnorm(model, cfg.model.batchnorm, chunks=len(chunk_sizes(local, cfg.train.grad_cache_chunk_size)),
-                    world_size=world_size)
+    chunk = cfg.train.grad_cache_chunk_size
+    # auto: chosen per run from a memory measurement (mmalign.memory_plan); the engine checks again with it
+    chunks = len(chunk_sizes(local, chunk)) if isinstance(chunk, int) else 1
+    check_batchnorm(model, cfg.model.batchnorm, chunks=chunks, world_size=world_size)
 
 
 def cmd_eval(args) -> int:

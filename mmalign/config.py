@@ -132,7 +132,12 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd", "lamb"] = "adamw"
     momentum: float = 0.0  # sgd only
     grad_clip: float = 0.0  # max global grad norm; 0 = off
-    grad_cache_chunk_size: int = 0  # 0 = off (wired up with the engine)
+    # exact gradient caching: 0 = off, K = forward K samples at a time; auto = off while the local
+    # batch fits train.memory_budget_gb, else the largest chunk that fits (mmalign/memory_plan.py)
+    grad_cache_chunk_size: Union[int, Literal["auto"]] = 0
+    # GiB per process for a step's activations + loss under grad_cache_chunk_size: auto; 0 = measured
+    # (free GPU memory / this process's share of the available RAM, less gradients and optimizer state)
+    memory_budget_gb: float = 0.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # autocast dtype of the forward pass
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 10
@@ -374,10 +379,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world size {world_size}"
         )
     local = t.global_batch_size // world_size
-    if t.grad_cache_chunk_size < 0 or t.grad_cache_chunk_size > local:
+    if t.grad_cache_chunk_size != "auto" and not 0 <= t.grad_cache_chunk_size <= local:
         raise ConfigError(
-            f"config key 'train.grad_cache_chunk_size' must be in [0, local batch {local}], got {t.grad_cache_chunk_size}"
+            f"config key 'train.grad_cache_chunk_size' must be in [0, local batch {local}] or auto, "
+            f"got {t.grad_cache_chunk_size}"
         )
+    if t.memory_budget_gb < 0:
+        raise ConfigError(f"config key 'train.memory_budget_gb' must be >= 0 (0 = measured), got {t.memory_budget_gb}")
     if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
     if t.compile and cfg.deepspeed.zero_stage == 3:
@@ -617,6 +625,8 @@ def grad_accum_dtype(cfg: Config) -> Optional[str]:
 def _accumulation_steps(cfg: Config, world_size: int) -> int:
     local = cfg.train.global_batch_size // world_size
     chunk = cfg.train.grad_cache_chunk_size
+    if chunk == "auto":  # unknown until measured; checked again once resolved (memory_plan.resolved_config)
+        return 1
     return -(-local // chunk) if chunk else 1
 
 

@@ -50,6 +50,7 @@ from mmalign.gradcache import chunk_sizes, grad_cache_step  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
 from mmalign.models.embeddings import Embeddings  # noqa: E402
 from mmalign.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
+from mmalign.zero_stage import effective_stage  # noqa: E402
 
 log = logging.getLogger("mmalign.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -96,12 +97,20 @@ def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
     if t.global_batch_size % world_size:
         raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible "
                           f"by the world size {world_size}")
+    if not isinstance(t.grad_cache_chunk_size, int):  # auto: a memory measurement, made before the engine
+        raise ValueError("train.grad_cache_chunk_size: auto is resolved before the engine is built "
+                         "(mmalign.memory_plan.resolve_grad_cache_chunk), not by plan_batch")
     local = t.global_batch_size // world_size
     return BatchPlan(t.global_batch_size, world_size, local, tuple(chunk_sizes(local, t.grad_cache_chunk_size)))
 
 
-def ds_config(cfg: Config, plan: BatchPlan) -> dict:
-    """Our config -> DeepSpeed's (the single source of the batch arithmetic)."""
+def ds_config(cfg: Config, plan: BatchPlan, stage: Optional[int] = None) -> dict:
+    """Our config -> DeepSpeed's (the single source of the batch arithmetic).
+
+    ``stage``: the ZeRO stage to run (:func:`mmalign.zero_stage.effective_stage`); None =
+    deepspeed.zero_stage as configured."""
+    configured = cfg.deepspeed.zero_stage
+    stage = configured if stage is None else stage
     precision = cfg.deepspeed.precision
     if precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("config key 'deepspeed.precision': fp16 needs a GPU (use bf16 or fp32 on CPU)")
@@ -112,7 +121,7 @@ def ds_config(cfg: Config, plan: BatchPlan) -> dict:
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.accumulation,
         "gradient_clipping": float(cfg.train.grad_clip),
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -129,11 +138,16 @@ def ds_config(cfg: Config, plan: BatchPlan) -> dict:
         # ... and average them over ranks in fp32: DeepSpeed's default reduces in the weight
         # dtype, which rounds the fp32 sum to bf16 even on one rank and sums ranks in bf16.
         conf["communication_data_type"] = "fp32"
-    if cfg.deepspeed.zero_stage == 3:
+    if stage == 3:
         # Tiny towers: do not keep whole-model copies around for prefetch heuristics.
         conf["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
     # config.validate refused extra keys that contradict the typed ones
-    return _merged(conf, cfg.deepspeed.extra)
+    conf = _merged(conf, cfg.deepspeed.extra)
+    if stage != configured:
+        # ZeRO-0 in place of ZeRO-1/2 on one rank: the extra ZeRO keys left are communication
+        # knobs (zero_stage.MOOT_ON_ONE_RANK), with nothing to act on; the stage is ours
+        conf["zero_optimization"] = {"stage": stage}
+    return conf
 
 
 def _merged(base: dict, extra: dict) -> dict:
@@ -167,11 +181,21 @@ class Engine:
         if t.compile:
             compile_towers(model, t.compile_backend)  # in place: parameter names unchanged for DeepSpeed
         # per-tower lrs and layer-wise decay: each group carries its own lr, which the schedule scales
-        optimizer = build_optimizer(train_param_groups(model, t), t)
+        groups = train_param_groups(model, t)
+        # each group's parameter names, in the optimizer's order: a ZeRO-0 checkpoint's per-parameter
+        # state is indexed by it (mmalign.reshard re-cuts it into ZeRO partitions and back)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.param_group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        optimizer = build_optimizer(groups, t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
         self._output_type = _dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
-        self.ds_config = ds_config(cfg, self.plan)
+        # the stage DeepSpeed runs at: ZeRO-0 for ZeRO-1/2 on one fp32 rank (mmalign.zero_stage);
+        # every stage-dependent path below (LAMB's layout, the clamp, full_params, resharding) reads it
+        self.stage, stage_line = effective_stage(cfg, self.world_size)
+        self.ds_config = ds_config(cfg, self.plan, self.stage)
         if mdist.get_rank() == 0:
+            if stage_line is not None:
+                log.info("%s", stage_line)
             log.info("DeepSpeed config: %s", json.dumps(self.ds_config, sort_keys=True))
         with _without_shm_comm_op():
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -179,13 +203,12 @@ class Engine:
                 dist_init_required=False,
             )
         self.module = self.ds.module
-        if self.world_size == 1 and cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32":
+        if self.world_size == 1 and self.stage == 0 and cfg.deepspeed.precision == "fp32":
             # One rank, fp32 ZeRO-0: DeepSpeed's gradient "all-reduce" would flatten every gradient
             # into one buffer, average it over 1 rank and copy it back (about 7% of a tiny-tower
             # step on CPU, bench/step.py): an identity, skipped.
             self.ds.enable_backward_allreduce = False
         self.base_optimizer = optimizer  # ours; under ZeRO it steps DeepSpeed's flat partitions
-        self.stage = cfg.deepspeed.zero_stage
         if isinstance(optimizer, Lamb) and self.stage >= 1:
             optimizer.set_partition_layout(*self._partition_layout(optimizer), mdist.all_reduce_sum)
         # With bf16/fp16 weights DeepSpeed casts the module; images must follow.
@@ -406,11 +429,15 @@ class Engine:
         (plus :func:`_deepspeed_safe_globals`): DeepSpeed's own checkpoint engine would run
         whatever a planted pickle holds.  All of its resume reads go through
         ``checkpoint_engine.load``, so that one method is swapped for the call.
-        ZeRO partitions written by another world size are re-cut (:mod:`mmalign.reshard`)."""
-        if self.stage >= 1:
-            states = _safe_load(reshard.model_states_file(Path(directory) / tag))
-            if reshard.saved_world_size(states) != self.world_size:
-                # ZeRO's partitions were cut for another world size: consolidate and re-cut them
+        ZeRO partitions written by another world size, and checkpoints written at ZeRO-0 for a
+        ZeRO-1/2/3 engine or the other way round (a one-process run of a zero_stage 1 config
+        runs ZeRO-0, :mod:`mmalign.zero_stage`), are consolidated and re-cut (:mod:`mmalign.reshard`)."""
+        engine_dir = Path(directory) / tag
+        # ZeRO-0 reading a ZeRO-0 checkpoint (no optimizer partition files): DeepSpeed's own loader,
+        # without reading the model-states file (module + optimizer) an extra time
+        if self.stage >= 1 or any(engine_dir.glob("*optim_states.pt")):
+            states = _safe_load(reshard.model_states_file(engine_dir))
+            if reshard.needs_conversion(states, self.stage, self.world_size):
                 reshard.load_resharded(self, Path(directory), tag, consolidate_checkpoint, _safe_load)
                 return {}
         ckpt_engine = self.ds.checkpoint_engine
@@ -666,6 +693,9 @@ def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | Non
         raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
         if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
+            if state_key is not None:  # its optimizer state is per parameter: mmalign.reshard.zero0_moments
+                raise ValueError(f"consolidate_checkpoint: {path} is a ZeRO-0 checkpoint; state_key is for "
+                                 f"ZeRO >= 1 partitions")
             model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)
             if model_file is None:
                 raise FileNotFoundError(f"no model states in {path}")

@@ -16,8 +16,14 @@ universal format; we consolidate it ourselves and re-partition in memory:
 3. the learning-rate schedule and DeepSpeed's step counters come from the
    (world-size independent) model-states file.
 
-ZeRO-0 stores its optimizer whole, so DeepSpeed's own loader already reads it on
-any world size and this module is not used there.  Values are copied, never
+ZeRO-0 stores its optimizer whole (the torch optimizer's per-parameter state in the
+model-states file), so DeepSpeed's own loader reads a ZeRO-0 checkpoint into a ZeRO-0
+engine on any world size.  Between ZeRO-0 and ZeRO >= 1 this module converts, both
+ways: a one-process run of a ``zero_stage: 1`` config runs ZeRO-0 (:mod:`mmalign.zero_stage`)
+and must resume at ZeRO-1 on several ranks, and the other way round.  A ZeRO-0 source
+gives the weights from its module state and the moments per parameter from its optimizer
+state (indexed in the order of :attr:`mmalign.engine.Engine.param_group_names`); a ZeRO-0
+target gets its torch optimizer's state loaded per parameter.  Values are copied, never
 recomputed, so the restored state is the saved one bit for bit and the next step
 matches the uninterrupted run's to reduction order (tests/test_reshard_engine.py).
 Cost: every rank holds the full fp32 weights and moments in CPU memory while it
@@ -53,6 +59,49 @@ def model_states_file(engine_dir: Path) -> Path:
 
 def saved_world_size(model_states: dict) -> int:
     return int(model_states.get("dp_world_size", 1))
+
+
+def saved_zero_stage(model_states: dict) -> int:
+    """The ZeRO stage DeepSpeed ran at when it wrote ``model_states`` (the config it stores)."""
+    conf = model_states.get("ds_config")
+    zero = conf.get("zero_optimization") if isinstance(conf, dict) else None
+    if isinstance(zero, dict):
+        return int(zero.get("stage", 0))
+    # no stored config: DeepSpeed keeps the optimizer in the model states only without ZeRO
+    return 0 if model_states.get("optimizer") is not None else 1
+
+
+def needs_conversion(model_states: dict, stage: int, world_size: int) -> bool:
+    """Whether a checkpoint with ``model_states`` must be consolidated and re-cut for an engine
+    at ZeRO ``stage`` on ``world_size`` ranks (else DeepSpeed's own loader reads it)."""
+    saved = saved_zero_stage(model_states)
+    if (saved == 0) != (stage == 0):  # whole per-parameter state on one side, flat partitions on the other
+        return True
+    return stage >= 1 and saved_world_size(model_states) != world_size  # partitions cut for another world
+
+
+def zero0_moments(optimizer_state: dict, group_names: list[list[str]],
+                  shapes: dict[str, torch.Size]) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """A ZeRO-0 checkpoint's torch optimizer state_dict -> ({state key: {parameter name: full
+    tensor}}, the scalar state of its first entry, e.g. ``step``).
+
+    Its entries are numbered in parameter-group order; ``group_names`` names them in the same
+    order. A moment is a key whose value has the parameter's shape for some multi-element
+    parameter (a 0-dim ``step`` tensor and a scalar parameter's 0-dim moment look alike)."""
+    groups, state = optimizer_state.get("param_groups"), optimizer_state.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise RuntimeError("resharding: the ZeRO-0 checkpoint holds no torch optimizer state_dict")
+    if [len(g["params"]) for g in groups] != [len(names) for names in group_names]:
+        raise RuntimeError(f"resharding: the ZeRO-0 checkpoint's optimizer groups hold "
+                           f"{[len(g['params']) for g in groups]} tensors, this model's "
+                           f"{[len(names) for names in group_names]}")
+    entries = [(name, state[index]) for g, names in zip(groups, group_names)
+               for index, name in zip(g["params"], names) if state.get(index)]
+    keys = sorted({k for name, entry in entries for k, v in entry.items()
+                   if torch.is_tensor(v) and shapes[name].numel() > 1 and v.shape == shapes[name]})
+    moments = {k: {name: entry[k] for name, entry in entries if k in entry} for k in keys}
+    scalars = {k: v for k, v in entries[0][1].items() if k not in keys} if entries else {}
+    return moments, scalars
 
 
 def _module_fragments(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, int, int, int]]:
@@ -104,13 +153,19 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
     ``read(path)`` unpickles one DeepSpeed file safely."""
     engine_dir = Path(directory) / tag
     states = read(model_states_file(engine_dir))
-    optim_files = sorted(engine_dir.glob("*optim_states.pt"))
-    keys, scalars = optimizer_state_keys(read(optim_files[0])) if optim_files else ([], {})
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's consolidation prints per call
-        weights = consolidate(directory, tag)
-        moments = {key: consolidate(directory, tag, state_key=key) for key in keys}
+        weights = consolidate(directory, tag)  # a ZeRO-0 checkpoint: its module state
+        if saved_zero_stage(states) == 0:
+            shapes = {name: w.shape for name, w in weights.items()}
+            moments, scalars = zero0_moments(states["optimizer"], engine.param_group_names, shapes)
+        else:
+            optim_files = sorted(engine_dir.glob("*optim_states.pt"))
+            keys, scalars = optimizer_state_keys(read(optim_files[0])) if optim_files else ([], {})
+            moments = {key: consolidate(directory, tag, state_key=key) for key in keys}
 
-    # this rank's slices: module weights, fp32 master partitions, optimizer moments
+    if engine.stage == 0:
+        _load_whole_optimizer(engine, moments, scalars)
+    # this rank's slices: module weights, fp32 master partitions, optimizer moments (none at ZeRO-0)
     state = engine.base_optimizer.state
     for name, p, partition, offset, start, length in _module_fragments(engine):
         if length <= 0:
@@ -123,7 +178,8 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
         for key, full in moments.items():
             if key not in slot:
                 slot[key] = torch.zeros_like(partition)
-            slot[key].narrow(0, offset, length).copy_(full[name].reshape(-1)[start:start + length])
+            if name in full:  # a ZeRO-0 source has no state for a parameter that never had a gradient
+                slot[key].narrow(0, offset, length).copy_(full[name].reshape(-1)[start:start + length])
         if engine.stage == 3:
             p.ds_tensor.data.narrow(0, 0, length).copy_(flat)
     if engine.stage < 3:  # the module holds the full (fp32 or bf16) weights
@@ -141,6 +197,22 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
     engine.set_step_counters(states["global_steps"],
                              states.get("global_samples", states["global_steps"] * engine.plan.global_batch),
                              states["skipped_steps"])
+
+
+def _load_whole_optimizer(engine, moments: dict[str, dict[str, torch.Tensor]], scalars: dict) -> None:
+    """ZeRO-0: the torch optimizer's state per parameter, from full tensors by name. Loaded
+    through ``load_state_dict``, which puts each tensor on its parameter's device and dtype
+    (and ``step`` where the fused / capturable kernels want it)."""
+    optimizer = engine.base_optimizer
+    current = optimizer.state_dict()  # its param_groups number the parameters in group order
+    params = dict(engine.named_parameters())
+    state = {}
+    for group, names in zip(current["param_groups"], engine.param_group_names):
+        for index, name in zip(group["params"], names):
+            entry = {k: full[name].reshape(params[name].shape).clone() for k, full in moments.items() if name in full}
+            if entry or (scalars and not moments):
+                state[index] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}, **entry}
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
 # ------------------------------------------------------------- trainer state

@@ -45,7 +45,10 @@ RUN_ARTEFACTS = ("checkpoints", "final", "tensorboard", "report", "config.yaml",
 # optimisation or the data order, and a change would splice two experiments into one run.
 RESUMABLE_CHANGES = ("output", "train.steps", "train.eval_every", "train.log_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.max_consecutive_skips", "train.threads", "eval.", "monitor.",
-                     "data.val", "data.max_consecutive_skips", "dist.")
+                     "data.val", "data.max_consecutive_skips", "dist.",
+                     # how the step is computed, not what it computes: the cache chunk the memory
+                     # budget picks (caching is exact) and the attention kernel (the same function)
+                     "train.memory_budget_gb", "train.attention_kernel")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -117,6 +120,10 @@ def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None
     if stored is None:
         return
     old, new = _flat(stored), _flat(to_dict(cfg))
+    # a key the checkpoint's config lacks was added to mmalign after it was written: it ran
+    # with that key's default (a checkpoint from before train.attention_kernel still resumes)
+    defaults = _flat(to_dict(Config()))
+    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     differing = [k for k in sorted(set(old) | set(new))
                  if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
                                                         for r in RESUMABLE_CHANGES)]

@@ -30,6 +30,7 @@ from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
+from mmalign.memory_plan import resolve_grad_cache_chunk, resolved_config
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
@@ -286,13 +287,22 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
     tokenizer = build_tokenizer(model.arch)
 
+    # train.grad_cache_chunk_size: auto -> an integer, measured on every rank, the same on all
+    # (a collective); the engine and the loader are built from it, checkpoints keep the run's cfg
+    chunk, chunk_line = resolve_grad_cache_chunk(cfg, model, objective, tokenizer, device)
+    if chunk_line is not None and main:
+        say(chunk_line)
+    run_cfg = cfg if chunk_line is None else resolved_config(cfg, chunk)
+
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
         say(f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
             f"{world} process{'es' if world > 1 else ''})")
-    engine = Engine(model, cfg)
+    engine = Engine(model, run_cfg)
     if main:
-        say(f"{engine.plan.describe()}, ZeRO stage {cfg.deepspeed.zero_stage}")
+        say(f"{engine.plan.describe()}, ZeRO stage {engine.stage}"
+            + (f" (deepspeed.zero_stage={cfg.deepspeed.zero_stage}: nothing to partition on one process)"
+               if engine.stage != cfg.deepspeed.zero_stage else ""))
     # Per-rank randomness from here on (dropout, patch dropout), as open_clip does: the model's
     # init above is identical on every rank; a resume restores each rank's own RNG state.
     seed_everything(cfg.seed + rank)
@@ -303,7 +313,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
             + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
                                 engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world,
-                                grad_cache_chunk=t.grad_cache_chunk_size, pin_memory=device.type == "cuda")
+                                grad_cache_chunk=chunk, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)

@@ -94,8 +94,8 @@ def _worker(rank: int, world: int, seed: int) -> dict:
     generated = eng.ds_config
     objective = build_objective(cfg)
     for label, deepspeed_defaults in (("before", True), ("after", False)):
-        def config(c, plan, deepspeed_defaults=deepspeed_defaults):
-            conf = generated(c, plan)
+        def config(c, plan, stage=None, *, deepspeed_defaults=deepspeed_defaults):
+            conf = generated(c, plan, stage)
             if deepspeed_defaults:  # accumulate and reduce in the weight dtype, as before
                 del conf["data_types"], conf["communication_data_type"]
             return conf

@@ -133,6 +133,71 @@ def test_a_non_log_step_makes_no_collective_beyond_the_gradients_and_the_guard(s
             assert {"loss", "pos_rank", "top1", "logit_scale"} <= set(stats2), name
 
 
+@contextlib.contextmanager
+def host_reads(calls: list):
+    """Records every read of a tensor's value into Python (what a host sync needs) as (method,
+    the reading frame's file:function), and lets it happen."""
+    names = ("item", "tolist", "__bool__", "__float__", "__int__")
+    real = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            calls.append((name, f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_qualname}"))
+            return real[name](self, *args, **kwargs)
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, counted(n))
+    try:
+        yield calls
+    finally:
+        for n, fn in real.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def _one_rank_worker(rank, world, seed):
+    """One process, fp32: a non-log step's collectives and host reads at each configured stage."""
+    from mmalign.data.batch import Batch
+    from mmalign.engine import Engine
+    from mmalign.models import build_model
+    from mmalign.objective import build_objective
+    from mmalign.train import _Parts, _Tally, _train_step
+
+    class Runlog:
+        def sample_keys(self, step, keys):
+            pass
+
+    counter, results = Collectives(), {}
+    for stage, extra in ((0, ()), (1, ()), (2, ()), (1, ("train.grad_cache_chunk_size=4",)),
+                         (0, ("train.grad_cache_chunk_size=4",)), (1, ("train.grad_clip=1.0",)),
+                         (0, ("train.grad_clip=1.0",))):
+        cfg = engine_cfg(stage, "train.log_every=2", *extra)
+        torch.manual_seed(seed)
+        engine = Engine(build_model(cfg.model), cfg)
+        parts = _Parts(cfg, None, torch.device("cpu"), 1, 1.0, 1.0, 0, None, None, engine, None, None,
+                       build_objective(cfg, 1), contextlib.nullcontext, None)
+        batches = iter([Batch(*engine_batch(seed, 0, 1))])
+        reads = []
+        with counter.counting(), host_reads(reads):
+            _, result = _train_step(parts, 1, batches, _Tally(), Runlog())  # step 1: not a log step
+        results[stage, extra] = (counter.calls, sorted(reads), result.skipped)
+    return results
+
+
+@pytest.mark.integration
+def test_one_rank_zero1_and_zero2_make_no_sync_beyond_zero0s(seed):
+    """One process with fp32 weights runs ZeRO-1/2 configs at ZeRO-0 (mmalign/zero_stage.py): DeepSpeed's
+    ZeRO optimizer made three all_reduces (over one rank) and read its global norm back each step."""
+    out = run_ranks(_one_rank_worker, 1, seed)[0]
+    zero0 = out[0, ()]
+    calls, reads, skipped = zero0
+    assert calls == [] and not skipped  # one rank: the finite-check guard needs no all_reduce either
+    assert ("item", "engine.py:Engine._all_finite") in reads  # the guard's one read (the step's control flow)
+    for (stage, extra), got in out.items():
+        assert got == out[0, extra], (stage, extra, got, out[0, extra])  # ZeRO-0's calls and reads, no more
+
+
 def _clamp_worker(rank, world, seed, ckpt_dir):
     from mmalign.data.batch import Batch
     from mmalign.engine import Engine, consolidate_checkpoint

@@ -178,3 +178,23 @@ def test_files_and_directories_are_synced_before_latest_flips(finished, tmp_path
     assert ("fsync", "latest.tmp") in events[:flip]
     assert ("replace", "step_00000002.tmp", "step_00000002") in events[:flip]
     assert events[flip + 1] == ("fsync", "checkpoints")
+
+
+def test_a_key_added_after_the_checkpoint_compares_as_its_default(tmp_path):
+    """A checkpoint written before a config key existed ran with that key's default: it resumes
+    under the default, and a non-default value of the new key is a change (unless resumable)."""
+    import yaml
+
+    from mmalign import rundir
+    from mmalign.config import load_config, to_dict
+
+    cfg = load_config(None, ["model.preset=micro"])
+    tree = to_dict(cfg)
+    del tree["train"]["trim_text_padding"], tree["train"]["attention_kernel"]  # keys of later releases
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    (ckpt / rundir.CONFIG_FILE).write_text(yaml.safe_dump(tree))
+    rundir.check_resume(cfg, ckpt, 4)  # defaults: the same run
+    rundir.check_resume(load_config(None, ["model.preset=micro", "train.attention_kernel=math"]), ckpt, 4)
+    with pytest.raises(ConfigError, match="train.trim_text_padding: True -> False"):
+        rundir.check_resume(load_config(None, ["model.preset=micro", "train.trim_text_padding=false"]), ckpt, 4)

@@ -14,10 +14,25 @@ import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 
+# device -> (mean, std), each (1, 3, 1, 1) float32 on it: built once per device, since building
+# them from Python floats is a blocking host-to-device copy on CUDA (a per-batch stall otherwise)
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    found = _CONSTANTS.get(device)
+    if found is None:
+        # ordinary tensors even when first asked for under inference_mode (they serve training too)
+        with torch.inference_mode(False):
+            mean = torch.tensor(OPENAI_DATASET_MEAN, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+            std = torch.tensor(OPENAI_DATASET_STD, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        found = _CONSTANTS.setdefault(device, (mean, std))  # two threads racing keep one pair
+    return found
+
+
 def normalize_images(images: torch.Tensor) -> torch.Tensor:
     """uint8 (B, 3, H, W) -> float32 (B, 3, H, W), CLIP-normalised, on the images' device."""
-    mean = torch.tensor(OPENAI_DATASET_MEAN, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(OPENAI_DATASET_STD, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
+    mean, std = _constants(images.device)  # (1, 3, 1, 1) each, read only
     return images.to(torch.float32).div_(255).sub_(mean).div_(std)
 
 

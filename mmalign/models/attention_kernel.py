@@ -86,12 +86,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _key(q, k, attn_mask, is_causal: bool, grad: bool) -> tuple:
+def _key(q, k, attn_mask, is_causal: bool) -> tuple:
     # shape class: batch and sequence lengths rounded up to powers of two (the text trim varies
     # the length from batch to batch; one measurement serves the whole class)
     b, h, n, d = q.shape
     return (q.device.type, q.dtype, _pow2(b), h, _pow2(n), _pow2(k.shape[-2]), d, is_causal,
-            attn_mask is not None, grad)
+            attn_mask is not None)
 
 
 def _same(t):
@@ -129,9 +129,14 @@ def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[st
     return times
 
 
-def choose(q, k, v, attn_mask=None, is_causal: bool = False, grad: Optional[bool] = None,
+def choose(q, k, v, attn_mask=None, is_causal: bool = False,
            timer: Optional[Callable[..., dict]] = None) -> str:
     """The kernel for this call: a candidate name, or 'default' (torch's choice).
+
+    One choice per shape class whether or not the call records gradients: gradient caching
+    runs each chunk once without and once with gradients, and both passes must compute the
+    same representations bit for bit, so they must run the same kernel. The candidates are
+    timed forward + backward (training is what the choice is for).
 
     ``timer``: ``(q, k, v, attn_mask, is_causal, grad) -> {candidate: seconds}`` (tests inject one)."""
     mode = _state["mode"]
@@ -143,20 +148,17 @@ def choose(q, k, v, attn_mask=None, is_causal: bool = False, grad: Optional[bool
         return "default"  # no timing inside a trace; inductor picks its own attention
     if _get_current_dispatch_mode() is not None:
         return "default"  # e.g. a FLOP counter: the measurement's kernels would be counted; not cached
-    if grad is None:
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    key = _key(q, k, attn_mask, is_causal, grad)
+    key = _key(q, k, attn_mask, is_causal)
     with _lock:
         if key in _cache:
             return _cache[key]
     with torch.random.fork_rng(devices=[]):  # the measurement draws nothing from the run's streams
-        times = (timer or _time_candidates)(q, k, v, attn_mask, is_causal, grad)
+        times = (timer or _time_candidates)(q, k, v, attn_mask, is_causal, True)
     best = min(times, key=times.get)
     with _lock:
         _cache[key] = best
-    log.info("attention kernel for %s %s%s%s: %s (%s)", tuple(q.shape), str(q.dtype).replace("torch.", ""),
-             ", causal" if is_causal else "", ", fwd+bwd" if grad else ", fwd",
-             best, ", ".join(f"{k_} {t * 1e3:.2f} ms" for k_, t in times.items()))
+    log.info("attention kernel for %s %s%s: %s (fwd+bwd %s)", tuple(q.shape), str(q.dtype).replace("torch.", ""),
+             ", causal" if is_causal else "", best, ", ".join(f"{k_} {t * 1e3:.2f} ms" for k_, t in times.items()))
     return best
 
 
