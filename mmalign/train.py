@@ -313,7 +313,10 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
             + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
                                 engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world,
-                                grad_cache_chunk=chunk, pin_memory=device.type == "cuda")
+                                # the configured chunk, not auto's choice: the workers' pieces (and
+                                # so the loader's resumable state) follow the config alone
+                                grad_cache_chunk=t.grad_cache_chunk_size if isinstance(t.grad_cache_chunk_size, int)
+                                else 0, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)

@@ -67,60 +67,82 @@ def _rel(got: dict, want: dict) -> float:
     return (num / den) ** 0.5
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(cuda_like_autocast_check, stage, seed):
+def _cuda_like_check():
+    """:func:`cuda_like_autocast_check` for a spawned rank (no monkeypatch fixture there)."""
+    def check(*args, **kwargs):
+        if args or kwargs:
+            return _real_is_autocast_enabled(*args, **kwargs)
+        return _real_is_autocast_enabled("cpu")
+
+    torch.is_autocast_enabled = check
+
+
+def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
+    """One step of a bf16-autocast engine under the simulated CUDA check, in its own process:
+    building a ZeRO-3 engine leaves DeepSpeed's hooks behind, so neither the references (taken
+    first, on a copy of the same initial weights) nor later tests share a process with it."""
     from mmalign.data.batch import Batch
     from mmalign.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
-    assert torch.is_autocast_enabled() is False
+    _cuda_like_check()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.is_autocast_enabled() is True  # the simulation: DeepSpeed's check now sees it
-
+        simulated = torch.is_autocast_enabled() is True  # the simulation: DeepSpeed's check now sees it
     cfg = engine_cfg(stage, "train.precision=bf16", "deepspeed.precision=fp32", "train.optimizer=sgd",
                      "train.lr=0.1", "train.warmup_steps=0", "train.weight_decay=0.0", "loss.tile_size=0")
     torch.manual_seed(seed)
     model = build_model(cfg.model)
-    reference = copy.deepcopy(model)
     images, tokens = engine_batch(seed, 0, 1)
+    plain = _plain_autocast_grads(copy.deepcopy(model), images, tokens)  # before any DeepSpeed engine
+    exact = _fp32_grads(copy.deepcopy(model), images, tokens)
     engine = Engine(model, cfg)
     objective = build_objective(cfg)
     seen, handles = _linear_output_dtypes(engine.module)
     before = {k: v.clone() for k, v in engine.full_params(master=True).items()}
-    grads = {}
+    grads, grad_dtypes = {}, set()
 
     def before_update():
-        grads.update(engine.full_grads())  # float() copies: read the dtype from the module below
-        if stage == 0:
-            dtypes = {p.grad.dtype for p in engine.module.parameters() if p.grad is not None}
-            assert dtypes == {torch.float32}, dtypes  # fp32 gradient sums (#13)
+        grads.update(engine.full_grads())  # float() copies: the dtypes are read from the module
+        grad_dtypes.update(p.grad.dtype for p in engine.module.parameters() if p.grad is not None)
 
     lr = engine.lr
     result = engine.step(Batch(images, tokens), objective, before_update=before_update)  # config's autocast
     for h in handles:
         h.remove()
-    assert not result.skipped
-    assert seen and set(seen) == {torch.bfloat16}, set(seen)  # every Linear of both towers ran in bf16
-    assert {p.dtype for p in engine.module.parameters()} == {torch.float32}  # weights stay fp32
-    if stage == 1:  # ZeRO-1 keeps the fp32 master partition and sums gradients into fp32 buffers
-        opt = engine.ds.optimizer
-        assert {t.dtype for t in opt.single_partition_of_fp32_groups} == {torch.float32}
-        assert {t.grad.dtype for t in opt.single_partition_of_fp32_groups if t.grad is not None} <= {torch.float32}
+    masters = ({t.dtype for t in engine.ds.optimizer.fp32_partitioned_groups_flat} if stage == 3
+               else {p.dtype for p in engine.module.parameters()})
     after = engine.full_params(master=True)
-    assert {t.dtype for t in after.values()} == {torch.float32}
+    return {"simulated": simulated, "skipped": result.skipped, "stage": engine.stage, "seen": set(seen),
+            "grad_dtypes": grad_dtypes, "weights": {p.dtype for p in engine.module.parameters()},
+            "masters": masters, "after_dtypes": {t.dtype for t in after.values()},
+            "err_plain": _rel(grads, plain), "err_fp32": _rel(grads, exact), "plain_fp32": _rel(plain, exact),
+            "update_err": _rel({k: after[k] - before[k] for k in plain}, {k: -lr * plain[k] for k in plain}),
+            "update_own": _rel({k: after[k] - before[k] for k in grads}, {k: -lr * grads[k] for k in grads})}
 
-    # the step is the plain-PyTorch autocast step: same gradient, same SGD update
-    plain = _plain_autocast_grads(reference, images, tokens)
-    exact = _fp32_grads(copy.deepcopy(reference).float(), images, tokens)
-    err_plain, err_fp32 = _rel(grads, plain), _rel(grads, exact)
-    print(f"ZeRO-{stage}: engine vs plain bf16 autocast {err_plain:.2e}; vs fp32 {err_fp32:.2e}; "
-          f"plain bf16 vs fp32 {_rel(plain, exact):.2e}")
-    assert err_plain <= 1e-5, err_plain  # the same bf16 computation (only summation order may differ)
-    assert 1e-4 < err_fp32 <= 5e-2, err_fp32  # really bf16 (not fp32), within bf16's bound of the fp32 gradient
-    update = {k: after[k] - before[k] for k in plain}
-    want = {k: -lr * plain[k] for k in plain}
-    assert _rel(update, want) <= 2e-3
+
+@pytest.mark.parametrize("stage", [0, 3])  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/zero_stage.py); 3 keeps its stage
+def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stage, seed):
+    from tests.conftest import run_ranks
+
+    r = run_ranks(_autocast_worker, 1, stage, seed)[0]
+    print(f"ZeRO-{stage}: engine vs plain bf16 autocast {r['err_plain']:.2e}; vs fp32 {r['err_fp32']:.2e}; "
+          f"plain bf16 vs fp32 {r['plain_fp32']:.2e}; update vs plain SGD {r['update_err']:.2e}")
+    assert r["simulated"] and not r["skipped"] and r["stage"] == stage
+    assert r["seen"] == {torch.bfloat16}, r["seen"]  # every Linear of both towers ran in bf16
+    if stage == 0:
+        assert r["grad_dtypes"] == {torch.float32}, r["grad_dtypes"]  # fp32 gradient sums (#13)
+    assert r["weights"] == r["masters"] == r["after_dtypes"] == {torch.float32}  # weights and masters fp32
+    assert 1e-4 < r["err_fp32"] <= 5e-2, r["err_fp32"]  # really bf16 (not fp32), within bf16's bound
+    assert r["update_own"] <= 2e-3, r["update_own"]  # SGD on the fp32 gradients it reports
+    if stage == 0:  # the plain-PyTorch autocast step: the same gradient (measured ~1e-8), the same update
+        assert r["err_plain"] <= 1e-5 and r["update_err"] <= 2e-3, r
+    else:
+        # ZeRO-3 swaps torch's linear for DeepSpeed's own autograd function (LinearFunctionForZeroStage3,
+        # which gathers the partitioned weight; its backward runs under the forward's autocast):
+        # another bf16 rounding of the same step, measured 9e-3 from the plain one and 8e-3 from
+        # fp32 (plain: 1.1e-2), held to bf16's bound
+        assert r["err_plain"] <= 3e-2, r["err_plain"]
 
 
 def test_the_old_call_shape_is_caught(cuda_like_autocast_check, seed):
