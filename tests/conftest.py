@@ -49,6 +49,20 @@ def pick_seed(default: int) -> int:
     return seed
 
 
+_TORCH_LINEAR = F.linear
+
+
+@pytest.fixture(autouse=True)
+def _torch_linear_restored():
+    """A DeepSpeed ZeRO-3 engine replaces ``torch.nn.functional.linear`` with its own autograd
+    function for the rest of the process (deepspeed/runtime/zero/partition_parameters.py); a
+    test that builds one in-process must not change the arithmetic and saved tensors of the
+    tests after it."""
+    yield
+    if F.linear is not _TORCH_LINEAR:
+        F.linear = _TORCH_LINEAR
+
+
 @pytest.fixture(autouse=True)
 def seed(request) -> int:
     """Every test's one seed (derive the others from it, so that one replay line replays them all).
