@@ -46,6 +46,7 @@ import torch
 from mmalign import distributed as mdist
 from mmalign.errors import ConfigError
 from mmalign.losses.tile_choice import resolve_tile, tiled_bytes, untiled_bytes
+from mmalign.models.probe_pass import traceless_training
 
 AUTO = "auto"
 GIB = 2**30
@@ -137,12 +138,8 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, autocast) -> int:
                 record.add(a)
 
     hooks = [b.register_forward_pre_hook(keep_input) for b in _checkpointed_blocks(model)]
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    was_training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            model.train()
+        with traceless_training(model), torch.enable_grad():  # modes, buffers and RNG restored after
             with torch.autograd.graph.saved_tensors_hooks(record.pack, lambda t: t), autocast():
                 out = model(**inputs)
             total = record.bytes
@@ -150,11 +147,6 @@ def saved_bytes(model: torch.nn.Module, inputs: dict, autocast) -> int:
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
     return total
 
 

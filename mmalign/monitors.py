@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mmalign import distributed as mdist
 from mmalign.evaluation.diagnostics import effective_rank, per_dim_std
+from mmalign.models.probe_pass import traceless_training
 
 log = logging.getLogger("mmalign.monitors")
 
@@ -103,8 +104,7 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     statistics), the mode and the trim flag are restored.  A model with BatchNorm gets two
     samples (train-mode BatchNorm needs more than one value per channel) and the count is halved.
     """
-    # every module's own mode (a run may hold some in eval, e.g. frozen BatchNorm), the trim flag
-    modes, trim = [(m, m.training) for m in model.modules()], getattr(model, "trim_text", None)
+    trim = getattr(model, "trim_text", None)
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     n = 2 if has_bn else 1
     device = next(model.parameters()).device
@@ -118,22 +118,15 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
         extra["images2"] = images.clone()
     if negatives and "text" in towers:
         extra["neg_texts"] = tokens[:, None].repeat(1, negatives, 1)  # (n, k, L)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
     counter = flop_counter()
-    devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), counter:
-            model.train()
+        with traceless_training(model), counter:  # modes, buffers and RNG restored after
             if trim is not None:
                 model.trim_text = False
             model(images if "visual" in towers else None, tokens if "text" in towers else None, **extra)
     finally:
-        for module, training in modes:
-            module.training = training
         if trim is not None:
             model.trim_text = trim
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
     return float(counter.get_total_flops()) / n
 
 
