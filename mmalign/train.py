@@ -319,16 +319,13 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
                                 else 0, pin_memory=device.type == "cuda")
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
     flops_dtype = matmul_dtype(cfg, device)  # MFU over the peak of the dtype the matmuls actually run in
     peak = peak_tflops(device, mon.peak_tflops, flops_dtype)
     log.info("%s", describe_peak(device, mon.peak_tflops, flops_dtype))
-
-    def autocast():
-        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
+    # train.precision's autocast: the engine's own (entered inside DeepSpeed's call), also for the
+    # momentum queue's EMA encoder, which runs outside the engine
     return _Parts(cfg, out, device, world, model_flops, model_flops_unmasked, model.embed_dim, tokenizer, queue,
-                  engine, loader, probe, objective, autocast, peak, text_trim)
+                  engine, loader, probe, objective, engine.autocast, peak, text_trim)
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
