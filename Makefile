@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { echo "mmalign: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "mmalign: installing mmalign and its dependencies (torch, DeepSpeed, open_clip, transformers, ...) into $(VENV):"
-	@echo "mmalign:   about 6.6 GB on disk; 3-4 min on 2 cores from a local wheel cache, longer when downloading. pip's progress follows."
+	@echo "mmalign:   about 6.6 GB on disk; 1-4 min on 2 cores with the wheels cached locally, longer when downloading them. pip's progress follows."
 	@start=$$(date +%s) \
 	  && $(BIN)/python -m pip install --progress-bar on --upgrade pip \
 	  && $(BIN)/python -m pip install --progress-bar on -e '.[test]' \
