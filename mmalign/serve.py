@@ -3,6 +3,7 @@
     GET  /                                       -> a search page (HTML, self-contained)
     GET  /health                                 -> {"ok": true, "dim": D, "indexes": ["image", "text"]}
     GET  /search?text=a+red+circle&k=10[&against=image|text][&dedupe=false]   -> JSON hits
+    GET  /search?key=cat_0001&k=10[&against=...][&dedupe=...]  -> hits like an indexed item's image
     POST /search?k=10[&against=...][&dedupe=...]   body = image bytes           -> JSON hits
     GET  /thumb?row=N[&size=128]                 -> a JPEG thumbnail of a hit's image, read from its shard
 
@@ -17,11 +18,13 @@ image's pixels (``max_pixels``, read from its header before it is decoded) and a
 thumbnail's side (``max_thumb``) and source image (``max_body`` bytes).  Thumbnails show
 dataset images, so they are only served to a loopback client, whatever the bind address.
 
-One thread per connection (``ThreadingHTTPServer``), so an idle or slow client cannot
-hold up the others; every socket read gives up after ``timeout`` seconds.  The model
-and the FAISS indexes sit behind one lock (queries are short; images are decoded
-before taking it).  A ``Host`` header other than the bound address or localhost is
-refused: a web page cannot reach the server through a DNS name rebound to 127.0.0.1.
+Connections are read by one thread and answered by a fixed pool of ``workers``
+(:mod:`mmalign.serve_loop`): a slow or idle client holds a socket, never a thread.  A
+request must arrive whole within ``timeout`` seconds (else 408), a body over ``max_body``
+gets a 413 the client can read, and at most ``max_connections`` are open at once (more
+wait in the listen backlog).  The model and the FAISS indexes sit behind one lock
+(queries are short; images are decoded before taking it).  A ``Host`` header other than
+the bound address or localhost is refused: a web page cannot reach the server through a DNS name rebound to 127.0.0.1.
 Each request writes one access-log line (client, method, path, status, milliseconds)
 to stderr, or to the ``access_log`` callable given to :func:`make_server`.
 """
@@ -36,11 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.errors import UsageError, UserError
 from mmalign.search import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
+from mmalign.serve_key import key_vector
+from mmalign.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
 from mmalign.serve_page import PAGE
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -81,13 +85,7 @@ def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr looked up per line: it may be replaced
 
 
-def _printable(text: str, limit: int = 200) -> str:
-    """A request path for the log: bounded, no control characters (no forged log lines)."""
-    text = text[:limit] + ("..." if len(text) > limit else "")
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(PooledRequestHandler):
     searcher: Searcher
     lock: threading.Lock
     max_k: int
@@ -96,7 +94,6 @@ class _Handler(BaseHTTPRequestHandler):
     max_pixels: int
     max_thumb: int
     access_log: Callable[[str], None]
-    timeout = 10.0  # seconds per socket read (StreamRequestHandler sets it on the connection)
 
     def log_message(self, fmt, *args):  # http.server's own lines are replaced by one access line per request
         pass
@@ -108,8 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command is None and self._status is None:
             return  # the client closed or stalled before sending a request
         ms = 1000 * (time.monotonic() - start)
-        self.access_log(f"{self.client_address[0]} {_printable(self.command or '-')} "
-                        f"{_printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms")
+        self.access_log(f"{self.client_address[0]} {printable(self.command or '-')} "
+                        f"{printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms")
 
     def send_response(self, code, message=None):
         self._status = code
@@ -131,7 +128,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _params(self) -> tuple[str, dict]:
         parts = urlsplit(self.path)
-        return parts.path, {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        # a blank value is as good as absent (a form's empty field), but `key=` is a key query's mistake
+        pairs = parse_qs(parts.query, keep_blank_values=True).items()
+        return parts.path, {k: v[-1] for k, v in pairs if v[-1] or k == "key"}
 
     def _check_host(self) -> None:
         name = _host_name(self.headers.get("Host", ""))
@@ -189,6 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._thumb(params)
         if path != "/search":
             return self._reply(404, {"error": f"no route {path}"})
+        if "key" in params:
+            return self._by_key(params)
         text = params.get("text", "")
         if not text or len(text) > self.max_text:
             raise UsageError(f"text must be 1..{self.max_text} characters")
@@ -197,6 +198,22 @@ class _Handler(BaseHTTPRequestHandler):
         with self.lock:
             hits = self.searcher.text(text, k, against, dedupe=dedupe)
         return self._reply(200, {"query": text, "hits": [asdict(h) for h in hits]})
+
+    def _by_key(self, params: dict) -> None:
+        """"More like this": the indexed item's own image vector is the query (no model needed)."""
+        key = params["key"]
+        if not key or len(key) > self.max_text:
+            raise UsageError(f"key must be 1..{self.max_text} characters")
+        if "text" in params:
+            raise UsageError("give text or key, not both")
+        k, against = self._k_against(params)
+        dedupe = self._dedupe(params)
+        with self.lock:
+            vector = key_vector(self.searcher, key)  # None: no such key
+            if vector is None:
+                raise _Refused(404, f"no indexed image has key {printable(key, 100)!r}")
+            hits = self.searcher.search_vectors(vector[None], k, against, dedupe)[0]
+        return self._reply(200, {"key": key, "hits": [asdict(h) for h in hits]})
 
     def _thumb(self, params: dict) -> None:
         from PIL import Image
@@ -257,17 +274,17 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a stuck client never keeps the process alive
-    request_queue_size = 128  # listen() backlog (socketserver's default is 5)
-
-
 def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *, max_k: int = 100,
                 max_text: int = 1000, max_body: int = 8 << 20, max_pixels: int = MAX_QUERY_PIXELS,
-                max_thumb: int = 256, timeout: float = 10.0,
-                access_log: Callable[[str], None] | None = None) -> ThreadingHTTPServer:
-    """A threaded HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
+                max_thumb: int = 256, timeout: float = 10.0, workers: int = 8, max_connections: int = 256,
+                access_log: Callable[[str], None] | None = None) -> PooledHTTPServer:
+    """An HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
+    ``timeout``: the seconds a request has to arrive whole, and its reply to be written;
+    ``workers``: the threads that answer requests; ``max_connections``: open at once.
     ``access_log`` receives one line per request (default: stderr)."""
+    if workers < 1 or max_connections < 1 or not timeout > 0:
+        raise UsageError(f"serve: workers ({workers}) and max_connections ({max_connections}) must be >= 1 "
+                         f"and timeout ({timeout}) > 0")
     log_lock = threading.Lock()
     write = access_log or _stderr_line
 
@@ -278,9 +295,10 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
     handler = type("Handler", (_Handler,), {
         "searcher": searcher, "lock": threading.Lock(), "max_k": int(max_k), "max_text": int(max_text),
         "max_body": int(max_body), "max_pixels": int(max_pixels), "max_thumb": int(max_thumb),
-        "timeout": float(timeout), "access_log": staticmethod(log_line)})
+        "access_log": staticmethod(log_line)})
     try:
-        return _Server((host, int(port)), handler)
+        return PooledHTTPServer((host, int(port)), handler, workers=workers, max_connections=max_connections,
+                                timeout=timeout, max_body=max_body, access_log=log_line)
     except (OSError, OverflowError) as e:
         why = getattr(e, "strerror", None) or e
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None

@@ -6,18 +6,29 @@ server's Content-Security-Policy forbids any other origin).  It only talks to th
 server's own JSON endpoints: ``/health`` once (which indexes exist), ``/search`` per
 query, ``/thumb`` per result row.  Text from the index (captions, keys, paths) is
 inserted with ``textContent``, never as HTML.
+
+A search lives in the page's URL, so it can be linked, reloaded and gone back to:
+``/?q=TEXT`` (a text query) or ``/?key=KEY`` (an indexed item's image: each hit's "more
+like this"), with ``&k=N&mode=image|text[&dedupe=false]`` (``mode`` is the JSON route's
+``against``).  The page runs the URL's search on load, and each new search adds a history
+entry.  An image file chosen in the form is posted to ``POST /search`` (it cannot live in
+the URL).  Thumbnails are shown at 128 CSS pixels, small dataset images upscaled.
 """
 
 from __future__ import annotations
 
 # `mmalign serve --help`'s description (kept here, free of heavy imports, for the parser)
-ROUTES_HELP = """Answer search queries over HTTP, one thread per connection, local only by default.
+ROUTES_HELP = """Answer search queries over HTTP (a fixed pool of worker threads; a request must arrive
+within 10 s, else 408), local only by default.
 
 routes:
-  GET  /                     a search page: type a query, see rows with thumbnails
+  GET  /                     a search page: type a query or pick an image, see rows with thumbnails
+                             (/?q=TEXT or /?key=KEY, &k=N&mode=image|text: a search as a link)
   GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"]}
   GET  /search?text=...&k=10[&against=image|text][&dedupe=false]
                              JSON {"query", "hits": [{rank, key, caption, score, row, source_path}]}
+  GET  /search?key=KEY&k=10[&against=...][&dedupe=...]
+                             "more like this": the indexed item KEY's image is the query
   POST /search?k=10[&against=image|text][&dedupe=false]   body = the image file's bytes
                              an image query, e.g.
                              curl --data-binary @query.jpg 'http://127.0.0.1:8765/search?k=5'
@@ -35,7 +46,7 @@ PAGE = """<!doctype html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>mmalign search</title>
 <style>
-  body { font: 15px/1.4 system-ui, sans-serif; margin: 1.5rem auto; max-width: 60rem; padding: 0 1rem; color: #222; }
+  body { font: 15px/1.4 system-ui, sans-serif; margin: 1.5rem auto; max-width: 64rem; padding: 0 1rem; color: #222; }
   h1 { font-size: 1.3rem; margin: 0 0 1rem; }
   form { display: flex; gap: .5rem; flex-wrap: wrap; align-items: center; }
   #q { flex: 1 1 20rem; font-size: 1rem; padding: .4rem .6rem; }
@@ -45,34 +56,41 @@ PAGE = """<!doctype html>
   table { border-collapse: collapse; width: 100%; }
   td, th { padding: .3rem .5rem; border-bottom: 1px solid #ddd; text-align: left; vertical-align: middle; }
   td.num { text-align: right; font-variant-numeric: tabular-nums; }
-  td.thumb { width: 100px; height: 100px; text-align: center; }
-  td.thumb img { max-width: 96px; max-height: 96px; }
+  td.thumb { width: 136px; height: 136px; text-align: center; }
+  /* dataset images are often small: shown at 128 px whatever their size (upscaled, aspect kept) */
+  td.thumb img { width: 128px; height: 128px; object-fit: contain; background: #f4f4f4; }
   td.source { color: #555; font-size: .9em; word-break: break-all; }
+  td.more a { white-space: nowrap; }
 </style>
 </head>
 <body>
 <h1>mmalign search</h1>
 <form id="form" autocomplete="off">
-  <input id="q" name="text" type="search" placeholder="describe an image, then press Enter" autofocus required
+  <input id="q" name="q" type="search" placeholder="describe an image, then press Enter" autofocus
          maxlength="1000">
-  <select id="against" title="search the image index or the caption index">
+  <select id="mode" name="mode" title="search the image index or the caption index">
     <option value="image">images</option>
     <option value="text">captions</option>
   </select>
   <label title="fold identical captions into their best-scoring copy">
     <input id="dedupe" type="checkbox" checked> distinct captions</label>
-  <label>k <input id="k" type="number" value="12" min="1" max="100"></label>
+  <label>k <input id="k" name="k" type="number" value="12" min="1" max="100"></label>
   <button type="submit">Search</button>
+  <label title="search with an image file instead of text">or an image:
+    <input id="image" type="file" accept="image/*"></label>
 </form>
 <p id="status"></p>
 <table>
-  <thead><tr><th>#</th><th>image</th><th>score</th><th>caption</th><th>source</th></tr></thead>
+  <thead><tr><th>#</th><th>image</th><th>score</th><th>caption</th><th>source</th><th></th></tr></thead>
   <tbody id="results"></tbody>
 </table>
 <script>
 "use strict";
+// A search lives in the page's URL: ?q=TEXT or ?key=KEY (an indexed item: "more like this"),
+// with &k=N&mode=image|text[&dedupe=false]; loading such a URL runs its search.
 const $ = (id) => document.getElementById(id);
 const status = $("status"), results = $("results");
+let latest = 0;  // the newest search: an older reply arriving late is dropped
 
 function say(text, error) {
   status.textContent = text;
@@ -86,52 +104,129 @@ function cell(text, cls) {
   return td;
 }
 
-function row(hit) {
+function settings() {
+  return {k: $("k").value || "12", mode: $("mode").value, dedupe: $("dedupe").checked};
+}
+
+function pageUrl(state) {  // the address bar's form of a search
+  const params = new URLSearchParams();
+  if (state.key) params.set("key", state.key); else if (state.q) params.set("q", state.q);
+  params.set("k", state.k);
+  params.set("mode", state.mode);
+  if (!state.dedupe) params.set("dedupe", "false");
+  return "/?" + params.toString();
+}
+
+function fromUrl() {
+  const p = new URLSearchParams(location.search);
+  const state = {q: p.get("q") || "", key: p.get("key") || "", k: p.get("k") || "12",
+                 mode: p.get("mode") === "text" ? "text" : "image", dedupe: p.get("dedupe") !== "false"};
+  $("q").value = state.q;
+  $("k").value = state.k;
+  $("mode").value = state.mode;
+  $("dedupe").checked = state.dedupe;
+  return state;
+}
+
+function row(hit, state) {
   const tr = document.createElement("tr");
   tr.className = "hit";
+  tr.dataset.key = hit.key;
   const thumb = document.createElement("td");
   thumb.className = "thumb";
   const img = document.createElement("img");
   img.loading = "lazy";
   img.alt = hit.key;
-  img.src = "/thumb?row=" + encodeURIComponent(hit.row) + "&size=96";
+  img.src = "/thumb?row=" + encodeURIComponent(hit.row) + "&size=256";  // 128 CSS px, sharp at 2x
   img.onerror = () => { thumb.textContent = "-"; };  // an index without image locations
   thumb.appendChild(img);
+  const more = document.createElement("td");
+  more.className = "more";
+  const link = document.createElement("a");
+  link.textContent = "more like this";
+  link.href = pageUrl({key: hit.key, k: state.k, mode: "image", dedupe: state.dedupe});
+  link.addEventListener("click", (event) => {
+    if (event.button !== 0 || event.ctrlKey || event.metaKey || event.shiftKey) return;  // a new tab
+    event.preventDefault();
+    $("q").value = "";
+    $("mode").value = "image";
+    run({...settings(), key: hit.key, q: ""}, true);
+  });
+  more.appendChild(link);
   tr.append(cell(String(hit.rank), "num"), thumb, cell(hit.score.toFixed(4), "num"),
-            cell(hit.caption, "caption"), cell(hit.source_path || hit.key, "source"));
+            cell(hit.caption, "caption"), cell(hit.source_path || hit.key, "source"), more);
   return tr;
 }
 
-async function search() {
-  const text = $("q").value.trim();
-  if (!text) return;
-  const params = new URLSearchParams({text: text, k: $("k").value, against: $("against").value,
-                                      dedupe: String($("dedupe").checked)});
+// one search: the request, then the rows; `what` names the query in the status line
+async function fetchHits(url, init, what, state) {
+  const mine = ++latest;
   say("searching...");
   let reply, body;
   try {
-    reply = await fetch("/search?" + params.toString());
+    reply = await fetch(url, init);
     body = await reply.json();
   } catch (err) {
-    say("the server did not answer (" + err + ")", true);
+    if (mine === latest) say("the server did not answer (" + err + ")", true);
     return;
   }
+  if (mine !== latest) return;
   if (!reply.ok) {
     say(body.error || ("error " + reply.status), true);
     return;
   }
-  results.replaceChildren(...body.hits.map(row));
-  say(body.hits.length + " result(s) for \\u201c" + text + "\\u201d");
+  results.replaceChildren(...body.hits.map((hit) => row(hit, state)));
+  say(body.hits.length + " result(s) " + what);
 }
 
-$("form").addEventListener("submit", (event) => { event.preventDefault(); search(); });
+function query(state) {
+  return new URLSearchParams({k: state.k, against: state.mode, dedupe: String(state.dedupe)});
+}
+
+// run a text or key search; `push`: a new history entry (a search typed or clicked), else the
+// current one is rewritten (a loaded or reloaded URL, back and forward)
+function run(state, push) {
+  if (!state.q && !state.key) return;
+  const url = pageUrl(state), same = url === location.pathname + location.search;
+  history[push && !same ? "pushState" : "replaceState"](null, "", url);
+  const params = query(state);
+  if (state.key) {
+    params.set("key", state.key);
+    return fetchHits("/search?" + params.toString(), {}, "like \\u201c" + state.key + "\\u201d", state);
+  }
+  params.set("text", state.q);
+  return fetchHits("/search?" + params.toString(), {}, "for \\u201c" + state.q + "\\u201d", state);
+}
+
+function upload(file) {
+  const state = {...settings(), q: "", key: ""};
+  $("q").value = "";
+  history.pushState(null, "", pageUrl(state));  // an uploaded image cannot live in the URL
+  return fetchHits("/search?" + query(state).toString(), {method: "POST", body: file},
+                   "like the image " + file.name, state);
+}
+
+$("form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  run({...settings(), q: $("q").value.trim(), key: ""}, true);
+});
+$("image").addEventListener("change", () => {
+  const file = $("image").files[0];
+  if (file) upload(file);
+  $("image").value = "";  // choosing the same file again is a new search
+});
+window.addEventListener("popstate", () => {
+  const state = fromUrl();
+  if (state.q || state.key) run(state, false); else { results.replaceChildren(); say(""); }
+});
 
 fetch("/health").then((r) => r.json()).then((health) => {
   if (!health.indexes.includes("text")) {
-    $("against").querySelector("option[value=text]").disabled = true;
+    $("mode").querySelector("option[value=text]").disabled = true;
   }
   document.body.dataset.ready = "1";
 }).catch(() => say("the server did not answer /health", true));
+run(fromUrl(), false);
 </script>
 </body>
 </html>

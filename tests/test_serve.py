@@ -1,11 +1,13 @@
-"""The server serves: one thread per connection (a staller does not delay others), a
-per-connection timeout, Host checks against DNS rebinding, 400 for a malformed
-Content-Length and 413 for too many pixels, all with a stub searcher (no model)."""
+"""The server serves: a staller does not delay others, many drippers hold no threads and
+get a 408 by the request deadline, connections beyond the cap wait in the backlog, an
+oversized body gets a 413 the client reads, Host checks against DNS rebinding, 400 for a
+malformed Content-Length and 413 for too many pixels, all with a stub searcher (no model)."""
 
 from __future__ import annotations
 
 import io
 import json
+import select
 import socket
 import threading
 import time
@@ -15,8 +17,10 @@ import urllib.request
 import pytest
 from PIL import Image
 
+from mmalign.errors import UsageError
 from mmalign.search import Hit
 from mmalign.serve import make_server
+from mmalign.serve_loop import LINGER
 
 
 class StubSearcher:
@@ -82,13 +86,163 @@ def test_a_staller_does_not_delay_a_concurrent_search(server):
     assert server.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and server.request_queue_size >= 64
 
 
+def _status_of(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def _served_once(srv) -> None:
+    """Wait (bounded) until the server answers, i.e. its loop and worker pool are running."""
+    with urllib.request.urlopen(f"{srv.base}/health", timeout=10) as r:
+        assert r.status == 200
+
+
 @pytest.mark.parametrize("server", [{"timeout": 0.3}], indirect=True)
-def test_an_idle_connection_is_closed_after_the_timeout(server):
+def test_an_unfinished_request_gets_a_408_and_an_idle_connection_is_closed(server):
     with socket.create_connection(server.server_address, timeout=5) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\n")
+        s.sendall(b"GET /health HTTP/1.1\r\n")  # no end of the head: the request never completes
         start = time.monotonic()
-        assert s.recv(100) == b""  # closed by the server, without an answer
+        reply = s.recv(4096)
+        assert _status_of(reply) == 408 and b'"error"' in reply and b"0.3 s" in reply
         assert time.monotonic() - start < 3.0
+        while s.recv(4096):  # then the server closes (bounded: the socket has a 5 s timeout)
+            pass
+    with socket.create_connection(server.server_address, timeout=5) as s:  # sends nothing at all
+        start = time.monotonic()
+        assert s.recv(100) == b""  # closed without an answer
+        assert time.monotonic() - start < 3.0
+
+
+def _drip(socks: list, until: float, every: float = 0.1) -> dict:
+    """Send one byte per socket every ``every`` s until each has a reply or ``until`` passes;
+    returns socket index -> (reply bytes, seconds after the start)."""
+    start, replies = time.monotonic(), {}
+    while len(replies) < len(socks) and time.monotonic() < until:
+        for i, s in enumerate(socks):
+            if i in replies:
+                continue
+            if select.select([s], [], [], 0)[0]:
+                try:
+                    replies[i] = (s.recv(4096), time.monotonic() - start)
+                except ConnectionError:
+                    replies[i] = (b"", time.monotonic() - start)
+                continue
+            try:
+                s.send(b"a")  # one more byte of a header line that never ends
+            except (BlockingIOError, ConnectionError):
+                pass
+        time.sleep(every)
+    return replies
+
+
+@pytest.mark.parametrize("server", [{"timeout": 2.0, "workers": 2}], indirect=True)
+def test_dripping_sockets_hold_no_threads_and_get_a_408_while_others_are_served(server):
+    _served_once(server)
+    threads = threading.active_count()  # the loop and its 2 workers included
+    n = 40  # 20x the pool
+    socks = [socket.create_connection(server.server_address, timeout=5) for _ in range(n)]
+    try:
+        for s in socks:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            s.setblocking(False)
+        # while they drip, a whole request is answered at once, and no thread was added for them
+        time.sleep(0.3)
+        start = time.monotonic()
+        with urllib.request.urlopen(f"{server.base}/search?text=a+red+circle&k=1", timeout=5) as r:
+            assert json.loads(r.read())["hits"][0]["caption"] == "a red circle"
+        assert time.monotonic() - start < 1.5  # before the drippers' 2 s deadline
+        assert threading.active_count() <= threads
+        replies = _drip(socks, until=time.monotonic() + 6.0)
+        assert threading.active_count() <= threads
+    finally:
+        for s in socks:
+            s.close()
+    assert sorted(replies) == list(range(n)), f"{n - len(replies)} dripping sockets got no reply"
+    for reply, _ in replies.values():
+        assert _status_of(reply) == 408 and b"did not arrive within 2 s" in reply
+    assert max(t for _, t in replies.values()) < 2.0 + 2.0  # the deadline, plus slack for 2 busy cores
+
+
+@pytest.mark.parametrize("server", [{"timeout": 1.0, "workers": 2, "max_connections": 4}], indirect=True)
+def test_connections_beyond_the_cap_wait_and_are_served_after_the_drippers_go(server):
+    _served_once(server)
+    threads = threading.active_count()
+    socks = [socket.create_connection(server.server_address, timeout=5) for _ in range(4)]
+    try:
+        for s in socks:
+            s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        time.sleep(0.2)  # the loop has accepted all four: the cap is reached
+        start = time.monotonic()
+        with urllib.request.urlopen(f"{server.base}/health", timeout=10) as r:  # waits in the listen backlog
+            assert json.loads(r.read())["ok"]
+        waited = time.monotonic() - start
+        # served once the drippers' deadline (1 s) and their 408s' linger (LINGER) freed a place
+        assert 0.3 < waited < 1.0 + LINGER + 2.0, waited
+        assert threading.active_count() <= threads
+        for s in socks:
+            assert _status_of(s.recv(4096)) == 408
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("server", [{"max_body": 1000}], indirect=True)
+def test_an_oversized_body_gets_a_413_that_the_client_reads(server):
+    body = bytes(4 << 20)  # more than the loopback buffers hold: the server must read it to be heard
+    request = urllib.request.Request(f"{server.base}/search?k=1", data=body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 413
+    assert "at most 1000 bytes" in json.loads(e.value.read())["error"]
+    # a client that asks before sending (curl does) hears the 413 at once, and sends nothing
+    reply = _raw(server, b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000000\r\n"
+                         b"Expect: 100-continue\r\n\r\n")
+    assert _status_of(reply) == 413 and b"100 Continue" not in reply
+    # a body within the limit is asked for ("100 Continue") and answered
+    with socket.create_connection(server.server_address, timeout=5) as s:
+        png = _png((20, 10))
+        assert len(png) < 1000
+        s.sendall(b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
+                  b"Expect: 100-continue\r\n\r\n" % len(png))
+        assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(png)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert _status_of(reply) == 200 and b'"20x10"' in reply
+
+
+def test_a_body_arriving_in_pieces_is_read_whole_though_it_holds_a_blank_line(server):
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("note", "one\r\n\r\ntwo")  # the bytes that end a request head, inside the body
+    buf = io.BytesIO()
+    Image.new("RGB", (7, 5)).save(buf, format="PNG", pnginfo=info)
+    body = buf.getvalue()
+    cut = body.index(b"\r\n\r\n") + 2
+    with socket.create_connection(server.server_address, timeout=5) as s:
+        s.sendall(b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for piece in (body[:cut], body[cut:]):
+            time.sleep(0.05)  # separate reads on the server
+            s.sendall(piece)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert _status_of(reply) == 200 and b'"7x5"' in reply
+
+
+def test_a_head_over_the_limit_gets_a_431(server):
+    reply = _raw(server, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (80 << 10) + b"\r\n\r\n")
+    assert _status_of(reply) == 431 and b'"error"' in reply
+    with urllib.request.urlopen(f"{server.base}/health", timeout=5) as r:
+        assert r.status == 200  # and the server goes on
+
+
+def test_bad_pool_settings_are_one_line(server):
+    with pytest.raises(UsageError, match="workers"):
+        make_server(StubSearcher(), "127.0.0.1", 0, workers=0)
+    with pytest.raises(UsageError, match="timeout"):
+        make_server(StubSearcher(), "127.0.0.1", 0, timeout=0)
 
 
 def test_host_header_must_be_this_server(server):
