@@ -2,7 +2,8 @@
 
 The dataclass defaults are the embedded default (the quickstart recipe), so a run
 without any YAML is a complete, working experiment.  Every key is checked: an
-unknown key, a value of the wrong type or an impossible combination raises
+unknown key, a value of the wrong type, a value outside the key's domain
+(mmalign/config_checks.py) or an impossible combination raises
 :class:`ConfigError` with a one-line message naming the key; the CLI turns it into
 exit code 2.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 
+from mmalign.config_checks import show_value
 from mmalign.errors import ConfigError  # re-exported: the config's own error
 from mmalign.resources import recipe_path
 
@@ -260,14 +261,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"config key '{key}': expected {' or '.join(map(_type_name, args))}, got {value!r}")
+        raise ConfigError(f"config key '{key}': expected {' or '.join(map(_type_name, args))}, got {show_value(value)}")
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}': expected one of {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected one of {_type_name(tp)}, got {show_value(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+            raise ConfigError(f"config key '{key}': expected a mapping, got {show_value(value)}")
         return _build(tp, value, key + ".")
     ok = {
         bool: lambda v: isinstance(v, bool),
@@ -280,10 +281,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if ok is None:
         raise TypeError(f"unsupported annotation {tp!r} for {key}")
     if not ok(value):
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
-    if tp is float and not math.isfinite(value):  # nan/inf pass every "> 0" check and fail much later
-        raise ConfigError(f"config key '{key}': expected a finite number, got {value!r}")
-    return float(value) if tp is float else value
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {show_value(value)}")
+    if tp is float:  # nan/inf pass every "> 0" check and fail much later; so does an int too big for a float
+        if isinstance(value, int) and abs(value) > 2**1023 or not math.isfinite(value):
+            raise ConfigError(f"config key '{key}': expected a finite number, got {show_value(value)}")
+        return float(value)
+    return value
 
 
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
@@ -319,7 +322,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of > 4300 digits; deep [[[[...
         value = raw
     # "1e-3" is a string to YAML 1.1; a float field still deserves it.
     if isinstance(value, str):
@@ -345,6 +348,8 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple 
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except (ValueError, RecursionError) as e:  # an int of > 4300 digits; nesting deeper than Python's stack
+            raise ConfigError(f"config file {path} is not a usable config ({type(e).__name__})") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -359,19 +364,12 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple 
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
-    """Reject impossible combinations with a message that names the key."""
+    """Reject values outside a key's domain (mmalign/config_checks.py), then impossible
+    combinations, with a message that names the key."""
+    from mmalign.config_checks import check_domains
+
+    check_domains(cfg)
     t = cfg.train
-    positive = {"train.steps": t.steps, "train.global_batch_size": t.global_batch_size}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"config key '{key}' must be > 0, got {value}")
-    if t.lr <= 0:
-        raise ConfigError(f"config key 'train.lr' must be > 0, got {t.lr}")
-    for key in ("lr_image", "lr_text"):
-        if getattr(t, key) is not None and not getattr(t, key) > 0:
-            raise ConfigError(f"config key 'train.{key}' must be > 0 (or null for train.lr), got {getattr(t, key)}")
-    if not 0 < t.layer_decay <= 1:
-        raise ConfigError(f"config key 'train.layer_decay' must be in (0, 1] (1 = off), got {t.layer_decay}")
     if not 0 <= t.warmup_steps <= t.steps:
         raise ConfigError(f"config key 'train.warmup_steps' must be in [0, train.steps={t.steps}], got {t.warmup_steps}")
     if t.global_batch_size % world_size:
@@ -384,30 +382,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             f"config key 'train.grad_cache_chunk_size' must be in [0, local batch {local}] or auto, "
             f"got {t.grad_cache_chunk_size}"
         )
-    if t.memory_budget_gb < 0:
-        raise ConfigError(f"config key 'train.memory_budget_gb' must be >= 0 (0 = measured), got {t.memory_budget_gb}")
-    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"config key 'deepspeed.zero_stage' must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
     if t.compile and cfg.deepspeed.zero_stage == 3:
         # torch.compile would trace ZeRO-3's parameter-gathering hooks and see empty partitions
         raise ConfigError("config key 'train.compile': not supported with deepspeed.zero_stage=3 (ZeRO-3's "
                           "parameter gathering cannot be traced); use zero_stage <= 2 or train.compile: false")
-    if cfg.loss.tile_size != "auto" and cfg.loss.tile_size < 0:
-        raise ConfigError(f"config key 'loss.tile_size' must be >= 0 or auto, got {cfg.loss.tile_size}")
-    if cfg.loss.tile_budget_mb <= 0:
-        raise ConfigError(f"config key 'loss.tile_budget_mb' must be > 0, got {cfg.loss.tile_budget_mb}")
-    if cfg.loss.hard_negative_beta < 0:
-        raise ConfigError(f"config key 'loss.hard_negative_beta' must be >= 0, got {cfg.loss.hard_negative_beta}")
-    if not 0 <= cfg.loss.debias_prior < 1:
-        raise ConfigError(f"config key 'loss.debias_prior' must be in [0, 1), got {cfg.loss.debias_prior}")
-    if cfg.loss.positive_mask not in ("none", "attribute_subset"):
-        raise ConfigError(f"config key 'loss.positive_mask' must be none or attribute_subset, got "
-                          f"{cfg.loss.positive_mask!r}")
-    if cfg.loss.positive_mask != "none":
-        if cfg.data.id_field is None:
-            raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
-                              "(e.g. subset_code)")
-    _validate_queue(cfg)
+    if cfg.loss.positive_mask != "none" and cfg.data.id_field is None:
+        raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
+                          "(e.g. subset_code)")
     from mmalign.objective import rules  # which loss terms combine: the objective's one table (no torch)
 
     rules.check(cfg, world_size)
@@ -419,25 +400,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         elif cfg.data.id_field != fn_ids:
             raise ConfigError(f"config key 'loss.false_negative_ids'={fn_ids!r} differs from data.id_field="
                               f"{cfg.data.id_field!r}; they name the same .json field")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device):
-        raise ConfigError(f"config key 'train.device' must be auto, cpu, cuda or cuda:N, got {t.device!r}")
-    if t.threads < 0:
-        raise ConfigError(f"config key 'train.threads' must be >= 0 (0 = torch's default), got {t.threads}")
-    m = cfg.model
-    for key in ("embed_dim", "image_size"):
-        if getattr(m, key) is not None and getattr(m, key) <= 0:
-            raise ConfigError(f"config key 'model.{key}' must be > 0 (or null for the preset's), got {getattr(m, key)}")
-    if cfg.eval.batch_size <= 0:
-        raise ConfigError(f"config key 'eval.batch_size' must be > 0, got {cfg.eval.batch_size}")
-    if cfg.monitor.probe_size < 0:
-        raise ConfigError(f"config key 'monitor.probe_size' must be >= 0 (0 = off), got {cfg.monitor.probe_size}")
     if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
         raise ConfigError(f"config key 'output': {cfg.output} exists and is not a directory")
-    if t.max_consecutive_skips < 1:
-        raise ConfigError(f"config key 'train.max_consecutive_skips' must be >= 1, got {t.max_consecutive_skips}")
-    for key in ("checkpoint_every", "eval_every", "keep_checkpoints"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"config key 'train.{key}' must be >= 0, got {getattr(t, key)}")
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_lock(cfg.model)
@@ -448,13 +412,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _validate_tokenizer(cfg)
     _validate_precision(cfg, world_size)
     _validate_deepspeed_extra(cfg)
-    if cfg.model.max_logit_scale < 1:
-        raise ConfigError(f"config key 'model.max_logit_scale' must be >= 1, got {cfg.model.max_logit_scale}")
-    if t.log_every <= 0:
-        raise ConfigError(f"config key 'train.log_every' must be > 0, got {t.log_every}")
-    if not cfg.dist.timeout_s >= 0:
-        raise ConfigError(f"config key 'dist.timeout_s' must be >= 0 (0 = 600 s on GPU, 120 s on CPU), "
-                          f"got {cfg.dist.timeout_s}")
 
 
 def _validate_lock(m: ModelConfig) -> None:
@@ -463,10 +420,6 @@ def _validate_lock(m: ModelConfig) -> None:
                       ("lock_text_unlocked_layers", "lock_text")):
         if getattr(m, key) and not getattr(m, lock):
             raise ConfigError(f"config key 'model.{key}' needs model.{lock}: true")
-    for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"config key 'model.{key}' must be >= 0 (0 = the whole tower locked), "
-                              f"got {getattr(m, key)}")
     if m.lock_image and m.lock_text and not (m.lock_image_unlocked_groups or m.lock_text_unlocked_layers):
         raise ConfigError("config key 'model.lock_text': with model.lock_image both towers are fully locked and "
                           "only the temperature would train (unlock some groups or layers of one)")
@@ -508,37 +461,18 @@ def _validate_patch_dropout(cfg: Config) -> None:
         raise ConfigError("config key 'train.unmasked_steps' needs model.patch_dropout > 0")
 
 
-def _validate_queue(cfg: Config) -> None:
-    """The momentum queue's keys (what it combines with: mmalign.objective.rules)."""
-    loss = cfg.loss
-    if loss.queue_size < 0:
-        raise ConfigError(f"config key 'loss.queue_size' must be >= 0 (0 = off), got {loss.queue_size}")
-    if not 0 <= loss.momentum < 1:
-        raise ConfigError(f"config key 'loss.momentum' must be in [0, 1), got {loss.momentum}")
-
-
-def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
-    """``value`` must be a list [a, b] of numbers with lo <= a <= b <= hi."""
-    ok = (isinstance(value, list) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-          and lo <= value[0] <= value[1] <= hi)
-    if not ok:
-        raise ConfigError(f"config key '{key}' must be [lo, hi] with {lo} <= lo <= hi <= {hi}, got {value}")
-
-
 def _validate_tokenizer(cfg: Config) -> None:
     """``model.tokenizer`` -> the text tower's vocab_size and the tokenizer it records."""
     path = cfg.model.tokenizer
     if path is None:
         return
-    if not Path(path).is_file():
-        raise ConfigError(f"config key 'model.tokenizer': file not found: {path}")
     from mmalign.data.tokenizer import SPM_KEY, sentencepiece_vocab_size
+    from mmalign.errors import UsageError
 
     try:
-        needed = sentencepiece_vocab_size(path)
-    except (RuntimeError, OSError) as e:
-        raise ConfigError(f"config key 'model.tokenizer': not a sentencepiece model: {path} ({e})") from None
+        needed = sentencepiece_vocab_size(path)  # one line naming the path when it is not a sentencepiece model
+    except UsageError as e:
+        raise ConfigError(f"config key 'model.tokenizer': {e}") from None
     text = cfg.model.text
     given = text.get("vocab_size")
     if given is not None and given < needed:
@@ -548,64 +482,20 @@ def _validate_tokenizer(cfg: Config) -> None:
 
 
 def _validate_data(cfg: Config) -> None:
-    d, a = cfg.data, cfg.data.augment
-    scale = a.crop_scale
-    if len(scale) != 2 or not all(isinstance(v, (int, float)) for v in scale) or not 0 < scale[0] <= scale[1] <= 1:
-        raise ConfigError(f"config key 'data.augment.crop_scale' must be [lo, hi] with 0 < lo <= hi <= 1, got {scale}")
-    _check_range("data.augment.crop_ratio", a.crop_ratio, 1e-3, 1e3)
-    _check_range("data.augment.blur_sigma", a.blur_sigma, 1e-3, 1e3)
-    jitter = a.color_jitter
-    if (len(jitter) != 4 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in jitter)
-            or jitter[3] > 0.5):
-        raise ConfigError(f"config key 'data.augment.color_jitter' must be [brightness, contrast, saturation, hue] "
-                          f">= 0 with hue <= 0.5, got {jitter}")
-    for key in ("color_jitter_prob", "grayscale_prob", "blur_prob"):
-        if not 0 <= getattr(a, key) <= 1:
-            raise ConfigError(f"config key 'data.augment.{key}' must be in [0, 1], got {getattr(a, key)}")
-    if d.views not in (1, 2):
-        raise ConfigError(f"config key 'data.views' must be 1 or 2, got {d.views}")
-    if d.workers < 0:
-        raise ConfigError(f"config key 'data.workers' must be >= 0, got {d.workers}")
-    if d.worker_batch_size < 0:
-        raise ConfigError(f"config key 'data.worker_batch_size' must be >= 0 (0 = automatic), got {d.worker_batch_size}")
-    if d.shuffle_buffer < 1:
-        raise ConfigError(f"config key 'data.shuffle_buffer' must be >= 1 (1 = no shuffling), got {d.shuffle_buffer}")
-    if d.max_image_pixels < 1:
-        raise ConfigError(f"config key 'data.max_image_pixels' must be > 0, got {d.max_image_pixels}")
-    if d.max_consecutive_skips < 1:
-        raise ConfigError(f"config key 'data.max_consecutive_skips' must be > 0, got {d.max_consecutive_skips}")
-    if not isinstance(d.max_member_bytes, int) or d.max_member_bytes < 1:
-        raise ConfigError(f"config key 'data.max_member_bytes' must be an integer > 0, got {d.max_member_bytes!r}")
-    if not isinstance(d.remote_retries, int) or isinstance(d.remote_retries, bool) or d.remote_retries < 0:
-        raise ConfigError(f"config key 'data.remote_retries' must be an integer >= 0, got {d.remote_retries!r}")
-    for key, low, high in (("remote_backoff", 0, 3600), ("remote_timeout", 1e-3, 86400)):
-        value = getattr(d, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ConfigError(f"config key 'data.{key}' must be seconds in [{low:g}, {high}], got {value!r}")
-    train = d.train if isinstance(d.train, list) else [d.train]
-    if not train or not all(isinstance(s, str) and s.strip() for s in train):
-        raise ConfigError(f"config key 'data.train' must be a shard spec or a list of shard specs, got {d.train!r}")
+    """The data keys' combinations (each key's own range: mmalign/config_checks.py)."""
+    d = cfg.data
     if d.train_weights is not None:
         w = d.train_weights
         if d.mode != "resampled":
             raise ConfigError("config key 'data.train_weights' needs data.mode=resampled (epoch mode reads every sample once)")
         if not isinstance(d.train, list) or len(w) != len(d.train):
             raise ConfigError(f"config key 'data.train_weights' needs one weight per entry of the data.train list, got {w}")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in w) or sum(w) <= 0:
-            raise ConfigError(f"config key 'data.train_weights' must be non-negative numbers with a positive sum, got {w}")
 
 
 def _validate_extras(cfg: Config) -> None:
-    """The image-image term (second view) and mined hard negatives."""
-    loss, data = cfg.loss, cfg.data
-    if loss.image_image_weight < 0:
-        raise ConfigError(f"config key 'loss.image_image_weight' must be >= 0, got {loss.image_image_weight}")
-    if loss.image_image_temperature <= 0:
-        raise ConfigError(f"config key 'loss.image_image_temperature' must be > 0, got {loss.image_image_temperature}")
-    if loss.image_image_weight > 0 and data.views != 2:
+    """The image-image term needs its second view."""
+    if cfg.loss.image_image_weight > 0 and cfg.data.views != 2:
         raise ConfigError("config key 'loss.image_image_weight' > 0 needs data.views: 2 (a second augmented view)")
-    if data.hard_negatives < 0:
-        raise ConfigError(f"config key 'data.hard_negatives' must be >= 0, got {data.hard_negatives}")
 
 
 def grad_accum_dtype(cfg: Config) -> Optional[str]:

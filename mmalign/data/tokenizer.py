@@ -46,9 +46,7 @@ class SentencePieceTokenizer:
 
     def _processor(self):
         if self._sp is None:
-            import sentencepiece as spm
-
-            self._sp = spm.SentencePieceProcessor(model_file=self.model_file)
+            self._sp = open_sentencepiece(self.model_file)
         return self._sp
 
     def __getstate__(self):  # DataLoader workers re-open the model file
@@ -81,9 +79,19 @@ class HFTextTokenizer:
     def __init__(self, folder: str | Path, context_length: int):
         from transformers import AutoTokenizer
 
+        from mmalign.errors import UsageError, first_line
+
         self.folder = str(folder)
         self.context_length = int(context_length)
-        self._tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        if not Path(self.folder).is_dir():
+            raise UsageError(f"tokenizer {self.folder}: not a folder (expected a Hugging Face tokenizer folder, "
+                             f"as AutoTokenizer.save_pretrained writes)")
+        try:
+            self._tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        except Exception as e:  # transformers raises OSError / ValueError / its own types for a broken folder
+            raise UsageError(f"tokenizer {self.folder}: no Hugging Face tokenizer loads from it (expected the files "
+                             f"AutoTokenizer.save_pretrained writes; {type(e).__name__}: {first_line(e)[:160]})"
+                             ) from None
         self.vocab_size = len(self._tok)
         self.pad_token_id = self._tok.pad_token_id
 
@@ -107,11 +115,36 @@ def clean_whitespace(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def sentencepiece_vocab_size(model_file: str | Path) -> int:
-    """The text tower's vocab_size for a sentencepiece model (pieces + pad/sot/eot)."""
+SPM_EXPECTED = "expected a sentencepiece .model file, as `mmalign tokenizer train` writes"
+
+
+def open_sentencepiece(model_file: str | Path):
+    """A loaded ``SentencePieceProcessor``; any file that is not a sentencepiece model (a text
+    file, a BPE vocab, random bytes, a folder) is one :class:`UsageError` line naming the path
+    and what was expected, never sentencepiece's RuntimeError."""
     import sentencepiece as spm
 
-    return spm.SentencePieceProcessor(model_file=str(model_file)).get_piece_size() + 3
+    from mmalign.errors import UsageError, first_line
+
+    path = Path(model_file)
+    if not path.exists():
+        raise UsageError(f"tokenizer {path}: file not found ({SPM_EXPECTED})")
+    if not path.is_file():
+        raise UsageError(f"tokenizer {path}: not a file ({SPM_EXPECTED})")
+    try:
+        processor = spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError, ValueError) as e:  # sentencepiece's parse errors are RuntimeErrors
+        reason = first_line(e).replace(f" from {path}", "") or type(e).__name__  # the path is named once
+        raise UsageError(f"tokenizer {path}: not a sentencepiece model ({SPM_EXPECTED}; "
+                         f"sentencepiece says {reason[:160]})") from None
+    if processor.get_piece_size() < 1:  # parses, but would encode every caption as nothing
+        raise UsageError(f"tokenizer {path}: a sentencepiece model without pieces ({SPM_EXPECTED})")
+    return processor
+
+
+def sentencepiece_vocab_size(model_file: str | Path) -> int:
+    """The text tower's vocab_size for a sentencepiece model (pieces + pad/sot/eot)."""
+    return open_sentencepiece(model_file).get_piece_size() + 3
 
 
 def tokenizer_file(arch: dict) -> str | None:

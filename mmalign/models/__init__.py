@@ -48,13 +48,35 @@ def check_buildable(cfg: ModelConfig) -> TwoTower:
     resolve_arch(cfg)  # unknown presets: their own one-line error
     try:
         with torch.device("meta"):
-            return build_model(cfg)  # the meta-device model, for checks that need its modules
+            model = build_model(cfg)  # the meta-device model, for checks that need its modules
     except ConfigError:
         raise
     except Exception as e:  # whatever open_clip's constructors raise on a bad value
         raise ConfigError(f"config key 'model': the towers of preset {cfg.preset!r} cannot be built with "
                           f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first_line(e)}"
                           ) from None
+    _check_tokenizer(cfg, model.arch)
+    return model
+
+
+def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
+    """A tokenizer file or folder the architecture names (``model.text.tokenizer_kwargs``, one a
+    ``model.pretrained`` folder ships) loads now: a file that is no tokenizer is one line here,
+    not a traceback when training builds it.  The default CLIP BPE ships with open_clip."""
+    from mmalign.data.tokenizer import build_tokenizer, tokenizer_file
+    from mmalign.errors import ConfigError, UsageError
+
+    text = arch["text_cfg"]
+    hf = text.get("hf_tokenizer_name") or text.get("hf_model_name")
+    if tokenizer_file(arch) is None and not hf:
+        return
+    own = [k for k in ("tokenizer_kwargs", "hf_tokenizer_name", "hf_model_name", "hf_local_dir") if k in cfg.text]
+    key = (f"model.text.{own[0]}" if own else "model.tokenizer" if cfg.tokenizer is not None
+           else "model.pretrained" if cfg.pretrained is not None else "model.preset")
+    try:
+        build_tokenizer(arch)
+    except UsageError as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
 
 
 __all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "resolve_arch"]

@@ -33,7 +33,7 @@ import copy
 import json
 import logging
 import pickle
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 import torch
@@ -193,20 +193,25 @@ def differences(a: dict, b: dict, parts: tuple[str, ...] = ("vision_cfg", "text_
 
 def pretrained_arch(cfg: ModelConfig) -> dict | None:
     """The architecture ``model.pretrained`` carries (None: a weights file, or no key), after
-    checking that ``model.preset``, when set, agrees with it."""
+    checking that ``model.preset``, when set, agrees with it once the config's own overrides
+    (``model.vision`` / ``model.text`` / ``model.embed_dim`` / ...) are applied to it."""
     if cfg.pretrained is None:
         return None
     arch = source_arch(Path(cfg.pretrained), "model.pretrained")
     if arch is None or cfg.preset is None:
         return arch
-    from mmalign.models.presets import preset_arch
+    from mmalign.models.presets import resolve_arch
 
-    differ = differences(preset_arch(cfg.preset), arch)
+    # What the config alone describes: the preset plus the config's own tower overrides
+    # (model.text.context_length: 16 and the like), i.e. the architecture that trained the
+    # export when the same config made it, not the bare preset.
+    described = resolve_arch(replace(cfg, pretrained=None))
+    differ = differences(described, arch)
     if differ:
         raise ConfigError(f"config key 'model.preset': {cfg.preset!r} differs from the architecture of "
                           f"model.pretrained {cfg.pretrained} ({'; '.join(differ[:3])}"
                           f"{f'; +{len(differ) - 3} more' if len(differ) > 3 else ''}): omit model.preset or make "
-                          f"it agree")
+                          f"it (with its model.* overrides) agree")
     return arch
 
 
