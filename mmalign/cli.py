@@ -316,7 +316,8 @@ def cmd_search(args) -> int:
 def cmd_serve(args) -> int:
     from mmalign.serve import serve
 
-    serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k)
+    serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k, timeout=args.timeout,
+          workers=args.workers, max_connections=args.max_connections)
     return 0
 
 
@@ -413,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds a request has to arrive whole (else 408), and its reply to be written")
+    p.add_argument("--workers", type=int, default=8, help="threads that answer complete requests")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="connections open at once; more wait in the listen backlog")
     p.set_defaults(func=cmd_serve)
 
     from mmalign.commands import add_commands, discover
@@ -477,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         # Not a normal exit: tearing down a process group whose peer is gone can block on
         # that peer (the reason we are here), so this rank leaves at once.
         os._exit(1)
-    except KeyboardInterrupt:
-        print("mmalign: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        if not getattr(e, "reported", False):  # a training run already said where it stopped (mmalign.signals)
+            print("mmalign: interrupted", file=sys.stderr)
         return 130
 
 

@@ -3,8 +3,10 @@
 Re-runs the same command under torchrun (``torch.distributed.run``) with N local
 processes on a private loopback port; each process then initialises its group from
 the RANK / WORLD_SIZE / MASTER_* variables torchrun sets (gloo on CPU, nccl on
-GPU).  Multi-node runs call torchrun, the ``deepspeed`` launcher or ``srun``
-directly with the same arguments (see the README).
+GPU).  Multi-node runs call torchrun (under ``python -m mmalign.supervise``, which ends an
+agent left retrying an unreachable rendezvous store after a split network), the ``deepspeed``
+launcher or ``srun`` with the same arguments (see the README).  Here the store is local, so
+no agent can lose it.
 """
 
 from __future__ import annotations

@@ -274,6 +274,12 @@ class _Handler(PooledRequestHandler):
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
 
 
+def check_pool(timeout: float, workers: int, max_connections: int) -> None:
+    if workers < 1 or max_connections < 1 or not 0 < timeout < float("inf"):
+        raise UsageError(f"serve: --workers ({workers}) and --max-connections ({max_connections}) must be >= 1 "
+                         f"and --timeout ({timeout}) a finite number > 0")
+
+
 def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *, max_k: int = 100,
                 max_text: int = 1000, max_body: int = 8 << 20, max_pixels: int = MAX_QUERY_PIXELS,
                 max_thumb: int = 256, timeout: float = 10.0, workers: int = 8, max_connections: int = 256,
@@ -282,9 +288,7 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
     ``timeout``: the seconds a request has to arrive whole, and its reply to be written;
     ``workers``: the threads that answer requests; ``max_connections``: open at once.
     ``access_log`` receives one line per request (default: stderr)."""
-    if workers < 1 or max_connections < 1 or not timeout > 0:
-        raise UsageError(f"serve: workers ({workers}) and max_connections ({max_connections}) must be >= 1 "
-                         f"and timeout ({timeout}) > 0")
+    check_pool(timeout, workers, max_connections)
     log_lock = threading.Lock()
     write = access_log or _stderr_line
 
@@ -304,8 +308,11 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
-def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100) -> None:
-    server = make_server(Searcher(index_dir, model_dir), host, port, max_k=max_k)
+def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100, *,
+          timeout: float = 10.0, workers: int = 8, max_connections: int = 256) -> None:
+    check_pool(timeout, workers, max_connections)  # before the model loads: a bad flag fails at once
+    server = make_server(Searcher(index_dir, model_dir), host, port, max_k=max_k, timeout=timeout, workers=workers,
+                         max_connections=max_connections)
     base = f"http://{host}:{server.server_address[1]}"
     print(f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)", flush=True)
     try:

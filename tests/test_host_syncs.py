@@ -26,28 +26,32 @@ import pytest
 import torch
 
 from tests.conftest import engine_batch, engine_cfg, run_ranks
+from tests.multihost.tracebacks import PACKAGE_DIR, package_path
 
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce",
                "all_gather_object", "broadcast_object_list", "all_to_all_single", "barrier")
-_PACKAGE = os.sep + "mmalign" + os.sep
 
 
 def _issuer() -> str:
     """Who issued the collective being called: the innermost mmalign frame outside
     mmalign/distributed.py (whose helpers only forward a caller's request), except the
-    differentiable gather, whose backward is part of the loss's gradient."""
+    differentiable gather, whose backward is part of the loss's gradient. A frame is
+    mmalign's when its file lies in the package's directory (a venv inside a checkout
+    named mmalign puts torch under .../mmalign/.venv/ too)."""
     frame = sys._getframe(2)
     while frame is not None:
-        name, qual = frame.f_code.co_filename, frame.f_code.co_qualname
-        if _PACKAGE in name:
-            if name.endswith("distributed.py"):
-                if "AllGather" in qual:
-                    return "gather"
-            elif os.sep + "models" + os.sep in name:
-                return "forward"
-            else:
-                return f"{os.path.basename(name)}:{qual}"
+        inside = package_path(frame.f_code.co_filename)
+        qual = frame.f_code.co_qualname
+        if inside is None:
+            pass
+        elif inside.parts == ("distributed.py",):
+            if "AllGather" in qual:
+                return "gather"
+        elif inside.parts[0] == "models":
+            return "forward"
+        else:
+            return f"{inside.name}:{qual}"
         frame = frame.f_back
     return "outside mmalign"
 
@@ -120,6 +124,22 @@ def _step_worker(rank, world, seed):
             seen.append((logs_at(cfg.train, step), counter.beyond_gradients(), sorted(result.stats), result.skipped))
         results[name] = seen
     return results
+
+
+def _issuer_through(filename: str, qualname: str) -> str:
+    """_issuer as seen from a collective called by a function compiled as ``filename``."""
+    ns: dict = {}
+    exec(compile(f"def {qualname}(counted):\n    return counted()\n", filename, "exec"), ns)
+    return ns[qualname](lambda: _issuer())  # the lambda stands for Collectives' counting wrapper
+
+
+def test_the_issuer_is_told_by_the_package_location_not_a_folder_name(tmp_path):
+    torch_file = tmp_path / "mmalign" / ".venv" / "lib" / "site-packages" / "torch" / "distributed" / "c10d_logger.py"
+    assert _issuer_through(str(torch_file), "wrapper") == "outside mmalign"
+    assert _issuer_through(str(tmp_path / "models" / "vit.py"), "forward") == "outside mmalign"
+    assert _issuer_through(str(PACKAGE_DIR / "engine.py"), "_all_finite") == "engine.py:_all_finite"
+    assert _issuer_through(str(PACKAGE_DIR / "models" / "vit.py"), "block") == "forward"
+    assert _issuer_through(str(PACKAGE_DIR / "distributed.py"), "all_reduce_sum") == "outside mmalign"
 
 
 @pytest.mark.integration

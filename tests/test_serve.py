@@ -280,3 +280,31 @@ def test_decoded_pixels_are_bounded(server):
         post(b"not an image")
     assert e.value.code == 400
     assert server.stub.images == [(20, 10)]  # nothing else reached the model
+
+
+def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monkeypatch, capsys):
+    from mmalign import cli
+    from mmalign import serve as serve_mod
+
+    seen = {}
+    monkeypatch.setattr(serve_mod, "Searcher", lambda *a: seen.setdefault("searcher", StubSearcher()))
+    monkeypatch.setattr(serve_mod, "make_server", lambda searcher, host, port, **kw: seen.update(kw) or _Stopped())
+    assert cli.main(["serve", "--index", "i", "--model", "m", "--timeout", "3", "--workers", "2",
+                     "--max-connections", "5"]) == 0
+    assert (seen["timeout"], seen["workers"], seen["max_connections"]) == (3.0, 2, 5)
+    seen.clear()
+    for flags in (["--workers", "0"], ["--timeout", "inf"], ["--max-connections", "-1"]):
+        assert cli.main(["serve", "--index", "i", "--model", "m", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flags[0] in err[0], err
+        assert "searcher" not in seen  # refused before the model was loaded
+
+
+class _Stopped:
+    server_address = ("127.0.0.1", 0)
+
+    def serve_forever(self):
+        pass
+
+    def server_close(self):
+        pass

@@ -140,9 +140,12 @@ class Hosts:
     def torchrun(self, host: str, port: int, run_id: str, argv: list[str], max_restarts: int = 0,
                  env: dict[str, str] | None = None, log: str | None = None, wrap: list[str] | None = None,
                  ) -> subprocess.Popen:
-        """One torchrun agent on ``host`` (one rank), c10d rendezvous hosted by host a."""
+        """One torchrun agent on ``host`` (one rank), c10d rendezvous hosted by host a, under
+        ``python -m mmalign.supervise`` as the README launches it (the returned process is the
+        supervisor; the agent is its child)."""
         h, a = self.hosts[host], self.hosts["a"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", "mmalign.supervise",
+               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.addr}:{port}", "--rdzv-id", run_id,
                # both namespaces share one hostname: say which agent owns the store
                "--rdzv-conf", f"is_host={'true' if host == 'a' else 'false'},join_timeout=120",
@@ -173,16 +176,25 @@ class Hosts:
             return []
         return [int(p) for p in text.split()]
 
+    def descendants(self, pid: int) -> list[int]:
+        out, todo = [], [pid]
+        while todo:
+            kids = self.children(todo.pop())
+            out += kids
+            todo += kids
+        return out
+
     def worker_of(self, agent: subprocess.Popen, deadline: float) -> int:
-        """The PID of an agent's (first) worker process, waiting until it exists."""
+        """The PID of a (supervised) agent's first worker process, waiting until it exists."""
         while time.time() < deadline:
-            for child in self.children(agent.pid):
+            for pid in self.descendants(agent.pid):
                 try:
-                    cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if b"mmalign.cli" in cmdline:
-                    return child
+                # the worker runs mmalign.cli itself; the agent only names it in its own line
+                if b"mmalign.cli" in argv and b"torch.distributed.run" not in argv:
+                    return pid
             if agent.poll() is not None:
                 raise AssertionError(f"the agent exited ({agent.returncode}) before starting a worker:\n"
                                      + self.log(agent)[-3000:])

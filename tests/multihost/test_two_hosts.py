@@ -7,10 +7,15 @@
    ``dist.timeout_s``;
 4. a network partition longer than the timeout: both sides exit, then ``--resume latest``
    completes, bitwise equal;
+5. a partition that never heals: each host's whole job (supervisor, torchrun agent, worker)
+   ends within about 2 x ``dist.timeout_s``, also the host without the rendezvous store, whose
+   agent alone would retry the store for ever;
 6. SLURM without torchrun: the rendezvous address comes from the node list;
 7. a node-local output directory: a one-line start-up error on every rank.
 
-Every run is the micro preset (ZeRO-2, gradient caching) for 12 steps; every wait is bounded.
+Every agent runs under ``python -m mmalign.supervise``, as the README launches it. Every run is
+the micro preset (ZeRO-2, gradient caching) for 12 steps; every wait is bounded. The first test
+needs no namespaces: it checks the traceback check itself.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import time
 import pytest
 
 from tests.multihost.conftest import RUN_LIMIT_S
-from tests.multihost.hosts import wait_all, wait_for
+from tests.multihost.hosts import ROOT, wait_all, wait_for
 from tests.multihost.runs import assert_same_run
+from tests.multihost.tracebacks import PACKAGE_DIR, own_frames
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
@@ -65,8 +71,17 @@ def _error_lines(log: str) -> list[str]:
 
 def _no_mmalign_traceback(log: str) -> None:
     """torchrun prints its own ChildFailedError; no frame of ours may appear."""
-    frames = [line for line in log.splitlines() if line.strip().startswith('File "')]
-    assert not [f for f in frames if "/mmalign/" in f], "a traceback from mmalign's code:\n" + log[-4000:]
+    assert not own_frames(log), "a traceback from mmalign's code:\n" + log[-4000:]
+
+
+def test_the_traceback_check_tells_our_frames_by_location(tmp_path):
+    """A checkout named ``mmalign`` holds torch at .../mmalign/.venv/...: not one of our frames."""
+    assert PACKAGE_DIR == (ROOT / "mmalign").resolve()  # the package the hosts' processes import
+    torch_file = tmp_path / "mmalign" / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "run.py"
+    log = f'Traceback (most recent call last):\n  File "{torch_file}", line 7, in main\n    run()\n'
+    _no_mmalign_traceback(log)
+    with pytest.raises(AssertionError, match="a traceback from mmalign's code"):
+        _no_mmalign_traceback(log + f'  File "{PACKAGE_DIR / "cli.py"}", line 3, in main\n')
 
 
 def test_two_hosts_equal_one_host(hosts, reference, train_argv, tmp_path):
@@ -127,6 +142,29 @@ def test_partition_both_exit_then_resume(hosts, reference, train_argv, tmp_path)
     _finish(hosts, (a, b))
     assert "resumed from" in hosts.log(a)
     assert_same_run(out, reference)
+
+
+def test_a_lasting_partition_ends_each_hosts_job_within_twice_the_timeout(hosts, train_argv, tmp_path):
+    out = tmp_path / "run"
+    a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "lasting")
+    _first_checkpoint(out, (a, b))
+    agents = {p: hosts.children(p.pid) for p in (a, b)}  # each supervisor's one child: the agent
+    assert all(len(kids) == 1 for kids in agents.values()), agents
+    hosts.link("b", up=False)  # and it stays down
+    split = time.time()
+    # the ranks notice within the timeout, the agents get as long again; then SIGTERM, and
+    # SIGKILL 10 s later (the supervisor's default), plus start-up skew and polling
+    limit = 2 * SHORT_TIMEOUT_S + 25
+    codes = wait_all([a, b], limit + 60)
+    elapsed = time.time() - split
+    assert None not in codes and 0 not in codes, f"exit codes {codes} after {elapsed:.0f} s\n{_logs(hosts, (a, b))}"
+    assert elapsed <= limit, f"{elapsed:.0f} s\n{_logs(hosts, (a, b))}"
+    for proc in (a, b):
+        log = hosts.log(proc)
+        assert len(_error_lines(log)) == 1 and "lost contact" in _error_lines(log)[0], log[-4000:]
+        _no_mmalign_traceback(log)
+    for host in ("a", "b"):  # the agent and its worker too, not only the supervisor
+        wait_for(lambda: not hosts.pids(host), 10, what=f"host {host}'s processes to end")
 
 
 @needs_unshare
