@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import multiprocessing as mp
+import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -92,8 +93,13 @@ def _encode_one(args: tuple[Item, EncodeOptions]) -> tuple[list[str], dict, dict
 def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int = 1000, opts: EncodeOptions = EncodeOptions(),
                  dedupe: bool = True, processes: int = 1, total: int | None = None, progress: bool = True,
                  source: str = "") -> dict:
-    """Write all ``items``; returns the summary also saved as ``out_dir/build.json``."""
+    """Write all ``items``; returns the summary also saved as ``out_dir/build.json``.
+
+    The progress shows a total and an ETA when the count is known: ``total``, else the
+    length of ``items`` when it has one (a list, or a source that states its length)."""
     out = Path(out_dir)
+    if total is None:
+        total = operator.length_hint(items) or None  # a generator: 0, unknown
     start = time.time()
     written = duplicates = failures = 0
     seen: set[str] = set()

@@ -97,6 +97,15 @@ def _check_out(urls: list[str], out: Path) -> None:
         raise ConfigError(f"--out: {out} already holds shards; choose an empty directory")
 
 
+def _listed_total(urls: list[str]) -> int | None:
+    """The samples of ``urls`` by their folders' ``sizes.json`` (the builders write it); None
+    when a shard is not listed."""
+    from mmalign.embed import shard_total
+
+    counts = [shard_total(url) for url in urls]
+    return sum(counts) if counts and None not in counts else None
+
+
 @torch.no_grad()
 def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, batch_size: int, device: str,
            progress: bool) -> _Corpus:
@@ -127,8 +136,10 @@ def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, 
                 corpus.shards_ended_early += 1
                 log.warning("mine: shard %s ended early: %s", url, e)
 
-    # a bar on a terminal, a readable line every 10 s elsewhere (not tqdm's carriage returns)
-    for shard, index, raw in track(raw_samples(), "mining: embedding", unit="samples", enabled=progress):
+    # a bar on a terminal, a readable line every 10 s elsewhere (not tqdm's carriage returns);
+    # a total and an ETA when the shards' sizes.json lists every one of them
+    for shard, index, raw in track(raw_samples(), "mining: embedding", unit="samples", total=_listed_total(urls),
+                                   enabled=progress):
         corpus.samples += 1
         try:
             sample = decode_sample(raw)

@@ -23,6 +23,7 @@ import random
 from pathlib import Path
 
 from data_pipelines.writer import ShardWriter
+from mmalign.progress import track
 # The scene schema, renderer and codec live in the library (the counterfactual eval re-draws scenes).
 from mmalign.data.shapes_scene import (  # noqa: F401  (re-exported: SHAPES, draw, is_complete, ...)
     BACKGROUNDS,
@@ -99,7 +100,7 @@ def generate_split(out_dir: str | Path, split: str, n: int, seed: int = 0, per_s
         raise ValueError(f"caption_mode must be 'full' or 'subset', got {caption_mode!r}")
     rng = random.Random(seed + SPLIT_OFFSET[split])
     with ShardWriter(Path(out_dir) / split, samples_per_shard=per_shard) as writer:
-        for _ in range(n):
+        for _ in track(range(n), f"shapes {split}", total=n, unit="images"):
             attrs = sample_attributes(rng)
             meta = {k: v for k, v in attrs.items() if k != "jitter"}
             if caption_mode == "full":

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from mmalign.errors import UsageError
+from mmalign.progress import Counted
 # Class-folder enumeration is shared with the imagefolder eval suites, so it lives in the library.
 from mmalign.data.imagefolder import IMAGE_SUFFIXES, Captioner, Item, image_folder  # noqa: F401 (re-exported)
 
@@ -44,7 +45,7 @@ def _columns(available: list[str], wanted: dict[str, str | None], what: str) -> 
             raise UsageError(f"{what}: no column {column!r} for the {role} (columns: {', '.join(available)})")
 
 
-def table(path: str | Path, image_col: str = "image", caption_col: str = "caption", root: str | None = None) -> Iterator[Item]:
+def table(path: str | Path, image_col: str = "image", caption_col: str = "caption", root: str | None = None) -> Counted:
     """CSV/TSV/parquet rows of (image path, caption, other columns -> .json).
 
     Relative image paths resolve against ``root`` (default: the table's folder); a
@@ -65,6 +66,10 @@ def table(path: str | Path, image_col: str = "image", caption_col: str = "captio
     _columns(list(frame.columns), {"image path": image_col, "caption": caption_col}, f"table {path}")
     base = Path(root) if root else path.parent
     extra = [c for c in frame.columns if c not in (image_col, caption_col)]
+    return Counted(_table_items(frame, image_col, caption_col, base, extra), len(frame))
+
+
+def _table_items(frame, image_col: str, caption_col: str, base: Path, extra: list[str]) -> Iterator[Item]:
     for row in frame.itertuples(index=False):
         record = dict(zip(frame.columns, row))
         image_path = Path(str(record[image_col]))
@@ -82,7 +87,7 @@ def _plain(value):
 
 
 def hf_dataset(path: str | Path, fmt: str = "disk", image_col: str = "image", caption_col: str | None = "caption",
-               label_col: str | None = None, captioner: Captioner | None = None, split: str = "train") -> Iterator[Item]:
+               label_col: str | None = None, captioner: Captioner | None = None, split: str = "train") -> Counted:
     """A Hugging Face dataset from local files, no network.
 
     ``fmt``: ``disk`` (``save_to_disk`` output), ``parquet`` (a file or folder of
@@ -122,6 +127,11 @@ def hf_dataset(path: str | Path, fmt: str = "disk", image_col: str = "image", ca
         ds = ds.cast_column(image_col, datasets.Image(decode=False))  # keep the encoded bytes
     names = getattr(ds.features.get(label_col), "names", None) if label_col else None
     captioner = captioner or Captioner(load_templates("generic")["templates"], per_image=1)
+    return Counted(_dataset_items(ds, image_col, caption_col, label_col, names, captioner), len(ds))
+
+
+def _dataset_items(ds, image_col: str, caption_col: str | None, label_col: str | None, names: list[str] | None,
+                   captioner: Captioner) -> Iterator[Item]:
     skip = {image_col}
     for row in ds:
         image = row[image_col]

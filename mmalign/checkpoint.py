@@ -15,7 +15,9 @@ Layout under the run directory::
 A save writes into ``*.tmp``, then renames the directory, then rewrites
 ``latest`` through a rename of its own, then prunes to the newest K.  A kill at
 any moment therefore leaves ``latest`` naming a complete checkpoint (or no
-``latest`` at all before the first save).  DeepSpeed's engine state is pickled
+``latest`` at all before the first save).  A save that cannot be written (a full
+disk on any rank) is removed and fails on every rank alike, ``latest`` unchanged, in one
+line that names the free space (:mod:`mmalign.diskspace`).  DeepSpeed's engine state is pickled
 and is read only when resuming a run from its own directory.
 """
 
@@ -32,8 +34,9 @@ import numpy as np
 import torch
 
 from mmalign import distributed as mdist
-from mmalign import reshard, rundir
+from mmalign import diskspace, reshard, rundir
 from mmalign.config import ConfigError
+from mmalign.errors import first_line
 
 ROOT = "checkpoints"
 ENGINE_TAG = "engine"
@@ -129,38 +132,112 @@ def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: 
     ``config`` (the resolved :class:`~mmalign.config.Config`) is stored beside the state,
     so a resume can tell whether it continues the same run.  Every file and directory
     is fsynced before ``latest`` names the checkpoint.
+
+    A write that fails on any rank (a full disk) fails the save on every rank alike, with
+    no rank left in a barrier: the partial save is removed, ``latest`` keeps naming the
+    previous checkpoint, and :class:`~mmalign.diskspace.CheckpointWriteError` says so in
+    one line (:mod:`mmalign.diskspace`).
     """
     rank = mdist.get_rank()
     base = root(out)
     name = f"step_{step:08d}"
     tmp, final = base / f"{name}.tmp", base / name
+    failures: list[BaseException] = []
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    mdist.barrier()
-    engine.save_checkpoint(tmp, ENGINE_TAG)
-    torch.save({"step": step, **trainer_state}, tmp / f"trainer_rank{rank}.pt")
-    (tmp / f"loader_rank{rank}.json").write_text(json.dumps(loader_state))
+        diskspace.space_watch.check(base, _last_saved(base), step)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failures.append(e)
+    _fail_together(failures, base, tmp, final)  # a collective: the barrier before every rank writes
+    with diskspace.deferred_engine_writes(engine, failures):
+        try:
+            engine.save_checkpoint(tmp, ENGINE_TAG)
+            if not failures:
+                _write_rank_files(tmp, rank, step, trainer_state, loader_state, shared, config)
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised
+            failures.append(e)
+    _fail_together(failures, base, tmp, final)
     if rank == 0:
-        for key, state in (shared or {}).items():
-            torch.save(state, tmp / f"{key}.pt")
-        if config is not None:
-            rundir.save_into(config, tmp)
-    mdist.barrier()
+        try:
+            _publish(base, tmp, final, name)
+        except OSError as e:
+            failures.append(e)
+    _fail_together(failures, base, tmp, final)  # every rank waits for latest to flip
     if rank == 0:
-        _fsync_tree(tmp)  # every rank's files are complete here (after the barrier)
-        if final.exists():  # re-saving a step (after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(base)
-        pointer = base / "latest.tmp"
-        pointer.write_text(name)
-        _fsync(pointer)
-        os.replace(pointer, base / "latest")
-        _fsync(base)
         _prune(base, final, keep)
     mdist.barrier()
     return final
+
+
+def _last_saved(base: Path) -> Path | None:
+    """The checkpoint ``latest`` names, if it names one that exists (a pointer edited by hand
+    is resume's business, not the save's)."""
+    try:
+        found = resolve(base.parent, "latest")
+    except ConfigError:
+        return None
+    return found if found is not None and found.is_dir() else None
+
+
+def _write_rank_files(tmp: Path, rank: int, step: int, trainer_state: dict, loader_state: dict,
+                      shared: dict[str, dict] | None, config) -> None:
+    diskspace.save_torch({"step": step, **trainer_state}, tmp / f"trainer_rank{rank}.pt")
+    (tmp / f"loader_rank{rank}.json").write_text(json.dumps(loader_state))
+    if rank == 0:
+        for key, state in (shared or {}).items():
+            diskspace.save_torch(state, tmp / f"{key}.pt")
+        if config is not None:
+            rundir.save_into(config, tmp)
+
+
+def _publish(base: Path, tmp: Path, final: Path, name: str) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: rename it to ``final``, then flip ``latest``."""
+    _fsync_tree(tmp)  # every rank's files are complete here (after the agreement)
+    if final.exists():  # re-saving a step (after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(base)
+    pointer = base / "latest.tmp"
+    pointer.write_text(name)
+    _fsync(pointer)
+    os.replace(pointer, base / "latest")
+    _fsync(base)
+
+
+def _fail_together(failures: list[BaseException], base: Path, tmp: Path, final: Path) -> None:
+    """Collective: when any rank's step of the save failed, every rank raises (no rank goes on
+    to a barrier the others never reach). Rank 0 first removes what the save left (the
+    partial ``tmp``; a ``final`` that ``latest`` does not name), so the space comes back."""
+    mine = failures[0] if failures else None
+    if mine is None:
+        reason = None
+    else:
+        why = diskspace.write_reason(mine) or f"{type(mine).__name__}: {first_line(mine)[:120]}"
+        reason = why if mdist.get_world_size() == 1 else f"{why} on rank {mdist.get_rank()}"
+    reason = _agree(reason)  # the barrier of this phase, too
+    if reason is None:
+        return
+    if mdist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (base / "latest.tmp").unlink(missing_ok=True)
+        latest = base / "latest"
+        named = latest.read_text().strip() if latest.is_file() else None
+        if final.is_dir() and named != final.name:
+            shutil.rmtree(final, ignore_errors=True)
+    mdist.barrier()  # the space is back before any rank measures it
+    if mine is not None and diskspace.write_reason(mine) is None:
+        raise mine  # not a failed write (a bug): as it is, on the rank where it happened
+    previous = _last_saved(base)
+    free = diskspace.free_bytes(base)
+    raise diskspace.CheckpointWriteError(
+        f"cannot write checkpoint {final}: {reason}; "
+        f"{'?' if free is None else diskspace.size_text(free)} free on that filesystem"
+        + (f" (the last checkpoint took {diskspace.size_text(diskspace.tree_bytes(previous))})" if previous else "")
+        + "; the partial save was removed, "
+        + (f"{base / 'latest'} still names {previous.name}: free some space, then continue with --resume latest"
+           if previous else "no checkpoint of this run is saved yet: free some space, then start again")) from None
 
 
 def resolve(out: str | Path, resume: str | None) -> Path | None:

@@ -77,11 +77,12 @@ def cmd_train(args) -> int:
     from mmalign import cluster
 
     cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
+    typed_resume = args.resume
     restart = _continue_on_restart(args, Path(cfg.output))
-    try:
-        check_fresh_start(Path(cfg.output), args.resume, args.overwrite)  # before spawning ranks or DeepSpeed
+    try:  # before spawning ranks or DeepSpeed; with cfg: a finished run is not restarted by --resume
+        check_fresh_start(Path(cfg.output), args.resume, args.overwrite, cfg)
     except UserError as e:
-        if not restart:
+        if not restart or typed_resume == "latest":  # the hint would repeat what the line already says
             raise
         raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
                           f"so that a restart continues the run)") from None
@@ -333,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
     p.add_argument("--resume", help="'latest' (the run directory's newest loadable checkpoint; nothing to resume "
-                   "yet is a fresh start) or a checkpoint path RUN/checkpoints/step_N")
+                   "yet is a fresh start, unless the directory holds a finished run (final/) or another "
+                   "config's run) or a checkpoint path RUN/checkpoints/step_N")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a run directory that is not empty (removes the earlier run's files)")
     p.set_defaults(func=cmd_train)

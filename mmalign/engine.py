@@ -422,7 +422,10 @@ class Engine:
 
     def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict | None = None) -> None:
         """DeepSpeed's own (pickled) engine state; every rank must call this."""
-        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+        # save_latest=False: DeepSpeed's own `latest` file is written outside mmalign's checked writer
+        # (a full disk there would leave the other ranks in its barrier) and is never read: mmalign
+        # names the tag itself (checkpoint.py keeps its own pointer)
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state=client_state or {}, save_latest=False)
 
     def load_checkpoint(self, directory: str | Path, tag: str) -> dict:
         """Resume from DeepSpeed's engine state, every file unpickled with ``weights_only=True``

@@ -5,10 +5,16 @@ tqdm's carriage returns pile up into one unreadable line.  So off a terminal, lo
 loops print one plain line at most every ``every_s`` seconds, and training prints
 one line per ``train.log_every`` (step, loss, lr, scale, samples/s, ETA) in the
 manner of open_clip's training script.
+
+A terminal of zero width (``script -q -c CMD /dev/null``, some CI and job consoles: a
+pseudo-terminal nobody sized) or of unknown width counts as no terminal: tqdm draws
+its bar in 0 columns there, i.e. nothing at all, so :func:`use_bar` sends such output
+to the plain lines.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -22,6 +28,42 @@ def is_terminal(stream=None) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # a closed or replaced stream
         return False
+
+
+def terminal_columns(stream=None) -> int | None:
+    """The width of the terminal behind ``stream`` (default stderr, where tqdm draws); None
+    when it has no file descriptor or the size cannot be read."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # no fileno (a replaced stream), closed, not a tty
+        return None
+
+
+def use_bar(stream=None) -> bool:
+    """Whether a tqdm bar can be seen on ``stream``: a terminal with a known, non-zero width.
+    Everywhere else progress goes out as plain lines."""
+    return is_terminal(stream) and (terminal_columns(stream) or 0) > 0
+
+
+class Counted:
+    """An iterator that states how many items it has left (``operator.length_hint``), so a
+    loop over a generator can still show a total and an ETA. The count is the source's
+    word (rows in a table, files in a folder), not checked."""
+
+    def __init__(self, items: Iterable, count: int):
+        self._items, self._left = iter(items), int(count)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        item = next(self._items)
+        self._left = max(self._left - 1, 0)
+        return item
+
+    def __length_hint__(self) -> int:
+        return self._left
 
 
 def duration(seconds: float) -> str:
@@ -41,7 +83,7 @@ def track(items: Iterable, desc: str, *, total: int | None = None, unit: str = "
     if not enabled:
         yield from items
         return
-    if is_terminal():
+    if use_bar():
         yield from tqdm(items, desc=desc, total=total, unit=unit, dynamic_ncols=True, leave=False)
         return
     out = sys.stdout if out is None else out

@@ -1,6 +1,6 @@
 """What a run directory may be used for: a fresh start, an overwrite, or a resume of the same run.
 
-Two silent failures this module exists to prevent:
+The silent failures this module exists to prevent:
 
 * starting a new run in a directory that holds another run's checkpoints, then
   ``--resume latest``, continued the *old* run while ``config.yaml`` recorded the
@@ -8,7 +8,12 @@ Two silent failures this module exists to prevent:
 * resuming with a config that changes the run (another model, batch, loss, data
   order) mixed two experiments in one curve.
 
-So a fresh start needs an empty (or absent) directory, or ``--overwrite``; and each
+And a third: ``--resume latest`` on a run that saved no checkpoint (``train.checkpoint_every:
+0``, the default) started over from step 0 and replaced the finished run's ``final/``,
+``eval.json`` and ``config.yaml``.
+
+So a fresh start needs an empty (or absent) directory, or ``--overwrite``; a resume with
+nothing to resume may not replace a finished run or another config's run; and each
 checkpoint stores the resolved config it was written under, which a resume must
 match except for the keys in :data:`RESUMABLE_CHANGES` (a longer run, another
 evaluation or logging schedule, another output path).
@@ -73,16 +78,60 @@ def artefacts(out: Path) -> list[Path]:
     return found
 
 
-def check_fresh_start(out: Path, resume: str | None, overwrite: bool) -> None:
-    """A start without ``--resume`` needs an empty or absent directory, or ``--overwrite``.
+def check_fresh_start(out: Path, resume: str | None, overwrite: bool, cfg: Config | None = None) -> None:
+    """A start without ``--resume`` needs an empty or absent directory, or ``--overwrite``;
+    with ``--resume`` and ``cfg``, :func:`check_something_to_resume`.
     Pure (no writes): every rank may call it before any rank writes."""
-    if resume or overwrite or not out.is_dir():
+    if overwrite or not out.is_dir():
+        return
+    if resume:
+        if resume == "latest" and cfg is not None:
+            check_something_to_resume(out, cfg)
         return
     entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX))
     if entries:
         shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
         raise ConfigError(f"config key 'output': {out} is not empty ({shown}); continue that run with "
                           f"--resume latest, or start over with --overwrite (removes its run files)")
+
+
+def check_something_to_resume(out: Path, cfg: Config) -> None:
+    """``--resume latest`` where ``out`` holds no checkpoint is a fresh start, which rewrites
+    ``config.yaml``, ``metrics.jsonl``, ``final/`` and ``eval.json``. That is refused (one
+    line; ``--overwrite`` is the way to start over) where it would replace a run:
+
+    * a finished run (``final/``): there is nothing to resume, with its config or another;
+    * a run whose ``config.yaml`` differs in a key that changes the run (named, as
+      :func:`check_resume` names them): another experiment would take its place.
+
+    The leftovers of an attempt of the *same* run killed before its first save (the README's
+    launch lines carry ``--resume latest``, and a requeued job runs them again) start over."""
+    if (out / "checkpoints" / "latest").is_file():
+        return  # a checkpoint to resume from: checkpoint.resume and check_resume take it from here
+    finished = (out / "final").is_dir()
+    run_config = out / CONFIG_FILE
+    if not finished and not run_config.is_file():
+        return
+    changed = ""
+    if run_config.is_file():
+        try:
+            stored = yaml.safe_load(run_config.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"config key 'output': {run_config} cannot be read ({type(e).__name__}) and {out} "
+                              f"holds no checkpoint to resume from; start over with --overwrite") from None
+        if not isinstance(stored, dict):
+            raise ConfigError(f"config key 'output': {run_config} is not an mmalign config and {out} holds no "
+                              f"checkpoint to resume from; start over with --overwrite")
+        changed = _shown(*_changes(stored, cfg))
+    if finished:
+        raise ConfigError(f"config key 'output': {out} holds a finished run (final/) and no checkpoint to resume from"
+                          + (f"; this config differs from its config.yaml in keys that change the run: {changed}"
+                             if changed else "") + "; nothing to resume: retrain it with --overwrite (removes its "
+                          "run files), or use another output directory")
+    if changed:
+        raise ConfigError(f"config key 'output': {out} holds a run of another config ({changed}) that saved no "
+                          f"checkpoint; nothing to resume: start over with --overwrite (removes its run files), "
+                          f"or use another output directory")
 
 
 def clear(out: Path) -> list[str]:
@@ -113,25 +162,36 @@ def stored_config(checkpoint: Path) -> dict | None:
     return tree if isinstance(tree, dict) else None
 
 
+def _changes(stored: dict, cfg: Config) -> tuple[list[str], dict, dict]:
+    """The keys in which ``cfg`` differs from the ``stored`` config tree in a way that changes
+    the run (:data:`RESUMABLE_CHANGES` pass), and both flat views."""
+    old, new = _flat(stored), _flat(to_dict(cfg))
+    # a key the stored config lacks was added to mmalign after it was written: it ran with
+    # that key's default (a checkpoint from before train.attention_kernel still resumes)
+    defaults = _flat(to_dict(Config()))
+    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
+    differing = [k for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
+                                                        for r in RESUMABLE_CHANGES)]
+    return differing, old, new
+
+
+def _shown(differing: list[str], old: dict, new: dict) -> str:
+    """``key: old -> new`` for the first four keys ("" for none)."""
+    shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:4])
+    return shown + (f" (+{len(differing) - 4} more)" if len(differing) > 4 else "")
+
+
 def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None:
     """One line naming every key that differs from the checkpoint's config in a way that
     changes the run; the resumable changes of :data:`RESUMABLE_CHANGES` pass."""
     stored = stored_config(checkpoint)
     if stored is None:
         return
-    old, new = _flat(stored), _flat(to_dict(cfg))
-    # a key the checkpoint's config lacks was added to mmalign after it was written: it ran
-    # with that key's default (a checkpoint from before train.attention_kernel still resumes)
-    defaults = _flat(to_dict(Config()))
-    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
-    differing = [k for k in sorted(set(old) | set(new))
-                 if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
-                                                        for r in RESUMABLE_CHANGES)]
-    if differing:
-        shown = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differing[:4])
-        more = f" (+{len(differing) - 4} more)" if len(differing) > 4 else ""
+    shown = _shown(*_changes(stored, cfg))
+    if shown:
         raise ConfigError(f"--resume: the config differs from the one {checkpoint.name} was trained with in keys "
-                          f"that change the run: {shown}{more}; resume with the run's own config, or start a new "
+                          f"that change the run: {shown}; resume with the run's own config, or start a new "
                           f"run in another output directory")
     if step is not None and cfg.train.steps < step:
         raise ConfigError(f"config key 'train.steps'={cfg.train.steps} is below the checkpoint's step {step} "

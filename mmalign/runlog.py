@@ -61,8 +61,10 @@ class RunLog:
         self.main = rank == 0
         self.keys_path = self.out / f"samples_rank{rank}.jsonl" if sample_keys else None
         self.tensorboard = tensorboard and self.main
-        self.use_bar = show_progress and self.main and progress.is_terminal()
-        self.lines = show_progress and self.main and not self.use_bar  # off a terminal: one line per record
+        # a bar only on a terminal of known, non-zero width; else one line per record
+        self.use_bar = show_progress and self.main and progress.use_bar()
+        self.lines = show_progress and self.main and not self.use_bar
+        self.first_written = False  # the first record of this log carries the run's ``once`` fields
         self.metrics_file = self.keys_file = self.board = self.bar = None
         self.loop_start, self.estimated = time.time(), False
 
@@ -142,11 +144,16 @@ class RunLog:
                 f"{progress.duration(per_step * (self.steps - self.start))} (ETA {progress.duration(eta)})")
         return eta
 
-    def record(self, step: int, record: dict, eta: float, alarms: list[str] = ()) -> None:
+    def record(self, step: int, record: dict, eta: float, alarms: list[str] = (), once: dict | None = None) -> None:
         """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
-        readable line in train.log (and on stdout off a terminal, or the bar's postfix)."""
+        readable line in train.log (and on stdout off a terminal, or the bar's postfix).
+        ``once``: fields that only the first record of this log carries (e.g. the parameter
+        counts, :mod:`mmalign.trainable`)."""
         if not self.main:
             return
+        if once and not self.first_written:
+            record = {**record, **once}
+        self.first_written = True
         for alarm in alarms:
             log.warning("COLLAPSE ALARM at step %d: %s", step, alarm)
             self.bar.write(f"mmalign: COLLAPSE ALARM at step {step}: {alarm}")
@@ -154,7 +161,7 @@ class RunLog:
         self.metrics_file.flush()
         if self.board is not None:
             for k, v in record.items():
-                if k != "step":
+                if k != "step" and isinstance(v, (int, float)):  # scalars only (a tower's state is a word)
                     self.board.add_scalar(k, v, step)
         line = progress.train_line(step, self.steps, record, eta) + _throughput(record)
         log.info("%s", line)  # readable; the full record is in metrics.jsonl

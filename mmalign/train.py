@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign import checkpoint, progress, rundir
+from mmalign import checkpoint, headline, progress, rundir, trainable
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
@@ -109,19 +109,25 @@ def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, 
 def _exit_on_sigterm():
     """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
     handlers stop the DataLoader workers) instead of the process vanishing and leaving its
-    workers behind. Only the main thread can install a handler; elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    workers behind, with exit status 143. Either signal prints one line on rank 0: which
+    signal, the step, the last checkpoint and the command that resumes (mmalign.signals).
+    Only the main thread can install a handler; elsewhere SIGTERM is left as it is.
+    A checkpoint that cannot be written (a full disk) stops the run as RunStopped (exit 1)."""
+    from mmalign import signals as stop_signals
+    from mmalign.diskspace import CheckpointWriteError
 
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop_signals.raise_terminated) if main_thread else None
     try:
         yield
+    except (KeyboardInterrupt, stop_signals.Terminated) as e:
+        stop_signals.report(e, mdist.get_rank(), mdist.get_world_size())
+        raise
+    except CheckpointWriteError as e:
+        raise RunStopped(str(e)) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def train(cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False) -> Path:
@@ -153,6 +159,7 @@ class _Parts:
     autocast: object  # () -> the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device in the run's matmul dtype, for MFU; None = no MFU
     text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
+    params: dict | None = None  # parameter counts and tower states (mmalign.trainable), for the first record
 
 
 @dataclass
@@ -208,6 +215,8 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
         records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / "eval.json", device, final=out / "final",
                                    suite=suite, show_progress=show_progress)
         runlog.evaluation(records, t.steps, hparams=to_dict(cfg))  # and the hyper-parameters against them
+        if main and suite is not None:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
+            headline.announce(records, out / "eval.json")
     mdist.barrier()
     return out
 
@@ -223,7 +232,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
     check_buildable(cfg.model)
     check_train_shards(cfg.data, rank, mdist.broadcast_object)  # rank 0 looks, every rank learns the result
     suite = resolve_suite(cfg)  # a typo in eval.suite fails now, not after training
-    rundir.check_fresh_start(out, resume, overwrite)
+    rundir.check_fresh_start(out, resume, overwrite, cfg)  # with cfg: a finished run is not restarted by --resume
     for newest in checkpoint.candidates(out, resume)[:1]:
         rundir.check_resume(cfg, newest, checkpoint.step_of(newest))
     mdist.barrier()  # every rank has looked before rank 0 writes
@@ -285,6 +294,9 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, embed_dim %d, %.4g GFLOP/sample (fwd+bwd)", _model_name(cfg),
              n_params / 1e6, model.embed_dim, model_flops / 1e9)
+    params = trainable.param_counts(model, cfg.model)  # LiT: which towers learn; before ZeRO-3 partitions them
+    if main:
+        say(trainable.describe(params))
     tokenizer = build_tokenizer(model.arch)
 
     # train.grad_cache_chunk_size: auto -> an integer, measured on every rank, the same on all
@@ -325,7 +337,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     # train.precision's autocast: the engine's own (entered inside DeepSpeed's call), also for the
     # momentum queue's EMA encoder, which runs outside the engine
     return _Parts(cfg, out, device, world, model_flops, model_flops_unmasked, model.embed_dim, tokenizer, queue,
-                  engine, loader, probe, objective, engine.autocast, peak, text_trim)
+                  engine, loader, probe, objective, engine.autocast, peak, text_trim, params)
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
@@ -398,7 +410,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     # A random tower's outputs are anisotropic; judge collapse once warmup is over.
     watch = runlog.main and p.probe is not None and step > t.warmup_steps
     alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
-    runlog.record(step, record, eta, alarms)
+    runlog.record(step, record, eta, alarms, once=p.params)  # the first record also holds the counts
     tally.window_start, tally.window_samples, tally.window_flops, tally.data_wait = time.time(), 0, 0.0, 0.0
 
 

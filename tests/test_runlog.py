@@ -130,3 +130,21 @@ def test_a_run_that_stops_mid_loop_leaves_no_file_open(micro_overrides, monkeypa
     assert _steps(out / "metrics.jsonl") == [1, 2] and _steps(out / "samples_rank0.jsonl") == [1, 2]
     assert len(boards) == 1 and boards[0].all_writers is None and list((out / "tensorboard").glob("events.*"))
     assert [Path(p).name for p in _open_files_under(out)] == ["train.log"]  # the logging handler's, by design
+
+
+def test_the_first_record_carries_the_run_fields_given_once(tmp_path):
+    """The parameter counts and tower states (issue 28, point 10) are in metrics.jsonl's first
+    record only; TensorBoard takes their numbers and skips the words."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    once = {"params_trainable": 1200, "params_frozen": 340, "image_tower": "locked", "text_tower": "trainable"}
+    with RunLog(tmp_path, 0, 0, 4, 2, tensorboard=True, show_progress=False) as log:
+        log.record(2, _record(2), eta=1.0, once=once)
+        log.record(4, _record(4), eta=0.0, once=once)
+    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first == {**_record(2), **once} and second == _record(4)
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "params_trainable" in tags and "loss" in tags and "image_tower" not in tags
+    assert [e.value for e in events.Scalars("params_frozen")] == [340]

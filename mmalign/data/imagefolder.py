@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmalign.errors import UsageError
+from mmalign.progress import Counted
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -61,7 +62,7 @@ def _relpath(name: str) -> str:
 
 
 def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] | None = None,
-                 shuffle_seed: int | None = None, only: list[str] | None = None) -> tuple[list[str], Iterator[Item]]:
+                 shuffle_seed: int | None = None, only: list[str] | None = None) -> tuple[list[str], Counted]:
     """``root/CLASS/*.jpg`` as a directory or a tar (``./cat/0001.jpg``).
 
     Class ids follow ``classnames`` when a template set gives them (CIFAR-10's label
@@ -105,7 +106,7 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     unknown = sorted(set(found) - set(names))
     if unknown:
         raise UsageError(f"image folder {path}: folders {unknown[:3]} are not in the template set's classnames")
-    return names, _class_items(pairs, names, captioner)
+    return names, Counted(_class_items(pairs, names, captioner), len(files))  # one item per image file
 
 
 def _check_only(path: Path, only: list[str] | None, found: list[str]) -> None:

@@ -8,8 +8,9 @@
 - ``tsne.png``: a t-SNE (van der Maaten & Hinton 2008) of the image embeddings,
   coloured by the suite's first zero-shot label (e.g. shape).
 - ``recall.png``: Recall@k for k = 1..50 in both directions, with chance.
-- ``index.html``: the figures, the embedding diagnostics, every evaluation file of the
-  run (``eval.json`` and ``eval_step*.json``), the run time, a data summary (shards and
+- ``index.html``: first the headline results (zero-shot top-1 / top-5, Recall@k) of the
+  last evaluation file; then the figures, the embedding diagnostics, every evaluation file of
+  the run (``eval.json`` and ``eval_step*.json``), the run time, a data summary (shards and
   sample counts of data.train / data.val, the embedded sample's class mix and captions)
   and the resolved ``config.yaml``.
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmalign import headline
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc
 from mmalign.evaluation.features import embed_dataset
@@ -292,6 +294,25 @@ def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
     return rows, warnings
 
 
+def headline_section(run: Path) -> str:
+    """The page's first section: the headline results (:mod:`mmalign.headline`) of the run's
+    last evaluation file (``eval.json``, else the newest ``eval_step*.json``), and its path."""
+    files = eval_files(run)
+    if not files:
+        return "<h2>Headline results</h2><p>no eval.json or eval_step*.json in the run</p>"
+    path = files[-1]
+    try:
+        records = json.loads(path.read_text())
+        found = headline.rows(records)
+    except (json.JSONDecodeError, OSError, TypeError, AttributeError) as e:  # a damaged file is described
+        return f"<h2>Headline results</h2><p>{html.escape(path.name)} unreadable: {html.escape(str(e))}</p>"
+    where = f"<p>from <code>{html.escape(str(path))}</code></p>"
+    if not found:
+        return f"<h2>Headline results</h2>{where}<p>no zero-shot or retrieval task in this evaluation</p>"
+    table = _table([("task", "metric", "value")] + [(t, m, headline.percent(v)) for t, m, v in found])
+    return f"<h2>Headline results</h2>{where}{table}"
+
+
 def write_report(run: str | Path, output: str | Path | None = None, *, suite: str | None = None,
                  data: str | None = None, limit: int = 1000, seed: int = 0, progress: bool = False) -> Path:
     """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path.
@@ -300,7 +321,7 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
     out = Path(output) if output else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     body = [f"<h1>mmalign run report</h1><p>run <code>{html.escape(str(run))}</code>, "
-            f"written {time.strftime('%Y-%m-%d %H:%M')}</p>"]
+            f"written {time.strftime('%Y-%m-%d %H:%M')}</p>", headline_section(run)]
 
     rows = read_metrics(run / "metrics.jsonl")
     if plot_curves(rows, out / "curves.png"):

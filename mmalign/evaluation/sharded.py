@@ -26,7 +26,7 @@ from mmalign import distributed as mdist
 from mmalign.errors import UsageError, UserError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset
-from mmalign.evaluation.suite import embedding_needs, run_suite
+from mmalign.evaluation.suite import embedding_needs, embedding_total, run_suite
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.evaluation")
@@ -100,7 +100,7 @@ def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = 
     try:
         spec = dataset_spec(suite, data)
         samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
-                        total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress and rank == 0)
+                        total=embedding_total(spec), enabled=progress and rank == 0)
         local = _embed_mine(model, preprocess, tokenizer, samples, rank, world, batch_size, device, pre_projection,
                             captions)
     finally:

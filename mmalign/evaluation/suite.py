@@ -193,6 +193,22 @@ def embedding_needs(tasks: list[dict]) -> tuple[bool, bool]:
             any(t["type"] in CAPTION_TASKS for t in tasks))
 
 
+def embedding_total(spec: dict) -> int | None:
+    """How many samples the embedding pass over ``spec`` reads, where known before reading, for
+    the progress counter's total and ETA: shards listed in their folders' ``sizes.json``
+    (written by the shard builders), capped by ``limit``; else the ``limit``; else None."""
+    from mmalign.embed import shard_total
+
+    limit = int(spec["limit"]) if spec.get("limit") else None
+    known = None
+    if spec.get("type") == "shards" and spec.get("per_class") is None:  # per_class drops an unknown share
+        counts = [shard_total(url) for url in expand_urls(spec["urls"])]
+        known = sum(counts) if counts and None not in counts else None
+    if known is None:
+        return limit
+    return known if limit is None else min(known, limit)
+
+
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
               device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
               user_data: str | None = None, embedded: dict | None = None) -> list[dict]:
@@ -218,7 +234,7 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
         emb = embedded
         if emb is None:
             samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
-                            total=int(spec["limit"]) if spec.get("limit") else None, enabled=progress)
+                            total=embedding_total(spec), enabled=progress)
             emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
                                 captions=captions)
         encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731

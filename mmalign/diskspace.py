@@ -1,0 +1,154 @@
+"""Checkpoint writes on a filesystem that fills up.
+
+Two things go wrong on a full disk without this module:
+
+* torch's writer reports ``ENOSPC`` as ``RuntimeError: [enforce fail at inline_container.cc]
+  . unexpected pos 576 vs 534``: the disk is never named, and the cut ``*.tmp`` save stays
+  behind, so the disk stays full;
+* under several ranks the rank whose write fails leaves the save while the others wait for
+  it in a barrier, until ``dist.timeout_s`` (DeepSpeed's own save ends in a barrier too).
+
+So every file of a save is written through a Python file object (``ENOSPC`` then arrives
+as ``OSError`` with its errno), DeepSpeed's writer records a failure instead of raising it
+(:func:`deferred_engine_writes`: its save runs on to its closing barrier on every rank),
+and :mod:`mmalign.checkpoint` agrees on the failures of all ranks before it removes the
+partial save and raises :class:`CheckpointWriteError` (one line: the path, the reason, the
+free space).  :class:`SpaceWatch` warns, once, when the next save will not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mmalign.train")
+
+# errnos that mean "this filesystem cannot take the bytes", named in the user's words
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+# torch's C++ stream writer loses the errno; these are its messages for a failed write
+_TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed", "inline_container", "iostream error")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error): one line; the
+    run stops with exit status 1 and its last complete checkpoint intact."""
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes for an unprivileged writer on ``path``'s filesystem (its nearest existing
+    parent); None where it cannot be read."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def tree_bytes(path: Path | None) -> int:
+    """The bytes of the files under ``path`` (0 for None or a missing directory)."""
+    if path is None or not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def save_torch(obj, path: Path, **kwargs) -> None:
+    """``torch.save`` through a Python file, so that a full disk is ``OSError(ENOSPC)``
+    (torch's own writer of a path turns it into "unexpected pos")."""
+    with open(path, "wb") as f:
+        torch.save(obj, f, **kwargs)
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def write_reason(error: BaseException) -> str | None:
+    """What stopped a write, in a few words (``no space left on device``); None when
+    ``error`` is not a failed write (a bug, an interrupt: reported as it is)."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno is not None:
+            return _FULL.get(e.errno) or (e.strerror or str(e)).lower()
+    text = str(error)
+    if isinstance(error, RuntimeError) and any(mark in text for mark in _TORCH_WRITER):
+        return f"the write failed ({text.strip().splitlines()[0][:120]})"
+    return None
+
+
+@contextlib.contextmanager
+def deferred_engine_writes(engine, failures: list):
+    """While DeepSpeed saves: each file its checkpoint engine writes goes through
+    :func:`save_torch`, and a failed write is appended to ``failures`` (its partial file
+    removed) instead of raised, so that DeepSpeed's save still reaches its closing barrier
+    on this rank.  An engine without DeepSpeed's ``checkpoint_engine`` is left as it is."""
+    writer = getattr(getattr(engine, "ds", None), "checkpoint_engine", None)
+    if writer is None or not callable(getattr(writer, "save", None)):
+        yield
+        return
+    # DeepSpeed's torch writer, rewritten through a Python file; any other engine keeps its own
+    zipfile = writer.zipfile_serialization if type(writer).__name__ == "TorchCheckpointEngine" else None
+    original, shadowed = writer.save, "save" in vars(writer)
+
+    def save(state_dict, path):
+        if failures:  # one failure is enough: the save is dropped, write nothing more
+            return
+        try:
+            if zipfile is None:  # another checkpoint engine: its own writer
+                original(state_dict, path)
+            else:
+                save_torch(state_dict, Path(path), _use_new_zipfile_serialization=zipfile)
+        except Exception as e:  # noqa: BLE001 - recorded; the caller agrees on it with every rank
+            failures.append(e)
+            Path(path).unlink(missing_ok=True)
+
+    writer.save = save  # an instance attribute shadowing the method
+    try:
+        yield
+    finally:
+        if shadowed:
+            writer.save = original
+        else:
+            del writer.save
+
+
+class SpaceWatch:
+    """Before each save (rank 0): whether the filesystem holds one more checkpoint of the size
+    of the last one; one warning per run directory when it does not (the save is still tried:
+    the size is an estimate)."""
+
+    def __init__(self):
+        self._warned: set[Path] = set()
+
+    def check(self, base: Path, last: Path | None, step: int) -> str | None:
+        """The warning line (printed and logged), or None."""
+        need, free = tree_bytes(last), free_bytes(base)
+        if base in self._warned or not need or free is None or free >= need:
+            return None
+        self._warned.add(base)
+        line = (f"mmalign: warning: {size_text(free)} free on the filesystem of {base}, and the last checkpoint "
+                f"({last.name}) took {size_text(need)}: the save of step {step} will probably not fit")
+        print(line, flush=True)
+        log.warning("%s", line)
+        return line
+
+
+# one per process: a run warns once, however many saves follow
+space_watch = SpaceWatch()
