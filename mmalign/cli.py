@@ -413,13 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=ROUTES_HELP, formatter_class=_RawDescriptionFormatter)
     p.add_argument("--index", required=True, help="an `mmalign index` output directory")
     p.add_argument("--model", required=True, help="the model that made the embeddings")
-    p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is local only")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: local)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                    help="seconds a request has to arrive whole (else 408), and its reply to be written")
-    p.add_argument("--workers", type=int, default=8, help="threads that answer complete requests")
-    p.add_argument("--max-connections", type=int, default=256,
+    p.add_argument("--workers", type=int, default=8, metavar="N", help="threads that answer complete requests")
+    p.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="connections open at once; more wait in the listen backlog")
     p.set_defaults(func=cmd_serve)
 

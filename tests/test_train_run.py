@@ -150,7 +150,7 @@ def test_monitors_and_outputs(micro_overrides):
     from mmalign.train import train
 
     cfg = load_config(None, micro_overrides + ["train.steps=4", "train.log_every=2", "monitor.probe_size=32",
-                                               "train.eval_every=2", "monitor.min_effective_rank_frac=2.0"])
+                                               "train.eval_every=2", "monitor.min_effective_rank_frac=1.0"])
     out = train(cfg, show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     r = records[-1]
@@ -163,7 +163,8 @@ def test_monitors_and_outputs(micro_overrides):
     assert 1 <= r["pos_rank"] <= 32 and 0 <= r["top1"] <= 1 and r["tflops"] > 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "eval_step00000002.json").is_file() and (out / "eval.json").is_file()
-    # an effective-rank threshold above the dimension must raise the alarm
+    # a threshold of the full dimension must raise the alarm: a 32-sample probe's spectrum is never
+    # flat enough for an effective rank equal to the dimension (above 1 the config refuses it)
     assert "COLLAPSE ALARM" in (out / "train.log").read_text()
 
 
