@@ -100,7 +100,7 @@ def _check_out(urls: list[str], out: Path) -> None:
 def _listed_total(urls: list[str]) -> int | None:
     """The samples of ``urls`` by their folders' ``sizes.json`` (the builders write it); None
     when a shard is not listed."""
-    from mmalign.embed import shard_total
+    from mmalign.data.shards import shard_total
 
     counts = [shard_total(url) for url in urls]
     return sum(counts) if counts and None not in counts else None

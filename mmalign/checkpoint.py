@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mmalign import distributed as mdist
 from mmalign import diskspace, reshard, rundir
+from mmalign.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exported: the loop saves them)
 from mmalign.config import ConfigError
 from mmalign.errors import first_line
 
@@ -49,34 +48,6 @@ def root(out: str | Path) -> Path:
 def is_step_name(name: str) -> bool:
     """``step_N`` (a complete checkpoint's directory name; not ``.tmp``, no path parts)."""
     return re.fullmatch(r"step_[0-9]+", name) is not None
-
-
-def rng_state() -> dict:
-    """Every generator the loop consumes, as weights_only-loadable values."""
-    np_state = np.random.get_state()
-    py = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        # this rank's device only: get_rng_state_all() would create a CUDA context on every visible
-        # GPU in every rank (with 8 ranks x 8 GPUs, 7 stray contexts per GPU)
-        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
-        "python": list(py[1]),
-        "python_version": py[0],
-        "python_gauss": [] if py[2] is None else [py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        # one state (this rank's device); a checkpoint from before held every visible device's
-        cuda = state["cuda"]
-        torch.cuda.set_rng_state(cuda[0] if len(cuda) == 1 else cuda[torch.cuda.current_device()])
-    gauss = state["python_gauss"][0] if state["python_gauss"] else None
-    random.setstate((state["python_version"], tuple(int(v) for v in state["python"]), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def clean_partial(out: str | Path) -> None:

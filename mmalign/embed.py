@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmalign.data.shards import shard_total  # noqa: F401 (re-exported: its old home)
 from mmalign.errors import UsageError
 from mmalign.progress import track
 
@@ -102,28 +103,6 @@ def _located(samples: Iterator[dict]) -> Iterator[dict]:
     for s in samples:
         shard, source = s.pop("shard"), s["json"].get("source_path")
         yield {**s, "source_path": source if isinstance(source, str) else None, "file": str(Path(shard).resolve())}
-
-
-def shard_total(data: str | Path) -> int | None:
-    """The number of samples in ``data``'s shards from their folders' ``sizes.json`` (written
-    by the shard builders), None when a shard is not listed or ``data`` is not shards."""
-    from mmalign.data.shards import expand_urls
-
-    path = Path(str(data))
-    urls = sorted(str(p) for p in path.glob("*.tar")) if path.is_dir() else expand_urls(str(data))
-    total, listings = 0, {}
-    for url in urls:
-        folder = Path(url).parent
-        if folder not in listings:
-            try:
-                listings[folder] = json.loads((folder / "sizes.json").read_text())
-            except (OSError, ValueError):
-                return None
-        count = listings[folder].get(Path(url).name) if isinstance(listings[folder], dict) else None
-        if not isinstance(count, int):
-            return None
-        total += count
-    return total or None
 
 
 # ----------------------------------------------------------------- writing

@@ -221,8 +221,8 @@ def _load_whole_optimizer(engine, moments: dict[str, dict[str, torch.Tensor]], s
 def fresh_rng_state(seed: int, step: int, rank: int) -> dict:
     """The generators of a rank that did not exist (or was another rank) when the
     checkpoint was written: seeded from (seed, step, rank), returned as
-    :func:`mmalign.checkpoint.rng_state` values; the process's own state is left as it was."""
-    from mmalign.checkpoint import rng_state, set_rng_state
+    :func:`mmalign.rng_state.rng_state` values; the process's own state is left as it was."""
+    from mmalign.rng_state import rng_state, set_rng_state
 
     saved = rng_state()
     value = (seed * 1_000_003 + step) * 1_009 + rank

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign import checkpoint, headline, progress, rundir, trainable
+from mmalign import checkpoint, progress, rundir, trainable
 from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
-from mmalign.evaluation import load_suite, sharded, write_results
+from mmalign.evaluation import headline, load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.memory_plan import resolve_grad_cache_chunk, resolved_config
 from mmalign.models import TwoTower, build_model, check_buildable
@@ -216,7 +216,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
                                    suite=suite, show_progress=show_progress)
         runlog.evaluation(records, t.steps, hparams=to_dict(cfg))  # and the hyper-parameters against them
         if main and suite is not None:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
-            headline.announce(records, out / "eval.json")
+            headline.announce(records, out / "eval.json", say)
     mdist.barrier()
     return out
 

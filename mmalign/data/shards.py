@@ -265,3 +265,23 @@ def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set 
                 yield sample
         except (TruncatedTar, CorruptTar, OSError) as e:
             log.warning("shard %s ended early: %s", url, e)
+
+
+def shard_total(data: str | Path) -> int | None:
+    """The number of samples in ``data``'s shards from their folders' ``sizes.json`` (written
+    by the shard builders), None when a shard is not listed or ``data`` is not shards."""
+    path = Path(str(data))
+    urls = sorted(str(p) for p in path.glob("*.tar")) if path.is_dir() else expand_urls(str(data))
+    total, listings = 0, {}
+    for url in urls:
+        folder = Path(url).parent
+        if folder not in listings:
+            try:
+                listings[folder] = json.loads((folder / "sizes.json").read_text())
+            except (OSError, ValueError):
+                return None
+        count = listings[folder].get(Path(url).name) if isinstance(listings[folder], dict) else None
+        if not isinstance(count, int):
+            return None
+        total += count
+    return total or None

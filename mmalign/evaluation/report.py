@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign import headline
+from mmalign.evaluation import headline
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc
 from mmalign.evaluation.features import embed_dataset
@@ -295,7 +295,7 @@ def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
 
 
 def headline_section(run: Path) -> str:
-    """The page's first section: the headline results (:mod:`mmalign.headline`) of the run's
+    """The page's first section: the headline results (:mod:`mmalign.evaluation.headline`) of the run's
     last evaluation file (``eval.json``, else the newest ``eval_step*.json``), and its path."""
     files = eval_files(run)
     if not files:

@@ -197,7 +197,7 @@ def embedding_total(spec: dict) -> int | None:
     """How many samples the embedding pass over ``spec`` reads, where known before reading, for
     the progress counter's total and ETA: shards listed in their folders' ``sizes.json``
     (written by the shard builders), capped by ``limit``; else the ``limit``; else None."""
-    from mmalign.embed import shard_total
+    from mmalign.data.shards import shard_total
 
     limit = int(spec["limit"]) if spec.get("limit") else None
     known = None

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from mmalign.errors import UsageError, first_line
+from mmalign.models.misfit import misfit  # noqa: F401 (re-exported: its old home)
 from mmalign.models.two_tower import TwoTower
 
 WEIGHTS = "model.safetensors"
@@ -139,26 +140,6 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
     model.load_state_dict(state, strict=True)
     model.eval()
     return model, config
-
-
-def misfit(own: dict, state: dict) -> str | None:
-    """Why ``state`` cannot be loaded into a model whose state dict is ``own`` (missing or
-    unexpected keys, other shapes), as one line; None when it fits."""
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if not (missing or unexpected or wrong):
-        return None
-
-    def few(keys):
-        return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
-
-    parts = ([f"missing {few(missing)}"] if missing else []) + ([f"unexpected {few(unexpected)}"] if unexpected else [])
-    if wrong:
-        k = wrong[0]
-        parts.append(f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
-                     + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-    return "; ".join(parts)
 
 
 __all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "misfit", "resolve_model_dir", "respect_umask", "save_pretrained"]

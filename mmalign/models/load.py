@@ -170,7 +170,7 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     from mmalign.config import load_config, to_dict
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.engine import consolidate_checkpoint  # imports deepspeed: only on this path
-    from mmalign.models.io import misfit
+    from mmalign.models.misfit import misfit
     from mmalign.models.presets import resolve_arch
 
     config_file = checkpoint_config(step_dir)

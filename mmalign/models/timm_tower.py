@@ -108,7 +108,7 @@ def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
         if f"{name}.weight" not in own:  # the tower has no classifier: the checkpoint's is not used
             state.pop(f"{name}.weight", None)
             state.pop(f"{name}.bias", None)
-    from mmalign.models.io import misfit
+    from mmalign.models.misfit import misfit
 
     problem = misfit(own, state)
     if problem:

@@ -56,9 +56,8 @@ def lines(records: list[dict], path: str | Path) -> list[str]:
     return out
 
 
-def announce(records: list[dict], path: str | Path) -> None:
-    """Rank 0, at the end of a run: the headline on stdout and in train.log."""
-    from mmalign.runlog import say
-
+def announce(records: list[dict], path: str | Path, say) -> None:
+    """Rank 0, at the end of a run: each headline line through ``say`` (the loop's printer:
+    stdout and train.log)."""
     for line in lines(records, path):
         say(line)
