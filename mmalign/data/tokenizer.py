@@ -11,12 +11,12 @@ tower pools at the position of the *largest* token id (open_clip's default
 and the tower's ``vocab_size`` is P + 3.  Captions are lower-cased and whitespace
 is collapsed before encoding, as the CLIP tokenizer does.
 
-Which tokenizer a model uses lives in its architecture dict:
-``text_cfg["tokenizer_kwargs"] = {"sentencepiece": PATH}`` (a field open_clip's text
-config carries and ignores), set by ``validate()`` from ``model.tokenizer``; for a Hugging
-Face text tower it is open_clip's ``text_cfg["hf_tokenizer_name"]`` (a local folder, see
-mmalign/models/hf_text.py), whose ids go to the tower unchanged (it pools by attention mask
-or CLS, not at the largest id).
+Which tokenizer a model uses is its text tower kind's business (models/towers/): for
+open_clip's text transformer the arch's ``text_cfg.tokenizer_kwargs = {"sentencepiece": PATH}``
+(a field open_clip's text config carries and ignores), set by ``resolve()`` from
+``model.tokenizer``; for a Hugging Face text tower open_clip's ``text_cfg.hf_tokenizer_name``
+(a local folder, see mmalign/models/hf_text.py), whose ids go to the tower unchanged (it pools
+by attention mask or CLS, not at the largest id).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 
 import torch
-from open_clip.tokenizer import SimpleTokenizer
 
 SPM_KEY = "sentencepiece"
 
@@ -147,27 +146,34 @@ def sentencepiece_vocab_size(model_file: str | Path) -> int:
     return open_sentencepiece(model_file).get_piece_size() + 3
 
 
-def tokenizer_file(arch: dict) -> str | None:
-    kwargs = arch.get("text_cfg", {}).get("tokenizer_kwargs") or {}
-    return kwargs.get(SPM_KEY)
+def text_spec(arch):
+    """The typed text tower of an architecture dict (or a spec / a model's ``towers`` as is)."""
+    from mmalign.models.towers import TowerSpec, Towers, spec_from_cfg
+
+    if isinstance(arch, Towers):
+        return arch.text
+    if isinstance(arch, TowerSpec):
+        return arch
+    return spec_from_cfg("text", dict(arch.get("text_cfg", {})))
 
 
-def build_tokenizer(arch: dict, base_dir: str | Path | None = None):
+def tokenizer_file(arch) -> str | None:
+    """The sentencepiece model file a text tower names, or None."""
+    return getattr(text_spec(arch), "tokenizer_file", None)
+
+
+def build_tokenizer(arch, base_dir: str | Path | None = None):
     """Tokenizer for a text tower: ``tokenizer(list[str]) -> LongTensor (N, context_length)``.
 
-    A relative sentencepiece path or Hugging Face folder resolves against ``base_dir`` (a saved model's folder).
+    ``arch``: an architecture dict, a model's ``towers`` or a text tower spec; the tower's kind
+    makes it (models/towers/), and a kind without a tokenizer is an error, never CLIP BPE by
+    default.  A relative sentencepiece path or Hugging Face folder resolves against
+    ``base_dir`` (a saved model's folder).
     """
-    context_length = int(arch["text_cfg"].get("context_length", 77))
-    hf_folder = arch["text_cfg"].get("hf_tokenizer_name") or arch["text_cfg"].get("hf_model_name")
-    if hf_folder:  # a Hugging Face text tower's folder (absolute, or relative to a saved model)
-        path = Path(hf_folder)
-        if not path.is_absolute() and base_dir is not None:
-            path = Path(base_dir) / path
-        return HFTextTokenizer(path, context_length)
-    spm_file = tokenizer_file(arch)
-    if spm_file is None:
-        return SimpleTokenizer(context_length=context_length)
-    path = Path(spm_file)
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
-    return SentencePieceTokenizer(path, context_length)
+    from mmalign.errors import UsageError
+
+    spec = text_spec(arch)
+    make = getattr(spec, "tokenizer", None)
+    if not callable(make):
+        raise UsageError(f"the {spec.kind} text tower kind has no tokenizer() hook")
+    return make(base_dir)

@@ -85,10 +85,14 @@ def hf_config(source: Loaded):
     """Our architecture -> ``transformers.CLIPConfig`` (built offline, no hub access)."""
     from transformers import CLIPConfig
 
-    arch = source.model.arch
-    v, t = dict(arch["vision_cfg"]), dict(arch["text_cfg"])
-    if not isinstance(v.get("layers", 12), int):
-        raise UsageError("--format hf: vision_cfg.layers is a ResNet spec; HF CLIPModel export needs a ViT")
+    towers = source.model.towers
+    for spec, what in ((towers.vision, "image"), (towers.text, "text")):
+        if not spec.hf_clip:
+            named = f" ({'vision' if what == 'image' else 'text'}_cfg.{spec.marker})" if spec.marker else ""
+            raise UsageError(f"--format hf: the {spec.kind} {what} tower kind{named} has no HF CLIPModel export "
+                             f"(open_clip's ViT and text transformer only)")
+    v, t = towers.vision.to_cfg(), towers.text.to_cfg()
+    arch = {"embed_dim": towers.embed_dim, "quick_gelu": towers.quick_gelu}
     _check(v, _VISION_FIXED, "vision_cfg")
     _check(t, _TEXT_FIXED, "text_cfg")
     act = "quick_gelu" if arch.get("quick_gelu") else "gelu"  # open_clip: QuickGELU or exact nn.GELU

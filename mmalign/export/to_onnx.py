@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmalign.errors import UsageError
 from mmalign.models.load import Loaded
 
 OPSET = 17  # >= 14 for the attention ops; 17 adds a native LayerNormalization
@@ -71,10 +72,15 @@ def export_onnx(source: Loaded, out: Path) -> Path:
 
     model = source.model.eval()
     out.mkdir(parents=True, exist_ok=True)
-    size = model.image_size
+    size, towers = model.image_size, model.towers
+    # each tower kind gives its example input and its tokenizer entry: a kind without those
+    # hooks is refused here, never exported with a default tokenizer
+    onnx_tokenizer = getattr(towers.text, "onnx_tokenizer", None)
+    if not callable(onnx_tokenizer):
+        raise UsageError(f"--format onnx: the {towers.text.kind} text tower kind has no ONNX tokenizer hook")
     # Batch 2 for tracing: a batch of 1 invites the tracer to specialise on it.
-    pixels = torch.randn(2, 3, size, size)
-    tokens = source.tokenizer(["an example caption", "another one"])  # (2, L) int64
+    pixels = towers.vision.onnx_input(2)  # (2, 3, H, W)
+    tokens = towers.text.onnx_input(2, source.tokenizer)  # (2, L) int64
     _export(_ImageEmbedder(model.visual), pixels, out / IMAGE_GRAPH, "pixels")
     _export(_TextEmbedder(model.text), tokens.long(), out / TEXT_GRAPH, "tokens")
     for graph in (IMAGE_GRAPH, TEXT_GRAPH):
@@ -88,15 +94,11 @@ def export_onnx(source: Loaded, out: Path) -> Path:
         "opset": OPSET,
         "logit_scale": float(model.logit_scale.detach().exp().reshape(-1)[0]),
         "preprocess_cfg": dict(source.preprocess_cfg),
-        "tokenizer": ({"type": "sentencepiece", "file": "tokenizer.model"} if source.tokenizer_file is not None
-                      else {"type": "clip_bpe"}) | {"context_length": model.context_length},
+        "tokenizer": onnx_tokenizer(source.tokenizer_file),
     }
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
-    if model.arch["text_cfg"].get("hf_model_name"):  # an HF text tower: its tokenizer files beside the graphs
-        from mmalign.models.hf_text import SAVED_DIR, copy_config_and_tokenizer
-
-        copy_config_and_tokenizer(model.arch["text_cfg"]["hf_model_name"], out / SAVED_DIR)
-        config["tokenizer"] = {"type": "hf", "folder": SAVED_DIR, "context_length": model.context_length}
+    if callable(getattr(towers.text, "export_files", None)):  # an HF text tower: its tokenizer files beside the graphs
+        towers.text.export_files(out / config["tokenizer"]["folder"])
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out

@@ -38,14 +38,15 @@ CONFIG = "open_clip_config.json"
 WEIGHTS = "open_clip_model.safetensors"
 
 
-def model_cfg(source: Loaded) -> dict:
+def model_cfg(source: Loaded, text_changes: dict | None = None) -> dict:
     model = source.model
-    cfg = copy.deepcopy({k: model.arch[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu")
-                         if k in model.arch})
+    towers = model.towers
+    # each tower kind writes its own config (a kind open_clip cannot build refuses, one line)
+    cfg = {"embed_dim": towers.embed_dim, "vision_cfg": copy.deepcopy(towers.vision.open_clip_cfg()),
+           "text_cfg": copy.deepcopy(towers.text.open_clip_cfg()) | (text_changes or {})}
+    if towers.quick_gelu is not None:
+        cfg["quick_gelu"] = towers.quick_gelu
     cfg["custom_text"] = True
-    # open_clip passes text_cfg.tokenizer_kwargs to its SimpleTokenizer; our sentencepiece
-    # path there would be an unknown keyword, so it is recorded outside model_cfg instead.
-    cfg["text_cfg"].pop("tokenizer_kwargs", None)
     if model.logit_bias is not None:  # SigLIP: CustomTextCLIP creates logit_bias only when asked
         cfg["init_logit_bias"] = float(model.logit_bias.detach().reshape(-1)[0])
     return cfg
@@ -56,9 +57,10 @@ def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Pa
     tower's config is named by that absolute path, see :func:`_hf_text`)."""
     from mmalign.models.timm_tower import open_clip_refusal
 
-    refusal = open_clip_refusal(source.model.arch, source.model.state_dict())
+    refusal = open_clip_refusal(source.model.towers, source.model.state_dict())
     if refusal:
         raise UsageError(refusal)
+    model_cfg(source)  # a tower kind without an open_clip config refuses before anything is written
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, tensor in source.model.state_dict().items():
@@ -67,9 +69,11 @@ def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Pa
             tensor = tensor.reshape(())  # (1,) -> 0-dim, CustomTextCLIP's shape
         state[name] = tensor
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
-    config = {"model_cfg": model_cfg(source), "preprocess_cfg": dict(source.preprocess_cfg)}
-    if source.model.arch["text_cfg"].get("hf_model_name"):
-        _hf_text(source, out, (final or out).resolve(), config["model_cfg"]["text_cfg"])
+    text = source.model.towers.text
+    changes = {}
+    if callable(getattr(text, "export_files", None)):  # a tower that ships files of its own (an HF folder)
+        changes = _hf_text(text, out, (final or out).resolve())
+    config = {"model_cfg": model_cfg(source, changes), "preprocess_cfg": dict(source.preprocess_cfg)}
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
         config["mmalign_tokenizer"] = {"type": "sentencepiece", "file": "tokenizer.model",
@@ -81,16 +85,14 @@ def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Pa
     return out
 
 
-def _hf_text(source: Loaded, out: Path, final: Path, text_cfg: dict) -> None:
+def _hf_text(text, out: Path, final: Path) -> dict:
     """An HF text tower: its transformers config and tokenizer files go into the folder itself.
     ``open_clip.get_tokenizer("local-dir:OUT")`` reads the tokenizer from there
     (``hf_tokenizer_name`` set); ``HFTextEncoder`` builds from ``hf_model_name``, which open_clip
     resolves against the working directory, so it is the folder's absolute path at export time
     (moved elsewhere, pass ``text_cfg`` with the new path, or edit ``open_clip_config.json``).
     ``hf_model_pretrained`` is false: the trained weights are in the checkpoint."""
-    from mmalign.models.hf_text import copy_config_and_tokenizer
-
-    copy_config_and_tokenizer(source.model.arch["text_cfg"]["hf_model_name"], out)
-    text_cfg.update(hf_model_name=str(final), hf_tokenizer_name=str(final), hf_model_pretrained=False)
+    text.export_files(out)
     log.warning("open_clip_config.json names this folder by its absolute path %s (open_clip builds the HF text "
                 "tower from hf_model_name); if the folder moves, update text_cfg.hf_model_name", final)
+    return {"hf_model_name": str(final), "hf_tokenizer_name": str(final), "hf_model_pretrained": False}

@@ -66,9 +66,12 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
     from mmalign.data.tokenizer import build_tokenizer, tokenizer_file
     from mmalign.errors import ConfigError, UsageError
 
-    text = arch["text_cfg"]
-    hf = text.get("hf_tokenizer_name") or text.get("hf_model_name")
-    if tokenizer_file(arch) is None and not hf:
+    from mmalign.models.towers import Towers
+
+    spec = Towers.from_arch(arch).text
+    if not callable(getattr(spec, "tokenizer", None)):  # a kind must say how its ids are made
+        raise ConfigError(f"config key 'model.text': the {spec.kind} text tower kind has no tokenizer() hook")
+    if tokenizer_file(arch) is None and not getattr(spec, "folder", None):
         return
     own = [k for k in ("tokenizer_kwargs", "hf_tokenizer_name", "hf_model_name", "hf_local_dir") if k in cfg.text]
     key = (f"model.text.{own[0]}" if own else "model.tokenizer" if cfg.tokenizer is not None

@@ -52,7 +52,7 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     into ``hf_text/`` (models/hf_text.py), so the folder is self-contained."""
     from mmalign.data.tokenizer import SPM_KEY, tokenizer_file
 
-    if model.arch["text_cfg"].get("hf_model_name"):  # an HF text tower: its config + tokenizer in hf_text/
+    if callable(getattr(model.towers.text, "export_files", None)):  # an HF text tower: config + tokenizer in hf_text/
         from mmalign.models.hf_text import record_for_save
 
         return record_for_save(model.arch, out)

@@ -1,7 +1,8 @@
 """Architecture presets: mmalign's own small ones plus every open_clip architecture.
 
 An architecture is an open_clip-style dict ``{"embed_dim", "vision_cfg", "text_cfg",
-"quick_gelu"}``; nothing here downloads weights.  A timm image tower
+"quick_gelu"}`` (typed: models/towers/); mmalign's own presets are data, one YAML file each in
+``preset_data/``; nothing here downloads weights.  A timm image tower
 (``model.vision.timm_model_name``, models/timm_tower.py) and a Hugging Face text tower
 (``model.text.hf_local_dir``, models/hf_text.py) are resolved here from local files.
 """
@@ -9,6 +10,8 @@ An architecture is an open_clip-style dict ``{"embed_dim", "vision_cfg", "text_c
 from __future__ import annotations
 
 import copy
+from importlib import resources
+from pathlib import Path
 
 import open_clip
 
@@ -16,37 +19,25 @@ from mmalign.config import ConfigError, ModelConfig
 from mmalign.models.hf_text import LOCAL_DIR, apply_local_dir, check_tokenizer, is_hf_text
 from mmalign.models.timm_tower import check_timm_cfg
 
-# Sized for CPU training on 32-64 px images in minutes (the calibration tower of the
-# CIFAR-10 recipe): ViT 4x128 on 32 px with patch 4, text transformer 4x128.
-PRESETS: dict[str, dict] = {
-    "tiny": {
-        "embed_dim": 128,
-        "vision_cfg": {"image_size": 32, "layers": 4, "width": 128, "head_width": 32, "patch_size": 4},
-        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 4},
-    },
-    # The quickstart's tower: a small modified ResNet (open_clip's RN layout: 3-conv stem,
-    # 4 bottleneck stages of one block, attention pooling) on 64 px. From scratch on the shapes
-    # data, its convolutions learn shape far sooner than the tiny ViT's patches (shape zero-shot
-    # 32% vs 21-26% after 300 steps at batch 128), and it steps faster on CPU.
-    "tiny-rn": {
-        "embed_dim": 128,
-        "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16},
-        "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 4},
-    },
-    # For unit tests and multi-process integration tests: seconds per step on one core.
-    "micro": {
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 16, "layers": 1, "width": 32, "head_width": 16, "patch_size": 4},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    },
-    # The same for a BatchNorm (ResNet) tower: open_clip's modified ResNet at its smallest
-    # (32 px: the attention pool needs image_size >= 32), 19 BatchNorm2d layers.
-    "micro-rn": {
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    },
-}
+PRESET_DIR = "preset_data"  # package data: one YAML file per preset (pyproject.toml ships them)
+
+
+def _load_presets() -> dict[str, dict]:
+    """mmalign's own presets, read from the shipped YAML files (name = file stem); each is an
+    architecture dict whose towers parse as typed specs (models/towers/), checked here."""
+    import yaml
+
+    from mmalign.models.towers import Towers
+
+    presets = {}
+    for path in sorted(Path(str(resources.files("mmalign.models") / PRESET_DIR)).glob("*.yaml")):
+        arch = yaml.safe_load(path.read_text(encoding="utf-8"))
+        Towers.from_arch(arch)  # a preset file that names no known tower kind fails at import, loudly
+        presets[path.stem] = arch
+    return presets
+
+
+PRESETS: dict[str, dict] = _load_presets()
 
 
 def available() -> list[str]:

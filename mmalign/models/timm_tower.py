@@ -120,9 +120,13 @@ def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
         trunk.load_state_dict(state, strict=True)
 
 
-def open_clip_refusal(arch: dict, state: dict) -> str | None:
+def open_clip_refusal(towers, state: dict) -> str | None:
     """Why open_clip (which builds a timm trunk at its default input size) cannot load these
-    weights, or None: a trunk resized by :func:`fit_input_size` has other shapes."""
+    weights, or None: a trunk resized by :func:`fit_input_size` has other shapes.  ``towers``:
+    a model's typed towers (models/towers/) or its architecture dict."""
+    from mmalign.models.towers import Towers
+
+    arch = towers.to_arch() if isinstance(towers, Towers) else towers
     if not is_timm(arch["vision_cfg"]):
         return None
     from open_clip.model import _build_vision_tower

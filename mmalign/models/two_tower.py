@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from open_clip.model import _build_text_tower, _build_vision_tower
 from torch import nn
 
 from mmalign.errors import ConfigError
@@ -20,7 +19,7 @@ from mmalign.models.embeddings import Embeddings
 from mmalign.models.flip import set_patch_dropout
 from mmalign.models.packed_attention import mark_causal, pack_self_attention
 from mmalign.models.text_trim import short_context, trim_tokens, trimmable
-from mmalign.models.timm_tower import fit_input_size
+from mmalign.models.towers import Towers
 
 
 # which forward keywords feed a tower, and which Embeddings fields it produces
@@ -47,14 +46,10 @@ class TwoTower(nn.Module):
         super().__init__()
         self.arch = arch
         self.max_logit_scale = float(max_logit_scale)
-        quick_gelu = bool(arch.get("quick_gelu", False))
-        self.visual = _build_vision_tower(arch["embed_dim"], arch["vision_cfg"], quick_gelu)
-        fit_input_size(self.visual, arch["vision_cfg"])  # a timm ViT at another image size (models/timm_tower.py)
-        text_cfg = arch["text_cfg"]
-        if text_cfg.get("hf_model_pretrained") and torch.get_default_device().type == "meta":
-            # check_buildable: transformers refuses from_pretrained on meta; the config gives the shapes
-            text_cfg = {**text_cfg, "hf_model_pretrained": False}
-        self.text = _build_text_tower(arch["embed_dim"], text_cfg, quick_gelu)
+        towers = Towers.from_arch(arch)  # each tower's kind builds it (models/towers/)
+        quick_gelu = bool(towers.quick_gelu)
+        self.visual = towers.vision.build(towers.embed_dim, quick_gelu)
+        self.text = towers.text.build(towers.embed_dim, quick_gelu)
         # open_clip's blocks call nn.MultiheadAttention: the same function without its layout
         # copies (models/packed_attention.py; parameters and state_dict unchanged)
         pack_self_attention(self)
@@ -68,19 +63,22 @@ class TwoTower(nn.Module):
         self.trim_text = True
 
     @property
+    def towers(self) -> Towers:
+        """The typed towers of ``self.arch`` (read anew: the dict stays the saved format)."""
+        return Towers.from_arch(self.arch)
+
+    @property
     def embed_dim(self) -> int:
         return int(self.arch["embed_dim"])
 
     @property
     def context_length(self) -> int:
-        # an HF text tower's context_length is its model's limit; the tokenizer's length is the arch's
-        return int(self.arch["text_cfg"]["context_length"] if self.arch["text_cfg"].get("hf_model_name")
-                   else self.text.context_length)
+        # the tokenizer's length (an HF text tower's module reports its model's limit instead)
+        return self.towers.context_length
 
     @property
     def image_size(self) -> int:
-        size = self.arch["vision_cfg"].get("image_size", 224)
-        return int(size[0] if isinstance(size, (list, tuple)) else size)
+        return self.towers.image_size
 
     def lock(self, tower: str, unlocked: int = 0) -> None:
         """LiT (Zhai et al. 2022, "LiT: Zero-Shot Transfer with Locked-image text Tuning"):
@@ -89,17 +87,8 @@ class TwoTower(nn.Module):
         layers).  A tower without ``lock()`` (or a ResNet asked for partial locking) is a
         one-line ConfigError."""
         key = {"visual": "model.lock_image", "text": "model.lock_text"}[tower]
-        module = getattr(self, tower)
-        if not callable(getattr(module, "lock", None)):
-            raise ConfigError(f"config key '{key}': the {type(module).__name__} tower has no lock() method")
-        try:
-            if tower == "visual":
-                module.lock(unlocked_groups=unlocked, freeze_bn_stats=False)  # BatchNorm: model.batchnorm=frozen
-            else:
-                module.lock(unlocked_layers=unlocked)
-        except AssertionError as e:  # open_clip's ModifiedResNet: partial locking unsupported
-            raise ConfigError(f"config key '{key}': {type(module).__name__}.lock refused "
-                              f"{unlocked} unlocked groups: {e}") from None
+        spec = self.towers.vision if tower == "visual" else self.towers.text
+        spec.lock(getattr(self, tower), unlocked, key)
 
     def fully_locked(self) -> tuple[str, ...]:
         """The towers (``visual``, ``text``) none of whose weights takes a gradient."""
