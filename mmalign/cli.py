@@ -58,17 +58,30 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
 
 
-def _load(args) -> "Config":  # noqa: F821
+def _load(args, world_size: int = 1) -> "Config":  # noqa: F821
     from mmalign.config import load_config
 
     overrides = list(args.set)
     if args.output:
         overrides.append(f"output={args.output}")
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, world_size)
+
+
+def _world_size(nproc: int, env) -> int:
+    """The ranks this ``mmalign train`` trains on, known before torch is imported: ``--nproc``'s
+    own, else the launcher's (the variables mmalign.distributed.env_dist_info reads)."""
+    if nproc > 1 and "RANK" not in env:
+        return nproc
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"])
+    return 1
 
 
 def cmd_train(args) -> int:
-    cfg = _load(args)  # validate before spawning anything (and before importing torch)
+    # resolved and validated once, at the run's world size, before spawning anything (and before importing torch)
+    cfg = _load(args, _world_size(args.nproc, os.environ))
     from mmalign.models import check_buildable
 
     meta_model = check_buildable(cfg.model)
@@ -88,9 +101,7 @@ def cmd_train(args) -> int:
                           f"so that a restart continues the run)") from None
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.launch import launch_local
-        from mmalign.config import validate
 
-        validate(cfg, world_size=args.nproc)
         _check_batchnorm(cfg, meta_model, args.nproc)
         from mmalign.train import resolve_suite
 
@@ -99,10 +110,6 @@ def cmd_train(args) -> int:
     from mmalign import distributed as mdist
     from mmalign.train import train
 
-    info = mdist.env_dist_info()
-    from mmalign.config import validate
-
-    validate(cfg, world_size=info.world_size)
     out = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if mdist.get_rank() == 0:
         written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")

@@ -1,13 +1,13 @@
-"""The domain of every typed config key, checked one key at a time before anything runs.
+"""Each config key's domain, declared beside the key and checked by one generic validator.
 
-:mod:`mmalign.config` checks a value's *type* while building the dataclasses, and the
-combinations of keys (warmup within the steps, a loss term and the data it needs) in
-``validate()``.  This module holds the third part: what values one key may take on its own
-(a count >= 0, a probability in [0, 1], betas in [0, 1), a non-empty path, ...).
-:data:`DOMAINS` names every key that is not a bool, an enum (``Literal``) or a free mapping;
-``tests/test_config_domains.py`` keeps it complete as keys are added.
+:mod:`mmalign.config_schema` declares every key with :func:`knob`: its default, the one
+sentence the README's table shows (``doc``), its unit, and its ``rule`` (a :class:`Span`, a
+:class:`Seq`, a :class:`Text`, ...) in the field's metadata.  A value's *type* is checked
+while the dataclasses are built (:mod:`mmalign.config_load`); :func:`check_domains` walks the
+built config and checks each key against the rule in its metadata; the combinations of keys
+are :func:`mmalign.config.validate`'s.
 
-On top of each key's own domain, every value must survive the code that uses it: an int fits
+On top of each key's own rule, every value must survive the code that uses it: an int fits
 int64 (torch's seeds, counters and tensor sizes), a float fits float32 (the dtype of the
 weights it scales), a string holds no NUL byte (the OS refuses it in a path), a path can be
 asked about (a name too long for the file system is refused here, not at first use), and a
@@ -16,12 +16,13 @@ list or mapping is a finite tree (YAML anchors can make one that holds itself).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from mmalign.errors import ConfigError
 
@@ -48,13 +49,15 @@ def _number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Span:
-    """A number in [lo, hi]; either end may be open.  ``note`` explains the special values."""
+    """A number in [lo, hi]; either end may be open.  ``note`` explains the special values.
+    ``hi_key``: the upper end is another key's value (``train.steps``), read by check_domains."""
 
     lo: float = -math.inf
     hi: float = math.inf
     lo_open: bool = False
     hi_open: bool = False
     note: str = ""
+    hi_key: str = ""
 
     def holds(self, v: Any) -> bool:
         if not _number(v) or not math.isfinite(v):
@@ -63,16 +66,26 @@ class Span:
         below = v < self.hi if self.hi_open else v <= self.hi
         return above and below
 
-    def describe(self) -> str:
-        if self.hi == math.inf:
+    def within(self, cfg: Any) -> "Span":
+        """This span with ``hi_key`` read from ``cfg`` (itself when it has none)."""
+        if not self.hi_key:
+            return self
+        hi = _lookup(cfg, self.hi_key)
+        return dataclasses.replace(self, hi=hi) if _number(hi) and math.isfinite(hi) else self
+
+    def describe(self, unit: str = "") -> str:
+        if self.hi == math.inf and not self.hi_key:
             text = "any finite number" if self.lo == -math.inf else f"{'>' if self.lo_open else '>='} {self.lo:g}"
         else:
-            text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        return text + (f" ({self.note})" if self.note else "")
+            hi = f"{self.hi:g}" if not self.hi_key else self.hi_key if self.hi == math.inf else f"{self.hi_key}={self.hi:g}"
+            text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {hi}{')' if self.hi_open else ']'}"
+        return text + (f" {unit}" if unit else "") + (f" ({self.note})" if self.note else "")
 
-    def check(self, key: str, value: Any) -> None:
+    def check(self, key: str, value: Any, unit: str = "") -> None:
+        if value == "auto":  # the int-or-auto keys: their annotation already allowed the word
+            return
         if not self.holds(value):
-            raise ConfigError(f"config key '{key}' must be {self.describe()}, got {show_value(value)}")
+            raise ConfigError(f"config key '{key}' must be {self.describe(unit)}, got {show_value(value)}")
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,10 @@ class Seq:
     ordered: bool = False
     what: str = ""
 
-    def check(self, key: str, value: Any) -> None:
+    def describe(self, unit: str = "") -> str:
+        return self.what + (f" ({unit})" if unit else "")
+
+    def check(self, key: str, value: Any, unit: str = "") -> None:
         spans = self.items if self.each is None else (self.each,) * (len(value) if isinstance(value, list) else 0)
         ok = (isinstance(value, list) and len(value) == len(spans) and len(spans) > 0
               and all(s.holds(v) for s, v in zip(spans, value))
@@ -104,7 +120,10 @@ class Text:
     what: str = "a non-empty string"
     path: bool = False
 
-    def check(self, key: str, value: Any) -> None:
+    def describe(self, unit: str = "") -> str:
+        return self.what
+
+    def check(self, key: str, value: Any, unit: str = "") -> None:
         if value == "" and self.empty_ok:
             return
         named = isinstance(value, str) and value.strip()
@@ -112,6 +131,12 @@ class Text:
             raise ConfigError(f"config key '{key}' must be {self.what}, got {show_value(value)}")
         if self.path:
             _probe_path(key, value)
+
+
+def _lookup(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _probe_path(key: str, value: str) -> None:
@@ -131,7 +156,10 @@ def _probe_path(key: str, value: str) -> None:
 class ShardSpecs:
     """``data.train``: a shard spec, or a non-empty list of them."""
 
-    def check(self, key: str, value: Any) -> None:
+    def describe(self, unit: str = "") -> str:
+        return "a shard spec or a non-empty list of them"
+
+    def check(self, key: str, value: Any, unit: str = "") -> None:
         specs = value if isinstance(value, list) else [value]
         if not specs or not all(isinstance(s, str) and s.strip() for s in specs):
             raise ConfigError(f"config key '{key}' must be a shard spec or a list of shard specs, "
@@ -141,12 +169,16 @@ class ShardSpecs:
 class Weights:
     """``data.train_weights``: non-negative numbers with a positive sum (one per source: validate())."""
 
-    def check(self, key: str, value: Any) -> None:
+    def describe(self, unit: str = "") -> str:
+        return "non-negative numbers with a positive sum"
+
+    def check(self, key: str, value: Any, unit: str = "") -> None:
         if not (isinstance(value, list) and value and all(Span(0).holds(v) for v in value) and sum(value) > 0):
             raise ConfigError(f"config key '{key}' must be non-negative numbers with a positive sum, "
                               f"got {show_value(value)}")
 
 
+# The domains most keys share.
 COUNT, POSITIVE = Span(0), Span(1)
 PROB, OPEN_PROB = Span(0, 1), Span(0, 1, hi_open=True)
 RATE = Span(0, lo_open=True)  # a learning rate, a temperature, a budget: > 0
@@ -154,100 +186,42 @@ PATH = Text(what="a non-empty path", path=True)
 BOUNDED_PAIR = "[lo, hi] with 0.001 <= lo <= hi <= 1000"
 NAME = r"\S(?:.*\S)?"  # no surrounding blanks: " label" would never match the field "label"
 
-DOMAINS: dict[str, Any] = {
-    "seed": COUNT,
-    "output": PATH,
-    "model.preset": Text(pattern=NAME, what="an architecture name (`mmalign models` lists them) or null"),
-    "model.embed_dim": POSITIVE,
-    "model.image_size": POSITIVE,
-    "model.init_logit_scale": Span(0, LOG_FLOAT32_MAX, note="the log of the logit scale; exp() must fit float32"),
-    "model.max_logit_scale": Span(1),
-    "model.init_logit_bias": Span(note="SigLIP uses -10"),
-    "model.tokenizer": PATH,
-    "model.lock_image_unlocked_groups": Span(0, note="0 = the whole tower locked"),
-    "model.lock_text_unlocked_layers": Span(0, note="0 = the whole tower locked"),
-    "model.pretrained": PATH,
-    "model.pretrained_image": PATH,
-    "model.pretrained_text": PATH,
-    "model.timm_weights": PATH,
-    "model.patch_dropout": Span(0, 1, hi_open=True, note="0 = off"),
-    "data.train": ShardSpecs(),
-    "data.train_weights": Weights(),
-    "data.val": Text(empty_ok=True, what="a shard spec ('' = none)"),
-    "data.workers": Span(0, MAX_LOCAL, note="0 = in the main process"),
-    "data.worker_batch_size": Span(0, note="0 = automatic"),
-    "data.shuffle_buffer": Span(1, note="1 = no shuffling"),
-    "data.views": Span(1, 2),
-    "data.id_field": Text(pattern=NAME, what="a .json field name or null"),
-    "data.hard_negatives": Span(0, note="0 = off"),
-    "data.max_image_pixels": POSITIVE,
-    "data.max_consecutive_skips": POSITIVE,
-    "data.max_member_bytes": POSITIVE,
-    "data.remote_retries": COUNT,
-    "data.remote_backoff": Span(0, 3600, note="seconds"),
-    "data.remote_timeout": Span(1e-3, 86400, note="seconds"),
-    "data.augment.crop_scale": Seq((Span(0, 1, lo_open=True),) * 2, ordered=True,
-                                   what="[lo, hi] with 0 < lo <= hi <= 1"),
-    "data.augment.crop_ratio": Seq((Span(1e-3, 1e3),) * 2, ordered=True, what=BOUNDED_PAIR),
-    "data.augment.color_jitter": Seq((Span(0),) * 3 + (Span(0, 0.5),),
-                                     what="[brightness, contrast, saturation, hue] >= 0 with hue <= 0.5"),
-    "data.augment.color_jitter_prob": PROB,
-    "data.augment.grayscale_prob": PROB,
-    "data.augment.blur_prob": PROB,
-    "data.augment.blur_sigma": Seq((Span(1e-3, 1e3),) * 2, ordered=True, what=BOUNDED_PAIR),
-    "train.steps": POSITIVE,
-    "train.global_batch_size": POSITIVE,
-    "train.lr": RATE,
-    "train.warmup_steps": COUNT,
-    "train.weight_decay": Span(0),
-    "train.betas": Seq((OPEN_PROB,) * 2, what="[beta1, beta2], each in [0, 1)"),
-    "train.eps": Span(0, 1, lo_open=True),
-    "train.momentum": OPEN_PROB,
-    "train.grad_clip": Span(0, note="0 = off"),
-    "train.grad_cache_chunk_size": Span(0, note="0 = off; or auto"),
-    "train.memory_budget_gb": Span(0, note="0 = measured"),
-    "train.device": Text(pattern=r"auto|cpu|cuda(:\d+)?", what="auto, cpu, cuda or cuda:N"),
-    "train.log_every": POSITIVE,
-    "train.eval_every": Span(0, note="0 = only at the end"),
-    "train.checkpoint_every": Span(0, note="0 = none"),
-    "train.keep_checkpoints": COUNT,
-    "train.max_consecutive_skips": POSITIVE,
-    "train.threads": Span(0, MAX_LOCAL, note="0 = torch's default"),
-    "train.lr_image": Span(0, lo_open=True, note="or null for train.lr"),
-    "train.lr_text": Span(0, lo_open=True, note="or null for train.lr"),
-    "train.layer_decay": Span(0, 1, lo_open=True, note="1 = off"),
-    "train.unmasked_steps": COUNT,
-    "train.compile_backend": Text(pattern=r"[A-Za-z_][\w.-]*",
-                                  what="a torch.compile backend name (inductor, eager, ...)"),
-    "loss.tile_size": Span(0, note="0 = untiled; or auto"),
-    "loss.tile_budget_mb": RATE,
-    "loss.false_negative_ids": Text(pattern=NAME, what="none, caption or a .json id field name"),
-    "loss.hard_negative_beta": Span(0),
-    "loss.debias_prior": OPEN_PROB,
-    "loss.positive_mask": Text(pattern="none|attribute_subset", what="none or attribute_subset"),
-    "loss.queue_size": Span(0, note="0 = off"),
-    "loss.momentum": OPEN_PROB,
-    "loss.image_image_weight": Span(0),
-    "loss.image_image_temperature": RATE,
-    "deepspeed.zero_stage": Span(0, 3),
-    "eval.suite": Text(empty_ok=True, what="a suite name, a suite YAML or none"),
-    "eval.batch_size": POSITIVE,
-    "monitor.probe_size": Span(0, note="0 = off"),
-    "monitor.min_dim_std": Span(0, 1, note="0 = no alarm"),
-    "monitor.min_effective_rank_frac": Span(0, 1, note="0 = no alarm"),
-    "monitor.peak_tflops": Span(0, note="0 = known GPUs only"),
-    "dist.timeout_s": Span(0, 86400, note="seconds; 0 = 600 s on GPU, 120 s on CPU"),
-}
+
+def knob(default: Any = dataclasses.MISSING, *, doc: str, rule: Any = None, unit: str = "") -> Any:
+    """A config field whose metadata declares it: ``doc`` (one sentence, the README's table),
+    ``rule`` (its domain; None: the annotation is the whole domain, as for bools, ``Literal``
+    modes and free mappings) and ``unit`` (named in the table and in the error).  A list or
+    mapping default is copied per instance."""
+    meta = {"doc": doc, "rule": rule, "unit": unit}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
-def leaves(cfg: Any, prefix: str = ""):
+def leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """``(dotted key, value)`` for every non-dataclass field of ``cfg``, in declaration order."""
+    for key, value, _ in fields_of(cfg, prefix):
+        yield key, value
+
+
+def fields_of(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """``(dotted key, value, field)`` for every leaf of ``cfg`` (an instance, or a class: then
+    the value is the field's default)."""
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+        value = getattr(cfg, f.name) if not isinstance(cfg, type) else _default(f)
         if dataclasses.is_dataclass(value):
-            yield from leaves(value, prefix + f.name + ".")
+            yield from fields_of(value, prefix + f.name + ".")
         else:
-            yield prefix + f.name, value
+            yield prefix + f.name, value, f
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def domains(cls: Any) -> dict[str, Any]:
+    """Every key of the config class ``cls`` that declares a rule -> that rule."""
+    return {key: f.metadata["rule"] for key, _, f in fields_of(cls) if f.metadata.get("rule") is not None}
 
 
 def _check_tree(key: str, value: Any) -> None:
@@ -281,19 +255,40 @@ def _check_scalar(key: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' holds a NUL character: {show_value(value)}")
 
 
+def check_key(key: str, value: Any, f: dataclasses.Field, cfg: Any = None) -> None:
+    """One key within its own domain: the value's limits, then the rule in its metadata (a
+    bound that is another key's value is read from ``cfg``, the whole config)."""
+    if value is None:
+        return  # an Optional key left unset: its type allowed it
+    if isinstance(value, (list, dict)):
+        _check_tree(key, value)
+    else:
+        _check_scalar(key, value)
+    rule = f.metadata.get("rule")
+    if isinstance(rule, Span) and cfg is not None:
+        rule = rule.within(cfg)
+    if rule is not None:
+        rule.check(key, value, f.metadata.get("unit", ""))
+
+
+def within_domain(cfg: Any, dotted: str) -> bool:
+    """Whether one key of ``cfg`` is within its domain (what resolve() derives from must be)."""
+    for key, value, f in fields_of(cfg):
+        if key == dotted:
+            try:
+                check_key(key, value, f, cfg)
+            except ConfigError:
+                return False
+            return True
+    raise KeyError(dotted)
+
+
 def check_domains(cfg: Any) -> None:
     """Every key of ``cfg`` (a :class:`mmalign.config.Config`) within its own domain; the
-    first that is not is one ConfigError line naming it."""
-    for key, value in leaves(cfg):
-        if value is None:
-            continue  # an Optional key left unset: its type allowed it
-        if isinstance(value, (list, dict)):
-            _check_tree(key, value)
-        else:
-            _check_scalar(key, value)
-        rule = DOMAINS.get(key)
-        if rule is not None and not (value == "auto" and isinstance(rule, Span)):  # int-or-auto keys
-            rule.check(key, value)
+    first that is not is one ConfigError line naming it.  The one generic validator."""
+    for key, value, f in fields_of(cfg):
+        check_key(key, value, f, cfg)
 
 
-__all__ = ["DOMAINS", "check_domains", "leaves", "show_value"]
+__all__ = ["Span", "Seq", "Text", "ShardSpecs", "Weights", "knob", "check_domains", "check_key", "domains",
+           "fields_of", "leaves", "show_value", "within_domain"]

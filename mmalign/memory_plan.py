@@ -295,13 +295,14 @@ def resolve_grad_cache_chunk(cfg, model, objective, tokenizer, device: torch.dev
 
 def resolved_config(cfg, chunk: int):
     """A copy of ``cfg`` with the integer ``chunk`` (what the engine and the loader are built
-    from; the run's own config, saved with its checkpoints, keeps ``auto``), validated again
-    at the real world size (e.g. bf16 weights at ZeRO-0 cannot be chunked)."""
-    from mmalign.config import validate
+    from; the run's own config, saved with its checkpoints, keeps ``auto``).  The config was
+    validated at load; only the checks that read the chunk run again, at the real world size
+    (e.g. bf16 weights at ZeRO-0 cannot be chunked)."""
+    from mmalign.config import validate_chunk
 
     resolved = copy.deepcopy(cfg)
     resolved.train.grad_cache_chunk_size = chunk
-    validate(resolved, mdist.get_world_size())
+    validate_chunk(resolved, mdist.get_world_size())
     return resolved
 
 

@@ -1,0 +1,56 @@
+"""The README's config table is generated from the config's field metadata
+(``python -m mmalign.config_doc``) and this file fails when it is stale."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmalign import config_doc
+from mmalign.config import Config
+from mmalign.config_checks import fields_of
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+
+
+def test_the_readme_table_is_the_generated_one():
+    text = README.read_text(encoding="utf-8")
+    assert config_doc.updated(text) == text, "the README's config table is stale: run `python -m mmalign.config_doc`"
+    assert config_doc.main([str(README), "--check"]) == 0
+
+
+def test_every_key_has_one_row_with_its_domain_and_unit():
+    table = config_doc.table()
+    keys = [key for key, _, _ in fields_of(Config)]
+    assert len(config_doc.rows()) == len(keys) > 90
+    for key in keys:
+        assert table.count(f"| `{key}` |") == 1, key
+    assert "| `dist.timeout_s` | float | `0` | in [0, 86400] seconds (0 = 600 s on GPU, 120 s on CPU) |" in table
+    assert "| `loss.positive_mask` | `none` / `attribute_subset` | `none` |" in table  # a Literal's values
+
+
+def test_check_fails_on_a_stale_table_and_the_writer_fixes_only_the_table(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    stale = config_doc.table().replace("| `seed` | int | `0` | >= 0 | RNG seed |", "| `seed` | int | `7` | | |")
+    path.write_text(f"# Title\n\nprose before\n\n{stale}\n\nprose after\n", encoding="utf-8")
+    assert config_doc.main([str(path), "--check"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config_doc: the config table of") and "\n" not in err
+    assert config_doc.main([str(path)]) == 0
+    assert path.read_text(encoding="utf-8") == f"# Title\n\nprose before\n\n{config_doc.table()}\n\nprose after\n"
+    assert config_doc.main([str(path), "--check"]) == 0
+
+
+def test_a_readme_without_the_markers_is_one_line(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text("# no table here\n", encoding="utf-8")
+    assert config_doc.main([str(path), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no config table markers" in err and "\n" not in err
+    assert config_doc.main([str(tmp_path / "missing.md")]) == 2
+
+
+@pytest.mark.parametrize("doc", ["a | pipe", "two\nlines"])
+def test_a_cell_cannot_break_the_table(doc):
+    cell = config_doc._cell(doc)
+    assert "\n" not in cell and "| " not in cell.replace("\\|", "")
