@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmalign.config import Config, ConfigError, ModelConfig, validate
+from mmalign.config import Config, ConfigError, ModelConfig, resolve, validate
 from mmalign.data.tokenizer import build_tokenizer
 from mmalign.data.transforms import preprocess_cfg
 from mmalign.export import export
@@ -42,7 +42,8 @@ def src(tmp_path_factory):
 
 def _cfg(**model_keys) -> ModelConfig:
     cfg = Config(model=ModelConfig(**model_keys))
-    validate(cfg)  # what load_config does: fills model.preset when the source carries no architecture
+    resolve(cfg)  # what load_config does: fills model.preset when the source carries no architecture
+    validate(cfg)
     return cfg.model
 
 
