@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from mmalign import ds_adapter
+
 log = logging.getLogger("mmalign.train")
 
 # errnos that mean "this filesystem cannot take the bytes", named in the user's words
@@ -98,14 +100,15 @@ def deferred_engine_writes(engine, failures: list):
     """While DeepSpeed saves: each file its checkpoint engine writes goes through
     :func:`save_torch`, and a failed write is appended to ``failures`` (its partial file
     removed) instead of raised, so that DeepSpeed's save still reaches its closing barrier
-    on this rank.  An engine without DeepSpeed's ``checkpoint_engine`` is left as it is."""
-    writer = getattr(getattr(engine, "ds", None), "checkpoint_engine", None)
-    if writer is None or not callable(getattr(writer, "save", None)):
+    on this rank.  An engine without DeepSpeed's checkpoint writer
+    (:func:`mmalign.ds_adapter.checkpoint_writer`) is left as it is."""
+    found = ds_adapter.checkpoint_writer(engine)
+    if found is None:
         yield
         return
-    # DeepSpeed's torch writer, rewritten through a Python file; any other engine keeps its own
-    zipfile = writer.zipfile_serialization if type(writer).__name__ == "TorchCheckpointEngine" else None
-    original, shadowed = writer.save, "save" in vars(writer)
+    # DeepSpeed's torch writer, rewritten through a Python file; any other writer keeps its own
+    writer, zipfile = found
+    original = writer.save
 
     def save(state_dict, path):
         if failures:  # one failure is enough: the save is dropped, write nothing more
@@ -119,14 +122,8 @@ def deferred_engine_writes(engine, failures: list):
             failures.append(e)
             Path(path).unlink(missing_ok=True)
 
-    writer.save = save  # an instance attribute shadowing the method
-    try:
+    with ds_adapter.shadowed(writer, "save", save):
         yield
-    finally:
-        if shadowed:
-            writer.save = original
-        else:
-            del writer.save
 
 
 class SpaceWatch:

@@ -5,7 +5,7 @@ size (``ZeRORuntimeException``).  We do not convert the checkpoint to DeepSpeed'
 universal format; we consolidate it ourselves and re-partition in memory:
 
 1. every rank reads the whole checkpoint as full per-parameter tensors: the fp32
-   master weights (:func:`mmalign.engine.consolidate_checkpoint`) and each
+   master weights (:func:`mmalign.ds_adapter.consolidate_checkpoint`) and each
    optimizer moment (the same consolidation with the moment's flat partitions in
    place of the weights' -- they share the weights' layout);
 2. each rank copies its own slice of every tensor into the partitions the new
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from mmalign import distributed as mdist
+from mmalign import ds_adapter
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 0-2 | 3
 
@@ -104,35 +105,6 @@ def zero0_moments(optimizer_state: dict, group_names: list[list[str]],
     return moments, scalars
 
 
-def _module_fragments(engine) -> list[tuple[str, torch.Tensor, torch.Tensor, int, int, int]]:
-    """This rank's piece of every trainable parameter: (name, module parameter, flat fp32
-    partition holding it, offset in that partition, start in the flattened parameter,
-    length).  Mirrors :meth:`mmalign.engine.Engine._partition_layout`, plus the start."""
-    out = []
-    rank = mdist.get_rank()
-    if engine.stage == 3:
-        for name, p in engine.named_parameters():
-            if not p.requires_grad:
-                continue
-            partition, offset, size = engine.zero3_slot(p)
-            # parameter p is split evenly: rank r holds elements [r*size, (r+1)*size)
-            length = max(0, min(size, p.ds_numel - rank * size))
-            out.append((name, p, partition, offset, rank * size, length))
-        return out
-    partitions = [t for group in engine.base_optimizer.param_groups for t in group["params"]]
-    for name, p in engine.named_parameters():
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is None:
-            continue
-        fragment, hp, lp = mapping.hp_fragment, mapping.hp_fragment_address, mapping.lp_fragment_address
-        owner = [t for t in partitions if t.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr()
-                 and fragment.data_ptr() == t.data_ptr() + hp.start * t.element_size()]
-        if len(owner) != 1:
-            raise RuntimeError(f"resharding ZeRO-{engine.stage}: cannot place parameter {name} in a partition")
-        out.append((name, p, owner[0], int(hp.start), int(lp.start), int(hp.numel)))
-    return out
-
-
 def optimizer_state_keys(first_optim_file: dict) -> tuple[list[str], dict]:
     """The per-element state keys of the saved flat partitions (e.g. ``exp_avg``,
     ``exp_avg_sq``) and the scalar ones (e.g. ``step``) of its first group."""
@@ -167,7 +139,8 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
         _load_whole_optimizer(engine, moments, scalars)
     # this rank's slices: module weights, fp32 master partitions, optimizer moments (none at ZeRO-0)
     state = engine.base_optimizer.state
-    for name, p, partition, offset, start, length in _module_fragments(engine):
+    for f in engine.partition_fragments():  # this rank's piece of each trainable parameter
+        name, p, partition, offset, start, length = f.name, f.param, f.partition, f.offset, f.start, f.length
         if length <= 0:
             continue
         flat = weights[name].reshape(-1)[start:start + length]
@@ -181,7 +154,7 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
             if name in full:  # a ZeRO-0 source has no state for a parameter that never had a gradient
                 slot[key].narrow(0, offset, length).copy_(full[name].reshape(-1)[start:start + length])
         if engine.stage == 3:
-            p.ds_tensor.data.narrow(0, 0, length).copy_(flat)
+            ds_adapter.local_partition(p).data.narrow(0, 0, length).copy_(flat)
     if engine.stage < 3:  # the module holds the full (fp32 or bf16) weights
         for name, p in engine.named_parameters():
             if name in weights:

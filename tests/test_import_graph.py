@@ -22,11 +22,11 @@ PACKAGE = ROOT / "mmalign"
 # low to high; a module's layer is that of its first dotted part below mmalign
 LAYERS = [
     "errors progress resources rng_state",  # no mmalign imports at all, or only each other
-    "config config_checks",  # the typed config
+    "config config_checks config_schema config_load config_resolve config_doc",  # the typed config
     "distributed tf32 compile zero_stage cluster",  # process groups and device settings
     "data losses models",  # inputs, pure kernels, towers
     "objective evaluation optim monitors memory_plan",  # what a step or an evaluation computes
-    "gradcache engine diskspace reshard rundir checkpoint resume runlog trainable signals train",  # the run
+    "gradcache engine engine_config engine_forward ds_adapter diskspace reshard rundir checkpoint resume runlog trainable signals train",  # the run
     "export embed index search serve_key serve_loop serve_page serve pretrained",  # what ships a model
     "quickstart commands launch supervise cli",  # entry points
 ]
@@ -43,6 +43,7 @@ KNOWN_UPWARD = {
     # issue 29, point 3: the config's cross-key checks ask the tokenizer and the objective rules;
     # they move out of the config's validation into the builders' own checks
     ("mmalign.config", "mmalign.data.tokenizer"),
+    ("mmalign.config_resolve", "mmalign.data.tokenizer"),  # model.tokenizer's vocab size
     ("mmalign.config", "mmalign.objective.rules"),
     # issue 29, point 2: models.load opens run directories and step checkpoints (their layout,
     # DeepSpeed consolidation); the packages split moves that reader above the run package
