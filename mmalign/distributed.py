@@ -401,6 +401,9 @@ def lost_peer(exc: BaseException) -> str | None:
 
 
 def shutdown() -> None:
-    """Destroy the default process group, if any."""
+    """Destroy the default process group, if any, and forget the slow-barrier group made from it
+    (a later group in the same process must not find a stale one)."""
+    global _slow_group
     if is_initialized():
         dist.destroy_process_group()
+    _slow_group = None

@@ -4,6 +4,7 @@ import random
 import sys
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -61,6 +62,15 @@ def _torch_linear_restored():
     yield
     if F.linear is not _TORCH_LINEAR:
         F.linear = _TORCH_LINEAR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pool_closed():
+    """The pooled ranks of run_ranks live for the session and end with it."""
+    yield
+    from tests import rank_pool
+
+    rank_pool.close()
 
 
 @pytest.fixture(autouse=True)
@@ -123,6 +133,50 @@ def run_cli(*args, cwd=None):
                           cwd=cwd or ROOT, timeout=600)
 
 
+class CliRun(NamedTuple):
+    """What :func:`cli_main` saw: the fields of :func:`run_cli`'s CompletedProcess that tests read."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli_main(*args, cwd=None) -> CliRun:
+    """``mmalign ARGS`` called in this process (``mmalign.cli.main``), with what it printed to
+    sys.stdout and sys.stderr. No interpreter start and no torch import (seconds per call in
+    :func:`run_cli`): for what a user sees of an error path, a message, a help text or a short
+    run. An exception that escapes main fails the test with its traceback (a process would print
+    one and exit 1); SystemExit (--help, --version) gives its code as a process would. What the
+    process itself does (signals, exit codes of a killed run, what the interpreter prints, what
+    importing costs) stays with run_cli."""
+    import contextlib
+    import io
+
+    from mmalign import cli
+    from mmalign import distributed as mdist
+
+    out, err = io.StringIO(), io.StringIO()
+    previous, shutdown = os.getcwd(), mdist.shutdown
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        # `mmalign train` destroys its process group as the process ends; in this process the
+        # group lives on, as after train(): DeepSpeed keeps the groups it built on it, and the
+        # next engine built here (in-process runs of later tests) would find them destroyed
+        mdist.shutdown = lambda: None
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:  # argparse's --help and --version
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.chdir(previous)
+        mdist.shutdown = shutdown
+    return CliRun(code, out.getvalue(), err.getvalue())
+
+
 def clip_batch(n: int, seed: int, image_size: int = 16, context: int = 16):
     """(n, 3, S, S) random images and (n, L) token rows of random lengths (start token, a few
     random ids, end token, zero padding): the inputs of the engine exactness tests."""
@@ -172,13 +226,25 @@ def engine_batch(seed: int, rank: int, world: int):
     return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
 
 
-def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 600) -> list:
+def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 600, pooled: bool = False) -> list:
     """Run ``worker(rank, world, *args)`` on ``world`` spawned processes and return what each returned,
     in rank order. Each process is set up as a launcher would start a rank (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and a free loopback MASTER_PORT), with one torch thread (the ranks share
     the machine's cores) and, with ``group``, the gloo process group (one process gets it only when
     DeepSpeed asks; ``group=False`` leaves it to the worker, e.g. to ``train()``). A rank that fails
-    or outlives ``timeout_s`` fails the test at once and the others are stopped, not waited for."""
+    or outlives ``timeout_s`` fails the test at once and the others are stopped, not waited for.
+
+    ``pooled``: run on the session's long-lived ranks (tests/rank_pool.py) instead of fresh ones,
+    which saves each rank's seconds of start-up and imports; the pool resets what a task leaves
+    behind. Fresh ranks remain for ``group=False`` (the worker is a whole program: ``train()``
+    makes and ends its own group and signal handlers, as it does under a launcher), for more than
+    the pool's ranks, and for tests whose subject is a process's one-time state."""
+    if pooled:
+        if not group:
+            raise ValueError("run_ranks: pooled ranks always get their group; group=False needs fresh ranks")
+        from tests import rank_pool
+
+        return rank_pool.run(worker, world, args, timeout_s)
     import tempfile
     import time
 

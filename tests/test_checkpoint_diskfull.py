@@ -192,7 +192,7 @@ def _full_on_rank1(rank, world, out):
 @pytest.mark.integration
 def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     out = tmp_path / "run"
-    said = run_ranks(_full_on_rank1, 2, str(out), timeout_s=120)
+    said = run_ranks(_full_on_rank1, 2, str(out), timeout_s=120, pooled=True)
     for rank in (0, 1):  # both ranks raised at step 2 (neither hung in a barrier), then both saved step 4
         first, second = said[rank]
         assert first is not None and "no space left on device on rank 1" in first and "\n" not in first

@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: i
 def test_compiled_steps_equal_eager_and_plain_autograd(seed):
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
     runs = ((True, 0), (False, CHUNK), (True, CHUNK))
-    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.0, runs)[0]
+    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.0, runs, pooled=True)[0]
     keys = list(_model(model_seed).state_dict())
     # the eager engine's cached step (the uncached one is tested against plain autograd elsewhere)
     eager_loss, eager_grads, *_ = results[False, CHUNK]
@@ -117,7 +117,8 @@ def test_compiled_cached_step_replays_dropout(seed):
     first pass recorded, draw the first pass's masks (equal to plain autograd with the same
     compiled towers forwarding the chunks in order), and other masks give other gradients."""
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
-    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.2, ((True, CHUNK),))[0]
+    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.2, ((True, CHUNK),),
+                        pooled=True)[0]
     loss, grads, *_ = results[True, CHUNK]
     ref_loss, ref = _reference(model_seed, data_seed, step_seed, CHUNK, 0.2, "aot_eager")
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -155,7 +156,7 @@ def _failing_worker(rank: int, world: int) -> tuple[str, str]:
 
 @pytest.mark.integration
 def test_compiler_failure_is_one_config_error_line():
-    (step_error, cause, suppressed), (name_error, _, _) = run_ranks(_failing_worker, 1)[0]
+    (step_error, cause, suppressed), (name_error, _, _) = run_ranks(_failing_worker, 1, pooled=True)[0]
     assert "\n" not in step_error and cause is None and suppressed, step_error
     assert step_error.startswith("config key 'train.compile'"), step_error
     assert "no C++ compiler found" in step_error and "set train.compile: false" in step_error, step_error
@@ -169,6 +170,7 @@ def test_inductor_compiled_steps_equal_eager(seed):
     """The same with inductor (C++ code generation on CPU; minutes on two cores)."""
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
     runs = ((False, CHUNK), (True, CHUNK), (True, 0))
+    # fresh ranks: inductor's compile workers are processes of this rank's that would outlive the task
     results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "inductor", 0.0, runs, timeout_s=1500)[0]
     ref_loss, ref = _reference(model_seed, data_seed, step_seed, 0)
     for chunk in (0, CHUNK):
@@ -217,7 +219,7 @@ def test_compiled_cached_step_with_patch_dropout_equals_eager(seed):
     """FLIP patch dropout inside the compiled image tower: the cached step (whose re-forwards
     replay the masks) equals the eager cached step (aot_eager runs the same aten random ops on
     the same generator), and the masks matter (no patch dropout gives other gradients)."""
-    r = run_ranks(_patch_dropout_worker, 1, seed, seed + 1, seed + 2)[0]
+    r = run_ranks(_patch_dropout_worker, 1, seed, seed + 1, seed + 2, pooled=True)[0]
     (loss, grads), (eager_loss, eager) = r[True, 0.5], r[False, 0.5]
     assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss), (loss, eager_loss)
     err, name = max_rel_error(grads, eager)

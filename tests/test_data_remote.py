@@ -299,7 +299,7 @@ def test_only_rank_0_checks_the_shards_and_every_rank_learns_the_result(tmp_path
     for i in range(40):
         (tmp_path / f"{i:02d}.tar").write_bytes(b"\0" * 1024)
     with serve(tmp_path) as server:
-        everyone = run_ranks(_rank_check, 2, server.url)
+        everyone = run_ranks(_rank_check, 2, server.url, pooled=True)
         names = [name for name, _ in server.requests]
     assert everyone[0] == everyone[1]
     assert everyone[0]["good"] is None and "40.tar" in everyone[0]["bad"]

@@ -117,7 +117,7 @@ def _rel(grads: dict, ref: dict) -> float:
 
 
 def test_bf16_weights_accumulate_chunk_gradients_in_fp32():
-    res = run_ranks(_worker, 1, 1234)[0]
+    res = run_ranks(_worker, 1, 1234, pooled=True)[0]
     (before_conf, before), (after_conf, after) = res["before"], res["after"]
     assert after_conf == {"grad_accum_dtype": "fp32"} and before_conf is None
     assert res["after_used"] == (torch.float32, torch.float32) and res["before_used"] == (torch.bfloat16,) * 2

@@ -72,7 +72,7 @@ def _worker(rank, world, seed, ckpt_dir):
 
 def test_checkpoint_resume_consolidation_and_precisions(tmp_path, seed):
     world = 2
-    results = run_ranks(_worker, world, seed, str(tmp_path / "ckpt"))[0]
+    results = run_ranks(_worker, world, seed, str(tmp_path / "ckpt"), pooled=True)[0]
     for stage in (0, 1, 2, 3):
         want, got, after_one, consolidated, client, lr_b, lr_a = results[stage]
         assert client == {"step": 1} or client.get("step") == 1

@@ -116,7 +116,7 @@ def _log_worker(rank: int, world: int) -> dict:
 
 
 def test_rank0_logs_the_deepspeed_json_it_runs_with():
-    out = run_ranks(_log_worker, 1)[0]
+    out = run_ranks(_log_worker, 1, pooled=True)[0]
     (line,) = out["logged"]
     logged = json.loads(line.removeprefix("DeepSpeed config: "))
     assert logged == out["ours"] == out["passed"]

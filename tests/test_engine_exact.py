@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
 def test_engine_matches_full_batch_sgd_reference(world, seed):
     model_seed, data_seed = seed, seed + 1
     ref_grads, ref_params = _reference(model_seed, data_seed)
-    results = run_ranks(_worker, world, model_seed, data_seed)[0]
+    results = run_ranks(_worker, world, model_seed, data_seed, pooled=True)[0]
     assert len(results) == 12
     ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
     for (stage, name), (chunks, grads, params, norm) in results.items():
@@ -143,7 +143,7 @@ def test_one_rank_zero0_skips_deepspeeds_identity_gradient_reduction(seed):
     reference. A zero_stage: 1 config on one rank runs at ZeRO-0 (mmalign/zero_stage.py: ZeRO
     partitions nothing on one rank), so it skips the reduction too."""
     _, ref_params = _reference(seed, seed + 1)
-    out = run_ranks(_single_rank_reductions, 1, seed)[0]
+    out = run_ranks(_single_rank_reductions, 1, seed, pooled=True)[0]
     assert out[0][0] == 0
     assert out[1][0] == 0
     for stage in (0, 1):

@@ -109,7 +109,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_engine_with_view_and_mined_negatives_matches_full_batch_reference(world, seed):
     model_seed, data_seed = seed, seed + 1
     ref_grads, ref_params = _reference(model_seed, data_seed)
-    results = run_ranks(_worker, world, model_seed, data_seed)[0]
+    results = run_ranks(_worker, world, model_seed, data_seed, pooled=True)[0]
     assert len(results) == 4
     for (stage, name), (chunks, grads, params, stats) in results.items():
         assert (len(chunks) > 1) == (name == "uneven"), chunks

@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, val: str) -> dict:
 
 def test_two_rank_evaluation_equals_one_rank(shapes_dir):
     val = str(shapes_dir / "val" / "00000.tar")
-    one, two = run_ranks(_worker, 1, val)[0], run_ranks(_worker, 2, val)[0]
+    one, two = run_ranks(_worker, 1, val, pooled=True)[0], run_ranks(_worker, 2, val, pooled=True)[0]
     a, b = one["emb"], two["emb"]
     assert a["keys"] == b["keys"] and a["captions"] == b["captions"] and len(a["keys"]) == 120
     assert torch.equal(a["text_to_image"], b["text_to_image"])

@@ -63,7 +63,7 @@ def test_path_choice_follows_the_backend():
 
 def test_both_paths_give_the_full_batch_gradient():
     world = 2
-    results = run_ranks(_worker, world, timeout_s=120)
+    results = run_ranks(_worker, world, timeout_s=120, pooled=True)
     full = _full_batch(world).requires_grad_()
     total = sum(_rank_loss(full[r * B:(r + 1) * B], full, r) for r in range(world))  # sum_r L_r
     total.backward()

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: i
 @pytest.mark.integration
 def test_checkpointed_engine_steps_equal_plain_autograd(seed):
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
-    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed)[0]
+    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, pooled=True)[0]
     # block forwards begun per step (a pre-hook: torch may stop a recompute early). Plain: one
     # (uncached); cached: a first pass over both chunks (the last keeps its graph) and the first
     # chunk's re-forward. Checkpointed: plus one recompute per backward through a chunk.

@@ -144,7 +144,7 @@ def test_the_issuer_is_told_by_the_package_location_not_a_folder_name(tmp_path):
 
 @pytest.mark.integration
 def test_a_non_log_step_makes_no_collective_beyond_the_gradients_and_the_guard(seed):
-    for rank_results in run_ranks(_step_worker, 2, seed):
+    for rank_results in run_ranks(_step_worker, 2, seed, pooled=True):
         for name, ((log1, calls1, stats1, skip1), (log2, calls2, stats2, skip2)) in rank_results.items():
             assert (log1, log2) == (False, True) and not skip1 and not skip2, name
             assert calls1 == [GUARD], (name, calls1)  # no stats, no clamp collective
@@ -209,7 +209,7 @@ def _one_rank_worker(rank, world, seed):
 def test_one_rank_zero1_and_zero2_make_no_sync_beyond_zero0s(seed):
     """One process with fp32 weights runs ZeRO-1/2 configs at ZeRO-0 (mmalign/zero_stage.py): DeepSpeed's
     ZeRO optimizer made three all_reduces (over one rank) and read its global norm back each step."""
-    out = run_ranks(_one_rank_worker, 1, seed)[0]
+    out = run_ranks(_one_rank_worker, 1, seed, pooled=True)[0]
     zero0 = out[0, ()]
     calls, reads, skipped = zero0
     assert calls == [] and not skipped  # one rank: the finite-check guard needs no all_reduce either
@@ -254,7 +254,7 @@ def _clamp_worker(rank, world, seed, ckpt_dir):
 
 @pytest.mark.integration
 def test_the_clamp_makes_no_collective_and_agrees_on_every_rank_and_in_checkpoints(tmp_path, seed):
-    ranks = run_ranks(_clamp_worker, 2, seed, str(tmp_path / "ckpt"))
+    ranks = run_ranks(_clamp_worker, 2, seed, str(tmp_path / "ckpt"), pooled=True)
     ln100 = torch.tensor(math.log(100.0), dtype=torch.float32)
     for name in ranks[0]:
         want_module = ln100.to(torch.bfloat16) if name.endswith("bf16") else ln100

@@ -198,7 +198,7 @@ def _exact_worker(rank: int, world: int, seed: int) -> dict:
 def test_engine_cached_step_with_a_locked_tower_equals_the_one_pass_with_dropout(seed):
     from tests.conftest import run_ranks
 
-    results = run_ranks(_exact_worker, 1, seed)[0]
+    results = run_ranks(_exact_worker, 1, seed, pooled=True)[0]
     for name, lock in (("image", {"lock_image": True}), ("text", {"lock_text": True}),
                        ("image_partial", {"lock_image": True, "lock_image_unlocked_groups": 1})):
         got, visual_calls, chunks = results[name]
@@ -259,7 +259,7 @@ def test_locked_tower_is_bitwise_unchanged_and_has_no_optimizer_state(seed):
     init = build_model(ModelConfig(preset="micro")).state_dict()
     locked = [n for n in init if n.startswith("visual.") and not n.endswith("attn_mask")]
     trainable = sum(v.numel() for n, v in init.items() if n.startswith("text.") and "attn_mask" not in n) + 1
-    for (stage, precision), (numel, state, from_files, again) in run_ranks(_steps_worker, 1, seed)[0].items():
+    for (stage, precision), (numel, state, from_files, again) in run_ranks(_steps_worker, 1, seed, pooled=True)[0].items():
         where = (stage, precision)
         assert trainable <= numel < trainable + 64, (where, numel, trainable)  # padding only: no visual.*
         for name in locked:

@@ -112,7 +112,7 @@ def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_pa
     z1, z2 = (F.normalize(torch.randn(world * b, 8, generator=gen, dtype=torch.float64), dim=1).float()
               for _ in range(2))
     torch.save({"z1": z1, "z2": z2}, tmp_path / "in.pt")
-    parts = run_ranks(_sharded_worker, world, str(tmp_path / "in.pt"))
+    parts = run_ranks(_sharded_worker, world, str(tmp_path / "in.pt"), pooled=True)
     r1, r2 = (t.double().requires_grad_() for t in (z1, z2))
     ref = ref_ntxent(r1, r2, 10.0)
     ref.backward()

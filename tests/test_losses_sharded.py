@@ -122,7 +122,7 @@ def test_sharded_gradients_equal_full_batch(tmp_path, seed):
     in_path = str(tmp_path / "inputs.pt")
     torch.save({"x": x, "y": y, "ids": ids, "scale": scale, "bias": bias}, in_path)
 
-    ranks = run_ranks(_worker, WORLD, in_path)
+    ranks = run_ranks(_worker, WORLD, in_path, pooled=True)
 
     distinct = torch.arange(n)
     for name, loss_name, tile, with_ids in CASES:

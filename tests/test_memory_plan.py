@@ -239,7 +239,7 @@ def test_auto_plans_the_same_chunks_on_every_rank_and_steps_as_its_integer(seed)
     world = 2
     plan = _plan(cfg, ENGINE_BATCH // world, world)
     budgets = [plan.need(3), plan.need(1)]  # rank 0 could take chunks of 3 (-> 2, 2), rank 1 only of 1
-    ranks = run_ranks(_engine_worker, world, seed, budgets)
+    ranks = run_ranks(_engine_worker, world, seed, budgets, pooled=True)
     assert [r["chunk"] for r in ranks] == [1, 1], [r["line"] for r in ranks]
     assert ranks[0]["auto"][0] == ranks[1]["auto"][0] == ranks[0]["int"][0]
     assert ranks[0]["auto"][0].chunks == (1, 1, 1, 1)

@@ -312,7 +312,7 @@ def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol:
 @pytest.mark.parametrize("world", [1, 2])
 def test_engine_batchnorm_modes_match_full_batch_references(world, seed):
     model_seed, data_seed = seed, seed + 1
-    results = run_ranks(_worker, world, model_seed, data_seed)[0]
+    results = run_ranks(_worker, world, model_seed, data_seed, pooled=True)[0]
     error = results.pop("error")
     assert error is not None and "\n" not in error and "frozen | sync | local" in error, error
     assert len(results) == len(CASES[world])

@@ -26,7 +26,7 @@ def _reduce_worker(rank, world):
 
 
 def test_global_log_values_mean_the_loss_and_sum_waits_and_skips():
-    got = run_ranks(_reduce_worker, WORLD)[0]
+    got = run_ranks(_reduce_worker, WORLD, pooled=True)[0]
     # losses 1 and 3 -> mean 2; waits 0.5 + 1.5; skips {decode: 1 + 3, too_small: 0 + 2}
     assert got == {"loss": 2.0, "data_wait_s": 2.0, "skipped_samples/decode": 4, "skipped_samples/too_small": 2}
 
@@ -112,7 +112,8 @@ def two_rank_run(shapes_dir, tmp_path_factory):
         "train.log_every=1", "train.checkpoint_every=3", "train.keep_checkpoints=5",
         "model.vision.patch_dropout=0.5", "monitor.peak_tflops=0.001", f"output={out / 'run'}",
     ]
-    run_ranks(_train_worker, WORLD, ov, str(out), group=False)  # train() makes the group
+    # fresh ranks: train() makes and ends its own group, as under a launcher (run_ranks' doc)
+    run_ranks(_train_worker, WORLD, ov, str(out), group=False)
     return out
 
 

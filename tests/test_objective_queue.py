@@ -509,7 +509,7 @@ def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path, seed)
     in_path = tmp_path / "inputs.pt"
     torch.save({"x": x, "y": y, "qx": qx, "qy": qy, "ids": ids, "qids": qids, "scale": scale,
                 "seed": seed % 10**6}, in_path)
-    ranks = run_ranks(_rank_worker, WORLD, str(in_path))
+    ranks = run_ranks(_rank_worker, WORLD, str(in_path), pooled=True)
 
     for name, tile, with_ids in SHARDED_CASES:
         case_ids, case_qids = (ids, qids) if with_ids else (None, None)

@@ -139,7 +139,7 @@ def _same_step_worker(rank: int, world: int, seed: int) -> dict:
 
 @pytest.mark.integration
 def test_one_process_zero1_and_zero2_step_as_deepspeeds_zero_and_as_plain_torch(seed):
-    out = run_ranks(_same_step_worker, 1, seed)[0]
+    out = run_ranks(_same_step_worker, 1, seed, pooled=True)[0]
     for (stage, name), (got, want) in ((k, v) for k, v in out.items() if k != "reference"):
         assert got["stage"] == (0, 0) and want["stage"] == (stage, stage), (stage, name)
         assert sum("running DeepSpeed at ZeRO-0" in line for line in got["lines"]) == 1, got["lines"]
@@ -230,9 +230,9 @@ def _resume_worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from:
 @pytest.mark.integration
 def test_one_process_zero0_checkpoints_resume_on_two_ranks_and_back(tmp_path):
     ckpt = str(tmp_path)
-    one = run_ranks(_resume_worker, 1, ckpt, True, 0)[0]
-    two = two_from_one = run_ranks(_resume_worker, 2, ckpt, True, 1)[0]
-    one_from_two = run_ranks(_resume_worker, 1, ckpt, False, 2)[0]
+    one = run_ranks(_resume_worker, 1, ckpt, True, 0, pooled=True)[0]
+    two = two_from_one = run_ranks(_resume_worker, 2, ckpt, True, 1, pooled=True)[0]
+    one_from_two = run_ranks(_resume_worker, 1, ckpt, False, 2, pooled=True)[0]
     for stage, optimizer in RESUME_CASES:
         assert one[stage, "stage"] == 0 and two[stage, "stage"] == stage
         # export reads the one-process (ZeRO-0) checkpoint

@@ -297,7 +297,7 @@ def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
     from mmalign.optim import param_groups, warmup_cosine
     from tests.conftest import run_ranks
 
-    results = run_ranks(_group_lr_worker, 1, seed)[0]
+    results = run_ranks(_group_lr_worker, 1, seed, pooled=True)[0]
     model = build_model(ModelConfig(preset="micro"))
     groups = param_groups(model, 0.0, lr=LR, lr_image=LR_IMAGE, lr_text=LR_TEXT, layer_decay=DECAY)
     want = _lr_of(groups, model)

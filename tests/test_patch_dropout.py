@@ -167,7 +167,7 @@ def _engine_worker(rank: int, world: int, seed: int) -> dict:
 def test_engine_cached_step_equals_the_one_pass_with_the_same_masks(seed):
     from tests.conftest import run_ranks
 
-    results = run_ranks(_engine_worker, 1, seed)[0]
+    results = run_ranks(_engine_worker, 1, seed, pooled=True)[0]
     for chunk, (got, chunks, seen) in results.items():
         want = _chunkwise_reference(seed, seed + 1, split_batch(_batch(10, seed + 1), list(chunks)))
         assert len(chunks) == (4 if chunk else 1)

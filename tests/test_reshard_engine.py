@@ -60,9 +60,9 @@ def _worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -
 
 def test_resume_on_another_world_size_continues_exactly(tmp_path):
     ckpt = str(tmp_path)
-    one = run_ranks(_worker, 1, ckpt, True, 0)[0]
-    two = two_from_one = run_ranks(_worker, 2, ckpt, True, 1)[0]
-    one_from_two = run_ranks(_worker, 1, ckpt, False, 2)[0]
+    one = run_ranks(_worker, 1, ckpt, True, 0, pooled=True)[0]
+    two = two_from_one = run_ranks(_worker, 2, ckpt, True, 1, pooled=True)[0]
+    one_from_two = run_ranks(_worker, 1, ckpt, False, 2, pooled=True)[0]
     for stage, _ in CASES:
         for got, want, how in ((one_from_two, two, "2 -> 1"), (two_from_one, one, "1 -> 2")):
             rel, name = max_rel_error(got[stage, "resumed"], want[stage, "uninterrupted"])
