@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mmalign.data.tokenizer import build_tokenizer  # noqa: E402
+from mmalign.models.tokenizers import build_tokenizer  # noqa: E402
 from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
 from mmalign.evaluation import load_suite, run_suite  # noqa: E402
 from mmalign.models.presets import PRESETS  # noqa: E402

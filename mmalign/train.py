@@ -26,7 +26,7 @@ from mmalign import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
-from mmalign.data.tokenizer import build_tokenizer
+from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import headline, load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data

@@ -9,7 +9,8 @@ import torch
 from data_pipelines.writer import ShardWriter
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config
-from mmalign.data.tokenizer import SentencePieceTokenizer, build_tokenizer
+from mmalign.data.tokenizer import SentencePieceTokenizer
+from mmalign.models.tokenizers import build_tokenizer
 from tests.conftest import pick_seed
 
 WORDS = ["red", "green", "blue", "circle", "square", "small", "large", "left", "right", "photo", "of", "a", "the"]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 def _worker(rank: int, world: int, val: str) -> dict:
     from mmalign.config import ModelConfig
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.data.transforms import eval_transform
     from mmalign.evaluation import load_suite
     from mmalign.evaluation.sharded import embed_sharded, evaluate

@@ -56,7 +56,8 @@ def hf_ids(folder, texts, length=CONTEXT):
 def test_folder_weights_and_tokenizer_are_the_towers(bert_dir):
     from transformers import BertModel
 
-    from mmalign.data.tokenizer import HFTextTokenizer, build_tokenizer
+    from mmalign.data.tokenizer import HFTextTokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.models import build_model
 
     cfg = load_config(None, ["model.preset=micro", f"model.text.hf_local_dir={bert_dir}",
@@ -116,7 +117,7 @@ def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_o
     initial = load_file(str(moved / "model.safetensors"))
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # the text tower trained
     # a new run initialised from this one (model.pretrained) rebuilds the tower from final/hf_text
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.models import build_model
 
     again = build_model(load_config(None, [f"model.pretrained={run}"]).model).eval()

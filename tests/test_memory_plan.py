@@ -31,7 +31,7 @@ def _cfg(*extra: str):
 
 
 def _parts(cfg):
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -205,7 +205,7 @@ def _engine_worker(rank, world, seed, budgets):
     """Per rank: its own budget; the chunk auto chose, the engine's plan, and the weights after one
     step from a model that auto measured, next to one that it did not (with the integer it chose)."""
     from mmalign.data.batch import Batch
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.engine import Engine
     from mmalign.memory_plan import resolve_grad_cache_chunk, resolved_config
     from mmalign.models import build_model

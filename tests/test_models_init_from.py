@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmalign.config import Config, ConfigError, ModelConfig, resolve, validate
-from mmalign.data.tokenizer import build_tokenizer
+from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import preprocess_cfg
 from mmalign.export import export
 from mmalign.models import TwoTower, build_model, check_buildable

@@ -73,7 +73,7 @@ def test_the_evaluation_counter_total_comes_from_sizes_json(shapes_dir, tmp_path
 
 def test_the_evaluation_counter_shows_the_total_and_an_eta(shapes_dir, monkeypatch, capsys):
     from mmalign.config import ModelConfig
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.data.transforms import eval_transform
     from mmalign.evaluation import suite as suite_mod
     from mmalign.models import build_model

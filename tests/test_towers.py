@@ -70,7 +70,7 @@ def test_every_tower_kind(kind, tmp_path):
     assert tower_kind(spec) == kind
     side = "visual" if spec.side == "vision" else "text"
     module = getattr(model, side)
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
 
     tokens = build_tokenizer(model.towers)(CAPTIONS)  # (2, L)
     assert tokens.shape == (2, model.context_length)
@@ -251,7 +251,7 @@ def test_a_text_kind_without_a_tokenizer_hook_fails_loudly(tmp_path):
 
     register_tower("mute_text")(Mute)
     try:
-        from mmalign.data.tokenizer import build_tokenizer
+        from mmalign.models.tokenizers import build_tokenizer
 
         with pytest.raises(UsageError, match="mute_text text tower kind has no tokenizer"):
             build_tokenizer({"embed_dim": 8, "vision_cfg": {}, "text_cfg": {"mute_width": 4}})

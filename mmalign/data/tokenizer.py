@@ -11,7 +11,8 @@ tower pools at the position of the *largest* token id (open_clip's default
 and the tower's ``vocab_size`` is P + 3.  Captions are lower-cased and whitespace
 is collapsed before encoding, as the CLIP tokenizer does.
 
-Which tokenizer a model uses is its text tower kind's business (models/towers/): for
+Which tokenizer a model uses is its text tower kind's business (models/towers/, and
+``mmalign.models.tokenizers.build_tokenizer``): for
 open_clip's text transformer the arch's ``text_cfg.tokenizer_kwargs = {"sentencepiece": PATH}``
 (a field open_clip's text config carries and ignores), set by ``resolve()`` from
 ``model.tokenizer``; for a Hugging Face text tower open_clip's ``text_cfg.hf_tokenizer_name``
@@ -144,36 +145,3 @@ def open_sentencepiece(model_file: str | Path):
 def sentencepiece_vocab_size(model_file: str | Path) -> int:
     """The text tower's vocab_size for a sentencepiece model (pieces + pad/sot/eot)."""
     return open_sentencepiece(model_file).get_piece_size() + 3
-
-
-def text_spec(arch):
-    """The typed text tower of an architecture dict (or a spec / a model's ``towers`` as is)."""
-    from mmalign.models.towers import TowerSpec, Towers, spec_from_cfg
-
-    if isinstance(arch, Towers):
-        return arch.text
-    if isinstance(arch, TowerSpec):
-        return arch
-    return spec_from_cfg("text", dict(arch.get("text_cfg", {})))
-
-
-def tokenizer_file(arch) -> str | None:
-    """The sentencepiece model file a text tower names, or None."""
-    return getattr(text_spec(arch), "tokenizer_file", None)
-
-
-def build_tokenizer(arch, base_dir: str | Path | None = None):
-    """Tokenizer for a text tower: ``tokenizer(list[str]) -> LongTensor (N, context_length)``.
-
-    ``arch``: an architecture dict, a model's ``towers`` or a text tower spec; the tower's kind
-    makes it (models/towers/), and a kind without a tokenizer is an error, never CLIP BPE by
-    default.  A relative sentencepiece path or Hugging Face folder resolves against
-    ``base_dir`` (a saved model's folder).
-    """
-    from mmalign.errors import UsageError
-
-    spec = text_spec(arch)
-    make = getattr(spec, "tokenizer", None)
-    if not callable(make):
-        raise UsageError(f"the {spec.kind} text tower kind has no tokenizer() hook")
-    return make(base_dir)

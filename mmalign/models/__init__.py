@@ -63,7 +63,7 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
     """A tokenizer file or folder the architecture names (``model.text.tokenizer_kwargs``, one a
     ``model.pretrained`` folder ships) loads now: a file that is no tokenizer is one line here,
     not a traceback when training builds it.  The default CLIP BPE ships with open_clip."""
-    from mmalign.data.tokenizer import build_tokenizer, tokenizer_file
+    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.errors import ConfigError, UsageError
 
     from mmalign.models.towers import Towers

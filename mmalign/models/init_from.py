@@ -150,7 +150,7 @@ def source_arch(path: Path, key: str) -> dict | None:
 
 def _mmalign_arch(path: Path, key: str) -> dict:
     from mmalign.config import load_config
-    from mmalign.data.tokenizer import tokenizer_file
+    from mmalign.models.tokenizers import tokenizer_file
     from mmalign.models.hf_text import absolutize
     from mmalign.models.io import CONFIG
     from mmalign.models.load import MODEL, checkpoint_config, locate

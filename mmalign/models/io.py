@@ -50,7 +50,8 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     """The arch to save and a description of its tokenizer; a sentencepiece model file is
     copied beside the weights (``tokenizer.model``), an HF text tower's config and tokenizer
     into ``hf_text/`` (models/hf_text.py), so the folder is self-contained."""
-    from mmalign.data.tokenizer import SPM_KEY, tokenizer_file
+    from mmalign.data.tokenizer import SPM_KEY
+    from mmalign.models.tokenizers import tokenizer_file
 
     if callable(getattr(model.towers.text, "export_files", None)):  # an HF text tower: config + tokenizer in hf_text/
         from mmalign.models.hf_text import record_for_save

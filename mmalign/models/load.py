@@ -113,7 +113,7 @@ def locate(path: str | Path) -> tuple[str, Path]:
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final`` or
     ``RUN/checkpoints/step_N``), in eval mode on ``device``."""
-    from mmalign.data.tokenizer import build_tokenizer, tokenizer_file
+    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.models.io import load_pretrained
 
     kind, folder = locate(path)

@@ -124,9 +124,8 @@ def open_clip_refusal(towers, state: dict) -> str | None:
     """Why open_clip (which builds a timm trunk at its default input size) cannot load these
     weights, or None: a trunk resized by :func:`fit_input_size` has other shapes.  ``towers``:
     a model's typed towers (models/towers/) or its architecture dict."""
-    from mmalign.models.towers import Towers
-
-    arch = towers.to_arch() if isinstance(towers, Towers) else towers
+    # duck-typed, not an import of models/towers/: the timm kind there builds its trunk with this module
+    arch = towers.to_arch() if hasattr(towers, "to_arch") else towers
     if not is_timm(arch["vision_cfg"]):
         return None
     from open_clip.model import _build_vision_tower
