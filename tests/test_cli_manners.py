@@ -108,3 +108,44 @@ def test_eval_without_output_keeps_the_runs_eval_json(shapes_dir, tmp_path, caps
     out = run / "final" / "eval_cli_shapes.json"
     assert {r["dataset"] for r in json.loads(out.read_text())} >= {"shapes/shape"}
     assert f"results written to {out}" in capsys.readouterr().out
+
+
+# ------------------------------------------------ the in-process CLI of the tests (tests.conftest.cli_main)
+
+
+def test_cli_main_sees_what_the_process_prints(tmp_path):
+    """The error-path tests call main in this process: its exit code and stderr are the real
+    command's (compared once here against a real process), and --version's SystemExit is an exit code."""
+    from tests.conftest import cli_main, run_cli
+
+    args = ("train", "--set", "train.stepz=3", "--output", str(tmp_path / "run"))  # refused before torch is imported
+    real, here = run_cli(*args), cli_main(*args)
+    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr) == (
+        2, "", here.stderr.splitlines()[0] + "\n"), real.stderr
+    version = cli_main("--version")
+    assert (version.returncode, version.stdout, version.stderr) == (0, f"mmalign {mmalign.__version__}\n", "")
+
+
+def test_cli_main_leaves_this_process_as_it_found_it(tmp_path, monkeypatch):
+    import os
+
+    from mmalign import cli
+    from mmalign import distributed as mdist
+    from tests.conftest import cli_main
+
+    seen = {}
+
+    def destroy_group():
+        seen["destroyed"] = True
+
+    def command(args):
+        seen["cwd"] = os.getcwd()
+        mdist.shutdown()  # as `mmalign train` ends: not this process's group to destroy
+        raise RuntimeError("a bug, not a user mistake")
+
+    monkeypatch.setattr(mdist, "shutdown", destroy_group)
+    monkeypatch.setattr(cli, "cmd_models", command)  # `mmalign models` runs it
+    here = os.getcwd()
+    with pytest.raises(RuntimeError, match="a bug"):  # a traceback fails the test, as a process would print one
+        cli_main("models", cwd=tmp_path)
+    assert seen == {"cwd": str(tmp_path)} and os.getcwd() == here and mdist.shutdown is destroy_group

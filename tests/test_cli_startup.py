@@ -19,7 +19,7 @@ import pytest
 from mmalign.config import ConfigError, load_config
 from mmalign.errors import UsageError
 from mmalign.progress import duration, track, train_line
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_main
 
 
 def _train_cmd(overrides: list[str], *extra: str) -> list[str]:
@@ -59,6 +59,7 @@ def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro
     assert "step 6/6 (100%)  loss" in log and '"samples_per_s"' not in log  # the JSON is in metrics.jsonl
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [3, 6]
     assert (run / "final" / "model.safetensors").is_file() and not (run / "eval.json").exists()
+    assert out.splitlines()[-1].startswith("run written to") and "eval.json" not in out.splitlines()[-1]
 
 
 # ------------------------------------------------------- config mistakes early
@@ -234,9 +235,14 @@ def test_probes_say_what_they_fit():
     assert loud == quiet  # progress changes no number
 
 
-def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_overrides):
-    res = subprocess.run(_train_cmd(micro_overrides + ["eval.suite=shapez"], "--nproc", "2"), capture_output=True,
-                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_overrides, monkeypatch):
+    import mmalign.launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were launched before eval.suite was checked")
+
+    monkeypatch.setattr(mmalign.launch, "launch_local", no_ranks)
+    res = cli_main("train", "--nproc", "2", *[a for o in micro_overrides + ["eval.suite=shapez"] for a in ("--set", o)])
     assert res.returncode == 2 and res.stderr.startswith("mmalign: error: config key 'eval.suite': unknown suite")
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no per-rank copies, no launcher traceback
 
@@ -255,7 +261,7 @@ def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides,
         assert not [p for p in family if _alive(p)], log.read_text()[-2000:]
 
 
-def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(micro_overrides, tmp_path, monkeypatch):
+def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(tmp_path):
     """``--data`` points an imagefolder suite at another folder (the run's data.val does not:
     those are shards); a digits suite refuses it in one line.  End to end through ``mmalign eval``."""
     from PIL import Image
@@ -282,22 +288,28 @@ def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(micro_
     with pytest.raises(UsageError, match="reads sklearn's digits"):  # a flag, not a config key
         check_suite_data(load_suite("digits"), user_data=str(folder))
 
-    run = Path(micro_overrides[-1].split("=", 1)[1])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    overrides = micro_overrides + ["train.steps=2", "eval.suite=none", "monitor.probe_size=0"]
-    res = subprocess.run(_train_cmd(overrides), capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "eval.json" not in res.stdout.splitlines()[-1]  # eval.suite none: no eval.json to name
+    final = _saved_micro_model(tmp_path / "run" / "final")  # the weights do not matter: --data's path does
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = tmp_path / "colours.json"
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "eval", "--model", str(run / "final"), "--suite",
-                          str(suite_file), "--data", str(folder), "--output", str(out)],
-                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
+    res = cli_main("eval", "--model", final, "--suite", suite_file, "--data", folder, "--output", out, cwd=elsewhere)
     assert res.returncode == 0, res.stderr[-2000:]
     (record,) = json.loads(out.read_text())
     assert record["dataset"] == "colours/colours" and record["n_images"] == 6 and "acc1" in record["metrics"]
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "eval", "--model", str(run / "final"), "--suite",
-                          str(suite_file), "--data", str(tmp_path / "gone")],
-                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
+    res = cli_main("eval", "--model", final, "--suite", suite_file, "--data", tmp_path / "gone", cwd=elsewhere)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def _saved_micro_model(folder: Path) -> Path:
+    """An untrained micro model saved as a run's final/ is (seeded)."""
+    import torch
+
+    from mmalign.config import ModelConfig
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.models.io import save_pretrained
+    from mmalign.models.presets import resolve_arch
+    from mmalign.models.two_tower import TwoTower
+
+    torch.manual_seed(0)
+    model = TwoTower(resolve_arch(ModelConfig(preset="micro")))
+    return save_pretrained(model, folder, preprocess=preprocess_cfg(model.image_size))

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from mmalign import checkpoint, cluster, gradcache
 from mmalign import distributed as mdist
 from mmalign.errors import UsageError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_main
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 
@@ -34,6 +34,32 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
     return {**env, **extra}
+
+
+def _launch_env(monkeypatch, **extra: str) -> None:
+    """This process's environment as :func:`_env` gives a child's, for an in-process ``cli_main``;
+    but LOCAL_RANK=0 stays: this process's own one-process group set it (DeepSpeed requires it,
+    and alone it makes nothing look distributed)."""
+    for key in [k for k in os.environ if k in LAUNCH_VARS or k.startswith("SLURM_")]:
+        if (key, os.environ[key]) != ("LOCAL_RANK", "0"):
+            monkeypatch.delenv(key)
+    for key, value in extra.items():
+        monkeypatch.setenv(key, value)
+
+
+def _launched_as(monkeypatch, **extra: str) -> None:
+    """:func:`_launch_env`, where neither ranks nor a process group can start: a check that let
+    the environment through fails the test at once, instead of spawning ranks from the test
+    process or waiting for a second rank that never comes."""
+    import mmalign.launch
+
+    _launch_env(monkeypatch, **extra)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("ranks or a process group started: the launch environment was not refused")
+
+    monkeypatch.setattr(mmalign.launch, "launch_local", refused)
+    monkeypatch.setattr(mdist.dist, "init_process_group", refused)
 
 
 # ------------------------------------------------------------------ SLURM node lists
@@ -78,11 +104,10 @@ def test_slurm_master_address():
                                 "SLURM_JOB_NODELIST": "gpu[07-"}).world_size == 1
 
 
-def test_cli_unparsable_nodelist_is_one_line(tmp_path):
-    env = _env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="node[01-")
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "train", "--output", str(tmp_path / "run"),
-                          "--set", "model.preset=micro", "--set", "eval.suite=none"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+def test_cli_unparsable_nodelist_is_one_line(tmp_path, monkeypatch):
+    _launched_as(monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="node[01-")
+    res = cli_main("train", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
+                   "--set", "eval.suite=none")
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "SLURM_JOB_NODELIST" in lines[0], res.stderr
@@ -105,11 +130,10 @@ def test_nproc_inside_a_job(env, refused):
     cluster.check_nproc(1, env)  # no --nproc: nothing to refuse
 
 
-def test_cli_refuses_nproc_under_srun(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", "train", "--nproc", "2", "--output",
-                          str(tmp_path / "run"), "--set", "model.preset=micro", "--set", "eval.suite=none"],
-                         capture_output=True, text=True, cwd=ROOT, env=_env(SLURM_NTASKS="2", SLURM_PROCID="0"),
-                         timeout=300)
+def test_cli_refuses_nproc_under_srun(tmp_path, monkeypatch):
+    _launched_as(monkeypatch, SLURM_NTASKS="2", SLURM_PROCID="0")
+    res = cli_main("train", "--nproc", "2", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
+                   "--set", "eval.suite=none")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--nproc 2 inside a job that already runs 2 ranks (SLURM_NTASKS=2)" in lines[0]
@@ -192,11 +216,9 @@ def test_only_the_current_cuda_rng_is_saved(monkeypatch):
 # ------------------------------------------------------------------ --resume latest and restarts
 
 
-def _train(out, overrides, *flags, env=None):
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--output", str(out), *flags]
-    for o in overrides:
-        cmd += ["--set", o]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=600)
+def _train(out, overrides, *flags):
+    """``mmalign train`` in this process (the environment is the caller's: :func:`_launch_env`)."""
+    return cli_main("train", "--output", str(out), *flags, *[a for o in overrides for a in ("--set", o)])
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +230,9 @@ def short_run(tmp_path_factory, shapes_dir):
                  "train.checkpoint_every=4", "train.keep_checkpoints=3", "monitor.log_sample_keys=true",
                  "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=none"]
     out = tmp_path_factory.mktemp("short") / "run"
-    res = _train(out, overrides)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _launch_env(monkeypatch)
+        res = _train(out, overrides)
     assert res.returncode == 0, res.stderr[-3000:]
     return out, overrides
 
@@ -218,7 +242,7 @@ def _keys(out):
 
 
 @pytest.mark.integration
-def test_resume_latest_before_the_first_save_is_a_fresh_start(short_run, tmp_path):
+def test_resume_latest_before_the_first_save_is_a_fresh_start(short_run, tmp_path, monkeypatch):
     """The README's launch lines carry --resume latest: before any checkpoint (a new directory,
     or the leftovers of an attempt killed before its first save) it is exactly a fresh start."""
     ref, overrides = short_run
@@ -229,6 +253,7 @@ def test_resume_latest_before_the_first_save_is_a_fresh_start(short_run, tmp_pat
     (out / "config.yaml").write_text((ref / "config.yaml").read_text())
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.9}\n{"step": 2, "lo')
     (out / "samples_rank0.jsonl").write_text('{"step": 1, "keys": ["stale"]}\n')
+    _launch_env(monkeypatch)
     res = _train(out, overrides, "--resume", "latest")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "no checkpoint in" in res.stdout
@@ -248,14 +273,15 @@ def _copy_run(src, dst):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("flags", [["--resume", "STEP4"], ["--overwrite"], ["--overwrite", "--resume", "latest"]])
-def test_torchrun_restart_keeps_the_checkpoints(short_run, tmp_path, flags):
+def test_torchrun_restart_keeps_the_checkpoints(short_run, tmp_path, flags, monkeypatch):
     """A restarted attempt runs the launch line again: --overwrite would delete this job's
     checkpoints, an older --resume PATH would rewind the run (and prune what is newer)."""
     ref, overrides = short_run
     out = tmp_path / "run"
     step8, written = _copy_run(ref, out)
     flags = [str(out / "checkpoints" / "step_00000004") if f == "STEP4" else f for f in flags]
-    res = _train(out, overrides, *flags, env=_env(TORCHELASTIC_RESTART_COUNT="1"))
+    _launch_env(monkeypatch, TORCHELASTIC_RESTART_COUNT="1")
+    res = _train(out, overrides, *flags)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "torchrun restart 1: continuing the run from its latest checkpoint" in res.stdout
     assert "resumed from" in res.stdout and "at step 8" in res.stdout, res.stdout[-2000:]
@@ -265,11 +291,12 @@ def test_torchrun_restart_keeps_the_checkpoints(short_run, tmp_path, flags):
 
 
 @pytest.mark.integration
-def test_torchrun_restart_without_resume_says_what_to_add(short_run, tmp_path):
+def test_torchrun_restart_without_resume_says_what_to_add(short_run, tmp_path, monkeypatch):
     ref, overrides = short_run
     out = tmp_path / "run"
     _copy_run(ref, out)
-    res = _train(out, overrides, env=_env(TORCHELASTIC_RESTART_COUNT="2"))
+    _launched_as(monkeypatch, TORCHELASTIC_RESTART_COUNT="2")
+    res = _train(out, overrides)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "restart 2" in lines[0] and "--resume latest" in lines[0], res.stderr

@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from mmalign.config import Config, ConfigError, load_config, parse_override, save_config
-from tests.conftest import run_cli
+from tests.conftest import cli_main, run_cli
 
 
 def test_defaults_are_a_complete_config():
@@ -82,15 +82,28 @@ def test_parse_override():
         parse_override("novalue")
 
 
-def test_cli_config_error_is_one_line_exit_2(tmp_path):
+def test_cli_config_error_is_one_line_exit_2_from_a_real_process(tmp_path):
+    """The one real process of the CLI's error paths: what a user sees is the interpreter's
+    whole stderr, so no warning, traceback or late teardown message comes with the line
+    (the other error paths run in-process, through tests.conftest.cli_main)."""
     res = run_cli("train", "--set", "train.stepz=3", "--output", str(tmp_path / "x"))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.stepz" in lines[0] and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    res = cli_main("train", "--set", "train.stepz=3", "--output", str(tmp_path / "x"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.stepz" in lines[0] and "Traceback" not in res.stderr
-    res = run_cli("train", "--config", str(tmp_path / "missing.yaml"))
-    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr
-    res = run_cli("eval", "--model", str(tmp_path / "nomodel"))
-    assert res.returncode == 2 and "Traceback" not in res.stderr
+    res = cli_main("train", "--config", str(tmp_path / "missing.yaml"))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "not found" in lines[0] and "Traceback" not in res.stderr
+    res = cli_main("eval", "--model", str(tmp_path / "nomodel"))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("mmalign: error: ")
 
 
 @pytest.mark.parametrize("override, key", [
@@ -139,12 +152,18 @@ def test_towers_that_cannot_be_built_are_one_line_before_any_engine(tmp_path, ov
     check_buildable(load_config(None, ["model.preset=micro"]).model)  # a good one builds
 
 
-def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path):
+def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path, monkeypatch):
     import time
 
+    import mmalign.train
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started before the towers were checked")
+
+    monkeypatch.setattr(mmalign.train, "train", no_training)
     t0 = time.time()
-    proc = run_cli("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
-                   "--set", f"output={tmp_path / 'run'}")
+    proc = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
+                    "--set", f"output={tmp_path / 'run'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("mmalign: error: config key 'model'")
     assert not (tmp_path / "run").exists()  # nothing was started

@@ -21,7 +21,7 @@ from typing import Literal, Union
 import pytest
 
 from mmalign.config import Config, ConfigError, load_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_main
 
 # Keys where a negative number is meaningful (a SigLIP bias starts at -10).
 NEGATIVE_OK = {"model.init_logit_bias"}
@@ -178,8 +178,8 @@ CLI_CASES = [
 @pytest.mark.parametrize("override, key", CLI_CASES, ids=[k for _, k in CLI_CASES])
 def test_the_cli_gives_one_line_and_exit_2(tmp_path, override, key):
     out = tmp_path / "run"
-    res = run_cli("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set", override,
-                  "--output", str(out))
+    res = cli_main("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set", override,
+                   "--output", str(out))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]

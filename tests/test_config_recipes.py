@@ -20,7 +20,7 @@ import yaml
 from mmalign.config import load_config, validate
 from mmalign.evaluation import load_suite
 from mmalign.models.presets import resolve_arch
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_main
 
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10"
@@ -95,11 +95,11 @@ def test_cifar10_recipe_trains_and_evaluates(tmp_path):
         meta = json.loads(tar.extractfile(next(m for m in tar if m.name.endswith(".json"))).read())
     assert isinstance(meta["label"], int) and meta["classname"] in load_suite("cifar10")["tasks"][0]["classnames"]
     out = tmp_path / "run"
-    res = run_cli("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(out),
-                  "--set", "model.preset=micro", "--set", f"data.train={train}", "--set", f"data.val={test}",
-                  "--set", "data.workers=0", "--set", "data.shuffle_buffer=50",
-                  "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.global_batch_size=16",
-                  "--set", "train.log_every=1")
+    res = cli_main("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(out),
+                   "--set", "model.preset=micro", "--set", f"data.train={train}", "--set", f"data.val={test}",
+                   "--set", "data.workers=0", "--set", "data.shuffle_buffer=50",
+                   "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.global_batch_size=16",
+                   "--set", "train.log_every=1", cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -169,13 +169,14 @@ def test_consecutive_skip_limit_counts_only_unbroken_runs(tmp_path):
 
 
 def test_cli_train_on_unusable_shards_exits_2_with_one_line(tmp_path):
-    from tests.conftest import run_cli
+    from tests.conftest import cli_main
 
     spec = _unusable_shards(tmp_path)
-    proc = run_cli("train", "--set", "model.preset=micro", "--set", f"data.train={spec}",
-                   "--set", "data.workers=0", "--set", "train.steps=2", "--set", "train.warmup_steps=0", "--set", "monitor.probe_size=0",
-                   "--set", "data.max_consecutive_skips=1000", "--set", "eval.suite=none",
-                   "--set", f"output={tmp_path / 'run'}")
+    proc = cli_main("train", "--set", "model.preset=micro", "--set", f"data.train={spec}",
+                    "--set", "data.workers=0", "--set", "train.steps=2", "--set", "train.warmup_steps=0",
+                    "--set", "monitor.probe_size=0", "--set", "data.max_consecutive_skips=1000",
+                    "--set", "eval.suite=none",
+                    "--set", f"output={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "mmalign: error:" in ln]
     assert len(errors) == 1 and "1000 samples in a row were skipped" in errors[0], proc.stderr[-2000:]

@@ -28,7 +28,7 @@ from mmalign.data.shards import iter_tar_groups
 from mmalign.errors import UsageError
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.models.presets import resolve_arch
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_main
 
 RECIPE = ROOT / "configs" / "finetune_cifar10_cpu.yaml"
 SEEN, HELD = ["airplane", "automobile"], ["dog", "frog"]
@@ -68,12 +68,13 @@ def flow(tmp_path_factory):
     common = ["--set", f"data.val={tmp}/test/00000.tar", "--set", "data.workers=0", "--set", "data.shuffle_buffer=20",
               "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.global_batch_size=8",
               "--set", "train.log_every=1", "--set", "monitor.tensorboard=false", "--set", "eval.suite=cifar10_heldout"]
-    res = run_cli("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(tmp / "half_run"),
-                  "--set", "model.preset=micro", "--set", f"data.train={tmp}/half/00000.tar", *common)
+    res = cli_main("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(tmp / "half_run"),
+                   "--set", "model.preset=micro", "--set", f"data.train={tmp}/half/00000.tar", *common, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert main(["export", "--model", str(tmp / "half_run"), "--format", "open_clip", "--out", str(tmp / "export")]) == 0
-    res = run_cli("train", "--config", str(RECIPE), "--output", str(tmp / "lit_run"),
-                  "--set", f"model.pretrained={tmp / 'export'}", "--set", f"data.train={tmp}/all/00000.tar", *common)
+    res = cli_main("train", "--config", str(RECIPE), "--output", str(tmp / "lit_run"),
+                   "--set", f"model.pretrained={tmp / 'export'}", "--set", f"data.train={tmp}/all/00000.tar", *common,
+                   cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     return {"tmp": tmp, "half": half, "test": test}
 

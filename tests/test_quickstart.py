@@ -100,7 +100,7 @@ def test_the_recipes_text_context_holds_every_caption_and_prompt():
     from data_pipelines.shapes import TEMPLATES
     from mmalign.config import load_config
     from mmalign.data.shapes_scene import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES
-    from mmalign.data.tokenizer import build_tokenizer
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.resources import RECIPES, SUITES, shipped
 
     cfg = load_config(str(shipped(RECIPES, "quickstart")), [])

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_main, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,9 @@ def _train(micro_overrides, out, nproc, extra, resume=None):
     for o in [*micro_overrides, f"train.steps={STEPS}", f"train.checkpoint_every={SAVED}", "eval.suite=none",
               "monitor.log_sample_keys=true", "monitor.probe_size=0", *extra]:
         args += ["--set", o]
-    res = run_cli(*args)
+    # one rank runs in this process; --nproc N runs where its ranks print, a process of its own
+    # whose pipes carry their lines
+    res = cli_main(*args) if nproc == 1 else run_cli(*args)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout
 

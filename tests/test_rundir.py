@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from mmalign import checkpoint
 from mmalign.config import ConfigError, load_config
-from tests.conftest import run_cli
+from tests.conftest import cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -76,9 +76,10 @@ def test_fresh_start_in_a_used_directory_is_refused_then_overwritten(finished, t
 def test_cli_refuses_a_used_directory_in_one_line(finished, tmp_path):
     out = _copy(finished, tmp_path)
     sets = [a for o in finished[1] for a in ("--set", o)]
-    proc = run_cli("train", *sets, "--set", f"output={out}")
+    proc = cli_main("train", *sets, "--set", f"output={out}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("mmalign: error: config key 'output'")
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mmalign: error: config key 'output'"), lines
 
 
 def test_checkpoints_store_their_config_and_a_changed_run_cannot_resume(finished, tmp_path):

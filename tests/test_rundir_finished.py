@@ -21,7 +21,7 @@ import pytest
 
 from mmalign import rundir
 from mmalign.config import ConfigError, load_config, save_config
-from tests.conftest import run_cli
+from tests.conftest import cli_main
 
 
 def _run_dir(tmp_path: Path, *, final: bool, config: list[str] | None) -> Path:
@@ -120,7 +120,7 @@ def _files(out: Path) -> dict:
 @pytest.mark.parametrize("change, expect, nproc", [([], "nothing to resume", 1),
                                                    (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 1),
                                                    (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 2)])
-def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, change, expect, nproc):
+def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, monkeypatch, change, expect, nproc):
     """The issue's repro: the same command again with --resume latest (its own config, or a new lr);
     with --nproc 2 the refusal comes before any rank is spawned (one line, not one per rank)."""
     src, sets = finished_run
@@ -128,7 +128,14 @@ def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, chang
     shutil.copytree(src, out)
     before = _files(out)
     args = [a for o in sets + change for a in ("--set", o)]
-    proc = run_cli("train", "--output", str(out), *args, "--resume", "latest", *(["--nproc", "2"] if nproc > 1 else []))
+    import mmalign.launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were spawned before the finished run was refused")
+
+    monkeypatch.setattr(mmalign.launch, "launch_local", no_ranks)
+    proc = cli_main("train", "--output", str(out), *args, "--resume", "latest",
+                    *(["--nproc", "2"] if nproc > 1 else []))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[-1].startswith("mmalign: error: config key 'output'") and expect in lines[-1], lines

@@ -12,9 +12,10 @@ import random
 import pytest
 
 from mmalign.config import ConfigError, load_config
-from mmalign.data.tokenizer import SPM_KEY, SentencePieceTokenizer, build_tokenizer, sentencepiece_vocab_size
+from mmalign.data.tokenizer import SPM_KEY, SentencePieceTokenizer, sentencepiece_vocab_size
 from mmalign.errors import UsageError
-from tests.conftest import ROOT, run_cli
+from mmalign.models.tokenizers import build_tokenizer
+from tests.conftest import ROOT, cli_main
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_a_saved_model_whose_tokenizer_is_broken_is_one_line(tmp_path, not_model
     with pytest.raises(UsageError) as err:
         load(folder)
     _one_line(str(err.value), folder / "tokenizer.model")
-    res = run_cli("eval", "--model", str(folder))
+    res = cli_main("eval", "--model", str(folder))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]
     assert str(folder / "tokenizer.model") in lines[0]
@@ -94,8 +95,8 @@ def test_a_saved_model_whose_tokenizer_is_broken_is_one_line(tmp_path, not_model
 def test_the_cli_gives_one_line_and_exit_2(not_models, tmp_path):
     out = tmp_path / "run"
     for path in (not_models[0], not_models[1]):  # random bytes, a text file
-        res = run_cli("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set",
-                      f"model.tokenizer={path}", "--output", str(out))
+        res = cli_main("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set",
+                       f"model.tokenizer={path}", "--output", str(out))
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]
         assert lines[0].startswith("mmalign: error: config key 'model.tokenizer': ") and str(path) in lines[0]

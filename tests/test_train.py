@@ -11,7 +11,7 @@ from mmalign.losses import clip_loss
 from mmalign.models import build_model
 from mmalign.optim import warmup_cosine
 from mmalign.train import seed_everything, train
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli_main
 
 
 def _fixed_batch(loaded, cfg, n=64):
@@ -72,11 +72,11 @@ def test_quickstart_end_to_end_short(micro_overrides, tmp_path):
     args = ["train", "--config", str(ROOT / "configs/quickstart.yaml"), "--output", str(out)]
     for o in overrides + ["train.steps=10"]:
         args += ["--set", o]
-    res = run_cli(*args)
+    res = cli_main(*args)
     assert res.returncode == 0, res.stderr[-2000:]
     for name in ("config.yaml", "metrics.jsonl", "eval.json", "final/model.safetensors", "final/model_config.json"):
         assert (out / name).is_file(), name
-    res = run_cli("eval", "--model", str(out), "--out", str(tmp_path / "again.json"))
+    res = cli_main("eval", "--model", str(out), "--out", str(tmp_path / "again.json"))
     assert res.returncode == 0, res.stderr[-2000:]
     first = json.loads((out / "eval.json").read_text())
     again = json.loads((tmp_path / "again.json").read_text())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from mmalign import checkpoint
 from mmalign.config import load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -141,9 +141,11 @@ def test_cli_reports_a_stopped_run_in_one_line(micro_overrides, tmp_path):
     ov = [o for o in micro_overrides if not o.startswith("output=")] + ["train.lr=1e30", "train.steps=8",
                                                                          "train.max_consecutive_skips=2"]
     # lr 1e30 makes the weights overflow after the first update: later losses are non-finite
-    res = subprocess.run(_cmd(out, ov), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    res = cli_main(*_cmd(out, ov)[3:])  # the arguments after `python -m mmalign.cli`, run in this process
     assert res.returncode == 1, res.stderr[-2000:]
-    assert "mmalign: stopped:" in res.stderr and "Traceback" not in res.stderr
+    stopped = [line for line in res.stderr.splitlines() if line.startswith("mmalign: ")]
+    assert stopped == [stopped[0]] and stopped[0].startswith("mmalign: stopped: 2 non-finite steps in a row"), stopped
+    assert "Traceback" not in res.stderr
 
 
 def test_monitors_and_outputs(micro_overrides):
