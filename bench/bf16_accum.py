@@ -87,7 +87,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     gradient and against the exactly summed bf16 chunk gradients, per DeepSpeed config."""
     import torch
 
-    from mmalign import engine as eng
+    from mmalign.run import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
     from mmalign.models import build_model

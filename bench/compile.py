@@ -37,7 +37,7 @@ def run_case(backend: str, batch: int, steps: int, warmup: int, threads: int, de
         torch.set_num_threads(threads)
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -101,9 +101,9 @@ class TowerDtypes:
 
 @contextlib.contextmanager
 def tf32_on(device: torch.device):
-    """TF32 for CUDA's fp32 matmuls and convolutions (mmalign.tf32.set_tf32, what train.tf32 does),
+    """TF32 for CUDA's fp32 matmuls and convolutions (mmalign.run.tf32.set_tf32, what train.tf32 does),
     the previous setting restored after; nothing on the CPU."""
-    from mmalign.tf32 import set_tf32
+    from mmalign.run.tf32 import set_tf32
 
     if torch.device(device).type != "cuda":
         yield
@@ -130,12 +130,12 @@ class MmalignStep:
 
     ``inputs(batch, image_size, context_length) -> (images, tokens)`` on the device makes the batch
     (default :func:`full_captions`).  ``flops`` (with ``count_flops``): the model's training FLOPs
-    per sample (mmalign.monitors), counted before the engine wraps it.  ``dtypes``: the towers'
+    per sample (mmalign.run.monitors), counted before the engine wraps it.  ``dtypes``: the towers'
     output dtypes (:class:`TowerDtypes`).  ``close()`` frees the engine and its device memory."""
 
     def __init__(self, cfg, device: torch.device, inputs=None, seed: int = 0, count_flops: bool = False):
         from mmalign.data.batch import Batch
-        from mmalign.engine import Engine
+        from mmalign.run.engine import Engine
         from mmalign.models import build_model
         from mmalign.objective import build_objective
 
@@ -143,7 +143,7 @@ class MmalignStep:
         model = build_model(cfg.model).to(device)
         self.flops = None
         if count_flops:
-            from mmalign.monitors import train_flops_per_sample
+            from mmalign.run.monitors import train_flops_per_sample
 
             self.flops = train_flops_per_sample(model, model.image_size, model.context_length)
         if inputs is None:

@@ -27,9 +27,9 @@ def main() -> None:
 
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
-    from mmalign.monitors import forward_flops_per_sample, peak_tflops
+    from mmalign.run.monitors import forward_flops_per_sample, peak_tflops
     from mmalign.objective import build_objective
 
     cfg = load_config(None, [f"model.preset={args.model}", f"train.global_batch_size={args.batch}",

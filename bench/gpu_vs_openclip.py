@@ -257,8 +257,8 @@ def _close(arm: Arm) -> None:
 
 
 def _peak_tflops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak (mmalign.monitors), None where unknown (a CPU)."""
-    from mmalign.monitors import peak_tflops
+    """The device's dense bf16 peak (mmalign.run.monitors), None where unknown (a CPU)."""
+    from mmalign.run.monitors import peak_tflops
 
     try:
         try:
@@ -271,10 +271,10 @@ def _peak_tflops(device: torch.device) -> float | None:
 
 
 def count_flops(sizes: Sizes, device: torch.device) -> float | None:
-    """Training FLOPs per sample of the architecture (mmalign.monitors, on the device): the same
+    """Training FLOPs per sample of the architecture (mmalign.run.monitors, on the device): the same
     number for both tools, whose towers are the same."""
     from mmalign.models import build_model
-    from mmalign.monitors import train_flops_per_sample
+    from mmalign.run.monitors import train_flops_per_sample
 
     cfg = mmalign_config(sizes.preset, sizes.batch, f"train.device={device.type}")
     model = build_model(cfg.model).to(device)
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = Sizes(sizes.preset, sizes.batch, sizes.warmup, max(1, args.steps), sizes.backend)
     doc = args.doc if args.doc is not None else (DOC if cuda else None)
 
-    with tf32_on(device):  # both arms: TF32 for the fp32 matmuls autocast leaves (mmalign.tf32)
+    with tf32_on(device):  # both arms: TF32 for the fp32 matmuls autocast leaves (mmalign.run.tf32)
         flops = None
         try:
             flops = count_flops(sizes, device)
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{WEIGHT_DECAY:g} (open_clip's no-decay groups); "
         f"{args.turns} turns per arm alternating the tools, {sizes.warmup} warm-up + {sizes.steps} timed steps "
         f"each; compiled = torch.compile ({sizes.backend}). FLOPs: "
-        f"{_fmt(flops and flops / 1e9, '.3g')} GFLOP per training sample (mmalign.monitors, both tools); "
+        f"{_fmt(flops and flops / 1e9, '.3g')} GFLOP per training sample (mmalign.run.monitors, both tools); "
         f"MFU over {_fmt(peak, '.0f')} TFLOP/s (bf16 dense).",
         "",
         "| tool | mode | samples/s (per turn) | TFLOP/s | MFU | peak memory above base | tower output dtype "

@@ -34,7 +34,7 @@ def run_case(batch: int, chunk: int, steps: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

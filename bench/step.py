@@ -1,7 +1,7 @@
 """One training step, profiled: where the time goes, fp32 against bf16, mmalign against a bare loop.
 
 The tiny towers (``tiny`` preset: ViT 4x128 on 32 px, text 4x128) at local batch 256 (``--batch``) on the CPU,
-through the real step: the loop's ``mmalign.train._train_step`` (next batch, ``Batch.to``, the
+through the real step: the loop's ``mmalign.run.train._train_step`` (next batch, ``Batch.to``, the
 engine's guarded ``Engine.step`` with the run's objective, the objective's after-update), DeepSpeed
 ZeRO-0, AdamW, no gradient caching, on one synthetic in-memory uint8 batch (so the data wait is the
 loop's own cost of taking a ready batch; the loader's throughput is bench/loader.py's).
@@ -96,7 +96,7 @@ def _wrap(owner, name: str, label: str) -> None:
 def _label_parts() -> None:
     """record_function ranges around the step's parts (class-level, bench-only: nothing in the
     package changes; each wrapper costs one profiler range, nothing when not profiling)."""
-    from mmalign import engine as engine_mod
+    from mmalign.run import engine as engine_mod
     from mmalign.objective import objective as objective_mod
 
     E = engine_mod.Engine
@@ -116,9 +116,9 @@ class _Mmalign:
     def __init__(self, precision: str, batch: int, threads: int):
         import torch
 
-        from mmalign import train as train_mod
+        from mmalign.run import train as train_mod
         from mmalign.config import load_config
-        from mmalign.engine import Engine
+        from mmalign.run.engine import Engine
         from mmalign.models import build_model
         from mmalign.objective import build_objective
         from mmalign.data.batch import Batch
@@ -420,7 +420,7 @@ def write_doc(label: str, body: str, watch: LoadWatch, allow_loaded: bool) -> No
     intro = (f"{SECTION}\n\nCommand: `python bench/step.py` (`--tree DIR --label before` runs it against another "
              "checkout). Tiny towers (ViT 4x128 @32px, text 4x128), one synthetic in-memory batch, "
              "DeepSpeed ZeRO-0 fp32 weights, AdamW, no gradient caching, through the loop's step function "
-             "(`mmalign.train._train_step`). `mmalign bf16` is `train.precision: bf16` (autocast); `bare` is a "
+             "(`mmalign.run.train._train_step`). `mmalign bf16` is `train.precision: bf16` (autocast); `bare` is a "
              "plain PyTorch loop over the same towers (autocast forward, naive fp32 CLIP loss, backward, AdamW). "
              "Profile: torch.profiler, ms per step of the main thread (towers backward = the autograd events "
              "inside DeepSpeed's backward; optimizer = `Optimizer.step` inside DeepSpeed's step; the rest of "

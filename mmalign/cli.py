@@ -69,7 +69,7 @@ def _load(args, world_size: int = 1) -> "Config":  # noqa: F821
 
 def _world_size(nproc: int, env) -> int:
     """The ranks this ``mmalign train`` trains on, known before torch is imported: ``--nproc``'s
-    own, else the launcher's (the variables mmalign.distributed.env_dist_info reads)."""
+    own, else the launcher's (the variables mmalign.dist.distributed.env_dist_info reads)."""
     if nproc > 1 and "RANK" not in env:
         return nproc
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -85,9 +85,9 @@ def cmd_train(args) -> int:
     from mmalign.models import check_buildable
 
     meta_model = check_buildable(cfg.model)
-    from mmalign.rundir import check_fresh_start
+    from mmalign.run.rundir import check_fresh_start
 
-    from mmalign import cluster
+    from mmalign.dist import cluster
 
     cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
     typed_resume = args.resume
@@ -100,15 +100,15 @@ def cmd_train(args) -> int:
         raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
                           f"so that a restart continues the run)") from None
     if args.nproc > 1 and "RANK" not in os.environ:
-        from mmalign.launch import launch_local
+        from mmalign.dist.launch import launch_local
 
         _check_batchnorm(cfg, meta_model, args.nproc)
-        from mmalign.train import resolve_suite
+        from mmalign.run.train import resolve_suite
 
         resolve_suite(cfg)  # eval.suite and its data, once here rather than once per rank
         return launch_local(args.nproc, args.argv)
-    from mmalign import distributed as mdist
-    from mmalign.train import train
+    from mmalign.dist import distributed as mdist
+    from mmalign.run.train import train
 
     out = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if mdist.get_rank() == 0:
@@ -124,7 +124,7 @@ def _continue_on_restart(args, out: Path) -> int:
     ``--resume PATH`` would, at its first save, prune every newer checkpoint and move
     ``latest`` back: a restart instead continues from the run's ``latest`` (with nothing saved
     yet, from step 0).  Returns the restart count (0: the first attempt)."""
-    from mmalign import cluster
+    from mmalign.dist import cluster
 
     restart = cluster.restart_count(os.environ)
     if not restart or not (args.overwrite or args.resume not in (None, "latest")):
@@ -144,12 +144,12 @@ def _continue_on_restart(args, out: Path) -> int:
 def _check_batchnorm(cfg, model, world_size: int) -> None:
     """The engine's BatchNorm gate, once before spawning ranks (each would print it), on the
     meta-device model of :func:`~mmalign.models.check_buildable`."""
-    from mmalign.gradcache import chunk_sizes
+    from mmalign.run.gradcache import chunk_sizes
     from mmalign.models.batchnorm import check_batchnorm
 
     local = cfg.train.global_batch_size // world_size
     chunk = cfg.train.grad_cache_chunk_size
-    # auto: chosen per run from a memory measurement (mmalign.memory_plan); the engine checks again with it
+    # auto: chosen per run from a memory measurement (mmalign.run.memory_plan); the engine checks again with it
     chunks = len(chunk_sizes(local, chunk)) if isinstance(chunk, int) else 1
     check_batchnorm(model, cfg.model.batchnorm, chunks=chunks, world_size=world_size)
 
@@ -288,7 +288,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    from mmalign.embed import embed
+    from mmalign.search.embed import embed
 
     info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
                  device=args.device)
@@ -297,7 +297,7 @@ def cmd_embed(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from mmalign.index import build_index
+    from mmalign.search.index import build_index
 
     info = build_index(args.emb, args.out, exact_max=args.exact_max, nlist=args.nlist, pq_m=args.pq_m,
                        nbits=args.nbits, nprobe=args.nprobe)
@@ -309,7 +309,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from mmalign.search import Searcher, format_hits
+    from mmalign.search.searcher import Searcher, format_hits
 
     if (args.text is None) == (args.image is None):
         raise UsageError("search: give exactly one of --text or --image")
@@ -322,7 +322,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from mmalign.serve import serve
+    from mmalign.search.serve import serve
 
     serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k, timeout=args.timeout,
           workers=args.workers, max_connections=args.max_connections)
@@ -331,7 +331,7 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mmalign import __version__
-    from mmalign.serve_page import ROUTES_HELP
+    from mmalign.search.serve_page import ROUTES_HELP
 
     parser = _Parser(prog="mmalign", description="CLIP-style image-text pretraining toolkit")
     parser.add_argument("--version", action="version", version=f"mmalign {__version__}")
@@ -463,10 +463,10 @@ def drop_local_rank(argv: list[str]) -> list[str]:
 
 
 def _lost_peer(e: BaseException) -> str | None:
-    """One line when ``e`` is a collective that lost another rank (see mmalign.distributed)."""
+    """One line when ``e`` is a collective that lost another rank (see mmalign.dist.distributed)."""
     if "torch.distributed" not in sys.modules:
         return None
-    from mmalign.distributed import lost_peer
+    from mmalign.dist.distributed import lost_peer
 
     return lost_peer(e)
 
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         # that peer (the reason we are here), so this rank leaves at once.
         os._exit(1)
     except KeyboardInterrupt as e:
-        if not getattr(e, "reported", False):  # a training run already said where it stopped (mmalign.signals)
+        if not getattr(e, "reported", False):  # a training run already said where it stopped (mmalign.run.signals)
             print("mmalign: interrupted", file=sys.stderr)
         return 130
 

@@ -21,7 +21,7 @@ from pathlib import Path
 SHAPES_DIR = "data/shapes"
 
 # The start of each phase inside train(), recognised by the start-up lines train.py logs to
-# ``mmalign.train`` (runlog.say and its log.info lines): (phase that starts, line prefix).
+# ``mmalign.run.train`` (runlog.say and its log.info lines): (phase that starts, line prefix).
 _MARKS = (("build", "building model "),
           ("train loop", "training "),
           ("save final/", "trained "),
@@ -131,7 +131,7 @@ def run(clock: PhaseClock, load_config, make_data, print_table) -> int:
     ``load_config()`` returns into a fresh run directory, print the evaluation table
     (``print_table(records)``) and the quickstart summary."""
     from mmalign.data.shapes_scene import is_complete
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     clock.mark("data")
     if not is_complete(SHAPES_DIR):
@@ -140,7 +140,7 @@ def run(clock: PhaseClock, load_config, make_data, print_table) -> int:
     clock.mark("setup")  # the config, importing torch and the training code, the run's setup
     cfg = load_config()
     handler = _MarkHandler(clock)
-    logger = logging.getLogger("mmalign.train")
+    logger = logging.getLogger("mmalign.run.train")
     logger.addHandler(handler)
     try:
         out = train(cfg, overwrite=True)  # the demo regenerates its run directory each time

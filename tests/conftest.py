@@ -23,7 +23,7 @@ class _NestedAutocastIsAnError(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "disabled within the DeepSpeed engine" in record.getMessage():
             raise AssertionError("DeepSpeed switched the caller's autocast off around the module: "
-                                 "autocast must be entered inside the engine's module (mmalign.engine)")
+                                 "autocast must be entered inside the engine's module (mmalign.run.engine)")
 
 
 logging.getLogger("DeepSpeed").addHandler(_NestedAutocastIsAnError())
@@ -153,7 +153,7 @@ def cli_main(*args, cwd=None) -> CliRun:
     import io
 
     from mmalign import cli
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     out, err = io.StringIO(), io.StringIO()
     previous, shutdown = os.getcwd(), mdist.shutdown
@@ -250,7 +250,7 @@ def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 
 
     import torch.multiprocessing as mp
 
-    from mmalign.distributed import free_port
+    from mmalign.dist.distributed import free_port
 
     ctx = mp.get_context("spawn")
     port = int(free_port())
@@ -281,7 +281,7 @@ def _rank_main(worker, rank: int, world: int, port: int, args: tuple, group: boo
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     if group:
         mdist.init_from_env(backend="gloo")

@@ -41,7 +41,7 @@ SIZE = 2  # ranks in the pool: the tests' largest world size
 START_TIMEOUT_S = 300.0  # interpreter plus imports on a busy 2-core machine
 # Imported by every rank before it reports ready: the start-up cost paid once, and the module state
 # that _ProcessState records is the state right after these imports.
-PRELOAD = ("deepspeed", "mmalign.engine", "mmalign.train", "mmalign.evaluation.sharded", "tests.conftest")
+PRELOAD = ("deepspeed", "mmalign.run.engine", "mmalign.run.train", "mmalign.evaluation.sharded", "tests.conftest")
 
 _pool: RankPool | None = None
 
@@ -98,7 +98,7 @@ class RankPool:
         return all(p.is_alive() for p in self.procs)
 
     def run(self, worker, world: int, args: tuple, timeout_s: float) -> list:
-        from mmalign.distributed import free_port
+        from mmalign.dist.distributed import free_port
 
         # Pickled here, before anything is sent: a task that does not pickle fails in the test's own
         # process and no rank starts it alone.
@@ -183,7 +183,7 @@ def _serve(conn, index: int) -> None:
 
 def _run_task(worker, rank: int, world: int, port: int, args: tuple, env: dict, cwd: str) -> bytes | None:
     """One task on one rank, set up as run_ranks' fresh ranks are; its result as torch.save bytes."""
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -69,8 +69,8 @@ def serve_corpus(corpus: dict):
     ``.lines`` and its URL in ``.base``; a generator for fixtures (shut down after the yield)."""
     import threading
 
-    from mmalign.search import Searcher
-    from mmalign.serve import make_server
+    from mmalign.search.searcher import Searcher
+    from mmalign.search.serve import make_server
 
     lines: list[str] = []
     srv = make_server(Searcher(corpus["idx"], corpus["model"]), "127.0.0.1", 0, access_log=lines.append)

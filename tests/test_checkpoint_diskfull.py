@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmalign import checkpoint, diskspace
+from mmalign.run import checkpoint, diskspace
 from mmalign.config import load_config
 from tests.conftest import ROOT, run_ranks
 
@@ -58,7 +58,7 @@ def _enospc_at(monkeypatch, marker: str) -> list:
 # DeepSpeed's writer (the engine's files), then ours (the trainer state)
 @pytest.mark.parametrize("marker", ["step_00000004.tmp/engine/", "step_00000004.tmp/trainer_rank0.pt"])
 def test_a_full_disk_stops_in_one_line_and_the_run_resumes(shapes_dir, tmp_path, monkeypatch, capsys, marker):
-    from mmalign.train import RunStopped, train
+    from mmalign.run.train import RunStopped, train
 
     out = tmp_path / "run"
     cfg = load_config(None, _sets(shapes_dir) + [f"output={out}"])
@@ -114,7 +114,7 @@ def test_the_free_space_check_warns_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(diskspace, "free_bytes", lambda path: 10_000)
     assert watch.check(base, last, 4) is None  # 10 kB free, 3 kB needed
     monkeypatch.setattr(diskspace, "free_bytes", lambda path: 2048)
-    with caplog.at_level("WARNING", logger="mmalign.train"):
+    with caplog.at_level("WARNING", logger="mmalign.run.train"):
         line = watch.check(base, last, 4)
         assert watch.check(base, last, 6) is None  # once per run directory
     assert line is not None and "\n" not in line
@@ -160,7 +160,7 @@ class _RankEngine:
         self.ds = type("DS", (), {"checkpoint_engine": self.TorchCheckpointEngine()})()
 
     def save_checkpoint(self, directory, tag):
-        from mmalign import distributed as mdist
+        from mmalign.dist import distributed as mdist
 
         (Path(directory) / tag).mkdir(exist_ok=True)
         rank = mdist.get_rank()
@@ -169,7 +169,7 @@ class _RankEngine:
 
 
 def _full_on_rank1(rank, world, out):
-    from mmalign import checkpoint, diskspace
+    from mmalign.run import checkpoint, diskspace
 
     if rank == 1:
         def full(obj, path, **kwargs):
@@ -243,7 +243,7 @@ def test_a_real_full_tmpfs_is_exit_1_and_resumes_after_space_is_freed(shapes_dir
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000002"]
 
     subprocess.run(["mount", "-o", "remount,size=80m", str(small_tmpfs)], check=True)  # space is freed
-    from mmalign.train import train  # in this process: the CLI's exit status is checked above
+    from mmalign.run.train import train  # in this process: the CLI's exit status is checked above
 
     train(load_config(None, sets + [f"output={out}"]), show_progress=False, resume="latest")
     said = capsys.readouterr().out

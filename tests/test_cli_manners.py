@@ -130,7 +130,7 @@ def test_cli_main_leaves_this_process_as_it_found_it(tmp_path, monkeypatch):
     import os
 
     from mmalign import cli
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
     from tests.conftest import cli_main
 
     seen = {}

@@ -66,7 +66,7 @@ def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro
 
 
 def test_eval_suite_typo_fails_before_anything_is_built(micro_overrides, monkeypatch):
-    import mmalign.train as train_mod
+    import mmalign.run.train as train_mod
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before eval.suite was checked")
@@ -209,7 +209,7 @@ def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
 
 
 def test_embed_total_comes_from_the_shards_sizes_json(shapes_dir, tmp_path):
-    from mmalign.embed import shard_total
+    from mmalign.search.embed import shard_total
 
     assert shard_total(f"{shapes_dir}/train/{{00000..00001}}.tar") == 400
     assert shard_total(shapes_dir / "train") == 400 and shard_total(f"{shapes_dir}/val/00000.tar") == 120
@@ -236,12 +236,12 @@ def test_probes_say_what_they_fit():
 
 
 def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_overrides, monkeypatch):
-    import mmalign.launch
+    import mmalign.dist.launch
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were launched before eval.suite was checked")
 
-    monkeypatch.setattr(mmalign.launch, "launch_local", no_ranks)
+    monkeypatch.setattr(mmalign.dist.launch, "launch_local", no_ranks)
     res = cli_main("train", "--nproc", "2", *[a for o in micro_overrides + ["eval.suite=shapez"] for a in ("--set", o)])
     assert res.returncode == 2 and res.stderr.startswith("mmalign: error: config key 'eval.suite': unknown suite")
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no per-rank copies, no launcher traceback

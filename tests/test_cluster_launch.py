@@ -23,8 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign import checkpoint, cluster, gradcache
-from mmalign import distributed as mdist
+from mmalign.run import checkpoint, gradcache
+from mmalign.dist import cluster
+from mmalign.dist import distributed as mdist
 from mmalign.errors import UsageError
 from tests.conftest import ROOT, cli_main
 
@@ -51,14 +52,14 @@ def _launched_as(monkeypatch, **extra: str) -> None:
     """:func:`_launch_env`, where neither ranks nor a process group can start: a check that let
     the environment through fails the test at once, instead of spawning ranks from the test
     process or waiting for a second rank that never comes."""
-    import mmalign.launch
+    import mmalign.dist.launch
 
     _launch_env(monkeypatch, **extra)
 
     def refused(*args, **kwargs):
         raise AssertionError("ranks or a process group started: the launch environment was not refused")
 
-    monkeypatch.setattr(mmalign.launch, "launch_local", refused)
+    monkeypatch.setattr(mmalign.dist.launch, "launch_local", refused)
     monkeypatch.setattr(mdist.dist, "init_process_group", refused)
 
 
@@ -159,7 +160,7 @@ def test_every_group_gets_the_timeout(timeout_s, expected):
     """The default group and a later new_group() (DeepSpeed clones the world group for ZeRO)."""
     _run_fresh(f"""
         import torch, torch.distributed as dist
-        from mmalign import distributed as mdist
+        from mmalign.dist import distributed as mdist
         mdist.init_from_env(require_group=True, timeout_s={timeout_s})
         for group in (dist.group.WORLD, dist.new_group(ranks=[0])):
             got = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -316,7 +317,7 @@ def test_every_readme_launch_line_resumes():
     missing = [c for c in launches if "--resume latest" not in c]
     assert not missing, missing
     # a torchrun agent left alone after a split network never exits (issue 28): each runs supervised
-    unsupervised = [c for c in launches if re.search(r"\btorchrun\b", c) and "python -m mmalign.supervise torchrun" not in c]
+    unsupervised = [c for c in launches if re.search(r"\btorchrun\b", c) and "python -m mmalign.dist.supervise torchrun" not in c]
     assert not unsupervised, unsupervised
 
 

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: i
     from torch._dynamo.utils import counters
 
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     images, tokens = clip_batch(BATCH, data_seed)
@@ -135,7 +135,7 @@ def _failing_worker(rank: int, world: int) -> tuple[str, str]:
 
     from mmalign.config import ConfigError
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     def broken(gm, example_inputs):
@@ -195,7 +195,7 @@ def _patch_dropout_worker(rank: int, world: int, model_seed: int, data_seed: int
     """{(compiled, patch_dropout): (loss, full gradients)} of one cached step (chunks 3, 3, 2)."""
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -155,12 +155,12 @@ def test_towers_that_cannot_be_built_are_one_line_before_any_engine(tmp_path, ov
 def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path, monkeypatch):
     import time
 
-    import mmalign.train
+    import mmalign.run.train
 
     def no_training(*args, **kwargs):
         raise AssertionError("training started before the towers were checked")
 
-    monkeypatch.setattr(mmalign.train, "train", no_training)
+    monkeypatch.setattr(mmalign.run.train, "train", no_training)
     t0 = time.time()
     proc = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
                     "--set", f"output={tmp_path / 'run'}")

@@ -14,8 +14,8 @@ import pytest
 
 import mmalign.config as config_mod
 from mmalign.config import Config, ConfigError, build_config, load_config, resolve, save_config, validate
-from mmalign.config_checks import Span, check_domains, fields_of, knob
-from mmalign.config_schema import LossConfig
+from mmalign.config.checks import Span, check_domains, fields_of, knob
+from mmalign.config.schema import LossConfig
 
 
 def test_domains_are_field_metadata_and_the_generic_validator_reads_them():
@@ -32,7 +32,7 @@ def test_domains_are_field_metadata_and_the_generic_validator_reads_them():
 
 
 def test_a_bound_that_is_another_key_is_declared_too():
-    from mmalign import config_doc
+    from mmalign.config import doc as config_doc
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.steps=50", "train.warmup_steps=60"])
@@ -139,7 +139,7 @@ def test_validate_chunk_checks_the_chunk_auto_became():
 
 def test_memory_plan_rechecks_only_the_chunk(monkeypatch):
     pytest.importorskip("torch")
-    from mmalign import memory_plan
+    from mmalign.run import memory_plan
 
     monkeypatch.setattr(config_mod, "validate", lambda *a, **k: pytest.fail("validate ran twice"))
     cfg = build_config(None, ["train.grad_cache_chunk_size=auto"])
@@ -155,7 +155,7 @@ def test_memory_plan_rechecks_only_the_chunk(monkeypatch):
 def test_the_cli_world_size_is_what_the_ranks_will_see(env, nproc, want):
     pytest.importorskip("torch")
     from mmalign import cli
-    from mmalign.distributed import env_dist_info
+    from mmalign.dist.distributed import env_dist_info
 
     assert cli._world_size(nproc, env) == want
     if nproc == 1 or "RANK" in env:  # no --nproc spawning: the ranks read the same variables

@@ -1,13 +1,13 @@
 """The README's config table is generated from the config's field metadata
-(``python -m mmalign.config_doc``) and this file fails when it is stale."""
+(``python -m mmalign.config.doc``) and this file fails when it is stale."""
 
 from __future__ import annotations
 
 import pytest
 
-from mmalign import config_doc
+from mmalign.config import doc as config_doc
 from mmalign.config import Config
-from mmalign.config_checks import fields_of
+from mmalign.config.checks import fields_of
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"
@@ -15,7 +15,7 @@ README = ROOT / "README.md"
 
 def test_the_readme_table_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
-    assert config_doc.updated(text) == text, "the README's config table is stale: run `python -m mmalign.config_doc`"
+    assert config_doc.updated(text) == text, "the README's config table is stale: run `python -m mmalign.config.doc`"
     assert config_doc.main([str(README), "--check"]) == 0
 
 

@@ -1,4 +1,4 @@
-"""Each config key's own domain (its field metadata, mmalign/config_schema.py): the holes of
+"""Each config key's own domain (its field metadata, mmalign/config/schema.py): the holes of
 issue 28, every key declaring one, the shipped recipes still inside it, and values that used to crash the parser."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from mmalign.config import Config, ConfigError, load_config
-from mmalign.config_checks import domains, leaves
+from mmalign.config.checks import domains, leaves
 from mmalign.resources import recipe_path
 from tests.conftest import ROOT
 

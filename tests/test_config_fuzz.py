@@ -6,7 +6,7 @@ ConfigError line naming the key, never another exception and never accepted.
 The invalid values come from each key's annotation (a wrong type, NaN / inf, a number no
 int64 / float32 holds, an empty or NUL-holding string, a nonsense enum) plus this file's own
 short spec of which numbers a key refuses (every count refuses a negative, the probabilities
-refuse > 1, ...); it does not read mmalign/config_checks.py, so a missing check there fails here.
+refuse > 1, ...); it does not read mmalign/config/checks.py, so a missing check there fails here.
 """
 
 from __future__ import annotations

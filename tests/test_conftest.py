@@ -60,14 +60,14 @@ def test_the_default_seed_comes_from_the_test_name(seed):
 
 
 def _describe_rank(rank, world, tag):
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     env = tuple(os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
     return (rank, world, tag, env, torch.get_num_threads(), mdist.all_gather_object(rank))
 
 
 def _fail_on_rank_1(rank, world):
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     if rank == 1:
         raise RuntimeError("rank 1 fails")
@@ -90,7 +90,7 @@ def test_run_ranks_fails_at_once_when_a_rank_fails_and_stops_the_others():
 
 
 def _pid_and_group(rank, world):
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     return os.getpid(), mdist.is_initialized(), mdist.get_world_size()
 
@@ -158,7 +158,7 @@ def _leak(rank, world, where):
 
     import torch.nn.functional as F
 
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     os.environ[LEAK_ENV] = "1"
     os.chdir(where)
@@ -187,7 +187,7 @@ def _state(rank, world):
 
     import torch.nn.functional as F
 
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     mdist.slow_barrier(30)  # works only with this task's group: a leaked group would fail it
     return {"env": os.environ.get(LEAK_ENV), "cwd": os.getcwd(), 

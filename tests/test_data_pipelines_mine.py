@@ -256,7 +256,7 @@ def test_config_errors_name_the_key(overrides, key):
 
 
 def test_short_training_run_on_mined_shards(mined_dir, micro_overrides):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out, _ = mined_dir
     overrides = [o for o in micro_overrides if not o.startswith("data.train=")]

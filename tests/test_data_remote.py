@@ -282,7 +282,7 @@ def test_startup_probes_a_sample_of_remote_shards_and_names_backends(tmp_path):
 
 
 def _rank_check(rank: int, world: int, base: str) -> dict:
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     results = {}
     for name, spec in (("good", f"{base}/{{00..39}}.tar"), ("bad", f"{base}/{{00..40}}.tar")):

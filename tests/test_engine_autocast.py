@@ -82,7 +82,7 @@ def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
     building a ZeRO-3 engine leaves DeepSpeed's hooks behind, so neither the references (taken
     first, on a copy of the same initial weights) nor later tests share a process with it."""
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -121,7 +121,7 @@ def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
             "update_own": _rel({k: after[k] - before[k] for k in grads}, {k: -lr * grads[k] for k in grads})}
 
 
-@pytest.mark.parametrize("stage", [0, 3])  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/zero_stage.py); 3 keeps its stage
+@pytest.mark.parametrize("stage", [0, 3])  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/run/zero_stage.py); 3 keeps its stage
 def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stage, seed):
     from tests.conftest import run_ranks
 
@@ -148,7 +148,7 @@ def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stag
 def test_the_old_call_shape_is_caught(cuda_like_autocast_check, seed):
     """A caller's autocast around the DeepSpeed call (the pre-fix engine) is switched off by
     DeepSpeed under the simulated check, and its warning is an error in tests (conftest)."""
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
 
     cfg = engine_cfg(0, "train.precision=fp32")
@@ -161,7 +161,7 @@ def test_the_old_call_shape_is_caught(cuda_like_autocast_check, seed):
 
 
 def test_fp32_config_runs_the_towers_in_fp32(cuda_like_autocast_check, seed):
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
 
     cfg = engine_cfg(0, "train.precision=fp32")

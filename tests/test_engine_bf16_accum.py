@@ -73,7 +73,7 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
 
 
 def _worker(rank: int, world: int, seed: int) -> dict:
-    from mmalign import engine as eng
+    from mmalign.run import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
     from mmalign.models import build_model

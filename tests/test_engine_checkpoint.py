@@ -13,9 +13,9 @@ pytestmark = pytest.mark.integration
 
 
 def _worker(rank, world, seed, ckpt_dir):
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine, consolidate_checkpoint
+    from mmalign.run.engine import Engine, consolidate_checkpoint
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

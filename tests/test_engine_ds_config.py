@@ -14,7 +14,7 @@ from tests.conftest import run_ranks
 
 
 def _conf(*overrides: str, world: int = 1) -> dict:
-    from mmalign.engine import ds_config, plan_batch
+    from mmalign.run.engine import ds_config, plan_batch
 
     cfg = load_config(None, list(overrides))
     return ds_config(cfg, plan_batch(cfg, world))
@@ -93,13 +93,13 @@ def test_extra_contradicting_a_typed_key_is_one_line_error(override, typed):
 
 
 def _log_worker(rank: int, world: int) -> dict:
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
 
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("mmalign.engine")
+    logger = logging.getLogger("mmalign.run.engine")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=8", "train.grad_cache_chunk_size=4",

@@ -69,7 +69,7 @@ def _cases(world: int):
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -119,7 +119,7 @@ def _single_rank_reductions(rank: int, world: int, seed: int) -> dict:
     """One step per fp32 stage (0, 1) on one rank: how often DeepSpeed's gradient reduction ran,
     and the parameters after it."""
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -140,7 +140,7 @@ def _single_rank_reductions(rank: int, world: int, seed: int) -> dict:
 def test_one_rank_zero0_skips_deepspeeds_identity_gradient_reduction(seed):
     """One rank, fp32, ZeRO-0: DeepSpeed's flatten / average-over-1-rank / copy-back of every
     gradient is skipped (an identity; engine.py), and the step still equals the plain-torch
-    reference. A zero_stage: 1 config on one rank runs at ZeRO-0 (mmalign/zero_stage.py: ZeRO
+    reference. A zero_stage: 1 config on one rank runs at ZeRO-0 (mmalign/run/zero_stage.py: ZeRO
     partitions nothing on one rank), so it skips the reduction too."""
     _, ref_params = _reference(seed, seed + 1)
     out = run_ranks(_single_rank_reductions, 1, seed, pooled=True)[0]

@@ -78,7 +78,7 @@ def _reference(model_seed: int, data_seed: int):
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

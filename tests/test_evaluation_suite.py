@@ -259,8 +259,8 @@ def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shar
     (run / "eval.json").write_text(json.dumps(record(0.5)))
     (run / "config.yaml").write_text(f"# hash abc\nseed: 7\ndata:\n  train: {sorted_shards['data']}\n"
                                      f"  val: {sorted_shards['data']}\n")
-    (run / "train.log").write_text("2026-11-30 10:00:00,123 INFO mmalign.train: start\nno stamp here\n"
-                                   "2026-11-30 10:02:05,001 INFO mmalign.train: done\n")
+    (run / "train.log").write_text("2026-11-30 10:00:00,123 INFO mmalign.run.train: start\nno stamp here\n"
+                                   "2026-11-30 10:02:05,001 INFO mmalign.run.train: done\n")
     suite = sorted_shards["suite"]
     page = write_report(run, tmp_path / "all", suite=str(suite), data=sorted_shards["data"], limit=30).read_text()
     headings = [h for h in ("eval_step00000010.json", "eval_step00000020.json", "eval.json") if f"<h2>{h}</h2>" in page]

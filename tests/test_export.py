@@ -132,7 +132,7 @@ def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
     from safetensors.torch import load_file
 
     from mmalign.config import load_config
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     run = tmp_path / "run"
     train(load_config(None, [

@@ -1,4 +1,4 @@
-"""``all_gather_with_grad``'s two collective paths (mmalign/distributed.py): the flat all-gather +
+"""``all_gather_with_grad``'s two collective paths (mmalign/dist/distributed.py): the flat all-gather +
 reduce-scatter of NCCL and the list all-gather + all-reduce of gloo. Both run here on gloo (torch
 2.14's gloo has the single-tensor collectives), 2 ranks with different rows, against the naive
 full-batch float64 gradient."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mmalign.distributed import gather_path
+from mmalign.dist.distributed import gather_path
 from tests.conftest import run_ranks
 
 B, D = 3, 5
@@ -26,7 +26,7 @@ def _rank_loss(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> torch.
 
 
 def _worker(rank: int, world: int) -> dict:
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     counts = {"gather_single": 0, "reduce_scatter": 0, "all_reduce": 0, "all_gather": 0}
 

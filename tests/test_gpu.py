@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_zero2_bf16_step_on_cuda():
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -35,7 +35,7 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout(seed):
     import torch.nn.functional as F
 
     from mmalign.config import ModelConfig
-    from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch
+    from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
     from mmalign.models import build_model
     from mmalign.models.embeddings import Embeddings
 
@@ -82,7 +82,7 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     """bf16 weights at ZeRO-1 (BF16_Optimizer, fp32 accumulation) with the per-tensor LAMB layout."""
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -104,7 +104,7 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
 def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 
@@ -128,7 +128,7 @@ def test_bf16_autocast_reaches_the_towers_under_deepspeed_on_cuda():
 
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -45,7 +45,7 @@ def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int) -> d
 def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: int) -> dict:
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     images, tokens = clip_batch(BATCH, data_seed)

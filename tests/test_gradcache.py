@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmalign import gradcache
+from mmalign.run import gradcache
 from mmalign.config import ModelConfig
-from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch
+from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
 from mmalign.models import TwoTower, build_model
 from mmalign.models.embeddings import Embeddings, per_sample
 from tests.conftest import chunkwise_clip_loss
@@ -221,7 +221,7 @@ def _raw_loss(full):
 
 def test_a_field_added_in_a_subclass_gets_its_gradient_cached_and_uncached(seed):
     from mmalign.config import ModelConfig as MC
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models.presets import resolve_arch
 
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ import json
 import random
 
 from mmalign.evaluation import headline
-from mmalign.runlog import say
+from mmalign.run.runlog import say
 from mmalign.evaluation import report
 
 
@@ -48,7 +48,7 @@ def test_the_headline_lines_hold_eval_json_values_and_its_path(tmp_path, seed):
 
 def test_a_run_prints_the_headline_on_stdout_and_in_train_log(tmp_path, capsys, caplog, seed):
     records = sample_records(seed)
-    with caplog.at_level("INFO", logger="mmalign.train"):
+    with caplog.at_level("INFO", logger="mmalign.run.train"):
         headline.announce(records, tmp_path / "eval.json", say)
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"mmalign: {line}" for line in headline.lines(records, tmp_path / "eval.json")]

@@ -89,7 +89,7 @@ def test_train_save_reload_without_folder_and_export_open_clip(bert_dir, micro_o
     from mmalign.errors import UsageError
     from mmalign.export import export
     from mmalign.models.load import load
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

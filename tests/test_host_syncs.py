@@ -11,7 +11,7 @@
   incoming gradient, which the sync-free weight folding must handle).
 
 Collectives are counted by wrapping ``torch.distributed``'s functions (what both
-mmalign.distributed and DeepSpeed's communication backend call) and attributing each call to
+mmalign.dist.distributed and DeepSpeed's communication backend call) and attributing each call to
 the mmalign code that issued it.
 """
 
@@ -35,7 +35,7 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_i
 
 def _issuer() -> str:
     """Who issued the collective being called: the innermost mmalign frame outside
-    mmalign/distributed.py (whose helpers only forward a caller's request), except the
+    mmalign/dist/distributed.py (whose helpers only forward a caller's request), except the
     differentiable gather, whose backward is part of the loss's gradient. A frame is
     mmalign's when its file lies in the package's directory (a venv inside a checkout
     named mmalign puts torch under .../mmalign/.venv/ too)."""
@@ -98,10 +98,10 @@ STATS = ("all_reduce", "objective.py:Objective._finish_stats")
 
 def _step_worker(rank, world, seed):
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
-    from mmalign.train import _Parts, _Tally, _train_step, logs_at
+    from mmalign.run.train import _Parts, _Tally, _train_step, logs_at
 
     class Runlog:  # what _train_step asks of the run log
         def sample_keys(self, step, keys):
@@ -179,10 +179,10 @@ def host_reads(calls: list):
 def _one_rank_worker(rank, world, seed):
     """One process, fp32: a non-log step's collectives and host reads at each configured stage."""
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
-    from mmalign.train import _Parts, _Tally, _train_step
+    from mmalign.run.train import _Parts, _Tally, _train_step
 
     class Runlog:
         def sample_keys(self, step, keys):
@@ -207,7 +207,7 @@ def _one_rank_worker(rank, world, seed):
 
 @pytest.mark.integration
 def test_one_rank_zero1_and_zero2_make_no_sync_beyond_zero0s(seed):
-    """One process with fp32 weights runs ZeRO-1/2 configs at ZeRO-0 (mmalign/zero_stage.py): DeepSpeed's
+    """One process with fp32 weights runs ZeRO-1/2 configs at ZeRO-0 (mmalign/run/zero_stage.py): DeepSpeed's
     ZeRO optimizer made three all_reduces (over one rank) and read its global norm back each step."""
     out = run_ranks(_one_rank_worker, 1, seed, pooled=True)[0]
     zero0 = out[0, ()]
@@ -220,8 +220,8 @@ def test_one_rank_zero1_and_zero2_make_no_sync_beyond_zero0s(seed):
 
 def _clamp_worker(rank, world, seed, ckpt_dir):
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine, consolidate_checkpoint
-    from mmalign import distributed as mdist
+    from mmalign.run.engine import Engine, consolidate_checkpoint
+    from mmalign.dist import distributed as mdist
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -21,14 +21,14 @@ PACKAGE = ROOT / "mmalign"
 
 # low to high; a module's layer is that of its first dotted part below mmalign
 LAYERS = [
-    "errors progress resources rng_state",  # no mmalign imports at all, or only each other
-    "config config_checks config_schema config_load config_resolve config_doc",  # the typed config
-    "distributed tf32 compile zero_stage cluster",  # process groups and device settings
+    "errors progress resources",  # no mmalign imports at all, or only each other
+    "config",  # the typed config: schema, loading, resolving, the domain rules
+    "dist",  # process groups and their collectives, clusters, the launcher and its supervisor
     "data losses models",  # inputs, pure kernels, towers
-    "objective evaluation optim monitors memory_plan",  # what a step or an evaluation computes
-    "gradcache engine engine_config engine_forward ds_adapter diskspace reshard rundir checkpoint resume runlog trainable signals train",  # the run
-    "export embed index search serve_key serve_loop serve_page serve pretrained",  # what ships a model
-    "quickstart commands launch supervise cli",  # entry points
+    "objective evaluation",  # what a step's loss or an evaluation computes
+    "run",  # a training run: the loop, the engine, checkpoints, logs, monitors
+    "export search pretrained",  # what ships a model
+    "quickstart commands cli",  # entry points
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names.split()}
 TOP = len(LAYERS) - 1  # the package's __init__ (mmalign.load, the public face): with the entry points
@@ -43,13 +43,13 @@ KNOWN_UPWARD = {
     # issue 29, point 3: the config's cross-key checks ask the tokenizer and the objective rules;
     # they move out of the config's validation into the builders' own checks
     ("mmalign.config", "mmalign.data.tokenizer"),
-    ("mmalign.config_resolve", "mmalign.data.tokenizer"),  # model.tokenizer's vocab size
+    ("mmalign.config.resolve", "mmalign.data.tokenizer"),  # model.tokenizer's vocab size
     ("mmalign.config", "mmalign.objective.rules"),
     # issue 29, point 2: models.load opens run directories and step checkpoints (their layout,
     # DeepSpeed consolidation); the packages split moves that reader above the run package
-    ("mmalign.models.load", "mmalign.checkpoint"),
-    ("mmalign.models.load", "mmalign.engine"),
-    ("mmalign.models.load", "mmalign.rundir"),
+    ("mmalign.models.load", "mmalign.run.checkpoint"),
+    ("mmalign.models.load", "mmalign.run.engine"),
+    ("mmalign.models.load", "mmalign.run.rundir"),
 }
 
 
@@ -155,6 +155,6 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == {("a", "b", "c")}
     real = graph()
-    assert "mmalign.distributed" in real["mmalign.train"]  # `from mmalign import distributed as mdist`
+    assert "mmalign.dist.distributed" in real["mmalign.run.train"]  # `from mmalign import distributed as mdist`
     assert "mmalign.models.misfit" in real["mmalign.models.timm_tower"]  # an import inside a function
-    assert layer("mmalign.cli") > layer("mmalign.train") > layer("mmalign.models.io") > layer("mmalign.config")
+    assert layer("mmalign.cli") > layer("mmalign.run.train") > layer("mmalign.models.io") > layer("mmalign.config")

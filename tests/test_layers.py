@@ -1,6 +1,6 @@
 """The layer rules, read from the imports of every module in mmalign/ (ast, function bodies too):
 
-* only ``mmalign/distributed.py`` imports ``torch.distributed``, only ``mmalign/engine.py``
+* only ``mmalign/dist/distributed.py`` imports ``torch.distributed``, only ``mmalign/run/engine.py``
   imports ``deepspeed``;
 * nothing in mmalign/ imports ``data_pipelines`` (data flows one way: data_pipelines -> mmalign);
 * the heavy optional dependencies are imported inside functions (never when a module is
@@ -26,13 +26,13 @@ import pytest
 from tests.conftest import ROOT
 
 # Where the layer rules allow each guarded import (paths relative to the repository root).
-ONLY_IN = {"torch.distributed": ("mmalign/distributed.py",),
-           "deepspeed": ("mmalign/engine.py", "mmalign/ds_adapter.py")}  # the adapter: DeepSpeed's private layout
+ONLY_IN = {"torch.distributed": ("mmalign/dist/distributed.py",),
+           "deepspeed": ("mmalign/run/engine.py", "mmalign/run/ds_adapter.py")}  # the adapter: DeepSpeed's private layout
 HEAVY = ("faiss", "onnx", "onnxruntime", "transformers", "matplotlib", "sklearn", "tensorboard", "datasets")
 # A heavy dependency used by more than one module, with why; every other one has at most one owner.
 SHARED_OWNERS = {
     # search reads the index files that index builds
-    "faiss": {"mmalign/index.py", "mmalign/search.py"},
+    "faiss": {"mmalign/search/index.py", "mmalign/search/searcher.py"},
     # the Hugging Face export: the model and its tokenizer; an HF text tower's tokenizer (models/hf_text.py)
     "transformers": {"mmalign/export/to_hf.py", "mmalign/export/hf_tokenizer.py", "mmalign/data/tokenizer.py"},
     # four unrelated tools of evaluation: digits data, linear probes, t-SNE, balanced accuracy
@@ -155,7 +155,7 @@ def test_importing_the_cli_and_the_training_loop_pulls_in_no_heavy_dependency():
     code = ("import json, sys\n"
             "import mmalign.cli\n"
             "cli = sorted(m for m in sys.modules if m.split('.')[0] in {heavy})\n"
-            "import mmalign.train\n"
+            "import mmalign.run.train\n"
             "train = sorted({{m.split('.')[0] for m in sys.modules}} & {heavy})\n"
             "print(json.dumps([cli, train]))\n").format(heavy=set(HEAVY) | {"torch", "deepspeed", "data_pipelines"})
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
@@ -169,11 +169,11 @@ def test_importing_the_cli_and_the_training_loop_pulls_in_no_heavy_dependency():
 # ------------------------------------------------------------------ the checker can fail
 
 BAD = [
-    ("import torch.distributed as dist\n", "torch.distributed is imported only in mmalign/distributed.py"),
+    ("import torch.distributed as dist\n", "torch.distributed is imported only in mmalign/dist/distributed.py"),
     ("from torch import distributed\n", "torch.distributed is imported only"),
     ("from torch.distributed import all_reduce\n", "torch.distributed is imported only"),
     ("import torch.distributed.distributed_c10d as c10d\n", "torch.distributed is imported only"),
-    ("def f():\n    import deepspeed\n", "deepspeed is imported only in mmalign/engine.py"),
+    ("def f():\n    import deepspeed\n", "deepspeed is imported only in mmalign/run/engine.py"),
     ("class A:\n    def f(self):\n        from deepspeed.utils import logger\n", "deepspeed is imported only"),
     ("import importlib\nmod = importlib.import_module('deepspeed.comm')\n", "deepspeed is imported only"),
     ("def f():\n    __import__('torch.distributed')\n", "torch.distributed is imported only"),
@@ -202,8 +202,8 @@ def test_models_do_not_import_export():
 
 def test_the_checker_allows_the_owners_and_lazy_imports():
     assert layer_violations("import torch.distributed as dist\nfrom torch import distributed\n",
-                            "mmalign/distributed.py") == []
-    assert layer_violations("import deepspeed\nfrom deepspeed.utils import logger\n", "mmalign/engine.py") == []
+                            "mmalign/dist/distributed.py") == []
+    assert layer_violations("import deepspeed\nfrom deepspeed.utils import logger\n", "mmalign/run/engine.py") == []
     fine = ("import torch\nimport torch.nn as nn\nfrom mmalign.evaluation import datasets\nfrom . import datasets\n"
             "def f():\n    import faiss\n    from sklearn.manifold import TSNE\n    return torch.distributed.is_initialized()\n")
     assert layer_violations(fine, "mmalign/evaluation/newthing.py") == []
@@ -222,4 +222,4 @@ def test_a_bad_module_in_the_package_is_found(tmp_path):
     (tmp_path / "mmalign" / "data" / "ok.py").write_text("import torch\n")
     (tmp_path / "mmalign" / "data" / "bad.py").write_text("def f():\n    from torch import distributed as d\n")
     assert package_violations(tmp_path) == [
-        "mmalign/data/bad.py:2: torch.distributed: torch.distributed is imported only in mmalign/distributed.py"]
+        "mmalign/data/bad.py:2: torch.distributed: torch.distributed is imported only in mmalign/dist/distributed.py"]

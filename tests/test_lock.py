@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig, load_config
-from mmalign.gradcache import chunk_sizes, grad_cache_step, split_batch
+from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
 from mmalign.models import build_model, check_buildable
 from mmalign.models.embeddings import Embeddings
 from mmalign.models.two_tower import TwoTower
@@ -177,7 +177,7 @@ def _exact_worker(rank: int, world: int, seed: int) -> dict:
     """Engine steps (ZeRO-0, 4 cached chunks, dropout on) with each lock: the rank-averaged
     gradients, and how often the visual tower ran."""
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     out = {}
@@ -219,7 +219,7 @@ def _steps_worker(rank: int, world: int, seed: int) -> dict:
     import tempfile
 
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine, consolidate_checkpoint
+    from mmalign.run.engine import Engine, consolidate_checkpoint
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

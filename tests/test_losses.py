@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.losses import caption_ids, clip_loss, siglip_loss
 from mmalign.models.embeddings import Embeddings
 from mmalign.objective import LossOutput, build_objective
@@ -452,7 +452,7 @@ def _run_fresh(code: str, env: dict | None = None) -> None:
 def test_distributed_helpers_are_noops_without_group():
     _run_fresh("""
         import torch
-        from mmalign import distributed as mdist
+        from mmalign.dist import distributed as mdist
         assert not mdist.is_initialized()
         assert mdist.get_rank() == 0 and mdist.get_world_size() == 1
         mdist.barrier()
@@ -478,7 +478,7 @@ def test_env_parsing():
 def test_init_from_env_is_noop_for_one_process():
     _run_fresh("""
         import os
-        from mmalign import distributed as mdist
+        from mmalign.dist import distributed as mdist
         assert mdist.init_from_env().world_size == 1
         os.environ.update(RANK="0", WORLD_SIZE="1")
         assert mdist.init_from_env().world_size == 1

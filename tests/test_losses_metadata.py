@@ -173,7 +173,7 @@ def test_shapes_subset_mode(tmp_path):
 def test_training_with_attribute_subset_mask(tmp_path, micro_overrides):
     from data_pipelines import shapes
     from mmalign.config import load_config
-    from mmalign.train import train
+    from mmalign.run.train import train
     shapes.generate_split(tmp_path / "sub", "train", 64, seed=2, per_shard=64, caption_mode="subset")
     overrides = [o for o in micro_overrides if not o.startswith("data.train=")] + [
         f"data.train={tmp_path}/sub/train/00000.tar", "loss.positive_mask=attribute_subset",

@@ -133,7 +133,7 @@ def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides
     import json
 
     from mmalign.config import load_config
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + ["data.views=2", "loss.image_image_weight=0.5",
                                                "train.grad_cache_chunk_size=12"])

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from tests import objectives
 from tests.conftest import run_ranks
 

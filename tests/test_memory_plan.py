@@ -1,4 +1,4 @@
-"""``train.grad_cache_chunk_size: auto`` (mmalign/memory_plan.py).
+"""``train.grad_cache_chunk_size: auto`` (mmalign/run/memory_plan.py).
 
 * The measured bytes are exactly those of the tensors the model's autograd graph holds for its
   backward (reference: a walk over the graph's nodes reading their saved tensors), and the
@@ -62,7 +62,7 @@ def _graph_saved_bytes(outputs, model) -> int:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_measured_bytes_are_the_graphs_saved_tensors_and_nothing_moves(precision):
-    from mmalign.memory_plan import probe_autocast, probe_inputs, saved_bytes
+    from mmalign.run.memory_plan import probe_autocast, probe_inputs, saved_bytes
 
     cfg = _cfg(f"train.precision={precision}", "model.preset=tiny-rn", "model.batchnorm=local")  # BatchNorm statistics
     model, objective, tokenizer = _parts(cfg)
@@ -84,7 +84,7 @@ def test_measured_bytes_are_the_graphs_saved_tensors_and_nothing_moves(precision
 
 
 def test_per_sample_and_fixed_bytes_from_one_and_two_samples():
-    from mmalign.memory_plan import measure, probe_autocast, probe_inputs, saved_bytes
+    from mmalign.run.memory_plan import measure, probe_autocast, probe_inputs, saved_bytes
 
     from mmalign.models import attention_kernel
 
@@ -104,7 +104,7 @@ def test_per_sample_and_fixed_bytes_from_one_and_two_samples():
 
 
 def _plan(cfg, local, world=1):
-    from mmalign.memory_plan import MemoryModel, features_bytes, loss_bytes, measure, probe_autocast
+    from mmalign.run.memory_plan import MemoryModel, features_bytes, loss_bytes, measure, probe_autocast
 
     model, objective, tokenizer = _parts(cfg)
     cpu = torch.device("cpu")
@@ -114,13 +114,13 @@ def _plan(cfg, local, world=1):
 
 
 def _resolve(cfg):
-    from mmalign.memory_plan import resolve_grad_cache_chunk
+    from mmalign.run.memory_plan import resolve_grad_cache_chunk
 
     return resolve_grad_cache_chunk(cfg, *_parts(cfg), torch.device("cpu"))
 
 
 def test_the_choice_around_the_budget():
-    from mmalign.gradcache import chunk_sizes
+    from mmalign.run.gradcache import chunk_sizes
 
     local = 16
     plan = _plan(_cfg(), local)
@@ -146,7 +146,7 @@ def test_the_choice_around_the_budget():
 def test_the_measured_budget_is_available_ram_less_the_training_state(monkeypatch):
     import psutil
 
-    from mmalign import memory_plan
+    from mmalign.run import memory_plan
 
     cfg = _cfg("train.optimizer=adamw")
     model = _parts(cfg)[0]
@@ -168,7 +168,7 @@ def test_the_measured_budget_is_available_ram_less_the_training_state(monkeypatc
 
 
 def test_integers_stay_as_they_are_without_a_measurement(monkeypatch):
-    from mmalign import memory_plan
+    from mmalign.run import memory_plan
 
     monkeypatch.setattr(memory_plan, "measure", lambda *a, **k: pytest.fail("measured for an integer chunk"))
     for chunk in (0, 4, 16):
@@ -192,7 +192,7 @@ def test_bad_values_are_one_line_errors(override, key):
 
 
 def test_a_resolved_chunk_is_validated_at_the_real_world_size():
-    from mmalign.memory_plan import resolved_config
+    from mmalign.run.memory_plan import resolved_config
 
     cfg = _cfg("deepspeed.precision=bf16")  # ZeRO-0 cannot sum bf16 weights' chunks in fp32
     assert cfg.train.grad_cache_chunk_size == "auto"
@@ -206,8 +206,8 @@ def _engine_worker(rank, world, seed, budgets):
     step from a model that auto measured, next to one that it did not (with the integer it chose)."""
     from mmalign.data.batch import Batch
     from mmalign.models.tokenizers import build_tokenizer
-    from mmalign.engine import Engine
-    from mmalign.memory_plan import resolve_grad_cache_chunk, resolved_config
+    from mmalign.run.engine import Engine
+    from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

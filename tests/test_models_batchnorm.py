@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig
-from mmalign.gradcache import chunk_sizes
+from mmalign.run.gradcache import chunk_sizes
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
 from tests.conftest import clip_batch, naive_clip_loss, run_cli, run_ranks
@@ -239,9 +239,9 @@ CASES = {
 
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     images, tokens = _inputs(data_seed)

@@ -208,7 +208,7 @@ def test_a_run_starts_from_an_open_clip_export_with_the_preset_omitted(src, micr
     """The whole path: load_config -> train; the image tower locked, so final/ must hold the
     source's vision weights bitwise, and the run's architecture is the source's."""
     from mmalign.config import load_config
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     overrides = [o for o in micro_overrides if not o.startswith("model.preset")]
     cfg = load_config(None, overrides + [f"model.pretrained={src / 'oc'}", "model.lock_image=true",

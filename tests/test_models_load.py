@@ -35,7 +35,7 @@ CAPTIONS = ["a red circle", "a blue square on a white background", "x"]
 @pytest.fixture(scope="module")
 def run(shapes_dir, tmp_path_factory):
     from mmalign.config import load_config
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out = tmp_path_factory.mktemp("load") / "run"
     train(load_config(None, [
@@ -122,8 +122,8 @@ def test_cli_eval_of_a_step_checkpoint_equals_eval_of_the_exported_weights(run, 
 @pytest.mark.integration
 def test_cli_embed_index_search_serve_and_mine_from_a_step_checkpoint(run, shapes_dir, tmp_path, capsys):
     from data_pipelines.mine import mine
-    from mmalign.search import Searcher
-    from mmalign.serve import make_server
+    from mmalign.search.searcher import Searcher
+    from mmalign.search.serve import make_server
 
     step = run / "checkpoints" / STEP
     val = str(shapes_dir / "val" / "00000.tar")

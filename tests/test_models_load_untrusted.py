@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign import checkpoint
+from mmalign.run import checkpoint
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config, save_config
 from mmalign.errors import UsageError

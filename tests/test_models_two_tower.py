@@ -86,7 +86,7 @@ def test_train_flops_count_a_locked_tower_forward_only(lock):
     one (LiT). Reference: each tower's forward at the full context counted here with torch's
     FlopCounterMode (plus the monitors' formula for the CPU attention kernel, checked against an
     analytic count in tests/test_monitors_flops.py)."""
-    from mmalign.monitors import flop_counter, train_flops_per_sample
+    from mmalign.run.monitors import flop_counter, train_flops_per_sample
 
     model = build_model(ModelConfig(preset="micro", lock_image=lock == "image", lock_text=lock == "text"))
     size, length = model.image_size, model.context_length
@@ -104,7 +104,7 @@ def test_train_flops_count_a_locked_tower_forward_only(lock):
 
 
 def test_flops_per_sample_count_the_second_view_and_the_mined_captions():
-    from mmalign.monitors import forward_flops_per_sample
+    from mmalign.run.monitors import forward_flops_per_sample
 
     model = build_model(ModelConfig(preset="micro"))
     size, length = model.image_size, model.context_length

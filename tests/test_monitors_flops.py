@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mmalign import runlog
+from mmalign.run import runlog
 from mmalign.config import ModelConfig, load_config
 from mmalign.models import build_model
-from mmalign.monitors import (describe_peak, flop_counter, forward_flops_per_sample, matmul_dtype, peak_tflops,
+from mmalign.run.monitors import (describe_peak, flop_counter, forward_flops_per_sample, matmul_dtype, peak_tflops,
                               train_flops_per_sample)
 
 BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]  # the two CPU backends the towers may run on
@@ -237,7 +237,7 @@ def test_the_readable_line_shows_the_rate():
 
 
 def test_a_cpu_run_logs_gflops_of_the_full_count_and_no_mfu(micro_overrides):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + ["train.steps=2", "train.warmup_steps=0", "train.log_every=1",
                                                "monitor.probe_size=0", "eval.suite=none"])

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from mmalign.config import ModelConfig, load_config
 from mmalign.models import build_model
-from mmalign.monitors import forward_flops_per_sample, global_log_values, mfu
+from mmalign.run.monitors import forward_flops_per_sample, global_log_values, mfu
 from tests.conftest import run_ranks
 
 WORLD = 2
@@ -68,9 +68,9 @@ def _train_worker(rank, world, overrides, out):
     loss), then, in the same processes, a resume from its step-3 checkpoint."""
     import open_clip.transformer as oct
 
-    from mmalign import distributed as mdist
-    from mmalign import engine as eng
-    from mmalign.train import train
+    from mmalign.dist import distributed as mdist
+    from mmalign.run import engine as eng
+    from mmalign.run.train import train
 
     masks, losses = [], []
     original = oct.PatchDropout.forward

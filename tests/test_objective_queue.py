@@ -357,7 +357,7 @@ def _metrics(out):
 
 
 def test_resume_with_a_queue_equals_the_straight_run(micro_overrides, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
         "train.steps=6", "train.checkpoint_every=3", "monitor.probe_size=0", "loss.queue_size=80",
@@ -400,7 +400,7 @@ def test_resume_with_a_queue_equals_the_straight_run(micro_overrides, tmp_path):
 def test_gradient_caching_with_a_queue_equals_one_pass(micro_overrides, tmp_path):
     """The queue is a constant inside the cached step: chunked == one pass (SGD, which would
     show any gradient scale error), steps 2-3 with a filled queue."""
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
         "train.steps=3", "train.optimizer=sgd", "train.warmup_steps=0", "monitor.probe_size=0",
@@ -454,7 +454,7 @@ SHARDED_CASES = [("paired", 0, False), ("ids", 0, True), ("ids_tiled", 3, True)]
 
 
 def _rank_worker(rank, world, in_path):
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
 
     data = torch.load(in_path)

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 on one process with fp32 weights runs DeepSpeed at ZeRO-0 (mmalign/zero_stage.py).
+"""ZeRO-1/2 on one process with fp32 weights runs DeepSpeed at ZeRO-0 (mmalign/run/zero_stage.py).
 
 * Which configs drop to ZeRO-0 (one process, fp32 weights, stage 1 or 2, no ZeRO machinery asked
   for by name) and which keep their stage (bf16 / fp16 weights, ZeRO-3, offload, several ranks).
@@ -23,7 +23,7 @@ from tests.conftest import engine_batch, engine_cfg, max_rel_error, naive_clip_l
 
 
 def _stage(*overrides: str, world: int = 1):
-    from mmalign.zero_stage import effective_stage
+    from mmalign.run.zero_stage import effective_stage
 
     return effective_stage(load_config(None, ["train.global_batch_size=8", *overrides]), world)
 
@@ -50,7 +50,7 @@ def test_which_configs_run_zero0_on_one_process():
 
 
 def test_the_deepspeed_config_at_zero0_keeps_no_zero_knobs():
-    from mmalign.engine import ds_config, plan_batch
+    from mmalign.run.engine import ds_config, plan_batch
 
     cfg = load_config(None, ["train.global_batch_size=8", "deepspeed.zero_stage=2",
                              "deepspeed.extra.zero_optimization.overlap_comm=true"])
@@ -77,7 +77,7 @@ def _train(cfg, seed: int, forced: bool) -> dict:
     chosen for one rank). The stage run, the gradients of each step and the weights after."""
     import logging
 
-    from mmalign import engine as engine_module
+    from mmalign.run import engine as engine_module
     from mmalign.data.batch import Batch
     from mmalign.models import build_model
     from mmalign.objective import build_objective
@@ -88,7 +88,7 @@ def _train(cfg, seed: int, forced: bool) -> dict:
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("mmalign.engine")
+    logger = logging.getLogger("mmalign.run.engine")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
@@ -175,9 +175,9 @@ def _state_by_name(engine) -> dict:
 
 
 def _resume_worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -> dict:
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine, consolidate_checkpoint
+    from mmalign.run.engine import Engine, consolidate_checkpoint
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -4,9 +4,9 @@ import torch
 
 from mmalign.cli import build_parser, drop_local_rank
 from mmalign.config import ConfigError, ModelConfig, load_config
-from mmalign.launch import strip_nproc
+from mmalign.dist.launch import strip_nproc
 from mmalign.models import build_model
-from mmalign.optim import Lamb, build_optimizer, param_groups
+from mmalign.run.optim import Lamb, build_optimizer, param_groups
 
 
 def test_no_weight_decay_on_norms_biases_and_temperature():
@@ -48,7 +48,7 @@ def test_build_optimizer_keeps_groups(name, cls):
 
 
 def test_batch_plan_arithmetic():
-    from mmalign.engine import ds_config, plan_batch
+    from mmalign.run.engine import ds_config, plan_batch
 
     cfg = load_config(None, ["train.global_batch_size=12", "train.grad_cache_chunk_size=4"])
     plan = plan_batch(cfg, 2)
@@ -163,7 +163,7 @@ def _lr_of(groups: list[dict], model: torch.nn.Module) -> dict[str, tuple[float,
 
 
 def test_layer_decay_groups_on_the_tiny_vit():
-    from mmalign.optim import train_param_groups
+    from mmalign.run.optim import train_param_groups
 
     cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.lr_text={LR_TEXT}",
                              f"train.layer_decay={DECAY}", "train.weight_decay=0.2"])
@@ -203,7 +203,7 @@ def test_layer_decay_groups_on_the_tiny_vit():
 
 
 def test_defaults_keep_two_groups_at_train_lr():
-    from mmalign.optim import train_param_groups
+    from mmalign.run.optim import train_param_groups
 
     cfg = load_config(None, ["train.lr=0.02", "train.weight_decay=0.3"])
     model = build_model(ModelConfig(preset="micro"))
@@ -221,7 +221,7 @@ def test_defaults_keep_two_groups_at_train_lr():
 
 
 def test_schedule_keeps_the_group_ratios():
-    from mmalign.optim import train_param_groups, warmup_cosine
+    from mmalign.run.optim import train_param_groups, warmup_cosine
 
     cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.layer_decay={DECAY}",
                              "train.steps=10", "train.warmup_steps=3"])
@@ -248,7 +248,7 @@ def test_lr_keys_are_validated(override, match):
 
 
 def test_layer_decay_needs_transformer_towers():
-    from mmalign.optim import train_param_groups
+    from mmalign.run.optim import train_param_groups
 
     cfg = load_config(None, ["train.layer_decay=0.8"])
     with pytest.raises(ConfigError, match="train.layer_decay.*ModifiedResNet"):
@@ -264,7 +264,7 @@ def _group_lr_worker(rank: int, world: int, seed: int) -> dict:
     """Two SGD steps at ZeRO 0 and 2 with per-tower lrs and layer decay: the group lrs DeepSpeed's
     optimiser holds, and each parameter's first update divided by its gradient (= its lr)."""
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
     from tests.conftest import clip_batch
 
@@ -294,7 +294,7 @@ def _group_lr_worker(rank: int, world: int, seed: int) -> dict:
 
 @pytest.mark.integration
 def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
-    from mmalign.optim import param_groups, warmup_cosine
+    from mmalign.run.optim import param_groups, warmup_cosine
     from tests.conftest import run_ranks
 
     results = run_ranks(_group_lr_worker, 1, seed, pooled=True)[0]
@@ -322,7 +322,7 @@ def test_engine_keeps_group_lrs_at_zero_0_and_2(seed):
 
 def test_weight_decay_zero_keeps_two_groups():
     """A checkpoint's optimiser state has one entry per group: weight_decay 0 must not merge them."""
-    from mmalign.optim import train_param_groups
+    from mmalign.run.optim import train_param_groups
 
     model = build_model(ModelConfig(preset="micro"))
     groups = train_param_groups(model, load_config(None, ["train.weight_decay=0.0"]).train)
@@ -334,7 +334,7 @@ def test_adamw_is_fused_and_steps_as_the_per_tensor_loop(seed):
     """The fused kernel is what we ship (3x cheaper on CPU); it must follow the same update as
     torch's per-tensor AdamW over a few steps with decay on and off."""
     from mmalign.config import load_config
-    from mmalign.optim import train_param_groups
+    from mmalign.run.optim import train_param_groups
 
     t = load_config(None, ["model.preset=micro", "train.optimizer=adamw", "train.lr=0.01",
                            "train.weight_decay=0.1"]).train

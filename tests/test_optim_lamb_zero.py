@@ -27,7 +27,7 @@ STEPS = 3
 
 def _worker(rank: int, world: int, cases: tuple, seed: int, ckpt: str = "") -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mmalign.config import ConfigError, ModelConfig, load_config
-from mmalign.gradcache import split_batch
+from mmalign.run.gradcache import split_batch
 from mmalign.models import build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
-from mmalign.monitors import forward_flops_per_sample
+from mmalign.run.monitors import forward_flops_per_sample
 
 from tests.conftest import chunkwise_clip_loss, clip_batch
 
@@ -144,7 +144,7 @@ def _chunkwise_reference(seed: int, mask_seed: int, chunks):
 
 def _engine_worker(rank: int, world: int, seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.engine import Engine
+    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
 
     out = {}
@@ -188,7 +188,7 @@ def test_engine_cached_step_equals_the_one_pass_with_the_same_masks(seed):
 
 def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unmasked(micro_overrides, monkeypatch):
     """Kept tokens counted with a hook on the image transformer's input, per forward."""
-    import mmalign.train as train_module
+    import mmalign.run.train as train_module
     from mmalign.models.load import load
 
     seen = []

@@ -23,7 +23,7 @@ import pytest
 
 from mmalign import progress
 from mmalign.progress import track
-from mmalign.runlog import RunLog
+from mmalign.run.runlog import RunLog
 from tests.conftest import ROOT
 
 
@@ -132,7 +132,7 @@ def test_a_run_on_a_zero_size_terminal_shows_its_steps_towers_and_headline(micro
     """The repro of ``script -q -c "mmalign train ..." /dev/null``: stdout and stderr a 0 x 0 pty.
     The step lines appear (point 8), then the locked image tower with its counts (10) and at the
     end the headline results with the path of eval.json (9)."""
-    from mmalign import trainable
+    from mmalign.run import trainable
     from mmalign.evaluation import headline
     from mmalign.config import load_config
     from mmalign.models import build_model

@@ -46,7 +46,7 @@ def test_a_missed_target_is_one_line_naming_value_and_threshold():
 def test_the_clock_splits_train_into_phases_from_its_log_lines():
     clock = quickstart.PhaseClock()
     clock.mark("data")
-    handler, log = quickstart._MarkHandler(clock), logging.getLogger("mmalign.train")
+    handler, log = quickstart._MarkHandler(clock), logging.getLogger("mmalign.run.train")
     log.addHandler(handler)
     old, log.level = log.level, logging.INFO
     try:

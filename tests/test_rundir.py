@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign import checkpoint
+from mmalign.run import checkpoint
 from mmalign.config import ConfigError, load_config
 from tests.conftest import cli_main
 
@@ -37,7 +37,7 @@ def _cfg(overrides, out: Path, *extra: str):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, shapes_dir):
     """One 6-step run with checkpoints at 2, 4, 6 (copied by each test that damages it)."""
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out = tmp_path_factory.mktemp("finished") / "run"
     overrides = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
@@ -54,7 +54,7 @@ def _copy(finished, tmp_path) -> Path:
 
 
 def test_fresh_start_in_a_used_directory_is_refused_then_overwritten(finished, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out, overrides = _copy(finished, tmp_path), finished[1]
     (out / "my_notes.txt").write_text("keep me")
@@ -83,8 +83,8 @@ def test_cli_refuses_a_used_directory_in_one_line(finished, tmp_path):
 
 
 def test_checkpoints_store_their_config_and_a_changed_run_cannot_resume(finished, tmp_path):
-    from mmalign import rundir
-    from mmalign.train import train
+    from mmalign.run import rundir
+    from mmalign.run.train import train
 
     out, overrides = _copy(finished, tmp_path), finished[1]
     stored = rundir.stored_config(out / "checkpoints" / "step_00000004")
@@ -115,7 +115,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_damaged_newest_checkpoint_falls_back_to_the_next(finished, tmp_path, capsys, kind):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out, overrides = _copy(finished, tmp_path), finished[1]
     shutil.rmtree(out / "final")
@@ -133,7 +133,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_next(finished, tmp_path, ca
 
 
 def test_planted_pickle_in_the_newest_checkpoint_never_runs_on_resume(finished, tmp_path, capsys):
-    from mmalign.train import train
+    from mmalign.run.train import train
     from tests.test_models_load_untrusted import plant
 
     out, overrides = _copy(finished, tmp_path), finished[1]
@@ -145,7 +145,7 @@ def test_planted_pickle_in_the_newest_checkpoint_never_runs_on_resume(finished, 
 
 
 def test_no_loadable_checkpoint_is_one_line(finished, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     out, overrides = _copy(finished, tmp_path), finished[1]
     for step in (out / "checkpoints").glob("step_*"):
@@ -164,7 +164,7 @@ def test_pruning_keeps_the_newest_relative_to_the_one_written(tmp_path):
 
 
 def test_files_and_directories_are_synced_before_latest_flips(finished, tmp_path, monkeypatch):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     events = []
     real_fsync, real_replace = checkpoint._fsync, checkpoint.os.replace
@@ -186,7 +186,7 @@ def test_a_key_added_after_the_checkpoint_compares_as_its_default(tmp_path):
     under the default, and a non-default value of the new key is a change (unless resumable)."""
     import yaml
 
-    from mmalign import rundir
+    from mmalign.run import rundir
     from mmalign.config import load_config, to_dict
 
     cfg = load_config(None, ["model.preset=micro"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mmalign import rundir
+from mmalign.run import rundir
 from mmalign.config import ConfigError, load_config, save_config
 from tests.conftest import cli_main
 
@@ -101,7 +101,7 @@ def test_what_still_starts_or_resumes(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, shapes_dir):
     """A 2-step run with the default train.checkpoint_every: 0 (final/, no checkpoint)."""
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     sets = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
             f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
@@ -128,12 +128,12 @@ def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, monke
     shutil.copytree(src, out)
     before = _files(out)
     args = [a for o in sets + change for a in ("--set", o)]
-    import mmalign.launch
+    import mmalign.dist.launch
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were spawned before the finished run was refused")
 
-    monkeypatch.setattr(mmalign.launch, "launch_local", no_ranks)
+    monkeypatch.setattr(mmalign.dist.launch, "launch_local", no_ranks)
     proc = cli_main("train", "--output", str(out), *args, "--resume", "latest",
                     *(["--nproc", "2"] if nproc > 1 else []))
     lines = proc.stderr.strip().splitlines()
@@ -146,7 +146,7 @@ def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, monke
 
 @pytest.mark.integration
 def test_overwrite_retrains_a_finished_run(finished_run, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     src, sets = finished_run
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""The run log (mmalign.runlog): what a training run writes while it runs (metrics.jsonl,
+"""The run log (mmalign.run.runlog): what a training run writes while it runs (metrics.jsonl,
 the per-rank sample keys, TensorBoard, readable lines, collapse alarms, the resume
 truncation), and that every file it opens is closed however the loop ends: its last step,
 an exception, or SystemExit (SIGTERM)."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mmalign import runlog
+from mmalign.run import runlog
 from mmalign.config import load_config
-from mmalign.runlog import RunLog
+from mmalign.run.runlog import RunLog
 
 
 def _open_files_under(path: Path) -> list[str]:
@@ -105,7 +105,7 @@ def test_every_file_is_closed_at_the_normal_end(tmp_path):
 def test_a_run_that_stops_mid_loop_leaves_no_file_open(micro_overrides, monkeypatch, how):
     """The real loop: a step fails (an exception), or SIGTERM arrives (SystemExit from the
     run's handler), at step 3: metrics, sample keys and TensorBoard are all closed."""
-    import mmalign.train as train_mod
+    import mmalign.run.train as train_mod
 
     real = train_mod._train_step
 

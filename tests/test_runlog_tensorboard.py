@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def test_eval_metrics_and_hparams_reach_tensorboard(micro_overrides):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + ["train.steps=4", "train.log_every=2", "train.eval_every=2"])
     out = train(cfg, show_progress=False)

@@ -15,14 +15,14 @@ import torch
 from PIL import Image
 
 import mmalign
-import mmalign.embed
+import mmalign.search.embed
 from mmalign.cli import main
 from mmalign.errors import UsageError
 from mmalign.data.shards import read_samples
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
-from mmalign.index import build_index
-from mmalign.search import Searcher, index_recall
+from mmalign.search.index import build_index
+from mmalign.search.searcher import Searcher, index_recall
 from tests.searchdata import save_random_model
 
 
@@ -87,7 +87,7 @@ def test_index_recall_equals_evaluation_suite(built):
     img_rows = np.flatnonzero(meta["caption_index"].to_numpy() == 0)
     owner = torch.from_numpy(np.cumsum(meta["caption_index"].to_numpy() == 0) - 1)
     # the index holds (and queries with) the fp16 vectors renormalised in float32: use exactly those
-    from mmalign.index import _normalised
+    from mmalign.search.index import _normalised
 
     # (the index keeps the strict rule, ties to the query: the evaluation's strict ranks)
     ranks = retrieval_ranks(torch.from_numpy(_normalised(_stored(built["emb"], "img")[img_rows])),
@@ -179,19 +179,19 @@ def test_embed_image_folder(built, tmp_path):
     for name in ("b", "a", "sub/c"):
         Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(folder / f"{name}.png")
         (folder / f"{name}.txt").write_text(f"caption of {name}\nsecond caption of {name}\n")
-    info = mmalign.embed.embed(built["model"], folder, tmp_path / "e", progress=False)
+    info = mmalign.search.embed.embed(built["model"], folder, tmp_path / "e", progress=False)
     assert info["images"] == 3 and info["rows"] == 6 and info["text"]
     meta = pd.read_parquet(tmp_path / "e" / "metadata" / "metadata_0.parquet")
     assert list(meta["key"]) == ["a", "a", "b", "b", "sub/c", "sub/c"]
     assert meta["caption"].iloc[3] == "second caption of b"
     for name in ("a", "b", "sub/c"):
         (folder / f"{name}.txt").unlink()
-    info = mmalign.embed.embed(built["model"], folder, tmp_path / "img_only", progress=False)
+    info = mmalign.search.embed.embed(built["model"], folder, tmp_path / "img_only", progress=False)
     assert info["rows"] == 3 and not info["text"] and not (tmp_path / "img_only" / "text_emb").exists()
 
 
 def test_serve_on_localhost_with_bounded_requests(built):
-    from mmalign.serve import make_server
+    from mmalign.search.serve import make_server
 
     server = make_server(Searcher(built["idx"], built["model"]), "127.0.0.1", 0, max_k=5, max_body=1000)
     assert server.server_address[0] == "127.0.0.1"

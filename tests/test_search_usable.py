@@ -24,8 +24,8 @@ from PIL import Image
 import mmalign
 from mmalign.cli import main
 from mmalign.data.shards import read_samples
-from mmalign.search import ImageUnavailable, Searcher, format_hits
-from mmalign.serve import _is_loopback, make_server
+from mmalign.search.searcher import ImageUnavailable, Searcher, format_hits
+from mmalign.search.serve import _is_loopback, make_server
 from tests.searchdata import CLASSES, PER_CLASS, TEMPLATES, build_corpus, serve_corpus
 
 

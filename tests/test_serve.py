@@ -18,9 +18,9 @@ import pytest
 from PIL import Image
 
 from mmalign.errors import UsageError
-from mmalign.search import Hit
-from mmalign.serve import make_server
-from mmalign.serve_loop import LINGER
+from mmalign.search.searcher import Hit
+from mmalign.search.serve import make_server
+from mmalign.search.serve_loop import LINGER
 
 
 class StubSearcher:
@@ -284,7 +284,7 @@ def test_decoded_pixels_are_bounded(server):
 
 def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monkeypatch, capsys):
     from mmalign import cli
-    from mmalign import serve as serve_mod
+    from mmalign.search.searcher import serve as serve_mod
 
     seen = {}
     monkeypatch.setattr(serve_mod, "Searcher", lambda *a: seen.setdefault("searcher", StubSearcher()))

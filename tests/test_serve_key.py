@@ -12,11 +12,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mmalign.embed import EMBED_INFO
-from mmalign.index import build_index
-from mmalign.search import Searcher
-from mmalign.serve import make_server
-from mmalign.serve_key import key_vector
+from mmalign.search.embed import EMBED_INFO
+from mmalign.search.index import build_index
+from mmalign.search.searcher import Searcher
+from mmalign.search.serve import make_server
+from mmalign.search.serve_key import key_vector
 
 IMAGES, CAPTIONS, DIM = 64, 2, 8
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local server: never via a proxy

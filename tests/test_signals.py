@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mmalign import signals
+from mmalign.run import signals
 from mmalign.config import load_config
 from tests.conftest import ROOT
 
@@ -55,7 +55,7 @@ def _sets(shapes_dir, *extra):
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
 def test_a_signal_in_the_loop_says_the_step_and_the_checkpoint(shapes_dir, tmp_path, monkeypatch, capsys, how):
     """In this process: the signal arrives in step 3, after the step-2 checkpoint."""
-    import mmalign.train as train_mod
+    import mmalign.run.train as train_mod
 
     out = tmp_path / "run"
     cfg = load_config(None, _sets(shapes_dir, "train.steps=6", "train.checkpoint_every=2", f"output={out}"))
@@ -123,7 +123,7 @@ def test_the_cli_adds_no_second_line_after_a_runs_own(monkeypatch, capsys, repor
     def interrupted(args):
         error = KeyboardInterrupt()
         if reported:
-            error.reported = True  # what mmalign.signals.report marks
+            error.reported = True  # what mmalign.run.signals.report marks
         raise error
 
     monkeypatch.setattr(cli, "cmd_train", interrupted)

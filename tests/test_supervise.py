@@ -1,4 +1,4 @@
-"""``python -m mmalign.supervise``: an agent that outlives its workers after they lost contact is
+"""``python -m mmalign.dist.supervise``: an agent that outlives its workers after they lost contact is
 ended within the grace; any other agent is left alone (issue 28, point 5).
 
 The agent here is a stand-in for torchrun: a Python process that starts one worker (a
@@ -60,7 +60,7 @@ LIMIT_S = 60  # any run here: far above what it needs, so a hang fails instead o
 
 def _supervise(tmp_path, mode, t="1", extra=(), wait=True):
     pidfile = tmp_path / "pids"
-    cmd = [sys.executable, "-m", "mmalign.supervise", *extra, "--", sys.executable, "-c", AGENT, mode,
+    cmd = [sys.executable, "-m", "mmalign.dist.supervise", *extra, "--", sys.executable, "-c", AGENT, mode,
            LOST.format(t=t) if t else "worker: some other failure", str(pidfile)]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), pidfile
@@ -144,7 +144,7 @@ def test_sigterm_to_the_supervisor_reaches_the_agent(tmp_path):
     (["mmalign-no-such-agent-command"], "cannot run the agent command 'mmalign-no-such-agent-command'"),
 ])
 def test_a_bad_supervisor_line_is_one_line_and_exit_2(argv, needle):
-    res = subprocess.run([sys.executable, "-m", "mmalign.supervise", *argv], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "mmalign.dist.supervise", *argv], cwd=ROOT, capture_output=True,
                          text=True, timeout=LIMIT_S)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -153,6 +153,6 @@ def test_a_bad_supervisor_line_is_one_line_and_exit_2(argv, needle):
 
 def test_supervise_imports_neither_torch_nor_the_training_code():
     """The supervisor starts with the agent on every node: it must not pay torch's import."""
-    code = "import sys, mmalign.supervise; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('mmalign.')))"
+    code = "import sys, mmalign.dist.supervise; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('mmalign.')))"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
-    assert res.returncode == 0 and res.stdout.strip() == "['mmalign.supervise']", res.stdout + res.stderr
+    assert res.returncode == 0 and res.stdout.strip() == "['mmalign.dist.supervise']", res.stdout + res.stderr

@@ -119,7 +119,7 @@ def test_a_trimmed_run_trains_the_same_weights_as_a_full_length_run(micro_overri
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     import mmalign
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     widths = {}
 

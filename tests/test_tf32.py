@@ -1,4 +1,4 @@
-"""``train.tf32``: which torch backend flags :func:`mmalign.tf32.set_tf32` sets (stand-in backends,
+"""``train.tf32``: which torch backend flags :func:`mmalign.run.tf32.set_tf32` sets (stand-in backends,
 so it runs on CPU), the config key, and that training's setup calls it with the run's device."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmalign.config import ConfigError, load_config
-from mmalign.tf32 import set_tf32
+from mmalign.run.tf32 import set_tf32
 
 
 def _new_api():
@@ -57,7 +57,7 @@ def test_config_key():
 
 def test_training_setup_sets_it(monkeypatch, tmp_path):
     """train's _setup calls set_tf32 with the picked device and train.tf32 (stopped right after)."""
-    from mmalign import train
+    from mmalign.run import train
 
     class Stop(Exception):
         pass

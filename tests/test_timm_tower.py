@@ -66,7 +66,7 @@ def test_train_eval_and_export(vit_file, micro_overrides, tmp_path):
     from mmalign.models import build_model
     from mmalign.models.io import save_pretrained
     from mmalign.models.load import load
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + VIT[1:] + FAST + [f"model.timm_weights={vit_file}"])
     run = train(cfg, show_progress=False)

@@ -23,7 +23,7 @@ from mmalign.models.io import save_pretrained
 from mmalign.models.presets import PRESETS, preset_arch
 from mmalign.models.towers import (Towers, TowerSpec, register_tower, registered, spec_from_cfg, tower_kind,
                                    unregister_tower)
-from mmalign.monitors import flop_counter
+from mmalign.run.monitors import flop_counter
 from tests.conftest import ROOT
 
 CAPTIONS = ["a red circle", "a blue square on the left"]
@@ -220,7 +220,7 @@ def toy_kind():
 
 
 def test_a_toy_kind_registered_here_trains_exports_and_reloads(toy_kind, micro_overrides, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     assert isinstance(spec_from_cfg("vision", {**PRESETS["micro"]["vision_cfg"], "toy_width": 8}), ToySpec)
     fast = ["train.steps=3", "train.global_batch_size=8", "eval.suite=none", "monitor.probe_size=0"]

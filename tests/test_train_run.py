@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign import checkpoint
+from mmalign.run import checkpoint
 from mmalign.config import load_config
 from tests.conftest import ROOT, cli_main
 
@@ -100,7 +100,7 @@ def _nan_after(calls_ok: int):
 
 
 def test_nan_step_is_skipped_and_counted(micro_overrides, monkeypatch):
-    import mmalign.train as train_mod
+    import mmalign.run.train as train_mod
 
     calls = {"n": 0}
 
@@ -122,7 +122,7 @@ def test_nan_step_is_skipped_and_counted(micro_overrides, monkeypatch):
 
 
 def test_consecutive_nan_steps_stop_the_run_and_keep_the_checkpoint(micro_overrides, monkeypatch, tmp_path):
-    import mmalign.train as train_mod
+    import mmalign.run.train as train_mod
 
     monkeypatch.setattr(train_mod, "build_objective", _nan_after(4))
     cfg = load_config(None, micro_overrides + ["train.steps=20", "train.checkpoint_every=2",
@@ -132,7 +132,7 @@ def test_consecutive_nan_steps_stop_the_run_and_keep_the_checkpoint(micro_overri
     last = checkpoint.resolve(cfg.output, "latest")
     assert last is not None and last.name == "step_00000004"
     # the last good checkpoint is loadable and finite
-    state = __import__("mmalign.engine", fromlist=["x"]).consolidate_checkpoint(last, "engine")
+    state = __import__("mmalign.run.engine", fromlist=["x"]).consolidate_checkpoint(last, "engine")
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
 
 
@@ -149,7 +149,7 @@ def test_cli_reports_a_stopped_run_in_one_line(micro_overrides, tmp_path):
 
 
 def test_monitors_and_outputs(micro_overrides):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + ["train.steps=4", "train.log_every=2", "monitor.probe_size=32",
                                                "train.eval_every=2", "monitor.min_effective_rank_frac=1.0"])
@@ -171,7 +171,7 @@ def test_monitors_and_outputs(micro_overrides):
 
 
 def test_atomic_checkpoints_keep_last_k(micro_overrides, tmp_path):
-    from mmalign.train import train
+    from mmalign.run.train import train
 
     cfg = load_config(None, micro_overrides + ["train.steps=6", "train.checkpoint_every=2",
                                                "train.keep_checkpoints=2", "monitor.probe_size=0"])

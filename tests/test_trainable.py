@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmalign import trainable
+from mmalign.run import trainable
 from mmalign.config import ModelConfig
 from mmalign.models import build_model
 

@@ -9,7 +9,7 @@ the gathered features (classifiers, recalls, probes, counterfactuals) and writes
 the results.
 
 The other ranks wait for rank 0 in a barrier with its own timeout
-(:func:`mmalign.distributed.slow_barrier`), not the process group's: three times
+(:func:`mmalign.dist.distributed.slow_barrier`), not the process group's: three times
 the measured length of rank 0's last task phase, or of the embedding x world size
 before the first one, and never less than :data:`MIN_WAIT_S`.  The value is
 stated in the log.
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.errors import UsageError, UserError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset

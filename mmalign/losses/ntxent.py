@@ -17,7 +17,7 @@ the "positive" set, so ``tile_size`` streams the 2B x 2B matrix (Inf-CL
 tiles) with the same values and gradients.
 
 **Sharded**: across W ranks the local anchors z = [z1; z2] (2B) are gathered
-with :func:`mmalign.distributed.all_gather_with_grad` into the 2WB candidates,
+with :func:`mmalign.dist.distributed.all_gather_with_grad` into the 2WB candidates,
 rank r's block at offset 2rB (so anchor a's excluded self is column 2rB + a,
 a shifted diagonal); a rank averages over its local anchors, as
 :mod:`mmalign.objective` does for InfoNCE, so the mean over ranks is the global NT-Xent
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 
 from .hardneg import masked_lse
 from .positives import Positives

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.config import ConfigError
 
 MODES = ("frozen", "sync", "local")

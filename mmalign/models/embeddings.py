@@ -3,7 +3,7 @@
 Each field says in its metadata whether it is **per-sample** (its rows are the
 batch's samples: concatenated across gradient-cache chunks, cut along dim 0) or
 **per-step** (one value for the whole step, e.g. the temperature: taken once, its
-gradient back-propagated once).  :mod:`mmalign.gradcache` and the engine iterate
+gradient back-propagated once).  :mod:`mmalign.run.gradcache` and the engine iterate
 the fields through :meth:`Embeddings.tensors`, so an output added to the model (in
 a subclass) reaches the loss and gets its gradient on both the cached and the
 uncached path without being listed anywhere else; a field without the metadata is

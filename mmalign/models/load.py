@@ -8,9 +8,9 @@ A path may be
 * a run directory: its ``final/``;
 * a step checkpoint ``RUN/checkpoints/step_N`` (``engine/`` is DeepSpeed's state, any ZeRO
   stage): the weights are consolidated into one fp32 state dict by
-  :func:`mmalign.engine.consolidate_checkpoint`, and the architecture is rebuilt from the
+  :func:`mmalign.run.engine.consolidate_checkpoint`, and the architecture is rebuilt from the
   resolved config stored *in that checkpoint* (``step_N/config.yaml``, written by
-  :func:`mmalign.checkpoint.save`), never from ``RUN/config.yaml``, which may have been
+  :func:`mmalign.run.checkpoint.save`), never from ``RUN/config.yaml``, which may have been
   edited since.  A checkpoint from before checkpoints stored their config falls back to
   ``RUN/config.yaml`` with one logged warning.
 
@@ -84,14 +84,14 @@ class Loaded:
 
 def is_step_checkpoint(path: Path) -> bool:
     """Only ``.../checkpoints/step_N`` with an ``engine/`` folder is a step checkpoint."""
-    from mmalign.checkpoint import ENGINE_TAG, ROOT, is_step_name
+    from mmalign.run.checkpoint import ENGINE_TAG, ROOT, is_step_name
 
     return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
 
 
 def locate(path: str | Path) -> tuple[str, Path]:
     """``(kind, folder)`` of the model at ``path``; a one-line UsageError when there is none."""
-    from mmalign.checkpoint import is_step_name
+    from mmalign.run.checkpoint import is_step_name
     from mmalign.models.io import resolve_model_dir
 
     p = Path(path)
@@ -149,7 +149,7 @@ def _eval_transform(preprocess_cfg: dict):
 def checkpoint_config(step_dir: Path) -> Path:
     """The config file a step checkpoint is rebuilt from: its own, else (older runs) the
     run's ``config.yaml``, with one warning."""
-    from mmalign.rundir import CONFIG_FILE
+    from mmalign.run.rundir import CONFIG_FILE
 
     own = step_dir / CONFIG_FILE
     if own.is_file():
@@ -166,10 +166,10 @@ def checkpoint_config(step_dir: Path) -> Path:
 def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     """``RUN/checkpoints/step_N`` -> (model, a model_config.json-like dict): weights
     consolidated from any ZeRO stage, architecture from the checkpoint's own config."""
-    from mmalign.checkpoint import ENGINE_TAG
+    from mmalign.run.checkpoint import ENGINE_TAG
     from mmalign.config import load_config, to_dict
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.engine import consolidate_checkpoint  # imports deepspeed: only on this path
+    from mmalign.run.engine import consolidate_checkpoint  # imports deepspeed: only on this path
     from mmalign.models.misfit import misfit
     from mmalign.models.presets import resolve_arch
 

@@ -1,5 +1,5 @@
 """A training-mode forward that leaves no trace on the model: for measurements made before a
-run starts (its FLOP count, mmalign.monitors; its activation memory, mmalign.memory_plan).
+run starts (its FLOP count, mmalign.run.monitors; its activation memory, mmalign.run.memory_plan).
 
 Inside :func:`traceless_training`, every module is in train mode (patch dropout masks,
 BatchNorm batch statistics: what a training step runs); on leaving it, each module's own mode

@@ -3,7 +3,7 @@
 
 Across W ranks the objective follows open_clip's ``local_loss=True,
 gather_with_grad=True`` semantics: features are gathered with
-:func:`mmalign.distributed.all_gather_with_grad`, each rank scores its LOCAL rows
+:func:`mmalign.dist.distributed.all_gather_with_grad`, each rank scores its LOCAL rows
 against ALL candidates and averages over its local rows.  The per-rank loss is then
 ``L_r`` with ``mean_r L_r`` = the full-batch loss, and after the data-parallel
 average (DeepSpeed divides by W) rank r's feature gradients are exactly the
@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Optional
 
 from torch import Tensor
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.data.batch import Batch
 from mmalign.models.embeddings import Embeddings
 

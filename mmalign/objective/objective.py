@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.data.batch import MODEL_INPUTS, Batch
 from mmalign.models.embeddings import Embeddings
 

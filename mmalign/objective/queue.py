@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.losses.queue import QueueEntries
 
 from .base import StepContext, Term, TermOutput, UpdateContext

@@ -141,10 +141,10 @@ class Hosts:
                  env: dict[str, str] | None = None, log: str | None = None, wrap: list[str] | None = None,
                  ) -> subprocess.Popen:
         """One torchrun agent on ``host`` (one rank), c10d rendezvous hosted by host a, under
-        ``python -m mmalign.supervise`` as the README launches it (the returned process is the
+        ``python -m mmalign.dist.supervise`` as the README launches it (the returned process is the
         supervisor; the agent is its child)."""
         h, a = self.hosts[host], self.hosts["a"]
-        cmd = [sys.executable, "-m", "mmalign.supervise",
+        cmd = [sys.executable, "-m", "mmalign.dist.supervise",
                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.addr}:{port}", "--rdzv-id", run_id,
                # both namespaces share one hostname: say which agent owns the store

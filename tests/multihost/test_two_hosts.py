@@ -13,7 +13,7 @@
 6. SLURM without torchrun: the rendezvous address comes from the node list;
 7. a node-local output directory: a one-line start-up error on every rank.
 
-Every agent runs under ``python -m mmalign.supervise``, as the README launches it. Every run is
+Every agent runs under ``python -m mmalign.dist.supervise``, as the README launches it. Every run is
 the micro preset (ZeRO-2, gradient caching) for 12 steps; every wait is bounded. The first test
 needs no namespaces: it checks the traceback check itself.
 """

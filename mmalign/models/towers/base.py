@@ -134,7 +134,7 @@ class TowerSpec:
 
     def flops(self, embed_dim: int) -> int:
         """Forward FLOPs for one sample (2 per multiply-add of matmuls, convolutions and
-        attention, as torch's FLOP counter and mmalign.monitors count them)."""
+        attention, as torch's FLOP counter and mmalign.run.monitors count them)."""
         raise NotImplementedError(f"tower kind {self.kind!r} has no FLOP count")
 
 

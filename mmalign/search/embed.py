@@ -40,7 +40,7 @@ from mmalign.data.shards import shard_total  # noqa: F401 (re-exported: its old 
 from mmalign.errors import UsageError
 from mmalign.progress import track
 
-log = logging.getLogger("mmalign.embed")
+log = logging.getLogger("mmalign.search.embed")
 
 EMBED_INFO = "embed.json"
 FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")

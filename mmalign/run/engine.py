@@ -1,7 +1,7 @@
 """The DeepSpeed engine: model + optimiser + schedule under DeepSpeed, one call per step.
 
 The batch arithmetic (global = micro x accumulation x world) is decided in
-:mod:`mmalign.engine_config`. With gradient caching a micro batch is one chunk and the accumulation steps are the chunks,
+:mod:`mmalign.run.engine_config`. With gradient caching a micro batch is one chunk and the accumulation steps are the chunks,
 so ``engine.step()`` after each chunk only updates at the last one; the surrogate backward
 uses ``scale_wrt_gas=False`` because the cached gradients are already those of the full
 local loss.  DeepSpeed then averages gradients over ranks, which together with the losses'
@@ -9,8 +9,8 @@ local-rows convention gives the exact full-batch gradient.
 
 This module uses DeepSpeed's public API; whatever reads or swaps DeepSpeed's private layout
 (flat partitions, fragment maps, counters, the checkpoint engine, module-level swaps) is in
-:mod:`mmalign.ds_adapter`, and the forward's boundary (autocast, Embeddings as a dict) in
-:mod:`mmalign.engine_forward`.
+:mod:`mmalign.run.ds_adapter`, and the forward's boundary (autocast, Embeddings as a dict) in
+:mod:`mmalign.run.engine_forward`.
 """
 
 from __future__ import annotations
@@ -38,26 +38,26 @@ from deepspeed.utils import (  # noqa: E402
     safe_set_local_fp32_param,
 )
 
-from mmalign import distributed as mdist  # noqa: E402
-from mmalign import ds_adapter, reshard  # noqa: E402
-from mmalign.compile import compile_failures, compile_towers  # noqa: E402
+from mmalign.dist import distributed as mdist  # noqa: E402
+from mmalign.run import ds_adapter, reshard  # noqa: E402
+from mmalign.run.compile import compile_failures, compile_towers  # noqa: E402
 from mmalign.config import Config  # noqa: E402
 from mmalign.data.batch import Batch  # noqa: E402
-from mmalign.ds_adapter import consolidate_checkpoint  # noqa: E402,F401 (re-exported: models.load, tests)
-from mmalign.engine_config import BatchPlan, ds_config, plan_batch  # noqa: E402,F401 (re-exported)
-from mmalign.engine_forward import (  # noqa: E402,F401 (autocast_for re-exported)
+from mmalign.run.ds_adapter import consolidate_checkpoint  # noqa: E402,F401 (re-exported: models.load, tests)
+from mmalign.run.engine_config import BatchPlan, ds_config, plan_batch  # noqa: E402,F401 (re-exported)
+from mmalign.run.engine_forward import (  # noqa: E402,F401 (autocast_for re-exported)
     InnerAutocast,
     autocast_for,
     dict_at_the_deepspeed_boundary,
     module_device,
 )
-from mmalign.gradcache import grad_cache_step  # noqa: E402
+from mmalign.run.gradcache import grad_cache_step  # noqa: E402
 from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
 from mmalign.models.embeddings import Embeddings  # noqa: E402
-from mmalign.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
-from mmalign.zero_stage import effective_stage  # noqa: E402
+from mmalign.run.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
+from mmalign.run.zero_stage import effective_stage  # noqa: E402
 
-log = logging.getLogger("mmalign.engine")
+log = logging.getLogger("mmalign.run.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
@@ -98,13 +98,13 @@ class Engine:
         # per-tower lrs and layer-wise decay: each group carries its own lr, which the schedule scales
         groups = train_param_groups(model, t)
         # each group's parameter names, in the optimizer's order: a ZeRO-0 checkpoint's per-parameter
-        # state is indexed by it (mmalign.reshard re-cuts it into ZeRO partitions and back)
+        # state is indexed by it (mmalign.run.reshard re-cuts it into ZeRO partitions and back)
         names = {id(p): n for n, p in model.named_parameters()}
         self.param_group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         optimizer = build_optimizer(groups, t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
         self._output_type = dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
-        # the stage DeepSpeed runs at: ZeRO-0 for ZeRO-1/2 on one fp32 rank (mmalign.zero_stage);
+        # the stage DeepSpeed runs at: ZeRO-0 for ZeRO-1/2 on one fp32 rank (mmalign.run.zero_stage);
         # every stage-dependent path below (LAMB's layout, the clamp, full_params, resharding) reads it
         self.stage, stage_line = effective_stage(cfg, self.world_size)
         self.ds_config = ds_config(cfg, self.plan, self.stage)
@@ -146,7 +146,7 @@ class Engine:
 
     def partition_fragments(self) -> list[ds_adapter.Fragment]:
         """This rank's piece of every trainable parameter in the flat fp32 partitions ZeRO steps
-        (none at ZeRO-0): what LAMB's per-tensor layout and :mod:`mmalign.reshard` need."""
+        (none at ZeRO-0): what LAMB's per-tensor layout and :mod:`mmalign.run.reshard` need."""
         return ds_adapter.fragments(self.ds, self.module, self.stage, self.base_optimizer, mdist.get_rank())
 
     # -------------------------------------------------------------- stepping
@@ -267,7 +267,7 @@ class Engine:
         No collective: each rank clamps what it holds. The module copy is whole on every
         rank (stages 0-2, equal after the update) or this rank's partition (stage 3); the
         fp32 master lives on the rank that owns its fragment (stages 1-2 and DeepSpeed's
-        BF16 optimizer: :func:`mmalign.ds_adapter.master_fragment`; stage 3: the local partition).
+        BF16 optimizer: :func:`mmalign.run.ds_adapter.master_fragment`; stage 3: the local partition).
         Clamping is elementwise, so the pieces stay consistent with the whole."""
         p = self.module.logit_scale
         if ds_adapter.is_zero3(p):
@@ -323,11 +323,11 @@ class Engine:
 
     def load_checkpoint(self, directory: str | Path, tag: str) -> dict:
         """Resume from DeepSpeed's engine state, every file unpickled with ``weights_only=True``
-        (:func:`mmalign.ds_adapter.weights_only_resume`): DeepSpeed's own checkpoint engine would
+        (:func:`mmalign.run.ds_adapter.weights_only_resume`): DeepSpeed's own checkpoint engine would
         run whatever a planted pickle holds.
         ZeRO partitions written by another world size, and checkpoints written at ZeRO-0 for a
         ZeRO-1/2/3 engine or the other way round (a one-process run of a zero_stage 1 config
-        runs ZeRO-0, :mod:`mmalign.zero_stage`), are consolidated and re-cut (:mod:`mmalign.reshard`)."""
+        runs ZeRO-0, :mod:`mmalign.run.zero_stage`), are consolidated and re-cut (:mod:`mmalign.run.reshard`)."""
         engine_dir = Path(directory) / tag
         # ZeRO-0 reading a ZeRO-0 checkpoint (no optimizer partition files): DeepSpeed's own loader,
         # without reading the model-states file (module + optimizer) an extra time
@@ -377,8 +377,8 @@ class Engine:
         return state
 
     # ------------------------------------------- for the loop and for resharding
-    # What the training loop (mmalign.train) and the re-partitioning of a checkpoint
-    # (mmalign.reshard) need from DeepSpeed's engine: nothing outside this module reads ``.ds``.
+    # What the training loop (mmalign.run.train) and the re-partitioning of a checkpoint
+    # (mmalign.run.reshard) need from DeepSpeed's engine: nothing outside this module reads ``.ds``.
 
     def train_mode(self) -> None:
         """Dropout, patch dropout and BatchNorm batch statistics on (the module's ``train()``)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mmalign.errors import UsageError
-from mmalign.embed import EMBED_INFO
+from mmalign.search.embed import EMBED_INFO
 
 INDEX_INFO = "index.json"
 METADATA = "metadata.parquet"

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign import checkpoint, progress, rundir, trainable
-from mmalign import distributed as mdist
+from mmalign.run import checkpoint, rundir, trainable
+from mmalign import progress
+from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls, read_samples
@@ -30,20 +31,20 @@ from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
 from mmalign.evaluation import headline, load_suite, sharded, write_results
 from mmalign.evaluation.suite import check_suite_data
-from mmalign.memory_plan import resolve_grad_cache_chunk, resolved_config
+from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
 from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
-from mmalign.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
+from mmalign.run.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
                               probe_stats, train_flops_per_sample)
-from mmalign.resume import resume_run
-from mmalign.runlog import RunLog, say
+from mmalign.run.resume import resume_run
+from mmalign.run.runlog import RunLog, say
 from mmalign.models import attention_kernel
-from mmalign.tf32 import set_tf32
+from mmalign.run.tf32 import set_tf32
 
-log = logging.getLogger("mmalign.train")
+log = logging.getLogger("mmalign.run.train")
 
 
 # ------------------------------------------------------------------ setup
@@ -110,11 +111,11 @@ def _exit_on_sigterm():
     """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
     handlers stop the DataLoader workers) instead of the process vanishing and leaving its
     workers behind, with exit status 143. Either signal prints one line on rank 0: which
-    signal, the step, the last checkpoint and the command that resumes (mmalign.signals).
+    signal, the step, the last checkpoint and the command that resumes (mmalign.run.signals).
     Only the main thread can install a handler; elsewhere SIGTERM is left as it is.
     A checkpoint that cannot be written (a full disk) stops the run as RunStopped (exit 1)."""
-    from mmalign import signals as stop_signals
-    from mmalign.diskspace import CheckpointWriteError
+    from mmalign.run import signals as stop_signals
+    from mmalign.run.diskspace import CheckpointWriteError
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stop_signals.raise_terminated) if main_thread else None
@@ -135,7 +136,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
 
     Without ``resume`` the output directory must be empty or absent, or ``overwrite``
     given (which removes the earlier run's files); a resume must continue the same run
-    (:mod:`mmalign.rundir`). SIGTERM stops it like Ctrl-C (its data workers too)."""
+    (:mod:`mmalign.run.rundir`). SIGTERM stops it like Ctrl-C (its data workers too)."""
     with _exit_on_sigterm():
         return _train(cfg, show_progress, resume, overwrite)
 
@@ -152,14 +153,14 @@ class _Parts:
     embed_dim: int
     tokenizer: object
     queue: MomentumQueue | None
-    engine: object  # mmalign.engine.Engine
+    engine: object  # mmalign.run.engine.Engine
     loader: object
     probe: tuple | None
     objective: object  # mmalign.objective.Objective: the loss terms and their state
     autocast: object  # () -> the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device in the run's matmul dtype, for MFU; None = no MFU
     text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
-    params: dict | None = None  # parameter counts and tower states (mmalign.trainable), for the first record
+    params: dict | None = None  # parameter counts and tower states (mmalign.run.trainable), for the first record
 
 
 @dataclass
@@ -262,7 +263,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
 
 def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     """The model, its momentum queue, the engine, the data and the loss."""
-    from mmalign.engine import Engine  # deepspeed is imported only when training
+    from mmalign.run.engine import Engine  # deepspeed is imported only when training
 
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0

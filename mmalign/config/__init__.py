@@ -1,12 +1,12 @@
 """The typed experiment configuration: load -> resolve -> validate, once.
 
 The keys, their types, defaults, domains and meanings are declared in
-:mod:`mmalign.config_schema` (the README's table is generated from them); YAML and
-``--set a.b=c`` are read by :mod:`mmalign.config_load`.  :func:`load_config` then runs
+:mod:`mmalign.config.schema` (the README's table is generated from them); YAML and
+``--set a.b=c`` are read by :mod:`mmalign.config.load`.  :func:`load_config` then runs
 
-* :func:`resolve` (:mod:`mmalign.config_resolve`): the derived values, filled in place;
+* :func:`resolve` (:mod:`mmalign.config.resolve`): the derived values, filled in place;
 * :func:`validate`: pure. Every key within its domain (the one generic validator,
-  :func:`mmalign.config_checks.check_domains`, reading each field's metadata), then the
+  :func:`mmalign.config.checks.check_domains`, reading each field's metadata), then the
   impossible combinations, at the world size the run trains at.
 
 Every refusal is a one-line :class:`ConfigError` naming the key; the CLI turns it into exit
@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import yaml
 
-from mmalign.config_checks import check_domains, check_key, fields_of
-from mmalign.config_load import build_config, parse_override
-from mmalign.config_resolve import resolve
-from mmalign.config_schema import (MAX_MEMBER_BYTES, AugmentConfig, Config, DataConfig, DeepSpeedConfig,
+from mmalign.config.checks import check_domains, check_key, fields_of
+from mmalign.config.load import build_config, parse_override
+from mmalign.config.resolve import resolve
+from mmalign.config.schema import (MAX_MEMBER_BYTES, AugmentConfig, Config, DataConfig, DeepSpeedConfig,
                                    DistConfig, EvalConfig, LossConfig, ModelConfig, MonitorConfig, TrainConfig)
 from mmalign.errors import ConfigError  # re-exported: the config's own error
 
@@ -151,7 +151,7 @@ def _validate_tokenizer(cfg: Config) -> None:
 
 
 def _validate_data(cfg: Config) -> None:
-    """The data keys' combinations (each key's own range: mmalign/config_checks.py)."""
+    """The data keys' combinations (each key's own range: mmalign/config/checks.py)."""
     d = cfg.data
     if d.train_weights is not None:
         w = d.train_weights
@@ -193,7 +193,7 @@ def _validate_chunk_range(cfg: Config, world_size: int) -> None:
 
 def validate_chunk(cfg: Config, world_size: int) -> None:
     """The checks that read ``train.grad_cache_chunk_size``, for the integer chunk ``auto``
-    became at run time (mmalign.memory_plan.resolved_config); the rest of ``cfg`` was
+    became at run time (mmalign.run.memory_plan.resolved_config); the rest of ``cfg`` was
     validated at load and is not checked again."""
     _validate_chunk_range(cfg, world_size)
     _validate_precision(cfg, world_size)

@@ -5,13 +5,13 @@ size (``ZeRORuntimeException``).  We do not convert the checkpoint to DeepSpeed'
 universal format; we consolidate it ourselves and re-partition in memory:
 
 1. every rank reads the whole checkpoint as full per-parameter tensors: the fp32
-   master weights (:func:`mmalign.ds_adapter.consolidate_checkpoint`) and each
+   master weights (:func:`mmalign.run.ds_adapter.consolidate_checkpoint`) and each
    optimizer moment (the same consolidation with the moment's flat partitions in
    place of the weights' -- they share the weights' layout);
 2. each rank copies its own slice of every tensor into the partitions the new
    engine holds: the module weights, the fp32 master partitions and the
    optimizer state of each flat partition (the same tensors that LAMB's
-   partition layout, :meth:`mmalign.optim.Lamb.set_partition_layout`, names, so
+   partition layout, :meth:`mmalign.run.optim.Lamb.set_partition_layout`, names, so
    the per-tensor trust ratio is unaffected);
 3. the learning-rate schedule and DeepSpeed's step counters come from the
    (world-size independent) model-states file.
@@ -19,10 +19,10 @@ universal format; we consolidate it ourselves and re-partition in memory:
 ZeRO-0 stores its optimizer whole (the torch optimizer's per-parameter state in the
 model-states file), so DeepSpeed's own loader reads a ZeRO-0 checkpoint into a ZeRO-0
 engine on any world size.  Between ZeRO-0 and ZeRO >= 1 this module converts, both
-ways: a one-process run of a ``zero_stage: 1`` config runs ZeRO-0 (:mod:`mmalign.zero_stage`)
+ways: a one-process run of a ``zero_stage: 1`` config runs ZeRO-0 (:mod:`mmalign.run.zero_stage`)
 and must resume at ZeRO-1 on several ranks, and the other way round.  A ZeRO-0 source
 gives the weights from its module state and the moments per parameter from its optimizer
-state (indexed in the order of :attr:`mmalign.engine.Engine.param_group_names`); a ZeRO-0
+state (indexed in the order of :attr:`mmalign.run.engine.Engine.param_group_names`); a ZeRO-0
 target gets its torch optimizer's state loaded per parameter.  Values are copied, never
 recomputed, so the restored state is the saved one bit for bit and the next step
 matches the uninterrupted run's to reduction order (tests/test_reshard_engine.py).
@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign import distributed as mdist
-from mmalign import ds_adapter
+from mmalign.dist import distributed as mdist
+from mmalign.run import ds_adapter
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 0-2 | 3
 
@@ -194,8 +194,8 @@ def _load_whole_optimizer(engine, moments: dict[str, dict[str, torch.Tensor]], s
 def fresh_rng_state(seed: int, step: int, rank: int) -> dict:
     """The generators of a rank that did not exist (or was another rank) when the
     checkpoint was written: seeded from (seed, step, rank), returned as
-    :func:`mmalign.rng_state.rng_state` values; the process's own state is left as it was."""
-    from mmalign.rng_state import rng_state, set_rng_state
+    :func:`mmalign.run.rng_state.rng_state` values; the process's own state is left as it was."""
+    from mmalign.run.rng_state import rng_state, set_rng_state
 
     saved = rng_state()
     value = (seed * 1_000_003 + step) * 1_009 + rank

@@ -19,12 +19,12 @@ import signal
 import sys
 from pathlib import Path
 
-log = logging.getLogger("mmalign.train")
+log = logging.getLogger("mmalign.run.train")
 
 # The loop's frame, read from the traceback the signal's exception carries: where the run
 # stopped is in its locals (the config, the step in progress), with no bookkeeping on the
 # hot path of every step.
-_LOOP = ("mmalign.train", "_train")
+_LOOP = ("mmalign.run.train", "_train")
 # flags of the interrupted command line that must not be given again: --overwrite would delete
 # the checkpoint, an explicit --resume PATH would rewind the run to it
 _DROPPED = {"--overwrite": 0, "--resume": 1, "--local_rank": 1, "--local-rank": 1}
@@ -77,7 +77,7 @@ def resume_command(argv: list[str], cfg) -> str:
 
 def stop_line(signame: str, cfg, step: int | None, argv: list[str], world: int = 1) -> str:
     """The one line for a run that ``signame`` stopped (``cfg`` None: nothing is known of it)."""
-    from mmalign import checkpoint
+    from mmalign.run import checkpoint
     from mmalign.errors import UserError
 
     if cfg is None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from mmalign.errors import UsageError
-from mmalign.index import INDEX_INFO, METADATA
+from mmalign.search.index import INDEX_INFO, METADATA
 
 TARGETS = ("image", "text")
 MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
@@ -257,7 +257,7 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
                                                           key=lambda p: int(p.stem.rsplit("_", 1)[1]))])
     img_vecs = np.concatenate([np.load(f) for f in sorted((emb / "img_emb").glob("img_emb_*.npy"),
                                                          key=lambda p: int(p.stem.rsplit("_", 1)[1]))])
-    from mmalign.index import _normalised
+    from mmalign.search.index import _normalised
 
     metrics = {}
     # text -> image: each caption row queries the image index; image -> text: each image the text index

@@ -1,4 +1,4 @@
-"""A supervisor around a launcher's agent: ``python -m mmalign.supervise torchrun ...``.
+"""A supervisor around a launcher's agent: ``python -m mmalign.dist.supervise torchrun ...``.
 
 Why: when the network splits, every mmalign rank stops within ``dist.timeout_s`` with the
 lost-contact line (``mmalign: error: lost contact with another rank ...``, exit 1), but
@@ -183,7 +183,7 @@ def supervise(command: list[str], grace_s: float | None = None, kill_after_s: fl
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mmalign.supervise",
+        prog="python -m mmalign.dist.supervise",
         description="Run a launcher's agent (torchrun) and end it when it outlives its workers "
                     "after they lost contact with another rank (a split network).")
     p.add_argument("--grace", type=float, default=None, metavar="S",
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mmalign: error: {name} must be a number of seconds >= 0, not {value:g}", file=sys.stderr)
             return 2
     if not command:
-        print("mmalign: error: no agent command given (python -m mmalign.supervise torchrun ...)", file=sys.stderr)
+        print("mmalign: error: no agent command given (python -m mmalign.dist.supervise torchrun ...)", file=sys.stderr)
         return 2
     return supervise(command, args.grace, args.kill_after)
 

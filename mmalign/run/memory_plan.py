@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.errors import ConfigError
 from mmalign.losses.tile_choice import resolve_tile, tiled_bytes, untiled_bytes
 from mmalign.models.probe_pass import traceless_training
@@ -264,7 +264,7 @@ def resolve_grad_cache_chunk(cfg, model, objective, tokenizer, device: torch.dev
     chunk = cfg.train.grad_cache_chunk_size
     if chunk != AUTO:
         return chunk, None
-    from mmalign.zero_stage import effective_stage
+    from mmalign.run.zero_stage import effective_stage
 
     world = mdist.get_world_size()
     local = cfg.train.global_batch_size // world

@@ -17,7 +17,7 @@ A save writes into ``*.tmp``, then renames the directory, then rewrites
 any moment therefore leaves ``latest`` naming a complete checkpoint (or no
 ``latest`` at all before the first save).  A save that cannot be written (a full
 disk on any rank) is removed and fails on every rank alike, ``latest`` unchanged, in one
-line that names the free space (:mod:`mmalign.diskspace`).  DeepSpeed's engine state is pickled
+line that names the free space (:mod:`mmalign.run.diskspace`).  DeepSpeed's engine state is pickled
 and is read only when resuming a run from its own directory.
 """
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from mmalign import distributed as mdist
-from mmalign import diskspace, reshard, rundir
-from mmalign.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exported: the loop saves them)
+from mmalign.dist import distributed as mdist
+from mmalign.run import diskspace, reshard, rundir
+from mmalign.run.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exported: the loop saves them)
 from mmalign.config import ConfigError
 from mmalign.errors import first_line
 
@@ -106,8 +106,8 @@ def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: 
 
     A write that fails on any rank (a full disk) fails the save on every rank alike, with
     no rank left in a barrier: the partial save is removed, ``latest`` keeps naming the
-    previous checkpoint, and :class:`~mmalign.diskspace.CheckpointWriteError` says so in
-    one line (:mod:`mmalign.diskspace`).
+    previous checkpoint, and :class:`~mmalign.run.diskspace.CheckpointWriteError` says so in
+    one line (:mod:`mmalign.run.diskspace`).
     """
     rank = mdist.get_rank()
     base = root(out)
@@ -297,7 +297,7 @@ def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> 
     A damaged newest checkpoint (a kill or a full disk during a save that still renamed,
     a truncated engine file, a 0-byte trainer file, an empty ``engine/``) is skipped with
     one line, and the next older complete one is tried.  A config that changes the run
-    (:func:`mmalign.rundir.check_resume`) is an error, not a reason to fall back.
+    (:func:`mmalign.run.rundir.check_resume`) is an error, not a reason to fall back.
     """
     paths = candidates(out, resume)
     rank = mdist.get_rank()
@@ -331,7 +331,7 @@ def load(engine, path: Path) -> tuple[dict, dict]:
     """Restore the engine; return this rank's (trainer state, loader state).
 
     A checkpoint written by another number of ranks gives rank 0's trainer state and the
-    loader states of all its ranks (:func:`mmalign.reshard.trainer_and_loader`)."""
+    loader states of all its ranks (:func:`mmalign.run.reshard.trainer_and_loader`)."""
     rank = mdist.get_rank()
     engine.load_checkpoint(path, ENGINE_TAG)
     saved_world = len(list(path.glob("trainer_rank*.pt")))

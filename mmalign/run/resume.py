@@ -1,8 +1,8 @@
 """Resuming a training run: everything the loop needs restored before its next step.
 
-:func:`resume_run` loads the newest loadable checkpoint (:func:`mmalign.checkpoint.resume`:
+:func:`resume_run` loads the newest loadable checkpoint (:func:`mmalign.run.checkpoint.resume`:
 model, optimiser, schedule through DeepSpeed), adapts it to another world size when the
-run restarts on a different number of ranks (:func:`mmalign.reshard.adopt`), then restores
+run restarts on a different number of ranks (:func:`mmalign.run.reshard.adopt`), then restores
 this rank's random generators, the data loader's position and the momentum queue, and
 says where the run continues.
 """
@@ -13,14 +13,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmalign import checkpoint, reshard
-from mmalign import distributed as mdist
+from mmalign.run import checkpoint, reshard
+from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError
 from mmalign.errors import first_line
-from mmalign.runlog import say
+from mmalign.run.runlog import say
 
-# the run's lines: train.log names them mmalign.train, whichever module of the run writes them
-log = logging.getLogger("mmalign.train")
+# the run's lines: train.log names them mmalign.run.train, whichever module of the run writes them
+log = logging.getLogger("mmalign.run.train")
 
 
 @dataclass(frozen=True)

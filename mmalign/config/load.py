@@ -2,7 +2,7 @@
 
 Each value is checked against its field's annotation here (a wrong type is one line naming
 the key; the few lossless conversions, int -> float, are made); what values a key may take
-is its metadata's business (:mod:`mmalign.config_checks`).
+is its metadata's business (:mod:`mmalign.config.checks`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from mmalign.config_checks import show_value
-from mmalign.config_schema import Config
+from mmalign.config.checks import show_value
+from mmalign.config.schema import Config
 from mmalign.errors import ConfigError
 from mmalign.resources import recipe_path
 

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from mmalign import progress
 
-# the run's lines: train.log names them mmalign.train, whichever module of the run writes them
-log = logging.getLogger("mmalign.train")
+# the run's lines: train.log names them mmalign.run.train, whichever module of the run writes them
+log = logging.getLogger("mmalign.run.train")
 
 
 def say(line: str) -> None:
@@ -148,7 +148,7 @@ class RunLog:
         """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
         readable line in train.log (and on stdout off a terminal, or the bar's postfix).
         ``once``: fields that only the first record of this log carries (e.g. the parameter
-        counts, :mod:`mmalign.trainable`)."""
+        counts, :mod:`mmalign.run.trainable`)."""
         if not self.main:
             return
         if once and not self.first_written:

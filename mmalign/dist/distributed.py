@@ -7,7 +7,7 @@ single-process code paths never need to branch on distributed state.
 Launchers: torchrun and the DeepSpeed launcher export RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT; SLURM exports SLURM_PROCID /
 SLURM_NTASKS / SLURM_LOCALID and the node list, from which the rendezvous address is
-derived (:mod:`mmalign.cluster`). :func:`init_from_env` understands both.
+derived (:mod:`mmalign.dist.cluster`). :func:`init_from_env` understands both.
 
 Every process group gets the run's ``dist.timeout_s``: a peer that vanished (a lost
 host, a network partition) ends the survivors' collectives with an error after that
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mmalign import cluster
+from mmalign.dist import cluster
 
 __all__ = [
     "DistInfo",

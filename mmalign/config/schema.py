@@ -1,10 +1,10 @@
 """The typed experiment configuration, declared: every key's type, default, domain, unit and
 meaning in one place.
 
-Each leaf is a :func:`~mmalign.config_checks.knob`: the annotation is its type (string modes
+Each leaf is a :func:`~mmalign.config.checks.knob`: the annotation is its type (string modes
 are ``Literal``), the metadata its domain (``rule``), ``unit`` and ``doc``.  The generic
-validator (:func:`mmalign.config_checks.check_domains`) and the README's table
-(``python -m mmalign.config_doc``) both read this metadata, so a key is documented and checked
+validator (:func:`mmalign.config.checks.check_domains`) and the README's table
+(``python -m mmalign.config.doc``) both read this metadata, so a key is documented and checked
 where it is declared.  The defaults are the embedded quickstart recipe: a run without any YAML
 is a complete, working experiment.
 """
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from mmalign.config_checks import (BOUNDED_PAIR, COUNT, NAME, OPEN_PROB, PATH, POSITIVE, PROB, RATE, MAX_LOCAL,
+from mmalign.config.checks import (BOUNDED_PAIR, COUNT, NAME, OPEN_PROB, PATH, POSITIVE, PROB, RATE, MAX_LOCAL,
                                    LOG_FLOAT32_MAX, Seq, ShardSpecs, Span, Text, Weights, knob)
 
 MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
@@ -152,7 +152,7 @@ class TrainConfig:
         0, rule=Span(0, note="0 = off; or auto"),
         doc="exact gradient caching: 0 = off; K = forward K samples of the local batch at a time; `auto` = off "
             "while the step's measured activations plus the loss fit `train.memory_budget_gb`, else the largest "
-            "balanced chunk that fits, the smallest over the ranks, logged (`mmalign/memory_plan.py`)")
+            "balanced chunk that fits, the smallest over the ranks, logged (`mmalign/run/memory_plan.py`)")
     memory_budget_gb: float = knob(0.0, rule=Span(0, note="0 = measured"), unit="GiB",
                                    doc="`grad_cache_chunk_size: auto` only: per process for a step's activations, "
                                        "loss and features; 0 = measured (CUDA: 85% of the free memory, CPU: half "
@@ -169,7 +169,7 @@ class TrainConfig:
     keep_checkpoints: int = knob(2, rule=COUNT, doc="step checkpoints kept (older ones pruned)")
     max_consecutive_skips: int = knob(5, rule=POSITIVE, doc="non-finite steps in a row before the run stops")
     threads: int = knob(0, rule=Span(0, MAX_LOCAL, note="0 = torch's default"), doc="torch intra-op threads")
-    # Fine-tuning (mmalign/optim.py); the temperature / SigLIP bias always use train.lr.
+    # Fine-tuning (mmalign/run/optim.py); the temperature / SigLIP bias always use train.lr.
     lr_image: Optional[float] = knob(None, rule=Span(0, lo_open=True, note="or null for train.lr"),
                                      doc="the image tower's base learning rate" + SEE_FT)
     lr_text: Optional[float] = knob(None, rule=Span(0, lo_open=True, note="or null for train.lr"),
@@ -224,7 +224,7 @@ class LossConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = knob(0, rule=Span(0, 3), doc="ZeRO 0-3 (one process with fp32 weights runs 1-2 as 0; "
-                                                   "`mmalign/zero_stage.py`)")
+                                                   "`mmalign/run/zero_stage.py`)")
     # Distinct from train.precision, which is autocast around the forward pass.
     precision: Literal["fp32", "bf16", "fp16"] = knob("fp32", doc="weight precision inside DeepSpeed (fp32 "
                                                                   "master weights kept by ZeRO)")

@@ -1,6 +1,6 @@
 """Everything mmalign knows of DeepSpeed's private layout, in one place.
 
-Written against DeepSpeed 0.19.8 (:data:`WRITTEN_AGAINST`); :class:`mmalign.engine.Engine`
+Written against DeepSpeed 0.19.8 (:data:`WRITTEN_AGAINST`); :class:`mmalign.run.engine.Engine`
 logs one warning line when another version is installed (:func:`check_version`). Each
 function here reads or swaps something DeepSpeed does not document; what DeepSpeed does
 document (``deepspeed.initialize``, the engine's ``backward`` / ``step`` / ``save_checkpoint``
@@ -23,7 +23,7 @@ What is known here:
   ``deepspeed.comm.torch`` and ``torch`` / ``tqdm`` in ``deepspeed.utils.zero_to_fp32``.
 
 deepspeed is imported inside the functions: this module is imported by modules (the disk
-checks of a save) that must not pull DeepSpeed in; :mod:`mmalign.engine` imports DeepSpeed
+checks of a save) that must not pull DeepSpeed in; :mod:`mmalign.run.engine` imports DeepSpeed
 first (it sets the CPU accelerator before that import).
 """
 
@@ -39,7 +39,7 @@ import torch
 
 WRITTEN_AGAINST = "0.19.8"
 
-log = logging.getLogger("mmalign.ds_adapter")
+log = logging.getLogger("mmalign.run.ds_adapter")
 _warned_versions: set[str] = set()
 
 
@@ -48,7 +48,7 @@ def version_line(installed: str) -> str | None:
     if installed == WRITTEN_AGAINST:
         return None
     return (f"mmalign: warning: DeepSpeed {installed} is installed, mmalign's adapter of DeepSpeed's private "
-            f"layout (mmalign/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
+            f"layout (mmalign/run/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
             f"tests/test_ds_adapter.py checks it against this version")
 
 
@@ -179,7 +179,7 @@ def weights_only_resume(ds_engine):
 
 
 def checkpoint_writer(engine) -> tuple[object, bool | None] | None:
-    """(the object every file of an :class:`mmalign.engine.Engine`'s DeepSpeed save goes through,
+    """(the object every file of an :class:`mmalign.run.engine.Engine`'s DeepSpeed save goes through,
     the zipfile flag of DeepSpeed's torch writer or None for another writer); None for an engine
     without one. ``engine``'s DeepSpeed engine is its ``ds``."""
     writer = getattr(getattr(engine, "ds", None), "checkpoint_engine", None)
@@ -277,7 +277,7 @@ def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | Non
         raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
     with torch.serialization.safe_globals(safe_globals()):
         if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
-            if state_key is not None:  # its optimizer state is per parameter: mmalign.reshard.zero0_moments
+            if state_key is not None:  # its optimizer state is per parameter: mmalign.run.reshard.zero0_moments
                 raise ValueError(f"consolidate_checkpoint: {path} is a ZeRO-0 checkpoint; state_key is for "
                                  f"ZeRO >= 1 partitions")
             model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)

@@ -7,7 +7,7 @@ and a flat partition, an "all-reduce" over one rank, a float64 cast per tensor f
 global norm (and a host read of it), a second fp32 copy of every weight that it steps and
 copies back into the module. One process with fp32 weights therefore runs at stage 0,
 where the torch optimizer steps the module's own parameters (and the engine skips
-DeepSpeed's gradient averaging over one rank, mmalign.engine).
+DeepSpeed's gradient averaging over one rank, mmalign.run.engine).
 
 The update is the same: the optimizers are elementwise or per tensor, so without gradient
 clipping AdamW, SGD and LAMB give the same weights bit for bit; with clipping the global
@@ -25,7 +25,7 @@ Kept at the configured stage:
 
 Checkpoints stay interchangeable: a one-process run of a ``zero_stage: 1`` config writes a
 ZeRO-0 checkpoint (the module and the torch optimizer's per-parameter state in its
-model-states file), which :mod:`mmalign.reshard` re-cuts into ZeRO-1/2 partitions when the
+model-states file), which :mod:`mmalign.run.reshard` re-cuts into ZeRO-1/2 partitions when the
 run resumes on several ranks, and a several-rank ZeRO-1/2 checkpoint is consolidated back
 into per-parameter state when it resumes on one.
 """

@@ -11,7 +11,7 @@ Two things go wrong on a full disk without this module:
 So every file of a save is written through a Python file object (``ENOSPC`` then arrives
 as ``OSError`` with its errno), DeepSpeed's writer records a failure instead of raising it
 (:func:`deferred_engine_writes`: its save runs on to its closing barrier on every rank),
-and :mod:`mmalign.checkpoint` agrees on the failures of all ranks before it removes the
+and :mod:`mmalign.run.checkpoint` agrees on the failures of all ranks before it removes the
 partial save and raises :class:`CheckpointWriteError` (one line: the path, the reason, the
 free space).  :class:`SpaceWatch` warns, once, when the next save will not fit.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from mmalign import ds_adapter
+from mmalign.run import ds_adapter
 
-log = logging.getLogger("mmalign.train")
+log = logging.getLogger("mmalign.run.train")
 
 # errnos that mean "this filesystem cannot take the bytes", named in the user's words
 _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
@@ -101,7 +101,7 @@ def deferred_engine_writes(engine, failures: list):
     :func:`save_torch`, and a failed write is appended to ``failures`` (its partial file
     removed) instead of raised, so that DeepSpeed's save still reaches its closing barrier
     on this rank.  An engine without DeepSpeed's checkpoint writer
-    (:func:`mmalign.ds_adapter.checkpoint_writer`) is left as it is."""
+    (:func:`mmalign.run.ds_adapter.checkpoint_writer`) is left as it is."""
     found = ds_adapter.checkpoint_writer(engine)
     if found is None:
         yield

@@ -20,12 +20,12 @@ import math
 
 import torch
 
-from mmalign import distributed as mdist
+from mmalign.dist import distributed as mdist
 from mmalign.evaluation.diagnostics import effective_rank, per_dim_std
 from mmalign.models.flops import ATTENTION_FLOP_FORMULAS, flop_counter  # noqa: F401 (re-exported)
 from mmalign.models.probe_pass import traceless_training
 
-log = logging.getLogger("mmalign.monitors")
+log = logging.getLogger("mmalign.run.monitors")
 
 # Dense peaks per device (TFLOP/s, datasheet figures without 2:4 sparsity), by the dtype the
 # matmuls run in: bf16 / fp16 on the tensor cores, tf32 (fp32 tensors, TF32 tensor cores:
@@ -107,7 +107,7 @@ def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_leng
 def matmul_dtype(cfg, device: torch.device | str) -> str:
     """The dtype a run's matmuls run in, one of :data:`DTYPES`, from its config: train.precision's
     autocast (bf16 / fp16), else deepspeed.precision's low-precision weights (their inputs are
-    cast too), else fp32 tensors: TF32 on a CUDA device with train.tf32 (mmalign/tf32.py sets
+    cast too), else fp32 tensors: TF32 on a CUDA device with train.tf32 (mmalign/run/tf32.py sets
     it there only), exact fp32 otherwise (CPU)."""
     for precision in (cfg.train.precision, cfg.deepspeed.precision):
         if precision in ("bf16", "fp16"):

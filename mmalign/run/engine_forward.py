@@ -73,7 +73,7 @@ def dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:
     lists and dicts (its backward hooks on a forward's outputs run the backward prologue that
     fp32 gradient accumulation of bf16 weights needs; ZeRO-3 wraps them for its pre-backward
     parameter fetch).  A forward hook registered before DeepSpeed's turns the model's
-    Embeddings into a dict of its present fields; :meth:`mmalign.engine.Engine.forward` rebuilds the same
+    Embeddings into a dict of its present fields; :meth:`mmalign.run.engine.Engine.forward` rebuilds the same
     Embeddings class from it.  Returns the one-element list holding that class."""
     kind: list = [Embeddings]
 

@@ -3,7 +3,7 @@
 Re-runs the same command under torchrun (``torch.distributed.run``) with N local
 processes on a private loopback port; each process then initialises its group from
 the RANK / WORLD_SIZE / MASTER_* variables torchrun sets (gloo on CPU, nccl on
-GPU).  Multi-node runs call torchrun (under ``python -m mmalign.supervise``, which ends an
+GPU).  Multi-node runs call torchrun (under ``python -m mmalign.dist.supervise``, which ends an
 agent left retrying an unreachable rendezvous store after a split network), the ``deepspeed``
 launcher or ``srun`` with the same arguments (see the README).  Here the store is local, so
 no agent can lose it.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 
-from mmalign.distributed import free_port
+from mmalign.dist.distributed import free_port
 
 
 def strip_nproc(argv: list[str]) -> list[str]:

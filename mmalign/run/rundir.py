@@ -220,7 +220,7 @@ def check_shared(out: Path) -> None:
     reads it back.  A node-local path (another disk, a tmpfs, a container's private volume
     at the same path) shows another file or none: the checkpoints, whose shards every rank
     writes, would be split across hosts and a resume could never load them."""
-    from mmalign import distributed as mdist
+    from mmalign.dist import distributed as mdist
 
     if mdist.get_world_size() == 1:
         return

@@ -1,4 +1,4 @@
-"""``mmalign serve``: a small HTTP front end to :class:`mmalign.search.Searcher` (stdlib only).
+"""``mmalign serve``: a small HTTP front end to :class:`mmalign.search.searcher.Searcher` (stdlib only).
 
     GET  /                                       -> a search page (HTML, self-contained)
     GET  /health                                 -> {"ok": true, "dim": D, "indexes": ["image", "text"]}
@@ -19,7 +19,7 @@ thumbnail's side (``max_thumb``) and source image (``max_body`` bytes).  Thumbna
 dataset images, so they are only served to a loopback client, whatever the bind address.
 
 Connections are read by one thread and answered by a fixed pool of ``workers``
-(:mod:`mmalign.serve_loop`): a slow or idle client holds a socket, never a thread.  A
+(:mod:`mmalign.search.serve_loop`): a slow or idle client holds a socket, never a thread.  A
 request must arrive whole within ``timeout`` seconds (else 408), a body over ``max_body``
 gets a 413 the client can read, and at most ``max_connections`` are open at once (more
 wait in the listen backlog).  The model and the FAISS indexes sit behind one lock
@@ -42,10 +42,10 @@ from dataclasses import asdict
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.errors import UsageError, UserError
-from mmalign.search import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
-from mmalign.serve_key import key_vector
-from mmalign.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
-from mmalign.serve_page import PAGE
+from mmalign.search.searcher import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
+from mmalign.search.serve_key import key_vector
+from mmalign.search.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
+from mmalign.search.serve_page import PAGE
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 

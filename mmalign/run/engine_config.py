@@ -6,7 +6,7 @@
 
 Without gradient caching the micro batch is the whole local batch (accumulation 1). With
 caching, a micro batch is one chunk and the accumulation steps are the chunks
-(:mod:`mmalign.engine` steps DeepSpeed after each chunk; it updates at the last one).
+(:mod:`mmalign.run.engine` steps DeepSpeed after each chunk; it updates at the last one).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from mmalign.config import Config, ConfigError, grad_accum_dtype
-from mmalign.gradcache import chunk_sizes
+from mmalign.run.gradcache import chunk_sizes
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
                           f"by the world size {world_size}")
     if not isinstance(t.grad_cache_chunk_size, int):  # auto: a memory measurement, made before the engine
         raise ValueError("train.grad_cache_chunk_size: auto is resolved before the engine is built "
-                         "(mmalign.memory_plan.resolve_grad_cache_chunk), not by plan_batch")
+                         "(mmalign.run.memory_plan.resolve_grad_cache_chunk), not by plan_batch")
     local = t.global_batch_size // world_size
     return BatchPlan(t.global_batch_size, world_size, local, tuple(chunk_sizes(local, t.grad_cache_chunk_size)))
 
@@ -57,7 +57,7 @@ def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
 def ds_config(cfg: Config, plan: BatchPlan, stage: Optional[int] = None) -> dict:
     """Our config -> DeepSpeed's (the single source of the batch arithmetic).
 
-    ``stage``: the ZeRO stage to run (:func:`mmalign.zero_stage.effective_stage`); None =
+    ``stage``: the ZeRO stage to run (:func:`mmalign.run.zero_stage.effective_stage`); None =
     deepspeed.zero_stage as configured."""
     configured = cfg.deepspeed.zero_stage
     stage = configured if stage is None else stage

@@ -1,9 +1,9 @@
 """Each config key's domain, declared beside the key and checked by one generic validator.
 
-:mod:`mmalign.config_schema` declares every key with :func:`knob`: its default, the one
+:mod:`mmalign.config.schema` declares every key with :func:`knob`: its default, the one
 sentence the README's table shows (``doc``), its unit, and its ``rule`` (a :class:`Span`, a
 :class:`Seq`, a :class:`Text`, ...) in the field's metadata.  A value's *type* is checked
-while the dataclasses are built (:mod:`mmalign.config_load`); :func:`check_domains` walks the
+while the dataclasses are built (:mod:`mmalign.config.load`); :func:`check_domains` walks the
 built config and checks each key against the rule in its metadata; the combinations of keys
 are :func:`mmalign.config.validate`'s.
 

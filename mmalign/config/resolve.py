@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmalign.config_checks import within_domain
-from mmalign.config_schema import Config, ModelConfig
+from mmalign.config.checks import within_domain
+from mmalign.config.schema import Config, ModelConfig
 
 __all__ = ["resolve"]
 
