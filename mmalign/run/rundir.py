@@ -170,10 +170,23 @@ def _changes(stored: dict, cfg: Config) -> tuple[list[str], dict, dict]:
     # that key's default (a checkpoint from before train.attention_kernel still resumes)
     defaults = _flat(to_dict(Config()))
     old.update({k: defaults[k] for k in new if k not in old and k in defaults})
+    # model.text's sentencepiece path is derived from model.tokenizer (config.resolve makes it
+    # absolute): with the same model.tokenizer it differs only where the run directory was
+    # moved or resumed from another folder, which does not change the run
+    if old.get("model.tokenizer") == new.get("model.tokenizer"):
+        old["model.text"], new["model.text"] = (_without_derived_path(old.get("model.text")),
+                                                _without_derived_path(new.get("model.text")))
     differing = [k for k in sorted(set(old) | set(new))
                  if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
                                                         for r in RESUMABLE_CHANGES)]
     return differing, old, new
+
+
+def _without_derived_path(text_cfg):
+    if not isinstance(text_cfg, dict) or not isinstance(text_cfg.get("tokenizer_kwargs"), dict):
+        return text_cfg
+    kwargs = {k: v for k, v in text_cfg["tokenizer_kwargs"].items() if k != "sentencepiece"}
+    return {**text_cfg, "tokenizer_kwargs": kwargs}
 
 
 def _shown(differing: list[str], old: dict, new: dict) -> str:
