@@ -284,7 +284,7 @@ def test_decoded_pixels_are_bounded(server):
 
 def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monkeypatch, capsys):
     from mmalign import cli
-    from mmalign.search.searcher import serve as serve_mod
+    from mmalign.search import serve as serve_mod
 
     seen = {}
     monkeypatch.setattr(serve_mod, "Searcher", lambda *a: seen.setdefault("searcher", StubSearcher()))
