@@ -70,7 +70,7 @@ def test_mined_negatives_raise_the_loss_and_none_change_nothing(gen):
 
 def test_refused_where_not_defined(gen):
     x, y, n, mask, s = _inputs(gen)
-    # terms put together by hand (a config is refused earlier: mmalign.objective.rules)
+    # terms put together by hand (a config is refused earlier: mmalign.config.loss_rules)
     with pytest.raises(ValueError, match="infonce"):
         objectives.loss(x, y, s, torch.zeros(1), name="siglip", neg=n, neg_mask=mask)
     with pytest.raises(ValueError, match="plain infonce"):

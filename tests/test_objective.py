@@ -16,7 +16,7 @@ from mmalign.losses.metadata import encode_subset_code
 from mmalign.models import build_model
 from mmalign.models.embeddings import Embeddings
 from mmalign.objective import build_objective
-from mmalign.objective.rules import PARTS
+from mmalign.config.loss_rules import PARTS
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 B, K, Q = 6, 2, 5

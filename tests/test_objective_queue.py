@@ -309,7 +309,7 @@ def test_no_queue_or_an_empty_one_is_the_plain_loss(gen, tile):
 def test_bad_combinations_are_refused(gen):
     x, y, s, qx, qy, ids, qids = draw(gen)
     queue = QueueEntries(qx, qy, qids)
-    # terms put together by hand (a config is refused earlier: mmalign.objective.rules)
+    # terms put together by hand (a config is refused earlier: mmalign.config.loss_rules)
     with pytest.raises(ValueError, match="infonce"):
         objectives.loss(x, y, s, torch.tensor([-10.0]), name="siglip", queue=queue)
     with pytest.raises(ValueError, match="infonce"):

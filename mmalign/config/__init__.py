@@ -69,7 +69,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.loss.positive_mask != "none" and cfg.data.id_field is None:
         raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
                           "(e.g. subset_code)")
-    from mmalign.objective import rules  # which loss terms combine: the objective's one table (no torch)
+    from mmalign.config import loss_rules as rules  # which loss terms combine: one table (no torch)
 
     rules.check(cfg, world_size)
     fn_ids = cfg.loss.false_negative_ids
@@ -138,7 +138,7 @@ def _validate_tokenizer(cfg: Config) -> None:
     path = cfg.model.tokenizer
     if path is None:
         return
-    from mmalign.data.tokenizer import sentencepiece_vocab_size
+    from mmalign.sentencepiece_file import sentencepiece_vocab_size
     from mmalign.errors import UsageError
 
     try:

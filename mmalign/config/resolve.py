@@ -60,7 +60,7 @@ def _tokenizer(m: ModelConfig) -> None:
     """``model.tokenizer`` -> the text tower's vocab_size (unless given) and the file it records."""
     if m.tokenizer is None or not within_domain(m, "tokenizer") or not isinstance(m.text, dict):
         return
-    from mmalign.data.tokenizer import SPM_KEY, sentencepiece_vocab_size
+    from mmalign.sentencepiece_file import SPM_KEY, sentencepiece_vocab_size
     from mmalign.errors import UsageError
 
     try:

@@ -5,10 +5,11 @@
 * Terms: :class:`Contrastive` (InfoNCE / SigLIP with its positives and estimators,
   ``contrastive.py``), :class:`QueueNegatives` (MoCo queue: its state and its term,
   ``queue.py``), :class:`MinedNegatives` and :class:`ImageImage` (``extras.py``).
-* ``rules.py``: which terms combine, one table (also checked at config validation).
+* Which terms combine: one table, :mod:`mmalign.config.loss_rules` (the config checks it
+  before any work; :func:`build_objective` again).
 
-The maths live in :mod:`mmalign.losses` (pure kernels).  Attributes load lazily so that
-``mmalign.config`` can import ``rules`` without torch.
+The maths live in :mod:`mmalign.losses` (pure kernels).  Attributes load lazily, so that
+importing the package pulls in no torch.
 """
 
 from __future__ import annotations

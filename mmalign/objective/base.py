@@ -50,7 +50,7 @@ class Term:
     term needs).  ``stat``: the name under which its unweighted loss is logged when it is
     weighted into the total (None: folded into the contrastive value, ``loss`` /
     ``contrastive_loss``); ``weight``: its factor in the total.  Which terms combine is
-    :mod:`mmalign.objective.rules`.
+    :mod:`mmalign.config.loss_rules`.
     """
 
     name: ClassVar[str] = ""

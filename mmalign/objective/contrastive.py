@@ -108,7 +108,7 @@ class Contrastive(Term):
         if image.ndim != 2 or image.shape != text.shape:
             raise ValueError("expected two (B, D) feature tensors of the same shape")
         if ctx.mask is not None:
-            if self.kind != "infonce" or ctx.world > 1:  # the kernels cannot honour it (rules.py refuses the config)
+            if self.kind != "infonce" or ctx.world > 1:  # the kernels cannot honour it (config/loss_rules.py refuses the config)
                 raise ValueError("positive_mask is supported for infonce in one process only")
             b = image.shape[0]
             if ctx.mask.shape != (b, b) or not bool(ctx.mask.diagonal().all()):

@@ -22,7 +22,7 @@ from mmalign.dist import distributed as mdist
 from mmalign.data.batch import MODEL_INPUTS, Batch
 from mmalign.models.embeddings import Embeddings
 
-from . import rules
+from mmalign.config import loss_rules as rules
 from .base import LossOutput, StepContext, Term, UpdateContext
 from .contrastive import Contrastive, PositiveSource
 from .extras import ImageImage, MinedNegatives
@@ -149,7 +149,7 @@ def build_objective(cfg: Any, world_size: int = 1, model: Optional[torch.nn.Modu
 
     ``model``: the initial model, copied into the queue's momentum encoder when
     ``loss.queue_size`` > 0 (take it before DeepSpeed partitions or casts the weights).
-    Combinations are checked by :func:`mmalign.objective.rules.check` (one ConfigError line).
+    Combinations are checked by :func:`mmalign.config.loss_rules.check` (one ConfigError line).
     """
     rules.check(cfg, world_size)
     loss = cfg.loss
