@@ -190,6 +190,7 @@ def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unm
     """Kept tokens counted with a hook on the image transformer's input, per forward."""
     import mmalign.run.train as train_module
     from mmalign.models.load import load
+    from mmalign.run import in_run_eval
 
     seen = []
 
@@ -199,6 +200,7 @@ def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unm
         return model
 
     monkeypatch.setattr(train_module, "build_model", build_with_hook)
+    monkeypatch.setattr(in_run_eval, "build_model", build_with_hook)  # the evaluation's own model
     cfg = load_config(None, micro_overrides + ["train.steps=4", "train.warmup_steps=0", "train.log_every=2",
                                                "train.checkpoint_every=3",
                                                f"model.patch_dropout={DROP}", "train.unmasked_steps=2"])

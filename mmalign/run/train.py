@@ -26,23 +26,25 @@ from mmalign import progress
 from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.data.loader import build_train_loader
-from mmalign.data.shards import check_train_shards, expand_urls, read_samples
+from mmalign.data.shards import check_train_shards, expand_urls
 from mmalign.models.tokenizers import build_tokenizer
-from mmalign.data.transforms import describe, eval_transform, preprocess_cfg, train_transform
-from mmalign.evaluation import headline, load_suite, sharded, write_results
-from mmalign.evaluation.suite import check_suite_data
+from mmalign.data.transforms import describe, train_transform
+from mmalign.evaluation import headline
 from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
-from mmalign.models.io import save_pretrained
 from mmalign.objective import MomentumQueue, build_objective
 from mmalign.run.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
-                              probe_stats, train_flops_per_sample)
+                                  train_flops_per_sample)
 from mmalign.run.resume import resume_run
 from mmalign.run.runlog import RunLog, say
 from mmalign.models import attention_kernel
 from mmalign.run.tf32 import set_tf32
+from mmalign.run.in_run_eval import evaluate_engine as _evaluate_engine
+from mmalign.run.in_run_eval import model_name as _model_name
+from mmalign.run.in_run_eval import probe as _probe
+from mmalign.run.in_run_eval import probe_batch, resolve_suite
 
 log = logging.getLogger("mmalign.run.train")
 
@@ -75,35 +77,11 @@ def setup_logging(out: Path) -> None:
     root.addHandler(handler)
 
 
-def resolve_suite(cfg: Config) -> dict | None:
-    """The evaluation suite of ``eval.suite``, loaded and its data checked now, before any
-    training (``none``: no evaluation, None)."""
-    if str(cfg.eval.suite).strip().lower() in ("none", ""):
-        return None
-    suite = load_suite(cfg.eval.suite)
-    check_suite_data(suite, cfg.data.val or None)
-    return suite
-
-
 # ---------------------------------------------------------------- the run
 
 
 class RunStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
-
-
-def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The first ``monitor.probe_size`` validation pairs: a fixed batch for collapse indicators."""
-    n = cfg.monitor.probe_size
-    if n <= 0 or not cfg.data.val:
-        return None
-    transform, images, captions = eval_transform(image_size), [], []
-    for sample in read_samples(expand_urls(cfg.data.val)):
-        images.append(transform(sample["image"]))
-        captions.append(sample["captions"][0])
-        if len(images) == n:
-            break
-    return (torch.stack(images), tokenizer(captions)) if images else None
 
 
 @contextlib.contextmanager
@@ -413,43 +391,3 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
     runlog.record(step, record, eta, alarms, once=p.params)  # the first record also holds the counts
     tally.window_start, tally.window_samples, tally.window_flops, tally.data_wait = time.time(), 0, 0.0, 0.0
-
-
-def _model_name(cfg: Config) -> str:
-    """The preset, or (its architecture taken from a pretrained folder) that folder's name."""
-    return cfg.model.preset or f"pretrained:{Path(cfg.model.pretrained).name}"
-
-
-@torch.no_grad()
-def _probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
-    """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
-    engine.eval_mode()
-    out = engine.forward(probe[0].to(device), probe[1].to(device), autocast=autocast)  # inside DeepSpeed's call
-    engine.train_mode()
-    return probe_stats(out.image.float().cpu(), out.text.float().cpu())
-
-
-def _evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
-                     final: Path | None = None, suite: dict | None = None, show_progress: bool = False) -> list[dict]:
-    """Consolidate the weights (collective), then rank 0 saves ``final``, and every rank
-    evaluates on ``suite`` (none: no evaluation): the embedding sharded, rank 0 the tasks."""
-    state = engine.consolidated_state_dict()
-    records: list[dict] = []
-    main = mdist.get_rank() == 0
-    with torch.random.fork_rng(devices=[]):  # building the model must not move the training RNG
-        model = build_model(cfg.model)
-    model.load_state_dict(state)
-    if main and final is not None:
-        save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
-                        extra={"train_config": to_dict(cfg)})
-        log.info("saved %s", final)
-    if suite is not None:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
-        records = sharded.evaluate(model.to(device), eval_transform(model.image_size), tokenizer, suite,
-                                   cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
-                                   model_name=_model_name(cfg), progress=show_progress and main)
-        if main:
-            write_results(records, path)
-            log.info("evaluation written to %s", path)
-    mdist.barrier()
-    return records
-
