@@ -17,6 +17,8 @@ def test_the_readme_table_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
     assert config_doc.updated(text) == text, "the README's config table is stale: run `python -m mmalign.config.doc`"
     assert config_doc.main([str(README), "--check"]) == 0
+    # without an argument it checks the checkout's README, wherever the module sits in the package
+    assert config_doc.README.resolve() == README.resolve() and config_doc.main(["--check"]) == 0
 
 
 def test_every_key_has_one_row_with_its_domain_and_unit():
