@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
+from mmalign.cli_eval import _print_table, cmd_eval
+from mmalign.cli_train import _load, _world_size, cmd_train  # noqa: F401 (_world_size: tested here)
 from mmalign.errors import UsageError, UserError
 
 
@@ -58,176 +59,12 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
 
 
-def _load(args, world_size: int = 1) -> "Config":  # noqa: F821
-    from mmalign.config import load_config
-
-    overrides = list(args.set)
-    if args.output:
-        overrides.append(f"output={args.output}")
-    return load_config(args.config, overrides, world_size)
-
-
-def _world_size(nproc: int, env) -> int:
-    """The ranks this ``mmalign train`` trains on, known before torch is imported: ``--nproc``'s
-    own, else the launcher's (the variables mmalign.dist.distributed.env_dist_info reads)."""
-    if nproc > 1 and "RANK" not in env:
-        return nproc
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_NTASKS"])
-    return 1
-
-
-def cmd_train(args) -> int:
-    # resolved and validated once, at the run's world size, before spawning anything (and before importing torch)
-    cfg = _load(args, _world_size(args.nproc, os.environ))
-    from mmalign.models import check_buildable
-
-    meta_model = check_buildable(cfg.model)
-    from mmalign.run.rundir import check_fresh_start
-
-    from mmalign.dist import cluster
-
-    cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
-    typed_resume = args.resume
-    restart = _continue_on_restart(args, Path(cfg.output))
-    try:  # before spawning ranks or DeepSpeed; with cfg: a finished run is not restarted by --resume
-        check_fresh_start(Path(cfg.output), args.resume, args.overwrite, cfg)
-    except UserError as e:
-        if not restart or typed_resume == "latest":  # the hint would repeat what the line already says
-            raise
-        raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
-                          f"so that a restart continues the run)") from None
-    if args.nproc > 1 and "RANK" not in os.environ:
-        from mmalign.dist.launch import launch_local
-
-        _check_batchnorm(cfg, meta_model, args.nproc)
-        from mmalign.run.train import resolve_suite
-
-        resolve_suite(cfg)  # eval.suite and its data, once here rather than once per rank
-        return launch_local(args.nproc, args.argv)
-    from mmalign.dist import distributed as mdist
-    from mmalign.run.train import train
-
-    out = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    if mdist.get_rank() == 0:
-        written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")
-        print(f"run written to {out} ({written})")
-    mdist.shutdown()
-    return 0
-
-
-def _continue_on_restart(args, out: Path) -> int:
-    """Under a torchrun restart (TORCHELASTIC_RESTART_COUNT >= 1) the launch line runs again
-    as it was typed.  ``--overwrite`` would delete the checkpoints this job wrote, and an older
-    ``--resume PATH`` would, at its first save, prune every newer checkpoint and move
-    ``latest`` back: a restart instead continues from the run's ``latest`` (with nothing saved
-    yet, from step 0).  Returns the restart count (0: the first attempt)."""
-    from mmalign.dist import cluster
-
-    restart = cluster.restart_count(os.environ)
-    if not restart or not (args.overwrite or args.resume not in (None, "latest")):
-        return restart  # the first attempt, or a line that already continues the run
-    has_latest = (out / "checkpoints" / "latest").is_file()
-    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite),
-                                           (f"--resume {args.resume}", args.resume not in (None, "latest"))) if on)
-    if args.overwrite or has_latest:
-        args.overwrite, args.resume = False, "latest"
-    if os.environ.get("RANK", "0") == "0":
-        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
-              f"(`{given}` is not applied again)" if args.resume == "latest" else
-              f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given", flush=True)
-    return restart
-
-
-def _check_batchnorm(cfg, model, world_size: int) -> None:
-    """The engine's BatchNorm gate, once before spawning ranks (each would print it), on the
-    meta-device model of :func:`~mmalign.models.check_buildable`."""
-    from mmalign.run.gradcache import chunk_sizes
-    from mmalign.models.batchnorm import check_batchnorm
-
-    local = cfg.train.global_batch_size // world_size
-    chunk = cfg.train.grad_cache_chunk_size
-    # auto: chosen per run from a memory measurement (mmalign.run.memory_plan); the engine checks again with it
-    chunks = len(chunk_sizes(local, chunk)) if isinstance(chunk, int) else 1
-    check_batchnorm(model, cfg.model.batchnorm, chunks=chunks, world_size=world_size)
-
-
-def cmd_eval(args) -> int:
-    import torch
-
-    from mmalign.evaluation import load_suite, run_suite, write_results
-    from mmalign.evaluation.suite import check_suite_data, label_field
-    from mmalign.models.load import load
-
-    loaded = load(args.model)  # a model folder, a run directory or RUN/checkpoints/step_N
-    train_cfg = loaded.config.get("train_config", {})
-    suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
-    suite = load_suite(suite_name)
-    data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite
-    check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
-    if args.limit:
-        suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded.model.to(device)
-    records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
-                        model_name=str(args.model), batch_size=args.batch_size, progress=True,
-                        user_data=args.data)
-    out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), _suite_label(suite_name))
-    write_results(records, out)
-    _print_table(records)
-    print(f"results written to {out}")
-    return 0
-
-
-def _eval_out(loaded, model: Path, label: str) -> Path:
-    """MODEL/eval_cli_SUITE.json; for a step checkpoint RUN/eval_cli_SUITE_step_N.json (a
-    checkpoint's folder is pruned and replaced by training)."""
-    if loaded.kind == "checkpoint":
-        return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}.json"
-    return model / f"eval_cli_{label}.json"
-
-
-def _suite_label(name: str) -> str:
-    """A suite name or YAML path as a file-name part: ``eval/cifar10.yaml`` -> ``cifar10``."""
-    import re
-
-    stem = Path(str(name)).stem if str(name).endswith((".yaml", ".yml")) else str(name)
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("_") or "suite"
-
-
-def _limited(dataset, limit: int, stratify: str = "label") -> dict:
-    """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping).
-
-    The N images are a seeded random draw stratified by ``stratify`` (see
-    :mod:`mmalign.evaluation.datasets`), not the first N: shards of a class-sorted source
-    would give one class.
-    """
-    spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
-    return {"stratify": stratify, **spec, "limit": limit}
-
-
 def cmd_report(args) -> int:
     from mmalign.evaluation.report import write_report
 
     out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit, progress=True)
     print(f"report written to {out}")
     return 0
-
-
-def _print_table(records: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from mmalign.evaluation import summary_rows
-
-    table = Table(title="mmalign evaluation")
-    for col in ("task", "metric", "value"):
-        table.add_column(col)
-    for task, metric, value in summary_rows(records):
-        table.add_row(task, metric, "n/a" if value is None else f"{value:.3f}")
-    Console().print(table)
 
 
 def quickstart_verdict(records: list[dict]) -> list[str]:

@@ -1,0 +1,107 @@
+"""``mmalign train`` before any rank starts: the config loaded and validated once at the world
+size the run will have, the run directory checked, then the run in this process or its local
+ranks launched (``--nproc``). A torchrun restart continues the run instead of redoing the line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mmalign.errors import UserError
+
+
+def _load(args, world_size: int = 1) -> "Config":  # noqa: F821
+    from mmalign.config import load_config
+
+    overrides = list(args.set)
+    if args.output:
+        overrides.append(f"output={args.output}")
+    return load_config(args.config, overrides, world_size)
+
+
+def _world_size(nproc: int, env) -> int:
+    """The ranks this ``mmalign train`` trains on, known before torch is imported: ``--nproc``'s
+    own, else the launcher's (the variables mmalign.dist.distributed.env_dist_info reads)."""
+    if nproc > 1 and "RANK" not in env:
+        return nproc
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"])
+    return 1
+
+
+def cmd_train(args) -> int:
+    # resolved and validated once, at the run's world size, before spawning anything (and before importing torch)
+    cfg = _load(args, _world_size(args.nproc, os.environ))
+    from mmalign.models import check_buildable
+
+    meta_model = check_buildable(cfg.model)
+    from mmalign.run.rundir import check_fresh_start
+
+    from mmalign.dist import cluster
+
+    cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
+    typed_resume = args.resume
+    restart = _continue_on_restart(args, Path(cfg.output))
+    try:  # before spawning ranks or DeepSpeed; with cfg: a finished run is not restarted by --resume
+        check_fresh_start(Path(cfg.output), args.resume, args.overwrite, cfg)
+    except UserError as e:
+        if not restart or typed_resume == "latest":  # the hint would repeat what the line already says
+            raise
+        raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
+                          f"so that a restart continues the run)") from None
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from mmalign.dist.launch import launch_local
+
+        _check_batchnorm(cfg, meta_model, args.nproc)
+        from mmalign.run.train import resolve_suite
+
+        resolve_suite(cfg)  # eval.suite and its data, once here rather than once per rank
+        return launch_local(args.nproc, args.argv)
+    from mmalign.dist import distributed as mdist
+    from mmalign.run.train import train
+
+    out = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if mdist.get_rank() == 0:
+        written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")
+        print(f"run written to {out} ({written})")
+    mdist.shutdown()
+    return 0
+
+
+def _continue_on_restart(args, out: Path) -> int:
+    """Under a torchrun restart (TORCHELASTIC_RESTART_COUNT >= 1) the launch line runs again
+    as it was typed.  ``--overwrite`` would delete the checkpoints this job wrote, and an older
+    ``--resume PATH`` would, at its first save, prune every newer checkpoint and move
+    ``latest`` back: a restart instead continues from the run's ``latest`` (with nothing saved
+    yet, from step 0).  Returns the restart count (0: the first attempt)."""
+    from mmalign.dist import cluster
+
+    restart = cluster.restart_count(os.environ)
+    if not restart or not (args.overwrite or args.resume not in (None, "latest")):
+        return restart  # the first attempt, or a line that already continues the run
+    has_latest = (out / "checkpoints" / "latest").is_file()
+    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite),
+                                           (f"--resume {args.resume}", args.resume not in (None, "latest"))) if on)
+    if args.overwrite or has_latest:
+        args.overwrite, args.resume = False, "latest"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
+              f"(`{given}` is not applied again)" if args.resume == "latest" else
+              f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given", flush=True)
+    return restart
+
+
+def _check_batchnorm(cfg, model, world_size: int) -> None:
+    """The engine's BatchNorm gate, once before spawning ranks (each would print it), on the
+    meta-device model of :func:`~mmalign.models.check_buildable`."""
+    from mmalign.run.gradcache import chunk_sizes
+    from mmalign.models.batchnorm import check_batchnorm
+
+    local = cfg.train.global_batch_size // world_size
+    chunk = cfg.train.grad_cache_chunk_size
+    # auto: chosen per run from a memory measurement (mmalign.run.memory_plan); the engine checks again with it
+    chunks = len(chunk_sizes(local, chunk)) if isinstance(chunk, int) else 1
+    check_batchnorm(model, cfg.model.batchnorm, chunks=chunks, world_size=world_size)
