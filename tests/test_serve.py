@@ -52,15 +52,18 @@ def server(request):
     srv.server_close()
 
 
+def _until_closed(s: socket.socket) -> bytes:
+    """Everything the server sends on ``s`` until it closes the connection."""
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _raw(srv, payload: bytes, timeout=10.0) -> bytes:
     with socket.create_connection(srv.server_address, timeout=timeout) as s:
         s.sendall(payload)
-        chunks = []
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+        return _until_closed(s)
 
 
 def _png(size, mode="RGB") -> bytes:
@@ -205,9 +208,7 @@ def test_an_oversized_body_gets_a_413_that_the_client_reads(server):
                   b"Expect: 100-continue\r\n\r\n" % len(png))
         assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
         s.sendall(png)
-        reply = b""
-        while chunk := s.recv(4096):
-            reply += chunk
+        reply = _until_closed(s)
     assert _status_of(reply) == 200 and b'"20x10"' in reply
 
 
@@ -225,9 +226,7 @@ def test_a_body_arriving_in_pieces_is_read_whole_though_it_holds_a_blank_line(se
         for piece in (body[:cut], body[cut:]):
             time.sleep(0.05)  # separate reads on the server
             s.sendall(piece)
-        reply = b""
-        while chunk := s.recv(4096):
-            reply += chunk
+        reply = _until_closed(s)
     assert _status_of(reply) == 200 and b'"7x5"' in reply
 
 
