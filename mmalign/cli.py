@@ -12,7 +12,7 @@ import sys
 
 from mmalign.cli_eval import _print_table, cmd_eval
 from mmalign.cli_train import _load, _world_size, cmd_train  # noqa: F401 (_world_size: tested here)
-from mmalign.errors import UsageError, UserError
+from mmalign.errors import RunStopped, UsageError, UserError
 
 
 def _no_default(action: argparse.Action) -> bool:
@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # ConfigError or UsageError
         print(f"mmalign: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a stopped run: one line, not a traceback
-        if type(e).__name__ == "RunStopped":
-            print(f"mmalign: stopped: {e}", file=sys.stderr)
-            return 1
+    except RunStopped as e:  # a stopped run (non-finite steps, a full disk): one line, not a traceback
+        print(f"mmalign: stopped: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
         lost = _lost_peer(e)
         if lost is None:
             raise

@@ -14,7 +14,7 @@ ValueError`` callers keep working.
 
 from __future__ import annotations
 
-__all__ = ["UserError", "ConfigError", "UsageError", "first_line"]
+__all__ = ["UserError", "ConfigError", "UsageError", "RunStopped", "first_line"]
 
 
 class UserError(ValueError):
@@ -27,6 +27,11 @@ class ConfigError(UserError):
 
 class UsageError(UserError):
     """A user mistake that is not about a config key (a path, a file, a flag)."""
+
+
+class RunStopped(RuntimeError):
+    """A run that cannot go on (too many non-finite steps in a row, a checkpoint that cannot be
+    written): one line for the user, exit 1, its last complete checkpoint intact."""
 
 
 def first_line(error: BaseException) -> str:

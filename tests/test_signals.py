@@ -129,3 +129,27 @@ def test_the_cli_adds_no_second_line_after_a_runs_own(monkeypatch, capsys, repor
     monkeypatch.setattr(cli, "cmd_train", interrupted)
     assert cli.main(["train"]) == 130
     assert capsys.readouterr().err == ("" if reported else "mmalign: interrupted\n")
+
+
+def test_a_signal_during_a_save_waits_for_the_save_then_stops_the_run():
+    """A signal raised inside torch's writer came out as a failed write ("unexpected pos"): the run
+    stopped as on a full disk, exit 1, its save removed. Held by signals.deferred, the block
+    completes, the handlers are back, and the signal then acts through the handler it found."""
+    previous = signal.signal(signal.SIGTERM, signals.raise_terminated)
+    try:
+        finished = []
+        with pytest.raises(signals.Terminated) as stopped:
+            with signals.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.raise_signal(signal.SIGINT)  # a second signal: the first one decides
+                finished.append(True)  # the save's work goes on after the signal
+        assert finished == [True] and stopped.value.code == 143
+        assert signal.getsignal(signal.SIGTERM) is signals.raise_terminated
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C alone: Python's own KeyboardInterrupt, after the block
+            with signals.deferred():
+                signal.raise_signal(signal.SIGINT)
+        with signals.deferred():  # no signal: nothing happens
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

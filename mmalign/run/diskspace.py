@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from mmalign.errors import RunStopped
+
 from mmalign.run import ds_adapter
 
 log = logging.getLogger("mmalign.run.train")
@@ -36,7 +38,7 @@ _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exce
 _TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed", "inline_container", "iostream error")
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunStopped):
     """A checkpoint could not be written (a full disk, a quota, an I/O error): one line; the
     run stops with exit status 1 and its last complete checkpoint intact."""
 

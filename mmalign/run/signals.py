@@ -13,10 +13,12 @@ The exit status stays the shell's convention: 128 + the signal's number (143, 13
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 
 log = logging.getLogger("mmalign.run.train")
@@ -40,6 +42,32 @@ class Terminated(SystemExit):
 def raise_terminated(signum, frame) -> None:
     """The SIGTERM handler (main thread only)."""
     raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def deferred():
+    """SIGTERM and SIGINT held until the block ends (a checkpoint save): raised inside torch's
+    writer, the signal's exception came out as a failed write ("unexpected pos") and stopped
+    the run as a full disk would, exit 1 with the save removed. Held, the save completes and
+    the signal then stops the run as it would anywhere else. Main thread only (elsewhere no
+    handler can be installed, and nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:  # the first signal that came, through the handler that was in place before
+        handler = previous[held[0]]
+        if callable(handler):
+            handler(held[0], None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(held[0])
 
 
 def where_stopped(error: BaseException) -> tuple[object | None, int | None]:

@@ -25,6 +25,7 @@ from mmalign.run import checkpoint, rundir, trainable
 from mmalign import progress
 from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
+from mmalign.errors import RunStopped  # re-exported: the loop raises it
 from mmalign.data.loader import build_train_loader
 from mmalign.data.shards import check_train_shards, expand_urls
 from mmalign.models.tokenizers import build_tokenizer
@@ -38,6 +39,7 @@ from mmalign.objective import MomentumQueue, build_objective
 from mmalign.run.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
                                   train_flops_per_sample)
 from mmalign.run.resume import resume_run
+from mmalign.run import signals as stop_signals
 from mmalign.run.runlog import RunLog, say
 from mmalign.models import attention_kernel
 from mmalign.run.tf32 import set_tf32
@@ -80,20 +82,13 @@ def setup_logging(out: Path) -> None:
 # ---------------------------------------------------------------- the run
 
 
-class RunStopped(RuntimeError):
-    """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
-
-
 @contextlib.contextmanager
 def _exit_on_sigterm():
     """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
     handlers stop the DataLoader workers) instead of the process vanishing and leaving its
     workers behind, with exit status 143. Either signal prints one line on rank 0: which
     signal, the step, the last checkpoint and the command that resumes (mmalign.run.signals).
-    Only the main thread can install a handler; elsewhere SIGTERM is left as it is.
-    A checkpoint that cannot be written (a full disk) stops the run as RunStopped (exit 1)."""
-    from mmalign.run import signals as stop_signals
-    from mmalign.run.diskspace import CheckpointWriteError
+    Only the main thread can install a handler; elsewhere SIGTERM is left as it is."""
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stop_signals.raise_terminated) if main_thread else None
@@ -102,8 +97,6 @@ def _exit_on_sigterm():
     except (KeyboardInterrupt, stop_signals.Terminated) as e:
         stop_signals.report(e, mdist.get_rank(), mdist.get_world_size())
         raise
-    except CheckpointWriteError as e:
-        raise RunStopped(str(e)) from None
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -181,9 +174,10 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
                 runlog.evaluation(records, step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:  # no saves mid-streak
                 shared = {"momentum": p.queue.state_dict()} if p.queue is not None and main else None
-                checkpoint.save(p.engine, out, step, {"rng": checkpoint.rng_state(),
-                                                      "skipped_steps": tally.skipped_steps},
-                                p.loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
+                with stop_signals.deferred():  # a signal waits for the save: never a torn checkpoint
+                    checkpoint.save(p.engine, out, step, {"rng": checkpoint.rng_state(),
+                                                          "skipped_steps": tally.skipped_steps},
+                                    p.loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
             runlog.advance()
         runlog.end_loop()
 
