@@ -102,7 +102,7 @@ def _run_command(name: str, argv: list[str]) -> None:
 
 
 def cmd_models(args) -> int:
-    from mmalign.models.presets import describe_presets
+    from mmalign.models import describe_presets
 
     header = f"{'preset':<36} {'parameters':>11} {'image':>6}"
     print(header, flush=True)

@@ -94,7 +94,7 @@ def test_eval_without_output_keeps_the_runs_eval_json(shapes_dir, tmp_path, caps
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.models.io import save_pretrained
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.two_tower import TwoTower
 
     run = tmp_path / "run"

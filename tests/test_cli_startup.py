@@ -307,7 +307,7 @@ def _saved_micro_model(folder: Path) -> Path:
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.models.io import save_pretrained
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.two_tower import TwoTower
 
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import yaml
 
 from mmalign.config import load_config, validate
 from mmalign.evaluation import load_suite
-from mmalign.models.presets import resolve_arch
+from mmalign.models.arch import resolve_arch
 from tests.conftest import ROOT, cli_main
 
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""mmalign.run.ds_adapter (DeepSpeed's private layout) against DeepSpeed's public behaviour.
+"""mmalign.layout.ds_adapter (DeepSpeed's private layout) against DeepSpeed's public behaviour.
 
 Every view the adapter takes of DeepSpeed's internals is compared with what DeepSpeed's
 documented API says about the same thing: the flat-partition fragments with
@@ -67,7 +67,7 @@ def _fragments_against_public_api(engine, moments: bool = True) -> list[tuple[st
     of the optimizer state; returns (name, start, length, numel) per fragment of this rank."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
     frags = {f.name: f for f in engine.partition_fragments()}
     parts = ds_adapter.partitions(engine.ds, engine.stage, engine.base_optimizer)
@@ -98,7 +98,7 @@ def _fragments_against_public_api(engine, moments: bool = True) -> list[tuple[st
 def test_fragments_and_partitions_match_deepspeeds_public_getters(stage, seed, at_configured_stage):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
 
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
     engine = _stepped_engine(stage, seed)
     pieces = _fragments_against_public_api(engine)
@@ -124,7 +124,7 @@ def test_fragments_and_partitions_match_deepspeeds_public_getters(stage, seed, a
 
 
 def test_zero0_has_no_partitions_and_the_module_holds_the_weights(seed):
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
     engine = _stepped_engine(0, seed)
     assert engine.partition_fragments() == []
@@ -140,7 +140,8 @@ def test_counters_writer_resume_and_consolidation_agree_with_deepspeed(stage, se
     consolidation equals DeepSpeed's own (the weights) and its public getters (the moments)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from mmalign.run import ds_adapter, engine as engine_module, reshard
+    from mmalign.layout import ds_adapter
+    from mmalign.run import engine as engine_module, reshard
 
     if stage in (1, 2):
         monkeypatch.setattr(engine_module, "effective_stage", lambda cfg, world: (cfg.deepspeed.zero_stage, None))
@@ -217,7 +218,7 @@ def test_the_shm_op_builder_is_swapped_only_for_the_block():
     import importlib
 
     import mmalign.run.engine  # noqa: F401 (sets the CPU accelerator before DeepSpeed is imported)
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
     ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
     real = ds_comm_torch.build_shm_op
@@ -227,28 +228,28 @@ def test_the_shm_op_builder_is_swapped_only_for_the_block():
 
 
 def test_a_mismatching_deepspeed_version_is_one_warning_line(caplog, monkeypatch, seed):
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
-    with caplog.at_level(logging.WARNING, logger="mmalign.run.ds_adapter"):
+    with caplog.at_level(logging.WARNING, logger="mmalign.layout.ds_adapter"):
         assert ds_adapter.check_version(ds_adapter.WRITTEN_AGAINST) is None
         assert caplog.records == []
         line = ds_adapter.check_version("0.0.1-test")
         ds_adapter.check_version("0.0.1-test")  # once per process and version
     assert [r.getMessage() for r in caplog.records] == [line]
     assert "\n" not in line and "0.0.1-test" in line and ds_adapter.WRITTEN_AGAINST in line
-    assert "mmalign/run/ds_adapter.py" in line
+    assert "mmalign/layout/ds_adapter.py" in line
     # and the engine checks the installed version when it is built
     caplog.clear()
     monkeypatch.setattr(ds_adapter, "WRITTEN_AGAINST", "0.0.2-test")
     monkeypatch.setattr(ds_adapter, "_warned_versions", set())
-    with caplog.at_level(logging.WARNING, logger="mmalign.run.ds_adapter"):
+    with caplog.at_level(logging.WARNING, logger="mmalign.layout.ds_adapter"):
         _stepped_engine(0, seed)
-    lines = [r.getMessage() for r in caplog.records if r.name == "mmalign.run.ds_adapter"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mmalign.layout.ds_adapter"]
     assert len(lines) == 1 and "0.0.2-test" in lines[0], lines
 
 
 def test_shadowed_restores_an_instance_attribute_or_the_class_method():
-    from mmalign.run import ds_adapter
+    from mmalign.layout import ds_adapter
 
     class Writer:
         def save(self):

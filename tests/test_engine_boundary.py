@@ -1,4 +1,4 @@
-"""Only mmalign/run/engine.py (and its adapter, mmalign/run/ds_adapter.py) reaches into DeepSpeed's engine (issue 18): everything else asks the
+"""Only mmalign/run/engine.py (and its adapter, mmalign/layout/ds_adapter.py) reaches into DeepSpeed's engine (issue 18): everything else asks the
 :class:`mmalign.run.engine.Engine` (``train_mode``, ``named_buffers``, ``partition_fragments`` ...)."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def parity_setup(tmp_path_factory):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.models.io import save_pretrained
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.two_tower import TwoTower
 
     root = tmp_path_factory.mktemp("parity")

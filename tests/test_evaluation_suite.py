@@ -24,7 +24,7 @@ def run_dir(shapes_dir, tmp_path_factory):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.models.io import save_pretrained
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.two_tower import TwoTower
 
     run = tmp_path_factory.mktemp("evalrun")

@@ -27,7 +27,7 @@ from mmalign.config import load_config, validate
 from mmalign.data.shards import iter_tar_groups
 from mmalign.errors import UsageError
 from mmalign.evaluation import load_suite, run_suite
-from mmalign.models.presets import resolve_arch
+from mmalign.models.arch import resolve_arch
 from tests.conftest import ROOT, cli_main
 
 RECIPE = ROOT / "configs" / "finetune_cifar10_cpu.yaml"

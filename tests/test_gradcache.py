@@ -222,7 +222,7 @@ def _raw_loss(full):
 def test_a_field_added_in_a_subclass_gets_its_gradient_cached_and_uncached(seed):
     from mmalign.config import ModelConfig as MC
     from mmalign.run.engine import Engine
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
 
     torch.manual_seed(seed)
     model = _RawModel(resolve_arch(MC(preset="micro")))

@@ -199,7 +199,7 @@ def test_installed_eval_finds_a_shipped_suite_and_its_data(installed, tmp_path):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.models.io import save_pretrained
-    from mmalign.models.presets import resolve_arch
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.two_tower import TwoTower
 
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ from tests.conftest import ROOT
 
 # Where the layer rules allow each guarded import (paths relative to the repository root).
 ONLY_IN = {"torch.distributed": ("mmalign/dist/distributed.py",),
-           "deepspeed": ("mmalign/run/engine.py", "mmalign/run/ds_adapter.py")}  # the adapter: DeepSpeed's private layout
+           "deepspeed": ("mmalign/run/engine.py", "mmalign/layout/ds_adapter.py")}  # the adapter: DeepSpeed's private layout
 HEAVY = ("faiss", "onnx", "onnxruntime", "transformers", "matplotlib", "sklearn", "tensorboard", "datasets")
 # A heavy dependency used by more than one module, with why; every other one has at most one owner.
 SHARED_OWNERS = {

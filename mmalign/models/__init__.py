@@ -5,7 +5,8 @@ from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
 from mmalign.models.flip import add_patch_dropout
 from mmalign.models.init_from import load_pretrained_weights
 from mmalign.models.timm_tower import load_timm_weights
-from mmalign.models.presets import PRESETS, available, resolve_arch
+from mmalign.models.arch import resolve_arch
+from mmalign.models.presets import PRESETS, available
 from mmalign.models.two_tower import TwoTower
 
 
@@ -82,4 +83,26 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
         raise ConfigError(f"config key '{key}': {e}") from None
 
 
-__all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "resolve_arch"]
+def describe_presets(include_unavailable: bool = False, names: list[str] | None = None):
+    """Yield ``{"name", "offline", "params", "image_size", "why"}`` per preset (``mmalign models``).
+
+    A preset is offline when its towers build without a download (a Hugging Face text tower
+    named by hub id needs one; ``model.text.hf_local_dir`` replaces it); its parameters are
+    counted on the meta device (no memory, no maths).  The others are yielded, with ``why``, only under ``include_unavailable``.
+    """
+    from mmalign.errors import ConfigError
+    from mmalign.models import presets
+
+    for name in presets.available() if names is None else names:
+        try:
+            model = check_buildable(ModelConfig(preset=name))
+        except ConfigError as e:
+            if include_unavailable:
+                why = "needs a Hugging Face text tower" if "Hugging Face" in str(e) else str(e).split(": ", 1)[-1]
+                yield {"name": name, "offline": False, "params": None, "image_size": None, "why": why[:100]}
+            continue
+        yield {"name": name, "offline": True, "params": sum(p.numel() for p in model.parameters()),
+               "image_size": model.image_size, "why": None}
+
+
+__all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "describe_presets", "resolve_arch"]

@@ -8,9 +8,9 @@ A path may be
 * a run directory: its ``final/``;
 * a step checkpoint ``RUN/checkpoints/step_N`` (``engine/`` is DeepSpeed's state, any ZeRO
   stage): the weights are consolidated into one fp32 state dict by
-  :func:`mmalign.run.engine.consolidate_checkpoint`, and the architecture is rebuilt from the
+  :func:`mmalign.layout.ds_adapter.consolidate_checkpoint`, and the architecture is rebuilt from the
   resolved config stored *in that checkpoint* (``step_N/config.yaml``, written by
-  :func:`mmalign.run.checkpoint.save`), never from ``RUN/config.yaml``, which may have been
+  :func:`mmalign.run.checkpoint.save`; the names are :mod:`mmalign.layout.run_dir`'s), never from ``RUN/config.yaml``, which may have been
   edited since.  A checkpoint from before checkpoints stored their config falls back to
   ``RUN/config.yaml`` with one logged warning.
 
@@ -35,11 +35,11 @@ from typing import Callable
 import torch
 
 from mmalign.errors import ConfigError, UsageError, first_line
+from mmalign.models.locate import CHECKPOINT, MODEL, checkpoint_config, is_step_checkpoint, locate  # noqa: F401 (re-exported)
 from mmalign.models.two_tower import TwoTower
 
 log = logging.getLogger(__name__)
 
-MODEL, CHECKPOINT = "model", "checkpoint"  # Loaded.kind
 
 
 @dataclass
@@ -82,34 +82,6 @@ class Loaded:
         return f"{'model folder' if self.kind == MODEL else 'step checkpoint'} {self.path}"
 
 
-def is_step_checkpoint(path: Path) -> bool:
-    """Only ``.../checkpoints/step_N`` with an ``engine/`` folder is a step checkpoint."""
-    from mmalign.run.checkpoint import ENGINE_TAG, ROOT, is_step_name
-
-    return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
-
-
-def locate(path: str | Path) -> tuple[str, Path]:
-    """``(kind, folder)`` of the model at ``path``; a one-line UsageError when there is none."""
-    from mmalign.run.checkpoint import is_step_name
-    from mmalign.models.io import resolve_model_dir
-
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"model path {p} does not exist")
-    try:
-        return MODEL, resolve_model_dir(p)  # safetensors first, whatever else the folder holds
-    except FileNotFoundError as e:
-        if is_step_checkpoint(p):
-            return CHECKPOINT, p
-        hint = ""
-        latest = p / "checkpoints" / "latest"  # a run killed or still training: name what it has
-        newest = latest.read_text(errors="replace").strip() if latest.is_file() else ""
-        if is_step_name(newest) and not (p / "final").exists():
-            hint = f" (the run has no final/ yet; its newest checkpoint is {latest.parent / newest})"
-        raise UsageError(f"{e}; or a step checkpoint RUN/checkpoints/step_N{hint}") from None
-
-
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final`` or
     ``RUN/checkpoints/step_N``), in eval mode on ``device``."""
@@ -146,32 +118,15 @@ def _eval_transform(preprocess_cfg: dict):
     return eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
 
 
-def checkpoint_config(step_dir: Path) -> Path:
-    """The config file a step checkpoint is rebuilt from: its own, else (older runs) the
-    run's ``config.yaml``, with one warning."""
-    from mmalign.run.rundir import CONFIG_FILE
-
-    own = step_dir / CONFIG_FILE
-    if own.is_file():
-        return own
-    run_config = step_dir.resolve().parent.parent / CONFIG_FILE
-    if not run_config.is_file():
-        raise UsageError(f"step checkpoint {step_dir} has no {CONFIG_FILE} of its own, nor the run at {run_config}")
-    log.warning("step checkpoint %s has no %s of its own (written before checkpoints stored their config); "
-                "rebuilding it from %s, which may have been edited since the checkpoint", step_dir, CONFIG_FILE,
-                run_config)
-    return run_config
-
-
 def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     """``RUN/checkpoints/step_N`` -> (model, a model_config.json-like dict): weights
     consolidated from any ZeRO stage, architecture from the checkpoint's own config."""
-    from mmalign.run.checkpoint import ENGINE_TAG
     from mmalign.config import load_config, to_dict
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.run.engine import consolidate_checkpoint  # imports deepspeed: only on this path
+    from mmalign.layout.ds_adapter import consolidate_checkpoint  # imports deepspeed: only on this path
+    from mmalign.layout.run_dir import ENGINE_TAG
+    from mmalign.models.arch import resolve_arch
     from mmalign.models.misfit import misfit
-    from mmalign.models.presets import resolve_arch
 
     config_file = checkpoint_config(step_dir)
     try:

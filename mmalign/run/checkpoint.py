@@ -37,17 +37,11 @@ from mmalign.run.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exp
 from mmalign.config import ConfigError
 from mmalign.errors import first_line
 
-ROOT = "checkpoints"
-ENGINE_TAG = "engine"
+from mmalign.layout.run_dir import ENGINE_TAG, ROOT, is_step_name  # noqa: F401 (re-exported)
 
 
 def root(out: str | Path) -> Path:
     return Path(out) / ROOT
-
-
-def is_step_name(name: str) -> bool:
-    """``step_N`` (a complete checkpoint's directory name; not ``.tmp``, no path parts)."""
-    return re.fullmatch(r"step_[0-9]+", name) is not None
 
 
 def clean_partial(out: str | Path) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from mmalign.errors import RunStopped
 
-from mmalign.run import ds_adapter
+from mmalign.layout import ds_adapter
 
 log = logging.getLogger("mmalign.run.train")
 
@@ -103,7 +103,7 @@ def deferred_engine_writes(engine, failures: list):
     :func:`save_torch`, and a failed write is appended to ``failures`` (its partial file
     removed) instead of raised, so that DeepSpeed's save still reaches its closing barrier
     on this rank.  An engine without DeepSpeed's checkpoint writer
-    (:func:`mmalign.run.ds_adapter.checkpoint_writer`) is left as it is."""
+    (:func:`mmalign.layout.ds_adapter.checkpoint_writer`) is left as it is."""
     found = ds_adapter.checkpoint_writer(engine)
     if found is None:
         yield

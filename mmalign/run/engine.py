@@ -9,7 +9,7 @@ local-rows convention gives the exact full-batch gradient.
 
 This module uses DeepSpeed's public API; whatever reads or swaps DeepSpeed's private layout
 (flat partitions, fragment maps, counters, the checkpoint engine, module-level swaps) is in
-:mod:`mmalign.run.ds_adapter`, and the forward's boundary (autocast, Embeddings as a dict) in
+:mod:`mmalign.layout.ds_adapter`, and the forward's boundary (autocast, Embeddings as a dict) in
 :mod:`mmalign.run.engine_forward`.
 """
 
@@ -20,16 +20,15 @@ import itertools
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+from mmalign.layout.ds_adapter import default_accelerator
 
+default_accelerator()  # before deepspeed is imported
 import deepspeed  # noqa: E402
 from deepspeed.utils import (  # noqa: E402
     safe_get_full_fp32_param,
@@ -39,11 +38,12 @@ from deepspeed.utils import (  # noqa: E402
 )
 
 from mmalign.dist import distributed as mdist  # noqa: E402
-from mmalign.run import ds_adapter, reshard  # noqa: E402
+from mmalign.layout import ds_adapter  # noqa: E402
+from mmalign.run import reshard  # noqa: E402
 from mmalign.run.compile import compile_failures, compile_towers  # noqa: E402
 from mmalign.config import Config  # noqa: E402
 from mmalign.data.batch import Batch  # noqa: E402
-from mmalign.run.ds_adapter import consolidate_checkpoint  # noqa: E402,F401 (re-exported: models.load, tests)
+from mmalign.layout.ds_adapter import consolidate_checkpoint  # noqa: E402,F401 (re-exported: tests)
 from mmalign.run.engine_config import BatchPlan, ds_config, plan_batch  # noqa: E402,F401 (re-exported)
 from mmalign.run.engine_forward import (  # noqa: E402,F401 (autocast_for re-exported)
     InnerAutocast,
@@ -267,7 +267,7 @@ class Engine:
         No collective: each rank clamps what it holds. The module copy is whole on every
         rank (stages 0-2, equal after the update) or this rank's partition (stage 3); the
         fp32 master lives on the rank that owns its fragment (stages 1-2 and DeepSpeed's
-        BF16 optimizer: :func:`mmalign.run.ds_adapter.master_fragment`; stage 3: the local partition).
+        BF16 optimizer: :func:`mmalign.layout.ds_adapter.master_fragment`; stage 3: the local partition).
         Clamping is elementwise, so the pieces stay consistent with the whole."""
         p = self.module.logit_scale
         if ds_adapter.is_zero3(p):
@@ -323,7 +323,7 @@ class Engine:
 
     def load_checkpoint(self, directory: str | Path, tag: str) -> dict:
         """Resume from DeepSpeed's engine state, every file unpickled with ``weights_only=True``
-        (:func:`mmalign.run.ds_adapter.weights_only_resume`): DeepSpeed's own checkpoint engine would
+        (:func:`mmalign.layout.ds_adapter.weights_only_resume`): DeepSpeed's own checkpoint engine would
         run whatever a planted pickle holds.
         ZeRO partitions written by another world size, and checkpoints written at ZeRO-0 for a
         ZeRO-1/2/3 engine or the other way round (a one-process run of a zero_stage 1 config

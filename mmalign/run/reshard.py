@@ -5,7 +5,7 @@ size (``ZeRORuntimeException``).  We do not convert the checkpoint to DeepSpeed'
 universal format; we consolidate it ourselves and re-partition in memory:
 
 1. every rank reads the whole checkpoint as full per-parameter tensors: the fp32
-   master weights (:func:`mmalign.run.ds_adapter.consolidate_checkpoint`) and each
+   master weights (:func:`mmalign.layout.ds_adapter.consolidate_checkpoint`) and each
    optimizer moment (the same consolidation with the moment's flat partitions in
    place of the weights' -- they share the weights' layout);
 2. each rank copies its own slice of every tensor into the partitions the new
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from mmalign.dist import distributed as mdist
-from mmalign.run import ds_adapter
+from mmalign.layout import ds_adapter
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stages 0-2 | 3
 

@@ -36,8 +36,7 @@ from pathlib import Path
 import yaml
 
 from mmalign.config import Config, ConfigError, to_dict
-
-CONFIG_FILE = "config.yaml"  # in the run directory and in every checkpoint
+from mmalign.layout.run_dir import CONFIG_FILE  # noqa: F401 (re-exported)
 
 # What a run writes; --overwrite removes these and nothing else (a directory may hold the
 # user's own files too).

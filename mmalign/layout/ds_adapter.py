@@ -23,14 +23,16 @@ What is known here:
   ``deepspeed.comm.torch`` and ``torch`` / ``tqdm`` in ``deepspeed.utils.zero_to_fp32``.
 
 deepspeed is imported inside the functions: this module is imported by modules (the disk
-checks of a save) that must not pull DeepSpeed in; :mod:`mmalign.run.engine` imports DeepSpeed
-first (it sets the CPU accelerator before that import).
+checks of a save, the model loader) that must not pull DeepSpeed in, and it imports nothing
+else of mmalign, so every layer may use it. :func:`default_accelerator` runs before each
+import of deepspeed (:mod:`mmalign.run.engine`'s, and a consolidation's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +41,16 @@ import torch
 
 WRITTEN_AGAINST = "0.19.8"
 
-log = logging.getLogger("mmalign.run.ds_adapter")
+log = logging.getLogger("mmalign.layout.ds_adapter")
 _warned_versions: set[str] = set()
+
+
+def default_accelerator() -> None:
+    """DeepSpeed picks its accelerator once, when first imported: on a machine without CUDA it
+    must be the CPU one (``DS_ACCELERATOR=cpu``), unless the user chose another. Called before
+    every import of deepspeed (the engine's, and a consolidation's without an engine)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def version_line(installed: str) -> str | None:
@@ -48,7 +58,7 @@ def version_line(installed: str) -> str | None:
     if installed == WRITTEN_AGAINST:
         return None
     return (f"mmalign: warning: DeepSpeed {installed} is installed, mmalign's adapter of DeepSpeed's private "
-            f"layout (mmalign/run/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
+            f"layout (mmalign/layout/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
             f"tests/test_ds_adapter.py checks it against this version")
 
 
@@ -270,6 +280,7 @@ def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | Non
     Every file is read with ``torch.load(weights_only=True)`` (plus the few DeepSpeed classes
     of :func:`safe_globals`), so a planted pickle fails to load (``pickle.UnpicklingError``)
     instead of running."""
+    default_accelerator()
     from deepspeed.utils import zero_to_fp32
 
     path = Path(directory) / tag
