@@ -1,10 +1,11 @@
-"""The loader position across a change of world size (mmalign.data.resharding).
+"""The loader position across a change of world size or worker count (mmalign.data.resharding).
 
-Epoch mode: the samples consumed before the change and the epoch's samples read
-after it are, together, every sample of the epoch exactly once.  Resampled mode:
-the new streams are a deterministic function of (seed, step, layout) and are not
-a replay of the run's first batches.  The ranks' loaders run in this process
-(``data.workers=0``: one slot per rank), so no process group is needed.
+The order is a function of the global batch (one lane per row), so a resume on any layout
+continues the uninterrupted run's batches exactly: the naive reference is one process
+reading the global batch with no checkpoint at all.  A position written before lanes
+(version 2: one stream per rank and worker) restarts its lanes, as its phrase says.  The
+ranks' loaders run in this process (``data.workers=0`` or DataLoader workers), so no process
+group is needed.
 """
 
 from __future__ import annotations
@@ -14,67 +15,61 @@ import random
 
 import pytest
 
-from mmalign.data.resharding import convert
+from mmalign.data.resharding import RESTART, convert
 from tests.test_data_loader import loader_for, make_shards, take
 
-GLOBAL_BATCH = 6
+GLOBAL_BATCH = 8
 
 
-def _loaders(spec, world, mode, seed, states=None, step=0):
-    loaders = [loader_for(spec, mode=mode, workers=0, batch=GLOBAL_BATCH // world, seed=seed, rank=r,
+def _loaders(spec, world, mode, seed, workers=0, states=None, step=0):
+    loaders = [loader_for(spec, mode=mode, workers=workers, batch=GLOBAL_BATCH // world, seed=seed, rank=r,
                           world_size=world) for r in range(world)]
     if states is not None:
         for r, loader in enumerate(loaders):
             state, how = convert(json.loads(json.dumps(states)), loader.spec, r, step)
-            assert "data order changed" in how
+            assert "data order unchanged" in how, how
             loader.load_state_dict(state)
     return loaders
 
 
-@pytest.mark.parametrize("old_world,new_world", [(2, 1), (1, 2)])
-@pytest.mark.parametrize("n_shards", [5, 1])  # 1: fewer shards than slots (slots split a shard by sample)
-def test_epoch_mode_does_not_repeat_the_consumed_samples(tmp_path, old_world, new_world, n_shards, seed):
+def _global(loaders, n):
+    """The global batches of ``loaders`` (one per rank, in rank order): rows concatenated."""
+    per_rank = [take(loader, n) for loader in loaders]
+    return [[k for batches in per_rank for k in batches[t].keys] for t in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["epoch", "resampled"])
+@pytest.mark.parametrize("old,new", [((2, 2), (1, 0)), ((1, 0), (4, 1)), ((4, 0), (2, 3))])
+def test_a_resume_on_another_layout_continues_the_same_order(tmp_path, mode, old, new, seed):
     rng = random.Random(seed)
-    keys = make_shards(tmp_path, [rng.randint(5, 13) if n_shards > 1 else rng.randint(14, 24) for _ in range(n_shards)],
-                       rng)
-    spec = f"{tmp_path}/{{00000..{n_shards - 1:05d}}}.tar"
-    seed, steps = rng.randrange(1000), rng.randint(1, len(keys) // GLOBAL_BATCH - 1)
+    make_shards(tmp_path, [rng.randint(5, 13) for _ in range(4)], rng)
+    spec = f"{tmp_path}/{{00000..00003}}.tar"
+    seed, cut, total = rng.randrange(1000), rng.randint(1, 4), 9  # 72 rows: past epoch 0 (<= 52 samples)
+    reference = _global(_loaders(spec, 1, mode, seed), total)  # one process, never interrupted
 
-    old = _loaders(spec, old_world, "epoch", seed)
-    consumed = [k for loader in old for b in take(loader, steps) for k, e in zip(b.keys, b.epochs.tolist())
-                if e == 0]
-    states = [loader.state_dict() for loader in old]
-
-    new = _loaders(spec, new_world, "epoch", seed, states, steps)
-    per_rank = len(keys) // (GLOBAL_BATCH // new_world) + 2  # more than the rest of the epoch on any slot
-    after = [k for loader in new for b in take(loader, per_rank) for k, e in zip(b.keys, b.epochs.tolist())
-             if e == 0]
-    assert not set(consumed) & set(after), "a consumed sample came again in the same epoch"
-    assert sorted(consumed + after) == sorted(keys), "the epoch lost or repeated samples"
-
-    # the converted position is itself resumable (the explicit plans travel in the state)
-    again = _loaders(spec, new_world, "epoch", seed, states, steps)[0]
-    head = take(again, 2)
-    resumed = loader_for(spec, mode="epoch", workers=0, batch=GLOBAL_BATCH // new_world, seed=seed, rank=0,
-                         world_size=new_world)
-    resumed.load_state_dict(json.loads(json.dumps(again.state_dict())))
-    reference = take(_loaders(spec, new_world, "epoch", seed, states, steps)[0], 5)
-    assert [b.keys for b in head + take(resumed, 3)] == [b.keys for b in reference]
+    before = _loaders(spec, old[0], mode, seed, workers=old[1])
+    head = _global(before, cut)
+    states = [loader.state_dict() for loader in before]
+    after = _loaders(spec, new[0], mode, seed, workers=new[1], states=states, step=cut)
+    assert head + _global(after, total - cut) == reference
 
 
-def test_resampled_mode_restarts_from_seed_step_and_layout(tmp_path, seed):
+def test_a_pre_lane_position_restarts_the_lanes_and_says_so(tmp_path, seed):
     rng = random.Random(seed)
     make_shards(tmp_path, [rng.randint(6, 12) for _ in range(3)], rng)
     spec = f"{tmp_path}/{{00000..00002}}.tar"
-    old = _loaders(spec, 2, "resampled", 5)
-    for loader in old:
-        take(loader, 3)
-    states = [loader.state_dict() for loader in old]
-
-    def first(step):
-        return [b.keys for b in take(_loaders(spec, 1, "resampled", 5, states, step)[0], 4)]
-
-    assert first(3) == first(3)  # deterministic in (seed, step, layout)
-    assert first(3) != first(4)
-    fresh = [b.keys for b in take(_loaders(spec, 1, "resampled", 5)[0], 4)]
-    assert first(3) != fresh  # not a replay of the run's start
+    loader = _loaders(spec, 1, "resampled", 5)[0]
+    old = {"version": 2, "mode": "resampled", "seed": 5, "rank": 0, "world_size": 2, "workers": 1, "batch_size": 4,
+           "shards": loader.state_dict()["shards"], "consumed": 3,
+           "slots": {"0": {"epoch": 0, "skipped": {"corrupt_image": 2}}, "1": {"epoch": 0, "skipped": {}}}}
+    state, how = convert([old], loader.spec, 0, 3)
+    assert "data order restarted at step 3" in how
+    assert all(s["epoch"] == RESTART + 3 for s in state["lane_states"].values())  # draws never reached before
+    loader.load_state_dict(state)
+    assert loader.skipped() == {"corrupt_image": 2}  # the run's skip totals continue
+    restarted = [b.keys for b in take(loader, 3)]
+    fresh = [b.keys for b in take(_loaders(spec, 1, "resampled", 5)[0], 3)]
+    assert restarted != fresh  # not a replay of the run's start
+    same_rank = _loaders(spec, 1, "resampled", 5)[0]
+    same_rank.load_state_dict(old)  # no world-size change: the loader converts it itself, alike
+    assert [b.keys for b in take(same_rank, 3)] == restarted

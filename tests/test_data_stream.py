@@ -1,6 +1,6 @@
 """Worker pieces and uint8 batches: the local batch does not depend on data.worker_batch_size
-(resume included), its rows are each worker's next share of its own stream, and the uint8
-images normalised on the device equal the float32 path."""
+(resume included), row j of every batch is lane j's next sample, and the uint8 images
+normalised on the device equal the float32 path."""
 
 import io
 import json
@@ -18,7 +18,7 @@ from mmalign.data.batch import Batch
 from mmalign.data.device import images_to
 from mmalign.data.loader import build_train_loader, worker_shares
 from mmalign.data.samples import SampleProcessor, merge
-from mmalign.data.stream import SlotStream
+from mmalign.data.stream import LaneStream
 from mmalign.data.transforms import train_transform
 
 TOKENIZER = SimpleTokenizer(context_length=12)
@@ -102,16 +102,17 @@ def test_piece_size_changes_nothing_resume_included(tmp_path, mode, seed):
     assert [b.keys for b in other] != [b.keys for b in reference[:2]]
 
 
-def test_a_batch_is_each_workers_next_share_of_its_stream(tmp_path, seed):
-    """Naive reference: run each slot's stream alone and cut B = 7 rows as 4 + 3."""
+def test_row_j_of_every_batch_is_lane_js_next_sample(tmp_path, seed):
+    """Naive reference: run each of the B = 7 lanes alone, in this process, and take one sample
+    of each per batch; the loader's two workers, in pieces of 2, must give the same rows."""
     rng = random.Random(seed)
     spec = make_shards(tmp_path, [rng.randint(10, 16) for _ in range(3)], rng)
     loader = loader_for(spec, piece=2)
     got = take(loader, 5)
     processor = SampleProcessor(train_transform(8, AUG), TOKENIZER)
-    streams = [SlotStream(loader.spec, slot, processor).samples() for slot in range(2)]
+    lanes = [LaneStream(loader.spec, lane, processor).samples() for lane in range(7)]
     for batch in got:
-        rows = [row for stream, share in zip(streams, (4, 3)) for row, _ in (next(stream) for _ in range(share))]
+        rows = [next(lane)[0] for lane in lanes]
         assert batch.keys == [r["key"] for r in rows]
         assert torch.equal(batch.images, torch.stack([r["image"] for r in rows]))
 

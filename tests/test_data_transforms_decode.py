@@ -20,6 +20,7 @@ from torchvision.transforms import functional as F
 
 from mmalign.config import AugmentConfig
 from mmalign.data.samples import SampleProcessor
+from mmalign.data.seeds import VIEW, draws
 from mmalign.data.shards import open_image
 from mmalign.data.transforms import crop_box, eval_transform, train_transform
 
@@ -67,9 +68,8 @@ def test_a_1024px_jpeg_is_drafted_and_its_crop_stays_close(drafts, scale, seed):
     processor = SampleProcessor(train_transform(224, aug), lambda captions: torch.zeros(len(captions), 4))
     for _ in range(2):
         data, seed = photo(rng, 1024), rng.randrange(10**6)
-        row = processor("k", {"jpg": data, "txt": b"a caption"}, random.Random(seed))
-        gen = random.Random(seed)
-        gen.randrange(1)  # the sample's generator draws its caption first, then the crop
+        row = processor("k", {"jpg": data, "txt": b"a caption"}, seed)
+        gen = draws(seed, VIEW)  # the sample's generator of its (first) view: the crop
         want = full_decode_crop(data, aug, gen)
         got = row["image"]
         assert got.dtype == torch.uint8 and got.shape == want.shape == (3, 224, 224)

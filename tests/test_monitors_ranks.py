@@ -1,4 +1,5 @@
-"""Per-rank randomness and logs that tell the truth across ranks (issue 13, points 4 and 7)."""
+"""Per-sample FLIP masks (issue 30: drawn from each sample's seed, not the rank's generator) and
+logs that tell the truth across ranks (issue 13, points 4 and 7)."""
 
 from __future__ import annotations
 
@@ -64,25 +65,39 @@ def test_flops_are_counted_in_train_mode_without_a_trace():
 
 
 def _train_worker(rank, world, overrides, out):
-    """A straight run (recording every train-mode patch-dropout mask and every step's local
-    loss), then, in the same processes, a resume from its step-3 checkpoint."""
+    """A straight run (recording every train-mode patch-dropout mask with the seeds it was drawn
+    from, and every step's local loss), then, in the same processes, a resume from its step-3
+    checkpoint."""
     import open_clip.transformer as oct
 
     from mmalign.dist import distributed as mdist
+    from mmalign.models import flip
     from mmalign.run import engine as eng
     from mmalign.run.train import train
 
     masks, losses = [], []
     original = oct.PatchDropout.forward
+    seeded = flip.SeededPatchDropout.forward
 
-    def recording(self, x):
-        if self.training and self.prob > 0:  # redraw open_clip's mask without consuming the RNG
+    def recording(self, x):  # the unseeded path (the FLOP count): redraw without consuming the RNG
+        if self.training and self.prob > 0:
             state = torch.get_rng_state()
             rand = torch.randn(x.shape[0], x.shape[1] - int(self.exclude_first_token))
             torch.set_rng_state(state)
-            masks.append(rand.topk(max(1, int(rand.shape[1] * (1 - self.prob))), dim=-1).indices)
+            masks.append((None, rand.topk(max(1, int(rand.shape[1] * (1 - self.prob))), dim=-1).indices))
         return original(self, x)
 
+    def recording_seeded(self, x):
+        out = seeded(self, x)
+        if self.training and self.prob > 0 and self.row_seeds is not None:
+            # which patch tokens were kept: match the kept rows of x back to their positions
+            kept = out[:, 1:]  # (B, K, W)
+            index = (kept[:, :, None, :] == x[:, None, 1:, :]).all(-1).float().argmax(-1)  # (B, K)
+            masks.append((list(self.row_seeds), index))
+        return out
+
+    oct.PatchDropout.forward = recording
+    flip.SeededPatchDropout.forward = recording_seeded
     step = eng.Engine.step
 
     def recording_step(self, *args, **kwargs):
@@ -90,7 +105,6 @@ def _train_worker(rank, world, overrides, out):
         losses.append(float(result.loss.detach()))
         return result
 
-    oct.PatchDropout.forward = recording
     eng.Engine.step = recording_step
     cfg = load_config(None, overrides)
     run = train(cfg, show_progress=False)
@@ -117,15 +131,23 @@ def two_rank_run(shapes_dir, tmp_path_factory):
     return out
 
 
-def test_two_ranks_draw_their_own_masks_and_log_global_values(two_rank_run):
+def _naive_mask(seed: int, patches: int, keep: int) -> torch.Tensor:
+    """A sample's FLIP mask by hand: its own generator's scores over the patches, the top ``keep``."""
+    return torch.rand(patches, generator=torch.Generator().manual_seed(seed)).topk(keep).indices
+
+
+def test_each_sample_draws_its_own_mask_and_the_logs_hold_global_values(two_rank_run):
     out = two_rank_run
     r0, r1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
-    # call 0: the FLOP count (train mode, before the per-rank reseed): the same on both ranks
-    assert torch.equal(r0["masks"][0], r1["masks"][0])
-    # then every training forward: each rank draws its own mask
+    # call 0: the FLOP count (train mode, no sample seeds, before the per-rank reseed): the same
+    assert r0["masks"][0][0] is None and torch.equal(r0["masks"][0][1], r1["masks"][0][1])
+    # then every training forward: each row's mask is its sample's (seed -> scores -> top half)
     assert len(r0["masks"]) == len(r1["masks"]) == 7
-    for a, b in zip(r0["masks"][1:], r1["masks"][1:]):
-        assert not torch.equal(a, b)
+    for (s0, m0), (s1, m1) in zip(r0["masks"][1:], r1["masks"][1:]):
+        assert len(s0) == len(s1) == 8 and not set(s0) & set(s1)  # other samples on the other rank
+        for seeds, mask in ((s0, m0), (s1, m1)):
+            for seed, row in zip(seeds, mask):
+                assert torch.equal(row, _naive_mask(seed, 16, 8)), seed
     records = [json.loads(line) for line in (out / "straight_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for r, l0, l1 in zip(records, r0["losses"], r1["losses"]):

@@ -26,8 +26,10 @@ from mmalign.data.device import images_to
 __all__ = ["Batch", "MODEL_INPUTS"]
 
 # Batch field -> TwoTower.forward keyword
-MODEL_INPUTS = {"images": "images", "tokens": "texts", "images2": "images2", "neg_tokens": "neg_texts"}
+MODEL_INPUTS = {"images": "images", "tokens": "texts", "images2": "images2", "neg_tokens": "neg_texts",
+                "seeds": "seeds"}
 _IMAGES = ("images", "images2")  # uint8 from the workers: normalised on the device
+HOST = ("seeds",)  # read on the host (each row's FLIP mask generator): never moved to the device
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Batch:
     captions: Optional[list[str]] = None  # B strings (the sampled caption of each image)
     keys: Optional[list[str]] = None  # B sample keys
     epochs: Optional[Tensor] = None  # (B,) the epoch each sample belongs to
+    seeds: Optional[Tensor] = None  # (B,) int64 >= 0: each sample's seed (data/samples.sample_seed; the FLIP mask)
     ids: Optional[Tensor] = None  # (B,) int64 from data.id_field
     images2: Optional[Tensor] = None  # (B, 3, H, W) a second augmented view (data.views: 2)
     neg_tokens: Optional[Tensor] = None  # (B, k, L) mined negative captions (data.hard_negatives)
@@ -60,7 +63,7 @@ class Batch:
         for k, v in self._per_sample().items():
             if k in _IMAGES:
                 moved[k] = images_to(v, torch.device(device))  # (B, 3, H, W) float32
-            elif torch.is_tensor(v):
+            elif torch.is_tensor(v) and k not in HOST:
                 moved[k] = v.to(device, non_blocking=True)
         return dataclasses.replace(self, **moved)
 

@@ -34,13 +34,15 @@ from mmalign.data.batch import Batch
 from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.remote import RemoteOptions
-from mmalign.data.stream import NoSamples, SlotStream, StreamSpec, check_resumable
+from mmalign.data.shard_sizes import shard_sizes
+from mmalign.data.stream import EpochOrder, LaneStream, NoSamples, StreamSpec, check_resumable
 
 log = logging.getLogger("mmalign.data")
 
-# 2: every local batch takes rows from all workers (1: each batch came whole from one worker,
-# in turn; such a state still resumes each worker's stream where it stopped)
-STATE_VERSION = 2
+# 3: one stream per row of the global batch (lanes), layout-free (1, 2: one stream per rank and
+# worker; such a state restarts its lanes at its step: mmalign.data.resharding.from_slots)
+STATE_VERSION = 3
+MAX_OPEN_LANES = 64  # a worker with more lanes closes each one's shard between buffer refills
 DEFAULT_WORKER_BATCH = 256
 
 
@@ -58,13 +60,25 @@ def worker_shares(batch_size: int, workers: int, piece: int) -> list[list[int]]:
     return [[r // pieces + (j < r % pieces) for j in range(pieces)] for r in rows]
 
 
-class _Slots(IterableDataset):
-    """What each DataLoader worker runs: the stream of its slot, cut into its pieces."""
+def lane_split(rank: int, batch_size: int, shares: list[list[int]]) -> list[list[range]]:
+    """Per worker, the lanes of each piece it sends: rank ``rank``'s lanes are
+    ``[rank B_local, (rank + 1) B_local)``, worker w takes the next ``sum(shares[w])`` of them,
+    in pieces of ``shares[w]`` lanes."""
+    out, lane = [], rank * batch_size
+    for sizes in shares:
+        pieces = []
+        for size in sizes:
+            pieces.append(range(lane, lane + size))
+            lane += size
+        out.append(pieces)
+    return out
 
-    def __init__(self, spec: StreamSpec, processor: SampleProcessor, rank: int, states: dict,
-                 shares: list[list[int]]):
-        self.spec, self.processor, self.rank = spec, processor, rank
-        self.states, self.shares = states, shares
+
+class _Lanes(IterableDataset):
+    """What each DataLoader worker runs: its lanes, one sample of each per local batch, in pieces."""
+
+    def __init__(self, spec: StreamSpec, processor: SampleProcessor, pieces: list[list[range]], states: dict):
+        self.spec, self.processor, self.pieces, self.states = spec, processor, pieces, states
 
     def __iter__(self) -> Iterator[tuple[Batch | None, dict]]:
         info = get_worker_info()
@@ -74,18 +88,21 @@ class _Slots(IterableDataset):
             # training process keeps PIL's default (evaluation reads through it) and the
             # per-sample check in shards.open_image applies data.max_image_pixels everywhere.
             Image.MAX_IMAGE_PIXELS = self.spec.max_image_pixels
-        slot = self.rank * self.spec.workers + worker
+        mine = [lane for piece in self.pieces[worker] for lane in piece]
         try:
-            stream = SlotStream(self.spec, slot, self.processor, self.states.get(slot))
-            samples = stream.samples()
+            order = EpochOrder(self.spec)  # shared by this worker's lanes (one epoch's prefix sums)
+            many = len(mine) > MAX_OPEN_LANES
+            streams = {lane: LaneStream(self.spec, lane, self.processor, self.states.get(lane), order,
+                                        close_between_fills=many) for lane in mine}
+            samples = {lane: stream.samples() for lane, stream in streams.items()}
             while True:
-                for size in self.shares[worker]:
-                    taken = list(islice(samples, size))  # exactly `size` rows: the state is after them
+                for piece in self.pieces[worker]:
+                    taken = [next(samples[lane]) for lane in piece]  # row j of the piece: its lane's next sample
                     rows, epochs = [r for r, _ in taken], [e for _, e in taken]
-                    piece = self.processor.collate(rows, epochs) if rows else None  # Batch or None
-                    yield piece, {"slot": slot, "state": stream.state()}
+                    batch = self.processor.collate(rows, epochs) if rows else None  # Batch or None
+                    yield batch, {"states": {lane: streams[lane].state() for lane in piece}}
         except NoSamples as e:  # reported by the main process as a one-line error
-            yield None, {"slot": slot, "error": str(e)}
+            yield None, {"error": str(e)}
 
 
 def _worker_init(_worker_id: int) -> None:
@@ -117,29 +134,37 @@ class StreamingLoader:
     continues after the last consumed batch.
     """
 
-    def __init__(self, spec: StreamSpec, processor: SampleProcessor, *, rank: int = 0, num_workers: int = 1,
-                 prefetch_factor: int = 2, pin_memory: bool = False, worker_batch_size: int = DEFAULT_WORKER_BATCH):
+    def __init__(self, spec: StreamSpec, processor: SampleProcessor, *, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 1, prefetch_factor: int = 2, pin_memory: bool = False,
+                 worker_batch_size: int = DEFAULT_WORKER_BATCH):
+        if spec.lanes % world_size:
+            raise ConfigError(f"the global batch ({spec.lanes}) must be a multiple of the world size ({world_size})")
         self.spec = spec
         self.processor = processor
         self.rank = rank
+        self.world_size = world_size
+        self.batch_size = spec.lanes // world_size  # this rank's rows: lanes [rank B_local, (rank + 1) B_local)
         self.num_workers = num_workers  # DataLoader processes; 0 = read in this process
+        self.workers = max(1, num_workers)
         self.prefetch_factor = prefetch_factor  # pieces in flight per worker
         self.pin_memory = pin_memory  # batches assembled in pinned memory (CUDA training)
-        self.shares = worker_shares(spec.batch_size, spec.workers, max(1, worker_batch_size))
-        self._states: dict[int, dict] = {}  # slot -> stream state after its last consumed batch
+        self.shares = worker_shares(self.batch_size, self.workers, max(1, worker_batch_size))
+        self.pieces = lane_split(rank, self.batch_size, self.shares)
+        self.lanes = range(rank * self.batch_size, (rank + 1) * self.batch_size)
+        self._states: dict[int, dict] = {}  # lane -> stream state after its last consumed batch
         self._consumed = 0  # batches consumed from this rank's loader
 
     # ------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Batch]:
-        dataset = _Slots(self.spec, self.processor, self.rank, dict(self._states), self.shares)
+        dataset = _Lanes(self.spec, self.processor, self.pieces, dict(self._states))
         if self.num_workers == 0:
             source = iter(dataset)
         else:
             source = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                                      prefetch_factor=self.prefetch_factor, persistent_workers=False,
                                      worker_init_fn=_worker_init))
-        rounds, workers = len(self.shares[0]), self.spec.workers
+        rounds, workers = len(self.shares[0]), self.workers
         try:
             while True:
                 pieces: list[list[Batch | None]] = [[] for _ in range(workers)]  # per worker, in its order
@@ -152,9 +177,9 @@ class StreamingLoader:
                         piece, info = item
                         if "error" in info:
                             raise ConfigError(f"config key 'data.train': {info['error']}")
-                        states[info["slot"]] = info["state"]
+                        states.update(info["states"])
                         pieces[w].append(piece)
-                batch = merge([p for parts in pieces for p in parts], self.pin_memory)
+                batch = merge([p for parts in pieces for p in parts], self.pin_memory)  # rows in lane order
                 self._states.update(states)
                 self._consumed += 1
                 batch.skipped = self.skipped()
@@ -166,7 +191,7 @@ class StreamingLoader:
                 shutdown()
 
     def skipped(self) -> dict[str, int]:
-        """Samples skipped so far by reason, summed over this rank's workers (consumed batches only)."""
+        """Samples skipped so far by reason, summed over this rank's lanes (consumed batches only)."""
         total: dict[str, int] = {}
         for state in self._states.values():
             for reason, count in state["skipped"].items():
@@ -175,7 +200,7 @@ class StreamingLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch every worker of this rank has reached (epoch mode; 0 before any batch)."""
+        """The epoch every lane of this rank has reached (epoch mode; 0 before any batch)."""
         return min((s["epoch"] for s in self._states.values()), default=0)
 
     # ------------------------------------------------------------ state
@@ -184,39 +209,51 @@ class StreamingLoader:
         return hashlib.sha256("\n".join(self.spec.urls).encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
-        """JSON-serialisable position of this rank's stream after the consumed batches."""
+        """JSON-serialisable position of this rank's lanes after the consumed batches."""
         return {
             "version": STATE_VERSION,
             "mode": self.spec.mode,
             "seed": self.spec.seed,
-            "rank": self.rank,
-            "world_size": self.spec.world_size,
-            "workers": self.spec.workers,
-            "batch_size": self.spec.batch_size,
+            "lanes": self.spec.lanes,
             "shards": self._fingerprint(),
+            "rank": self.rank,
+            "world_size": self.world_size,
             "consumed": self._consumed,
-            "slots": {str(slot): state for slot, state in sorted(self._states.items())},
+            "lane_states": {str(lane): state for lane, state in sorted(self._states.items())},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly after the batches ``state`` records; the layout must match."""
-        if state.get("version") not in (1, STATE_VERSION):
-            raise ConfigError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
-        if state["version"] == 1 and self.spec.workers > 1:
-            log.warning("the checkpoint's data position is from an mmalign whose batches came whole from one "
-                        "worker each: every worker resumes where it stopped, batches now take rows from all")
-        mine = {"mode": self.spec.mode, "seed": self.spec.seed, "rank": self.rank,
-                "world_size": self.spec.world_size, "workers": self.spec.workers,
-                "batch_size": self.spec.batch_size, "shards": self._fingerprint()}
+        """Continue exactly after the batches ``state`` records.
+
+        ``state`` may hold the lanes of other ranks too (a resume on another world size merges
+        every old rank's lanes: :func:`mmalign.data.resharding.convert`); this rank takes its
+        own, whatever the old world size and worker count were.  A state written before lanes
+        (version 1 or 2: one stream per rank and worker) cannot continue the same order; its
+        lanes restart at the step it records (:func:`mmalign.data.resharding.from_slots`)."""
+        from mmalign.data.resharding import from_slots
+
+        version = state.get("version")
+        if version in (1, 2):
+            state = from_slots([state], self.spec, int(state.get("consumed", 0)))
+        elif version != STATE_VERSION:
+            raise ConfigError(f"loader state version {version!r} is not {STATE_VERSION}")
+        mine = {"mode": self.spec.mode, "seed": self.spec.seed, "lanes": self.spec.lanes, "shards": self._fingerprint()}
         for key, value in mine.items():
             if state.get(key) != value:
+                what = "global batch (lanes)" if key == "lanes" else key
                 raise ConfigError(
-                    f"cannot resume the data stream: the checkpoint has {key}={state.get(key)!r}, this run {value!r} "
-                    "(exact resume needs the same shards, seed, mode, batch size, ranks and workers)"
+                    f"cannot resume the data stream: the checkpoint has {what}={state.get(key)!r}, this run {value!r} "
+                    "(exact resume needs the same shards, seed, mode and global batch; ranks and workers may change)"
                 )
-        check_resumable(self.spec, state["slots"])
-        self._states = {int(slot): s for slot, s in state["slots"].items()}
-        self._consumed = int(state["consumed"])
+        lanes = {int(lane): s for lane, s in state["lane_states"].items()}
+        missing = [lane for lane in self.lanes if lane not in lanes]
+        if len(missing) not in (0, len(self.lanes)):
+            raise ConfigError(f"cannot resume the data stream: the checkpoint lacks lanes {missing[:4]} of rank "
+                              f"{self.rank} (a loader file of the checkpoint is missing)")
+        mine_states = {lane: lanes[lane] for lane in self.lanes if lane in lanes}
+        check_resumable(self.spec, mine_states)
+        self._states = mine_states
+        self._consumed = int(state.get("consumed", 0))
 
 
 # ---------------------------------------------------------------- building
@@ -242,6 +279,13 @@ def _sources(data: DataConfig) -> tuple[list[str], list[tuple[int, ...]], list[f
     return urls, sources, [float(w) for w in data.train_weights]
 
 
+def train_counts(data: DataConfig) -> list[int]:
+    """Samples per shard of ``data.train`` (the global order is built from them): counted once,
+    by rank 0, and shared (``counts=`` of :func:`build_train_loader` on every rank)."""
+    urls, _, _ = _sources(data)
+    return shard_sizes(urls, _remote_options(data), data.max_member_bytes)
+
+
 def build_train_loader(
     data: DataConfig | list[str],
     transform: Callable,
@@ -255,14 +299,19 @@ def build_train_loader(
     shuffle_buffer: int | None = None,
     grad_cache_chunk: int = 0,
     pin_memory: bool = False,
+    counts: list[int] | None = None,
 ) -> StreamingLoader:
-    """This rank's loader of ``batch_size`` (the per-rank batch) from ``data`` (a DataConfig).
+    """This rank's loader of ``batch_size`` rows (the per-rank batch) from ``data`` (a DataConfig).
 
+    The global batch (``batch_size x world_size``) fixes the lanes and so the order
+    (mmalign/data/stream.py); the world size and worker count only decide who reads which.
     A plain list of shard paths is accepted too (resampled mode, DataConfig defaults).
     ``workers``/``shuffle_buffer`` override the config's values when given.  Workers send
     pieces of at most ``data.worker_batch_size`` rows; 0 means ``grad_cache_chunk`` (the
     gradient-cache chunk, when caching) or else min(batch_size, 256).  ``pin_memory``: on
-    CUDA, assemble batches in pinned memory for asynchronous copies.
+    CUDA, assemble batches in pinned memory for asynchronous copies.  ``counts``: the
+    samples per shard, when the caller counted them already (rank 0, for all);
+    else they are counted here (:func:`mmalign.data.shard_sizes.shard_sizes`).
     """
     if not isinstance(data, DataConfig):
         data = DataConfig(train=list(data))
@@ -271,25 +320,31 @@ def build_train_loader(
     buffer = data.shuffle_buffer if shuffle_buffer is None else shuffle_buffer
     if batch_size <= 0:
         raise ConfigError(f"the per-rank batch size must be > 0, got {batch_size}")
+    lanes = batch_size * world_size
+    if counts is None:
+        counts = shard_sizes(urls, _remote_options(data), data.max_member_bytes)
+    if sum(counts) < lanes:
+        raise ConfigError(f"config key 'data.train': {sum(counts)} samples in {len(urls)} shard(s), fewer than "
+                          f"one global batch ({lanes}): too few samples (each epoch must fill every row of a "
+                          f"batch once)")
     spec = StreamSpec(
         urls=tuple(urls), sources=tuple(sources), weights=tuple(weights), mode=data.mode, seed=seed,
-        world_size=world_size, workers=max(1, num_workers), batch_size=batch_size,
-        shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
+        lanes=lanes, shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
+        counts=tuple(counts),
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
         remote=_remote_options(data),
     )
-    if len(urls) < spec.slots:
-        how = ("each worker keeps every c-th sample of a shared shard" if data.mode == "epoch"
-               else "workers draw the same shards in different orders")
-        log.warning("data.train has %d shards for %d ranks x %d workers: %s (more shards read faster)",
-                    len(urls), world_size, spec.workers, how)
     processor = SampleProcessor(transform, tokenizer, views=data.views, id_field=data.id_field,
                                 max_pixels=data.max_image_pixels, hard_negatives=data.hard_negatives)
     piece = data.worker_batch_size or grad_cache_chunk or min(batch_size, DEFAULT_WORKER_BATCH)
-    loader = StreamingLoader(spec, processor, rank=rank, num_workers=num_workers, pin_memory=pin_memory,
-                             worker_batch_size=piece)
-    log.info("data: %d shards in %d source(s), mode %s, shuffle buffer %d, %d worker(s), views %d, "
-             "%d piece(s) of <= %d rows per worker per local batch of %d", len(urls), len(sources), data.mode,
-             spec.shuffle_buffer, num_workers, data.views, len(loader.shares[0]), max(loader.shares[0]), batch_size)
+    loader = StreamingLoader(spec, processor, rank=rank, world_size=world_size, num_workers=num_workers,
+                             pin_memory=pin_memory, worker_batch_size=piece)
+    if num_workers > batch_size:
+        log.warning("data.workers=%d for %d rows per rank: %d worker(s) have no lane to read",
+                    num_workers, batch_size, num_workers - batch_size)
+    log.info("data: %d shards in %d source(s), mode %s, %d lanes (the global batch), shuffle buffer %d per lane, "
+             "%d worker(s), views %d, %d piece(s) of <= %d rows per worker per local batch of %d", len(urls),
+             len(sources), data.mode, lanes, spec.lane_buffer, num_workers, data.views, len(loader.shares[0]),
+             max(loader.shares[0]), batch_size)
     return loader

@@ -13,9 +13,12 @@ Images leave the workers as uint8 when the transform is ours (:meth:`TrainTransf
 normalised on the training device), and large JPEGs are drafted (decoded at reduced
 scale) before decoding.  :func:`merge` joins the workers' pieces of one local batch.
 
-Everything random about a sample (its crop, flip, jitter, and which of its captions
-is used) comes from one ``random.Random`` the stream seeds from (seed, slot, sample
-number), so a resumed run reproduces it exactly.
+Everything random about a sample comes from the sample itself: the stream hands over one
+integer, :func:`sample_seed` of (run seed, epoch, sample key), and each use of it draws from
+its own generator, keyed by that seed and its purpose (:data:`CAPTION`, :data:`VIEW`,
+:data:`VIEW2`; the FLIP mask reads ``Batch.seeds``).  Which rank or worker decodes the sample,
+and what came before it there, changes nothing: a run's augmentation does not depend on the
+cluster (issue 30), and a resumed run reproduces it exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from mmalign.data.batch import Batch
+from mmalign.data.seeds import CAPTION, VIEW, VIEW2, draws
 from mmalign.data.shards import IMAGE_EXTS, BadSample, open_image, parse_captions, parse_meta
 from mmalign.data.transforms import TrainTransform
 
@@ -83,14 +87,16 @@ class SampleProcessor:
     def _apply(self, image, rng: random.Random) -> torch.Tensor:
         return self.transform.raw(image, rng) if self._seeded else self.transform(image)
 
-    def __call__(self, key: str, members: dict[str, bytes], rng: random.Random) -> dict:
-        """Raises BadSample(reason) for anything the run should skip."""
+    def __call__(self, key: str, members: dict[str, bytes], seed: int) -> dict:
+        """One row from a sample's members and its :func:`sample_seed`; raises BadSample(reason)
+        for anything the run should skip."""
         image_bytes = next((members[e] for e in IMAGE_EXTS if e in members), None)
         if image_bytes is None:
             raise BadSample("missing_image")
         meta = parse_meta(members)
         captions = parse_captions(members, meta)
-        row = {"key": key.rsplit("/", 1)[-1], "caption": captions[rng.randrange(len(captions))]}
+        row = {"key": key.rsplit("/", 1)[-1], "seed": seed,
+               "caption": captions[draws(seed, CAPTION).randrange(len(captions))]}
         if self.id_field is not None:
             if self.id_field not in meta:
                 raise BadSample("missing_id", f"no field {self.id_field!r} in .json")
@@ -102,9 +108,9 @@ class SampleProcessor:
             row["negatives"] = mined_captions(meta, self.hard_negatives)
         image = open_image(image_bytes, self.max_pixels, self._prepare)
         try:
-            row["image"] = self._apply(image, rng)  # (3, H, W)
+            row["image"] = self._apply(image, draws(seed, VIEW))  # (3, H, W)
             if self.views == 2:
-                row["image2"] = self._apply(image, rng)  # a second, independent augmentation
+                row["image2"] = self._apply(image, draws(seed, VIEW2))  # a second, independent augmentation
         except (OSError, ValueError) as e:  # truncated pixel data can surface only here
             raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from None
         return row
@@ -117,6 +123,7 @@ class SampleProcessor:
             captions=captions,
             keys=[r["key"] for r in rows],
             epochs=torch.tensor(epochs, dtype=torch.long),  # (B,) the epoch each sample belongs to
+            seeds=torch.tensor([r["seed"] for r in rows], dtype=torch.long),  # (B,) each sample's seed
         )
         if self.id_field is not None:
             batch.ids = torch.tensor([r["id"] for r in rows], dtype=torch.long)  # (B,)

@@ -1,25 +1,45 @@
-"""One slot's resumable sample stream: which shards, which samples, in which order.
+"""The global sample order: which sample fills row j of global batch t, for any cluster.
 
-A *slot* is one (rank, worker) pair; ``slot = rank * workers + worker`` among
-``S = world_size * workers``.  Each slot owns a deterministic stream:
+A run's global batch has B rows; row j of every global batch is fed by *lane* j, a
+deterministic stream of its own (:class:`LaneStream`).  The lanes are a function of the
+shard list, the seed and B alone: rank r of W reads the lanes of its rows
+``[r B/W, (r+1) B/W)``, split over its workers, and the order of the rows never depends on
+W or on the worker count.  Any layout whose world size divides B works, from one process
+with gradient caching to 64 nodes x 8 GPUs x 8 workers; a resume on another world size
+or worker count continues each lane where it stopped (issue 30).
 
-* **resampled**: the d-th shard of slot s is drawn (with replacement, by source
-  weight, then uniformly within the source) from a generator seeded by (seed, s, d).
-  Endless, no epochs; fewer shards than slots is harmless.
-* **epoch**: epoch e permutes all shards with a generator seeded by (seed, e); slot s
-  reads shards ``order[s::S]``.  With fewer shards than slots, slot s reads shard
-  ``order[s % N]`` and keeps every c-th sample of it (c = the slots sharing that
-  shard), so every sample is read exactly once per epoch, by exactly one slot.
+This is MosaicML Streaming's "canonical nodes" idea taken to one lane per row (their
+canonical nodes are fixed in the config; ours are the rows of the configured global
+batch).  The other known design, a global permutation over indexed tar members, needs
+random access: every rank would read 1/W of each shuffle block, i.e. all of it, from
+HTTP or ``pipe:`` shards.  A lane instead reads a contiguous run of samples, shard after
+shard, sequentially.
 
-Samples pass through a shuffle buffer (drained at each epoch end, so epochs never
-mix).  The stream's whole position is a small JSON-able dict (:meth:`SlotStream.state`):
-the epoch or draw count, the open shard's byte offset and sample index, the buffer
-as (shard, offset, index) references that are re-read on resume, the shuffle
-generator's state, the number of samples emitted and the skip counts.
+* **epoch**: epoch e permutes the shards (seeded by (seed, e)) and concatenates their
+  samples (N of them, counted once: :mod:`mmalign.data.shard_sizes`); lane j reads the
+  j-th of B contiguous ranges of that sequence, of N // B or N // B + 1 samples (the
+  longer ones rotate with the epoch, so no lane drifts ahead over many epochs).  Every
+  sample is read once per epoch, by one lane; B > N is refused.  A row carries its lane's
+  epoch: near an epoch's end a batch may mix two, each sample still once in its own.
+* **resampled**: the same, over a sequence of as many shards *drawn* (with replacement, by
+  source weight, then uniformly within the source) from (seed, e): endless virtual epochs.
+  Lanes read disjoint ranges of it, so two lanes never read a shard in lockstep (which would
+  put the same sample in a batch twice).
+
+Each lane shuffles through a buffer of ``ceil(data.shuffle_buffer / B)`` samples (drained
+at each epoch end, so epochs never mix), so a worker holds its lanes' share of the run's
+buffer: the memory per worker does not grow with the cluster, it shrinks.  The buffer's
+picks are keyed by (seed, lane, count), a sample's augmentation by the sample
+(:mod:`mmalign.data.seeds`), so no generator state is saved.  A lane's whole position is
+a small JSON-able dict (:meth:`LaneStream.state`): the epoch and piece, the open piece's
+byte offset, the buffer as (shard, offset, index, epoch) references re-read on resume,
+the samples emitted and the skip counts.  A bad sample is a counted skip and the lane's
+next sample takes its row, in every layout alike.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 from collections.abc import Iterator
@@ -28,73 +48,134 @@ from dataclasses import dataclass
 from mmalign.config import MAX_MEMBER_BYTES, ConfigError
 from mmalign.data.remote import RemoteOptions, is_gzip_name, note_resume
 from mmalign.data.samples import SampleProcessor
+from mmalign.data.seeds import mix, sample_seed
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
 log = logging.getLogger("mmalign.data")
 
-_MASK = (1 << 64) - 1
-
-
-def mix(*parts: int) -> int:
-    """A 64-bit seed from integers (splitmix64 finalizer over a running combination)."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (p & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
-        x ^= x >> 31
-        x = x * 0x94D049BB133111EB & _MASK
-        x ^= x >> 29
-    return x
-
-
 @dataclass(frozen=True)
 class StreamSpec:
-    """Everything a worker needs to rebuild its stream (picklable, no open files)."""
+    """Everything a worker needs to rebuild its lanes (picklable, no open files)."""
 
     urls: tuple[str, ...]  # all shards, sources concatenated
     sources: tuple[tuple[int, ...], ...]  # url indices per source
     weights: tuple[float, ...]  # per source (resampled mode)
     mode: str  # "resampled" | "epoch"
     seed: int
-    world_size: int
-    workers: int  # >= 1 (0 DataLoader workers count as 1 slot per rank)
-    batch_size: int
-    shuffle_buffer: int
+    lanes: int  # the global batch: lane j feeds row j of every global batch
+    shuffle_buffer: int  # samples held for shuffling, all lanes together
     max_image_pixels: int
-    max_consecutive_skips: int = 10_000  # bad samples in a row before the slot gives up (no usable data)
+    counts: tuple[int, ...] = ()  # samples per shard, in url order
+    max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
 
     @property
-    def slots(self) -> int:
-        return self.world_size * self.workers
+    def lane_buffer(self) -> int:
+        """Samples one lane holds for shuffling (its share of ``shuffle_buffer``)."""
+        return max(1, -(-self.shuffle_buffer // self.lanes))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
 
 
-def epoch_plan(spec: StreamSpec, slot: int, epoch: int) -> list[tuple[int, int, int]]:
-    """Slot ``slot``'s shards for ``epoch`` as (url index, stride, phase) triples."""
-    order = list(range(len(spec.urls)))
-    random.Random(mix(spec.seed, 0xE90C, epoch)).shuffle(order)
-    n, s = len(order), spec.slots
-    if n >= s:
-        return [(u, 1, 0) for u in order[slot::s]]
-    sharing = len(range(slot % n, s, n))  # slots that split this shard by sample
-    return [(order[slot % n], sharing, slot // n)]
+class EpochOrder:
+    """The epoch's shard order and the prefix sums of its sample counts (one epoch cached)."""
+
+    def __init__(self, spec: StreamSpec):
+        self.spec = spec
+        self._epoch: int | None = None
+        self._order: list[int] = []
+        self._rotation: list[int] = []  # where each occurrence starts reading its shard (resampled)
+        self._ends: list[int] = []  # _ends[i]: samples in the first i + 1 shards of the order
+
+    def _build(self, epoch: int) -> None:
+        if epoch == self._epoch:
+            return
+        sequence = shard_sequence(self.spec, epoch)
+        self._epoch, self._order, self._rotation = epoch, [u for u, _ in sequence], [r for _, r in sequence]
+        self._ends, total = [], 0
+        for u in self._order:
+            total += self.spec.counts[u]
+            self._ends.append(total)
+
+    def lane_range(self, lane: int, epoch: int) -> tuple[int, int]:
+        """``(start, stop)`` of lane ``lane``'s samples in epoch ``epoch``'s sequence."""
+        self._build(epoch)
+        n, lanes = (self._ends[-1] if self._ends else 0), self.spec.lanes
+        base, extra = divmod(n, lanes)
+        shift = (epoch * extra) % lanes  # the longer ranges: lanes shift .. shift + extra - 1 (mod B)
+
+        def extras_before(j: int) -> int:  # lanes k < j with a longer range
+            head = min(max(j - shift, 0), min(extra, lanes - shift))
+            wrapped = max(shift + extra - lanes, 0)
+            return head + min(j, wrapped)
+
+        start = lane * base + extras_before(lane)
+        return start, start + base + (1 if (lane - shift) % lanes < extra else 0)
+
+    def pieces(self, lane: int, epoch: int) -> list[list[int]]:
+        """Lane ``lane``'s reading for ``epoch``: ``[url, first, stop]`` sample ranges, in order.
+
+        A shard counted empty (unreadable, or no sample) is a piece ``[url, 0, 0]`` of the lane
+        whose range holds its place in the sequence: that lane opens it and counts why it
+        gives nothing, once per epoch, in every layout alike."""
+        start, stop = self.lane_range(lane, epoch)
+        last = stop == self._ends[-1] if self._ends else True
+        out = []
+        for i in range(bisect.bisect_left(self._ends, start), len(self._order)):
+            u, end = self._order[i], self._ends[i]
+            begin = end - self.spec.counts[u]
+            if begin > stop or (begin == stop and not (last and begin == end)):
+                break
+            if begin == end:  # an empty shard at position `begin`
+                if begin >= start:
+                    out.append([u, 0, 0])
+                continue
+            first, final = max(start, begin), min(stop, end)
+            if final > first:
+                out += _rotated(u, first - begin, final - begin, self._rotation[i], self.spec.counts[u])
+        return out
 
 
-def draw_shard(spec: StreamSpec, slot: int, draw: int) -> int:
-    rng = random.Random(mix(spec.seed, 0x5A3D, slot, draw))
-    source = rng.choices(range(len(spec.sources)), weights=spec.weights)[0] if len(spec.sources) > 1 else 0
-    return rng.choice(spec.sources[source])
+def _rotated(u: int, first: int, stop: int, rotation: int, count: int) -> list[list[int]]:
+    """Samples ``[first, stop)`` of an occurrence that starts reading its shard at ``rotation``,
+    as forward ranges of the shard (two when it wraps past the shard's end)."""
+    a = (first + rotation) % count
+    b = a + (stop - first)
+    return [[u, a, b]] if b <= count else [[u, a, count], [u, 0, b - count]]
+
+
+def shard_sequence(spec: StreamSpec, epoch: int) -> list[tuple[int, int]]:
+    """The shards of ``epoch`` in reading order, each with the sample it starts at: a
+    permutation of all, from their first samples (epoch mode); or as many draws with
+    replacement, by source weight then uniformly within the source (resampled), each from a
+    random sample on (wrapping round), so that two draws of one shard in an epoch do not feed
+    two lanes the same samples in lockstep (one sample twice in a batch)."""
+    if spec.mode == "epoch":
+        order = list(range(len(spec.urls)))
+        random.Random(mix(spec.seed, 0xE90C, epoch)).shuffle(order)
+        return [(u, 0) for u in order]
+    rng = random.Random(mix(spec.seed, 0x5A3D, epoch))
+    sources = range(len(spec.sources))
+    out = []
+    for _ in spec.urls:
+        source = rng.choices(sources, weights=spec.weights)[0] if len(spec.sources) > 1 else 0
+        u = rng.choice(spec.sources[source])
+        out.append((u, rng.randrange(spec.counts[u]) if spec.counts[u] else 0))
+    return out
 
 
 class NoSamples(Exception):
-    """The slot found nothing to read (all shards empty or unreadable, or too few samples)."""
+    """A lane found nothing to read (all shards empty or unreadable, or too few samples)."""
 
 
 def check_resumable(spec: StreamSpec, states: dict) -> None:
     """Refuse exact resume inside a gzip shard: every re-read would decompress it from its start.
 
-    ``states``: slot -> stream state.  Only states that re-open a shard mid-way count
+    ``states``: lane -> stream state.  Only states that re-open a shard mid-way count
     (buffered samples, or an open shard past its first byte).
     """
     for state in states.values():
@@ -109,51 +190,48 @@ def check_resumable(spec: StreamSpec, states: dict) -> None:
                                   "store shards as plain .tar to resume runs")
 
 
-class SlotStream:
-    def __init__(self, spec: StreamSpec, slot: int, processor: SampleProcessor, state: dict | None = None):
+class LaneStream:
+    """One lane: its samples, shuffled through its buffer, with a resumable position.
+
+    ``close_between_fills``: a worker with many lanes closes each lane's shard after every
+    refill of its buffer (re-opened at the saved byte offset), so its open files stay few.
+    """
+
+    def __init__(self, spec: StreamSpec, lane: int, processor: SampleProcessor, state: dict | None = None,
+                 order: EpochOrder | None = None, close_between_fills: bool = False):
         self.spec = spec
-        self.slot = slot
+        self.lane = lane
         self.process = processor
+        self.order = order or EpochOrder(spec)
+        self.close_between_fills = close_between_fills
         state = state or {}
         self.epoch = int(state.get("epoch", 0))  # epoch mode
-        self.cursor = int(state.get("cursor", 0))  # next entry of the epoch plan / next draw
-        self.shard = state.get("shard")  # open shard: {url, offset, index, stride, phase} or None
+        self.cursor = int(state.get("cursor", 0))  # next piece of the epoch / next draw
+        self.shard = state.get("shard")  # open piece: {url, offset, index, first, stop} or None
         self.emitted = int(state.get("emitted", 0))  # samples taken out of the buffer so far
         self.skipped: dict[str, int] = dict(state.get("skipped", {}))
-        # epoch -> explicit pieces [url, stride, phase, offset, index] replacing epoch_plan for
-        # that epoch (set when a resume changed the slot layout: mmalign.data.resharding)
-        self.plans: dict[int, list] = {int(e): [list(x) for x in p] for e, p in state.get("plans", {}).items()}
-        self.rng = random.Random()
-        if "rng" in state:
-            version, internal, gauss = state["rng"]
-            self.rng.setstate((version, tuple(internal), gauss))
-        else:
-            self.rng.seed(mix(spec.seed, 0x5B0F, slot))
         self._reader: Iterator[RawSample] | None = None
         self._file = None  # the open shard's file (set by _refill when it re-read buffered samples from it)
         # The buffer holds raw samples plus the url index and the epoch each belongs to.
         self.buffer: list[tuple[RawSample, int, int]] = self._refill(state.get("buffer", []))
-        self._empty_reads = 0  # consecutive shard reads that gave no sample
+        self._empty_reads = 0  # consecutive pieces read that gave no sample
 
     # ------------------------------------------------------------ state
 
     def state(self) -> dict:
-        version, internal, gauss = self.rng.getstate()
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "shard": None if self.shard is None else dict(self.shard),
             "emitted": self.emitted,
             "skipped": dict(self.skipped),
-            "rng": [version, list(internal), gauss],
             "buffer": [[url, raw.offset, raw.index, epoch] for raw, url, epoch in self.buffer],
-            **({"plans": {str(e): p for e, p in self.plans.items()}} if self.plans else {}),
         }
 
     def _refill(self, refs: list) -> list[tuple[RawSample, int, int]]:
         """The shuffle buffer of a checkpoint, re-read: each shard opened once and read forward.
 
-        Samples of the shard this slot was reading are re-read on the file it then goes on
+        Samples of the shard this lane was reading are re-read on the file it then goes on
         reading from (they all lie before its saved offset), so that shard is opened once too.
         """
         by_shard: dict[int, dict[tuple[int, int], list[int]]] = {}  # url -> (offset, index) -> buffer positions
@@ -173,7 +251,7 @@ class SlotStream:
                 f.close()
                 raise NoSamples(f"cannot re-read the buffered samples of {path} on resume: "
                                 f"{type(e).__name__}: {e}") from None
-            if url == current:
+            if url == current and not self.close_between_fills:
                 self._file = f
             else:
                 f.close()
@@ -181,56 +259,57 @@ class SlotStream:
 
     # ------------------------------------------------------------ reading
 
-    def skip(self, reason: str, where: str, detail: str = "") -> None:
-        count = self.skipped.get(reason, 0) + 1
-        self.skipped[reason] = count
-        if count <= 3 or count & (count - 1) == 0:  # the first few, then at powers of two
-            log.warning("skipped sample (%s, %d so far on slot %d): %s %s", reason, count, self.slot, where, detail)
+    def skip(self, reason: str, where: str, detail: str = "", count: int = 1) -> None:
+        total = self.skipped.get(reason, 0) + count
+        self.skipped[reason] = total
+        if total <= 3 or total & (total - 1) == 0:  # the first few, then at powers of two
+            log.warning("skipped sample (%s, %d so far on lane %d): %s %s", reason, total, self.lane, where, detail)
 
-    def _next_shard(self) -> bool:
-        """Open the next shard; False at the end of the epoch (epoch mode)."""
-        offset = index = 0
-        if self.spec.mode == "epoch":
-            plan = self.plans.get(self.epoch)
-            if plan is None:
-                plan = epoch_plan(self.spec, self.slot, self.epoch)
-            if self.cursor >= len(plan):
-                return False
-            url, stride, phase, *start = plan[self.cursor]
-            offset, index = start or (0, 0)
-        else:
-            url, stride, phase = draw_shard(self.spec, self.slot, self.cursor), 1, 0
+    def _next_piece(self) -> bool:
+        """Open the next piece; False at the end of the (virtual, when resampled) epoch."""
+        plan = self.order.pieces(self.lane, self.epoch)
+        if self.cursor >= len(plan):
+            return False
+        url, first, stop = plan[self.cursor]
         self.cursor += 1
-        self.shard = {"url": url, "offset": offset, "index": index, "stride": stride, "phase": phase}
+        self.shard = {"url": url, "offset": 0, "index": 0, "first": first, "stop": stop}
         return True
 
-    def _close(self) -> None:
+    def _close(self, keep_position: bool = False) -> None:
         if self._file is not None:
             self._file.close()
-        self._file, self._reader, self.shard = None, None, None
+        self._file, self._reader = None, None
+        if not keep_position:
+            self.shard = None
 
     def _read_one(self) -> RawSample | None:
-        """The next raw sample of this slot's epoch/stream; None at the end of an epoch."""
+        """The next raw sample of this lane's epoch/stream; None at the end of an epoch."""
         while True:
-            if self.shard is None and not self._next_shard():
+            if self.shard is None and not self._next_piece():
                 return None
             sh = self.shard
             path = self.spec.urls[sh["url"]]
             try:
                 if self._reader is None:
-                    if sh["offset"]:  # only a resumed shard starts past its first byte
+                    if sh["offset"]:  # a resumed piece, or one re-opened after a fill
                         note_resume(path)
                     if self._file is None:
                         self._file = open_shard(path, self.spec.remote)
-                    stride, phase = sh["stride"], sh["phase"]
-                    keep = None if stride == 1 else (lambda i, s=stride, p=phase: i % s == p)
-                    self._reader = iter_samples(self._file, sh["offset"], sh["index"], keep=keep,
+                    first, stop = sh["first"], sh["stop"]
+                    self._reader = iter_samples(self._file, sh["offset"], sh["index"],
+                                                keep=lambda i, a=first, b=stop: a <= i < b,
                                                 max_member=self.spec.max_member_bytes)
                 for raw in self._reader:
+                    if raw.index >= sh["stop"]:
+                        break  # the rest of the shard is other lanes' (or uncounted: never read)
                     sh["offset"], sh["index"] = raw.end, raw.index + 1
-                    if sh["stride"] == 1 or raw.index % sh["stride"] == sh["phase"]:
+                    if raw.index >= sh["first"]:
                         self._empty_reads = 0
                         return raw
+                else:
+                    missing = sh["stop"] - max(sh["index"], sh["first"])
+                    if missing > 0:  # the shard holds fewer than counted
+                        self.skip("shard_shorter_than_counted", path, f"{missing} sample(s)", missing)
             except TruncatedTar as e:
                 self.skip("truncated_tar", path, str(e))
             except (CorruptTar, OSError, ValueError, EOFError) as e:  # EOFError: a cut .tar.gz
@@ -238,15 +317,16 @@ class SlotStream:
             self._close()
             self._empty_reads += 1
             if self._empty_reads > 2 * len(self.spec.urls) + 16:
-                raise NoSamples(f"slot {self.slot} read {self._empty_reads} shards in a row without a sample")
+                raise NoSamples(f"lane {self.lane} read {self._empty_reads} shards in a row without a sample")
 
     def _fill(self) -> None:
-        while len(self.buffer) < self.spec.shuffle_buffer:
+        while len(self.buffer) < self.spec.lane_buffer:
             raw = self._read_one()
             if raw is None:
-                return
-            url = self.shard["url"] if self.shard is not None else None
-            self.buffer.append((raw, url, self.epoch))
+                break
+            self.buffer.append((raw, self.shard["url"], self.epoch))
+        if self.close_between_fills and self.shard is not None:
+            self._close(keep_position=True)
 
     def samples(self) -> Iterator[tuple[dict, int]]:
         """Endless (row, epoch) pairs; bad samples are counted and skipped."""
@@ -254,34 +334,30 @@ class SlotStream:
         bad_run = 0  # samples skipped in a row: shards with no usable sample must not spin forever
         while True:
             self._fill()
-            if not self.buffer:  # epoch mode: this slot's epoch is done and drained
+            if not self.buffer:  # this lane's epoch is done and drained
                 empty_epochs = 0 if taken else empty_epochs + 1
                 if empty_epochs > 4 * len(self.spec.urls) + 8:
-                    raise NoSamples(
-                        f"slot {self.slot} of {self.spec.slots} (ranks x workers) found no sample in "
-                        f"{empty_epochs} epochs: too few samples for that many workers, or all shards unreadable"
-                    )
-                self.plans.pop(self.epoch, None)
+                    raise NoSamples(f"lane {self.lane} of {self.spec.lanes} found no sample in {empty_epochs} "
+                                    f"epochs: all shards empty or unreadable")
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
-            i = self.rng.randrange(len(self.buffer))
+            i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted) % len(self.buffer)
             self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
             raw, url, epoch = self.buffer.pop()
             taken += 1
-            sample_rng = random.Random(mix(self.spec.seed, 0x5A4F, self.slot, self.emitted))
             self.emitted += 1
             if raw.oversized:  # its big member was never read
                 self.skip("member_too_large", f"{self.spec.urls[url]}:{raw.key}",
                           ", ".join(f".{e} {n} bytes" for e, n in raw.oversized.items()))
                 continue
             try:
-                row = self.process(raw.key, raw.members, sample_rng)
+                row = self.process(raw.key, raw.members, sample_seed(self.spec.seed, epoch, raw.key.rsplit("/", 1)[-1]))
             except BadSample as e:
                 self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
                 bad_run += 1
                 if bad_run >= self.spec.max_consecutive_skips:
                     reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
-                    raise NoSamples(f"slot {self.slot}: {bad_run} samples in a row were skipped, no usable sample "
+                    raise NoSamples(f"lane {self.lane}: {bad_run} samples in a row were skipped, no usable sample "
                                     f"(skips so far: {reasons}); check the shards or raise "
                                     f"data.max_consecutive_skips") from None
                 continue

@@ -7,18 +7,64 @@ about in proportion.  open_clip's ``PatchDropout`` does the masking, in train mo
 evaluation, the probe and every export see all patches.  The paper ends with a short
 "unmasked tuning" phase; ``train.unmasked_steps: K`` runs the last K steps with ``p = 0``.
 
-The masks are drawn from torch's global generator (open_clip draws them on the CPU), which
-the loop seeds per rank (masks differ by rank) and the gradient cache records per chunk
-(masks differ by chunk and its re-forward replays them exactly).  The saved architecture
-(``final/``, exports) does not carry ``p``: the module is added after the towers are built.
+Each sample's mask is drawn from its own seed (``Batch.seeds``: (run seed, epoch, sample key),
+mmalign/data/seeds.py), not from a rank's generator: which rank or gradient-cache chunk
+encodes a sample changes nothing, and a chunk's re-forward draws the same mask again
+(issue 30).  The scores are drawn on the CPU, as open_clip does, one small generator per
+row.  Without seeds (a caller that passes none) the mask comes from torch's global generator,
+as in open_clip.  The saved architecture (``final/``, exports) does not carry ``p``: the
+module is added after the towers are built.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
+import torch
 from open_clip.transformer import PatchDropout, VisionTransformer
 from torch import nn
 
 from mmalign.errors import ConfigError
+
+
+VIEW2 = 0x5DEECE66D  # a second view's rows draw from their seed xor this (another mask than the first view's)
+
+
+class SeededPatchDropout(PatchDropout):
+    """open_clip's PatchDropout (the class token always kept, the rest kept by the top
+    ``1 - p`` of random scores), with each row's scores drawn from that row's seed."""
+
+    def __init__(self, prob: float):
+        super().__init__(prob, exclude_first_token=True)
+        self.row_seeds: Optional[list[int]] = None  # set around an image encode (:func:`seeded`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1 + P, W)
+        if not self.training or self.prob == 0.0 or self.row_seeds is None:
+            return super().forward(x)
+        if len(self.row_seeds) != x.shape[0]:
+            raise ValueError(f"patch dropout: {len(self.row_seeds)} seeds for {x.shape[0]} rows")
+        cls_tokens, patches = x[:, :1], x[:, 1:]  # (B, 1, W), (B, P, W)
+        n = patches.shape[1]
+        keep = max(1, int(n * (1 - self.prob)))
+        scores = torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(int(s)))
+                              for s in self.row_seeds])  # (B, P) on the CPU
+        index = scores.topk(keep, dim=-1).indices.to(x.device)  # (B, K)
+        kept = patches.gather(1, index[..., None].expand(-1, -1, patches.shape[-1]))  # (B, K, W)
+        return torch.cat([cls_tokens, kept], dim=1)  # (B, 1 + K, W)
+
+
+@contextlib.contextmanager
+def seeded(tower: nn.Module, seeds: Optional[list[int]]):
+    """Every SeededPatchDropout of ``tower`` draws row i's mask from ``seeds[i]`` inside."""
+    modules = [m for m in tower.modules() if isinstance(m, SeededPatchDropout)]
+    for m in modules:
+        m.row_seeds = seeds
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.row_seeds = None
 
 
 def add_patch_dropout(model: nn.Module, prob: float) -> None:
@@ -28,7 +74,7 @@ def add_patch_dropout(model: nn.Module, prob: float) -> None:
     if not isinstance(visual, VisionTransformer):
         raise ConfigError(f"config key 'model.patch_dropout': needs an open_clip ViT image tower, "
                           f"the {type(visual).__name__} tower has no patch tokens to drop")
-    visual.patch_dropout = PatchDropout(prob)  # exclude_first_token: the class token is always kept
+    visual.patch_dropout = SeededPatchDropout(prob)  # the class token is always kept
 
 
 def set_patch_dropout(model: nn.Module, prob: float) -> int:

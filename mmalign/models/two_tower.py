@@ -16,14 +16,14 @@ from torch import nn
 
 from mmalign.errors import ConfigError
 from mmalign.models.embeddings import Embeddings
-from mmalign.models.flip import set_patch_dropout
+from mmalign.models.flip import VIEW2, seeded, set_patch_dropout
 from mmalign.models.packed_attention import mark_causal, pack_self_attention
 from mmalign.models.text_trim import short_context, trim_tokens, trimmable
 from mmalign.models.towers import Towers
 
 
 # which forward keywords feed a tower, and which Embeddings fields it produces
-TOWER_INPUTS = {"visual": ("images", "images2"), "text": ("texts", "neg_texts")}
+TOWER_INPUTS = {"visual": ("images", "images2", "seeds"), "text": ("texts", "neg_texts")}
 TOWER_FIELDS = {"visual": ("image", "image2"), "text": ("text", "neg_text")}
 
 
@@ -127,7 +127,8 @@ class TwoTower(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, images: Optional[torch.Tensor] = None, texts: Optional[torch.Tensor] = None,
-                images2: Optional[torch.Tensor] = None, neg_texts: Optional[torch.Tensor] = None) -> Embeddings:
+                images2: Optional[torch.Tensor] = None, neg_texts: Optional[torch.Tensor] = None,
+                seeds: Optional[torch.Tensor] = None) -> Embeddings:
         """Features of whatever is given, as :class:`~mmalign.models.embeddings.Embeddings`.
 
         ``images2`` (B, 3, H, W), a second augmented view of ``images``, adds
@@ -136,23 +137,28 @@ class TwoTower(nn.Module):
         concatenation (views / captions are independent rows of one batch): under
         ZeRO-3 its parameters are gathered once per forward, and the gradient hooks
         fire once per backward, as without the extra inputs.  A fully locked image tower
-        runs after the text tower (:meth:`_tower_order`).
+        runs after the text tower (:meth:`_tower_order`).  ``seeds`` (B,) int64, each sample's
+        seed (``Batch.seeds``, on the CPU), draws each row's FLIP mask (models/flip.py).
         """
         out = Embeddings(logit_scale=self.logit_scale.exp(), logit_bias=self.logit_bias)  # (1,), (1,) or None
         if (images2 is not None and images is None) or (neg_texts is not None and texts is None):
             raise ValueError("images2 needs images and neg_texts needs texts")
         for tower in self._tower_order():
             if tower == "visual" and images is not None:
-                self._image_fields(out, images, images2)
+                self._image_fields(out, images, images2, seeds)
             elif tower == "text" and texts is not None:
                 self._text_fields(out, texts, neg_texts)
         return out
 
-    def _image_fields(self, out: Embeddings, images: torch.Tensor, images2: Optional[torch.Tensor]) -> None:
+    def _image_fields(self, out: Embeddings, images: torch.Tensor, images2: Optional[torch.Tensor],
+                      seeds: Optional[torch.Tensor]) -> None:
+        rows = None if seeds is None else [int(s) for s in seeds.tolist()]  # a CPU tensor: no device sync
         if images2 is None:
-            out.image = self.encode_image(images)  # (B, D)
+            with seeded(self.visual, rows):
+                out.image = self.encode_image(images)  # (B, D)
         else:
-            both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
+            with seeded(self.visual, None if rows is None else rows + [s ^ VIEW2 for s in rows]):
+                both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
             out.image, out.image2 = both.split([images.shape[0], images2.shape[0]])
 
     def _text_fields(self, out: Embeddings, texts: torch.Tensor, neg_texts: Optional[torch.Tensor]) -> None:

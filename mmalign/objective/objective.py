@@ -31,7 +31,8 @@ from .queue import MomentumQueue, QueueNegatives
 __all__ = ["Objective", "build_objective"]
 
 # Batch fields that are optional model inputs: fed only when a term reads them
-_OPTIONAL_INPUTS = tuple(k for k in MODEL_INPUTS if k not in ("images", "tokens"))
+# "seeds" is the image tower's (each row's FLIP mask), whatever the terms read: always fed
+_OPTIONAL_INPUTS = tuple(k for k in MODEL_INPUTS if k not in ("images", "tokens", "seeds"))
 
 
 class Objective:

@@ -26,7 +26,7 @@ from mmalign import progress
 from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config, to_dict
 from mmalign.errors import RunStopped  # re-exported: the loop raises it
-from mmalign.data.loader import build_train_loader
+from mmalign.data.loader import build_train_loader, train_counts
 from mmalign.data.shards import check_train_shards, expand_urls
 from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import describe, train_transform
@@ -296,8 +296,10 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     if main:
         say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
             + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
+    # the global sample order is built from the shards' sample counts: rank 0 counts, every rank learns
+    counts = mdist.broadcast_object(train_counts(cfg.data) if main else None)
     loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
-                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world,
+                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world, counts=counts,
                                 # the configured chunk, not auto's choice: the workers' pieces (and
                                 # so the loader's resumable state) follow the config alone
                                 grad_cache_chunk=t.grad_cache_chunk_size if isinstance(t.grad_cache_chunk_size, int)
