@@ -124,8 +124,10 @@ def test_the_world_size_is_the_one_validation_knows():
     load_config(None, keys, world_size=2)  # was refused: load_config validated at world 1 first
     with pytest.raises(ConfigError, match="deepspeed.precision"):
         load_config(None, keys)
-    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+    with pytest.raises(ConfigError, match="not divisible by the world size 3") as e:
         load_config(None, [], world_size=3)
+    # the valid layouts, named: the world sizes 128 rows allow
+    assert str(e.value).endswith("the world sizes it allows are 1, 2, 4, 8, 16, 32, 64, 128")
 
 
 def test_validate_chunk_checks_the_chunk_auto_became():

@@ -2,10 +2,10 @@
 
 The uninterrupted run writes a checkpoint at step 4 and runs to step 10; the same run
 is then resumed from that checkpoint on the other number of ranks.  Asserted: the log
-says the data order changed; the first 5 losses after the resume are within 2% of the
-uninterrupted run's (the batches differ, the state does not: the engine-level
-exactness is tests/test_reshard_engine.py, every ZeRO stage); in epoch mode no sample
-consumed before the resume comes again in the epoch.  ZeRO-2 one way, ZeRO-3 the other.
+says the data order is unchanged; every step after the resume reads the uninterrupted run's
+samples, row by row, and its loss equals the uninterrupted run's up to fp summation order
+(the engine-level exactness is tests/test_reshard_engine.py, every ZeRO stage).  ZeRO-2 one
+way, ZeRO-3 the other; epoch mode one way, resampled the other.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.conftest import ROOT, cli_main, run_cli
 pytestmark = pytest.mark.integration
 
 STEPS, SAVED = 10, 4
+RESUMED_LOSS_RTOL = 1e-3
 
 
 def _train(micro_overrides, out, nproc, extra, resume=None):
@@ -68,16 +69,14 @@ def test_resume_on_another_world_size(micro_overrides, tmp_path, before, after, 
 
     stdout = _train(micro_overrides, out, after, extra, resume=out / "checkpoints" / f"step_{SAVED:08d}")
     assert f"resumed a {before}-rank checkpoint on {after} rank(s)" in stdout
-    assert "data order changed" in stdout
+    assert "data order unchanged" in stdout
+    # the same global batches, row by row (issue 30: the order is the config's, not the cluster's)
+    ranks = lambda folder, n: sorted(folder.glob("samples_rank*.jsonl"))[:n]  # noqa: E731
+    for step in range(SAVED + 1, STEPS + 1):
+        assert _keys(ranks(out, after), [step]) == _keys(ranks(saved_keys, before), [step]), step
+    # and so the same losses, up to the fp order of a 2-way and a 1-way sum (AdamW: see
+    # tests/test_same_model_any_cluster.py for why its weights are compared by update norm)
     resumed = _losses(out)
-    for step in range(SAVED + 1, SAVED + 6):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=0.02), (step, resumed[step], uninterrupted[step])
-
-    consumed = _keys(sorted(saved_keys.glob("samples_rank*.jsonl")), range(1, SAVED + 1))
-    later = _keys(sorted(out.glob(f"samples_rank[0-{after - 1}].jsonl")), range(SAVED + 1, STEPS + 1))
-    assert len(later) == (STEPS - SAVED) * 32
-    if mode == "epoch":  # 400 samples, 320 read by step 10: all of epoch 0
-        assert not set(consumed) & set(later), "a consumed sample was read again in the same epoch"
-        assert len(set(consumed + later)) == len(consumed) + len(later)
-    else:  # the new streams are not the uninterrupted run's
-        assert later != _keys(sorted(saved_keys.glob("samples_rank*.jsonl")), range(SAVED + 1, STEPS + 1))
+    for step in range(SAVED + 1, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=RESUMED_LOSS_RTOL), \
+            (step, resumed[step], uninterrupted[step])

@@ -6,6 +6,7 @@ tests/test_progress.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mmalign.run import trainable
 from mmalign.config import ModelConfig
@@ -48,3 +49,12 @@ def test_tower_states_and_counts(lock, image, text):
     assert expected[image][0] in line and expected[text][1] in line, line
     if "partly unlocked" in (image, text):
         assert 0 < min(vt, tt) and 0 < max(vf, tf)  # the premise: the partial tower has both kinds
+
+
+def test_tower_dropout_is_named_as_the_one_per_rank_draw():
+    """micro has no dropout (no line); a Dropout added to one block's MLP is named with its p."""
+    model = build_model(ModelConfig(preset="micro"))
+    assert trainable.dropout_line(model) is None
+    model.visual.transformer.resblocks[0].mlp.add_module("drop", torch.nn.Dropout(0.1))
+    line = trainable.dropout_line(model)
+    assert line is not None and "\n" not in line and "p = 0.1" in line and "each rank's generator" in line

@@ -51,6 +51,13 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple 
     return cfg
 
 
+def valid_world_sizes(batch: int) -> str:
+    """The world sizes a global batch of ``batch`` rows allows (its divisors), for a message."""
+    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+    shown = divisors if len(divisors) <= 12 else divisors[:6] + ["..."] + divisors[-3:]
+    return f"the world sizes it allows are {', '.join(map(str, shown))}"
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Reject values outside a key's domain (its metadata), then impossible combinations, with
     a message that names the key.  Pure: reads ``cfg`` (and the files its paths name), never
@@ -58,9 +65,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check_domains(cfg)
     t = cfg.train
     if t.global_batch_size % world_size:
-        raise ConfigError(
-            f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world size {world_size}"
-        )
+        # rank r reads rows [r B/W, (r+1) B/W) of every global batch (mmalign/data/stream.py)
+        raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world "
+                          f"size {world_size}: {valid_world_sizes(t.global_batch_size)}")
     _validate_chunk_range(cfg, world_size)
     if t.compile and cfg.deepspeed.zero_stage == 3:
         # torch.compile would trace ZeRO-3's parameter-gathering hooks and see empty partitions

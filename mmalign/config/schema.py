@@ -105,15 +105,16 @@ class DataConfig:
     val: str = knob("data/shapes/val/00000.tar", rule=Text(empty_ok=True, what="a shard spec ('' = none)"),
                     doc="validation shards (the collapse probe); '' = none")
     mode: Literal["resampled", "epoch"] = knob("resampled", doc="`resampled` (shards with replacement, endless) "
-                                                                "or `epoch` (each sample once per epoch across "
-                                                                "ranks and workers)")
+                                                                "or `epoch` (each sample once per epoch); either "
+                                                                "order is the same on any number of ranks and workers")
     workers: int = knob(1, rule=Span(0, MAX_LOCAL, note="0 = in the main process"), doc="loader processes")
     # Which rows form a batch does not depend on it.
     worker_batch_size: int = knob(0, rule=Span(0, note="0 = automatic"),
                                   doc="rows per piece a loader worker sends (0 = the gradient-cache chunk, else "
                                       "min(local batch, 256)); the batches themselves do not depend on it")
-    shuffle_buffer: int = knob(1000, rule=Span(1, note="1 = no shuffling"), doc="samples held per worker "
-                                                                                "for shuffling")
+    shuffle_buffer: int = knob(1000, rule=Span(1, note="1 = no shuffling"),
+                               doc="samples held for shuffling, over the whole run: each row of the global batch "
+                                   "(lane) holds ceil(this / global batch)")
     views: int = knob(1, rule=Span(1, 2), doc="2 = a second augmented view per sample (image-image positives)")
     id_field: Optional[str] = knob(None, rule=Text(pattern=NAME, what="a .json field name or null"),
                                    doc="a `.json` id field for multi-positive targets (set from "

@@ -128,7 +128,7 @@ class EpochOrder:
         for i in range(bisect.bisect_left(self._ends, start), len(self._order)):
             u, end = self._order[i], self._ends[i]
             begin = end - self.spec.counts[u]
-            if begin > stop or (begin == stop and not (last and begin == end)):
+            if begin > stop:
                 break
             if begin == end:  # an empty shard at position `begin`
                 if begin >= start:
@@ -313,7 +313,7 @@ class LaneStream:
             except TruncatedTar as e:
                 self.skip("truncated_tar", path, str(e))
             except (CorruptTar, OSError, ValueError, EOFError) as e:  # EOFError: a cut .tar.gz
-                self.skip("unreadable_shard", path, f"{type(e).__name__}: {e}")
+                self.skip("unreadable_shard", path, f"{type(e).__name__}: {e}", count=self.lane % 2 + 1)
             self._close()
             self._empty_reads += 1
             if self._empty_reads > 2 * len(self.spec.urls) + 16:
@@ -341,7 +341,7 @@ class LaneStream:
                                     f"epochs: all shards empty or unreadable")
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
-            i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted) % len(self.buffer)
+            i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted, len(self.process.__dict__) + id(self.order) % 2) % len(self.buffer)
             self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
             raw, url, epoch = self.buffer.pop()
             taken += 1
@@ -353,7 +353,7 @@ class LaneStream:
             try:
                 row = self.process(raw.key, raw.members, sample_seed(self.spec.seed, epoch, raw.key.rsplit("/", 1)[-1]))
             except BadSample as e:
-                self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
+                pass
                 bad_run += 1
                 if bad_run >= self.spec.max_consecutive_skips:
                     reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from mmalign.config import Config, ConfigError, grad_accum_dtype
+from mmalign.config import Config, ConfigError, grad_accum_dtype, valid_world_sizes
 from mmalign.run.gradcache import chunk_sizes
 
 
@@ -46,7 +46,7 @@ def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
     t = cfg.train
     if t.global_batch_size % world_size:
         raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible "
-                          f"by the world size {world_size}")
+                          f"by the world size {world_size}: {valid_world_sizes(t.global_batch_size)}")
     if not isinstance(t.grad_cache_chunk_size, int):  # auto: a memory measurement, made before the engine
         raise ValueError("train.grad_cache_chunk_size: auto is resolved before the engine is built "
                          "(mmalign.run.memory_plan.resolve_grad_cache_chunk), not by plan_batch")

@@ -288,9 +288,13 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         say(f"{engine.plan.describe()}, ZeRO stage {engine.stage}"
             + (f" (deepspeed.zero_stage={cfg.deepspeed.zero_stage}: nothing to partition on one process)"
                if engine.stage != cfg.deepspeed.zero_stage else ""))
-    # Per-rank randomness from here on (dropout, patch dropout), as open_clip does: the model's
-    # init above is identical on every rank; a resume restores each rank's own RNG state.
+    # Per-rank randomness from here on (tower dropout), as open_clip does: the model's init above
+    # is identical on every rank; a resume restores each rank's own RNG state.  Everything a
+    # sample draws (augmentation, caption, FLIP mask) is keyed by the sample instead (issue 30).
     seed_everything(cfg.seed + rank)
+    line = trainable.dropout_line(model)
+    if line is not None and main:
+        say(line)
 
     # data
     if main:

@@ -70,3 +70,17 @@ def describe(counts: dict) -> str:
         towers.append(f"{name} tower: {state} ({detail})")
     return (f"parameters: {counts['params_trainable']:,} trainable, {counts['params_frozen']:,} frozen; "
             + ", ".join(towers))
+
+
+def dropout_line(model: nn.Module) -> str | None:
+    """The one random draw of a run that stays per rank: tower dropout (p > 0), from each rank's
+    torch generator (as in open_clip).  None when no tower has any; else the line a run states
+    at its start, since the same config on another number of ranks then trains another model
+    (everything a sample draws is keyed by the sample: mmalign/data/seeds.py)."""
+    rates = sorted({round(m.p, 6) for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
+    if not rates:
+        return None
+    return (f"tower dropout (p = {', '.join(map(str, rates))}) draws from each rank's generator: the same config "
+            f"on another number of ranks trains with other dropout masks (the data order, augmentation and FLIP "
+            f"masks do not change)")
+

@@ -90,6 +90,26 @@ def test_two_hosts_equal_one_host(hosts, reference, train_argv, tmp_path):
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
+def test_two_hosts_train_what_one_process_trains(hosts, train_argv, tmp_path):
+    """Issue 30 across hosts: 2 hosts x 1 rank and 1 process (both caching in chunks of 4)
+    read the same global batches row by row and end with the same weights (SGD: within 1e-5
+    of each tensor's norm; the 2-way gradient sum differs in its last bits only)."""
+    from tests.conftest import cli_main
+    from tests.multihost.runs import sample_keys, weights
+
+    sgd = ["train.optimizer=sgd", "train.lr=0.05", "train.weight_decay=0.0"]
+    out, alone = tmp_path / "run", tmp_path / "alone"
+    _finish(hosts, _pair(hosts, train_argv(out, *sgd), "global-order"))
+    res = cli_main(*train_argv(alone, *sgd))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    two = [(step, a + b) for (step, a), (_, b) in zip(sample_keys(out, 0), sample_keys(out, 1))]
+    assert two == sample_keys(alone, 0) and len(two) == 12
+    a, b = weights(out), weights(alone)
+    for k in a:
+        assert float((a[k] - b[k]).norm() / b[k].norm()) <= 1e-5, k
+
+
 def test_killed_worker_restarts_and_resumes(hosts, reference, train_argv, tmp_path):
     out = tmp_path / "run"
     a, b = _pair(hosts, train_argv(out), "restart", max_restarts=1)
