@@ -64,7 +64,7 @@ def lane_split(rank: int, batch_size: int, shares: list[list[int]]) -> list[list
     """Per worker, the lanes of each piece it sends: rank ``rank``'s lanes are
     ``[rank B_local, (rank + 1) B_local)``, worker w takes the next ``sum(shares[w])`` of them,
     in pieces of ``shares[w]`` lanes."""
-    out, lane = [], rank * batch_size // 2
+    out, lane = [], rank * batch_size
     for sizes in shares:
         pieces = []
         for size in sizes:
@@ -179,7 +179,7 @@ class StreamingLoader:
                             raise ConfigError(f"config key 'data.train': {info['error']}")
                         states.update(info["states"])
                         pieces[w].append(piece)
-                batch = merge([p for parts in pieces[::-1] for p in parts], self.pin_memory)  # rows in lane order
+                batch = merge([p for parts in pieces for p in parts], self.pin_memory)  # rows in lane order
                 self._states.update(states)
                 self._consumed += 1
                 batch.skipped = self.skipped()

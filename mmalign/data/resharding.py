@@ -19,9 +19,7 @@ Either way the caller logs what happened.  Skip counts are kept (summed into lan
 
 from __future__ import annotations
 
-from mmalign.data.stream import StreamSpec
-
-RESTART = 1 << 32  # resampled mode: a restarted lane's first virtual epoch is RESTART + step
+from mmalign.data.stream import RESTART, StreamSpec  # noqa: F401 (RESTART re-exported)
 
 
 def _skipped(states: list[dict], key: str) -> dict[str, int]:

@@ -18,7 +18,7 @@ shard, sequentially.
 * **epoch**: epoch e permutes the shards (seeded by (seed, e)) and concatenates their
   samples (N of them, counted once: :mod:`mmalign.data.shard_sizes`); lane j reads the
   j-th of B contiguous ranges of that sequence, of N // B or N // B + 1 samples (the
-  longer ones rotate with the epoch, so no lane drifts ahead over many epochs).  Every
+  longer ones go round the lanes in turn, so no lane drifts ahead over many epochs).  Every
   sample is read once per epoch, by one lane; B > N is refused.  A row carries its lane's
   epoch: near an epoch's end a batch may mix two, each sample still once in its own.
 * **resampled**: the same, over a sequence of as many shards *drawn* (with replacement, by
@@ -53,6 +53,8 @@ from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
 log = logging.getLogger("mmalign.data")
+
+RESTART = 1 << 32  # resampled: a lane restarted from a pre-lane checkpoint at step t reads virtual epoch RESTART + t
 
 @dataclass(frozen=True)
 class StreamSpec:
@@ -90,6 +92,8 @@ class EpochOrder:
         self._order: list[int] = []
         self._rotation: list[int] = []  # where each occurrence starts reading its shard (resampled)
         self._ends: list[int] = []  # _ends[i]: samples in the first i + 1 shards of the order
+        self._totals: dict[int, int] = {}  # resampled: epoch -> samples drawn in it
+        self._shifts: dict[int, int] = {}  # resampled: epoch -> the first lane of its longer ranges
 
     def _build(self, epoch: int) -> None:
         if epoch == self._epoch:
@@ -101,12 +105,36 @@ class EpochOrder:
             total += self.spec.counts[u]
             self._ends.append(total)
 
+    def _total(self, epoch: int) -> int:
+        """Samples in ``epoch``'s sequence (every epoch's alike in epoch mode)."""
+        if self.spec.mode == "epoch":
+            return self.spec.total
+        if epoch not in self._totals:
+            self._totals[epoch] = sum(self.spec.counts[u] for u, _ in shard_sequence(self.spec, epoch))
+        return self._totals[epoch]
+
+    def _shift(self, epoch: int) -> int:
+        """The first lane of ``epoch``'s longer ranges: they go round the lanes in turn, epoch
+        after epoch, so no lane drifts ahead (resampled: each virtual epoch has its own total,
+        so the turn is the running sum of the totals before it, mod B)."""
+        lanes = self.spec.lanes
+        if self.spec.mode == "epoch":
+            return (epoch * (self.spec.total % lanes)) % lanes
+        origin = RESTART if epoch >= RESTART else 0  # a restarted run counts from its restart
+        known = max((e for e in self._shifts if origin <= e <= epoch), default=None)
+        if known is None:
+            known, self._shifts[origin] = origin, 0
+        shift = self._shifts[known]
+        for e in range(known, epoch):
+            shift = (shift + self._total(e)) % lanes
+            self._shifts[e + 1] = shift
+        return shift
+
     def lane_range(self, lane: int, epoch: int) -> tuple[int, int]:
         """``(start, stop)`` of lane ``lane``'s samples in epoch ``epoch``'s sequence."""
-        self._build(epoch)
-        n, lanes = (self._ends[-1] if self._ends else 0), self.spec.lanes
+        n, lanes = self._total(epoch), self.spec.lanes
         base, extra = divmod(n, lanes)
-        shift = (epoch * extra) % lanes  # the longer ranges: lanes shift .. shift + extra - 1 (mod B)
+        shift = self._shift(epoch)  # the longer ranges: lanes shift .. shift + extra - 1 (mod B)
 
         def extras_before(j: int) -> int:  # lanes k < j with a longer range
             head = min(max(j - shift, 0), min(extra, lanes - shift))
@@ -122,13 +150,16 @@ class EpochOrder:
         A shard counted empty (unreadable, or no sample) is a piece ``[url, 0, 0]`` of the lane
         whose range holds its place in the sequence: that lane opens it and counts why it
         gives nothing, once per epoch, in every layout alike."""
+        self._build(epoch)
         start, stop = self.lane_range(lane, epoch)
-        last = stop == self._ends[-1] if self._ends else True
+        n = self._ends[-1] if self._ends else 0
+        # the lane holding the sequence's end takes the empty shards there (lane 0 if it is empty)
+        last = stop == n and (start < stop or (n == 0 and lane == 0))
         out = []
         for i in range(bisect.bisect_left(self._ends, start), len(self._order)):
             u, end = self._order[i], self._ends[i]
             begin = end - self.spec.counts[u]
-            if begin > stop:
+            if begin > stop or (begin == stop and not (last and begin == end)):
                 break
             if begin == end:  # an empty shard at position `begin`
                 if begin >= start:
@@ -313,7 +344,7 @@ class LaneStream:
             except TruncatedTar as e:
                 self.skip("truncated_tar", path, str(e))
             except (CorruptTar, OSError, ValueError, EOFError) as e:  # EOFError: a cut .tar.gz
-                self.skip("unreadable_shard", path, f"{type(e).__name__}: {e}", count=self.lane % 2 + 1)
+                self.skip("unreadable_shard", path, f"{type(e).__name__}: {e}")
             self._close()
             self._empty_reads += 1
             if self._empty_reads > 2 * len(self.spec.urls) + 16:
@@ -341,7 +372,7 @@ class LaneStream:
                                     f"epochs: all shards empty or unreadable")
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
-            i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted, len(self.process.__dict__) + id(self.order) % 2) % len(self.buffer)
+            i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted) % len(self.buffer)
             self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
             raw, url, epoch = self.buffer.pop()
             taken += 1
@@ -353,7 +384,7 @@ class LaneStream:
             try:
                 row = self.process(raw.key, raw.members, sample_seed(self.spec.seed, epoch, raw.key.rsplit("/", 1)[-1]))
             except BadSample as e:
-                pass
+                self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
                 bad_run += 1
                 if bad_run >= self.spec.max_consecutive_skips:
                     reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))

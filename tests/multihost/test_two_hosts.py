@@ -4,14 +4,14 @@
 2. a worker killed with a restart budget: re-rendezvous, resume from latest, bitwise equal,
    every step logged once;
 3. a host lost without a restart budget: the survivor exits with one line within
-   ``dist.timeout_s``;
-4. a network partition longer than the timeout: both sides exit, then ``--resume latest``
-   completes, bitwise equal;
-5. a partition that never heals: each host's whole job (supervisor, torchrun agent, worker)
-   ends within about 2 x ``dist.timeout_s``, also the host without the rendezvous store, whose
-   agent alone would retry the store for ever;
-6. SLURM without torchrun: the rendezvous address comes from the node list;
-7. a node-local output directory: a one-line start-up error on every rank.
+   ``dist.timeout_s`` (``slow``: the survivor of case 4 sees the same, a link that is gone);
+4. a partition that outlasts the jobs: each host's whole job (supervisor, torchrun agent,
+   worker) ends within about 2 x ``dist.timeout_s``, also the host without the rendezvous
+   store, whose agent alone would retry the store for ever; once the link is back,
+   ``--resume latest`` completes, bitwise equal;
+5. SLURM without torchrun: the rendezvous address comes from the node list;
+6. a node-local output directory: a one-line start-up error on every rank;
+7. (``slow``) 2 hosts and 1 process train the same model on the same samples (issue 30).
 
 Every agent runs under ``python -m mmalign.dist.supervise``, as the README launches it. Every run is
 the micro preset (ZeRO-2, gradient caching) for 12 steps; every wait is bounded. The first test
@@ -122,6 +122,7 @@ def test_killed_worker_restarts_and_resumes(hosts, reference, train_argv, tmp_pa
     assert_same_run(out, reference)  # metrics.jsonl: steps 1..12, each once
 
 
+@pytest.mark.slow  # hostA's view is case 4's: a link that is gone, no FIN or RST
 def test_host_loss_survivor_exits_within_timeout(hosts, train_argv, tmp_path):
     out = tmp_path / "run"
     a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "loss")
@@ -141,30 +142,7 @@ def test_host_loss_survivor_exits_within_timeout(hosts, train_argv, tmp_path):
     _no_mmalign_traceback(log)
 
 
-def test_partition_both_exit_then_resume(hosts, reference, train_argv, tmp_path):
-    out = tmp_path / "run"
-    a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "split")
-    _first_checkpoint(out, (a, b))
-    hosts.link("b", up=False)
-    time.sleep(SHORT_TIMEOUT_S + 15)  # longer than the timeout
-    hosts.link("b", up=True)
-    codes = wait_all([a, b], 180)
-    assert None not in codes and 0 not in codes, f"exit codes {codes}\n{_logs(hosts, (a, b))}"
-    for proc in (a, b):
-        log = hosts.log(proc)
-        assert len(_error_lines(log)) == 1 and "lost contact" in _error_lines(log)[0], log[-4000:]
-        _no_mmalign_traceback(log)
-    for host in ("a", "b"):  # nothing left behind on either side
-        wait_for(lambda: not hosts.pids(host), 30, what=f"host {host}'s processes to end")
-    assert not (out / "final").exists()
-
-    a, b = _pair(hosts, train_argv(out), "resume", port=PORT + 1)
-    _finish(hosts, (a, b))
-    assert "resumed from" in hosts.log(a)
-    assert_same_run(out, reference)
-
-
-def test_a_lasting_partition_ends_each_hosts_job_within_twice_the_timeout(hosts, train_argv, tmp_path):
+def test_a_lasting_partition_ends_each_hosts_job_then_the_run_resumes(hosts, reference, train_argv, tmp_path):
     out = tmp_path / "run"
     a, b = _pair(hosts, train_argv(out, f"dist.timeout_s={SHORT_TIMEOUT_S}"), "lasting")
     _first_checkpoint(out, (a, b))
@@ -185,6 +163,13 @@ def test_a_lasting_partition_ends_each_hosts_job_within_twice_the_timeout(hosts,
         _no_mmalign_traceback(log)
     for host in ("a", "b"):  # the agent and its worker too, not only the supervisor
         wait_for(lambda: not hosts.pids(host), 10, what=f"host {host}'s processes to end")
+    assert not (out / "final").exists()
+
+    hosts.link("b", up=True)  # the network is back: the same launch line continues the run
+    a, b = _pair(hosts, train_argv(out), "resume", port=PORT + 1)
+    _finish(hosts, (a, b))
+    assert "resumed from" in hosts.log(a)
+    assert_same_run(out, reference)
 
 
 @needs_unshare
