@@ -17,7 +17,7 @@ from data_pipelines.mine import mine, normalise_caption
 from mmalign.cli import main
 from mmalign.config import ConfigError, ModelConfig, load_config
 from mmalign.data.shards import decode_sample, iter_tar_groups
-from tests.test_data_loader import jpeg, loader_for, write_shard
+from tests.test_data_loader import jpeg, loader_for, take, write_shard
 
 K = 3
 
@@ -232,11 +232,12 @@ def test_loader_pads_short_lists_and_skips_malformed_ones(tmp_path):
     samples = [(f"0000000{i}", {"jpg": jpeg(), "txt": b"x", "json": json.dumps(m).encode()})
                for i, m in enumerate(metas)]
     write_shard(tmp_path / "00000.tar", samples)
-    batch = next(iter(loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=4, buffer=1,
-                                 hard_negatives=2)))
-    assert batch.keys == ["00000000", "00000001", "00000002", "00000005"]
-    assert batch.neg_mask.tolist() == [[True, True], [True, False], [False, False], [False, False]]
-    assert batch.skipped == {"bad_hard_negatives": 2}
+    # one lane (a global batch of 1), no shuffling: the samples in write order
+    batches = take(loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=1, buffer=1,
+                              hard_negatives=2), 4)
+    assert [b.keys[0] for b in batches] == ["00000000", "00000001", "00000002", "00000005"]
+    assert [b.neg_mask.tolist()[0] for b in batches] == [[True, True], [True, False], [False, False], [False, False]]
+    assert batches[-1].skipped == {"bad_hard_negatives": 2}
 
 
 # ------------------------------------------------------------------------- config and training

@@ -165,6 +165,47 @@ def test_typed_fields_and_analytic_flops():
     assert changed.to_cfg()["width"] == 64 and towers.vision.to_cfg()["width"] == 32
 
 
+def _layer_formula_flops(module: nn.Module, example: torch.Tensor) -> int:
+    """FLOPs by the textbook formulas, layer by layer (shapes from forward hooks): a Conv2d is
+    2 x (C_in / groups) x k_h x k_w x C_out x H_out x W_out, a Linear 2 x in x out per row.
+    Independent of torch's FLOP counter, which the towers' own counts use."""
+    total = [0]
+
+    def conv(m, args, out):
+        kh, kw = m.kernel_size
+        total[0] += 2 * (m.in_channels // m.groups) * kh * kw * out.numel()
+
+    def linear(m, args, out):
+        total[0] += 2 * m.in_features * out.numel()
+
+    hooks = [m.register_forward_hook(conv) for m in module.modules() if isinstance(m, nn.Conv2d)]
+    hooks += [m.register_forward_hook(linear) for m in module.modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad():
+        module(example)
+    for h in hooks:
+        h.remove()
+    return total[0]
+
+
+def test_timm_and_hf_flops_equal_the_analytic_count(tmp_path):
+    """The two kinds whose count is measured (timm's trunks and transformers' encoders are too
+    many for one formula each) against formulas: timm's test_resnet layer by layer (convolutions
+    and linears), the BERT text tower as a transformer (models/towers/vit.transformer_flops) plus
+    open_clip's mean pooler (no matmul) and its two-layer projection."""
+    from mmalign.models.towers.vit import transformer_flops
+
+    model = build_model(_model_cfg("timm", tmp_path)).eval()
+    spec = _spec(model, "timm")
+    assert spec.flops(model.embed_dim) == _layer_formula_flops(model.visual, spec.onnx_input(1)) > 0
+
+    model = build_model(_model_cfg("hf_text", tmp_path)).eval()
+    spec = _spec(model, "hf_text")
+    width, layers, mlp, d = 16, 1, 32, model.embed_dim  # make_bert_folder's config
+    hidden = (width + d) // 2  # open_clip's "mlp" projection: width -> (width + D) / 2 -> D
+    want = transformer_flops(spec.context_length, width, layers, mlp) + 2 * (width * hidden + hidden * d)
+    assert spec.flops(d) == want
+
+
 def test_presets_are_package_data():
     import tomllib
 

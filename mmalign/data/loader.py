@@ -33,8 +33,8 @@ from mmalign.config import ConfigError, DataConfig
 from mmalign.data.batch import Batch
 from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shards import check_urls, expand_urls
-from mmalign.data.remote import RemoteOptions
-from mmalign.data.shard_sizes import shard_sizes
+from mmalign.data.remote import RemoteOptions, kind_of
+from mmalign.data.shard_sizes import ShardIndex, shard_sizes
 from mmalign.data.stream import EpochOrder, LaneStream, NoSamples, StreamSpec, check_resumable
 
 log = logging.getLogger("mmalign.data")
@@ -42,7 +42,12 @@ log = logging.getLogger("mmalign.data")
 # 3: one stream per row of the global batch (lanes), layout-free (1, 2: one stream per rank and
 # worker; such a state restarts its lanes at its step: mmalign.data.resharding.from_slots)
 STATE_VERSION = 3
-MAX_OPEN_LANES = 64  # a worker with more lanes closes each one's shard between buffer refills
+# A worker keeps each lane's shard open (one file, or one HTTP stream) unless it has more lanes
+# than this (remote: MAX_OPEN_REMOTE_LANES) or than its open-file limit allows; then each lane's
+# shard is closed between buffer refills and re-opened at its byte offset.
+MAX_OPEN_LANES = 4096
+MAX_OPEN_REMOTE_LANES = 64  # connections per worker to a shard server
+FD_HEADROOM = 256  # descriptors left for everything else in a worker
 DEFAULT_WORKER_BATCH = 256
 
 
@@ -74,6 +79,23 @@ def lane_split(rank: int, batch_size: int, shares: list[list[int]]) -> list[list
     return out
 
 
+def open_file_budget(wanted: int) -> int:
+    """Files this process may hold open for ``wanted`` lanes: its soft limit, raised towards the
+    hard one first where that is short (any process may), less :data:`FD_HEADROOM`."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return wanted if soft == resource.RLIM_INFINITY else soft - FD_HEADROOM
+
+
 class _Lanes(IterableDataset):
     """What each DataLoader worker runs: its lanes, one sample of each per local batch, in pieces."""
 
@@ -91,7 +113,8 @@ class _Lanes(IterableDataset):
         mine = [lane for piece in self.pieces[worker] for lane in piece]
         try:
             order = EpochOrder(self.spec)  # shared by this worker's lanes (one epoch's prefix sums)
-            many = len(mine) > MAX_OPEN_LANES
+            remote = any(kind_of(u) != "local" for u in self.spec.urls)
+            many = len(mine) > min(MAX_OPEN_REMOTE_LANES if remote else MAX_OPEN_LANES, open_file_budget(len(mine)))
             streams = {lane: LaneStream(self.spec, lane, self.processor, self.states.get(lane), order,
                                         close_between_fills=many) for lane in mine}
             samples = {lane: stream.samples() for lane, stream in streams.items()}
@@ -279,7 +302,7 @@ def _sources(data: DataConfig) -> tuple[list[str], list[tuple[int, ...]], list[f
     return urls, sources, [float(w) for w in data.train_weights]
 
 
-def train_counts(data: DataConfig) -> list[int]:
+def train_counts(data: DataConfig) -> ShardIndex:
     """Samples per shard of ``data.train`` (the global order is built from them): counted once,
     by rank 0, and shared (``counts=`` of :func:`build_train_loader` on every rank)."""
     urls, _, _ = _sources(data)
@@ -299,7 +322,7 @@ def build_train_loader(
     shuffle_buffer: int | None = None,
     grad_cache_chunk: int = 0,
     pin_memory: bool = False,
-    counts: list[int] | None = None,
+    counts: ShardIndex | None = None,
 ) -> StreamingLoader:
     """This rank's loader of ``batch_size`` rows (the per-rank batch) from ``data`` (a DataConfig).
 
@@ -310,7 +333,7 @@ def build_train_loader(
     pieces of at most ``data.worker_batch_size`` rows; 0 means ``grad_cache_chunk`` (the
     gradient-cache chunk, when caching) or else min(batch_size, 256).  ``pin_memory``: on
     CUDA, assemble batches in pinned memory for asynchronous copies.  ``counts``: the
-    samples per shard, when the caller counted them already (rank 0, for all);
+    shards' :class:`~mmalign.data.shard_sizes.ShardIndex` (counts and offsets), when the caller counted them already (rank 0, for all);
     else they are counted here (:func:`mmalign.data.shard_sizes.shard_sizes`).
     """
     if not isinstance(data, DataConfig):
@@ -321,16 +344,15 @@ def build_train_loader(
     if batch_size <= 0:
         raise ConfigError(f"the per-rank batch size must be > 0, got {batch_size}")
     lanes = batch_size * world_size
-    if counts is None:
-        counts = shard_sizes(urls, _remote_options(data), data.max_member_bytes)
-    if sum(counts) < lanes:
-        raise ConfigError(f"config key 'data.train': {sum(counts)} samples in {len(urls)} shard(s), fewer than "
+    index = counts if counts is not None else shard_sizes(urls, _remote_options(data), data.max_member_bytes)
+    if sum(index.counts) < lanes:
+        raise ConfigError(f"config key 'data.train': {sum(index.counts)} samples in {len(urls)} shard(s), fewer than "
                           f"one global batch ({lanes}): too few samples (each epoch must fill every row of a "
                           f"batch once)")
     spec = StreamSpec(
         urls=tuple(urls), sources=tuple(sources), weights=tuple(weights), mode=data.mode, seed=seed,
         lanes=lanes, shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
-        counts=tuple(counts),
+        counts=index.counts, offsets=index.offsets,
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
         remote=_remote_options(data),

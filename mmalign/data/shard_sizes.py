@@ -1,11 +1,16 @@
-"""Samples per shard, which epoch mode's global order is built from (mmalign/data/stream.py).
+"""Samples per shard, which the global order is built from (mmalign/data/stream.py), and
+where every :data:`STRIDE`-th sample starts.
 
 A shard's count comes from a ``sizes.json`` beside it (``{"00000.tar": 9871, ...}``: what
 ``mmalign shards`` / ``data_pipelines`` write and open_clip reads), else from reading its tar
 headers once (members' data is skipped by seeking, so a local shard costs one pass over its
-headers; a remote one is streamed).  A count that is wrong (a shard rewritten since its
-``sizes.json``) changes no other shard's samples: the samples a lane misses are counted skips
-(``shard_shorter_than_counted``), surplus ones are never read.
+headers; a remote one is streamed).  The header pass also notes the byte offset of every
+:data:`STRIDE`-th sample, so a lane whose range starts inside a shard seeks close to its first
+sample instead of reading every header before it (over HTTP: every byte before it); with a
+``sizes.json`` there are no offsets and the lane reads the headers from the shard's start.
+A count that is wrong (a shard rewritten since its ``sizes.json``) changes no other shard's
+samples: the samples a lane misses are counted skips (``shard_shorter_than_counted``), surplus
+ones are never read.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 from mmalign.data.remote import RemoteOptions, kind_of, local_path
 from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
@@ -20,6 +26,22 @@ from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shar
 log = logging.getLogger("mmalign.data")
 
 SIZES_FILE = "sizes.json"
+STRIDE = 256  # an offset is kept for every STRIDE-th sample: 400M samples -> 1.6M offsets
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Per shard (``urls`` order): its sample count, and the byte offsets of its samples
+    0, STRIDE, 2 STRIDE, ... (empty where the count came from ``sizes.json``)."""
+
+    counts: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+    def start(self, url: int, first: int) -> tuple[int, int]:
+        """``(byte offset, sample index)`` to start reading at to reach sample ``first``."""
+        known = self.offsets[url] if url < len(self.offsets) else ()
+        k = min(first // STRIDE, len(known) - 1)
+        return (known[k], k * STRIDE) if k >= 0 else (0, 0)
 
 
 def _listed(url: str, cache: dict) -> int | None:
@@ -39,32 +61,39 @@ def _listed(url: str, cache: dict) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def count_samples(url: str, remote: RemoteOptions | None = None, max_member: int | None = None) -> int:
-    """Complete samples in one shard, read from its headers (0 for a shard that cannot be opened)."""
-    n = 0
+def count_samples(url: str, remote: RemoteOptions | None = None,
+                  max_member: int | None = None) -> tuple[int, tuple[int, ...]]:
+    """Complete samples in one shard, read from its headers (0 for a shard that cannot be
+    opened), and the byte offsets of every STRIDE-th of them."""
+    n, offsets = 0, []
     try:
         with open_shard(url, remote) as f:
-            for _ in iter_samples(f, keep=lambda i: False, max_member=max_member):
+            for raw in iter_samples(f, keep=lambda i: False, max_member=max_member):
+                if n % STRIDE == 0:
+                    offsets.append(raw.offset)
                 n += 1
     except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError):
         pass  # the samples before the damage count; the lane reading it counts the skip
-    return n
+    return n, tuple(offsets)
 
 
-def shard_sizes(urls: list[str], remote: RemoteOptions | None = None, max_member: int | None = None) -> list[int]:
-    """Samples per shard, in ``urls`` order."""
+def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
+                max_member: int | None = None) -> ShardIndex:
+    """Samples per shard (and offsets where the headers were read), in ``urls`` order."""
     cache: dict = {}
-    counts, scanned = [], 0
+    counts, offsets, scanned = [], [], 0
     for url in urls:
         listed = _listed(url, cache)
+        known: tuple[int, ...] = ()
         if listed is None:
-            listed = count_samples(url, remote, max_member)
+            listed, known = count_samples(url, remote, max_member)
             scanned += 1
         counts.append(listed)
+        offsets.append(known)
     if scanned:
         log.info("data: counted the samples of %d shard(s) from their tar headers (a %s beside them skips this)",
                  scanned, SIZES_FILE)
-    return counts
+    return ShardIndex(tuple(counts), tuple(offsets))
 
 
-__all__ = ["SIZES_FILE", "count_samples", "shard_sizes"]
+__all__ = ["SIZES_FILE", "STRIDE", "ShardIndex", "count_samples", "shard_sizes"]

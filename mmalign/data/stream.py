@@ -49,6 +49,7 @@ from mmalign.config import MAX_MEMBER_BYTES, ConfigError
 from mmalign.data.remote import RemoteOptions, is_gzip_name, note_resume
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import mix, sample_seed
+from mmalign.data.shard_sizes import ShardIndex
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
@@ -69,6 +70,7 @@ class StreamSpec:
     shuffle_buffer: int  # samples held for shuffling, all lanes together
     max_image_pixels: int
     counts: tuple[int, ...] = ()  # samples per shard, in url order
+    offsets: tuple[tuple[int, ...], ...] = ()  # per shard, where samples 0, STRIDE, ... start (shard_sizes)
     max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
@@ -303,7 +305,8 @@ class LaneStream:
             return False
         url, first, stop = plan[self.cursor]
         self.cursor += 1
-        self.shard = {"url": url, "offset": 0, "index": 0, "first": first, "stop": stop}
+        offset, index = ShardIndex(self.spec.counts, self.spec.offsets).start(url, first)  # seek near `first`
+        self.shard = {"url": url, "offset": offset, "index": index, "first": first, "stop": stop}
         return True
 
     def _close(self, keep_position: bool = False) -> None:
