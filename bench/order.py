@@ -66,7 +66,10 @@ WORDS = "a photo of the red green blue small large cat dog car tree house river 
 import mmalign.data.stream as stream_mod  # noqa: E402
 from mmalign.data import tario  # noqa: E402
 from mmalign.data.remote import SKIP, WINDOW  # noqa: E402
-from mmalign.data.loader import DEFAULT_WORKER_BATCH, MAX_OPEN_LANES, lane_split, worker_shares  # noqa: E402
+from mmalign.data.loader import (  # noqa: E402
+    DEFAULT_WORKER_BATCH, MAX_OPEN_LANES, lane_split, open_file_budget, worker_shares,
+)
+from mmalign.data.shard_sizes import STRIDE, shard_sizes  # noqa: E402
 from mmalign.data.stream import EpochOrder, LaneStream, StreamSpec, shard_sequence  # noqa: E402
 
 
@@ -189,7 +192,7 @@ def run_lanes(spec: StreamSpec, rows: list[int]) -> tuple[Tally, int, list[str]]
     global TALLY
     TALLY = Tally()
     order = EpochOrder(spec)
-    many = len(rows) > MAX_OPEN_LANES  # as loader._Lanes decides it
+    many = len(rows) > min(MAX_OPEN_LANES, open_file_budget(len(rows)))  # as loader._Lanes decides it (local)
     streams = [LaneStream(spec, lane, keyed, order=order, close_between_fills=many) for lane in rows]
     gens = [s.samples() for s in streams]
     todo = [order.lane_range(lane, 0)[1] - order.lane_range(lane, 0)[0] for lane in rows]
@@ -256,8 +259,10 @@ def run_permutation(spec: StreamSpec, seq, place, offsets, rows: list[int], B: i
 def measure(args) -> tuple[list[dict], str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         urls = make_shards(Path(tmp), args.shards, args.per_shard)
-        offsets = index_shards(urls)
+        offsets = index_shards(urls)  # every sample's offset: the permutation's index
         counts = [len(o) for o in offsets]
+        index = shard_sizes(urls)  # the lanes' own: counts and every STRIDE-th offset, as the loader reads them
+        assert list(index.counts) == counts
         data_bytes = sum(Path(u).stat().st_size for u in urls)
         n = sum(counts)
         what = (f"{args.shards} shards x {args.per_shard} samples (KEY.jpg 3-5 KiB random bytes + KEY.txt), "
@@ -268,7 +273,8 @@ def measure(args) -> tuple[list[dict], str, float]:
             slots = W * K
             spec = StreamSpec(urls=tuple(urls), sources=(tuple(range(len(urls))),), weights=(1.0,), mode="epoch",
                               seed=args.seed, lanes=args.batch, shuffle_buffer=args.shuffle,
-                              max_image_pixels=1 << 30, counts=tuple(counts))
+                              max_image_pixels=1 << 30, counts=index.counts, offsets=index.offsets,
+                              offset_stride=index.stride)
             seq, place = permuted_sequence(spec, args.shuffle, args.seed)
             share = data_bytes / slots
             seen: dict[str, list[str]] = {}
@@ -323,27 +329,25 @@ def reading(results: list[dict], args, shard_mib: float) -> str:
     one, few, mid, big = LAYOUTS
     rest = LAYOUTS[1:]
     n = args.shards * args.per_shard
+    lanes_a = [get(lay, "lanes", "a") for lay in LAYOUTS]
+    lanes_b = [get(lay, "lanes", "b") for lay in LAYOUTS]
+    lanes_c = [get(lay, "lanes", "c") for lay in LAYOUTS]
     return (
-        f"Seek free, the permutation reads {span([get(lay, 'permutation', 'a') for lay in LAYOUTS])}x its share "
-        f"at every layout (it seeks to each sample through its index; under 1 because tar padding is skipped) "
-        f"and the lanes {span([get(lay, 'lanes', 'a') for lay in rest])}x from {few[0]} x {few[1]} to "
-        f"{big[0]} x {big[1]}: a lane enters a shard at its first header and walks the headers before its range "
-        f"(its {n // args.batch} samples of a {args.per_shard}-sample shard). With gaps read through (pipe:, HTTP "
-        f"that ignores ranges) the permutation's bytes grow with the slots ("
+        f"Seek free (local files), the permutation reads {span([get(lay, 'permutation', 'a') for lay in LAYOUTS])}x "
+        f"its share at every layout (it seeks to each sample through its index) and the lanes {span(lanes_a)}x "
+        f"(a lane seeks to the indexed offset nearest below its first sample, every "
+        f"{STRIDE}th, and reads the headers from there; a pipe: shard cannot seek). With gaps read through (pipe:, HTTP that ignores ranges) "
+        f"the permutation's bytes grow with the slots ("
         + ", ".join(f"{get(lay, 'permutation', 'b'):.1f}x at {lay[0]} x {lay[1]}" for lay in rest)
-        + f") and the lanes' stay at {span([get(lay, 'lanes', 'b') for lay in rest])}x; over HTTP with ranges "
-        f"(shards of {shard_mib:.1f} MiB, under remote.SKIP) the permutation reads "
-        f"{span([get(lay, 'permutation', 'c') for lay in rest])}x, the lanes "
-        f"{span([get(lay, 'lanes', 'c') for lay in rest])}x. At 1 x 1 it is the other way round: one worker runs "
-        f"{args.batch} lanes, more than MAX_OPEN_LANES = {MAX_OPEN_LANES}, so each lane's shard is closed after "
-        f"every buffer refill ({get(one, 'lanes', 'opens'):.0f} opens for {n} samples): "
-        f"{get(one, 'lanes', 'a'):.2f}x seek free, {get(one, 'lanes', 'b'):.0f}x when each re-open reads from "
-        f"byte 0, {get(one, 'lanes', 'c'):.2f}x over HTTP with ranges, against the permutation's "
-        f"{get(one, 'permutation', 'b'):.2f}x. Held: the lanes about one sample per lane "
-        f"({get(one, 'lanes', 'peak', 'max'):.0f} at 1 x 1, {get(big, 'lanes', 'peak', 'max'):.0f} at "
-        f"{big[0]} x {big[1]}), the permutation up to its share of a block "
-        f"({get(one, 'permutation', 'peak', 'max'):.0f} at 1 x 1, {get(few, 'permutation', 'peak', 'max'):.0f} "
-        f"at {few[0]} x {few[1]})."
+        + f"), the lanes' are {span(lanes_b)}x; over HTTP with ranges (shards of {shard_mib:.1f} MiB) the "
+        f"permutation reads {span([get(lay, 'permutation', 'c') for lay in rest])}x from {few[0]} x {few[1]} up, "
+        f"the lanes {span(lanes_c)}x. At 1 x 1 the permutation reads {get(one, 'permutation', 'b'):.2f}x and "
+        f"opens {get(one, 'permutation', 'opens'):.0f} files, the lanes {get(one, 'lanes', 'b'):.2f}x with "
+        f"{get(one, 'lanes', 'opens'):.0f} opens ({args.batch} lanes in one worker, {n} samples). Held: the "
+        f"lanes about one sample per lane ({get(one, 'lanes', 'peak', 'max'):.0f} at 1 x 1, "
+        f"{get(big, 'lanes', 'peak', 'max'):.0f} at {big[0]} x {big[1]}), the permutation up to its share of a "
+        f"block ({get(one, 'permutation', 'peak', 'max'):.0f} at 1 x 1, "
+        f"{get(few, 'permutation', 'peak', 'max'):.0f} at {few[0]} x {few[1]})."
     )
 
 

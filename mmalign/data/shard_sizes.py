@@ -5,7 +5,7 @@ A shard's count comes from a ``sizes.json`` beside it (``{"00000.tar": 9871, ...
 ``mmalign shards`` / ``data_pipelines`` write and open_clip reads), else from reading its tar
 headers once (members' data is skipped by seeking, so a local shard costs one pass over its
 headers; a remote one is streamed).  The header pass also notes the byte offset of every
-:data:`STRIDE`-th sample, so a lane whose range starts inside a shard seeks close to its first
+16th sample (:func:`stride_for`: fewer for huge data), so a lane whose range starts inside a shard seeks close to its first
 sample instead of reading every header before it (over HTTP: every byte before it); with a
 ``sizes.json`` there are no offsets and the lane reads the headers from the shard's start.
 A count that is wrong (a shard rewritten since its ``sizes.json``) changes no other shard's
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from array import array
 from dataclasses import dataclass
 
 from mmalign.data.remote import RemoteOptions, kind_of, local_path
@@ -26,22 +27,33 @@ from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shar
 log = logging.getLogger("mmalign.data")
 
 SIZES_FILE = "sizes.json"
-STRIDE = 256  # an offset is kept for every STRIDE-th sample: 400M samples -> 1.6M offsets
+STRIDE = 16  # an offset is kept for every STRIDE-th sample at least ...
+MAX_OFFSETS = 1 << 21  # ... and at most about this many in all (400M samples: every 256th)
+
+
+def stride_for(samples: int) -> int:
+    """The offset stride for about ``samples`` samples: a power of two >= STRIDE, keeping the
+    offsets under MAX_OFFSETS (8 bytes each, in every loader worker)."""
+    stride = STRIDE
+    while samples // stride > MAX_OFFSETS:
+        stride *= 2
+    return stride
 
 
 @dataclass(frozen=True)
 class ShardIndex:
     """Per shard (``urls`` order): its sample count, and the byte offsets of its samples
-    0, STRIDE, 2 STRIDE, ... (empty where the count came from ``sizes.json``)."""
+    0, stride, 2 stride, ... (empty where the count came from ``sizes.json``)."""
 
     counts: tuple[int, ...]
-    offsets: tuple[tuple[int, ...], ...]
+    offsets: tuple[array, ...] = ()  # array("q") per shard
+    stride: int = STRIDE
 
     def start(self, url: int, first: int) -> tuple[int, int]:
         """``(byte offset, sample index)`` to start reading at to reach sample ``first``."""
         known = self.offsets[url] if url < len(self.offsets) else ()
-        k = min(first // STRIDE, len(known) - 1)
-        return (known[k], k * STRIDE) if k >= 0 else (0, 0)
+        k = min(first // self.stride, len(known) - 1)
+        return (known[k], k * self.stride) if k >= 0 else (0, 0)
 
 
 def _listed(url: str, cache: dict) -> int | None:
@@ -61,39 +73,42 @@ def _listed(url: str, cache: dict) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def count_samples(url: str, remote: RemoteOptions | None = None,
-                  max_member: int | None = None) -> tuple[int, tuple[int, ...]]:
+def count_samples(url: str, remote: RemoteOptions | None = None, max_member: int | None = None,
+                  stride: int = STRIDE) -> tuple[int, array]:
     """Complete samples in one shard, read from its headers (0 for a shard that cannot be
-    opened), and the byte offsets of every STRIDE-th of them."""
-    n, offsets = 0, []
+    opened), and the byte offsets of every ``stride``-th of them."""
+    n, offsets = 0, array("q")
     try:
         with open_shard(url, remote) as f:
             for raw in iter_samples(f, keep=lambda i: False, max_member=max_member):
-                if n % STRIDE == 0:
+                if n % stride == 0:
                     offsets.append(raw.offset)
                 n += 1
     except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError):
         pass  # the samples before the damage count; the lane reading it counts the skip
-    return n, tuple(offsets)
+    return n, offsets
 
 
 def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
                 max_member: int | None = None) -> ShardIndex:
     """Samples per shard (and offsets where the headers were read), in ``urls`` order."""
     cache: dict = {}
-    counts, offsets, scanned = [], [], 0
+    counts, offsets, scanned, stride = [], [], 0, None
     for url in urls:
         listed = _listed(url, cache)
-        known: tuple[int, ...] = ()
+        known = array("q")
         if listed is None:
-            listed, known = count_samples(url, remote, max_member)
+            if stride is None:  # from the first shard read: the data holds about len(urls) of it
+                first, _ = count_samples(url, remote, max_member)
+                stride = stride_for(first * len(urls))
+            listed, known = count_samples(url, remote, max_member, stride)
             scanned += 1
         counts.append(listed)
         offsets.append(known)
     if scanned:
         log.info("data: counted the samples of %d shard(s) from their tar headers (a %s beside them skips this)",
                  scanned, SIZES_FILE)
-    return ShardIndex(tuple(counts), tuple(offsets))
+    return ShardIndex(tuple(counts), tuple(offsets), stride or STRIDE)
 
 
-__all__ = ["SIZES_FILE", "STRIDE", "ShardIndex", "count_samples", "shard_sizes"]
+__all__ = ["SIZES_FILE", "STRIDE", "ShardIndex", "count_samples", "shard_sizes", "stride_for"]

@@ -70,7 +70,8 @@ class StreamSpec:
     shuffle_buffer: int  # samples held for shuffling, all lanes together
     max_image_pixels: int
     counts: tuple[int, ...] = ()  # samples per shard, in url order
-    offsets: tuple[tuple[int, ...], ...] = ()  # per shard, where samples 0, STRIDE, ... start (shard_sizes)
+    offsets: tuple = ()  # per shard, where samples 0, stride, 2 stride, ... start (data/shard_sizes.py)
+    offset_stride: int = 16
     max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
@@ -240,7 +241,7 @@ class LaneStream:
         state = state or {}
         self.epoch = int(state.get("epoch", 0))  # epoch mode
         self.cursor = int(state.get("cursor", 0))  # next piece of the epoch / next draw
-        self.shard = state.get("shard")  # open piece: {url, offset, index, first, stop} or None
+        self.shard = state.get("shard")  # open piece: {url, offset, index, first, stop, start} or None
         self.emitted = int(state.get("emitted", 0))  # samples taken out of the buffer so far
         self.skipped: dict[str, int] = dict(state.get("skipped", {}))
         self._reader: Iterator[RawSample] | None = None
@@ -305,8 +306,8 @@ class LaneStream:
             return False
         url, first, stop = plan[self.cursor]
         self.cursor += 1
-        offset, index = ShardIndex(self.spec.counts, self.spec.offsets).start(url, first)  # seek near `first`
-        self.shard = {"url": url, "offset": offset, "index": index, "first": first, "stop": stop}
+        offset, index = ShardIndex(self.spec.counts, self.spec.offsets, self.spec.offset_stride).start(url, first)
+        self.shard = {"url": url, "offset": offset, "index": index, "first": first, "stop": stop, "start": offset}
         return True
 
     def _close(self, keep_position: bool = False) -> None:
@@ -325,7 +326,7 @@ class LaneStream:
             path = self.spec.urls[sh["url"]]
             try:
                 if self._reader is None:
-                    if sh["offset"]:  # a resumed piece, or one re-opened after a fill
+                    if sh["offset"] > sh.get("start", 0):  # a resumed piece, or one re-opened after a fill
                         note_resume(path)
                     if self._file is None:
                         self._file = open_shard(path, self.spec.remote)
