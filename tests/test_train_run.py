@@ -33,6 +33,7 @@ def _cmd(out, overrides, *extra):
     return cmd + list(extra)
 
 
+@pytest.mark.slow  # make test: tests/test_data_remote.py, the same kill and resume (over HTTP, against local files)
 def test_kill_and_resume_equals_straight_run(micro_overrides, tmp_path):
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
         "train.steps=20", "train.checkpoint_every=10", "monitor.log_sample_keys=true", "data.workers=1",

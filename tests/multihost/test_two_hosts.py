@@ -36,7 +36,7 @@ from tests.multihost.tracebacks import PACKAGE_DIR, own_frames
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
 PORT = 29400  # the c10d rendezvous, on hostA's veth address (exists only inside the namespaces)
-SHORT_TIMEOUT_S = 20  # dist.timeout_s of the loss / partition cases: above the ranks' start-up skew here
+SHORT_TIMEOUT_S = 14  # dist.timeout_s of the loss / partition cases: above the ranks' start-up skew here
 
 
 needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None,
