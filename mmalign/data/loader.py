@@ -1,19 +1,20 @@
 """The training loader: streams batches from tar shards and resumes exactly.
 
-Workers decode, augment and tokenize; each piece they send arrives with the state of
-the worker's stream *after* it.  The main process keeps, per worker, the state that
-came with the last piece of the last local batch the training loop actually took, so
-:meth:`StreamingLoader.state_dict` reflects consumed batches only, however far the
-DataLoader has prefetched.
+Row j of every global batch is lane j's next sample (mmalign/data/stream.py); a rank reads
+the lanes of its rows, ``[rank B_local, (rank + 1) B_local)``.  Workers decode, augment and
+tokenize; each piece they send arrives with the states of its lanes *after* it.  The main
+process keeps, per lane, the state that came with the last piece of the last local batch the
+training loop actually took, so :meth:`StreamingLoader.state_dict` reflects consumed batches
+only, however far the DataLoader has prefetched.
 
-A local batch of B rows takes B // K rows (one more for the first B mod K) from each of
-the K workers, in the same number c of pieces per worker, each piece at most
-``data.worker_batch_size`` rows (:func:`worker_shares`).  PyTorch's in-order
-DataLoader takes one piece from each worker in turn, so a local batch is exactly c
-rounds; the main process orders the rows by worker and concatenates them.  A batch's
-rows therefore depend on B and K only, never on the piece size: a run resumes exactly
-with another ``worker_batch_size``.  Pieces keep the memory in flight (K workers x
-prefetch x piece) independent of the local batch; images travel as uint8.
+A local batch of B rows takes B // K consecutive lanes (one more for the first B mod K) from
+each of the K workers, in the same number c of pieces per worker, each piece at most
+``data.worker_batch_size`` rows (:func:`worker_shares`, :func:`lane_split`).  PyTorch's
+in-order DataLoader takes one piece from each worker in turn, so a local batch is exactly c
+rounds; the main process orders the rows by worker, which is lane order.  A batch's rows
+therefore depend on the global batch only, never on the world size, the worker count or the
+piece size: a run resumes exactly on another layout.  Pieces keep the memory in flight (K
+workers x prefetch x piece) independent of the local batch; images travel as uint8.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from itertools import islice
 
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info

@@ -10,10 +10,11 @@ or worker count continues each lane where it stopped (issue 30).
 
 This is MosaicML Streaming's "canonical nodes" idea taken to one lane per row (their
 canonical nodes are fixed in the config; ours are the rows of the configured global
-batch).  The other known design, a global permutation over indexed tar members, needs
-random access: every rank would read 1/W of each shuffle block, i.e. all of it, from
-HTTP or ``pipe:`` shards.  A lane instead reads a contiguous run of samples, shard after
-shard, sequentially.
+batch).  The other known design, a global permutation over indexed tar members (webdataset's
+``wids``), needs random access: every slot reads its 1/W of each shuffle block, which from
+``pipe:`` shards or HTTP without ranges means reading all of it (bench/order.py measures both:
+45x the slot's share at 64 slots, 94x at 512, against the lanes' 4.5x).  A lane instead reads
+a contiguous run of samples, shard after shard, sequentially.
 
 * **epoch**: epoch e permutes the shards (seeded by (seed, e)) and concatenates their
   samples (N of them, counted once: :mod:`mmalign.data.shard_sizes`); lane j reads the
@@ -23,8 +24,8 @@ shard, sequentially.
   epoch: near an epoch's end a batch may mix two, each sample still once in its own.
 * **resampled**: the same, over a sequence of as many shards *drawn* (with replacement, by
   source weight, then uniformly within the source) from (seed, e): endless virtual epochs.
-  Lanes read disjoint ranges of it, so two lanes never read a shard in lockstep (which would
-  put the same sample in a batch twice).
+  Each draw starts at a random sample (wrapping round), so two draws of one shard in an epoch
+  rarely feed two lanes the same samples at the same step (one sample twice in a batch).
 
 Each lane shuffles through a buffer of ``ceil(data.shuffle_buffer / B)`` samples (drained
 at each epoch end, so epochs never mix), so a worker holds its lanes' share of the run's
@@ -56,6 +57,7 @@ from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples
 log = logging.getLogger("mmalign.data")
 
 RESTART = 1 << 32  # resampled: a lane restarted from a pre-lane checkpoint at step t reads virtual epoch RESTART + t
+
 
 @dataclass(frozen=True)
 class StreamSpec:

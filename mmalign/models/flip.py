@@ -39,6 +39,9 @@ class SeededPatchDropout(PatchDropout):
         super().__init__(prob, exclude_first_token=True)
         self.row_seeds: Optional[list[int]] = None  # set around an image encode (:func:`seeded`)
 
+    # Not traced by torch.compile: the seeds are new host values every step (a traced read of them
+    # would recompile each step), and the scores come from host-side generators.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1 + P, W)
         if not self.training or self.prob == 0.0 or self.row_seeds is None:
             return super().forward(x)
@@ -46,12 +49,16 @@ class SeededPatchDropout(PatchDropout):
             raise ValueError(f"patch dropout: {len(self.row_seeds)} seeds for {x.shape[0]} rows")
         cls_tokens, patches = x[:, :1], x[:, 1:]  # (B, 1, W), (B, P, W)
         n = patches.shape[1]
-        keep = max(1, int(n * (1 - self.prob)))
-        scores = torch.stack([torch.rand(n, generator=torch.Generator().manual_seed(int(s)))
-                              for s in self.row_seeds])  # (B, P) on the CPU
-        index = scores.topk(keep, dim=-1).indices.to(x.device)  # (B, K)
+        index = kept_patches(tuple(self.row_seeds), n, max(1, int(n * (1 - self.prob)))).to(x.device)  # (B, K)
         kept = patches.gather(1, index[..., None].expand(-1, -1, patches.shape[-1]))  # (B, K, W)
         return torch.cat([cls_tokens, kept], dim=1)  # (B, 1 + K, W)
+
+
+def kept_patches(seeds: tuple[int, ...], patches: int, keep: int) -> torch.Tensor:
+    """Per row, the ``keep`` patch indices with the highest scores its seed draws: (B, K) on the CPU."""
+    scores = torch.stack([torch.rand(patches, generator=torch.Generator().manual_seed(int(s)))
+                          for s in seeds])  # (B, P)
+    return scores.topk(keep, dim=-1).indices
 
 
 @contextlib.contextmanager
