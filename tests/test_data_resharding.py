@@ -73,3 +73,22 @@ def test_a_pre_lane_position_restarts_the_lanes_and_says_so(tmp_path, seed):
     same_rank = _loaders(spec, 1, "resampled", 5)[0]
     same_rank.load_state_dict(old)  # no world-size change: the loader converts it itself, alike
     assert [b.keys for b in take(same_rank, 3)] == restarted
+
+
+def test_a_pre_lane_position_keeps_each_ranks_skip_counts(tmp_path, seed, caplog):
+    """Same world size (no merge): each rank converts its own old state; its skips stay its own."""
+    import logging
+
+    rng = random.Random(seed)
+    make_shards(tmp_path, [rng.randint(6, 12) for _ in range(3)], rng)
+    spec = f"{tmp_path}/{{00000..00002}}.tar"
+    ranks = _loaders(spec, 2, "epoch", 5)
+    shards = ranks[0].state_dict()["shards"]
+    with caplog.at_level(logging.WARNING, logger="mmalign.data"):
+        for r, loader in enumerate(ranks):
+            loader.load_state_dict({"version": 2, "mode": "epoch", "seed": 5, "rank": r, "world_size": 2, "workers": 1,
+                                    "batch_size": 4, "shards": shards, "consumed": 2,
+                                    "slots": {str(r): {"epoch": 0, "skipped": {"corrupt_image": r + 1}}}})
+    assert [loader.skipped() for loader in ranks] == [{"corrupt_image": 1}, {"corrupt_image": 2}]
+    said = [r.getMessage() for r in caplog.records if "predates lanes" in r.getMessage()]
+    assert len(said) == 1 and "restarts at step 2" in said[0]  # rank 0 says it, once

@@ -257,7 +257,12 @@ class StreamingLoader:
 
         version = state.get("version")
         if version in (1, 2):
-            state = from_slots([state], self.spec, int(state.get("consumed", 0)))
+            step = int(state.get("consumed", 0))
+            state = from_slots([state], self.spec, step, into=self.lanes[0])
+            if self.rank == 0:
+                log.warning("the checkpoint's data position predates lanes (one stream per rank and worker): the "
+                            "data order restarts at step %d (%s)", step, "shard draws start afresh"
+                            if self.spec.mode == "resampled" else "the epoch in progress starts over")
         elif version != STATE_VERSION:
             raise ConfigError(f"loader state version {version!r} is not {STATE_VERSION}")
         mine = {"mode": self.spec.mode, "seed": self.spec.seed, "lanes": self.spec.lanes, "shards": self._fingerprint()}

@@ -14,7 +14,8 @@ lane positions.  Its lanes restart at the step it records (:func:`from_slots`):
 * **epoch**: the lanes restart the lowest epoch any old stream was in, so samples of that
   epoch consumed before the checkpoint come once more in it.
 
-Either way the caller logs what happened.  Skip counts are kept (summed into lane 0).
+Either way the log says what happened.  Skip counts are kept (summed into one lane of the
+rank they belonged to; lane 0 when every old rank's are merged).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ def _skipped(states: list[dict], key: str) -> dict[str, int]:
     return dict(sorted(skipped.items()))
 
 
-def from_slots(states: list[dict], spec: StreamSpec, step: int) -> dict:
-    """A lane state for every lane from pre-lane loader states (every old rank's, or one)."""
+def from_slots(states: list[dict], spec: StreamSpec, step: int, into: int = 0) -> dict:
+    """A lane state for every lane from pre-lane loader states (every old rank's, or one rank's
+    own); their skip counts go to lane ``into`` (a lane of the rank that keeps them)."""
     epoch = min((int(st.get("epoch", 0)) for state in states for st in state.get("slots", {}).values()), default=0)
     lanes = {str(lane): {"epoch": epoch if spec.mode == "epoch" else RESTART + step, "cursor": 0, "shard": None,
                          "emitted": step * RESTART, "skipped": {}, "buffer": []} for lane in range(spec.lanes)}
-    lanes["0"]["skipped"] = _skipped(states, "slots")
+    lanes[str(into)]["skipped"] = _skipped(states, "slots")
     first = states[0]
     # mode, seed and shards as saved: the loader refuses a resume that changes them
     return {"version": 3, "mode": first.get("mode"), "seed": first.get("seed"), "lanes": spec.lanes,
