@@ -67,6 +67,9 @@ def cmd_train(args) -> int:
     if mdist.get_rank() == 0:
         written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")
         print(f"run written to {out} ({written})")
+    from mmalign.layout import ds_adapter
+
+    ds_adapter.release_groups()  # DeepSpeed's groups go with the default one (a later run in this process)
     mdist.shutdown()
     return 0
 

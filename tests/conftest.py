@@ -153,17 +153,12 @@ def cli_main(*args, cwd=None) -> CliRun:
     import io
 
     from mmalign import cli
-    from mmalign.dist import distributed as mdist
 
     out, err = io.StringIO(), io.StringIO()
-    previous, shutdown = os.getcwd(), mdist.shutdown
+    previous = os.getcwd()
     try:
         if cwd is not None:
             os.chdir(cwd)
-        # `mmalign train` destroys its process group as the process ends; in this process the
-        # group lives on, as after train(): DeepSpeed keeps the groups it built on it, and the
-        # next engine built here (in-process runs of later tests) would find them destroyed
-        mdist.shutdown = lambda: None
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = cli.main([str(a) for a in args])
@@ -173,7 +168,6 @@ def cli_main(*args, cwd=None) -> CliRun:
                     print(e.code, file=sys.stderr)
     finally:
         os.chdir(previous)
-        mdist.shutdown = shutdown
     return CliRun(code, out.getvalue(), err.getvalue())
 
 

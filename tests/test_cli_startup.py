@@ -32,6 +32,34 @@ def _train_cmd(overrides: list[str], *extra: str) -> list[str]:
 # ------------------------------------------------------------------ start-up
 
 
+def test_two_trainings_in_one_process_and_an_engine_after_them(micro_overrides, tmp_path):
+    """`mmalign train` destroys its process group at the end, DeepSpeed's cached groups with it
+    (mmalign.layout.ds_adapter.release_groups): a second in-process run, and an engine built
+    after both, find no destroyed group (they did, before)."""
+    import torch
+
+    from mmalign.data.batch import Batch
+    from mmalign.dist import distributed as mdist
+    from mmalign.models import build_model
+    from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
+    from tests.conftest import engine_batch, engine_cfg
+
+    ov = [o for o in micro_overrides if not o.startswith(("output=", "train.steps="))]
+    for name in ("first", "second"):
+        args = ["train", "--output", str(tmp_path / name), "--set", "train.steps=2", "--set", "eval.suite=none",
+                "--set", "monitor.probe_size=0"]
+        for o in ov:
+            args += ["--set", o]
+        res = cli_main(*args)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not mdist.is_initialized()  # the run's group is gone, as at a process's end
+    cfg = engine_cfg(0)
+    engine = Engine(build_model(cfg.model), cfg)
+    out = engine.step(Batch(*engine_batch(1, 0, 1)), build_objective(cfg))
+    assert torch.isfinite(out.loss)
+
+
 def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro_overrides, tmp_path):
     """Non-TTY stdout: one line per phase, an early run-time estimate, one line per log_every;
     no DeepSpeed JIT build (a fresh extensions dir stays empty), no CUDA_HOME warning;

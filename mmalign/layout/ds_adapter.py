@@ -53,6 +53,18 @@ def default_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def release_groups() -> None:
+    """Destroy the process group through DeepSpeed, where DeepSpeed built groups on it: its
+    ``destroy_process_group`` also drops the groups it cached (data parallel, world, ...), which
+    a later engine in the same process (a second ``cli.main``) would otherwise find destroyed.
+    Nothing to do where DeepSpeed was never imported or never initialised."""
+    import sys
+
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+
+
 def version_line(installed: str) -> str | None:
     """The warning for an installed DeepSpeed other than :data:`WRITTEN_AGAINST`; None for that one."""
     if installed == WRITTEN_AGAINST:
