@@ -273,8 +273,7 @@ def measure(args) -> tuple[list[dict], str, float]:
             slots = W * K
             spec = StreamSpec(urls=tuple(urls), sources=(tuple(range(len(urls))),), weights=(1.0,), mode="epoch",
                               seed=args.seed, lanes=args.batch, shuffle_buffer=args.shuffle,
-                              max_image_pixels=1 << 30, counts=index.counts, offsets=index.offsets,
-                              offset_stride=index.stride)
+                              max_image_pixels=1 << 30, index=index)
             seq, place = permuted_sequence(spec, args.shuffle, args.seed)
             share = data_bytes / slots
             seen: dict[str, list[str]] = {}

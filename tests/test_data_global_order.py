@@ -17,6 +17,7 @@ import mmalign.data.loader as loader_mod
 import mmalign.data.stream as stream_mod
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import CAPTION, draws, sample_seed
+from mmalign.data.shard_sizes import ShardIndex
 from mmalign.data.stream import EpochOrder, StreamSpec, shard_sequence
 from mmalign.data.transforms import train_transform
 from mmalign.config import AugmentConfig
@@ -29,7 +30,7 @@ def _spec(counts, lanes, mode, seed, sources=None, weights=(1.0,), buffer=1):
     n = len(counts)
     return StreamSpec(urls=tuple(f"s{u}.tar" for u in range(n)), sources=sources or (tuple(range(n)),),
                       weights=tuple(weights), mode=mode, seed=seed, lanes=lanes, shuffle_buffer=buffer,
-                      max_image_pixels=1, counts=tuple(counts))
+                      max_image_pixels=1, index=ShardIndex(tuple(counts)))
 
 
 def _random_spec(rng, mode):

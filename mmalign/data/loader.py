@@ -357,7 +357,7 @@ def build_train_loader(
     spec = StreamSpec(
         urls=tuple(urls), sources=tuple(sources), weights=tuple(weights), mode=data.mode, seed=seed,
         lanes=lanes, shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
-        counts=index.counts, offsets=index.offsets, offset_stride=index.stride,
+        index=index,
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
         remote=_remote_options(data),

@@ -71,9 +71,7 @@ class StreamSpec:
     lanes: int  # the global batch: lane j feeds row j of every global batch
     shuffle_buffer: int  # samples held for shuffling, all lanes together
     max_image_pixels: int
-    counts: tuple[int, ...] = ()  # samples per shard, in url order
-    offsets: tuple = ()  # per shard, where samples 0, stride, 2 stride, ... start (data/shard_sizes.py)
-    offset_stride: int = 16
+    index: ShardIndex = ShardIndex(())  # samples per shard, and where every stride-th starts (data/shard_sizes.py)
     max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
@@ -82,6 +80,11 @@ class StreamSpec:
     def lane_buffer(self) -> int:
         """Samples one lane holds for shuffling (its share of ``shuffle_buffer``)."""
         return max(1, -(-self.shuffle_buffer // self.lanes))
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Samples per shard, in url order."""
+        return self.index.counts
 
     @property
     def total(self) -> int:
@@ -308,7 +311,7 @@ class LaneStream:
             return False
         url, first, stop = plan[self.cursor]
         self.cursor += 1
-        offset, index = ShardIndex(self.spec.counts, self.spec.offsets, self.spec.offset_stride).start(url, first)
+        offset, index = self.spec.index.start(url, first)  # seek near `first`
         self.shard = {"url": url, "offset": offset, "index": index, "first": first, "stop": stop, "start": offset}
         return True
 
