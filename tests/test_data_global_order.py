@@ -342,3 +342,23 @@ def test_epoch_mode_with_bad_data_reads_each_good_sample_once_in_every_layout(tm
         assert total.get("corrupt_image", 0) >= 1 and total.get("unreadable_shard", 0) >= 1, total
         skips.append(total)
     assert skips[0] == skips[1]
+
+
+def test_the_shard_index_keeps_every_stride_th_offset_and_reads_each_shard_once(tmp_path, monkeypatch):
+    """A stride above the minimum (forced: a tiny offset budget): every shard's offsets equal a
+    direct header pass at that stride, the first shard (whose count sets the stride) included,
+    and each shard is opened once."""
+    from mmalign.data import shard_sizes as ss
+
+    make_shards(tmp_path, [70, 50, 33], random.Random(0))
+    urls = [str(tmp_path / f"{s:05d}.tar") for s in range(3)]
+    opened = []
+    real = ss.open_shard
+    monkeypatch.setattr(ss, "open_shard", lambda url, *a: (opened.append(url), real(url, *a))[1])
+    monkeypatch.setattr(ss, "MAX_OFFSETS", 4)  # 3 x 70 samples > 4 x 32: the stride doubles to 64
+    index = ss.shard_sizes(urls)
+    assert sorted(opened) == sorted(urls)
+    monkeypatch.setattr(ss, "open_shard", real)
+    assert index.stride == 64 and index.counts == (70, 50, 33)
+    assert [list(o) for o in index.offsets] == [list(ss.count_samples(u, stride=64)[1]) for u in urls]
+    assert index.start(0, 69) == (index.offsets[0][1], 64)  # the offset below sample 69: sample 64's

@@ -99,9 +99,11 @@ def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
         known = array("q")
         if listed is None:
             if stride is None:  # from the first shard read: the data holds about len(urls) of it
-                first, _ = count_samples(url, remote, max_member)
-                stride = stride_for(first * len(urls))
-            listed, known = count_samples(url, remote, max_member, stride)
+                listed, known = count_samples(url, remote, max_member, STRIDE)
+                stride = stride_for(listed * len(urls))
+                known = known[::stride // STRIDE]  # the same shard at the chosen stride: read once
+            else:
+                listed, known = count_samples(url, remote, max_member, stride)
             scanned += 1
         counts.append(listed)
         offsets.append(known)

@@ -112,6 +112,7 @@ class EpochOrder:
         for u in self._order:
             total += self.spec.counts[u]
             self._ends.append(total)
+        self._totals[epoch] = total  # drawn once: _total need not draw this epoch again
 
     def _total(self, epoch: int) -> int:
         """Samples in ``epoch``'s sequence (every epoch's alike in epoch mode)."""
