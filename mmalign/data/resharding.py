@@ -23,10 +23,11 @@ from __future__ import annotations
 from mmalign.data.stream import RESTART, StreamSpec  # noqa: F401 (RESTART re-exported)
 
 
-def _skipped(states: list[dict], key: str) -> dict[str, int]:
+def _skipped(states: list[dict]) -> dict[str, int]:
+    """The skip counts of pre-lane states, summed over their streams."""
     skipped: dict[str, int] = {}
     for state in states:
-        for st in state.get(key, {}).values():
+        for st in state.get("slots", {}).values():
             for reason, count in st.get("skipped", {}).items():
                 skipped[reason] = skipped.get(reason, 0) + int(count)
     return dict(sorted(skipped.items()))
@@ -38,7 +39,7 @@ def from_slots(states: list[dict], spec: StreamSpec, step: int, into: int = 0) -
     epoch = min((int(st.get("epoch", 0)) for state in states for st in state.get("slots", {}).values()), default=0)
     lanes = {str(lane): {"epoch": epoch if spec.mode == "epoch" else RESTART + step, "cursor": 0, "shard": None,
                          "emitted": step * RESTART, "skipped": {}, "buffer": []} for lane in range(spec.lanes)}
-    lanes[str(into)]["skipped"] = _skipped(states, "slots")
+    lanes[str(into)]["skipped"] = _skipped(states)
     first = states[0]
     # mode, seed and shards as saved: the loader refuses a resume that changes them
     return {"version": 3, "mode": first.get("mode"), "seed": first.get("seed"), "lanes": spec.lanes,
