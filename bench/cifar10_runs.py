@@ -61,7 +61,8 @@ def openclip_model_dir(work: Path) -> Path:
 
 
 def run_openclip(work: Path, name: str, *, train: str, n_train: int, batch: int, epochs: int, lr: float,
-                 warmup: int, precision: str, log_every: int, workers: int = 1, compile: bool = False) -> dict:
+                 warmup: int, precision: str, log_every: int, workers: int = 1, compile: bool = False,
+                 seed: int = 0) -> dict:
     logs = work / "openclip_logs"
     shutil.rmtree(logs / name, ignore_errors=True)  # open_clip refuses an existing experiment name
     cmd = [sys.executable, "-m", "open_clip_train.main",
@@ -69,7 +70,7 @@ def run_openclip(work: Path, name: str, *, train: str, n_train: int, batch: int,
            "--train-data", train, "--dataset-type", "webdataset", "--train-num-samples", str(n_train),
            "--batch-size", str(batch), "--epochs", str(epochs), "--lr", str(lr), "--warmup", str(warmup),
            "--wd", "0.1", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
-           "--precision", precision, "--device", "cpu", "--workers", str(workers), "--seed", "0",
+           "--precision", precision, "--device", "cpu", "--workers", str(workers), "--seed", str(seed),
            "--save-most-recent", "--logs", str(logs), "--name", name,
            "--log-every-n-steps", str(log_every), "--zeroshot-frequency", "0"] + (["--torchcompile"] if compile else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ensure_side_webdataset()), str(ROOT)]))
@@ -79,7 +80,7 @@ def run_openclip(work: Path, name: str, *, train: str, n_train: int, batch: int,
     step_times = [float(x) for x in re.findall(r"Batch \(t\): ([0-9.]+)", text)]
     data_times = [float(x) for x in re.findall(r"Data \(t\): ([0-9.]+)", text)]  # mean wait per step, same windows
     steps = epochs * math.ceil(n_train / batch)
-    return {"tool": "open_clip", "name": name, "precision": precision, "steps": steps, "batch": batch,
+    return {"tool": "open_clip", "name": name, "precision": precision, "steps": steps, "batch": batch, "seed": seed,
             "samples_per_s": _steady(batch / t for t in step_times), "process_s": wall,
             "data_ms_per_step": 1000 * _steady(data_times),
             "checkpoint": str(logs / name / "checkpoints" / "epoch_latest.pt")}
@@ -113,11 +114,11 @@ def eval_openclip(work: Path, checkpoint: str, test: str) -> dict:
 
 def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, batch: int, lr: float, warmup: int,
                 precision: str, log_every: int, workers: int = 1, compile: bool = False,
-                evaluate: bool = True) -> dict:
+                evaluate: bool = True, seed: int = 0, extra_sets: tuple[str, ...] = ()) -> dict:
     out = work / "mmalign_runs" / name
     shutil.rmtree(out, ignore_errors=True)
     sets = [
-        f"output={out}", "model.preset=tiny",
+        f"output={out}", "model.preset=tiny", f"seed={seed}",
         f"data.train={train}", f"data.val={test}", "data.mode=epoch", f"data.workers={workers}",
         f"data.shuffle_buffer={OPENCLIP_SHUFFLE}",
         # open_clip's default training augmentation: random-resized-crop scale 0.9-1, no flip
@@ -128,14 +129,14 @@ def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, bat
         "loss.name=infonce", "loss.tile_size=0", "loss.false_negative_ids=none",
         # open_clip has no probe forward and logs nowhere here; keep the work equal
         "monitor.probe_size=0", "monitor.tensorboard=false", f"eval.suite={'cifar10' if evaluate else 'none'}",
-        f"train.compile={str(compile).lower()}",
+        f"train.compile={str(compile).lower()}", *extra_sets,
     ]
     cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs" / "cifar10_cpu.yaml"), "--overwrite"]
     for s in sets:
         cmd += ["--set", s]
     wall = _run(cmd, work / f"{name}.log", dict(os.environ))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    row = {"tool": "mmalign", "name": name, "precision": precision, "steps": steps, "batch": batch,
+    row = {"tool": "mmalign", "name": name, "precision": precision, "steps": steps, "batch": batch, "seed": seed,
            "samples_per_s": _steady(r["samples_per_s"] for r in records), "process_s": wall,
            # data_wait_s is the window's sum; log_every steps per window (the last may be shorter)
            "data_ms_per_step": 1000 * _steady(r["data_wait_s"] / log_every for r in records)}

@@ -80,16 +80,26 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int) -> str:
 
 
 def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, batch: int, steps_per_epoch: int,
-               epochs: int, lr: float, warmup: int, precisions: dict, log_every: int) -> list[dict]:
-    """Train open_clip then mmalign for the same number of epochs/steps; evaluate both."""
-    oc = run_openclip(work, f"openclip_{tag}", train=train, n_train=n_train, batch=batch, epochs=epochs, lr=lr,
-                      warmup=warmup, precision=precisions["open_clip"], log_every=log_every)
+               epochs: int, lr: float, warmup: int, precisions: dict, log_every: int, seed: int = 0) -> list[dict]:
+    """Train open_clip then mmalign for the same number of epochs/steps with one seed; evaluate both."""
+    suffix = "" if seed == 0 else f"_seed{seed}"  # seed 0 keeps the single-run names
+    oc = run_openclip(work, f"openclip_{tag}{suffix}", train=train, n_train=n_train, batch=batch, epochs=epochs, lr=lr,
+                      warmup=warmup, precision=precisions["open_clip"], log_every=log_every, seed=seed)
     oc["acc1"] = eval_openclip(work, oc.pop("checkpoint"), test)
     _say(oc)
-    mm = run_mmalign(work, f"mmalign_{tag}", train=train, test=test, steps=steps_per_epoch * epochs, batch=batch,
-                     lr=lr, warmup=warmup, precision=precisions["mmalign"], log_every=log_every)
+    mm = run_mmalign(work, f"mmalign_{tag}{suffix}", train=train, test=test, steps=steps_per_epoch * epochs,
+                     batch=batch, lr=lr, warmup=warmup, precision=precisions["mmalign"], log_every=log_every,
+                     seed=seed)
     _say(mm)
     return [oc, mm]
+
+
+def mean_std(values) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof=1; 0 for one value)."""
+    values = [float(v) for v in values]
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)
 
 
 def _bf16_flags() -> str:
@@ -133,14 +143,30 @@ def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, lo
 
 
 def table_a(rows: list[dict]) -> str:
-    oc, mm = rows
-    lines = ["| tool | precision | steps x batch | zero-shot top-1 (%) | train samples/s | process (s) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['tool']} | {r['precision']} | {r['steps']} x {r['batch']} | {100 * r['acc1']:.2f} | "
-                     f"{r['samples_per_s']:.1f} | {r['process_s']:.0f} |")
-    lines.append(f"\nmmalign - open_clip: {100 * (mm['acc1'] - oc['acc1']):+.2f} points top-1, "
-                 f"{mm['samples_per_s'] / oc['samples_per_s']:.2f}x samples/s.")
+    """One line per (tool, seed), then mean +- std per tool over seeds; the difference counts only
+    beyond the spread (the guide's seed rule)."""
+    lines = ["| tool | precision | seed | steps x batch | zero-shot top-1 (%) | train samples/s | process (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["tool"] != "open_clip", r.get("seed", 0))):
+        lines.append(f"| {r['tool']} | {r['precision']} | {r.get('seed', 0)} | {r['steps']} x {r['batch']} | "
+                     f"{100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |")
+    stats = {}
+    for tool in ("open_clip", "mmalign"):
+        mine = [r for r in rows if r["tool"] == tool]
+        stats[tool] = (mean_std(100 * r["acc1"] for r in mine), mean_std(r["samples_per_s"] for r in mine),
+                       len(mine))
+    lines += ["", "| tool | seeds | zero-shot top-1 (%), mean +- std | train samples/s, mean +- std |",
+              "|---|---|---|---|"]
+    for tool, ((acc, acc_sd), (sps, sps_sd), n) in stats.items():
+        lines.append(f"| {tool} | {n} | {acc:.2f} +- {acc_sd:.2f} | {sps:.1f} +- {sps_sd:.1f} |")
+    (oc_acc, oc_sd), (oc_sps, _), _ = stats["open_clip"]
+    (mm_acc, mm_sd), (mm_sps, _), n = stats["mmalign"]
+    diff = mm_acc - oc_acc
+    spread = oc_sd + mm_sd
+    verdict = ("beyond the spread" if abs(diff) > spread else "within the spread: parity") if n > 1 else \
+        "one seed: no spread, no claim"
+    lines.append(f"\nmmalign - open_clip: {diff:+.2f} points top-1 (sum of the two stds {spread:.2f}: {verdict}), "
+                 f"{mm_sps / oc_sps:.2f}x samples/s.")
     return "\n".join(lines)
 
 
@@ -210,6 +236,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="batch size (default 256, quick 100)")
     p.add_argument("--epochs", type=int, help="epochs of budget (a) (default 2, quick 1)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="equal-steps: train both tools with seeds 0..N-1 (model init and sample order) and report "
+                        "mean +- std over them (default 1; a quality claim needs >= 3)")
     p.add_argument("--minutes", type=float, help="training minutes per tool in budget (b) (default 8, quick 1)")
     p.add_argument("--skip-wallclock", action="store_true", help="drop wallclock from --parts")
     p.add_argument("--speed-steps", type=int, help="steps per speed run (default 40, quick 10; a multiple of "
@@ -228,6 +257,8 @@ def main() -> None:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if bad := set(parts) - set(PARTS):
         p.error(f"--parts: unknown {', '.join(sorted(bad))} (choose from {', '.join(PARTS)})")
+    if args.seeds < 1:
+        p.error("--seeds must be >= 1")
     if args.skip_wallclock and "wallclock" in parts:
         parts.remove("wallclock")
     settings = {"open_clip": args.speed_openclip.split(","), "mmalign": args.speed_mmalign.split(",")}
@@ -273,9 +304,13 @@ def main() -> None:
     if "equal-steps" in parts:
         print(f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
               f"lr {args.lr:g}, warmup {warmup}, fp32", flush=True)
-        rows_a = train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
-                            steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
-                            precisions={"open_clip": "fp32", "mmalign": "fp32"}, log_every=log_every)
+        rows_a = []
+        for seed in range(args.seeds):
+            print(f"  seed {seed}", flush=True)
+            rows_a += train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
+                                 steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
+                                 precisions={"open_clip": "fp32", "mmalign": "fp32"}, log_every=log_every, seed=seed)
+            (work / "results_partial.json").write_text(json.dumps({"budget_a": rows_a}, indent=2))
         results["budget_a"] = rows_a
     if "wallclock" in parts:
         print(f"(b) equal wall-clock: {minutes:g} min of training each, each tool at its fastest setting", flush=True)
@@ -303,7 +338,8 @@ def main() -> None:
                  f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split.")
         text = [SECTION, "", f"Command: `{cmd}` · {env}", "", setup]
         if rows_a:
-            text += ["", "**(a) Equal steps, batch, lr and float32, 1 loader worker each**", "", table_a(rows_a)]
+            text += ["", f"**(a) Equal steps, batch, lr and float32, 1 loader worker each, "
+                         f"{args.seeds} seed(s) per tool**", "", table_a(rows_a)]
         if rows_b:
             text += ["", "**(b) Equal wall-clock, each at its best measured setting**", "",
                      table_b(rows_b, minutes, summary)]
