@@ -167,3 +167,25 @@ def test_cli_errors_are_one_line(model_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "invalid choice: 'tensorflow'" in err and "\n" not in err  # argparse's choices, one line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt", ["open_clip", "hf"])
+def test_load_reads_an_export_folder_as_the_model_it_came_from(model_dir, tmp_path, fmt):
+    """``mmalign.load`` (so eval, embed, mine and curate) takes another tool's folder: the
+    embeddings equal the source model's, computed by open_clip's / HF's own forward in the
+    round trips above; a folder without weights is a one-line error naming it."""
+    out = tmp_path / fmt
+    export(model_dir, fmt, out)
+    ours, theirs = mmalign.load(model_dir), mmalign.load(out)
+    assert theirs.kind == "export" and theirs.source == f"export folder {out}"
+    images, tokens, captions = _inputs(ours, 4, seed=7)
+    assert torch.equal(theirs.tokenizer(captions), tokens)
+    with torch.no_grad():
+        assert (theirs.encode_image(images) - ours.encode_image(images)).abs().max() <= 1e-5
+        assert (theirs.encode_text(tokens) - ours.encode_text(tokens)).abs().max() <= 1e-5
+    assert math.isclose(theirs.logit_scale, 23.0, rel_tol=1e-5)
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(UsageError) as e:
+        mmalign.load(out)
+    assert str(out) in str(e.value) and "\n" not in str(e.value)

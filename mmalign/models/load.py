@@ -6,6 +6,10 @@ A path may be
 * a model folder (what :func:`mmalign.models.io.save_pretrained` writes, e.g. ``RUN/final``):
   ``model.safetensors`` + ``model_config.json``;
 * a run directory: its ``final/``;
+* an export of another tool's format: an open_clip ``local-dir:`` folder
+  (``open_clip_config.json`` + weights) or a transformers ``CLIPModel`` folder (``config.json``
+  + weights), as ``mmalign export`` writes them or as open_clip / HF ship them: built exactly
+  as ``model.pretrained: FOLDER`` builds a run's model (:mod:`mmalign.models.init_from`);
 * a step checkpoint ``RUN/checkpoints/step_N`` (``engine/`` is DeepSpeed's state, any ZeRO
   stage): the weights are consolidated into one fp32 state dict by
   :func:`mmalign.layout.ds_adapter.consolidate_checkpoint`, and the architecture is rebuilt from the
@@ -40,6 +44,8 @@ from mmalign.models.two_tower import TwoTower
 
 log = logging.getLogger(__name__)
 
+EXPORT = "export"  # Loaded.kind of an open_clip / HF folder
+
 
 
 @dataclass
@@ -59,7 +65,7 @@ class Loaded:
     config: dict
     preprocess_cfg: dict = field(default_factory=dict)  # open_clip keys: size, mean, std, interpolation, ...
     tokenizer_file: Path | None = None  # a sentencepiece model to ship beside exported weights, else None
-    kind: str = MODEL  # MODEL (a model folder) or CHECKPOINT (a step checkpoint)
+    kind: str = MODEL  # MODEL (a model folder), CHECKPOINT (a step checkpoint) or EXPORT (open_clip / HF)
     path: Path | None = None  # the folder the weights were read from (a run directory's final/)
 
     @torch.no_grad()
@@ -79,17 +85,22 @@ class Loaded:
     @property
     def source(self) -> str:
         """What was loaded, for messages: ``model folder X`` or ``step checkpoint X``."""
-        return f"{'model folder' if self.kind == MODEL else 'step checkpoint'} {self.path}"
+        what = {MODEL: "model folder", CHECKPOINT: "step checkpoint", EXPORT: "export folder"}[self.kind]
+        return f"{what} {self.path}"
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
-    """The model at ``path`` (a model folder, a run directory, ``RUN/final`` or
-    ``RUN/checkpoints/step_N``), in eval mode on ``device``."""
+    """The model at ``path`` (a model folder, a run directory, ``RUN/final``,
+    ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``."""
     from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.models.io import load_pretrained
 
-    kind, folder = locate(path)
-    if kind == MODEL:
+    kind, folder = (EXPORT, Path(path)) if _export_kind(Path(path)) else locate(path)
+    if kind == EXPORT:
+        model, config = _load_export(folder)
+        tokenizer = build_tokenizer(model.arch)  # a shipped sentencepiece model: an absolute path in the arch
+        base = None
+    elif kind == MODEL:
         model, config = load_pretrained(folder)
         tokenizer = build_tokenizer(model.arch, base_dir=folder)  # a saved tokenizer.model, relative to it
         base = folder
@@ -109,6 +120,48 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         kind=kind,
         path=folder,
     )
+
+
+def _export_kind(path: Path) -> str | None:
+    """OPEN_CLIP_DIR / HF_DIR for a folder of another tool's format, None otherwise (an mmalign
+    model folder with its own ``config.json`` stays mmalign's)."""
+    from mmalign.models.arch import HF_CONFIG, HF_DIR, OPEN_CLIP_CONFIG, OPEN_CLIP_DIR
+    from mmalign.models.io import CONFIG
+
+    if not path.is_dir():
+        return None
+    if (path / OPEN_CLIP_CONFIG).is_file():
+        return OPEN_CLIP_DIR
+    if (path / HF_CONFIG).is_file() and not (path / CONFIG).is_file():
+        return HF_DIR
+    return None
+
+
+def _load_export(folder: Path) -> tuple[TwoTower, dict]:
+    """An open_clip / HF folder -> (model, a model_config.json-like dict), through the same
+    ``model.pretrained`` path a run starts from; its problems are one-line UsageErrors."""
+    import json
+
+    from mmalign.config import ModelConfig
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.models import build_model
+    from mmalign.models.arch import OPEN_CLIP_CONFIG
+
+    try:
+        model = build_model(ModelConfig(pretrained=str(folder))).requires_grad_(False)  # for inference, as final/ loads
+    except ConfigError as e:
+        why = first_line(e).removeprefix("config key 'model.pretrained': ")
+        raise UsageError(f"export folder {folder}: {why}") from None
+    except Exception as e:  # open_clip's constructors on a bad tower setting
+        raise UsageError(f"export folder {folder}: its towers cannot be built: {type(e).__name__}: {first_line(e)}") \
+            from None
+    pre = preprocess_cfg(model.image_size)
+    if (folder / OPEN_CLIP_CONFIG).is_file():  # its own size; our eval transform keeps OpenAI's mean and std
+        shipped = json.loads((folder / OPEN_CLIP_CONFIG).read_text()).get("preprocess_cfg") or {}
+        pre.update({k: v for k, v in shipped.items() if k == "size"})
+    config = {"arch": model.arch, "max_logit_scale": model.max_logit_scale, "preprocess_cfg": pre,
+              "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0])}
+    return model, config
 
 
 def _eval_transform(preprocess_cfg: dict):
@@ -168,4 +221,4 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     return model, config
 
 
-__all__ = ["CHECKPOINT", "MODEL", "Loaded", "checkpoint_config", "is_step_checkpoint", "load", "locate"]
+__all__ = ["CHECKPOINT", "EXPORT", "MODEL", "Loaded", "checkpoint_config", "is_step_checkpoint", "load", "locate"]
