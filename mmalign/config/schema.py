@@ -119,6 +119,9 @@ class DataConfig:
     id_field: Optional[str] = knob(None, rule=Text(pattern=NAME, what="a .json field name or null"),
                                    doc="a `.json` id field for multi-positive targets (set from "
                                        "`loss.false_negative_ids` when that names a field)")
+    keep_keys: Optional[str] = knob(None, rule=PATH, doc="a file of sample keys, one a line (`mmalign curate "
+                                                         "--keys-only`): only those samples train, the others are "
+                                                         "counted skips (`not_in_keep_keys`)")
     hard_negatives: int = knob(0, rule=Span(0, note="0 = off"),
                                doc="k mined negative captions per image from `mmalign mine` (InfoNCE, image->text)")
     max_image_pixels: int = knob(89_478_485, rule=POSITIVE, unit="pixels",

@@ -287,6 +287,22 @@ class StreamingLoader:
 # ---------------------------------------------------------------- building
 
 
+def _keep_keys(data: DataConfig, lanes: int):
+    """``data.keep_keys``'s KeySet (None when unset); fewer keys than one global batch is refused,
+    since an epoch could not fill every row of a batch once."""
+    if data.keep_keys is None:
+        return None
+    from mmalign.data.keep_keys import KeySet
+
+    keep = KeySet.read(data.keep_keys)
+    if len(keep) < lanes:
+        raise ConfigError(f"config key 'data.keep_keys': {data.keep_keys} lists {len(keep)} keys, fewer than one "
+                          f"global batch ({lanes})")
+    log.info("data.keep_keys: %d sample keys from %s; other samples are skipped (counted as not_in_keep_keys)",
+             len(keep), data.keep_keys)
+    return keep
+
+
 def _remote_options(data: DataConfig) -> RemoteOptions:
     return RemoteOptions(data.remote_retries, data.remote_backoff, data.remote_timeout)
 
@@ -361,6 +377,7 @@ def build_train_loader(
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
         remote=_remote_options(data),
+        keep=_keep_keys(data, lanes),
     )
     processor = SampleProcessor(transform, tokenizer, views=data.views, id_field=data.id_field,
                                 max_pixels=data.max_image_pixels, hard_negatives=data.hard_negatives)

@@ -51,6 +51,7 @@ from mmalign.data.remote import RemoteOptions, is_gzip_name, note_resume
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import mix, sample_seed
 from mmalign.data.shard_sizes import ShardIndex
+from mmalign.data.keep_keys import SKIP_REASON as KEEP_SKIP, KeySet
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
@@ -75,6 +76,7 @@ class StreamSpec:
     max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
+    keep: KeySet | None = None  # data.keep_keys: only these sample keys are used (data/keep_keys.py)
 
     @property
     def lane_buffer(self) -> int:
@@ -361,10 +363,15 @@ class LaneStream:
                 raise NoSamples(f"lane {self.lane} read {self._empty_reads} shards in a row without a sample")
 
     def _fill(self) -> None:
+        keep = self.spec.keep
         while len(self.buffer) < self.spec.lane_buffer:
             raw = self._read_one()
             if raw is None:
                 break
+            if keep is not None and raw.key.rsplit("/", 1)[-1] not in keep:
+                # dropped before the buffer, so it takes no shuffle slot; counted, not logged (it is asked for)
+                self.skipped[KEEP_SKIP] = self.skipped.get(KEEP_SKIP, 0) + 1
+                continue
             self.buffer.append((raw, self.shard["url"], self.epoch))
         if self.close_between_fills and self.shard is not None:
             self._close(keep_position=True)
@@ -378,8 +385,10 @@ class LaneStream:
             if not self.buffer:  # this lane's epoch is done and drained
                 empty_epochs = 0 if taken else empty_epochs + 1
                 if empty_epochs > 4 * len(self.spec.urls) + 8:
+                    why = ("all shards empty or unreadable, or no sample of them is in data.keep_keys"
+                           if self.spec.keep is not None else "all shards empty or unreadable")
                     raise NoSamples(f"lane {self.lane} of {self.spec.lanes} found no sample in {empty_epochs} "
-                                    f"epochs: all shards empty or unreadable")
+                                    f"epochs: {why}")
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
             i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted) % len(self.buffer)
