@@ -1,7 +1,7 @@
-"""The ``mmalign shards …``, ``mmalign mine …`` and ``mmalign tokenizer …`` command lines (arguments and dispatch).
+"""The ``mmalign shards …``, ``mine …``, ``curate …`` and ``tokenizer …`` command lines (arguments and dispatch).
 
 Kept apart from ``mmalign/cli.py`` so the builders' options live next to the
-builders; heavy imports happen only when a command runs. The CLI finds the three
+builders; heavy imports happen only when a command runs. The CLI finds the four
 :class:`~mmalign.commands.Command` objects at the end of this file through the
 ``mmalign.commands`` entry points in pyproject.toml (mmalign does not import
 data_pipelines).
@@ -10,6 +10,7 @@ data_pipelines).
 from __future__ import annotations
 
 import argparse
+import os
 
 from mmalign.commands import Command
 from mmalign.errors import UsageError
@@ -173,8 +174,83 @@ def run_mine(args) -> dict:
     return stats
 
 
+def add_curate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="the pool: a shard spec (local, pipe:, http(s)://, fsspec), "
+                                                 "or a directory of .tar shards")
+    p.add_argument("--model", required=True, help="the filter model: an mmalign run, its final/, a step "
+                                                  "checkpoint, or an open_clip / HF export folder")
+    p.add_argument("--out", required=True, help="folder for the embeddings (pool/), the curated shards or key "
+                                                "list, decisions.parquet and curate_report.json/.html")
+    g = p.add_argument_group("score filter (DataComp)")
+    g.add_argument("--clip-score-min", type=float, default=None, help="keep image-text cosine >= S")
+    g.add_argument("--keep-fraction", type=float, default=None,
+                   help="keep the top F of the whole pool by CLIP score, F in (0, 1] (DataComp's baseline: 0.3)")
+    g = p.add_argument_group("de-duplication")
+    g.add_argument("--dedupe", default="", help="exact (image sha256), semantic (SemDeDup), or exact,semantic")
+    g.add_argument("--dedupe-eps", type=float, default=0.05,
+                   help="semantic: duplicates have image cosine > 1 - eps (default 0.05)")
+    g.add_argument("--dedupe-clusters", type=int, default=0,
+                   help="semantic: k-means clusters (0 = one per 5000 samples)")
+    g.add_argument("--kmeans-sample", type=int, default=0,
+                   help="semantic: k-means training rows (0 = 256 per cluster), so memory stays bounded")
+    g.add_argument("--false-negative-groups", default=None, metavar="FIELD",
+                   help="drop no duplicate: write each sample's group into its .json under FIELD, for "
+                        "loss.false_negative_ids: FIELD")
+    g = p.add_argument_group("output")
+    g.add_argument("--keys-only", action="store_true",
+                   help="write OUT/keep_keys.txt (for data.keep_keys) instead of new shards")
+    g.add_argument("--per-shard", type=int, default=1000, help="samples per new shard (default 1000)")
+    g.add_argument("--seed", type=int, default=0, help="the shuffle of the new shards and the k-means sample")
+    g.add_argument("--examples", type=int, default=24, help="dropped pairs shown in the HTML report")
+    g = p.add_argument_group("running")
+    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
+                        "or SLURM launch sets RANK / WORLD_SIZE itself)")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def run_curate(args) -> dict | None:
+    import sys
+
+    from data_pipelines.curate.decide import Policies
+    from data_pipelines.curate.run import Options, check, curate
+
+    modes = tuple(m.strip() for m in args.dedupe.split(",") if m.strip())
+    if bad := [m for m in modes if m not in ("exact", "semantic")]:
+        raise UsageError(f"--dedupe: unknown mode {bad[0]!r} (exact, semantic, or exact,semantic)")
+    if args.false_negative_groups and not modes:
+        modes = ("semantic",)  # groups to write: SemDeDup's, unless asked otherwise
+    policies = Policies(clip_score_min=args.clip_score_min, keep_fraction=args.keep_fraction, dedupe=modes,
+                        dedupe_eps=args.dedupe_eps, dedupe_clusters=args.dedupe_clusters,
+                        kmeans_sample=args.kmeans_sample, false_negative_field=args.false_negative_groups,
+                        seed=args.seed)
+    opts = Options(data=args.data, model=args.model, out=args.out, policies=policies, keys_only=args.keys_only,
+                   per_shard=args.per_shard, batch_size=args.batch_size, device=args.device,
+                   progress=not args.no_progress, examples=args.examples)
+    check(opts)
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from mmalign.dist.launch import launch_local
+
+        code = launch_local(args.nproc, sys.argv[1:])
+        if code:
+            raise SystemExit(code)
+        return None
+    report = curate(opts)
+    if report is not None:
+        kept = report["kept"]
+        print(f"curated {report['pool']['readable']} samples into {args.out}: kept {kept['kept']} "
+              f"({100 * kept['fraction']:.1f}%); report {args.out}/curate_report.html")
+    return report
+
+
 SHARDS = Command("shards", "build WebDataset shards (img2dataset layout) from a source", add_shard_args, run_shards)
 MINE = Command("mine", "mine hard negative captions with a trained model into a copy of the shards",
                add_mine_args, run_mine)
 TOKENIZER = Command("tokenizer", "train a sentencepiece tokenizer on shard captions", add_tokenizer_args,
                     run_tokenizer)
+CURATE = Command("curate", "score, de-duplicate and filter a shard pool with a CLIP model (DataComp, SemDeDup)",
+                 add_curate_args, run_curate)

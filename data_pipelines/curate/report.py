@@ -1,0 +1,182 @@
+"""``OUT/curate_report.json`` and ``OUT/curate_report.html``: what curation did to the pool.
+
+The JSON holds the counts (pool, skips by reason, kept per policy alone and together), the
+threshold, a histogram of the CLIP scores and the duplicate groups' sizes. The HTML page is
+self-contained (images inline, no script, no network): the score histogram with the
+threshold, the kept fraction per policy, the dropped pairs of lowest score as thumbnails with
+their captions, and the largest duplicate groups side by side, the kept member outlined.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("mmalign.curate")
+
+REPORT_JSON = "curate_report.json"
+REPORT_HTML = "curate_report.html"
+BINS = 40
+THUMB = 96  # pixels, the longer side
+
+
+def histogram(scores: np.ndarray, bins: int = BINS) -> dict:
+    if scores.size == 0:
+        return {"edges": [], "counts": []}
+    lo, hi = float(scores.min()), float(scores.max())
+    if hi <= lo:
+        hi = lo + 1e-6
+    counts, edges = np.histogram(scores, bins=bins, range=(lo, hi))
+    return {"edges": [round(float(e), 6) for e in edges], "counts": [int(c) for c in counts]}
+
+
+def summary(pool, decisions, policies, extra: dict) -> dict:
+    """The report's JSON content."""
+    n = len(pool)
+    scores = pool.frame["clip_score"].to_numpy(np.float64) if n else np.zeros(0)
+    skipped: dict[str, int] = {}
+    for s in pool.stats:
+        for reason, count in s["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + count
+
+    def kept(mask) -> dict:
+        k = int(np.asarray(mask).sum())
+        return {"kept": k, "fraction": round(k / n, 6) if n else 0.0}
+
+    report = {
+        "pool": {"shards": len(pool.stats), "samples": sum(s["samples"] for s in pool.stats), "readable": n,
+                 "skipped": dict(sorted(skipped.items())),
+                 "shards_ended_early": sum(1 for s in pool.stats if s["ended_early"])},
+        "policies": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(policies).items()},
+        "clip_score": ({"mean": round(float(scores.mean()), 6), "min": round(float(scores.min()), 6),
+                        "max": round(float(scores.max()), 6),
+                        "quantiles": {str(q): round(float(np.quantile(scores, q)), 6)
+                                      for q in (0.1, 0.25, 0.5, 0.7, 0.75, 0.9)}} if n else None),
+        "threshold": decisions.threshold,
+        "histogram": histogram(scores),
+        "kept_by_policy": {name: kept(mask) for name, mask in decisions.by_policy.items()},
+        "kept": kept(decisions.keep),
+        "dedupe": {**decisions.info, "clusters": decisions.clusters},
+        **extra,
+    }
+    if decisions.group_field is not None:
+        groups = decisions.groups["combined"]
+        _, counts = np.unique(groups, return_counts=True)
+        report["false_negative_groups"] = {"field": policies.false_negative_field,
+                                           "groups_of_more_than_one": int((counts > 1).sum()),
+                                           "samples_in_them": int(counts[counts > 1].sum())}
+    return report
+
+
+# ------------------------------------------------------------------ html
+
+
+def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, str]:
+    """Pool rows -> inline JPEG data URIs of their images (read back from the shards)."""
+    from PIL import Image
+
+    from mmalign.data.tario import iter_samples, open_shard
+
+    frame = pool.frame
+    out: dict[int, str] = {}
+    by_shard: dict[int, dict[int, int]] = {}
+    for r in rows:
+        by_shard.setdefault(int(frame["shard"].iat[r]), {})[int(frame["index"].iat[r])] = r
+    for u, wanted in by_shard.items():
+        try:
+            with open_shard(urls[u], remote) as f:
+                for raw in iter_samples(f, keep=wanted.__contains__):
+                    r = wanted.get(raw.index)
+                    data = next((raw.members[e] for e in ("jpg", "jpeg", "png", "webp") if e in raw.members), None)
+                    if r is None or data is None:
+                        continue
+                    image = Image.open(io.BytesIO(data)).convert("RGB")
+                    image.thumbnail((THUMB, THUMB))
+                    buf = io.BytesIO()
+                    image.save(buf, format="JPEG", quality=85)
+                    out[r] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        except Exception as e:  # a thumbnail is decoration: the report is written without it
+            log.warning("curate report: no thumbnails from %s (%s)", urls[u], e)
+    return out
+
+
+def _svg_histogram(hist: dict, threshold: float | None) -> str:
+    counts, edges = hist["counts"], hist["edges"]
+    if not counts:
+        return "<p>(no scores)</p>"
+    w, h, top = 640, 200, max(counts) or 1
+    bar = w / len(counts)
+    parts = [f'<svg width="{w}" height="{h + 30}" xmlns="http://www.w3.org/2000/svg">']
+    for i, c in enumerate(counts):
+        bh = h * c / top
+        parts.append(f'<rect x="{i * bar:.1f}" y="{h - bh:.1f}" width="{bar - 1:.1f}" height="{bh:.1f}" '
+                     f'fill="#4a7bb7"><title>{edges[i]:.3f} to {edges[i + 1]:.3f}: {c}</title></rect>')
+    lo, hi = edges[0], edges[-1]
+    if threshold is not None and lo <= threshold <= hi:
+        x = w * (threshold - lo) / (hi - lo)
+        parts.append(f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{h}" stroke="#c0392b" stroke-width="2"/>')
+        parts.append(f'<text x="{x + 4:.1f}" y="14" font-size="12" fill="#c0392b">threshold {threshold:.3f}</text>')
+    parts.append(f'<text x="0" y="{h + 20}" font-size="12">{lo:.3f}</text>')
+    parts.append(f'<text x="{w - 50}" y="{h + 20}" font-size="12">{hi:.3f}</text></svg>')
+    return "".join(parts)
+
+
+def _card(src: str | None, caption: str, score: float, kept: bool | None = None) -> str:
+    style = "border:3px solid #27ae60" if kept else "border:3px solid transparent"
+    image = f'<img src="{src}" style="{style}">' if src else '<div class="missing">(no image)</div>'
+    return (f'<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{score:.3f}</b>'
+            f'{" kept" if kept else ""}</figcaption></figure>')
+
+
+def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples: int = 24, groups: int = 8,
+          remote=None) -> None:
+    (out / REPORT_JSON).write_text(json.dumps(report, indent=2))
+    frame = pool.frame
+    scores = frame["clip_score"].to_numpy() if len(frame) else np.zeros(0)
+    dropped = []
+    if "clip_score" in decisions.by_policy:
+        low = np.flatnonzero(~decisions.by_policy["clip_score"])
+        dropped = low[np.argsort(scores[low], kind="stable")][:examples].tolist()
+    shown_groups = []
+    if "combined" in decisions.groups:
+        g = decisions.groups["combined"]
+        ids, counts = np.unique(g, return_counts=True)
+        for gid in ids[np.argsort(-counts, kind="stable")][:groups]:
+            members = np.flatnonzero(g == gid)
+            if members.size > 1:
+                shown_groups.append(members[:8].tolist())
+    best = None
+    if shown_groups:
+        from data_pipelines.curate.dedupe import keep_one_per_group
+
+        best = keep_one_per_group(decisions.groups["combined"], scores)
+    thumbs = _thumbs(urls, pool, dropped + [r for grp in shown_groups for r in grp], remote)
+    captions = frame["caption"].tolist() if len(frame) else []
+    rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{v['kept']}</td><td>{100 * v['fraction']:.2f}%</td></tr>"
+                   for name, v in [*report["kept_by_policy"].items(), ("all policies", report["kept"])])
+    body = [
+        "<!doctype html><meta charset='utf-8'><title>mmalign curate report</title>",
+        "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;width:110px;margin:4px;"
+        "vertical-align:top;font-size:11px}img{max-width:100px}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px}.group{margin-bottom:1em}</style>",
+        "<h1>mmalign curate report</h1>",
+        f"<p>{report['pool']['readable']} readable samples of {report['pool']['samples']} in "
+        f"{report['pool']['shards']} shards; skipped: {html.escape(json.dumps(report['pool']['skipped']))}.</p>",
+        "<h2>CLIP score histogram</h2>", _svg_histogram(report["histogram"], decisions.threshold),
+        "<h2>Kept per policy</h2><table><tr><th>policy</th><th>kept</th><th>fraction</th></tr>", rows, "</table>",
+    ]
+    if dropped:
+        body.append(f"<h2>Dropped by score: the {len(dropped)} lowest</h2>")
+        body += [_card(thumbs.get(r), captions[r], float(scores[r])) for r in dropped]
+    if shown_groups:
+        body.append(f"<h2>The {len(shown_groups)} largest duplicate groups</h2>")
+        for grp in shown_groups:
+            cards = "".join(_card(thumbs.get(r), captions[r], float(scores[r]), bool(best[r])) for r in grp)
+            body.append(f"<div class='group'>{cards}</div>")
+    (out / REPORT_HTML).write_text("\n".join(body), encoding="utf-8")

@@ -1,0 +1,264 @@
+"""``mmalign curate``: embed a pool once, apply the curation policies, write what is kept.
+
+Passes (each its own module):
+
+1. :mod:`.embed_pass`: every shard's samples embedded with the model (image and captions),
+   per-shard parquet + embeddings in ``OUT/pool/``. Split over processes: with ``--nproc N``
+   (re-run under torchrun, as ``mmalign train --nproc`` does) or under an outside torchrun /
+   SLURM launch (``RANK`` / ``WORLD_SIZE``), rank r embeds shards r, r + W, r + 2W, ...
+2. :mod:`.decide`: rank 0 waits for every shard, then applies the policies to the whole pool.
+3. :mod:`.write_out`: new shuffled shards in ``OUT`` (or ``OUT/keep_keys.txt``), and
+   :mod:`.report`'s ``curate_report.json`` / ``.html``.
+
+Resume: ``OUT/pool/stamp.json`` records the model and shards the embeddings came from. Run the
+same command again after a kill and pass 1 embeds only the shards without a finished result;
+passes 2 and 3 are cheap and always run whole. The policies are not in the stamp, so a second
+run with other policies reuses the embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_pipelines.curate.decide import Policies
+from data_pipelines.curate.embed_pass import POOL, ShardEmbedder, done_shards
+from mmalign.errors import UsageError
+
+log = logging.getLogger("mmalign.curate")
+
+STAMP = "stamp.json"
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a .json field the config's loss.false_negative_ids accepts
+
+
+@dataclass
+class Options:
+    data: str
+    model: str
+    out: str
+    policies: Policies = field(default_factory=Policies)
+    keys_only: bool = False
+    per_shard: int = 1000
+    batch_size: int = 64
+    device: str = "cpu"
+    progress: bool = True
+    examples: int = 24
+    stall_timeout_s: float = 3600.0  # rank 0 waiting for other ranks' shards with no progress
+
+
+def check(opts: Options) -> None:
+    """The argument errors that need no data (one line each)."""
+    p = opts.policies
+    if p.keep_fraction is not None and not (0.0 < p.keep_fraction <= 1.0):
+        raise UsageError(f"--keep-fraction must be in (0, 1] (the fraction of the pool kept), got {p.keep_fraction}")
+    if p.clip_score_min is not None and not -1.0 <= p.clip_score_min <= 1.0:
+        raise UsageError(f"--clip-score-min is a cosine in [-1, 1], got {p.clip_score_min}")
+    if not 0.0 <= p.dedupe_eps <= 2.0:
+        raise UsageError(f"--dedupe-eps must be in [0, 2] (duplicates: cosine > 1 - eps), got {p.dedupe_eps}")
+    if p.dedupe_clusters < 0 or p.kmeans_sample < 0:
+        raise UsageError("--dedupe-clusters and --kmeans-sample must be >= 0 (0 = automatic)")
+    if p.false_negative_field is not None:
+        if not NAME.match(p.false_negative_field):
+            raise UsageError(f"--false-negative-groups: {p.false_negative_field!r} is not a field name "
+                             f"(letters, digits, _)")
+        if p.false_negative_field == "clip_score":
+            raise UsageError("--false-negative-groups: clip_score is the field curate writes the score into")
+        if opts.keys_only:
+            raise UsageError("--false-negative-groups writes a field into each .json: it needs new shards, "
+                             "not --keys-only")
+    if not 0 < opts.per_shard <= 10_000:
+        raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
+    if opts.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {opts.batch_size}")
+
+
+def _urls(data: str) -> list[str]:
+    from mmalign.config import ConfigError
+    from mmalign.data.shards import check_urls, expand_urls
+
+    path = Path(data)
+    urls = sorted(str(p) for p in path.glob("*.tar")) if path.is_dir() else expand_urls(data)
+    if path.is_dir() and not urls:
+        raise UsageError(f"--data: {data} holds no .tar shards")
+    try:
+        check_urls(urls, "--data")
+    except ConfigError as e:
+        raise UsageError(str(e).replace("config key '--data'", "--data")) from None
+    return urls
+
+
+def _stamp(opts: Options, urls: list[str], out: Path) -> None:
+    """Record (or check) what the embeddings in ``OUT/pool`` came from."""
+    model = Path(opts.model).resolve()
+    weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    want = {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime)]
+                                             for p in weights],
+            "urls": urls}
+    path = out / POOL / STAMP
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if have != want:
+            what = "model" if have.get("model") != want["model"] or have.get("weights") != want["weights"] else "shards"
+            raise UsageError(f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
+                             f"delete {out / POOL} to embed again")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(want, indent=1))
+
+
+def _peek_field(urls: list[str], field_name: str) -> None:
+    """Fail before embedding when the first sample's .json already has the field."""
+    from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
+
+    try:
+        raw = next(iter_tar_groups(urls[0]))
+        meta = decode_sample(raw)["json"]
+    except (StopIteration, BadSample, Exception):
+        return  # pass 1 checks every sample
+    if field_name in meta:
+        _field_exists(field_name, urls[0])
+
+
+def _field_exists(field_name: str, where: str) -> None:
+    raise UsageError(f"--false-negative-groups: the samples' .json already has a field {field_name!r} (in {where}); "
+                     f"choose another name")
+
+
+def _rank() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int) -> dict:
+    """Pass 1 for this rank's shards that are not done yet; returns its counts."""
+    from mmalign.models.load import load
+    from mmalign.progress import track
+
+    todo = [u for u in range(rank, len(urls), world) if u not in done_shards(out, len(urls))]
+    counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
+    if not todo:
+        return counts
+    loaded = load(opts.model, device=opts.device)
+    embedder = ShardEmbedder(loaded, batch_size=opts.batch_size, device=opts.device)
+    start = time.time()
+
+    def items():
+        for u in todo:
+            yield u
+
+    label = "curate: embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
+    for i, u in enumerate(track(items(), label, total=len(todo), unit="shards", enabled=opts.progress), 1):
+        stats = embedder.embed(urls[u], u, out)
+        counts["samples"] += stats["samples"]
+        elapsed = time.time() - start
+        if opts.progress:
+            skipped = sum(stats["skipped"].values())
+            print(f"mmalign: curate: shard {urls[u]}: {stats['readable']} embedded, {skipped} skipped; "
+                  f"{counts['samples'] / elapsed:.1f} samples/s", flush=True)
+    counts["seconds"] = round(time.time() - start, 3)
+    return counts
+
+
+def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
+    """Rank 0: until every shard's pass-1 result exists; a one-line error after a stall."""
+    done, last_change = len(done_shards(out, n)), time.time()
+    while done < n:
+        time.sleep(0.5)
+        now = len(done_shards(out, n))
+        if now != done:
+            done, last_change = now, time.time()
+        elif time.time() - last_change > stall_timeout_s:
+            missing = sorted(set(range(n)) - done_shards(out, n))
+            raise UsageError(f"curate: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
+                             f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume")
+
+
+def _clear_outputs(out: Path) -> None:
+    """The previous run's outputs (not the embeddings): a rerun with other policies rewrites them."""
+    from data_pipelines.curate.report import REPORT_HTML, REPORT_JSON
+    from data_pipelines.curate.write_out import KEYS_FILE
+
+    for pattern in ("[0-9]*.tar", "[0-9]*.parquet", "sizes.json", KEYS_FILE, REPORT_JSON, REPORT_HTML):
+        for p in out.glob(pattern):
+            p.unlink()
+
+
+def curate(opts: Options) -> dict | None:
+    """Run all passes (module docstring); returns the report on rank 0, None on other ranks."""
+    from data_pipelines.curate import report as report_mod
+    from data_pipelines.curate.decide import decide, load_pool
+    from data_pipelines.curate.write_out import write_keys, write_shards
+
+    check(opts)
+    start = time.time()
+    out = Path(opts.out)
+    urls = _urls(opts.data)
+    if any(Path(u).resolve().parent == out.resolve() for u in urls if "://" not in u and not u.startswith("pipe:")):
+        raise UsageError(f"--out: {out} is where the input shards are; write the curated pool elsewhere")
+    field_name = opts.policies.false_negative_field
+    if field_name is not None:
+        _peek_field(urls, field_name)
+    rank, world = _rank()
+    if rank == 0:
+        _stamp(opts, urls, out)
+    else:
+        _wait_stamp(out)
+    part = embed_part(opts, urls, out, rank, world)
+    if rank != 0:
+        return None
+    _wait_for_all(out, len(urls), opts.stall_timeout_s)
+    pool = load_pool(out, len(urls))
+    if len(pool) == 0:
+        raise UsageError(f"--data: {opts.data} holds no readable samples")
+    if field_name is not None:
+        where = next((s["url"] for s in pool.stats if field_name in s["fields"]), None)
+        if where is not None:
+            _field_exists(field_name, where)
+    t_decide = time.time()
+    decisions = decide(pool, opts.policies)
+    t_write = time.time()
+    _clear_outputs(out)
+    if opts.keys_only:
+        written = write_keys(out, pool, decisions.keep)
+    else:
+        written = write_shards(urls, out, pool, decisions, per_shard=opts.per_shard, seed=opts.policies.seed,
+                               field=field_name)
+    embed_seconds = sum(s["seconds"] for s in pool.stats)
+    extra = {"model": opts.model, "data": opts.data, "out": str(out), "processes": world, "written": written,
+             "timing": {"embed_seconds_summed_over_shards": round(embed_seconds, 3),
+                        "embed_samples_per_s_per_process": round(sum(s["samples"] for s in pool.stats)
+                                                                 / embed_seconds, 2) if embed_seconds else None,
+                        "this_run_rank0_embedded_shards": part["shards"],
+                        "decide_seconds": round(t_write - t_decide, 3),
+                        "write_seconds": round(time.time() - t_write, 3),
+                        "total_seconds": round(time.time() - start, 3)}}
+    report = report_mod.summary(pool, decisions, opts.policies, extra)
+    report_mod.write(out, urls, pool, decisions, report, examples=opts.examples)
+    _decisions_table(out, pool, decisions)
+    return report
+
+
+def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:
+    """Ranks > 0: rank 0 writes the stamp (and refuses a mismatched --out) before anyone embeds."""
+    deadline = time.time() + timeout_s
+    while not (out / POOL / STAMP).is_file():
+        if time.time() > deadline:
+            raise UsageError(f"curate: rank 0 wrote no {out / POOL / STAMP} in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _decisions_table(out: Path, pool, decisions) -> None:
+    """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts."""
+    frame = pool.frame[["shard", "key", "index", "clip_score"]].copy()
+    for name, mask in decisions.by_policy.items():
+        frame[f"kept_by_{name}"] = mask
+    for name, groups in decisions.groups.items():
+        frame[f"{name}_group"] = groups
+    if decisions.group_field is not None:
+        frame["false_negative_group"] = decisions.group_field
+    frame["kept"] = decisions.keep
+    frame.to_parquet(out / "decisions.parquet", index=False)
