@@ -133,10 +133,43 @@ def _rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+class _Progress:
+    """A line every ``every_s`` seconds: samples embedded, samples/s, and an ETA from the
+    shards' listed sizes (``sizes.json``), else from the mean shard so far."""
+
+    def __init__(self, label: str, shards: int, total: int | None, enabled: bool, every_s: float = 10.0):
+        self.label, self.shards, self.total, self.enabled, self.every_s = label, shards, total, enabled, every_s
+        self.start = self.last = time.time()
+        self.samples = self.done = 0
+
+    def sample(self) -> None:
+        self.samples += 1
+        if self.enabled and time.time() - self.last >= self.every_s:
+            self.last = time.time()
+            print(self.line(), flush=True)
+
+    def shard_done(self) -> None:
+        self.done += 1
+
+    def line(self, final: bool = False) -> str:
+        from mmalign.progress import duration
+
+        elapsed = max(time.time() - self.start, 1e-9)
+        rate = self.samples / elapsed
+        total = self.total
+        if total is None and self.done:
+            total = round(self.samples / self.done * self.shards)  # the mean shard so far
+        of = f" of {'~' if self.total is None else ''}{total}" if total else ""
+        eta = f", ETA {duration((total - self.samples) / rate)}" if total and rate and not final else ""
+        end = f", done in {duration(elapsed)}" if final else ""
+        return (f"mmalign: {self.label}: {self.samples}{of} samples, shard {self.done} of {self.shards} "
+                f"({rate:.1f} samples/s){eta}{end}")
+
+
 def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int) -> dict:
     """Pass 1 for this rank's shards that are not done yet; returns its counts."""
+    from mmalign.data.shards import shard_total
     from mmalign.models.load import load
-    from mmalign.progress import track
 
     todo = [u for u in range(rank, len(urls), world) if u not in done_shards(out, len(urls))]
     counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
@@ -144,22 +177,19 @@ def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int)
         return counts
     loaded = load(opts.model, device=opts.device)
     embedder = ShardEmbedder(loaded, batch_size=opts.batch_size, device=opts.device)
-    start = time.time()
-
-    def items():
-        for u in todo:
-            yield u
-
+    listed = [shard_total(urls[u]) if "://" not in urls[u] else None for u in todo]
     label = "curate: embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
-    for i, u in enumerate(track(items(), label, total=len(todo), unit="shards", enabled=opts.progress), 1):
-        stats = embedder.embed(urls[u], u, out)
+    progress = _Progress(label, len(todo), None if None in listed else sum(listed), opts.progress)
+    for u in todo:
+        stats = embedder.embed(urls[u], u, out, progress=progress.sample)
+        progress.shard_done()
         counts["samples"] += stats["samples"]
-        elapsed = time.time() - start
-        if opts.progress:
-            skipped = sum(stats["skipped"].values())
-            print(f"mmalign: curate: shard {urls[u]}: {stats['readable']} embedded, {skipped} skipped; "
-                  f"{counts['samples'] / elapsed:.1f} samples/s", flush=True)
-    counts["seconds"] = round(time.time() - start, 3)
+        if opts.progress and sum(stats["skipped"].values()):
+            print(f"mmalign: curate: {urls[u]}: {sum(stats['skipped'].values())} skipped "
+                  f"({', '.join(f'{k} {v}' for k, v in stats['skipped'].items())})", flush=True)
+    if opts.progress:
+        print(progress.line(final=True), flush=True)
+    counts["seconds"] = round(time.time() - progress.start, 3)
     return counts
 
 
