@@ -212,8 +212,6 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_curate(args) -> dict | None:
-    import sys
-
     from data_pipelines.curate.decide import Policies
     from data_pipelines.curate.run import Options, check, curate
 
@@ -235,7 +233,7 @@ def run_curate(args) -> dict | None:
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from mmalign.dist.launch import launch_local
 
-        code = launch_local(args.nproc, sys.argv[1:])
+        code = launch_local(args.nproc, args.argv)  # what mmalign.cli.main was given (in-process too)
         if code:
             raise SystemExit(code)
         return None

@@ -92,23 +92,34 @@ def _urls(data: str) -> list[str]:
     return urls
 
 
-def _stamp(opts: Options, urls: list[str], out: Path) -> None:
-    """Record (or check) what the embeddings in ``OUT/pool`` came from."""
+def _stamp_content(opts: Options, urls: list[str]) -> dict:
     model = Path(opts.model).resolve()
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    want = {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime)]
+    return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime)]
                                              for p in weights],
             "urls": urls}
+
+
+def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
+    """Refuse an ``OUT/pool`` whose embeddings came from another model or other shards."""
     path = out / POOL / STAMP
-    if path.is_file():
-        have = json.loads(path.read_text())
-        if have != want:
-            what = "model" if have.get("model") != want["model"] or have.get("weights") != want["weights"] else "shards"
-            raise UsageError(f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
-                             f"delete {out / POOL} to embed again")
+    if not path.is_file():
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(want, indent=1))
+    have, want = json.loads(path.read_text()), _stamp_content(opts, urls)
+    if have != want:
+        what = "model" if have.get("model") != want["model"] or have.get("weights") != want["weights"] else "shards"
+        raise UsageError(f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
+                         f"delete {out / POOL} to embed again")
+
+
+def _write_stamp(opts: Options, urls: list[str], out: Path) -> None:
+    """Rank 0, once the model has loaded: a failed start leaves no stamp to block its rerun."""
+    path = out / POOL / STAMP
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{STAMP}.tmp")
+        tmp.write_text(json.dumps(_stamp_content(opts, urls), indent=1))
+        os.replace(tmp, path)
 
 
 def _peek_field(urls: list[str], field_name: str) -> None:
@@ -166,16 +177,20 @@ class _Progress:
                 f"({rate:.1f} samples/s){eta}{end}")
 
 
-def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int) -> dict:
-    """Pass 1 for this rank's shards that are not done yet; returns its counts."""
+def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int, on_loaded=lambda: None) -> dict:
+    """Pass 1 for this rank's shards that are not done yet; returns its counts. ``on_loaded``
+    runs once the model has loaded (rank 0 stamps OUT/pool then, the others wait for it)."""
     from mmalign.data.shards import shard_total
     from mmalign.models.load import load
 
     todo = [u for u in range(rank, len(urls), world) if u not in done_shards(out, len(urls))]
     counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
+    if not todo and (out / POOL / STAMP).is_file():
+        return counts  # everything of this rank is embedded (a resume), and stamped
+    loaded = load(opts.model, device=opts.device)  # also when this rank has no shard: the stamp needs a model
+    on_loaded()
     if not todo:
         return counts
-    loaded = load(opts.model, device=opts.device)
     embedder = ShardEmbedder(loaded, batch_size=opts.batch_size, device=opts.device)
     listed = [shard_total(urls[u]) if "://" not in urls[u] else None for u in todo]
     label = "curate: embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
@@ -234,10 +249,9 @@ def curate(opts: Options) -> dict | None:
         _peek_field(urls, field_name)
     rank, world = _rank()
     if rank == 0:
-        _stamp(opts, urls, out)
-    else:
-        _wait_stamp(out)
-    part = embed_part(opts, urls, out, rank, world)
+        _check_stamp(opts, urls, out)
+    part = embed_part(opts, urls, out, rank, world,
+                      on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)))
     if rank != 0:
         return None
     _wait_for_all(out, len(urls), opts.stall_timeout_s)
