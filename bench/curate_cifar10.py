@@ -63,6 +63,17 @@ ARMS = ("a", "b", "c", "d")
 ARM_NAMES = {"a": "(a) raw pool", "b": "(b) curate: score top fraction + SemDeDup", "c": "(c) random subset, (b)'s size",
              "d": "(d) raw pool, duplicate groups as positives"}
 FIELD = "dup_group"
+# The filter model's recipe on top of the arms' (bench/cifar10_runs.run_mmalign). With CLIP's loss
+# alone the tiny model's image embeddings of one class crowd together as closely as a flipped copy
+# of one image sits to it, so near-duplicates cannot be told from class-mates; an image-image
+# NT-Xent term (SimCLR, Chen et al. 2020, as SLIP adds it to CLIP, Mu et al. 2022) between two
+# flipped and cropped views makes the embedding invariant to those edits and keeps other images apart.
+FILTER_RECIPES = {
+    "slip": ("data.views=2", "loss.image_image_weight=1.0", "data.augment.hflip=true",
+             "data.augment.crop_scale=[0.5,1.0]"),
+    "clip": (),
+}
+EPS_SWEEP = [0.002, 0.005, 0.01, 0.02, 0.05]
 
 
 # ------------------------------------------------------------------ the pool
@@ -294,6 +305,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps per arm (default 200, quick 20)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--filter-steps", type=int, default=None, help="filter model steps (default 300, quick 20)")
+    p.add_argument("--filter-recipe", choices=("slip", "clip"), default="slip",
+                   help="slip (default): CLIP's loss + an image-image NT-Xent term between two flipped and cropped "
+                        "views (data.views 2, loss.image_image_weight 1), so that image embeddings tell instances "
+                        "apart; clip: CLIP's loss alone, crop 0.9-1, no flip (the arms' recipe)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--write-doc", action="store_true")
     add_flag(p)
@@ -318,9 +333,11 @@ def main() -> None:
     pool_keys = pd.read_parquet(truth)["key"].tolist()
 
     print(f"filter model: {filter_steps} steps x {args.batch} on the clean subset", flush=True)
-    fm = run_mmalign(work, "filter", train=filt, test=test, steps=filter_steps, batch=args.batch, lr=args.lr,
-                     warmup=max(1, filter_steps // 10), precision="fp32", log_every=10, seed=0)
-    model = work / "mmalign_runs" / "filter" / "final"
+    recipe = FILTER_RECIPES[args.filter_recipe]
+    fm = run_mmalign(work, f"filter_{args.filter_recipe}", train=filt, test=test, steps=filter_steps,
+                     batch=args.batch, lr=args.lr, warmup=max(1, filter_steps // 10), precision="fp32", log_every=10,
+                     seed=0, extra_sets=recipe)
+    model = work / "mmalign_runs" / f"filter_{args.filter_recipe}" / "final"
     print(f"  filter model zero-shot top-1 {100 * fm['acc1']:.2f}%", flush=True)
 
     print("curate (b): score top fraction + SemDeDup, keys only", flush=True)
@@ -334,7 +351,7 @@ def main() -> None:
     random_keys = work / "random_keys.txt"
     random_keys.write_text("".join(f"{k}\n" for k in random.Random(7).sample(pool_keys, kept_b)))
     det = detection(truth, cur_b / "decisions.parquet")
-    sweep = eps_sweep(truth, cur_b, [0.02, 0.05, 0.1, 0.15])
+    sweep = eps_sweep(truth, cur_b, EPS_SWEEP)
     print(json.dumps(det, indent=1), flush=True)
 
     sizes = {"a": len(pool_keys), "b": kept_b, "c": kept_b, "d": len(pool_keys)}
@@ -363,7 +380,8 @@ def main() -> None:
     setup = (f"Pool: CIFAR-10 train minus a clean {n_filter}-image filter subset; {sizes['a']} samples = originals + "
              f"{100 * args.dup_fraction:g}% near-duplicates (flip, 28-30 px crop, JPEG re-encode), then "
              f"{100 * args.noise:g}% of captions re-labelled to a wrong class. Filter model: the tiny towers, "
-             f"{filter_steps} steps x {args.batch} on the clean subset (zero-shot top-1 {100 * fm['acc1']:.2f}%). "
+             f"{filter_steps} steps x {args.batch} on the clean subset, recipe {args.filter_recipe} "
+             f"({', '.join(recipe) or 'the arms own'}; zero-shot top-1 {100 * fm['acc1']:.2f}%). "
              f"Arms: the tiny towers from scratch, {steps} steps x {args.batch}, AdamW lr {args.lr:g}, fp32 "
              f"(configs/cifar10_cpu.yaml's recipe), seeds 0..{seeds - 1}; zero-shot top-1 on {n_test} CIFAR-10 "
              f"test images (eval/cifar10.yaml). (b): --keep-fraction {args.keep_fraction:g} --dedupe semantic "

@@ -712,6 +712,29 @@ def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp
 # ---------------------------------------------------------------- 6. --nproc 2
 
 
+def test_ranks_split_the_shards_and_give_the_output_of_one(pool, local_run, tmp_path, monkeypatch):
+    """The split torchrun and SLURM launches get (RANK / WORLD_SIZE), in this process: rank 1's
+    share embedded first, then rank 0 embeds its own, waits for every shard and decides."""
+    from data_pipelines.curate import run as run_mod
+    from data_pipelines.curate.decide import Policies
+
+    out = tmp_path / "out"
+    opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4)
+    urls = run_mod._urls(opts.data)
+    part = run_mod.embed_part(opts, urls, out, rank=1, world=2)
+    assert part["shards"] == N_SHARDS // 2
+    assert sorted(p.name for p in (out / "pool").glob("*.json") if p.name != "stamp.json") == [
+        f"{u:05d}.json" for u in range(1, N_SHARDS, 2)]
+    monkeypatch.setattr(run_mod, "_rank", lambda: (0, 2))
+    policies = Policies(keep_fraction=0.5, dedupe=("exact", "semantic"), dedupe_clusters=1)  # = POLICY
+    opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4,
+                           per_shard=10, policies=policies)
+    report = run_mod.curate(opts)
+    assert report["processes"] == 2 and report["timing"]["this_run_rank0_embedded_shards"] == N_SHARDS // 2
+    _same_outputs(out, local_run)
+
+
+@pytest.mark.slow
 @pytest.mark.integration
 def test_two_processes_give_the_output_of_one(pool, local_run, tmp_path):
     out = tmp_path / "out"
