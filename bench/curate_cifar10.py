@@ -196,12 +196,13 @@ def detection(truth_file: Path, decisions_file: Path) -> dict:
         out["mismatched"] = int(bad.sum())
     if "semantic_group" in dec:
         out.update(group_quality(dec["semantic_group"].to_numpy(), dec["origin"].to_numpy(),
-                                 dec["kind"].to_numpy() != "original"))
+                                 dec["kind"].to_numpy() != "original", dec["kind"].to_numpy()))
     return out
 
 
-def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray) -> dict:
-    """Injected duplicates grouped with their original; groups that join different origins."""
+def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, kinds=None) -> dict:
+    """Injected duplicates grouped with their original (also per kind of edit); groups that join
+    different origins."""
     # the group of each origin's original sample
     original_group = {}
     for g, o, inj in zip(groups.tolist(), origin.tolist(), injected.tolist()):
@@ -216,7 +217,14 @@ def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray) 
         sizes[g] = sizes.get(g, 0) + 1
     multi = [g for g, n in sizes.items() if n > 1]
     false = [g for g in multi if len(members[g]) > 1]
+    per_kind = {}
+    if kinds is not None:
+        edits = [k for k, inj in zip(kinds.tolist(), injected.tolist()) if inj]
+        for kind in sorted(set(edits)):
+            hits = [ok for ok, k in zip(grouped, edits) if k == kind]
+            per_kind[kind] = float(np.mean(hits))
     return {"duplicates_injected": len(grouped), "duplicates_grouped": float(np.mean(grouped)) if grouped else 0.0,
+            "grouped_by_edit": per_kind,
             "groups_of_more_than_one": len(multi), "false_groups": len(false),
             "false_group_rate": len(false) / len(multi) if multi else 0.0}
 
@@ -233,7 +241,8 @@ def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[
     rows = []
     for eps in eps_values:
         dec = decide(pool, Policies(dedupe=("semantic",), dedupe_eps=eps))
-        q = group_quality(dec.groups["semantic"], truth["origin"].to_numpy(), truth["kind"].to_numpy() != "original")
+        q = group_quality(dec.groups["semantic"], truth["origin"].to_numpy(), truth["kind"].to_numpy() != "original",
+                          truth["kind"].to_numpy())
         rows.append({"eps": eps, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
     return rows
 
@@ -281,9 +290,10 @@ def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: flo
               f"{det.get('groups_of_more_than_one')} = {100 * det.get('false_group_rate', 0):.2f}% (goal <= 2%) |"]
     if sweep:
         lines += ["", "Other eps, from the same stored embeddings (for reading; not used by the arms):", "",
-                  "| eps | duplicates grouped | false groups | kept by dedupe |", "|---|---|---|---|"]
+                  "| eps | duplicates grouped | by edit | false groups | kept by dedupe |", "|---|---|---|---|---|"]
         for r in sweep:
-            lines.append(f"| {r['eps']:g} | {100 * r['duplicates_grouped']:.1f}% | {r['false_groups']} of "
+            edits = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["grouped_by_edit"].items())
+            lines.append(f"| {r['eps']:g} | {100 * r['duplicates_grouped']:.1f}% | {edits} | {r['false_groups']} of "
                          f"{r['groups_of_more_than_one']} ({100 * r['false_group_rate']:.2f}%) | {r['kept_by_dedupe']} |")
     return "\n".join(lines)
 
@@ -334,10 +344,18 @@ def main() -> None:
 
     print(f"filter model: {filter_steps} steps x {args.batch} on the clean subset", flush=True)
     recipe = FILTER_RECIPES[args.filter_recipe]
-    fm = run_mmalign(work, f"filter_{args.filter_recipe}", train=filt, test=test, steps=filter_steps,
-                     batch=args.batch, lr=args.lr, warmup=max(1, filter_steps // 10), precision="fp32", log_every=10,
-                     seed=0, extra_sets=recipe)
-    model = work / "mmalign_runs" / f"filter_{args.filter_recipe}" / "final"
+    run_dir = work / "mmalign_runs" / f"filter_{args.filter_recipe}"
+    model = run_dir / "final"
+    want = {"recipe": list(recipe), "steps": filter_steps, "batch": args.batch, "lr": args.lr, "filter": filt}
+    stamp = run_dir / "bench_stamp.json"
+    if stamp.is_file() and json.loads(stamp.read_text())["want"] == want and (model / "model.safetensors").is_file():
+        fm = json.loads(stamp.read_text())["result"]  # the same filter model, trained before
+        print("  (reusing the filter model trained before with these settings)", flush=True)
+    else:
+        fm = run_mmalign(work, f"filter_{args.filter_recipe}", train=filt, test=test, steps=filter_steps,
+                         batch=args.batch, lr=args.lr, warmup=max(1, filter_steps // 10), precision="fp32",
+                         log_every=10, seed=0, extra_sets=recipe)
+        stamp.write_text(json.dumps({"want": want, "result": fm}))
     print(f"  filter model zero-shot top-1 {100 * fm['acc1']:.2f}%", flush=True)
 
     print("curate (b): score top fraction + SemDeDup, keys only", flush=True)
