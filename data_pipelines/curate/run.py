@@ -93,7 +93,10 @@ def _urls(data: str) -> list[str]:
 
 
 def _stamp_content(opts: Options, urls: list[str]) -> dict:
+    """The model's weight files (names, sizes, mtimes) and the shard list."""
     model = Path(opts.model).resolve()
+    if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
+        model = model / "final"
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime)]
                                              for p in weights],
