@@ -138,27 +138,43 @@ def _export_kind(path: Path) -> str | None:
 
 
 def _load_export(folder: Path) -> tuple[TwoTower, dict]:
-    """An open_clip / HF folder -> (model, a model_config.json-like dict), through the same
-    ``model.pretrained`` path a run starts from; its problems are one-line UsageErrors."""
+    """An open_clip / HF folder -> (model, a model_config.json-like dict): the architecture it
+    carries (:func:`mmalign.models.arch.source_arch`, as ``model.pretrained`` reads it), its
+    weights under our names (:mod:`mmalign.models.foreign_weights`); problems are one-line
+    UsageErrors."""
     import json
 
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models import build_model
-    from mmalign.models.arch import OPEN_CLIP_CONFIG
+    from mmalign.models.arch import OPEN_CLIP_CONFIG, resolve_arch
+    from mmalign.models.foreign_weights import read_foreign
+    from mmalign.models.misfit import misfit
 
     try:
-        model = build_model(ModelConfig(pretrained=str(folder))).requires_grad_(False)  # for inference, as final/ loads
+        arch = resolve_arch(ModelConfig(pretrained=str(folder)))
+        state = read_foreign(folder, "--model")
+        bias = state.get("logit_bias")
+        model = TwoTower(arch, init_logit_bias=None if bias is None else float(bias.reshape(-1)[0]))
     except ConfigError as e:
-        why = first_line(e).removeprefix("config key 'model.pretrained': ")
+        why = first_line(e).removeprefix("config key 'model.pretrained': ").removeprefix("config key '--model': ")
         raise UsageError(f"export folder {folder}: {why}") from None
     except Exception as e:  # open_clip's constructors on a bad tower setting
         raise UsageError(f"export folder {folder}: its towers cannot be built: {type(e).__name__}: {first_line(e)}") \
             from None
+    problem = misfit(model.state_dict(), state)
+    if problem:
+        raise UsageError(f"export folder {folder}: its weights do not fit its own config: {problem}")
+    model.load_state_dict(state, strict=True)
+    model.requires_grad_(False)  # for inference, as final/ loads
     pre = preprocess_cfg(model.image_size)
     if (folder / OPEN_CLIP_CONFIG).is_file():  # its own size; our eval transform keeps OpenAI's mean and std
         shipped = json.loads((folder / OPEN_CLIP_CONFIG).read_text()).get("preprocess_cfg") or {}
         pre.update({k: v for k, v in shipped.items() if k == "size"})
+        other = [k for k in ("mean", "std") if k in shipped and [round(float(x), 4) for x in shipped[k]]
+                 != [round(float(x), 4) for x in pre[k]]]
+        if other:
+            log.warning("export folder %s asks for its own image %s; mmalign's eval transform uses OpenAI's "
+                        "(embeddings differ slightly from open_clip's own preprocessing)", folder, " and ".join(other))
     config = {"arch": model.arch, "max_logit_scale": model.max_logit_scale, "preprocess_cfg": pre,
               "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0])}
     return model, config
