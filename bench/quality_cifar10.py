@@ -236,6 +236,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="batch size (default 256, quick 100)")
     p.add_argument("--epochs", type=int, help="epochs of budget (a) (default 2, quick 1)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--resume", action="store_true",
+                   help="equal-steps: reuse the seeds an interrupted run finished (WORK/results_partial.json)")
     p.add_argument("--seeds", type=int, default=1,
                    help="equal-steps: train both tools with seeds 0..N-1 (model init and sample order) and report "
                         "mean +- std over them (default 1; a quality claim needs >= 3)")
@@ -305,7 +307,15 @@ def main() -> None:
         print(f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
               f"lr {args.lr:g}, warmup {warmup}, fp32", flush=True)
         rows_a = []
+        partial = work / "results_partial.json"
+        done = json.loads(partial.read_text())["budget_a"] if args.resume and partial.is_file() else []
         for seed in range(args.seeds):
+            again = [r for r in done if r.get("seed", 0) == seed and r["steps"] == steps_per_epoch * epochs
+                     and r["batch"] == batch]
+            if len(again) == 2:  # both tools of this seed, from an interrupted run of the same settings
+                print(f"  seed {seed}: reusing the runs of {partial}", flush=True)
+                rows_a += again
+                continue
             print(f"  seed {seed}", flush=True)
             rows_a += train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
                                  steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
