@@ -118,7 +118,6 @@ def write_shards(urls: list[str], out: Path, pool, decisions, *, per_shard: int,
                 for record in records:
                     pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
     sizes: dict[str, int] = {}
-    rows_of = {int(p): int(r) for p, r in zip(np.arange(order.size), order)}
     for j in range(n_out):
         records = []
         path = buckets / f"{j:05d}"
@@ -138,9 +137,9 @@ def write_shards(urls: list[str], out: Path, pool, decisions, *, per_shard: int,
         os.replace(out / f".{name}.tar.tmp", out / f"{name}.tar")
         table = pd.DataFrame({
             "key": [key.rsplit("/", 1)[-1] for _, key, _ in records],
-            "clip_score": [float(scores[rows_of[p]]) for p, _, _ in records],
-            "source_shard": [urls[int(shards[rows_of[p]])] for p, _, _ in records],
-            "source_index": [int(indices[rows_of[p]]) for p, _, _ in records],
+            "clip_score": [float(scores[order[p]]) for p, _, _ in records],  # order[p]: the pool row at place p
+            "source_shard": [urls[int(shards[order[p]])] for p, _, _ in records],
+            "source_index": [int(indices[order[p]]) for p, _, _ in records],
         })
         table.to_parquet(out / f"{name}.parquet", index=False)
         sizes[f"{name}.tar"] = len(records)
