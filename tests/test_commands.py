@@ -31,13 +31,13 @@ def declared(monkeypatch):
 
 def test_pyproject_declares_the_builders_and_each_loads_as_its_command():
     found = discover(_declared())
-    assert list(found) == ["shards", "mine", "tokenizer"]
+    assert list(found) == ["shards", "mine", "curate", "tokenizer"]
     assert all(isinstance(c, Command) and c.name == n for n, c in found.items())
     assert found["shards"].run.__module__ == "data_pipelines.commands"
 
 
 def test_declared_commands_have_working_help_and_run(declared, capsys, tmp_path):
-    for name in ("shards", "mine", "tokenizer"):
+    for name in ("shards", "mine", "curate", "tokenizer"):
         with pytest.raises(SystemExit) as e:
             cli.main([name, "--help"])
         assert e.value.code == 0 and f"usage: mmalign {name}" in capsys.readouterr().out
