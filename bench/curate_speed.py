@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=1_000_000, help="synthetic pool for the memory part")
     p.add_argument("--samples", type=int, default=256, help="images per throughput run")
     p.add_argument("--work", default=str(ROOT / "data" / "bench_curate_speed"))
+    p.add_argument("--parts", default="throughput,memory",
+                   help="throughput and/or memory; a part not run is taken from WORK/results.json (an earlier run)")
     p.add_argument("--write-doc", action="store_true")
     p.add_argument("--_memory", type=int, help=argparse.SUPPRESS)  # the subprocess of part 2
     add_flag(p)
@@ -151,19 +153,31 @@ def main() -> None:
     watch = LoadWatch()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    n_img = 32 if args.quick else args.samples
-    rows = [throughput(work, "tiny", n_img, 64)]
-    print(rows[-1], flush=True)
-    rows.append(throughput(work, "ViT-B-16", 8 if args.quick else min(n_img, 64), 32))
-    print(rows[-1], flush=True)
-    pools = [20_000] if args.quick else [100_000, args.pool]
-    mem = []
-    for n in pools:
-        proc = subprocess.run([sys.executable, __file__, "--_memory", str(n)], capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(proc.stderr[-2000:])
-        mem.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(mem[-1], flush=True)
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    saved_file = work / "results.json"
+    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
+    load_note = f"load {watch.start:.1f} at the start of this run"
+    if "throughput" in parts:
+        n_img = 32 if args.quick else args.samples
+        rows = [throughput(work, "tiny", n_img, 64)]
+        print(rows[-1], flush=True)
+        rows.append(throughput(work, "ViT-B-16", 8 if args.quick else min(n_img, 64), 32))
+        print(rows[-1], flush=True)
+        saved["throughput"] = {"rows": rows, "note": load_note}
+    if "memory" in parts:
+        pools = [20_000] if args.quick else [100_000, args.pool]
+        mem = []
+        for n in pools:
+            proc = subprocess.run([sys.executable, __file__, "--_memory", str(n)], capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-2000:])
+            mem.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(mem[-1], flush=True)
+        saved["memory"] = {"rows": mem, "note": load_note}
+    saved_file.write_text(json.dumps(saved, indent=1))
+    if "throughput" not in saved or "memory" not in saved:
+        return
+    rows, mem = saved["throughput"]["rows"], saved["memory"]["rows"]
     import torch
 
     cmd = ("python bench/curate_speed.py " + " ".join(sys.argv[1:])).strip()
@@ -173,14 +187,16 @@ def main() -> None:
            f"torch {torch.__version__}, fp32")
     lines = [SECTION, "", f"Command: `{cmd}` · {env}", "",
              "**Embedding (pass 1)**: one process, synthetic 256 px JPEGs decoded, resized and embedded with "
-             "one caption each (random weights; the cost does not depend on them).", "",
+             f"one caption each (random weights; the cost does not depend on them); {saved['throughput']['note']}.",
+             "",
              "| towers | input | samples | samples/s | torch threads | samples/s per thread |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['preset']} | {r['image_size']} px | {r['samples']} | {r['samples_per_s']:.1f} | "
                      f"{r['threads']} | {r['per_thread']:.1f} |")
     lines += ["", "**De-duplication (pass 2)**: `--keep-fraction 0.3 --dedupe exact,semantic --dedupe-eps 0.05`, "
               "automatic clusters (one per 5000 samples) and k-means sample (256 rows per cluster); synthetic "
-              "512-d float16 embeddings with 1% planted near-copies; each pool in a fresh process.", "",
+              "512-d float16 embeddings with 1% planted near-copies; each pool in a fresh process; "
+              f"{saved['memory']['note']} (memory does not depend on the load; wall time does).", "",
               "| pool | clusters | wall (s) | RSS before (MB) | peak RSS (MB) | step's own (MB) | embeddings (MB) | "
               "planted copies found |", "|---|---|---|---|---|---|---|---|"]
     for m in mem:
