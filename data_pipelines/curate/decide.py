@@ -115,15 +115,13 @@ def decide(pool: Pool, p: Policies) -> Decisions:
     if "semantic" in p.dedupe:
         clusters = p.dedupe_clusters or max(1, math.ceil(n / SAMPLES_PER_CLUSTER))
         clusters = min(clusters, n)
-        sample = p.kmeans_sample or TRAIN_PER_CLUSTER * clusters
-        groups["semantic"] = semantic_groups(pool.image, p.dedupe_eps, clusters, seed=p.seed,
-                                             train_size=min(sample, n) if clusters > 1 else None)
-        info["kmeans_train_rows"] = min(sample, n) if clusters > 1 else 0
+        train = min(p.kmeans_sample or TRAIN_PER_CLUSTER * clusters, n) if clusters > 1 else None
+        groups["semantic"] = semantic_groups(pool.image, p.dedupe_eps, clusters, seed=p.seed, train_size=train)
+        info["kmeans_train_rows"] = train or 0
     group_field = None
     if groups:
-        combined = groups["exact"] if len(groups) == 1 and "exact" in groups else groups.get("semantic")
-        if len(groups) == 2:
-            combined = _join_groups(groups["exact"], groups["semantic"])
+        combined = (_join_groups(groups["exact"], groups["semantic"]) if len(groups) == 2
+                    else next(iter(groups.values())))
         groups["combined"] = combined
         for name in ("exact", "semantic"):
             if name in groups:
