@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipelines.shard_input import input_shards
 from mmalign.config import ConfigError
 from mmalign.progress import track
 
@@ -72,19 +73,6 @@ class _Corpus:
     unreadable: dict[str, int] = field(default_factory=dict)  # reason -> samples copied unchanged
     samples: int = 0  # every sample group seen, readable or not
     shards_ended_early: int = 0
-
-
-def _shard_urls(data: str | list[str]) -> list[str]:
-    from mmalign.data.shards import check_urls, expand_urls
-
-    if isinstance(data, str) and Path(data).is_dir():
-        urls = sorted(str(p) for p in Path(data).glob("*.tar"))
-        if not urls:
-            raise ConfigError(f"--data: {data} holds no .tar shards")
-        return urls
-    urls = expand_urls(data)
-    check_urls(urls, "--data")
-    return urls
 
 
 def _check_out(urls: list[str], out: Path) -> None:
@@ -321,7 +309,7 @@ def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, m
         raise ConfigError(f"--max-relative must be > 0, got {max_relative}")
     start = time.time()
     out = Path(out)
-    urls = _shard_urls(data)
+    urls = input_shards(data)
     _check_out(urls, out)
     source = load(model, device=device)
     net, preprocess = source.model, source.preprocess

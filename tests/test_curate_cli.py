@@ -28,22 +28,18 @@ requests of shard 1 and later until the kill is done.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +50,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from tests.conftest import ROOT, cli_main, pick_seed
+from tests.shard_server import serve
 from tests.test_data_loader import write_shard
 
 N_SHARDS = 4
@@ -551,64 +548,12 @@ def test_a_run_that_fails_before_embedding_does_not_block_the_corrected_rerun(po
     assert run.returncode == 0, run.stderr
 
 
-# ---------------------------------------------------------------- a shard server on 127.0.0.1
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """GET of the files under ``server.root``, with Range ``bytes=A-[B]``. While ``server.gate``
-    is clear, a shard in ``server.held`` answers its first request (curate's start-up probe) and
-    holds every later one until the gate is set: a run can be killed between two shards."""
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        srv, name = self.server, self.path.lstrip("/")
-        with srv.lock:
-            srv.requests[name] = srv.requests.get(name, 0) + 1
-            later = srv.requests[name] > 1
-        if later and name in srv.held:
-            srv.gate.wait(timeout=120)
-        path = srv.root / name
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-        start, end = (int(match[1]), int(match[2]) if match and match[2] else len(data) - 1) if match \
-            else (0, len(data) - 1)
-        end = min(end, len(data) - 1)
-        with contextlib.suppress(OSError):  # a client killed while it waited
-            if match and start >= len(data):
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            self.send_response(206 if match else 200)
-            if match:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-            self.send_header("Content-Length", str(end + 1 - start))
-            self.end_headers()
-            self.wfile.write(data[start:end + 1])
-
-
 @pytest.fixture(scope="module")
 def served(pool):
-    """The pool over http://127.0.0.1:PORT/; ``gate`` starts set (nothing held)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    server.handle_error = lambda request, address: None
-    server.root, server.lock, server.requests = pool.dir, threading.Lock(), {}
-    server.held, server.gate = set(), threading.Event()
-    server.gate.set()
-    server.spec = f"http://127.0.0.1:{server.server_address[1]}/{{00000..{N_SHARDS - 1:05d}}}.tar"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.gate.set()
-    server.shutdown()
-    server.server_close()
+    """The pool over http://127.0.0.1:PORT/ (tests/shard_server.py)."""
+    with serve(pool.dir) as server:
+        server.spec = f"{server.url}/{{00000..{N_SHARDS - 1:05d}}}.tar"
+        yield server
 
 
 POLICY = ("--keep-fraction", "0.5", "--dedupe", "exact,semantic", "--dedupe-clusters", "1")
@@ -682,7 +627,7 @@ def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp
     out = tmp_path / "out"
     cmd = _curate_cmd(pool, served.spec, out, *POLICY)
     with served.lock:
-        served.requests = {}  # the probes of this run are the first requests
+        served.requests.clear()  # the probes of this run are the first requests
         served.held = {f"{u:05d}.tar" for u in range(1, N_SHARDS)}
     served.gate.clear()  # shard 1 and later wait: the kill falls between shard 0 and shard 1
     try:
@@ -717,10 +662,11 @@ def test_ranks_split_the_shards_and_give_the_output_of_one(pool, local_run, tmp_
     share embedded first, then rank 0 embeds its own, waits for every shard and decides."""
     from data_pipelines.curate import run as run_mod
     from data_pipelines.curate.decide import Policies
+    from data_pipelines.shard_input import input_shards
 
     out = tmp_path / "out"
     opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4)
-    urls = run_mod._urls(opts.data)
+    urls = input_shards(opts.data)
     part = run_mod.embed_part(opts, urls, out, rank=1, world=2)
     assert part["shards"] == N_SHARDS // 2
     assert sorted(p.name for p in (out / "pool").glob("*.json") if p.name != "stamp.json") == [

@@ -2,19 +2,14 @@
 stream as local files, exact resume, retries then a counted skip, gzip resume refusal, a
 re-filled shuffle buffer that opens each shard once, and a start-up check done by rank 0."""
 
-import contextlib
 import gzip
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +17,7 @@ import torch
 from mmalign.config import ConfigError, DataConfig
 from mmalign.data import remote, shards
 from tests.conftest import ROOT, run_ranks
+from tests.shard_server import serve
 
 
 # The loader-test helpers import open_clip (seconds): imported when used, so the spawned ranks
@@ -42,78 +38,6 @@ def take(*args, **kwargs):
     from tests.test_data_loader import take as first
 
     return first(*args, **kwargs)
-
-# ---------------------------------------------------------------- a shard server on 127.0.0.1
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """GET/HEAD of files under ``server.root``; Range ``bytes=A-[B]`` when ``server.ranges``.
-
-    ``server.fail[name] = k`` answers 503 to the next k requests for ``name`` (-1: always);
-    ``server.cut[name] = k`` ends the next k responses for ``name`` half-way through the body."""
-
-    def log_message(self, *args):
-        pass
-
-    def do_HEAD(self):
-        self.do_GET(head=True)
-
-    def do_GET(self, head=False):
-        srv, name = self.server, self.path.lstrip("/")
-        with srv.lock:
-            srv.requests.append((name, self.headers.get("Range")))
-            failing, cutting = srv.fail.get(name, 0), srv.cut.get(name, 0)
-            if failing > 0:
-                srv.fail[name] = failing - 1
-            if cutting > 0:
-                srv.cut[name] = cutting - 1
-        if failing:
-            self.send_error(503)
-            return
-        path = srv.root / name
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-        if srv.ranges and match:
-            start = int(match[1])
-            end = min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)
-            if start >= len(data):
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            body = data[start:end + 1]
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        else:
-            body = data
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if head:
-            return
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a reader that stops early
-            self.wfile.write(body[:len(body) // 2] if cutting else body)
-
-
-@contextlib.contextmanager
-def serve(root: Path, ranges: bool = True):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    server.handle_error = lambda request, address: None  # a client closing early is no test failure
-    server.root, server.ranges, server.lock = Path(root), ranges, threading.Lock()
-    server.requests, server.fail, server.cut = [], {}, {}
-    server.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(autouse=True)

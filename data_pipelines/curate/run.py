@@ -28,6 +28,7 @@ from pathlib import Path
 
 from data_pipelines.curate.decide import Policies
 from data_pipelines.curate.embed_pass import POOL, ShardEmbedder, done_shards
+from data_pipelines.shard_input import input_shards
 from mmalign.errors import UsageError
 
 log = logging.getLogger("mmalign.curate")
@@ -75,21 +76,6 @@ def check(opts: Options) -> None:
         raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
     if opts.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {opts.batch_size}")
-
-
-def _urls(data: str) -> list[str]:
-    from mmalign.config import ConfigError
-    from mmalign.data.shards import check_urls, expand_urls
-
-    path = Path(data)
-    urls = sorted(str(p) for p in path.glob("*.tar")) if path.is_dir() else expand_urls(data)
-    if path.is_dir() and not urls:
-        raise UsageError(f"--data: {data} holds no .tar shards")
-    try:
-        check_urls(urls, "--data")
-    except ConfigError as e:
-        raise UsageError(str(e).replace("config key '--data'", "--data")) from None
-    return urls
 
 
 def _stamp_content(opts: Options, urls: list[str]) -> dict:
@@ -243,7 +229,7 @@ def curate(opts: Options) -> dict | None:
     check(opts)
     start = time.time()
     out = Path(opts.out)
-    urls = _urls(opts.data)
+    urls = input_shards(opts.data)
     if any(Path(u).resolve().parent == out.resolve() for u in urls if "://" not in u and not u.startswith("pipe:")):
         raise UsageError(f"--out: {out} is where the input shards are; write the curated pool elsewhere")
     field_name = opts.policies.false_negative_field
