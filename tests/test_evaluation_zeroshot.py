@@ -69,3 +69,22 @@ def test_acc5_is_nan_with_fewer_than_5_classes():
     w = F.normalize(torch.randn(4, 3), dim=0)
     m = zero_shot_metrics(F.normalize(torch.randn(10, 4), dim=-1), w, torch.randint(0, 3, (10,)))
     assert math.isnan(m["acc5"])
+
+
+def test_classifier_batched_over_classes_equals_one_class_at_a_time():
+    """A real text tower and tokenizer: prompts of different lengths, batches that cut across
+    classes (7 prompts a call), against clip_benchmark's one-class-per-call construction."""
+    from mmalign.models import TwoTower
+    from mmalign.models.presets import PRESETS
+    from mmalign.models.tokenizers import build_tokenizer
+
+    torch.manual_seed(0)
+    model = TwoTower(PRESETS["micro"]).eval()
+    tokenizer = build_tokenizer(PRESETS["micro"])
+    names = ["cat", "sea lion", "a very long and winding class name", "t-shirt"]
+    templates = ["a photo of a {c}.", "{c}", "a blurry photo of the big {c} in the wild, seen from afar."]
+    w = build_classifier(model.encode_text, tokenizer, names, templates, batch_size=7)  # (D, C)
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            emb = F.normalize(model.encode_text(tokenizer([tt.format(c=name) for tt in templates])), dim=-1)
+            torch.testing.assert_close(w[:, i], F.normalize(emb.mean(0), dim=0), atol=1e-5, rtol=1e-5)

@@ -15,20 +15,43 @@ import torch
 import torch.nn.functional as F
 
 
+PROMPT_BATCH = 1024  # prompts per text-tower call: whole classes share a call, so 80 templates are no small batch
+
+
 @torch.no_grad()
 def build_classifier(
     encode_text: Callable[[torch.Tensor], torch.Tensor],
     tokenizer: Callable,
     classnames: Sequence[str],
     templates: Sequence[str],
+    batch_size: int = PROMPT_BATCH,
 ) -> torch.Tensor:
-    """Returns W of shape (D, C)."""
-    weights = []
-    for name in classnames:
-        texts = [t.format(c=name) for t in templates]
-        emb = F.normalize(encode_text(tokenizer(texts)).float(), dim=-1)  # (T, D)
-        weights.append(F.normalize(emb.mean(dim=0), dim=-1))  # (D,)
-    return torch.stack(weights, dim=1)  # (D, C)
+    """Returns W of shape (D, C): per class, the renormalised mean of its normalised template
+    embeddings (clip_benchmark's ``zero_shot_classifier``).
+
+    The C x T prompts are encoded together, ``batch_size`` at a time, in order of token count,
+    so a batch holds prompts of about one length and the text tower's trailing-pad trim
+    (:mod:`mmalign.models.text_trim`) cuts the most; the order changes no value beyond float
+    rounding, since every prompt is encoded on its own row.
+    """
+    c, t = len(classnames), len(templates)
+    if not c or not t:
+        raise ValueError(f"a zero-shot classifier needs class names and templates, got {c} and {t}")
+    texts = [tpl.format(c=name) for name in classnames for tpl in templates]  # (C T,) class-major
+    tokens = tokenizer(texts)  # (C T, L)
+    if isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and tokens.dtype in (torch.int32, torch.int64):
+        order = torch.argsort((tokens != 0).sum(dim=1), stable=True)  # by length (pad id 0)
+    else:  # a tokenizer of another shape (a test's stand-in): keep the order
+        order = torch.arange(len(texts))
+    emb = torch.empty(0)
+    for s in range(0, len(texts), batch_size):
+        rows = order[s:s + batch_size]
+        part = F.normalize(encode_text(tokens[rows]).float(), dim=-1)  # (b, D)
+        if emb.numel() == 0:
+            emb = torch.empty(len(texts), part.shape[1])
+        emb[rows] = part
+    weights = F.normalize(emb.view(c, t, -1).mean(dim=1), dim=-1)  # (C, D)
+    return weights.t().contiguous()  # (D, C)
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
