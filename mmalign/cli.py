@@ -195,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int,
                    help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label")
     p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")
+    p.add_argument("--cb-dataset", metavar="DIR",
+                   help="a local clip_benchmark WebDataset dataset (wds_NAME: classnames.txt, templates, "
+                   "test/N.tar); writes clip_benchmark's record (same as --suite cb:DIR)")
+    p.add_argument("--cb-split", metavar="SPLIT", help="the split folder of --cb-dataset / cb:DIR (default: test)")
+    p.add_argument("--benchmark", metavar="NAME_OR_YAML",
+                   help="several tasks at once: 'datacomp' (its tasks found under --root) or a YAML list of "
+                   "suites (cb:DIR, shipped suite names, suite YAMLs); writes a record per task and summary.json")
+    p.add_argument("--root", metavar="DIR",
+                   help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("report", help="HTML page + PNGs of a run: curves, similarity histograms, t-SNE, Recall@k")

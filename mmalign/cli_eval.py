@@ -1,23 +1,54 @@
 """``mmalign eval``: a model (folder, run or step checkpoint) on a suite, its records written
 next to the model, and the table of results that ``eval`` and ``quickstart`` print.
+
+Three routes: a suite (``--suite``, default the run's ``eval.suite``) writes the list of
+run_suite's records; a clip_benchmark dataset (``--cb-dataset DIR`` or a suite ``cb:DIR``)
+writes the one record clip_benchmark's CLI writes for it; a benchmark (``--benchmark``)
+writes a record per task and ``summary.json`` into a folder.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from mmalign.errors import UsageError
+
+
+def _check_flags(args) -> None:
+    """Flags that exclude each other, before anything loads."""
+    if args.benchmark:
+        clash = [f for f, v in (("--suite", args.suite), ("--cb-dataset", args.cb_dataset), ("--data", args.data))
+                 if v]
+        if clash:
+            raise UsageError(f"--benchmark runs its own tasks: drop {', '.join(clash)}")
+    elif args.root:
+        raise UsageError("--root goes with --benchmark (the folder of its clip_benchmark datasets)")
+    if args.cb_dataset and args.suite:
+        raise UsageError("give one of --suite and --cb-dataset (or --suite cb:DIR)")
 
 
 def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
+    from mmalign.evaluation.cb_wds import cb_suite, is_cb
     from mmalign.evaluation.suite import check_suite_data, label_field
     from mmalign.models.load import load
 
+    _check_flags(args)
+    if args.benchmark:
+        return _cmd_benchmark(args)
+    split = args.cb_split or "test"
+    cb_dir = args.cb_dataset or (args.suite[len("cb:"):] if is_cb(args.suite) else None)
+    suite = cb_suite(cb_dir, split) if cb_dir else None  # the layout checked before the model loads
     loaded = load(args.model)  # a model folder, a run directory or RUN/checkpoints/step_N
     train_cfg = loaded.config.get("train_config", {})
     suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
-    suite = load_suite(suite_name)
+    if suite is None:
+        suite = cb_suite(suite_name[len("cb:"):], split) if is_cb(suite_name) else load_suite(suite_name)
+    if args.cb_split and "cb" not in suite:
+        raise UsageError(f"--cb-split goes with --cb-dataset or a cb:DIR suite, not suite {suite_name!r}")
     data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite
     check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
     if args.limit:
@@ -27,19 +58,91 @@ def cmd_eval(args) -> int:
     records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
                         model_name=str(args.model), batch_size=args.batch_size, progress=True,
                         user_data=args.data)
-    out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), _suite_label(suite_name))
-    write_results(records, out)
+    if "cb" in suite:  # clip_benchmark's record, one object, as its CLI writes it
+        from mmalign.evaluation.cb_wds import cb_record
+
+        label = "cb_" + _suite_label(suite["cb"]["dataset"].split("/", 1)[-1])
+        out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), label)
+        write_record(cb_record(records[0], suite, pretrained=str(args.model)), out)
+    else:
+        out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), _suite_label(suite_name))
+        write_results(records, out)
     _print_table(records)
     print(f"results written to {out}")
     return 0
 
 
-def _eval_out(loaded, model: Path, label: str) -> Path:
+def write_record(record: dict, path: Path) -> Path:
+    """One clip_benchmark record as its CLI writes it (``json.dump``, one line; NaN as ``NaN``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def _cmd_benchmark(args) -> int:
+    import torch
+
+    from mmalign.evaluation import write_results
+    from mmalign.evaluation.benchmark import load_benchmark, run_benchmark, summary
+    from mmalign.evaluation.suite import check_suite_data, label_field
+    from mmalign.models.load import load
+
+    name, tasks = load_benchmark(args.benchmark, args.root, args.cb_split or "test")
+    present = [t for t in tasks if t.status == "present"]
+    for task in present:  # every dataset's files checked before the model loads
+        check_suite_data(task.suite)
+        if args.limit:
+            task.suite["dataset"] = _limited(task.suite.get("dataset"), args.limit, label_field(task.suite))
+    loaded = load(args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded.model.to(device)
+    run_benchmark(loaded.model, loaded.preprocess, loaded.tokenizer, tasks, batch_size=args.batch_size,
+                  device=device, pretrained=str(args.model), progress=True)
+    out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), f"benchmark_{_suite_label(name)}",
+                                                    suffix="")
+    out.mkdir(parents=True, exist_ok=True)
+    for task in present:
+        for row in task.rows:
+            row["file"] = f"{_suite_label(row['dataset'].replace('/', '-'))}.json"
+            if "cb" in task.suite:  # clip_benchmark's record, as its CLI writes it
+                write_record(row["record"], out / row["file"])
+            else:
+                write_results([row["record"]], out / row["file"])
+    result = summary(name, tasks, model=str(args.model), root=args.root, limit=args.limit)
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    _print_benchmark(result)
+    print(f"results written to {out}/ (summary.json and one record per task)")
+    return 0
+
+
+def _print_benchmark(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mmalign benchmark {result['benchmark']}")
+    for col in ("task", "main metric", "value", "note"):
+        table.add_column(col)
+    for row in result["tasks"]:
+        value = "n/a" if row["value"] is None else f"{row['value']:.4f}"
+        table.add_row(row["task"], row["main_metric"] or "-", value, row["note"])
+    Console().print(table)
+    if result["average"] is None:
+        print("average: n/a (no task scored)")
+    else:
+        missing = len(result["absent"]) + len(result["unsupported"]) + len(result["undefined"])
+        mark = f" (partial: {missing} task(s) missing)" if result["partial"] else ""
+        print(f"average over {result['average_over']} task(s): {result['average']:.4f}{mark}")
+    for status in ("absent", "unsupported", "not_scored", "undefined"):
+        if result[status]:
+            print(f"{status.replace('_', ' ')} ({len(result[status])}): {', '.join(result[status])}")
+
+
+def _eval_out(loaded, model: Path, label: str, suffix: str = ".json") -> Path:
     """MODEL/eval_cli_SUITE.json; for a step checkpoint RUN/eval_cli_SUITE_step_N.json (a
-    checkpoint's folder is pruned and replaced by training)."""
+    checkpoint's folder is pruned and replaced by training).  ``suffix=""``: a folder's name."""
     if loaded.kind == "checkpoint":
-        return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}.json"
-    return model / f"eval_cli_{label}.json"
+        return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}{suffix}"
+    return model / f"eval_cli_{label}{suffix}"
 
 
 def _suite_label(name: str) -> str:
@@ -51,14 +154,12 @@ def _suite_label(name: str) -> str:
 
 
 def _limited(dataset, limit: int, stratify: str = "label") -> dict:
-    """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping).
+    """A suite's dataset entry with a seeded, stratified draw of ``limit`` images: the one
+    draw, shared with eval.during's ``limit`` (:mod:`mmalign.evaluation.limited`; imported
+    here, not at the top: ``mmalign --help`` imports this module, and that one imports torch)."""
+    from mmalign.evaluation.limited import limited_dataset
 
-    The N images are a seeded random draw stratified by ``stratify`` (see
-    :mod:`mmalign.evaluation.datasets`), not the first N: shards of a class-sorted source
-    would give one class.
-    """
-    spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
-    return {"stratify": stratify, **spec, "limit": limit}
+    return limited_dataset(dataset, limit, stratify)
 
 
 def _print_table(records: list[dict]) -> None:

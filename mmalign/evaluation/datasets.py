@@ -7,7 +7,10 @@ shapes val split, or any img2dataset-layout shard set) or a mapping with a ``typ
 - ``digits``: scikit-learn's bundled handwritten digits (1,797 real 8x8 scans, no
   files needed), upscaled to ``size`` pixels (default 32) as RGB;
 - ``imagefolder``: class-named folders as a directory or a tar
-  (``../shared/data/cifar10/test.tar`` holds ``./cat/0001.jpg``, ...).
+  (``../shared/data/cifar10/test.tar`` holds ``./cat/0001.jpg``, ...);
+- ``cb_wds``: a clip_benchmark WebDataset dataset (``.cls`` labels or ``.txt`` captions),
+  never written in a suite file: :func:`mmalign.evaluation.cb_wds.cb_suite` builds it
+  from the dataset's folder (``cb:DIR``).
 
 Every source yields ``{"key", "image" (PIL), "captions" (list[str]), "json" (dict)}``,
 the shape of :func:`mmalign.data.shards.read_samples`.  Class datasets store
@@ -56,8 +59,13 @@ def dataset_spec(suite: dict, data: str | None = None, *, user_data: str | None 
         spec = {"type": "shards", "urls": spec}
     spec = dict(spec)
     kind = spec.get("type")
-    if kind not in ("shards", "digits", "imagefolder"):
+    if kind not in ("shards", "digits", "imagefolder", "cb_wds"):
         raise ConfigError(f"suite {suite.get('name')!r}: dataset type {kind!r} is not shards, digits or imagefolder")
+    if kind == "cb_wds":  # its folder names its shards; the run's data.val is not it
+        if user_data is not None:
+            raise UsageError("--data: a clip_benchmark dataset reads its own shards; give its folder "
+                             "with --cb-dataset DIR (or --suite cb:DIR) and drop --data")
+        return spec
     if user_data is not None:
         if kind == "digits":
             raise UsageError(f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
@@ -81,7 +89,8 @@ def iter_dataset(spec: dict) -> Iterator[dict]:
         if per_class is not None:  # the draw is from what per_class leaves
             keys = _first_per_class(keys, int(per_class))
         keep = draw_stratified([(k, s) for k, s, _ in keys], int(limit), int(spec.get("seed", 0)))
-    source = {"shards": _shards, "digits": _digits, "imagefolder": _imagefolder}[spec["type"]](spec, keep)
+    source = {"shards": _shards, "digits": _digits, "imagefolder": _imagefolder,
+              "cb_wds": _cb_wds}[spec["type"]](spec, keep)
     seen: dict = {}
     for sample in source:
         if per_class is not None and keep is None:
@@ -143,6 +152,10 @@ def _keys_strata_labels(spec: dict) -> Iterator[tuple]:
                     yield (url, raw["__key__"]), _stratum(meta, field), meta.get("label")
             except (TruncatedTar, CorruptTar, OSError):
                 continue  # the sample pass logs it
+    elif spec["type"] == "cb_wds":
+        from mmalign.evaluation.cb_wds import keys_and_labels
+
+        yield from keys_and_labels(spec, field)
     elif spec["type"] == "digits":
         from sklearn.datasets import load_digits
 
@@ -163,6 +176,12 @@ def _urls(spec: dict) -> list[str]:
 def _shards(spec: dict, keep: set | None = None) -> Iterator[dict]:
     """Every decodable sample in order (bad ones logged and skipped); with ``keep``, only those (url, key)."""
     yield from read_samples(_urls(spec), keep=keep)
+
+
+def _cb_wds(spec: dict, keep: set | None = None) -> Iterator[dict]:
+    from mmalign.evaluation.cb_wds import iter_samples
+
+    yield from iter_samples(spec, keep)
 
 
 def _captions(spec: dict, classname: str) -> list[str]:

@@ -20,6 +20,11 @@ sklearn digits, an image folder) and a list of tasks:
 
 ``extends: NAME`` starts from another suite's dataset and tasks and appends its own.
 
+``cb:DIR`` names no file: it is the clip_benchmark WebDataset dataset in folder DIR
+(:mod:`mmalign.evaluation.cb_wds` builds its suite in memory: one zeroshot task whose
+labels are class indices, ``label_index: true``, or one retrieval task; either names its
+record with ``record_dataset``, ``wds/NAME`` as clip_benchmark does).
+
 Embeddings are computed once per suite and shared by its tasks; the dataset's captions
 are embedded only when a retrieval or diagnostics task reads them (zero-shot embeds its
 class prompts, never the dataset's captions).  ``template_captions: true`` says that the
@@ -67,6 +72,10 @@ TASK_KINDS = {
 def load_suite(name_or_path: str) -> dict:
     """A suite (a YAML path, else the name of a shipped suite) checked against
     :mod:`~mmalign.evaluation.suite_schema`, as the mapping :func:`run_suite` reads."""
+    from mmalign.evaluation.cb_wds import cb_suite, is_cb
+
+    if is_cb(name_or_path):
+        return cb_suite(name_or_path[len("cb:"):])
     path = Path(name_or_path)
     shipped = not path.is_file()
     if shipped:
@@ -160,6 +169,10 @@ def check_suite_data(suite: dict, data: str | None = None, *, user_data: str | N
     spec = dataset_spec(suite, data, user_data=user_data)
     if spec["type"] == "shards":
         check_urls(expand_urls(spec["urls"]), "--data" if user_data else "data.val" if data else "eval.suite")
+    elif spec["type"] == "cb_wds":
+        missing = [u for u in spec["urls"] if not Path(u).is_file()]
+        if missing:
+            raise UsageError(f"clip_benchmark dataset {spec.get('root')}: shard {missing[0]} not found")
     elif spec["type"] == "imagefolder" and not Path(str(spec.get("path", ""))).exists():
         if user_data is not None:
             raise ConfigError(f"--data: image folder {user_data!r} not found")
@@ -171,6 +184,12 @@ def check_suite_data(suite: dict, data: str | None = None, *, user_data: str | N
 
 def _labels(metas: list[dict], task: dict) -> torch.Tensor:
     field, names = task["label_field"], task["classnames"]
+    if task.get("label_index"):  # the field holds the class's index in classnames (clip_benchmark's .cls)
+        bad = [m.get(field) for m in metas if not isinstance(m.get(field), int) or not 0 <= m[field] < len(names)]
+        if bad:
+            raise UsageError(f"task {task['name']!r}: label {bad[0]!r} is not a class index "
+                             f"(0..{len(names) - 1}: {len(names)} class names)")
+        return torch.tensor([m[field] for m in metas], dtype=torch.long)
     index = {n: i for i, n in enumerate(names)}
     unknown = {str(m.get(field)) for m in metas if m.get(field) not in index}
     if unknown:
@@ -278,7 +297,8 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
                 metrics, extra["expected"] = _counterfactuals(model, preprocess, spec, task, classifiers,
                                                               batch_size, device)
             records.append({
-                "dataset": f"{suite['name']}/{task['name']}",
+                # a cb:DIR suite's task names its record as clip_benchmark does (wds/NAME)
+                "dataset": task.get("record_dataset") or f"{suite['name']}/{task['name']}",
                 "model": model_name,
                 "pretrained": None,
                 "task": TASK_KINDS[task["type"]],
