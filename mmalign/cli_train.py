@@ -56,9 +56,10 @@ def cmd_train(args) -> int:
         from mmalign.dist.launch import launch_local
 
         _check_batchnorm(cfg, meta_model, args.nproc)
-        from mmalign.run.train import resolve_suite
+        from mmalign.run.train import plan_evaluations, resolve_suite
 
-        resolve_suite(cfg)  # eval.suite and its data, once here rather than once per rank
+        # eval.suite, eval.during and their data, once here rather than once per rank
+        plan_evaluations(cfg, resolve_suite(cfg))
         return launch_local(args.nproc, args.argv)
     from mmalign.dist import distributed as mdist
     from mmalign.run.train import train

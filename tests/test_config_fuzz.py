@@ -53,6 +53,8 @@ LISTS = {
     "train.betas": ["[1.5, 0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9]", "[0.9, 0.98, 0.5]"],
     "data.train_weights": ["[-1]", "[0]", "[.inf]", "[a]"],
     "data.train": ["[]", "['']", "[1, 2]"],
+    "eval.during": ["[1]", "[{suite: shapes}]", "[{suite: shapes, every: 0}]", "[{suite: shapes, every: 2, evry: 3}]",
+                    "[{suite: '', every: 2}]", "[{suite: shapes, every: 2, limit: 0}]", "[{suite: shapes, every: 1.5}]"],
 }
 
 
@@ -74,6 +76,8 @@ def kinds(tp) -> set:
         return set().union(*(kinds(a) for a in typing.get_args(tp) if a is not type(None)))
     if origin is Literal:
         return {"auto"} if typing.get_args(tp) == ("auto",) else {"literal"}
+    if origin is list:  # a list of entries (eval.during): a list to the fuzz, its entries in LISTS
+        return {list}
     return {tp}
 
 

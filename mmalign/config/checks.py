@@ -178,6 +178,25 @@ class Weights:
                               f"got {show_value(value)}")
 
 
+class Entries:
+    """A list of mappings, each one entry of the dataclass ``cls`` (built by
+    :mod:`mmalign.config.load`, which refuses unknown and missing keys): every entry's keys
+    checked against their own knobs, as top-level keys are, and named ``KEY[i].FIELD``."""
+
+    def __init__(self, cls: type, what: str):
+        self.cls, self.what = cls, what
+
+    def describe(self, unit: str = "") -> str:
+        return self.what
+
+    def check(self, key: str, value: Any, unit: str = "") -> None:
+        if not isinstance(value, list) or not all(isinstance(e, self.cls) for e in value):
+            raise ConfigError(f"config key '{key}' must be {self.what}, got {show_value(value)}")
+        for i, entry in enumerate(value):
+            for sub, v, f in fields_of(entry, f"{key}[{i}]."):
+                check_key(sub, v, f)
+
+
 # The domains most keys share.
 COUNT, POSITIVE = Span(0), Span(1)
 PROB, OPEN_PROB = Span(0, 1), Span(0, 1, hi_open=True)
@@ -290,5 +309,5 @@ def check_domains(cfg: Any) -> None:
         check_key(key, value, f, cfg)
 
 
-__all__ = ["Span", "Seq", "Text", "ShardSpecs", "Weights", "knob", "check_domains", "check_key", "domains",
+__all__ = ["Span", "Seq", "Text", "ShardSpecs", "Weights", "Entries", "knob", "check_domains", "check_key", "domains",
            "fields_of", "leaves", "show_value", "within_domain"]

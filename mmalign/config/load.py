@@ -51,6 +51,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': expected a mapping, got {show_value(value)}")
         return _build(tp, value, key + ".")
+    if origin is list and typing.get_args(tp) and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        # a list of entries (eval.during): each one a mapping of its dataclass, named KEY[i]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}': expected a list of mappings, got {show_value(value)}")
+        return [_coerce(item, typing.get_args(tp)[0], f"{key}[{i}]") for i, item in enumerate(value)]
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -77,6 +82,9 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    for f in dataclasses.fields(cls):  # a key without a default (an eval.during entry's suite, every)
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"config key '{prefix}{f.name}' is required")
     return cls(**kwargs)
 
 

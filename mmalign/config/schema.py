@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from mmalign.config.checks import (BOUNDED_PAIR, COUNT, NAME, OPEN_PROB, PATH, POSITIVE, PROB, RATE, MAX_LOCAL,
-                                   LOG_FLOAT32_MAX, Seq, ShardSpecs, Span, Text, Weights, knob)
+                                   LOG_FLOAT32_MAX, Entries, Seq, ShardSpecs, Span, Text, Weights, knob)
 
 MAX_MEMBER_BYTES = 64 << 20  # data.max_member_bytes' default: larger tar members are never read
 LOCKED = "0 = the whole tower locked"
@@ -168,7 +168,9 @@ class TrainConfig:
     device: str = knob("auto", rule=Text(pattern=r"auto|cpu|cuda(:\d+)?", what="auto, cpu, cuda or cuda:N"),
                        doc="`auto`, `cpu`, `cuda` or `cuda:N`")
     log_every: int = knob(10, rule=POSITIVE, doc="steps between `metrics.jsonl` / TensorBoard records")
-    eval_every: int = knob(0, rule=Span(0, note="0 = only at the end"), doc="steps between evaluations")
+    eval_every: int = knob(0, rule=Span(0, note="0 = only at the end"),
+                           doc="steps between evaluations of `eval.suite` (as an `eval.during` entry of it, but "
+                               "without metrics.jsonl records)")
     checkpoint_every: int = knob(0, rule=Span(0, note="0 = none"), doc="steps between checkpoints")
     keep_checkpoints: int = knob(2, rule=COUNT, doc="step checkpoints kept (older ones pruned)")
     max_consecutive_skips: int = knob(5, rule=POSITIVE, doc="non-finite steps in a row before the run stops")
@@ -237,11 +239,28 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class EvalDuringConfig:
+    """One entry of ``eval.during``: a suite evaluated on its own schedule while training."""
+    suite: str = knob(rule=Text(pattern=NAME, what="a suite name or a suite YAML"),
+                      doc="a suite in `eval/` or a suite YAML, as `eval.suite` names one")
+    every: int = knob(rule=POSITIVE, unit="steps", doc="optimizer steps between its evaluations")
+    limit: Optional[int] = knob(None, rule=POSITIVE, unit="images",
+                                doc="a seeded random draw of this many images, as `mmalign eval --limit` draws "
+                                    "them; null = the whole suite")
+
+
+@dataclass
 class EvalConfig:
     suite: str = knob("shapes", rule=Text(empty_ok=True, what="a suite name, a suite YAML or none"),
                       doc="a suite in `eval/`, a suite YAML or `none`; its keys are checked like the config's "
                           "(`mmalign/evaluation/suite_schema.py`)")
     batch_size: int = knob(256, rule=POSITIVE, doc="evaluation batch size")
+    # mmalign/run/in_run_eval.py: train.eval_every with eval.suite is the same as one entry
+    during: list[EvalDuringConfig] = knob(
+        [], rule=Entries(EvalDuringConfig, "a list of {suite, every >= 1 steps, limit >= 1 images or null} mappings"),
+        doc="suites evaluated while training, each every `every` steps (`limit`: on that many images); logged to "
+            "`metrics.jsonl` and TensorBoard as `eval/<suite>/<task>/<metric>`; the final evaluation runs each "
+            "whole ([What a run writes](#what-a-run-writes))")
 
 
 @dataclass

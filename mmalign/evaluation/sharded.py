@@ -10,8 +10,9 @@ the results.
 
 The other ranks wait for rank 0 in a barrier with its own timeout
 (:func:`mmalign.dist.distributed.slow_barrier`), not the process group's: three times
-the measured length of rank 0's last task phase, or of the embedding x world size
-before the first one, and never less than :data:`MIN_WAIT_S`.  The value is
+the measured length of rank 0's last task phase on the same suite (its name and image
+limit: a run may evaluate several, of very different sizes), or of the embedding x world
+size before the first one, and never less than :data:`MIN_WAIT_S`.  The value is
 stated in the log.
 """
 
@@ -33,7 +34,7 @@ log = logging.getLogger("mmalign.evaluation")
 
 MIN_WAIT_S = 600.0
 WAIT_FACTOR = 3.0
-_last_tasks_s: float | None = None  # rank 0: its task phase at the previous evaluation
+_last_tasks_s: dict[tuple, float] = {}  # rank 0: its task phase at the previous evaluation of each suite
 
 
 def _embed_mine(model, preprocess, tokenizer, samples, rank: int, world: int, batch_size: int, device: str,
@@ -112,10 +113,9 @@ def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = 
 def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
              device: str = "cpu", model_name: str = "mmalign", progress: bool = False) -> list[dict]:
     """Collective: the suite's records on rank 0 (an empty list elsewhere); see the module doc."""
-    global _last_tasks_s
     rank, world = mdist.get_rank(), mdist.get_world_size()
     mdist.prepare_slow_barrier()
-    last = mdist.broadcast_object(_last_tasks_s)  # rank 0's measurement, on every rank
+    last = mdist.broadcast_object(_last_tasks_s.get(_phase_key(suite)))  # rank 0's measurement, on every rank
     emb, embed_s = embed_sharded(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
                                  progress=progress)
     expected = last if last is not None else embed_s * world
@@ -130,7 +130,13 @@ def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None,
         start = time.time()
         records = run_suite(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
                             model_name=model_name, progress=progress, embedded=emb)
-        _last_tasks_s = time.time() - start
-        log.info("evaluation %s: rank 0's tasks took %.1f s", suite["name"], _last_tasks_s)
+        took = _last_tasks_s[_phase_key(suite)] = time.time() - start
+        log.info("evaluation %s: rank 0's tasks took %.1f s", suite["name"], took)
     mdist.slow_barrier(wait_s)
     return records
+
+
+def _phase_key(suite: dict) -> tuple:
+    """What a task phase's length depends on: the suite, and how many of its images are drawn."""
+    dataset = suite.get("dataset")
+    return suite["name"], dataset.get("limit") if isinstance(dataset, dict) else None

@@ -1,20 +1,45 @@
-"""What a run evaluates, and when: the suite of ``eval.suite`` (checked before any training),
+"""What a run evaluates, and when: the suites (checked before any training), their schedule,
 the fixed probe batch of the collapse monitors, and the evaluation of the engine's weights
-(in the loop every ``train.eval_every`` steps, and at the end, after saving ``final/``).
+(in the loop on each suite's own steps, and at the end, after saving ``final/``).
+
+The schedule (issue 32) is a list of periodic entries ``{suite, every, limit}``:
+
+* each entry of ``eval.during``: its suite every ``every`` optimizer steps, on a seeded
+  stratified draw of ``limit`` images (:mod:`mmalign.evaluation.limited`, the draw of
+  ``mmalign eval --limit``), or on the whole suite;
+* ``train.eval_every`` with ``eval.suite``: one more entry, ``{suite: eval.suite, every:
+  train.eval_every}`` (the whole suite), with the outputs it always had.
+
+At step s every entry with ``s % every == 0`` is due, except at the last step, whose
+evaluation is the final one.  The suites due at a step are evaluated on one consolidation
+of the weights, into ``eval_stepN.json`` (their records together) and TensorBoard
+(``eval/<suite>/<task>/<metric>``); an ``eval.during`` suite's evaluation is also one
+``metrics.jsonl`` record, ``{"step", "eval": <suite>, "images", "eval/<suite>/<task>/<metric>": ...}``
+(train.eval_every's is not: readers of metrics.jsonl see what they saw before).  Each suite's
+image embedding is sharded over the ranks and its zero-shot classifiers are built once per
+evaluation, by rank 0, which runs the tasks (:mod:`mmalign.evaluation.sharded`).
+
+The final evaluation (``eval.json``, TensorBoard, and ``metrics.jsonl`` for the eval.during
+suites) runs ``eval.suite`` and then every eval.during suite not already run, each once and
+whole: a ``limit`` makes the periodic evaluations cheap, the final one is the full measure.
+One suite name is one set of log names, so two entries of a suite (or of two different
+suites of one name) are refused, as is an entry of the suite train.eval_every evaluates.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mmalign.config import Config, to_dict
+from mmalign.config import Config, ConfigError, to_dict
 from mmalign.data.shards import expand_urls, read_samples
 from mmalign.data.transforms import eval_transform, preprocess_cfg
 from mmalign.dist import distributed as mdist
 from mmalign.evaluation import load_suite, sharded, write_results
+from mmalign.evaluation.limited import limited_suite
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.models import build_model
 from mmalign.models.io import save_pretrained
@@ -30,6 +55,86 @@ def resolve_suite(cfg: Config) -> dict | None:
         return None
     suite = load_suite(cfg.eval.suite)
     check_suite_data(suite, cfg.data.val or None)
+    return suite
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """One entry of the schedule: ``suite`` (loaded; with a limit, its dataset a draw of that
+    many images) every ``every`` steps; ``jsonl``: its evaluations are metrics.jsonl records."""
+    name: str  # the suite's name, which its log names carry
+    suite: dict
+    every: int
+    limit: int | None
+    jsonl: bool
+
+    def describe(self) -> str:
+        return f"{self.name} every {self.every} step(s)" + (f" on {self.limit} images" if self.limit else "")
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What a run evaluates: ``periodic`` entries in the loop, ``final`` suites at the end."""
+    periodic: tuple[Periodic, ...] = ()
+    final: tuple[dict, ...] = ()
+
+    def due(self, step: int, last: int) -> list[Periodic]:
+        """The entries evaluated after ``step`` (none at the ``last``: the final evaluation's)."""
+        return [p for p in self.periodic if step % p.every == 0 and step != last]
+
+    def logged(self) -> list[str]:
+        """The suites whose evaluations are metrics.jsonl records (the eval.during ones), in order."""
+        return [p.name for p in self.periodic if p.jsonl]
+
+    def final_names(self) -> str:
+        """``suite A`` / ``suites A, B``: what the final evaluation runs."""
+        return f"suite{'s' if len(self.final) > 1 else ''} " + ", ".join(s["name"] for s in self.final)
+
+    def describe(self) -> str:
+        """``, evaluating A every 2 step(s), ..., evaluating on suites A, B at the end`` (or no evaluation)."""
+        if not self.final:
+            return ", no evaluation"
+        return "".join(f", evaluating {p.describe()}" for p in self.periodic) + \
+            f", evaluating on {self.final_names()} at the end"
+
+
+def plan_evaluations(cfg: Config, suite: dict | None) -> EvalPlan:
+    """The run's schedule and final suites, every suite loaded and its data checked now, before
+    any training. ``suite``: :func:`resolve_suite`'s (``eval.suite``; None: none)."""
+    periodic: list[Periodic] = []
+    if suite is not None and cfg.train.eval_every:
+        periodic.append(Periodic(suite["name"], suite, cfg.train.eval_every, None, jsonl=False))
+    final = [suite] if suite is not None else []
+    for i, entry in enumerate(cfg.eval.during):
+        key = f"eval.during[{i}].suite"
+        whole = _entry_suite(entry.suite, key, cfg.data.val or None)
+        name = whole["name"]
+        for p in periodic:
+            if p.name == name:
+                other = "train.eval_every (eval.suite)" if not p.jsonl else "an earlier eval.during entry"
+                raise ConfigError(f"config key '{key}': suite {name!r} is already evaluated during training by "
+                                  f"{other}: one schedule per suite (its log names are eval/{name}/...)")
+        same = [s for s in final if s["name"] == name]
+        if same and same[0] != whole:
+            raise ConfigError(f"config key '{key}': {entry.suite!r} and eval.suite={cfg.eval.suite!r} are two "
+                              f"suites of one name, {name!r}: their log names (eval/{name}/...) would mix")
+        if not same:
+            final.append(whole)
+        run = limited_suite(whole, entry.limit) if entry.limit else whole
+        periodic.append(Periodic(name, run, entry.every, entry.limit, jsonl=True))
+    return EvalPlan(tuple(periodic), tuple(final))
+
+
+def _entry_suite(name: str, key: str, val: str | None) -> dict:
+    """An eval.during entry's suite, loaded and its data checked; load_suite and
+    check_suite_data word their errors for eval.suite, so they are reworded for ``key``."""
+    if name.strip().lower() == "none":
+        raise ConfigError(f"config key '{key}': 'none' is not a suite (drop the entry to evaluate nothing)")
+    try:
+        suite = load_suite(name)
+        check_suite_data(suite, val)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("config key 'eval.suite'", f"config key '{key}'")) from None
     return suite
 
 
@@ -62,11 +167,14 @@ def probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
 
 
 def evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
-                     final: Path | None = None, suite: dict | None = None, show_progress: bool = False) -> list[dict]:
+                     final: Path | None = None, suites: list[dict] | tuple = (),
+                     show_progress: bool = False) -> dict[str, list[dict]]:
     """Consolidate the weights (collective), then rank 0 saves ``final``, and every rank
-    evaluates on ``suite`` (none: no evaluation): the embedding sharded, rank 0 the tasks."""
+    evaluates each of ``suites`` in turn (none: no evaluation), the embedding sharded, rank 0
+    the tasks. Returns suite name -> its records on rank 0 (empty lists elsewhere); rank 0
+    writes all of them, in order, to ``path``."""
     state = engine.consolidated_state_dict()
-    records: list[dict] = []
+    results: dict[str, list[dict]] = {}
     main = mdist.get_rank() == 0
     with torch.random.fork_rng(devices=[]):  # building the model must not move the training RNG
         model = build_model(cfg.model)
@@ -75,13 +183,44 @@ def evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.de
         save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
                         extra={"train_config": to_dict(cfg)})
         log.info("saved %s", final)
-    if suite is not None:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
-        records = sharded.evaluate(model.to(device), eval_transform(model.image_size), tokenizer, suite,
-                                   cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
-                                   model_name=model_name(cfg), progress=show_progress and main)
-        if main:
-            write_results(records, path)
-            log.info("evaluation written to %s", path)
+    if suites:
+        model = model.to(device)
+    for suite in suites:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
+        results[suite["name"]] = sharded.evaluate(model, eval_transform(model.image_size), tokenizer, suite,
+                                                  cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
+                                                  model_name=model_name(cfg), progress=show_progress and main)
+    if main and suites:
+        write_results([r for records in results.values() for r in records], path)
+        log.info("evaluation written to %s", path)
     mdist.barrier()
-    return records
+    return results
 
+
+def evaluate_due(plan: EvalPlan, step: int, engine, cfg: Config, tokenizer, out: Path, device: torch.device,
+                 runlog, show_progress: bool = False) -> None:
+    """The loop's evaluation after ``step``: the entries of ``plan`` due then (a collective when
+    any is), into ``eval_stepN.json``, TensorBoard and (eval.during's) metrics.jsonl."""
+    due = plan.due(step, cfg.train.steps)
+    if not due:
+        return
+    results = evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device,
+                              suites=[p.suite for p in due], show_progress=show_progress)
+    runlog.evaluation([r for records in results.values() for r in records], step)
+    for p in due:
+        if p.jsonl:
+            runlog.eval_record(step, p.name, results[p.name])
+
+
+def evaluate_final(plan: EvalPlan, engine, cfg: Config, tokenizer, out: Path, device: torch.device, runlog,
+                   show_progress: bool = False) -> list[dict]:
+    """After the loop: ``final/`` saved, then every final suite whole, into ``eval.json``,
+    TensorBoard (with the run's hyper-parameters against these metrics) and, for the
+    eval.during suites, metrics.jsonl. Returns the records (rank 0; empty elsewhere)."""
+    results = evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final",
+                              suites=plan.final, show_progress=show_progress)
+    records = [r for found in results.values() for r in found]
+    step = cfg.train.steps
+    runlog.evaluation(records, step, hparams=to_dict(cfg))
+    for name in plan.logged():
+        runlog.eval_record(step, name, results[name])
+    return records

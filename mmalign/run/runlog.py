@@ -1,7 +1,8 @@
 """What a training run writes about itself while it runs, behind one object.
 
 :class:`RunLog` owns every output of the loop that is not a checkpoint: ``metrics.jsonl``
-(one JSON record per ``train.log_every``, rank 0), ``samples_rank<R>.jsonl`` (the sample
+(one JSON record per ``train.log_every``, rank 0, and one per evaluation of an ``eval.during``
+suite: :meth:`RunLog.eval_record`), ``samples_rank<R>.jsonl`` (the sample
 keys of every step, each rank, with ``monitor.log_sample_keys``), the TensorBoard event
 files (rank 0), the progress (a tqdm bar on a terminal, one readable line per record
 elsewhere, an early run-time estimate) and the collapse alarms.
@@ -179,6 +180,27 @@ class RunLog:
         if self.board is not None:
             _board_eval(self.board, records, step, hparams)
 
+    def eval_record(self, step: int, suite: str, records: list[dict]) -> None:
+        """Rank 0: one suite's evaluation at ``step`` as a metrics.jsonl record, its metrics
+        under their TensorBoard names, ``{"step", "eval": suite, "images", "eval/...": value}``,
+        and one line in train.log. After the loop (the final evaluation) it is appended."""
+        if not self.main:
+            return
+        images = max((int(r.get("n_images") or 0) for r in records), default=0)
+        record = {"step": step, "eval": suite, "images": images, **eval_scalars(records)}
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        else:
+            with (self.out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        top1 = [f"{r['dataset']} top-1 {100 * r['metrics']['acc1']:.1f}%" for r in records
+                if isinstance((r.get("metrics") or {}).get("acc1"), (int, float))]
+        line = f"step {step}: eval {suite} on {images} images" + (f": {', '.join(top1)}" if top1 else "")
+        log.info("%s", line)
+        if self.lines:
+            print(line, flush=True)
+
     def elapsed(self) -> float:
         """Seconds since the loop started."""
         return time.time() - self.loop_start
@@ -210,11 +232,17 @@ def _tensorboard(out: Path):
     return SummaryWriter(str(out / "tensorboard"))
 
 
+def eval_scalars(records: list[dict]) -> dict[str, float]:
+    """An evaluation's numeric metrics by their one name, ``eval/<suite>/<task>/<metric>``
+    (a record's ``dataset`` is ``<suite>/<task>``): TensorBoard's tags and metrics.jsonl's keys."""
+    return {f"eval/{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def _board_eval(board, records: list[dict], step: int, hparams: dict | None = None) -> None:
     """``eval/<suite>/<task>/<metric>`` scalars; with ``hparams``, TensorBoard's HPARAMS entry
     (the flattened config against the final metrics, tagged ``hparam/...``)."""
-    metrics = {f"{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics = {tag[len("eval/"):]: v for tag, v in eval_scalars(records).items()}
     for k, v in metrics.items():
         board.add_scalar(f"eval/{k}", v, step)
     if hparams is not None:

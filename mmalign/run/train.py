@@ -1,8 +1,8 @@
 """``mmalign train``: the training loop, top to bottom.
 
 setup -> model -> engine (DeepSpeed: optimiser, schedule, ZeRO, gradient caching)
--> data -> resume -> loop (guarded step, monitors, periodic eval, atomic
-checkpoints) -> save ``final/`` -> evaluate.  The same code runs
+-> data -> resume -> loop (guarded step, monitors, each suite's periodic eval
+(mmalign.run.in_run_eval), atomic checkpoints) -> save ``final/`` -> evaluate.  The same code runs
 as one process, as ``--nproc N`` local processes, or under torchrun / the
 DeepSpeed launcher / SLURM across nodes; rank 0 writes the outputs.
 """
@@ -24,7 +24,7 @@ import torch
 from mmalign.run import checkpoint, rundir, trainable
 from mmalign import progress
 from mmalign.dist import distributed as mdist
-from mmalign.config import Config, ConfigError, save_config, to_dict
+from mmalign.config import Config, ConfigError, save_config
 from mmalign.errors import RunStopped  # re-exported: the loop raises it
 from mmalign.data.loader import build_train_loader, train_counts
 from mmalign.data.shards import check_train_shards, expand_urls
@@ -43,7 +43,7 @@ from mmalign.run import signals as stop_signals
 from mmalign.run.runlog import RunLog, say
 from mmalign.models import attention_kernel
 from mmalign.run.tf32 import set_tf32
-from mmalign.run.in_run_eval import evaluate_engine as _evaluate_engine
+from mmalign.run.in_run_eval import EvalPlan, evaluate_due, evaluate_final, plan_evaluations
 from mmalign.run.in_run_eval import model_name as _model_name
 from mmalign.run.in_run_eval import probe as _probe
 from mmalign.run.in_run_eval import probe_batch, resolve_suite
@@ -146,7 +146,7 @@ class _Tally:
 
 
 def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool) -> Path:
-    out, suite, device = _setup(cfg, resume, overwrite)
+    out, evals, device = _setup(cfg, resume, overwrite)
     rank, t, mon = mdist.get_rank(), cfg.train, cfg.monitor
     main = rank == 0
     p = _build(cfg, out, device)
@@ -157,7 +157,7 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
     # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
     if main:
         say(f"training {t.steps - start} step(s)" + (f" (steps {start + 1}..{t.steps})" if start else "")
-            + (f", evaluating on suite {suite['name']} at the end" if suite is not None else ", no evaluation"))
+            + evals.describe())
     with RunLog(out, rank, start, t.steps, t.log_every, sample_keys=mon.log_sample_keys,
                 tensorboard=mon.tensorboard, show_progress=show_progress) as runlog:
         batches = iter(p.loader)
@@ -168,10 +168,9 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
             eta = runlog.progress(step)  # and, once, the run time the first steps measure
             if logs_at(t, step):
                 _log_step(p, step, batch, result, tally, runlog, eta)
-            if t.eval_every and step % t.eval_every == 0 and step != t.steps and suite is not None:
-                records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / f"eval_step{step:08d}.json", device,
-                                           suite=suite, show_progress=show_progress and not runlog.use_bar)
-                runlog.evaluation(records, step)
+            # the suites due now (eval.during's entries, train.eval_every's), each on its own steps
+            evaluate_due(evals, step, p.engine, cfg, p.tokenizer, out, device, runlog,
+                         show_progress=show_progress and not runlog.use_bar)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:  # no saves mid-streak
                 shared = {"momentum": p.queue.state_dict()} if p.queue is not None and main else None
                 with stop_signals.deferred():  # a signal waits for the save: never a torn checkpoint
@@ -183,28 +182,27 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
 
         if main:
             say(f"trained {t.steps - start} step(s) in {progress.duration(runlog.elapsed())}; saving final/"
-                + (f", then evaluating on suite {suite['name']}" if suite is not None else ""))
-        # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them
-        records = _evaluate_engine(p.engine, cfg, p.tokenizer, out / "eval.json", device, final=out / "final",
-                                   suite=suite, show_progress=show_progress)
-        runlog.evaluation(records, t.steps, hparams=to_dict(cfg))  # and the hyper-parameters against them
-        if main and suite is not None:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
+                + (f", then evaluating on {evals.final_names()}" if evals.final else ""))
+        # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them on every final suite
+        records = evaluate_final(evals, p.engine, cfg, p.tokenizer, out, device, runlog, show_progress=show_progress)
+        if main and evals.final:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
             headline.announce(records, out / "eval.json", say)
     mdist.barrier()
     return out
 
 
-def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict | None, torch.device]:
+def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, EvalPlan, torch.device]:
     """Everything that depends only on the config, the shard list and the run directory is
     checked here, before any write and before the model and DeepSpeed are built; then rank 0
-    prepares the run directory. Returns (run directory, evaluation suite, device)."""
+    prepares the run directory. Returns (run directory, what it evaluates when, device)."""
     info = mdist.init_from_env(require_group=True, timeout_s=cfg.dist.timeout_s)
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0
     out = Path(cfg.output)
     check_buildable(cfg.model)
     check_train_shards(cfg.data, rank, mdist.broadcast_object)  # rank 0 looks, every rank learns the result
-    suite = resolve_suite(cfg)  # a typo in eval.suite fails now, not after training
+    # a typo in eval.suite or eval.during fails now, not after training
+    evals = plan_evaluations(cfg, resolve_suite(cfg))
     rundir.check_fresh_start(out, resume, overwrite, cfg)  # with cfg: a finished run is not restarted by --resume
     for newest in checkpoint.candidates(out, resume)[:1]:
         rundir.check_resume(cfg, newest, checkpoint.step_of(newest))
@@ -230,7 +228,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, dict
     attention_kernel.set_mode(cfg.train.attention_kernel)  # CPU bf16: the measured fastest SDPA kernel
     if cfg.train.precision == "fp16" and device.type != "cuda":
         raise ConfigError("config key 'train.precision': fp16 autocast needs a GPU (use bf16 on CPU)")
-    return out, suite, device
+    return out, evals, device
 
 
 def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
