@@ -60,7 +60,8 @@ def _eval_records(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def run(shapes_dir, tmp_path_factory):
     """The 1-rank run (step checkpoints kept for the reference), with every classifier build
-    and every suite evaluation counted in order."""
+    (the sharded evaluation assembles each from its prompts' embeddings once) and every suite
+    evaluation counted in order."""
     from mmalign.config import load_config
     from mmalign.evaluation import sharded, suite as suite_mod
     from mmalign.run.train import train
@@ -69,11 +70,15 @@ def run(shapes_dir, tmp_path_factory):
     suites = _suites(root / "suites")
     overrides = _overrides(shapes_dir, root / "run", suites)
     events: list[tuple[str, str]] = []
-    build, evaluate = suite_mod.build_classifier, sharded.evaluate
+    build, assemble, evaluate = suite_mod.build_classifier, sharded.classifier_from_prompts, sharded.evaluate
 
-    def counted_build(encode, tokenizer, classnames, templates):
+    def counted_build(encode, tokenizer, classnames, templates, *args):
         events.append(("classifier", classnames[0]))
-        return build(encode, tokenizer, classnames, templates)
+        return build(encode, tokenizer, classnames, templates, *args)
+
+    def counted_assemble(emb, n_classes, n_templates):
+        events.append(("classifier", n_classes))
+        return assemble(emb, n_classes, n_templates)
 
     def counted_evaluate(model, preprocess, tokenizer, suite, *args, **kwargs):
         events.append(("evaluate", suite["name"]))
@@ -81,6 +86,7 @@ def run(shapes_dir, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(suite_mod, "build_classifier", counted_build)
+        mp.setattr(sharded, "classifier_from_prompts", counted_assemble)
         mp.setattr(sharded, "evaluate", counted_evaluate)
         cfg = load_config(None, overrides + ["train.checkpoint_every=1", f"train.keep_checkpoints={STEPS}"])
         out = train(cfg, show_progress=False)
@@ -149,8 +155,10 @@ def test_one_classifier_per_zero_shot_task_per_evaluation(run):
         else:
             current[1].append(what)
     assert evaluations == [
-        ["suite_a", ["circle"]], ["suite_b", ["red"]], ["suite_a", ["circle"]],  # steps 2, 3, 4
-        ["shapes", ["circle", "red"]], ["suite_a", ["circle"]], ["suite_b", ["red"]],  # the final evaluation
+        # a classifier named by its first class (built in one process) or its class count (assembled
+        # by the sharded evaluation: 6 shapes, 7 colours)
+        ["suite_a", [6]], ["suite_b", [7]], ["suite_a", [6]],  # steps 2, 3, 4
+        ["shapes", [6, 7]], ["suite_a", [6]], ["suite_b", [7]],  # the final evaluation
     ]
 
 

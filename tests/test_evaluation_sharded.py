@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.conftest import run_ranks
 
@@ -24,7 +25,7 @@ def _worker(rank: int, world: int, val: str) -> dict:
     from mmalign.models.tokenizers import build_tokenizer
     from mmalign.data.transforms import eval_transform
     from mmalign.evaluation import load_suite
-    from mmalign.evaluation.sharded import embed_sharded, evaluate
+    from mmalign.evaluation.sharded import build_classifiers, embed_sharded, evaluate
     from mmalign.models import build_model
 
     lines: list[str] = []
@@ -37,7 +38,15 @@ def _worker(rank: int, world: int, val: str) -> dict:
     suite, tokenizer, transform = load_suite("shapes"), build_tokenizer(model.arch), eval_transform(model.image_size)
     emb, _ = embed_sharded(model, transform, tokenizer, suite, val, batch_size=16)
     records = evaluate(model, transform, tokenizer, suite, val, batch_size=16)
-    return {"emb": emb, "records": records, "log": lines}
+    encode, encoded = model.encode_text, []
+
+    def counted(tokens, *args, **kwargs):  # the prompts this rank encodes
+        encoded.append(len(tokens))
+        return encode(tokens, *args, **kwargs)
+
+    model.encode_text = counted
+    classifiers = build_classifiers(model, tokenizer, suite)
+    return {"emb": emb, "records": records, "log": lines, "classifiers": classifiers, "encoded": sum(encoded)}
 
 
 def test_two_rank_evaluation_equals_one_rank(shapes_dir):
@@ -53,8 +62,32 @@ def test_two_rank_evaluation_equals_one_rank(shapes_dir):
         for name, value in r1["metrics"].items():
             if isinstance(value, float):
                 assert r2["metrics"][name] == pytest.approx(value, abs=1e-6), (r1["dataset"], name)
+    # the classifiers: each rank encoded half of every zero-shot task's prompts, and the gathered
+    # classifier is clip_benchmark's construction, one class at a time, in one process
+    suite, model, tokenizer = _reference_model()
+    prompts, rank0_share = 0, 0
+    for task in (t for t in suite["tasks"] if t["type"] == "zeroshot"):
+        n = len(task["classnames"]) * len(task["templates"])
+        prompts, rank0_share = prompts + n, rank0_share + (n + 1) // 2
+        with torch.no_grad():
+            want = torch.stack([F.normalize(F.normalize(model.encode_text(tokenizer(
+                [t.format(c=c) for t in task["templates"]])), dim=-1).mean(0), dim=0) for c in task["classnames"]], 1)
+        for got in (one["classifiers"][task["name"]], two["classifiers"][task["name"]]):
+            assert (got - want).abs().max() <= 1e-5, task["name"]
+    assert one["encoded"] == prompts and two["encoded"] == rank0_share
     assert any("wait for rank 0's tasks with a" in line for line in two["log"])
     assert not any("timeout" in line for line in one["log"])
+
+
+def _reference_model():
+    from mmalign.config import ModelConfig
+    from mmalign.evaluation import load_suite
+    from mmalign.models import build_model
+    from mmalign.models.tokenizers import build_tokenizer
+
+    torch.manual_seed(3)
+    model = build_model(ModelConfig(preset="micro")).eval()  # the workers' model
+    return load_suite("shapes"), model, build_tokenizer(model.arch)
 
 
 def test_interleave_restores_dataset_order_with_uneven_shares():

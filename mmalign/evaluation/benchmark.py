@@ -175,15 +175,16 @@ def run_benchmark(model, preprocess, tokenizer, tasks: list[Task], *, batch_size
                             total=embedding_total(spec), enabled=progress)
             emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
                                 captions=captions)
+            encode = lambda t: model.encode_text(t.to(device)).float().cpu()  # noqa: E731
+            built = {t["name"]: build_classifier(encode, tokenizer, t["classnames"], t["templates"])  # (D, C)
+                     for t in suite["tasks"] if t["type"] == "zeroshot"}  # once: the tasks and the metrics share it
             records = run_suite(model, preprocess, tokenizer, suite, batch_size=batch_size, device=device,
-                                model_name="mmalign", embedded=emb)
+                                model_name="mmalign", embedded=emb, built=built)
             for spec_task, record in zip(suite["tasks"], records):
                 metric, value, note = _main_value(record, task.main_metric)
                 if metric in datacomp.PREDICTION_METRICS and spec_task["type"] == "zeroshot" and "cb" in suite:
                     # the logits the zero-shot task scored: same classifier, same embeddings
-                    encode = lambda t: model.encode_text(t.to(device)).float().cpu()  # noqa: E731
-                    weights = build_classifier(encode, tokenizer, spec_task["classnames"], spec_task["templates"])
-                    logits = 100.0 * emb["image_features"] @ weights  # (N, C)
+                    logits = 100.0 * emb["image_features"] @ built[spec_task["name"]]  # (N, C)
                     labels = torch.tensor([m["label"] for m in emb["metas"]])  # (N,)
                     metric, value, note = datacomp.prediction_metric(metric, logits, labels, emb["metas"])
                 row_note = "; ".join(n for n in (task.note, note) if n)

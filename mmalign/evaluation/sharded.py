@@ -1,12 +1,14 @@
-"""Evaluation on every rank: the dataset's embedding is sharded, the tasks run on rank 0.
+"""Evaluation on every rank: the dataset's embedding and the zero-shot classifiers are
+sharded, the tasks run on rank 0.
 
-The costly part of a suite is embedding its images (and captions).  Rank r embeds
-samples r, r + W, r + 2W, ... of the dataset's fixed order; the pieces are gathered
-and interleaved back into that order, so rank 0 receives exactly what one process
-would have computed (up to the last bits of fp32 matrix products over other batch
-compositions; tests/test_evaluation_sharded.py bounds it).  Rank 0 then runs the tasks on
-the gathered features (classifiers, recalls, probes, counterfactuals) and writes
-the results.
+The costly parts of a suite are embedding its images (and captions) and, for a zero-shot
+task of many classes, its C x T prompts (ImageNet: 1000 x 80).  Rank r embeds samples
+r, r + W, r + 2W, ... of the dataset's fixed order, and prompts r, r + W, ... of each
+zero-shot task; the pieces are gathered and put back in order on every rank, so rank 0
+receives exactly what one process would have computed (up to the last bits of fp32 matrix
+products over other batch compositions; tests/test_evaluation_sharded.py bounds it).  Each
+classifier is built once per evaluation.  Rank 0 then runs the tasks on the gathered
+features (recalls, probes, counterfactuals reuse the classifiers) and writes the results.
 
 The other ranks wait for rank 0 in a barrier with its own timeout
 (:func:`mmalign.dist.distributed.slow_barrier`), not the process group's: three times
@@ -28,6 +30,7 @@ from mmalign.errors import UsageError, UserError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.suite import embedding_needs, embedding_total, run_suite
+from mmalign.evaluation.zeroshot import classifier_from_prompts, encode_prompts, prompt_texts
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.evaluation")
@@ -110,6 +113,31 @@ def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = 
     return interleave([g["emb"] for g in gathered]), max(g["seconds"] for g in gathered)
 
 
+@torch.no_grad()
+def build_classifiers(model, tokenizer, suite: dict, device: str = "cpu") -> dict:
+    """Collective: every zero-shot task's classifier W (D, C) on every rank, each rank encoding
+    prompts r, r + W, ... of the task's C x T (class-major) and the pieces gathered."""
+    rank, world = mdist.get_rank(), mdist.get_world_size()
+    encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
+    was_training = model.training
+    model.eval()
+    out = {}
+    try:
+        for task in (t for t in suite["tasks"] if t["type"] == "zeroshot"):
+            texts = prompt_texts(task["classnames"], task["templates"])
+            mine = range(rank, len(texts), world)
+            local = encode_prompts(encode, tokenizer, texts, mine)  # (ceil(n / W) or less, D)
+            parts = mdist.all_gather_object(local)  # rank order
+            emb = torch.empty(len(texts), max(p.shape[1] for p in parts))  # (C T, D)
+            for r, part in enumerate(parts):
+                if len(part):
+                    emb[r::world] = part
+            out[task["name"]] = classifier_from_prompts(emb, len(task["classnames"]), len(task["templates"]))
+    finally:
+        model.train(was_training)
+    return out
+
+
 def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
              device: str = "cpu", model_name: str = "mmalign", progress: bool = False) -> list[dict]:
     """Collective: the suite's records on rank 0 (an empty list elsewhere); see the module doc."""
@@ -118,6 +146,7 @@ def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None,
     last = mdist.broadcast_object(_last_tasks_s.get(_phase_key(suite)))  # rank 0's measurement, on every rank
     emb, embed_s = embed_sharded(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
                                  progress=progress)
+    classifiers = build_classifiers(model, tokenizer, suite, device)
     expected = last if last is not None else embed_s * world
     wait_s = max(MIN_WAIT_S, WAIT_FACTOR * expected)
     records: list[dict] = []
@@ -129,7 +158,7 @@ def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None,
                      world - 1, wait_s, WAIT_FACTOR, what, expected, MIN_WAIT_S)
         start = time.time()
         records = run_suite(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
-                            model_name=model_name, progress=progress, embedded=emb)
+                            model_name=model_name, progress=progress, embedded=emb, built=classifiers)
         took = _last_tasks_s[_phase_key(suite)] = time.time() - start
         log.info("evaluation %s: rank 0's tasks took %.1f s", suite["name"], took)
     mdist.slow_barrier(wait_s)

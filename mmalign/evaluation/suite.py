@@ -230,14 +230,16 @@ def embedding_total(spec: dict) -> int | None:
 
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
               device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
-              user_data: str | None = None, embedded: dict | None = None) -> list[dict]:
+              user_data: str | None = None, embedded: dict | None = None,
+              built: dict | None = None) -> list[dict]:
     """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
 
     ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val;
     ``user_data`` (``--data``) replaces its shards or its image folder (see ``dataset_spec``).
     ``progress``: show the embedding pass and each task (a bar on a terminal, else lines).
     ``embedded``: the dataset's embeddings (:func:`embed_dataset`'s result) when already
-    computed, e.g. sharded over ranks (:mod:`mmalign.evaluation.sharded`).
+    computed, e.g. sharded over ranks (:mod:`mmalign.evaluation.sharded`); ``built``:
+    zero-shot task name -> its classifier W (D, C) when already built (the same module).
     """
     spec = dataset_spec(suite, data, user_data=user_data)
     tasks = suite["tasks"]
@@ -264,7 +266,9 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
             extra: dict = {}
             if task["type"] == "zeroshot":
                 labels = _labels(emb["metas"], task)
-                weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])  # (D, C)
+                weights = (built or {}).get(task["name"])  # (D, C)
+                if weights is None:
+                    weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])
                 classifiers[task["name"]] = {"weights": weights, "label_field": task["label_field"],
                                              "classnames": task["classnames"]}
                 feats, metas = emb["image_features"], emb["metas"]

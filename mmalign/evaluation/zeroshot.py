@@ -29,28 +29,52 @@ def build_classifier(
     """Returns W of shape (D, C): per class, the renormalised mean of its normalised template
     embeddings (clip_benchmark's ``zero_shot_classifier``).
 
-    The C x T prompts are encoded together, ``batch_size`` at a time, in order of token count,
-    so a batch holds prompts of about one length and the text tower's trailing-pad trim
-    (:mod:`mmalign.models.text_trim`) cuts the most; the order changes no value beyond float
-    rounding, since every prompt is encoded on its own row.
+    The C x T prompts are encoded together (:func:`encode_prompts`), not one class a call.
+    :func:`mmalign.evaluation.sharded.build_classifiers` splits the same prompts over ranks.
     """
-    c, t = len(classnames), len(templates)
-    if not c or not t:
-        raise ValueError(f"a zero-shot classifier needs class names and templates, got {c} and {t}")
-    texts = [tpl.format(c=name) for name in classnames for tpl in templates]  # (C T,) class-major
-    tokens = tokenizer(texts)  # (C T, L)
-    if isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and tokens.dtype in (torch.int32, torch.int64):
+    texts = prompt_texts(classnames, templates)
+    emb = encode_prompts(encode_text, tokenizer, texts, range(len(texts)), batch_size)  # (C T, D)
+    return classifier_from_prompts(emb, len(classnames), len(templates))
+
+
+def prompt_texts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
+    """The C x T prompts, class-major: prompt ``c T + t`` is template t over class c."""
+    if not classnames or not templates:
+        raise ValueError(f"a zero-shot classifier needs class names and templates, got {len(classnames)} "
+                         f"and {len(templates)}")
+    return [tpl.format(c=name) for name in classnames for tpl in templates]
+
+
+@torch.no_grad()
+def encode_prompts(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenizer: Callable, texts: Sequence[str],
+                   rows: Sequence[int], batch_size: int = PROMPT_BATCH) -> torch.Tensor:
+    """The normalised embeddings (len(rows), D) of ``texts[rows]``, in the order of ``rows``.
+
+    Encoded ``batch_size`` at a time in order of token count, so a batch holds prompts of about
+    one length and the text tower's trailing-pad trim (:mod:`mmalign.models.text_trim`) cuts the
+    most; the order changes no value beyond float rounding (every prompt is its own row).
+    """
+    rows = list(rows)
+    if not rows:  # a rank with no share (more ranks than prompts)
+        return torch.zeros(0, 0)
+    tokens = tokenizer([texts[i] for i in rows])  # (R, L)
+    if isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and not tokens.is_floating_point():
         order = torch.argsort((tokens != 0).sum(dim=1), stable=True)  # by length (pad id 0)
     else:  # a tokenizer of another shape (a test's stand-in): keep the order
-        order = torch.arange(len(texts))
-    emb = torch.empty(0)
-    for s in range(0, len(texts), batch_size):
-        rows = order[s:s + batch_size]
-        part = F.normalize(encode_text(tokens[rows]).float(), dim=-1)  # (b, D)
-        if emb.numel() == 0:
-            emb = torch.empty(len(texts), part.shape[1])
-        emb[rows] = part
-    weights = F.normalize(emb.view(c, t, -1).mean(dim=1), dim=-1)  # (C, D)
+        order = torch.arange(len(rows))
+    out = None
+    for s in range(0, len(rows), batch_size):
+        pick = order[s:s + batch_size]
+        part = F.normalize(encode_text(tokens[pick]).float(), dim=-1)  # (b, D)
+        if out is None:
+            out = torch.empty(len(rows), part.shape[1])
+        out[pick] = part
+    return out
+
+
+def classifier_from_prompts(emb: torch.Tensor, n_classes: int, n_templates: int) -> torch.Tensor:
+    """(C T, D) normalised prompt embeddings, class-major -> W (D, C)."""
+    weights = F.normalize(emb.view(n_classes, n_templates, -1).mean(dim=1), dim=-1)  # (C, D)
     return weights.t().contiguous()  # (D, C)
 
 

@@ -16,8 +16,9 @@ of the weights, into ``eval_stepN.json`` (their records together) and TensorBoar
 (``eval/<suite>/<task>/<metric>``); an ``eval.during`` suite's evaluation is also one
 ``metrics.jsonl`` record, ``{"step", "eval": <suite>, "images", "eval/<suite>/<task>/<metric>": ...}``
 (train.eval_every's is not: readers of metrics.jsonl see what they saw before).  Each suite's
-image embedding is sharded over the ranks and its zero-shot classifiers are built once per
-evaluation, by rank 0, which runs the tasks (:mod:`mmalign.evaluation.sharded`).
+image embedding and its zero-shot classifiers' prompts are sharded over the ranks (every rank
+holds the gathered classifiers, built once per evaluation); rank 0 runs the tasks
+(:mod:`mmalign.evaluation.sharded`).
 
 The final evaluation (``eval.json``, TensorBoard, and ``metrics.jsonl`` for the eval.during
 suites) runs ``eval.suite`` and then every eval.during suite not already run, each once and
