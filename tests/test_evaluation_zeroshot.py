@@ -88,3 +88,17 @@ def test_classifier_batched_over_classes_equals_one_class_at_a_time():
         for i, name in enumerate(names):
             emb = F.normalize(model.encode_text(tokenizer([tt.format(c=name) for tt in templates])), dim=-1)
             torch.testing.assert_close(w[:, i], F.normalize(emb.mean(0), dim=0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mean_per_class_recall_is_sklearns_balanced_accuracy(seed):
+    """Against sklearn itself, with a class that is only predicted and one never predicted."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    from mmalign.evaluation.zeroshot import _balanced_accuracy
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 6, 200)  # classes 0..5 present
+    pred = np.where(rng.random(200) < 0.5, labels, rng.integers(0, 8, 200))  # 6, 7 only predicted
+    pred[pred == 3] = 4  # class 3 never predicted
+    assert _balanced_accuracy(labels, pred) == balanced_accuracy_score(labels, pred)

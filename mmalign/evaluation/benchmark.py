@@ -159,7 +159,7 @@ def run_benchmark(model, preprocess, tokenizer, tasks: list[Task], *, batch_size
 
     from mmalign.evaluation.cb_wds import cb_record
     from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-    from mmalign.evaluation.features import embed_dataset
+    from mmalign.evaluation.features import embed_dataset, text_encoder
     from mmalign.evaluation.suite import embedding_needs, embedding_total, run_suite
     from mmalign.evaluation.zeroshot import build_classifier
     from mmalign.progress import track
@@ -175,7 +175,7 @@ def run_benchmark(model, preprocess, tokenizer, tasks: list[Task], *, batch_size
                             total=embedding_total(spec), enabled=progress)
             emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
                                 captions=captions)
-            encode = lambda t: model.encode_text(t.to(device)).float().cpu()  # noqa: E731
+            encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
             built = {t["name"]: build_classifier(encode, tokenizer, t["classnames"], t["templates"])  # (D, C)
                      for t in suite["tasks"] if t["type"] == "zeroshot"}  # once: the tasks and the metrics share it
             records = run_suite(model, preprocess, tokenizer, suite, batch_size=batch_size, device=device,

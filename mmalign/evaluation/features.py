@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from mmalign.config import ConfigError
 from mmalign.errors import UsageError
+from mmalign.models.cpu_chunks import image_tokens, in_pieces, piece_size
 
 FEATURE_KINDS = {
     "joint": "joint-space image embedding after the projection head (encode_image), L2-normalised",
@@ -48,11 +49,15 @@ def projection_removed(visual: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 @torch.no_grad()
 def encode_images(model, images: torch.Tensor, pre_projection: bool = False) -> dict:
-    """(B, 3, H, W) -> {"joint": (B, D)} and, if asked, {"pre_projection": (B, P)}, float32 on CPU."""
+    """(B, 3, H, W) -> {"joint": (B, D)} and, if asked, {"pre_projection": (B, P)}, float32 on CPU.
+
+    On a CPU the tower runs in cache-sized pieces of the batch (:mod:`mmalign.models.cpu_chunks`)."""
+    visual = getattr(model, "visual", None)  # None: a stand-in model, called whole
+    size = piece_size(visual, image_tokens(visual), images.device) if visual is not None else None
     if not pre_projection:
-        return {"joint": model.encode_image(images).float().cpu()}
+        return {"joint": in_pieces(model.encode_image, images, size).float().cpu()}
     with projection_removed(model.visual) as proj:
-        pooled = model.visual(images)  # (B, P)
+        pooled = in_pieces(model.visual, images, size)  # (B, P)
     joint = F.normalize(pooled @ proj, dim=-1)  # (B, D), as encode_image computes it
     return {"joint": joint.float().cpu(), "pre_projection": F.normalize(pooled.float(), dim=-1).cpu()}
 
@@ -60,29 +65,89 @@ def encode_images(model, images: torch.Tensor, pre_projection: bool = False) -> 
 @torch.no_grad()
 def embed_images(model, preprocess, images: Iterable, batch_size: int = 256, device: str = "cpu",
                  pre_projection: bool = False) -> dict:
-    """PIL images -> {"joint": (N, D)[, "pre_projection": (N, P)]}."""
+    """PIL images -> {"joint": (N, D)[, "pre_projection": (N, P)]}.
+
+    Reading, decoding and preprocessing run in a background thread, one batch ahead of the
+    encoder (:func:`_prefetched`): PIL's decoders and torch's ops release the GIL, so on a CPU
+    the next batch is made while the tower runs (on CIFAR-sized images they are a third of
+    the work).  ``images`` is consumed in order, so a generator's side effects happen in order.
+    """
     out: dict[str, list] = {}
-    batch: list[torch.Tensor] = []
-
-    def flush():
-        for kind, feats in encode_images(model, torch.stack(batch).to(device), pre_projection).items():
+    for batch in _prefetched(_batches(preprocess, images, batch_size)):
+        for kind, feats in encode_images(model, batch.to(device), pre_projection).items():
             out.setdefault(kind, []).append(feats)
-        batch.clear()
-
-    for image in images:
-        batch.append(preprocess(image))
-        if len(batch) == batch_size:
-            flush()
-    if batch:
-        flush()
     return {kind: torch.cat(feats) for kind, feats in out.items()}
 
 
-@torch.no_grad()
+def _batches(preprocess, images: Iterable, batch_size: int) -> Iterator[torch.Tensor]:
+    batch: list[torch.Tensor] = []
+    for image in images:
+        batch.append(preprocess(image))
+        if len(batch) == batch_size:
+            yield torch.stack(batch)  # (B, 3, H, W)
+            batch = []
+    if batch:
+        yield torch.stack(batch)
+
+
+def _prefetched(batches: Iterator[torch.Tensor], depth: int = 2) -> Iterator[torch.Tensor]:
+    """``batches`` made in a daemon thread, at most ``depth`` ahead; its exception re-raised here."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(("batch", batch), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(("end", done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            q.put(("error", e))
+
+    thread = threading.Thread(target=produce, name="mmalign-eval-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, item = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
+    finally:
+        stop.set()  # the consumer stopped early (an error in the encoder): let the producer end
+        thread.join(timeout=5)
+
+
+def text_encoder(model, device: str = "cpu"):
+    """tokens (B, L) -> (B, D) float32 on the CPU: ``model.encode_text`` on ``device``, in
+    cache-sized pieces on a CPU (sized by the batch's longest caption: the tower trims the
+    padding after it)."""
+    text = getattr(model, "text", None)
+
+    def encode(tokens: torch.Tensor) -> torch.Tensor:
+        size = None
+        if text is not None and tokens.ndim == 2 and len(tokens):
+            size = piece_size(text, int((tokens != 0).sum(dim=1).max()), device)  # pad id 0
+        return in_pieces(lambda t: model.encode_text(t.to(device)).float().cpu(), tokens, size)
+
+    return encode
+
+
 def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 256, device: str = "cpu") -> torch.Tensor:
     """Captions -> (M, D) normalised joint-space text embeddings (M may be 0)."""
-    feats = [model.encode_text(tokenizer(texts[s : s + batch_size]).to(device)).float().cpu()
-             for s in range(0, len(texts), batch_size)]
+    encode = text_encoder(model, device)
+    feats = [encode(tokenizer(texts[s : s + batch_size])) for s in range(0, len(texts), batch_size)]
     if not feats:
         return torch.zeros(0, int(getattr(model, "embed_dim", 0)))
     return torch.cat(feats)

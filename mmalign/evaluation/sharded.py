@@ -28,7 +28,7 @@ import torch
 from mmalign.dist import distributed as mdist
 from mmalign.errors import UsageError, UserError
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-from mmalign.evaluation.features import embed_dataset
+from mmalign.evaluation.features import embed_dataset, text_encoder
 from mmalign.evaluation.suite import embedding_needs, embedding_total, run_suite
 from mmalign.evaluation.zeroshot import classifier_from_prompts, encode_prompts, prompt_texts
 from mmalign.progress import track
@@ -118,7 +118,7 @@ def build_classifiers(model, tokenizer, suite: dict, device: str = "cpu") -> dic
     """Collective: every zero-shot task's classifier W (D, C) on every rank, each rank encoding
     prompts r, r + W, ... of the task's C x T (class-major) and the pieces gathered."""
     rank, world = mdist.get_rank(), mdist.get_world_size()
-    encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
+    encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
     was_training = model.training
     model.eval()
     out = {}

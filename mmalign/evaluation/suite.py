@@ -51,7 +51,7 @@ from mmalign.data.shards import check_urls, expand_urls
 from mmalign.errors import UsageError
 from mmalign.evaluation import counterfactual, diagnostics, probes
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset
+from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset, text_encoder
 from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.slices import slice_metrics
 from mmalign.evaluation.subset import class_subset
@@ -258,7 +258,7 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
                             total=embedding_total(spec), enabled=progress)
             emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
                                 captions=captions)
-        encode = lambda tokens: model.encode_text(tokens.to(device)).float().cpu()  # noqa: E731
+        encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
         for task in tasks:
