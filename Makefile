@@ -24,7 +24,7 @@ quickstart: $(STAMP)
 	$(BIN)/mmalign quickstart
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu and not slow" -q
+	$(BIN)/python -m pytest -m "not gpu and not slow" -q --durations=25
 
 # also the `slow` tests: costly ones whose property a cheaper test already checks
 test-all: $(STAMP)

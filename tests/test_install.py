@@ -70,11 +70,20 @@ def _undeclared(imported: dict[str, str], declared: set[str]) -> list[str]:
     return problems
 
 
+# Integrations the library offers but does not need: module -> (the extra declaring it, the one
+# file that imports it, lazily, when the user's installed copy is there to be used)
+INTEGRATIONS = {"clip_benchmark": ("clip_benchmark", "mmalign/pretrained.py")}
+
+
 def test_every_imported_distribution_is_declared():
     imported: dict[str, str] = {}
     for folder in SOURCES:
         imported.update(_imported(ROOT / folder))
     assert {"torch", "yaml", "braceexpand"} <= set(imported)  # the scan sees lazy imports too
+    for module, (extra, owner) in INTEGRATIONS.items():
+        if module in imported:
+            assert imported.pop(module) == owner, module
+            assert _undeclared({module: owner}, _declared(extra)) == []
     assert _undeclared(imported, _declared()) == []
     # the tests may also use the test extra (clip_benchmark for the parity tests)
     tests = {m: w for m, w in _imported(ROOT / "tests").items() if m not in imported}

@@ -35,9 +35,9 @@ SHARED_OWNERS = {
     "faiss": {"mmalign/search/index.py", "mmalign/search/searcher.py"},
     # the Hugging Face export: the model and its tokenizer; an HF text tower's tokenizer (models/hf_text.py)
     "transformers": {"mmalign/export/to_hf.py", "mmalign/export/hf_tokenizer.py", "mmalign/data/tokenizer.py"},
-    # four unrelated tools of evaluation: digits data, linear probes, t-SNE, balanced accuracy
+    # four unrelated tools of evaluation: digits data, linear probes, t-SNE, DataComp's macro F1
     "sklearn": {"mmalign/evaluation/datasets.py", "mmalign/evaluation/probes.py", "mmalign/evaluation/report.py",
-                "mmalign/evaluation/zeroshot.py"},
+                "mmalign/evaluation/datacomp.py"},
 }
 
 
