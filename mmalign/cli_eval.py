@@ -32,7 +32,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
-    from mmalign.evaluation.cb_wds import cb_suite, is_cb
+    from mmalign.evaluation.cb_wds import PREFIX, is_cb
     from mmalign.evaluation.suite import check_suite_data, label_field
     from mmalign.models.load import load
 
@@ -40,13 +40,13 @@ def cmd_eval(args) -> int:
     if args.benchmark:
         return _cmd_benchmark(args)
     split = args.cb_split or "test"
-    cb_dir = args.cb_dataset or (args.suite[len("cb:"):] if is_cb(args.suite) else None)
-    suite = cb_suite(cb_dir, split) if cb_dir else None  # the layout checked before the model loads
+    named = PREFIX + args.cb_dataset if args.cb_dataset else args.suite
+    suite = load_suite(named, split) if is_cb(named) else None  # the layout checked before the model loads
     loaded = load(args.model)  # a model folder, a run directory or RUN/checkpoints/step_N
     train_cfg = loaded.config.get("train_config", {})
-    suite_name = args.suite or train_cfg.get("eval", {}).get("suite", "shapes")
+    suite_name = named or train_cfg.get("eval", {}).get("suite", "shapes")
     if suite is None:
-        suite = cb_suite(suite_name[len("cb:"):], split) if is_cb(suite_name) else load_suite(suite_name)
+        suite = load_suite(suite_name, split)
     if args.cb_split and "cb" not in suite:
         raise UsageError(f"--cb-split goes with --cb-dataset or a cb:DIR suite, not suite {suite_name!r}")
     data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite

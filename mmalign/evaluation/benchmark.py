@@ -158,23 +158,18 @@ def run_benchmark(model, preprocess, tokenizer, tasks: list[Task], *, batch_size
     import torch
 
     from mmalign.evaluation.cb_wds import cb_record
-    from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-    from mmalign.evaluation.features import embed_dataset, text_encoder
-    from mmalign.evaluation.suite import embedding_needs, embedding_total, run_suite
+    from mmalign.evaluation.datasets import dataset_spec
+    from mmalign.evaluation.features import text_encoder
+    from mmalign.evaluation.suite import embed_suite, run_suite
     from mmalign.evaluation.zeroshot import build_classifier
-    from mmalign.progress import track
 
     was_training = model.training
     model.eval()
     try:
         for task in (t for t in tasks if t.status == "present"):
             suite = task.suite
-            spec = dataset_spec(suite)
-            pre_projection, captions = embedding_needs(suite["tasks"])
-            samples = track(iter_dataset(spec), f"benchmark {task.key}: embedding", unit="images",
-                            total=embedding_total(spec), enabled=progress)
-            emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
-                                captions=captions)
+            emb = embed_suite(model, preprocess, tokenizer, suite, dataset_spec(suite), batch_size=batch_size,
+                              device=device, progress=progress, label=f"benchmark {task.key}")
             encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
             built = {t["name"]: build_classifier(encode, tokenizer, t["classnames"], t["templates"])  # (D, C)
                      for t in suite["tasks"] if t["type"] == "zeroshot"}  # once: the tasks and the metrics share it

@@ -69,13 +69,14 @@ TASK_KINDS = {
 }
 
 
-def load_suite(name_or_path: str) -> dict:
+def load_suite(name_or_path: str, cb_split: str = "test") -> dict:
     """A suite (a YAML path, else the name of a shipped suite) checked against
-    :mod:`~mmalign.evaluation.suite_schema`, as the mapping :func:`run_suite` reads."""
-    from mmalign.evaluation.cb_wds import cb_suite, is_cb
+    :mod:`~mmalign.evaluation.suite_schema`, as the mapping :func:`run_suite` reads; ``cb:DIR``
+    is the clip_benchmark dataset in DIR, its split folder ``cb_split``."""
+    from mmalign.evaluation.cb_wds import PREFIX, cb_suite, is_cb
 
     if is_cb(name_or_path):
-        return cb_suite(name_or_path[len("cb:"):])
+        return cb_suite(name_or_path[len(PREFIX):], cb_split)
     path = Path(name_or_path)
     shipped = not path.is_file()
     if shipped:
@@ -228,6 +229,17 @@ def embedding_total(spec: dict) -> int | None:
     return known if limit is None else min(known, limit)
 
 
+def embed_suite(model, preprocess, tokenizer, suite: dict, spec: dict, *, batch_size: int = 256,
+                device: str = "cpu", progress: bool = False, label: str | None = None) -> dict:
+    """The embeddings of ``spec`` (the suite's resolved dataset) that the suite's tasks read
+    (:func:`embedding_needs`), the pass shown as ``label`` (default ``eval NAME``)."""
+    pre_projection, captions = embedding_needs(suite["tasks"])
+    samples = track(iter_dataset(spec), f"{label or 'eval ' + suite['name']}: embedding", unit="images",
+                    total=embedding_total(spec), enabled=progress)
+    return embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
+                         captions=captions)
+
+
 def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
               device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
               user_data: str | None = None, embedded: dict | None = None,
@@ -243,7 +255,6 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     """
     spec = dataset_spec(suite, data, user_data=user_data)
     tasks = suite["tasks"]
-    pre_projection, captions = embedding_needs(tasks)
 
     def say(line: str) -> None:
         if progress:
@@ -252,12 +263,8 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     was_training = model.training
     model.eval()
     try:
-        emb = embedded
-        if emb is None:
-            samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
-                            total=embedding_total(spec), enabled=progress)
-            emb = embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
-                                captions=captions)
+        emb = embedded if embedded is not None else embed_suite(
+            model, preprocess, tokenizer, suite, spec, batch_size=batch_size, device=device, progress=progress)
         encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
