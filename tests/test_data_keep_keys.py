@@ -69,3 +69,47 @@ def test_a_list_naming_no_sample_of_the_shards_stops_with_a_reason(tmp_path, see
     with pytest.raises(ConfigError, match="no sample of them is in data.keep_keys") as e:
         take(loader, 1)
     assert "\n" not in str(e.value)
+
+
+def _one_line_refusal(path, *words):
+    with pytest.raises(ConfigError) as e:
+        KeySet.read(path)
+    message = str(e.value)
+    assert "data.keep_keys" in message and "\n" not in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_keep_keys_endless_or_huge_files_are_refused_at_once(tmp_path, monkeypatch):
+    import os
+    import time
+
+    import mmalign.data.keep_keys as kk
+
+    start = time.monotonic()
+    if os.path.exists("/dev/zero"):  # an endless device: refused before a byte is read
+        _one_line_refusal("/dev/zero", "not a regular file")
+    fifo = tmp_path / "keys.fifo"  # nothing ever writes: open() would wait forever
+    os.mkfifo(fifo)
+    _one_line_refusal(fifo, "not a regular file")
+    huge_line = tmp_path / "line.txt"
+    huge_line.write_bytes(b"000000001\n" + b"\0" * (10 * kk.MAX_LINE_BYTES) + b"\n")
+    _one_line_refusal(huge_line, "line 2", f"over {kk.MAX_LINE_BYTES} bytes")
+    big = tmp_path / "big.txt"
+    big.write_text("".join(f"{i:09d}\n" for i in range(1000)))  # 10,000 bytes
+    monkeypatch.setattr(kk, "MAX_FILE_BYTES", 5000)
+    _one_line_refusal(big, "over 5000 bytes")
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(kk, "MAX_FILE_BYTES", 10_000)  # at the bound: read whole
+    assert len(KeySet.read(big)) == 1000
+
+
+def test_keep_keys_file_that_grows_while_read_is_bounded(tmp_path, monkeypatch):
+    import mmalign.data.keep_keys as kk
+
+    path = tmp_path / "growing.txt"
+    path.write_text("000000001\n")  # stat says 10 bytes; the reader then finds more
+    monkeypatch.setattr(kk, "MAX_FILE_BYTES", 100)
+    path.write_text("".join(f"{i:09d}\n" for i in range(50)))  # 500 bytes, as if appended after the stat
+    monkeypatch.setattr(kk.os, "fstat", lambda fd: type("S", (), {"st_size": 10})())
+    _one_line_refusal(path, "over 100 bytes")

@@ -11,10 +11,17 @@ Memory: the keys are held as a sorted array of their 64-bit hashes (8 bytes a ke
 10M keys, against about 1 GB as a Python set of strings), which every loader worker receives
 once. Two keys with one hash (probability about n^2 / 2^65: 3e-6 for 10M keys) would let one
 unlisted sample through; nothing is ever dropped that the list names.
+
+Reading is bounded: the list must be a regular file (not a pipe or a device, which could
+stream forever) of at most ``MAX_FILE_BYTES``, read line by line with no line over
+``MAX_LINE_BYTES``; only the hashes are kept, never the text.
 """
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +30,8 @@ from mmalign.data.seeds import key_hash
 from mmalign.errors import ConfigError
 
 SKIP_REASON = "not_in_keep_keys"
+MAX_FILE_BYTES = 4 << 30  # ~200M keys of 20 characters: far more than a curated pool's list
+MAX_LINE_BYTES = 4096  # a key is a tar member's name without folders (tar names: <= 255 bytes)
 
 
 class KeySet:
@@ -43,19 +52,45 @@ class KeySet:
     @classmethod
     def read(cls, path: str | Path, what: str = "data.keep_keys") -> "KeySet":
         """One key per line (blank lines and ``#`` comments ignored); a one-line error when the
-        file cannot be read or names no key."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config key '{what}': cannot read {path} ({getattr(e, 'strerror', None) or type(e).__name__})") \
-                from None
-        keys = [line.strip() for line in text.splitlines()]
-        keys = [k for k in keys if k and not k.startswith("#")]
-        if not keys:
+        file cannot be read, is not a regular file, is too large, has a line too long or names no key."""
+        keys = cls(_keys(Path(path), what))
+        if not len(keys):
             raise ConfigError(f"config key '{what}': {path} lists no sample key")
-        bad = next((k for k in keys if "/" in k), None)
-        if bad is not None:
-            raise ConfigError(f"config key '{what}': {path} lists {bad!r}; keys are a sample's tar key without "
-                              f"folders (the part after the last '/')")
-        return cls(keys)
+        return keys
+
+
+def _keys(path: Path, what: str) -> Iterator[str]:
+    """The keys of ``path``, streamed within the bounds above."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"config key '{what}': {path} {why}")
+
+    try:
+        mode = os.stat(path).st_mode  # before open(): opening a FIFO waits for a writer
+        if not stat.S_ISREG(mode):
+            raise refuse("is not a regular file (a key list is a file, as `mmalign curate --keys-only` writes it)")
+        f = open(path, "rb")
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or type(e).__name__})") from None
+    with f:
+        if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
+            raise refuse(f"is over {MAX_FILE_BYTES} bytes; a key list is at most that")
+        total, number = 0, 0
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            number += 1
+            total += len(line)
+            if total > MAX_FILE_BYTES:  # it grew while read
+                raise refuse(f"is over {MAX_FILE_BYTES} bytes; a key list is at most that")
+            if len(line) > MAX_LINE_BYTES:
+                raise refuse(f"line {number} is over {MAX_LINE_BYTES} bytes; a key list has one sample key a line")
+            try:
+                key = line.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise refuse(f"line {number} is not UTF-8 text") from None
+            if not key or key.startswith("#"):
+                continue
+            if "/" in key:
+                raise refuse(f"lists {key!r}; keys are a sample's tar key without folders (the part after the last '/')")
+            yield key
