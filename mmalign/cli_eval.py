@@ -50,7 +50,11 @@ def cmd_eval(args) -> int:
     if args.cb_split and "cb" not in suite:
         raise UsageError(f"--cb-split goes with --cb-dataset or a cb:DIR suite, not suite {suite_name!r}")
     data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite
-    check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
+    spec = check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
+    from mmalign.evaluation.suite_fit import check_suite_fields
+
+    check_suite_fields(suite, spec, "--data" if args.data else "data.val" if data else "its own dataset",
+                       key="--suite", flag="--suite ", nothing="or --data with shards that have the field")
     if args.limit:
         suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -42,6 +42,7 @@ from mmalign.dist import distributed as mdist
 from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.limited import limited_suite
 from mmalign.evaluation.suite import check_suite_data
+from mmalign.evaluation.suite_fit import check_suite_fields
 from mmalign.models import build_model
 from mmalign.models.io import save_pretrained
 from mmalign.run.monitors import probe_stats
@@ -55,7 +56,8 @@ def resolve_suite(cfg: Config) -> dict | None:
     if str(cfg.eval.suite).strip().lower() in ("none", ""):
         return None
     suite = load_suite(cfg.eval.suite)
-    check_suite_data(suite, cfg.data.val or None)
+    spec = check_suite_data(suite, cfg.data.val or None)
+    check_suite_fields(suite, spec, "data.val" if cfg.data.val else "its own dataset")  # a probe of a few samples
     return suite
 
 
@@ -133,7 +135,9 @@ def _entry_suite(name: str, key: str, val: str | None) -> dict:
         raise ConfigError(f"config key '{key}': 'none' is not a suite (drop the entry to evaluate nothing)")
     try:
         suite = load_suite(name)
-        check_suite_data(suite, val)
+        spec = check_suite_data(suite, val)
+        check_suite_fields(suite, spec, "data.val" if val else "its own dataset", key="eval.suite",
+                           flag=f"--set {key}=", nothing="drop the entry to evaluate nothing")
     except ConfigError as e:
         raise ConfigError(str(e).replace("config key 'eval.suite'", f"config key '{key}'")) from None
     return suite
