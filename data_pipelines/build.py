@@ -25,6 +25,7 @@ from PIL import Image
 
 from data_pipelines.sources import Item
 from data_pipelines.writer import ShardWriter
+from mmalign.data.image_shape import shape_problem
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.shards")
@@ -53,6 +54,9 @@ def encode(item: Item, opts: EncodeOptions) -> dict:
         image = Image.open(io.BytesIO(data))
         if image.width * image.height > opts.max_pixels:
             return {"error": f"image too large ({image.width}x{image.height})", "source_sha256": sha}
+        thin = shape_problem(image.width, image.height)  # a resize would blow a 1 x N strip up
+        if thin is not None:
+            return {"error": f"image too thin ({thin})", "source_sha256": sha}
         if image.format == "JPEG" and image.mode == "RGB" and not _needs_resize(image.size, opts):
             image.load()  # a truncated file is a failure here, as it would be when re-encoding
             return {"jpg": data, "width": image.width, "height": image.height, "source_sha256": sha}

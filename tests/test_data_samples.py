@@ -37,6 +37,7 @@ def bad_samples(prefix):
         ("empty_caption", (f"{prefix}4", {"jpg": jpeg(), "txt": b"  \n \n"})),
         ("caption_not_utf8", (f"{prefix}5", {"jpg": jpeg(), "txt": b"caf\xe9 \xff\xfe"})),
         ("decompression_bomb", (f"{prefix}6", {"jpg": jpeg((40, 40)), "txt": b"too many pixels"})),
+        ("extreme_aspect", (f"{prefix}9", {"jpg": jpeg((1, 25)), "txt": b"a 1 x 25 strip"})),
         ("missing_image", (f"{prefix}7", {"txt": b"a caption without an image"})),
         ("bad_json", (f"{prefix}8", {"jpg": jpeg(), "txt": b"ok", "json": b"{not json"})),
     ]

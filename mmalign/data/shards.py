@@ -23,6 +23,7 @@ from PIL import Image
 from mmalign.config import MAX_MEMBER_BYTES
 from mmalign.data.remote import RemoteOptions, check_backend, is_gzip_name, kind_of, local_path, probe
 from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
+from mmalign.data.image_shape import shape_problem
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ REASONS = (
     "missing_image",
     "corrupt_image",
     "decompression_bomb",  # more pixels than data.max_image_pixels
+    "extreme_aspect",  # thinner than image_shape.MAX_ASPECT:1 (a resize would blow it up), from the header
     "bad_json",
     "caption_not_utf8",
     "missing_caption",  # no .txt and no caption list in .json
@@ -157,10 +159,10 @@ def check_train_shards(data, rank: int = 0, broadcast=lambda problem: problem) -
 
 def open_image(data: bytes, max_pixels: int | None = None,
                prepare: Callable[[Image.Image], object] | None = None) -> Image.Image:
-    """Bytes -> a loaded PIL image, or BadSample (corrupt_image / decompression_bomb).
+    """Bytes -> a loaded PIL image, or BadSample (corrupt_image / decompression_bomb / extreme_aspect).
 
-    The pixel count is checked from the header before any pixel is decoded, so a
-    bomb costs nothing; PIL's own limit (``Image.MAX_IMAGE_PIXELS``, set by the
+    The pixel count and the aspect ratio are checked from the header before any pixel is
+    decoded, so a bomb or a 1 x N strip costs nothing; PIL's own limit (``Image.MAX_IMAGE_PIXELS``, set by the
     loader from ``data.max_image_pixels``) is the backstop.  ``prepare`` sees the image
     after its header is read and before it is decoded (a JPEG draft).
     """
@@ -170,6 +172,9 @@ def open_image(data: bytes, max_pixels: int | None = None,
             image = Image.open(io.BytesIO(data))
             if max_pixels is not None and image.width * image.height > max_pixels:
                 raise BadSample("decompression_bomb", f"{image.width}x{image.height} > {max_pixels} pixels")
+            thin = shape_problem(image.width, image.height)
+            if thin is not None:
+                raise BadSample("extreme_aspect", thin)
             if prepare is not None:
                 prepare(image)
             image.load()

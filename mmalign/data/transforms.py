@@ -18,6 +18,9 @@ A JPEG much larger than the target is decoded at 1/2, 1/4 or 1/8 scale (libjpeg'
 DCT scaling, PIL's ``draft``) when every crop the transform can draw stays at
 least the target size there: the result is close to, not equal to, the full decode
 (tests/test_data_transforms_decode.py states the bound).
+
+The eval transform refuses an image thinner than ``image_shape.MAX_ASPECT``:1 before its
+resize (:class:`ImageShapeError`), whoever decoded it: the resize scales the shorter side.
 """
 
 from __future__ import annotations
@@ -32,9 +35,19 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as F
 
 from mmalign.config import AugmentConfig
+from mmalign.data.image_shape import ImageShapeError, shape_problem
 
 _fallback_rng = random.Random(0)  # only for callers that pass no generator
 DRAFT = "mmalign_draft"  # image.info key: (full width, full height, DCT scale) of a drafted JPEG
+
+
+def _check_shape(image):
+    """The eval transform's first step: a thin image never reaches Resize, whoever decoded it."""
+    if isinstance(image, Image.Image):
+        why = shape_problem(*image.size)
+        if why is not None:
+            raise ImageShapeError(why)
+    return image
 
 
 def draft_scale(min_side: float, target: int) -> int:
@@ -94,7 +107,7 @@ def eval_transform(image_size: int, *, draft: bool = False) -> T.Compose:
     (``Image.open``) decode at reduced scale: faster, close but not equal; off by default so that
     evaluation stays exactly clip_benchmark's."""
     return T.Compose(
-        ([_EvalDraft(image_size)] if draft else [])
+        [_check_shape] + ([_EvalDraft(image_size)] if draft else [])
         + [
             T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
             T.CenterCrop(image_size),

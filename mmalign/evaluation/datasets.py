@@ -28,7 +28,6 @@ chosen samples then come in the source's order.
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 from collections.abc import Iterator
@@ -217,6 +216,10 @@ def _imagefolder(spec: dict, keep: set | None = None) -> Iterator[dict]:
         if keep is not None and f"{item.meta['classname']}_{i:06d}" not in keep:
             continue
         raw = item.image
-        image = open_image(raw) if isinstance(raw, bytes) else Image.open(io.BytesIO(open(raw, "rb").read()))
+        try:  # pixels and shape checked from the header, before decoding
+            image = open_image(raw if isinstance(raw, bytes) else open(raw, "rb").read())
+        except BadSample as e:
+            log.warning("skipping image %d of %s: %s", i, spec["path"], e)
+            continue
         yield {"key": f"{item.meta['classname']}_{i:06d}", "image": image.convert("RGB"),
                "captions": item.captions, "json": dict(item.meta)}

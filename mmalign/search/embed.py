@@ -54,6 +54,8 @@ def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
     """Images under ``root`` (sorted), each with its sibling ``.txt`` captions and ``.json``."""
     from PIL import Image
 
+    from mmalign.data.image_shape import shape_problem
+
     for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in FOLDER_IMAGE_EXTS):
         key = path.relative_to(root).with_suffix("").as_posix()
         captions = [""]
@@ -68,6 +70,9 @@ def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
         try:
             image = Image.open(path)
+            thin = shape_problem(*image.size)  # from the header: a 1 x N strip is never decoded or resized
+            if thin is not None:
+                raise ValueError(thin)
             image.load()
         except Exception as e:  # PIL raises many types for broken files
             log.warning("skipping unreadable image %s: %s", path, e)

@@ -14,7 +14,8 @@
 Bound to 127.0.0.1 unless told otherwise: there is no authentication.  Requests are
 bounded: the query text (``max_text`` characters), ``k`` (``max_k``), the image body
 (``max_body`` bytes, refused from its Content-Length before anything is read), the
-image's pixels (``max_pixels``, read from its header before it is decoded) and a
+image's pixels (``max_pixels``) and shape (at most ``image_shape.MAX_ASPECT``:1), both
+read from its header before it is decoded, and a
 thumbnail's side (``max_thumb``) and source image (``max_body`` bytes).  Thumbnails show
 dataset images, so they are only served to a loopback client, whatever the bind address.
 
@@ -268,6 +269,8 @@ class _Handler(PooledRequestHandler):
         except BadSample as e:
             if e.reason == "decompression_bomb":
                 raise _Refused(413, f"image has too many pixels ({e}); at most {self.max_pixels}") from None
+            if e.reason == "extreme_aspect":  # a resize would blow it up: refused from its header
+                raise _Refused(413, f"image is too thin ({e})") from None
             raise UsageError(f"body is not a readable image ({e.reason})") from None
         with self.lock:
             hits = self.searcher.image(image, k, against, dedupe=dedupe)
