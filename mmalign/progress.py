@@ -108,8 +108,9 @@ def track(items: Iterable, desc: str, *, total: int | None = None, unit: str = "
     print(line(True), file=out, flush=True)
 
 
-def train_line(step: int, steps: int, record: dict, eta_s: float) -> str:
-    """One readable training line (open_clip style): step, loss, lr, scale, samples/s, ETA."""
+def train_line(step: int, steps: int, record: dict, eta_s: float | None) -> str:
+    """One readable training line (open_clip style): step, loss, lr, scale, samples/s, ETA
+    (``warming up`` while ``eta_s`` is None: no estimate from the set-up steps)."""
     width = len(str(steps))
     parts = [f"step {step:>{width}}/{steps} ({100 * step / steps:3.0f}%)",
              f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
@@ -118,5 +119,5 @@ def train_line(step: int, steps: int, record: dict, eta_s: float) -> str:
     parts.append(f"samples/s {record['samples_per_s']:.1f}")
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
-    parts.append(f"ETA {duration(eta_s)}")
+    parts.append("warming up" if eta_s is None else f"ETA {duration(eta_s)}")
     return "  ".join(parts)

@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 
 SHAPES_DIR = "data/shapes"
+# The time goal the summary judges, end to end on 2 CPU cores: the README quotes 3-4 min measured on
+# a 2-core AVX512 VM; 10 min leaves room for a slower (AVX2) or busy machine and still reads "minutes".
+TIME_GOAL_S = 600
+TIME_GOAL = f"<= {TIME_GOAL_S // 60} min on 2 CPU cores"
 
 # The start of each phase inside train(), recognised by the start-up lines train.py logs to
 # ``mmalign.run.train`` (runlog.say and its log.info lines): (phase that starts, line prefix).
@@ -106,6 +110,14 @@ def verdict(records: list[dict]) -> list[str]:
             if not t["met"]]
 
 
+def time_verdict(wall_s: float) -> str | None:
+    """The end-to-end time against :data:`TIME_GOAL_S`: None when met, else one readable line."""
+    if wall_s <= TIME_GOAL_S:
+        return None
+    return (f"took {wall_s / 60:.1f} min, over the goal of {TIME_GOAL} (a slower or busy machine: "
+            f"compare each phase's wall and CPU time above)")
+
+
 def print_summary(records: list[dict], clock: PhaseClock, out: Path) -> None:
     """The targets (value vs threshold), the end-to-end time and each phase's time."""
     from rich.console import Console
@@ -120,7 +132,8 @@ def print_summary(records: list[dict], clock: PhaseClock, out: Path) -> None:
                       "met" if t["met"] else "MISSED")
     for name, w, c in clock.phases:
         table.add_row(f"time: {name}", f"{w:.1f} s", "", f"{c:.1f} s CPU")
-    table.add_row("time: total", f"{wall:.1f} s", "< 180 s on 2 idle cores", f"{cpu:.1f} s CPU")
+    table.add_row("time: total", f"{wall:.1f} s ({cpu:.1f} s CPU)", TIME_GOAL,
+                  "met" if time_verdict(wall) is None else "NOT MET")
     Console().print(table)
     print(f"quickstart finished in {wall / 60:.1f} min ({cpu:.0f} s CPU, user + sys, data workers included); "
           f"model in {out / 'final'}, reload with mmalign.load({str(out)!r})")
@@ -150,6 +163,9 @@ def run(clock: PhaseClock, load_config, make_data, print_table) -> int:
     records = json.loads((out / "eval.json").read_text())
     print_table(records)
     print_summary(records, clock, out)
+    slow = time_verdict(clock.total()[0])
+    if slow:
+        print(f"quickstart: WARNING, {slow}", file=sys.stderr)
     problems = verdict(records)
     if problems:
         # The run itself worked; say plainly which learning target it missed.

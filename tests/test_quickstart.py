@@ -65,6 +65,23 @@ def test_the_clock_splits_train_into_phases_from_its_log_lines():
     assert all(w >= 0 and c >= 0 for _, w, c in clock.phases) and cpu > 0
 
 
+class _Clock:
+    def __init__(self, wall: float):
+        self.wall, self.phases = wall, [("train loop", wall - 1.0, wall / 2)]
+
+    def total(self) -> tuple[float, float]:
+        return self.wall, self.wall / 2
+
+
+@pytest.mark.parametrize("wall,judged", [(352.0, "met"), (quickstart.TIME_GOAL_S + 1.0, "NOT MET")])
+def test_the_time_row_is_judged_against_its_stated_goal(wall, judged, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    quickstart.print_summary(_records(0.5, 0.02), _Clock(wall), tmp_path)
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if "time: total" in ln)
+    assert "<= 10 min on 2 CPU cores" in row and row.rstrip(" │|").endswith(judged), row
+    assert (quickstart.time_verdict(wall) is None) == (judged == "met")
+
+
 @pytest.mark.integration
 def test_quickstart_prints_targets_time_and_phases(tmp_path, monkeypatch):
     """The command itself, in a fresh folder holding a small data/shapes (so it is not

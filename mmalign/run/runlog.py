@@ -27,6 +27,10 @@ from mmalign import progress
 log = logging.getLogger("mmalign.run.train")
 
 
+WARMUP_STEPS = 1  # the first step carries the set-up (loader workers, first allocations): never extrapolated
+TIMED_STEPS = 2  # steps after the warm-up before any ETA ("warming up" until then)
+
+
 def say(line: str) -> None:
     """A start-up phase or a run event: one line on stdout and in train.log (rank 0 calls it)."""
     print(f"mmalign: {line}", flush=True)
@@ -57,8 +61,10 @@ class RunLog:
     """
 
     def __init__(self, out: str | Path, rank: int, start: int, steps: int, log_every: int, *,
-                 sample_keys: bool = False, tensorboard: bool = False, show_progress: bool = True):
+                 sample_keys: bool = False, tensorboard: bool = False, show_progress: bool = True,
+                 clock=time.time):
         self.out, self.start, self.steps, self.log_every = Path(out), start, steps, log_every
+        self.clock = clock  # seconds; a test passes a fake one
         self.main = rank == 0
         self.keys_path = self.out / f"samples_rank{rank}.jsonl" if sample_keys else None
         self.tensorboard = tensorboard and self.main
@@ -67,7 +73,8 @@ class RunLog:
         self.lines = show_progress and self.main and not self.use_bar
         self.first_written = False  # the first record of this log carries the run's ``once`` fields
         self.metrics_file = self.keys_file = self.board = self.bar = None
-        self.loop_start, self.estimated = time.time(), False
+        self.loop_start, self.estimated = clock(), False
+        self.warm_at: float | None = None  # when the warm-up steps ended (the ETA's rate starts there)
 
     # ---------------------------------------------------------- open / close
 
@@ -100,7 +107,7 @@ class RunLog:
             self.board = _tensorboard(self.out)
         self.bar = tqdm(total=self.steps, initial=self.start, desc="train", disable=not self.use_bar,
                         dynamic_ncols=True)
-        self.loop_start = time.time()
+        self.loop_start = self.clock()
 
     def end_loop(self) -> None:
         """The loop is over: the bar and the jsonl files close (TensorBoard stays open for the
@@ -132,20 +139,32 @@ class RunLog:
             self.keys_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
             self.keys_file.flush()
 
-    def progress(self, step: int) -> float:
-        """After ``step``: the estimated seconds left; once, before the first record is due, one
-        line with the run time the first steps measure (rank 0)."""
-        done = step - self.start
-        eta = (time.time() - self.loop_start) / done * (self.steps - step)
-        if (self.main and not self.estimated and step != self.steps
-                and (step % self.log_every == 0 or time.time() - self.loop_start >= 10)):
+    def progress(self, step: int) -> float | None:
+        """After ``step``: the estimated seconds left, or None while warming up (the first
+        :data:`WARMUP_STEPS` steps carry the set-up and are never extrapolated; the rate is
+        that of the :data:`TIMED_STEPS` or more steps after them). Once, when the first
+        estimate exists and a record is due (or 10 s have passed), rank 0 says it in one line."""
+        now, done = self.clock(), step - self.start
+        if self.warm_at is None and done >= WARMUP_STEPS:
+            self.warm_at = now
+        if step >= self.steps:
+            return 0.0
+        timed = done - WARMUP_STEPS
+        if timed < TIMED_STEPS:
+            return None
+        per_step = (now - self.warm_at) / timed
+        eta = per_step * (self.steps - step)
+        if (self.main and not self.estimated
+                and (step % self.log_every == 0 or now - self.loop_start >= 10)):
             self.estimated = True
-            per_step = (time.time() - self.loop_start) / done
-            say(f"first {done} step(s): {per_step:.2f} s/step, estimated training time "
-                f"{progress.duration(per_step * (self.steps - self.start))} (ETA {progress.duration(eta)})")
+            warm = self.warm_at - self.loop_start
+            say(f"first {done} step(s): {per_step:.2f} s/step after {WARMUP_STEPS} warm-up step(s) of "
+                f"{progress.duration(warm)}, estimated training time "
+                f"{progress.duration(warm + per_step * (self.steps - self.start - WARMUP_STEPS))} "
+                f"(ETA {progress.duration(eta)})")
         return eta
 
-    def record(self, step: int, record: dict, eta: float, alarms: list[str] = (), once: dict | None = None) -> None:
+    def record(self, step: int, record: dict, eta: float | None, alarms: list[str] = (), once: dict | None = None) -> None:
         """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
         readable line in train.log (and on stdout off a terminal, or the bar's postfix).
         ``once``: fields that only the first record of this log carries (e.g. the parameter
@@ -203,7 +222,7 @@ class RunLog:
 
     def elapsed(self) -> float:
         """Seconds since the loop started."""
-        return time.time() - self.loop_start
+        return self.clock() - self.loop_start
 
 
 def _throughput(record: dict) -> str:
