@@ -125,10 +125,12 @@ def cmd_export(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    from mmalign import dirlock
     from mmalign.search.embed import embed
 
-    info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
-                 device=args.device)
+    with dirlock.hold(args.out, "mmalign embed"):  # one writer per output folder: a second embed is one line
+        info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
+                     device=args.device)
     print(f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}")
     return 0
 

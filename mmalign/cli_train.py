@@ -38,11 +38,20 @@ def cmd_train(args) -> int:
     from mmalign.models import check_buildable
 
     meta_model = check_buildable(cfg.model)
-    from mmalign.run.rundir import check_fresh_start
-
     from mmalign.dist import cluster
 
     cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
+    lock = _hold_run_dir(Path(cfg.output), os.environ)  # one launch per run directory, before it is checked
+    try:
+        return _checked_run(args, cfg, meta_model)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _checked_run(args, cfg, meta_model) -> int:
+    from mmalign.run.rundir import check_fresh_start
+
     typed_resume = args.resume
     restart = _continue_on_restart(args, Path(cfg.output))
     try:  # before spawning ranks or DeepSpeed; with cfg: a finished run is not restarted by --resume
@@ -73,6 +82,28 @@ def cmd_train(args) -> int:
     ds_adapter.release_groups()  # DeepSpeed's groups go with the default one (a later run in this process)
     mdist.shutdown()
     return 0
+
+
+def _launch_rank(env) -> int:
+    """This process's rank under an outside launcher (torchrun, SLURM), read as :func:`_world_size`
+    reads the world (and mmalign.dist.distributed.env_dist_info the rank); 0 otherwise."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
+def _hold_run_dir(out: Path, env) -> "dirlock.DirLock | None":  # noqa: F821
+    """The run directory's lock (:mod:`mmalign.dirlock`), held until this process ends: by the
+    ``--nproc`` launcher (its ranks inherit it) or by rank 0 of an outside launcher (the other
+    ranks write only what rank 0's run coordinates). A second launch is one line naming the
+    first, exit 2: two launches of one run interleaved metrics.jsonl and both wrote final/."""
+    if _launch_rank(env) != 0:
+        return
+    from mmalign import dirlock
+
+    return dirlock.hold(out, "mmalign train")
 
 
 def _continue_on_restart(args, out: Path) -> int:

@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from mmalign.config import Config, ConfigError, to_dict
+from mmalign.dirlock import LOCK_FILE  # the launch's own lock (mmalign.dirlock): not run content
 from mmalign.layout.run_dir import CONFIG_FILE  # noqa: F401 (re-exported)
 
 # What a run writes; --overwrite removes these and nothing else (a directory may hold the
@@ -87,7 +88,7 @@ def check_fresh_start(out: Path, resume: str | None, overwrite: bool, cfg: Confi
         if resume == "latest" and cfg is not None:
             check_something_to_resume(out, cfg)
         return
-    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX))
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX) and p.name != LOCK_FILE)
     if entries:
         shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
         raise ConfigError(f"config key 'output': {out} is not empty ({shown}); continue that run with "
