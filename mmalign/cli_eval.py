@@ -178,3 +178,7 @@ def _print_table(records: list[dict]) -> None:
     for task, metric, value in summary_rows(records):
         table.add_row(task, metric, "n/a" if value is None else f"{value:.3f}")
     Console().print(table)
+    from mmalign.evaluation.caveats import note_lines
+
+    for line in note_lines(records):  # Recall@k over class-template captions
+        print(line)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mmalign.evaluation.caveats import note_lines
+
 # clip_benchmark's names: image_retrieval_recall@k retrieves images for a caption (text->image)
 _RECALL = re.compile(r"(image|text)_retrieval_recall@(\d+)")
 _DIRECTION = {"image": "text->image", "text": "image->text"}
@@ -53,7 +55,7 @@ def lines(records: list[dict], path: str | Path) -> list[str]:
         for group, text in parts:
             groups.setdefault(group, []).append(text)
         out.append(f"  {task}: " + "; ".join(f"{g} {', '.join(texts)}" for g, texts in groups.items()))
-    return out
+    return out + ["  " + line for line in note_lines(records)]
 
 
 def announce(records: list[dict], path: str | Path, say) -> None:

@@ -41,6 +41,7 @@ from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.retrieval import retrieval_ranks
+from mmalign.evaluation.caveats import TEMPLATE_CAVEAT
 from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite
 from mmalign.progress import track
 
@@ -353,9 +354,8 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
                     f"<code>{html.escape(field)}</code>), {len(txt)} captions; joint-space embeddings after the "
                     "projection heads</p>")
         if templates and len(txt):
-            body.append("<p class='warn'>retrieval not meaningful: this suite's captions are class templates, so "
-                        "each caption matches every image of its class equally well; Recall@k, the similarity "
-                        "histogram and the diagnostics below measure class separation, not caption matching.</p>")
+            body.append(f"<p class='warn'>{html.escape(TEMPLATE_CAVEAT)} (so do the similarity histogram and "
+                        "the diagnostics below).</p>")
         if len(txt):
             plot_similarity(similarity_samples(img, txt, owner, generator=torch.Generator().manual_seed(0)),
                             out / "similarity.png")

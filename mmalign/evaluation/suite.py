@@ -50,6 +50,7 @@ from mmalign.config import ConfigError
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.errors import UsageError
 from mmalign.evaluation import counterfactual, diagnostics, probes
+from mmalign.evaluation.caveats import looks_templated
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset, text_encoder
 from mmalign.evaluation.retrieval import recall_at_k
@@ -293,6 +294,8 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
                     raise ConfigError(f"task {task['name']!r}: the dataset has no captions to retrieve")
                 metrics = recall_at_k(emb["image_features"], emb["text_features"], emb["text_to_image"],
                                       ks=task.get("ks", [1, 5, 10]))
+                if captions_are_templates(suite) or looks_templated(emb.get("captions", []), len(emb["keys"])):
+                    extra["template_captions"] = True  # printed with TEMPLATE_CAVEAT wherever R@k is
             elif task["type"] == "probe":
                 kind = task.get("features", "joint")
                 feats = emb["image_pre_projection"] if kind == "pre_projection" else emb["image_features"]

@@ -270,4 +270,10 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
         right = valid & (owner == image_of_row[s.rows[query]][:, None])
         for k, hit in _hits_at(np.where(valid, scores, -np.inf), right, ks).items():
             metrics[f"{name}@{k}"] = float(hit.mean())
+    import logging
+
+    from mmalign.evaluation.caveats import TEMPLATE_CAVEAT, looks_templated
+
+    if looks_templated(s.meta["caption"].astype(str).tolist(), len(img_vecs)):  # the numbers' one caveat
+        logging.getLogger("mmalign.search").warning("index %s: %s", index_dir, TEMPLATE_CAVEAT)
     return metrics
