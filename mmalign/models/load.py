@@ -80,7 +80,9 @@ class Loaded:
 
     @property
     def logit_scale(self) -> float:
-        return float(self.model.logit_scale.exp())
+        """exp of the learned log-scale, a plain float (detached: a float of a tensor that
+        requires grad makes torch warn)."""
+        return float(self.model.logit_scale.detach().exp())
 
     @property
     def source(self) -> str:
