@@ -221,12 +221,20 @@ class Searcher:
 
 
 def format_hits(hits: list[Hit]) -> str:
-    """A table of hits; the source column appears when any hit knows its source path."""
+    """A table of hits, its columns aligned (each as wide as its widest cell; the caption last,
+    unpadded); the source column appears when any hit knows its source path."""
     sources = any(h.source_path for h in hits)
-    lines = [f"{'rank':>4}  {'score':>7}  key  " + ("source  " if sources else "") + "caption"]
-    lines += [f"{h.rank:>4}  {h.score:7.4f}  {h.key}  " + (f"{h.source_path or '-'}  " if sources else "")
-              + h.caption for h in hits]
-    return "\n".join(lines)
+    header = ["rank", "score", "key"] + (["source"] if sources else []) + ["caption"]
+    rows = [[str(h.rank), f"{h.score:.4f}", str(h.key)] + ([h.source_path or "-"] if sources else []) + [h.caption]
+            for h in hits]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header) - 1)]
+    right = (True, True)  # rank and score are numbers: right-aligned
+
+    def line(cells: list[str]) -> str:
+        padded = [c.rjust(w) if i < len(right) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(padded + [cells[-1]]).rstrip()
+
+    return "\n".join(line(r) for r in [header] + rows)
 
 
 def _hits_at(scores: np.ndarray, right: np.ndarray, ks: Sequence[int]) -> dict[int, np.ndarray]:
