@@ -1,6 +1,6 @@
 """The curation kernels (data_pipelines.curate) against by-hand references.
 
-Every reference here is written the slow, obvious way (loops, dicts, an all-pairs union-find),
+Every reference here is written the slow, obvious way (loops, dicts, SemDeDup's greedy rule over all pairs),
 so that an error in the vectorised kernels shows up as a mismatch.
 """
 
@@ -137,24 +137,28 @@ def test_exact_groups_against_a_dict(seed):
 EPS = 0.01  # duplicates: cosine > 0.99
 
 
-def brute_groups(emb, eps):
-    """All-pairs union-find by hand: parent pointers, every pair compared, root = smallest."""
+def brute_groups(emb, eps, scores=None, labels=None):
+    """SemDeDup's greedy rule by hand, over all pairs of each cluster: visit the samples best
+    score first (ties: lower index; no scores: by index), keep one unless its cosine with an
+    already kept sample of its cluster exceeds 1 - eps, else join the first such kept sample.
+    Returns each sample's group: the index of its kept sample."""
     x = emb.astype(np.float64)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     n = len(x)
-    parent = list(range(n))
-
-    def find(i):
-        while parent[i] != i:
-            i = parent[i]
-        return i
-
-    for i in range(n):
-        for j in range(i + 1, n):
-            if float(x[i] @ x[j]) > 1 - eps:
-                ri, rj = find(i), find(j)
-                parent[max(ri, rj)] = min(ri, rj)
-    return [find(i) for i in range(n)]
+    scores = [0.0] * n if scores is None else [float(v) for v in scores]
+    labels = [0] * n if labels is None else [int(v) for v in labels]
+    order = sorted(range(n), key=lambda i: (-scores[i], i))
+    kept_in = {}  # cluster -> kept indices, in visiting order
+    group = [None] * n
+    for i in order:
+        kept = kept_in.setdefault(labels[i], [])
+        near = [k for k in kept if float(x[i] @ x[k]) > 1 - eps]
+        if near:
+            group[i] = near[0]
+        else:
+            kept.append(i)
+            group[i] = i
+    return group
 
 
 def with_duplicates(rng, base, n_dup, noise):
@@ -185,14 +189,16 @@ def test_semantic_groups_no_clustering_equal_all_pairs(seed):
     base /= np.linalg.norm(base, axis=1, keepdims=True)
     emb = with_duplicates(rng, base, n - 220, noise=0.01)  # copies: cosine ~ 0.999
     assert_clear_of_threshold(emb, EPS)
-    want = brute_groups(emb, EPS)
+    scores = rng.integers(0, 8, n) / 8  # few values: ties
+    want = brute_groups(emb, EPS, scores)
     report = group_report(np.array(want))
     assert report["duplicate_groups"] >= 20  # the planted duplicates are there to be found
-    got = semantic_groups(emb, EPS, n_clusters=1)
+    got = semantic_groups(emb, EPS, n_clusters=1, scores=scores)
     assert got.dtype == np.int64 and got.tolist() == want
     # Blocks: a tiny tile (many tiles, pairs across tiles) gives the same groups.
     for block in (1, 7, 64):
-        assert semantic_groups(emb, EPS, n_clusters=1, block_size=block).tolist() == want
+        assert semantic_groups(emb, EPS, n_clusters=1, scores=scores, block_size=block).tolist() == want
+    assert semantic_groups(emb, EPS, n_clusters=1).tolist() == brute_groups(emb, EPS)  # no scores: pool order
     assert report == {"samples": n, "duplicate_groups": len({g for g in want if want.count(g) > 1}),
                       "samples_in_duplicate_groups": sum(1 for g in want if want.count(g) > 1)}
 
@@ -205,56 +211,99 @@ def test_semantic_groups_in_clusters_equal_all_pairs_on_blobs(seed):
     base /= np.linalg.norm(base, axis=1, keepdims=True)
     emb = with_duplicates(rng, base, 80, noise=0.003)  # copies: cosine ~ 0.9999, in their blob
     assert_clear_of_threshold(emb, EPS)
-    want = brute_groups(emb, EPS)
-    assert group_report(np.array(want))["duplicate_groups"] >= 20
-    # Why clustering cannot change the answer here: every duplicate pair lies in one blob, the
-    # blobs are orthogonal, and k-means finds the blobs (nredo: restarts guard a bad start),
-    # so no duplicate pair straddles two clusters. Checked, since the equality rests on it.
+    scores = rng.uniform(0, 1, len(emb))
     labels = cluster_labels(emb, 4, seed=seed, nredo=8)
+    want = brute_groups(emb, EPS, scores, labels)  # greedy inside each cluster
+    assert group_report(np.array(want))["duplicate_groups"] >= 20
+    got = semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, scores=scores)
+    assert got.tolist() == want
+    assert semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, scores=scores, block_size=5).tolist() == want
+    # Why clustering changes nothing here: every duplicate pair lies in one blob, the blobs are
+    # orthogonal, and k-means finds the blobs (nredo: restarts guard a bad start), so no
+    # duplicate pair straddles two clusters; then the clusters' groups are those of all pairs.
     assert len(set(labels.tolist())) == 4
-    for i, root in enumerate(want):
-        assert labels[i] == labels[root], "a duplicate pair straddles clusters: the test's premise failed"
-    got = semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8)
-    assert got.tolist() == want
-    assert semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, block_size=5).tolist() == want
+    x = emb.astype(np.float64) / np.linalg.norm(emb.astype(np.float64), axis=1, keepdims=True)
+    i, j = np.nonzero(np.triu(x @ x.T > 1 - EPS, k=1))
+    assert (labels[i] == labels[j]).all(), "a duplicate pair straddles clusters: the test's premise failed"
+    assert got.tolist() == brute_groups(emb, EPS, scores)
     # A training sample (bounded memory) finds the same blobs, so the same groups.
-    got = semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, train_size=120)
+    got = semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, train_size=120, scores=scores)
     assert got.tolist() == want
+
+
+def arc(n, theta=0.1):
+    """n points on an arc, theta apart: neighbours are duplicates at EPS_ARC, next-but-one not."""
+    return np.array([[math.cos(k * theta), math.sin(k * theta)] for k in range(n)], dtype=np.float32)
+
+
+EPS_ARC = 1 - math.cos(0.1) + 1e-4  # just above one step's angle, below two steps'
+
+
+def test_semantic_groups_chain_does_not_chain():
+    """a~b and b~c, a and c further apart than eps (a, b, c = rows 0, 1, 2)."""
+    emb = arc(3)
+    assert float(emb[0] @ emb[2]) < 1 - EPS_ARC < float(emb[0] @ emb[1])
+    # b visited last (a and c score higher): a and c are both kept, b joins a (the better of the two)
+    got = semantic_groups(emb, EPS_ARC, n_clusters=1, scores=np.array([0.5, 0.1, 0.4]))
+    assert got.tolist() == [0, 0, 2] == brute_groups(emb, EPS_ARC, [0.5, 0.1, 0.4])
+    got = semantic_groups(emb, EPS_ARC, n_clusters=1, scores=np.array([0.4, 0.1, 0.5]))
+    assert got.tolist() == [0, 2, 2] == brute_groups(emb, EPS_ARC, [0.4, 0.1, 0.5])
+    # b visited first: a and c are within eps of the kept b, so both join it; nothing is kept but b
+    got = semantic_groups(emb, EPS_ARC, n_clusters=1, scores=np.array([0.1, 0.9, 0.2]))
+    assert got.tolist() == [1, 1, 1] == brute_groups(emb, EPS_ARC, [0.1, 0.9, 0.2])
+    # no scores: pool order; a kept, b joins a, c is not within eps of a: kept (a union-find said [0, 0, 0])
+    assert semantic_groups(emb, EPS_ARC, n_clusters=1).tolist() == [0, 0, 2]
+    assert semantic_groups(emb, EPS_ARC / 10, n_clusters=1).tolist() == [0, 1, 2]
+    # equal scores: ties go to the lower index, so this is pool order too
+    assert semantic_groups(emb, EPS_ARC, n_clusters=1, scores=np.zeros(3)).tolist() == [0, 0, 2]
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 5, 1024])
-def test_semantic_groups_chain_across_tiles_is_one_group(seed, block):
-    """A chain of near-duplicates along an arc, its links placed at scattered indices, so that
-    tiles join parts of it in an order where a non-root member is linked later (a union-find
-    that re-points members instead of roots splits it). Plus far points that stay alone."""
+def test_semantic_groups_long_chain_against_brute_force(seed, block):
+    """A chain of 12 along an arc at scattered indices, with random scores: every tiling gives the
+    greedy reference's groups, and every member is within eps of its group's kept member."""
     rng = np.random.default_rng(seed)
-    theta = 0.1
-    eps = 1 - math.cos(theta) + 1e-4  # neighbours on the arc are duplicates, next-but-one not
-    # Arc position k -> sample index. [1, 3, 4, 0] with block 2: tile 1 links 1-3, tile 2
-    # links 0-4, then row block 2 links 3-4, where 3 is no longer a root.
-    orders = [[1, 3, 4, 0], rng.permutation(11)[:8].tolist()]
-    for order in orders:
-        n = max(order) + 3
-        far = [i for i in range(n) if i not in order]
-        emb = np.zeros((n, 2 + len(far)))
-        for k, i in enumerate(order):
-            emb[i, :2] = math.cos(k * theta), math.sin(k * theta)
-        for f, i in enumerate(far):
-            emb[i, 2 + f] = 1.0  # orthogonal to the arc and to each other
-        emb = emb.astype(np.float32)
-        want = brute_groups(emb, eps)
-        assert [want[i] for i in order] == [min(order)] * len(order)
-        assert [want[i] for i in far] == far
-        assert semantic_groups(emb, eps, n_clusters=1, block_size=block).tolist() == want, order
+    for _ in range(5):
+        n = 12
+        emb = arc(n)[rng.permutation(n)]
+        scores = rng.integers(0, 4, n).astype(np.float64)  # ties on purpose
+        want = brute_groups(emb, EPS_ARC, scores)
+        got = semantic_groups(emb, EPS_ARC, n_clusters=1, scores=scores, block_size=block).tolist()
+        assert got == want
+        for i, k in enumerate(got):
+            assert float(emb[i].astype(np.float64) @ emb[k]) > 1 - EPS_ARC - 1e-6
+            assert got[k] == k  # a group's id is a kept member
+        assert len(set(got)) >= n // 3  # a union-find would make one group
 
 
-def test_semantic_groups_chain_is_one_group():
-    # a~b and b~c but not a~c: union-find makes one group of three.
-    theta = 0.1
-    emb = np.array([[1, 0], [math.cos(theta), math.sin(theta)], [math.cos(2 * theta), math.sin(2 * theta)]])
-    eps = 1 - math.cos(theta) + 1e-4  # just above one step's angle, below two steps'
-    assert semantic_groups(emb.astype(np.float32), eps, n_clusters=1).tolist() == [0, 0, 0]
-    assert semantic_groups(emb.astype(np.float32), eps / 10, n_clusters=1).tolist() == [0, 1, 2]
+def test_semantic_groups_with_clusters_keep_clusters_apart():
+    """Given labels: a duplicate across two clusters is not compared."""
+    emb = arc(3)
+    got = semantic_groups(emb, EPS_ARC, n_clusters=2, labels=np.array([0, 1, 1]), scores=np.array([0.9, 0.8, 0.7]))
+    assert got.tolist() == [0, 1, 1] == brute_groups(emb, EPS_ARC, [0.9, 0.8, 0.7], [0, 1, 1])
+
+
+def test_semantic_groups_nan_scores_come_last():
+    emb = arc(2)
+    assert semantic_groups(emb, EPS_ARC, n_clusters=1, scores=np.array([np.nan, 0.1])).tolist() == [1, 1]
+
+
+def test_nearest_similarity_against_a_loop(seed):
+    from data_pipelines.curate.dedupe import nearest_similarity
+
+    rng = np.random.default_rng(seed)
+    emb = rng.standard_normal((40, 6)).astype(np.float32)
+    labels = rng.integers(0, 4, 40)
+    labels[7] = 9  # alone in its cluster
+    x = emb.astype(np.float64) / np.linalg.norm(emb.astype(np.float64), axis=1, keepdims=True)
+    for block in (3, 1024):
+        got = nearest_similarity(emb, labels, block_size=block)
+        for i in range(40):
+            others = [float(x[i] @ x[j]) for j in range(40) if j != i and labels[j] == labels[i]]
+            if others:
+                assert got[i] == pytest.approx(max(others), abs=1e-12)
+            else:
+                assert np.isnan(got[i])
 
 
 # ---- keep one per group ---------------------------------------------------------------------

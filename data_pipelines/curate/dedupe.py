@@ -7,8 +7,13 @@ is what makes it affordable: pairs are compared only inside a cluster, so the co
 of the squared cluster sizes, not N^2. The price: a duplicate pair split across two clusters
 is missed (rare, since near-duplicates are near each other and so near one centroid).
 
-A group is a connected component of the "duplicate of" relation (so a chain a~b~c is one group
-even when a and c are further apart than eps); its id is its smallest sample index.
+Groups do not chain (SemDeDup's rule): within a cluster the samples are visited best CLIP score
+first, and a sample is kept unless it is within eps of a sample already kept, whose group it
+joins. So every member of a group is within eps of the group's kept member, and a chain a~b~c
+with a and c further apart than eps keeps a and c (when b is visited after them). Transitive
+groups (connected components) are what wiped out a pool: with a small model, chains of
+pairs above the threshold joined thousands of visibly different images into one group.
+A group's id is the pool index of its kept member.
 """
 
 from collections.abc import Sequence
@@ -61,73 +66,103 @@ def cluster_labels(emb: np.ndarray, n_clusters: int, seed: int = 0, train_size: 
     return labels
 
 
-def _join(lab: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """Union the pairs (a[i], b[i]) into ``lab`` in place: a vectorised union-find.
+def _greedy_in(x: np.ndarray, order: np.ndarray, eps: float, block_size: int) -> np.ndarray:
+    """(m, D) unit rows, (m,) visiting order -> (m,) local index of the kept row each row belongs to.
 
-    ``lab[x]`` points to a smaller-or-equal node of x's group; on entry and exit every
-    pointer has been followed to its end, so ``lab[x]`` is the group's root = smallest node.
-    Each round points the larger root of every still-split pair at the smaller (roots only,
-    so earlier unions stay joined), then jumps pointers until they reach roots again."""
-    while True:
-        ra, rb = lab[a], lab[b]
-        split = ra != rb
-        if not split.any():
-            return
-        ra, rb = ra[split], rb[split]
-        low = np.minimum(ra, rb)
-        np.minimum.at(lab, ra, low)
-        np.minimum.at(lab, rb, low)
-        while True:
-            nxt = lab[lab]
-            if np.array_equal(nxt, lab):
-                break
-            lab[:] = nxt
-
-
-def _groups_in(x: np.ndarray, eps: float, block_size: int) -> np.ndarray:
-    """(m, D) unit rows -> (m,) local group root: pairs with cosine > 1 - eps joined.
-
-    Cosines are taken in (block_size, block_size) tiles of the upper triangle, so memory is a
-    tile, not (m, m); each tile's duplicate pairs are joined before the next tile."""
+    SemDeDup's rule: rows are visited in ``order`` (best first); a row is kept unless its cosine
+    with a row *already kept* exceeds 1 - eps, and then it joins the first such kept row (the
+    best). A removed row never keeps anything, so groups do not chain: every member is within
+    eps of its group's kept row. Candidates are compared against the kept set in
+    (block_size, block_size) tiles, so memory is a tile, not (m, m)."""
     m = x.shape[0]
-    lab = np.arange(m, dtype=np.int64)  # (m,)
+    owner = np.full(m, -1, dtype=np.int64)  # (m,)
+    kept = np.zeros(0, dtype=np.int64)  # local rows kept so far, in visiting order
     for s in range(0, m, block_size):
-        rows = x[s:s + block_size]  # (b, D)
-        for t in range(s, m, block_size):
-            cos = rows @ x[t:t + block_size].T  # (b, b')
-            dup = cos > 1.0 - eps  # (b, b')
-            if t == s:
-                dup = np.triu(dup, k=1)  # each pair once, and no sample with itself
-            i, j = np.nonzero(dup)
-            if i.size:
-                _join(lab, i + s, j + t)
-    return lab
+        cand = order[s:s + block_size]  # (b,) the next candidates, best first
+        xc = x[cand]  # (b, D)
+        match = np.full(cand.size, -1, dtype=np.int64)  # (b,) place in ``kept`` of the first kept row within eps
+        for t in range(0, kept.size, block_size):
+            dup = xc @ x[kept[t:t + block_size]].T > 1.0 - eps  # (b, b')
+            new = dup.any(axis=1) & (match < 0)
+            match[new] = t + dup[new].argmax(axis=1)  # argmax: the first True, so the best kept row
+        inner = xc @ xc.T > 1.0 - eps  # (b, b): the candidates among themselves
+        kept_here = np.zeros(cand.size, dtype=bool)  # (b,)
+        for i in range(cand.size):  # in visiting order: an earlier candidate kept here counts for later ones
+            if match[i] >= 0:
+                owner[cand[i]] = kept[match[i]]
+                continue
+            hit = np.flatnonzero(inner[i, :i] & kept_here[:i])
+            if hit.size:
+                owner[cand[i]] = cand[hit[0]]
+            else:
+                kept_here[i] = True
+                owner[cand[i]] = cand[i]
+        kept = np.concatenate([kept, cand[kept_here]])
+    return owner
+
+
+def _visit_order(idx: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
+    """(m,) ascending pool indices -> (m,) positions in ``idx``: best score first, ties by pool
+    index; a NaN score comes last. No scores: pool order."""
+    if scores is None:
+        return np.arange(idx.size)
+    s = np.asarray(scores, dtype=np.float64)[idx]
+    key = np.where(np.isnan(s), np.inf, -s)  # lexsort's last key is the primary one
+    return np.lexsort((idx, key))
 
 
 def semantic_groups(emb: np.ndarray, eps: float, n_clusters: int, seed: int = 0, train_size: int | None = None,
-                    *, niter: int = 20, nredo: int = 1, block_size: int = 1024) -> np.ndarray:
-    """SemDeDup groups: (N, D) image embeddings -> (N,) int64 group id (its smallest index).
+                    *, scores: np.ndarray | None = None, labels: np.ndarray | None = None, niter: int = 20,
+                    nredo: int = 1, block_size: int = 1024) -> np.ndarray:
+    """SemDeDup groups: (N, D) image embeddings -> (N,) int64 group id = the pool index of the
+    group's kept member.
 
     Rows are re-normalised; k-means as in :func:`cluster_labels` (``n_clusters=1``: no
-    clustering, every pair compared); inside each cluster every pair with cosine > 1 - eps is
-    joined, by brute force in tiles (cluster sizes are bounded by the choice of n_clusters).
-    Cosines are float64, so which side of 1 - eps a pair falls is not float32 rounding noise."""
+    clustering; ``labels``: clusters given). Inside each cluster the samples are visited by
+    ``scores`` (best first, ties by index; none: by index) and each is kept unless it is within
+    eps (cosine > 1 - eps) of a sample already kept, whose group it then joins
+    (:func:`_greedy_in`). Cosines are float64, so which side of 1 - eps a pair falls is not
+    float32 rounding noise."""
     if not 0.0 <= eps <= 2.0:
         raise ValueError(f"eps must be in [0, 2] (duplicates: cosine > 1 - eps), got {eps!r}")
     emb = np.asarray(emb)
     if emb.ndim != 2:
         raise ValueError(f"emb must be (N, D), got {emb.shape}")
-    labels = cluster_labels(emb, n_clusters, seed, train_size, niter=niter, nredo=nredo)  # (N,)
+    if labels is None:
+        labels = cluster_labels(emb, n_clusters, seed, train_size, niter=niter, nredo=nredo)  # (N,)
     groups = np.arange(emb.shape[0], dtype=np.int64)  # (N,)
-    # A stable sort keeps each cluster's members in ascending index, so the smallest local
-    # root maps to the smallest global index.
-    order = np.argsort(labels, kind="stable")  # (N,)
-    bounds = np.flatnonzero(np.diff(labels[order])) + 1
-    for idx in np.split(order, bounds):  # idx: (m,) one cluster's sample indices, ascending
+    for idx in _clusters(labels):  # idx: (m,) one cluster's sample indices, ascending
         if idx.size > 1:
             x = _unit_rows(emb[idx])  # (m, D) float64: one cluster at a time, not the pool
-            groups[idx] = idx[_groups_in(x, eps, block_size)]
+            groups[idx] = idx[_greedy_in(x, _visit_order(idx, scores), eps, block_size)]
     return groups
+
+
+def _clusters(labels: np.ndarray) -> list[np.ndarray]:
+    """(N,) cluster labels -> each cluster's sample indices, ascending."""
+    labels = np.asarray(labels)
+    order = np.argsort(labels, kind="stable")  # (N,) stable: each cluster's members stay ascending
+    return np.split(order, np.flatnonzero(np.diff(labels[order])) + 1) if labels.size else []
+
+
+def nearest_similarity(emb: np.ndarray, labels: np.ndarray, block_size: int = 1024) -> np.ndarray:
+    """(N, D), (N,) clusters -> (N,) float64 each sample's highest cosine with another sample of
+    its cluster (NaN when alone): the distribution an eps is read from. Tiled like the groups."""
+    emb = np.asarray(emb)
+    best = np.full(emb.shape[0], np.nan)  # (N,)
+    for idx in _clusters(labels):
+        if idx.size < 2:
+            continue
+        x = _unit_rows(emb[idx])  # (m, D)
+        near = np.full(idx.size, -np.inf)  # (m,)
+        for s in range(0, idx.size, block_size):
+            for t in range(0, idx.size, block_size):
+                cos = x[s:s + block_size] @ x[t:t + block_size].T  # (b, b')
+                if s == t:
+                    np.fill_diagonal(cos, -np.inf)  # not with itself
+                near[s:s + block_size] = np.maximum(near[s:s + block_size], cos.max(axis=1))
+        best[idx] = np.minimum(near, 1.0)  # rounding can put a copy a few ulps past 1
+    return best
 
 
 def keep_one_per_group(groups: np.ndarray, scores: np.ndarray) -> np.ndarray:
