@@ -193,6 +193,10 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
                    help="semantic: k-means clusters (0 = one per 5000 samples)")
     g.add_argument("--kmeans-sample", type=int, default=0,
                    help="semantic: k-means training rows (0 = 256 per cluster), so memory stays bounded")
+    g.add_argument("--max-drop", type=float, default=0.5,
+                   help="refuse (writing nothing) when de-duplication or --clip-score-min would drop more than "
+                        "this fraction of the pool (default 0.5; --keep-fraction states its own drop)")
+    g.add_argument("--force", action="store_true", help="write the outputs even past --max-drop")
     g.add_argument("--false-negative-groups", default=None, metavar="FIELD",
                    help="drop no duplicate: write each sample's group into its .json under FIELD, for "
                         "loss.false_negative_ids: FIELD")
@@ -223,7 +227,7 @@ def run_curate(args) -> dict | None:
     policies = Policies(clip_score_min=args.clip_score_min, keep_fraction=args.keep_fraction, dedupe=modes,
                         dedupe_eps=args.dedupe_eps, dedupe_clusters=args.dedupe_clusters,
                         kmeans_sample=args.kmeans_sample, false_negative_field=args.false_negative_groups,
-                        seed=args.seed)
+                        seed=args.seed, max_drop=args.max_drop, force=args.force)
     opts = Options(data=args.data, model=args.model, out=args.out, policies=policies, keys_only=args.keys_only,
                    per_shard=args.per_shard, batch_size=args.batch_size, device=args.device,
                    progress=not args.no_progress, examples=args.examples)
@@ -239,10 +243,22 @@ def run_curate(args) -> dict | None:
         return None
     report = curate(opts)
     if report is not None:
-        kept = report["kept"]
-        print(f"curated {report['pool']['readable']} samples into {args.out}: kept {kept['kept']} "
-              f"({100 * kept['fraction']:.1f}%); report {args.out}/curate_report.html")
+        _print_summary(report, args.out)
     return report
+
+
+def _print_summary(report: dict, out: str) -> None:
+    """Kept per policy, the duplicate groups' sizes, the report's path."""
+    n = report["pool"]["readable"]
+    for name, v in report["kept_by_policy"].items():
+        print(f"  {name}: keeps {v['kept']} of {n} ({100 * v['fraction']:.1f}%)")
+    sizes = report["dedupe"].get("group_sizes")
+    if sizes is not None:
+        print(f"  duplicate groups: {sizes['groups']} (largest {sizes['largest']}, median {sizes['median']:g}, "
+              f"{sizes['over_10']} of more than 10)")
+    kept = report["kept"]
+    print(f"curated {n} samples into {out}: kept {kept['kept']} ({100 * kept['fraction']:.1f}%); "
+          f"report {os.path.join(out, 'curate_report.html')}")
 
 
 SHARDS = Command("shards", "build WebDataset shards (img2dataset layout) from a source", add_shard_args, run_shards)

@@ -7,9 +7,9 @@ The references are computed here, never by curate's own code:
   cosine of the image with each caption line, averaged over the lines;
 - the keep-fraction threshold: ``numpy.quantile`` over the whole pool's scores (read back from
   ``OUT/pool/*.parquet``);
-- SemDeDup groups: connected components (a Python union-find) of *all* pairs with cosine
-  > 1 - eps, O(N^2) in float64 from the stored float16 embeddings; exact groups: equal image
-  bytes, compared as bytes;
+- SemDeDup groups: SemDeDup's greedy rule in a Python loop over *all* pairs (best CLIP score
+  first, a sample kept unless its cosine with a kept one exceeds 1 - eps), in float64 from the
+  stored float16 embeddings; exact groups: equal image bytes, compared as bytes;
 - outputs: the input samples' members as this file wrote them; the written tars read with
   ``tarfile``;
 - resume after kill -9, remote shards, ``--nproc 2``: a straight one-process run of the same
@@ -238,25 +238,20 @@ def _written(out: Path) -> dict[str, dict[str, bytes]]:
     return samples
 
 
-def _components(n: int, pairs) -> np.ndarray:
-    """(n,) the smallest index of each node's connected component: a plain union-find."""
-    parent = list(range(n))
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for i, j in pairs:
-        a, b = find(int(i)), find(int(j))
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-    roots = [find(i) for i in range(n)]
-    smallest: dict[int, int] = {}
-    for i, r in enumerate(roots):
-        smallest.setdefault(r, i)
-    return np.array([smallest[r] for r in roots])
+def _greedy(cos: np.ndarray, scores: np.ndarray, eps: float) -> np.ndarray:
+    """(N,) the index of each sample's kept member: visit best score first (ties: lower index),
+    keep a sample unless its cosine with an already kept one exceeds 1 - eps, else join the
+    first such kept one (a plain loop)."""
+    n = len(scores)
+    kept, group = [], [0] * n
+    for i in sorted(range(n), key=lambda i: (-float(scores[i]), i)):
+        near = [k for k in kept if cos[i, k] > 1.0 - eps]
+        if near:
+            group[i] = near[0]
+        else:
+            kept.append(i)
+            group[i] = i
+    return np.array(group)
 
 
 def _partition(labels) -> set[frozenset]:
@@ -378,14 +373,13 @@ def test_keep_fraction_threshold_is_the_whole_pools_quantile(pool, embedded, tmp
 
 
 def _brute_force_groups(embedded: Path) -> tuple[np.ndarray, float]:
-    """The semantic groups of all pairs (and the eps they are taken at), from the stored embeddings."""
+    """The semantic groups over all pairs (and the eps they are taken at), from the stored embeddings."""
     x = _pool_images(embedded).astype(np.float64)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     cos = x @ x.T  # (N, N)
     i, j = np.triu_indices(len(x), k=1)
     eps = _eps_between_gaps(cos[i, j])
-    dup = cos[i, j] > 1.0 - eps
-    return _components(len(x), zip(i[dup], j[dup])), eps
+    return _greedy(cos, _pool_frame(embedded)["clip_score"].to_numpy(), eps), eps
 
 
 def _byte_groups(pool: PoolData) -> np.ndarray:
@@ -394,14 +388,14 @@ def _byte_groups(pool: PoolData) -> np.ndarray:
     return np.array([first.setdefault(pool.samples[k][2]["jpg"], i) for i, k in enumerate(keys)])
 
 
-def test_semantic_dedupe_equals_brute_force_connected_components(pool, embedded, tmp_path):
+def test_semantic_dedupe_equals_brute_force_greedy_groups(pool, embedded, tmp_path):
     out = _out_with_embeddings(embedded, tmp_path / "out")
     want, eps = _brute_force_groups(embedded)
     _curate(pool, out, "--dedupe", "semantic", "--dedupe-eps", repr(eps), "--dedupe-clusters", "1")
     decisions = pd.read_parquet(out / "decisions.parquet")
     got = decisions["semantic_group"].to_numpy()
     assert _partition(got) == _partition(want)
-    np.testing.assert_array_equal(got, want)  # a group is named by its smallest pool index
+    np.testing.assert_array_equal(got, want)  # a group is named by its kept member's pool index
     # the pool's planted copies are found: b003~a002, c001~c002~a010, d001~d000 (exact), b004~b005~a003,
     # c003~b010, d002~c020 (near) -- more groups may exist by chance, these must
     index = {k: i for i, k in enumerate(_readable(pool))}
@@ -422,6 +416,127 @@ def test_exact_dedupe_groups_are_the_byte_equal_images(pool, embedded, tmp_path)
     assert sum(len(g) > 1 for g in _partition(want)) == 3
     np.testing.assert_array_equal(decisions["kept"].to_numpy(),
                                   _best_of(want, decisions["clip_score"].to_numpy()))
+
+
+def _cos(embedded: Path) -> np.ndarray:
+    x = _pool_images(embedded).astype(np.float64)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x @ x.T  # (N, N)
+
+
+def _exact_then_semantic(pool: PoolData, embedded: Path, eps: float) -> np.ndarray:
+    """exact + semantic by hand: one kept copy per image bytes (best score), the greedy rule over
+    those copies, and an exact copy's group is its kept copy's group."""
+    keys, scores, cos = _readable(pool), _pool_frame(embedded)["clip_score"].to_numpy(), _cos(embedded)
+    best: dict[bytes, int] = {}
+    for i, k in enumerate(keys):
+        b = pool.samples[k][2]["jpg"]
+        if b not in best or scores[i] > scores[best[b]]:
+            best[b] = i
+    rep = [best[pool.samples[k][2]["jpg"]] for k in keys]
+    reps = sorted(set(rep))
+    local = _greedy(cos[np.ix_(reps, reps)], scores[reps], eps)
+    group_of_rep = {r: reps[g] for r, g in zip(reps, local)}
+    return np.array([group_of_rep[r] for r in rep])
+
+
+def test_exact_and_semantic_do_not_chain(pool, embedded, tmp_path):
+    out = _out_with_embeddings(embedded, tmp_path / "out")
+    _, eps = _brute_force_groups(embedded)
+    run = _curate(pool, out, "--dedupe", "exact,semantic", "--dedupe-eps", repr(eps), "--dedupe-clusters", "1")
+    decisions = pd.read_parquet(out / "decisions.parquet")
+    want = _exact_then_semantic(pool, embedded, eps)
+    np.testing.assert_array_equal(decisions["semantic_group"].to_numpy(), want)
+    np.testing.assert_array_equal(decisions["combined_group"].to_numpy(), want)
+    np.testing.assert_array_equal(decisions["kept"].to_numpy(), want == np.arange(want.size))
+    cos = _cos(embedded)
+    for i, g in enumerate(want):  # every member within eps of its kept member
+        assert cos[i, g] > 1 - eps
+        assert decisions["similarity_to_kept"].iat[i] == pytest.approx(cos[i, g], abs=1e-9)
+    # the printed summary: kept per policy, the groups' sizes, the report's path
+    n = len(want)
+    sizes = np.unique(want, return_counts=True)[1]
+    multi = sizes[sizes > 1]
+    lines = run.stdout.splitlines()
+    exact = _byte_groups(pool)
+    assert f"  exact: keeps {len(set(exact.tolist()))} of {n} ({100 * len(set(exact.tolist())) / n:.1f}%)" in lines
+    kept = int((want == np.arange(n)).sum())
+    assert f"  dedupe: keeps {kept} of {n} ({100 * kept / n:.1f}%)" in lines
+    assert f"  duplicate groups: {multi.size} (largest {multi.max()}, median {np.median(multi):g}, " \
+           f"{(multi > 10).sum()} of more than 10)" in lines
+    assert lines[-1] == f"curated {n} samples into {out}: kept {kept} ({100 * kept / n:.1f}%); " \
+                        f"report {out / 'curate_report.html'}"
+
+
+def test_reason_column_names_the_policy_and_the_duplicated_key(pool, embedded, tmp_path):
+    out = _out_with_embeddings(embedded, tmp_path / "out")
+    _, eps = _brute_force_groups(embedded)
+    _curate(pool, out, "--keep-fraction", "0.6", "--dedupe", "exact,semantic", "--dedupe-eps", repr(eps),
+            "--dedupe-clusters", "1")
+    decisions = pd.read_parquet(out / "decisions.parquet")
+    keys, scores = _readable(pool), decisions["clip_score"].to_numpy()
+    groups = _exact_then_semantic(pool, embedded, eps)
+    low = scores < np.quantile(scores, 0.4)
+    seen = set()
+    for i, k in enumerate(keys):
+        parts, of = [], None
+        if low[i]:
+            parts.append("clip_score")
+        if groups[i] != i:
+            of = keys[groups[i]]
+            same = pool.samples[k][2]["jpg"] == pool.samples[of][2]["jpg"]
+            parts.append(f"{'exact' if same else 'semantic'} duplicate of {of}")
+        want = "; ".join(parts) or "kept"
+        assert decisions["reason"].iat[i] == want, k
+        got = decisions["duplicate_of"].iat[i]
+        assert (None if pd.isna(got) else got) == of, k  # null when not a dropped duplicate
+        seen.add(want.split(" of ")[0])
+    assert {"kept", "clip_score", "exact duplicate", "semantic duplicate"} <= seen  # every kind occurs
+    # the HTML report: each shown group's size, its members' cosine to the kept one, the histograms
+    page = (out / "curate_report.html").read_text()
+    sizes = np.unique(groups, return_counts=True)[1]
+    assert f"<b>group of {sizes.max()}</b>" in page
+    cos = _cos(embedded)
+    dup = [i for i in range(len(keys)) if groups[i] != i]
+    assert any(f"cosine to kept {cos[i, groups[i]]:.4f}" in page for i in dup)
+    assert "removed duplicate's cosine with its kept member" in page and "highest cosine with another" in page
+    report = json.loads((out / "curate_report.json").read_text())
+    assert sum(report["dedupe"]["duplicate_similarity"]["counts"]) == len(dup)
+    assert report["dedupe"]["group_sizes"]["largest"] == sizes.max()
+
+
+def _tree(out: Path) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_policy_dropping_more_than_max_drop_writes_nothing(pool, embedded, tmp_path):
+    out = _out_with_embeddings(embedded, tmp_path / "out")
+    _curate(pool, out, "--keep-fraction", "0.9")  # a previous run's outputs, which must stay as they are
+    before = _tree(out)
+    eps = 1.5  # cosine > -0.5: nearly every pair of this pool
+    run = cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress",
+                   "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1")
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    groups = _greedy(_cos(embedded), _pool_frame(embedded)["clip_score"].to_numpy(), eps)
+    n, kept = len(groups), len(set(groups.tolist()))
+    largest = np.unique(groups, return_counts=True)[1].max()
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    for words in ("semantic", f"would drop {n - kept} of {n}", "--max-drop 0.5", f"largest group holds {largest}",
+                  "--force"):
+        assert words in lines[0], (words, lines[0])
+    assert _tree(out) == before  # nothing written, nothing removed
+    # a score floor that drops most of the pool is refused too; a keep fraction states its drop
+    scores = _pool_frame(embedded)["clip_score"].to_numpy()
+    floor = float(np.quantile(scores, 0.8))
+    run = cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress",
+                   "--clip-score-min", f"{floor:.6f}")
+    assert run.returncode == 2 and "--clip-score-min" in run.stderr and "would drop" in run.stderr
+    _curate(pool, out, "--keep-fraction", "0.1")
+    # --force writes it; --max-drop 1 too
+    _curate(pool, out, "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1", "--force")
+    assert pd.read_parquet(out / "decisions.parquet")["kept"].sum() == kept
+    _curate(pool, out, "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1", "--max-drop", "1")
 
 
 # ---------------------------------------------------------------- 7. outputs

@@ -5,11 +5,14 @@ The policies (combinable; a sample is kept when every policy given keeps it):
 - **score** (DataComp, Gadre et al. 2023): ``clip_score_min`` and/or ``keep_fraction``, whose
   threshold is the quantile of the *whole pool's* scores (:mod:`.threshold`), so a bad shard is
   not kept at the pool's rate;
-- **exact**: equal image sha256 is one group, one member kept;
-- **semantic** (SemDeDup, Abbas et al. 2023): groups of image embeddings with cosine > 1 - eps
-  inside k-means clusters (:mod:`.dedupe`), one member kept;
+- **exact**: equal image sha256 is one group, its copy of highest CLIP score kept;
+- **semantic** (SemDeDup, Abbas et al. 2023): inside k-means clusters of the image embeddings,
+  samples visited best CLIP score first, each kept unless within eps (cosine > 1 - eps) of a
+  sample already kept, whose group it joins (:mod:`.dedupe`: groups do not chain). With both,
+  semantic runs on one kept copy per sha256, and an exact copy's group is its kept copy's;
 
-where a group keeps its member of highest CLIP score (ties: the earliest in pool order).
+ties in score go to the earliest in pool order. A policy that would drop more than
+``max_drop`` of the pool is refused before anything is written (:func:`check_drop`).
 With ``false_negative_field`` the groups drop nothing: each sample is labelled with its group
 (the key of the member a dedupe would keep) for ``loss.false_negative_ids``.
 
@@ -26,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipelines.curate.dedupe import _join, exact_groups, group_report, keep_one_per_group, semantic_groups
+from data_pipelines.curate.dedupe import (cluster_labels, exact_groups, group_report, keep_one_per_group,
+                                          nearest_similarity, semantic_groups)
 from data_pipelines.curate.embed_pass import shard_files
 from data_pipelines.curate.threshold import keep_threshold
 
@@ -44,6 +48,8 @@ class Policies:
     kmeans_sample: int = 0  # 0 = TRAIN_PER_CLUSTER x clusters
     false_negative_field: str | None = None
     seed: int = 0
+    max_drop: float = 0.5  # a guarded policy may drop at most this fraction of the pool ...
+    force: bool = False  # ... unless forced
 
 
 @dataclass
@@ -82,19 +88,12 @@ class Decisions:
     keep: np.ndarray  # (N,) bool: the sample is in the output
     by_policy: dict[str, np.ndarray]  # policy name -> (N,) bool kept by that policy alone
     threshold: float | None  # the score a sample needs (max of the floor and the fraction's quantile)
-    groups: dict[str, np.ndarray]  # "exact" / "semantic" / "combined" -> (N,) group id (root's pool index)
+    groups: dict[str, np.ndarray]  # "exact" / "semantic" / "combined" -> (N,) group id (its kept member's index)
     group_field: list[str] | None  # per sample: the key its false-negative group is named by
     clusters: int | None = None
     info: dict = field(default_factory=dict)
-
-
-def _join_groups(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Two groupings -> the groups of "a or b" (connected components), named by the smallest index."""
-    index = np.arange(a.size, dtype=np.int64)
-    lab = index.copy()
-    _join(lab, index, a)  # every sample with its exact group's root ...
-    _join(lab, index, b)  # ... and with its semantic group's
-    return lab
+    similarity: np.ndarray | None = None  # (N,) cosine with its group's kept member (1 for a kept one)
+    nearest: np.ndarray | None = None  # (N,) highest cosine with another sample of its k-means cluster
 
 
 def decide(pool: Pool, p: Policies) -> Decisions:
@@ -110,37 +109,122 @@ def decide(pool: Pool, p: Policies) -> Decisions:
     groups: dict[str, np.ndarray] = {}
     info: dict = {}
     clusters = None
+    reps = np.arange(n)  # the samples semantic de-duplication compares: one per exact group when both run
     if "exact" in p.dedupe:
-        groups["exact"] = exact_groups(pool.frame["image_sha256"].tolist())
+        first = exact_groups(pool.frame["image_sha256"].tolist())  # (N,) named by the first of each digest
+        best = keep_one_per_group(first, scores)  # (N,) the copy of highest score (ties: the first)
+        name_of = np.empty(n, dtype=np.int64)
+        name_of[first[best]] = np.flatnonzero(best)
+        groups["exact"] = name_of[first]  # (N,) named by the kept copy
+        reps = np.flatnonzero(best)
+    nearest = None
     if "semantic" in p.dedupe:
-        clusters = p.dedupe_clusters or max(1, math.ceil(n / SAMPLES_PER_CLUSTER))
-        clusters = min(clusters, n)
-        train = min(p.kmeans_sample or TRAIN_PER_CLUSTER * clusters, n) if clusters > 1 else None
-        groups["semantic"] = semantic_groups(pool.image, p.dedupe_eps, clusters, seed=p.seed, train_size=train)
+        m = reps.size
+        clusters = p.dedupe_clusters or max(1, math.ceil(m / SAMPLES_PER_CLUSTER))
+        clusters = max(1, min(clusters, m))
+        train = min(p.kmeans_sample or TRAIN_PER_CLUSTER * clusters, m) if clusters > 1 else None
+        emb = pool.image[reps]  # (M, D)
+        labels = cluster_labels(emb, clusters, p.seed, train)  # (M,)
+        local = semantic_groups(emb, p.dedupe_eps, clusters, scores=scores[reps], labels=labels)  # (M,)
+        semantic = np.arange(n, dtype=np.int64)
+        semantic[reps] = reps[local]  # a representative's group: the kept representative's index
+        if "exact" in groups:
+            semantic = semantic[groups["exact"]]  # an exact copy's group is its kept copy's (no chaining)
+        groups["semantic"] = semantic
+        nearest = np.full(n, np.nan)
+        nearest[reps] = nearest_similarity(emb, labels)
+        if "exact" in groups:
+            copies = groups["exact"] != np.arange(n)
+            nearest[copies] = 1.0  # an exact copy's nearest neighbour is its kept copy
         info["kmeans_train_rows"] = train or 0
     group_field = None
+    similarity = None
     if groups:
-        combined = (_join_groups(groups["exact"], groups["semantic"]) if len(groups) == 2
-                    else next(iter(groups.values())))
+        combined = groups["semantic"] if "semantic" in groups else groups["exact"]  # semantic: over exact's
         groups["combined"] = combined
         for name in ("exact", "semantic"):
             if name in groups:
                 info[f"{name}_groups"] = group_report(groups[name])
+        info["group_sizes"] = group_sizes(combined)
+        unit = pool.image.astype(np.float64)  # (N, D) re-normalised: cosine with the kept member
+        unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+        similarity = np.einsum("nd,nd->n", unit, unit[combined]).clip(-1.0, 1.0)  # (N,) 1 for a kept one
         if p.false_negative_field is None:
-            for name in ("exact", "semantic"):
-                if name in groups:
-                    by_policy[name] = keep_one_per_group(groups[name], scores)
-            by_policy["dedupe"] = keep_one_per_group(combined, scores)
+            index = np.arange(n)
+            if "exact" in groups:
+                by_policy["exact"] = groups["exact"] == index
+            if "semantic" in groups:
+                rep_of = groups["exact"] if "exact" in groups else index
+                by_policy["semantic"] = groups["semantic"][rep_of] == rep_of  # its exact group's kept copy survives
+            by_policy["dedupe"] = combined == index
         else:
-            # the member a dedupe would keep names its group
-            best = keep_one_per_group(combined, scores)
-            name_of = np.empty(n, dtype=np.int64)
-            name_of[combined[best]] = np.flatnonzero(best)
             keys = pool.frame["key"].tolist()
-            group_field = [keys[name_of[g]] for g in combined.tolist()]
+            group_field = [keys[g] for g in combined.tolist()]  # the member a dedupe would keep names its group
     keep = np.ones(n, dtype=bool)
     for name in ("clip_score", "dedupe"):
         if name in by_policy:
             keep &= by_policy[name]
     return Decisions(keep=keep, by_policy=by_policy, threshold=threshold, groups=groups, group_field=group_field,
-                     clusters=clusters, info=info)
+                     clusters=clusters, info=info, similarity=similarity, nearest=nearest)
+
+
+def group_sizes(groups: np.ndarray) -> dict:
+    """The duplicate groups' (more than one member) sizes: count, largest, median, and how many exceed 10."""
+    _, counts = np.unique(np.asarray(groups), return_counts=True)
+    multi = counts[counts > 1]
+    return {"groups": int(multi.size), "largest": int(multi.max()) if multi.size else 1,
+            "median": float(np.median(multi)) if multi.size else 0.0, "over_10": int((multi > 10).sum())}
+
+
+def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
+    """Refuse (one line) a policy that would drop more than ``max_drop`` of the pool, before any output.
+
+    Guarded: de-duplication (its drop depends on eps and on how the model spreads images: with a
+    weak model distinct images sit within a loose eps) and ``clip_score_min`` (an absolute
+    cosine, whose meaning depends on the model's score scale). Not guarded: ``keep_fraction``,
+    which states the fraction it drops, nor a floor given with it (the score policy then states
+    a drop of at least 1 - keep_fraction). ``force`` lifts the guard."""
+    from mmalign.errors import UsageError
+
+    n = len(pool)
+    if p.force or n == 0:
+        return
+    if "dedupe" in d.by_policy:
+        dropped = int(n - d.by_policy["dedupe"].sum())
+        if dropped > p.max_drop * n:
+            sizes = d.info["group_sizes"]
+            eps = f", eps {p.dedupe_eps:g}" if "semantic" in p.dedupe else ""
+            raise UsageError(f"curate: de-duplication ({','.join(p.dedupe)}{eps}) would drop {dropped} of {n} samples "
+                             f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
+                             f"{sizes['largest']} samples; nothing written: lower --dedupe-eps, or pass --force")
+    if p.clip_score_min is not None and p.keep_fraction is None:
+        scores = pool.frame["clip_score"].to_numpy(np.float64)
+        dropped = int((scores < p.clip_score_min).sum())
+        if dropped > p.max_drop * n:
+            raise UsageError(f"curate: --clip-score-min {p.clip_score_min:g} would drop {dropped} of {n} samples "
+                             f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); the pool's median score is "
+                             f"{np.median(scores):.3f}; nothing written: lower it, use --keep-fraction, or pass --force")
+
+
+def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:
+    """Per sample: why it was dropped ("kept" when it was not), and the key of the sample it
+    duplicates (None when it is no dropped duplicate). Several reasons are joined by "; "."""
+    n = len(pool)
+    keys = pool.frame["key"].tolist()
+    sha = pool.frame["image_sha256"].tolist()
+    combined = d.groups.get("combined")
+    why: list[str] = []
+    of: list[str | None] = []
+    score_ok = d.by_policy.get("clip_score")
+    dedupe_ok = d.by_policy.get("dedupe")
+    for i in range(n):
+        parts, dup = [], None
+        if score_ok is not None and not score_ok[i]:
+            parts.append("clip_score")
+        if dedupe_ok is not None and not dedupe_ok[i]:
+            k = int(combined[i])
+            dup = keys[k]
+            parts.append(f"{'exact' if sha[i] == sha[k] else 'semantic'} duplicate of {dup}")
+        why.append("; ".join(parts) or "kept")
+        of.append(dup)
+    return why, of

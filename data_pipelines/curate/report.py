@@ -1,10 +1,13 @@
 """``OUT/curate_report.json`` and ``OUT/curate_report.html``: what curation did to the pool.
 
 The JSON holds the counts (pool, skips by reason, kept per policy alone and together), the
-threshold, a histogram of the CLIP scores and the duplicate groups' sizes. The HTML page is
-self-contained (images inline, no script, no network): the score histogram with the
-threshold, the kept fraction per policy, the dropped pairs of lowest score as thumbnails with
-their captions, and the largest duplicate groups side by side, the kept member outlined.
+threshold, a histogram of the CLIP scores, the duplicate groups' sizes and two histograms to
+pick eps from (each removed duplicate's cosine with its kept member; each sample's highest
+cosine with another sample of its cluster). The HTML page is self-contained (images inline,
+no script, no network): the score histogram with the threshold, the kept fraction per policy,
+the similarity histograms with 1 - eps, the dropped pairs of lowest score as thumbnails with
+their captions, and the largest duplicate groups with their sizes, the kept member outlined
+and each other member's cosine to it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ THUMB = 96  # pixels, the longer side
 
 
 def histogram(scores: np.ndarray, bins: int = BINS) -> dict:
+    scores = np.asarray(scores, dtype=np.float64)  # float32 edges 1e-6 apart near 1 would collide
     if scores.size == 0:
         return {"edges": [], "counts": []}
     lo, hi = float(scores.min()), float(scores.max())
-    if hi <= lo:
+    if hi - lo < 1e-6:  # (nearly) one value: a range numpy can split into bins
         hi = lo + 1e-6
     counts, edges = np.histogram(scores, bins=bins, range=(lo, hi))
     return {"edges": [round(float(e), 6) for e in edges], "counts": [int(c) for c in counts]}
@@ -62,7 +66,7 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
         "histogram": histogram(scores),
         "kept_by_policy": {name: kept(mask) for name, mask in decisions.by_policy.items()},
         "kept": kept(decisions.keep),
-        "dedupe": {**decisions.info, "clusters": decisions.clusters},
+        "dedupe": {**decisions.info, "clusters": decisions.clusters, **_similarities(decisions)},
         **extra,
     }
     if decisions.group_field is not None:
@@ -72,6 +76,21 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
                                            "groups_of_more_than_one": int((counts > 1).sum()),
                                            "samples_in_them": int(counts[counts > 1].sum())}
     return report
+
+
+def _similarities(decisions) -> dict:
+    """Histograms for picking eps: each removed duplicate's cosine with its kept member, and each
+    sample's highest cosine with another sample of its cluster (semantic de-duplication only)."""
+    out = {}
+    if decisions.similarity is not None and "combined" in decisions.groups:
+        moved = decisions.groups["combined"] != np.arange(decisions.similarity.size)
+        out["duplicate_similarity"] = histogram(decisions.similarity[moved])
+    if decisions.nearest is not None:
+        near = decisions.nearest[~np.isnan(decisions.nearest)]
+        out["nearest_similarity"] = histogram(near)
+        out["nearest_similarity_quantiles"] = ({str(q): round(float(np.quantile(near, q)), 6)
+                                                for q in (0.01, 0.05, 0.1, 0.5, 0.9, 0.99)} if near.size else {})
+    return out
 
 
 # ------------------------------------------------------------------ html
@@ -106,10 +125,10 @@ def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, st
     return out
 
 
-def _svg_histogram(hist: dict, threshold: float | None) -> str:
+def _svg_histogram(hist: dict, threshold: float | None, label: str = "threshold") -> str:
     counts, edges = hist["counts"], hist["edges"]
     if not counts:
-        return "<p>(no scores)</p>"
+        return "<p>(no values)</p>"
     w, h, top = 640, 200, max(counts) or 1
     bar = w / len(counts)
     parts = [f'<svg width="{w}" height="{h + 30}" xmlns="http://www.w3.org/2000/svg">']
@@ -121,17 +140,19 @@ def _svg_histogram(hist: dict, threshold: float | None) -> str:
     if threshold is not None and lo <= threshold <= hi:
         x = w * (threshold - lo) / (hi - lo)
         parts.append(f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{h}" stroke="#c0392b" stroke-width="2"/>')
-        parts.append(f'<text x="{x + 4:.1f}" y="14" font-size="12" fill="#c0392b">threshold {threshold:.3f}</text>')
+        parts.append(f'<text x="{x + 4:.1f}" y="14" font-size="12" fill="#c0392b">{label} {threshold:.3f}</text>')
     parts.append(f'<text x="0" y="{h + 20}" font-size="12">{lo:.3f}</text>')
     parts.append(f'<text x="{w - 50}" y="{h + 20}" font-size="12">{hi:.3f}</text></svg>')
     return "".join(parts)
 
 
-def _card(src: str | None, caption: str, score: float, kept: bool | None = None) -> str:
+def _card(src: str | None, caption: str, score: float, kept: bool | None = None,
+          similarity: float | None = None) -> str:
     style = "border:3px solid #27ae60" if kept else "border:3px solid transparent"
     image = f'<img src="{src}" style="{style}">' if src else '<div class="missing">(no image)</div>'
+    sim = "" if similarity is None or kept else f"<br>cosine to kept {similarity:.4f}"
     return (f'<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{score:.3f}</b>'
-            f'{" kept" if kept else ""}</figcaption></figure>')
+            f'{" kept" if kept else ""}{sim}</figcaption></figure>')
 
 
 def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples: int = 24, groups: int = 8,
@@ -143,20 +164,18 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
     if "clip_score" in decisions.by_policy:
         low = np.flatnonzero(~decisions.by_policy["clip_score"])
         dropped = low[np.argsort(scores[low], kind="stable")][:examples].tolist()
-    shown_groups = []
+    shown_groups = []  # (group size, shown members: the kept one first, then by cosine to it, lowest first)
     if "combined" in decisions.groups:
         g = decisions.groups["combined"]
         ids, counts = np.unique(g, return_counts=True)
-        for gid in ids[np.argsort(-counts, kind="stable")][:groups]:
+        largest = np.argsort(-counts, kind="stable")[:groups]
+        for gid, count in zip(ids[largest], counts[largest]):
             members = np.flatnonzero(g == gid)
             if members.size > 1:
-                shown_groups.append(members[:8].tolist())
-    best = None
-    if shown_groups:
-        from data_pipelines.curate.dedupe import keep_one_per_group
-
-        best = keep_one_per_group(decisions.groups["combined"], scores)
-    thumbs = _thumbs(urls, pool, dropped + [r for grp in shown_groups for r in grp], remote)
+                others = members[members != gid]
+                others = others[np.argsort(decisions.similarity[others], kind="stable")]  # the least similar first
+                shown_groups.append((int(count), [int(gid)] + others[:7].tolist()))
+    thumbs = _thumbs(urls, pool, dropped + [r for _, grp in shown_groups for r in grp], remote)
     captions = frame["caption"].tolist() if len(frame) else []
     rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{v['kept']}</td><td>{100 * v['fraction']:.2f}%</td></tr>"
                    for name, v in [*report["kept_by_policy"].items(), ("all policies", report["kept"])])
@@ -174,9 +193,26 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
     if dropped:
         body.append(f"<h2>Dropped by score: the {len(dropped)} lowest</h2>")
         body += [_card(thumbs.get(r), captions[r], float(scores[r])) for r in dropped]
+    dedupe = report.get("dedupe", {})
+    if "duplicate_similarity" in dedupe or "nearest_similarity" in dedupe:
+        eps = report["policies"].get("dedupe_eps")
+        line = None if eps is None or "semantic" not in report["policies"].get("dedupe", []) else 1.0 - eps
+        body.append("<h2>Similarities (to pick eps)</h2><p>A sample is a duplicate when its cosine with a kept "
+                    "sample exceeds 1 - eps. Near-copies sit in a spike close to 1; distinct images of one "
+                    "class form the broad hump below it. Put 1 - eps in the gap between the two, above the "
+                    "hump.</p>")
+        if "duplicate_similarity" in dedupe:
+            body.append("<h3>Each removed duplicate's cosine with its kept member</h3>")
+            body.append(_svg_histogram(dedupe["duplicate_similarity"], line, "1 - eps"))
+        if "nearest_similarity" in dedupe:
+            body.append("<h3>Each sample's highest cosine with another sample of its cluster</h3>")
+            body.append(_svg_histogram(dedupe["nearest_similarity"], line, "1 - eps"))
     if shown_groups:
-        body.append(f"<h2>The {len(shown_groups)} largest duplicate groups</h2>")
-        for grp in shown_groups:
-            cards = "".join(_card(thumbs.get(r), captions[r], float(scores[r]), bool(best[r])) for r in grp)
-            body.append(f"<div class='group'>{cards}</div>")
+        body.append(f"<h2>The {len(shown_groups)} largest duplicate groups</h2><p>The kept member outlined "
+                    f"first, then the others, least similar first, with their cosine to the kept one.</p>")
+        for size, grp in shown_groups:
+            cards = "".join(_card(thumbs.get(r), captions[r], float(scores[r]), r == grp[0],
+                                  float(decisions.similarity[r])) for r in grp)
+            more = f" ({size - len(grp)} more not shown)" if size > len(grp) else ""
+            body.append(f"<div class='group'><p><b>group of {size}</b>{more}</p>{cards}</div>")
     (out / REPORT_HTML).write_text("\n".join(body), encoding="utf-8")

@@ -61,6 +61,8 @@ def check(opts: Options) -> None:
         raise UsageError(f"--clip-score-min is a cosine in [-1, 1], got {p.clip_score_min}")
     if not 0.0 <= p.dedupe_eps <= 2.0:
         raise UsageError(f"--dedupe-eps must be in [0, 2] (duplicates: cosine > 1 - eps), got {p.dedupe_eps}")
+    if not 0.0 <= p.max_drop <= 1.0:
+        raise UsageError(f"--max-drop must be in [0, 1] (the largest fraction a policy may drop), got {p.max_drop}")
     if p.dedupe_clusters < 0 or p.kmeans_sample < 0:
         raise UsageError("--dedupe-clusters and --kmeans-sample must be >= 0 (0 = automatic)")
     if p.false_negative_field is not None:
@@ -223,7 +225,7 @@ def _clear_outputs(out: Path) -> None:
 def curate(opts: Options) -> dict | None:
     """Run all passes (module docstring); returns the report on rank 0, None on other ranks."""
     from data_pipelines.curate import report as report_mod
-    from data_pipelines.curate.decide import decide, load_pool
+    from data_pipelines.curate.decide import check_drop, decide, load_pool
     from data_pipelines.curate.write_out import write_keys, write_shards
 
     check(opts)
@@ -252,6 +254,7 @@ def curate(opts: Options) -> dict | None:
             _field_exists(field_name, where)
     t_decide = time.time()
     decisions = decide(pool, opts.policies)
+    check_drop(pool, decisions, opts.policies)  # before any output is touched
     t_write = time.time()
     _clear_outputs(out)
     if opts.keys_only:
@@ -284,7 +287,11 @@ def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:
 
 
 def _decisions_table(out: Path, pool, decisions) -> None:
-    """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts."""
+    """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts, and
+    ``reason`` ("kept", or the policies that dropped it: "clip_score", "exact duplicate of KEY",
+    "semantic duplicate of KEY", joined by "; ") with ``duplicate_of`` (that KEY, else None)."""
+    from data_pipelines.curate.decide import reasons
+
     frame = pool.frame[["shard", "key", "index", "clip_score"]].copy()
     for name, mask in decisions.by_policy.items():
         frame[f"kept_by_{name}"] = mask
@@ -292,5 +299,10 @@ def _decisions_table(out: Path, pool, decisions) -> None:
         frame[f"{name}_group"] = groups
     if decisions.group_field is not None:
         frame["false_negative_group"] = decisions.group_field
+    if decisions.similarity is not None:
+        frame["similarity_to_kept"] = decisions.similarity  # cosine with its group's kept member
+    if decisions.nearest is not None:
+        frame["nearest_similarity"] = decisions.nearest  # highest cosine with another sample of its cluster
     frame["kept"] = decisions.keep
+    frame["reason"], frame["duplicate_of"] = reasons(pool, decisions)
     frame.to_parquet(out / "decisions.parquet", index=False)
