@@ -15,6 +15,13 @@ SIGTERM to its process group, SIGKILL ``kill_after`` seconds later to the group 
 every process it had started. So a node's whole job ends within about 2 x ``dist.timeout_s``
 of the split: the timeout for the ranks to notice, the grace for the agent.
 
+A worker can also vanish without that line (killed, by the OOM killer or by hand, before it
+noticed the split): the agent of that node is then watched by liveness alone. Once it has
+had workers and has none left for ``idle_limit`` seconds (``--idle-limit``, 120 by default)
+with no lost-contact line, it is ended the same way, with a line saying why. Torchrun either
+exits or starts new workers within seconds of losing its own; a node's agent that does
+neither is retrying a store it cannot reach.
+
 The command must be the agent itself (or a wrapper that execs it): its child processes are
 taken for its workers. A restart that waits longer than the grace for a lost node to come
 back is ended too; with ``--max-restarts``, raise ``--grace`` to the wait you want.
@@ -41,6 +48,7 @@ import psutil
 LOST_CONTACT = b"mmalign: error: lost contact with another rank"
 _TIMEOUT = re.compile(rb"dist\.timeout_s=(\d+(?:\.\d+)?) s")
 FALLBACK_GRACE_S = 120.0  # a lost-contact line that names no timeout (the CPU default)
+IDLE_LIMIT_S = 120.0  # an agent without workers and without a lost-contact line: longer than a restart takes
 POLL_S = 0.2
 MAX_PARTIAL = 1 << 16  # bytes of an unfinished stderr line kept for the scan
 
@@ -133,9 +141,11 @@ def _end(agent: subprocess.Popen, kill_after: float) -> None:
     agent.wait()
 
 
-def supervise(command: list[str], grace_s: float | None = None, kill_after_s: float = 10.0) -> int:
+def supervise(command: list[str], grace_s: float | None = None, kill_after_s: float = 10.0,
+              idle_limit_s: float = IDLE_LIMIT_S) -> int:
     """Run the agent ``command`` until it exits, ending it when it outlives its workers after a
-    lost-contact report (see the module's docstring); returns the exit status."""
+    lost-contact report, or ``idle_limit_s`` after its workers vanished without one (see the
+    module's docstring); returns the exit status."""
     try:
         agent = subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0)
     except OSError as e:
@@ -156,22 +166,27 @@ def supervise(command: list[str], grace_s: float | None = None, kill_after_s: fl
     previous = {s: signal.signal(s, forward) for s in forwarded} if in_main else {}
     try:
         idle_since: float | None = None
-        ended = False
+        had_workers = ended = False
         while agent.poll() is None:
             time.sleep(POLL_S)
-            if scan.reported_at is None:
-                continue
             now = time.monotonic()
             if _live_children(agent.pid):
-                idle_since = None  # workers again: a restart is under way
+                had_workers, idle_since = True, None  # workers (again: a restart is under way)
                 continue
+            if not had_workers and scan.reported_at is None:
+                continue  # still starting: the first rendezvous is torchrun's own to time out
             idle_since = now if idle_since is None else idle_since
-            grace = grace_s if grace_s is not None else (scan.timeout_s or FALLBACK_GRACE_S)
-            if now - idle_since >= grace and agent.poll() is None:
+            if scan.reported_at is not None:
+                limit = grace_s if grace_s is not None else (scan.timeout_s or FALLBACK_GRACE_S)
                 # not a second "error:" line: the workers' lost-contact line said what went wrong
-                print(f"mmalign: supervise: the agent (pid {agent.pid}) is still running {grace:g} s after its "
-                      f"workers lost contact with another rank; ending it (SIGTERM, then SIGKILL after "
-                      f"{kill_after_s:g} s)", file=sys.stderr, flush=True)
+                why = f"is still running {limit:g} s after its workers lost contact with another rank"
+            else:  # the workers vanished without a word (killed): liveness is all there is to go on
+                limit = idle_limit_s
+                why = (f"has had no live worker for {limit:g} s (they ended without a lost-contact line, "
+                       f"e.g. killed) and neither exits nor starts new ones")
+            if now - idle_since >= limit and agent.poll() is None:
+                print(f"mmalign: supervise: the agent (pid {agent.pid}) {why}; ending it (SIGTERM, then SIGKILL "
+                      f"after {kill_after_s:g} s)", file=sys.stderr, flush=True)
                 _end(agent, kill_after_s)
                 ended = True
         scan.thread.join(timeout=2)  # a stray process may hold the pipe: do not wait for it
@@ -189,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=None, metavar="S",
                    help="seconds the agent may live on without workers after a lost-contact line "
                         "(default: the dist.timeout_s that line names)")
+    p.add_argument("--idle-limit", type=float, default=IDLE_LIMIT_S, metavar="S",
+                   help="seconds the agent may live on after its workers are gone without a lost-contact "
+                        "line (killed) before it is ended (default: %(default)s)")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when ending the agent (default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the agent's command line, e.g. torchrun ...")
@@ -198,14 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    for name, value in (("--grace", args.grace), ("--kill-after", args.kill_after)):
+    for name, value in (("--grace", args.grace), ("--kill-after", args.kill_after),
+                        ("--idle-limit", args.idle_limit)):
         if value is not None and not (value >= 0 and value != float("inf")):
             print(f"mmalign: error: {name} must be a number of seconds >= 0, not {value:g}", file=sys.stderr)
             return 2
     if not command:
         print("mmalign: error: no agent command given (python -m mmalign.dist.supervise torchrun ...)", file=sys.stderr)
         return 2
-    return supervise(command, args.grace, args.kill_after)
+    return supervise(command, args.grace, args.kill_after, args.idle_limit)
 
 
 if __name__ == "__main__":
