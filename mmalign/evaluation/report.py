@@ -10,7 +10,8 @@
 - ``recall.png``: Recall@k for k = 1..50 in both directions, with chance.
 - ``index.html``: first the headline results (zero-shot top-1 / top-5, Recall@k) of the
   last evaluation file; then the figures, the embedding diagnostics, every evaluation file of
-  the run (``eval.json`` and ``eval_step*.json``), the run time, a data summary (shards and
+  the run (``eval.json`` and ``eval_step*.json``) and what ``mmalign eval`` wrote beside them
+  (``eval_cli_*.json``), the run time, a data summary (shards and
   sample counts of data.train / data.val, the embedded sample's class mix and captions)
   and the resolved ``config.yaml``.
 
@@ -217,9 +218,13 @@ def _fmt(value) -> str:
 
 def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0,
                progress: bool = False) -> tuple[dict, dict]:
+    from mmalign.errors import UsageError
     from mmalign.models.load import load
 
-    loaded = load(run)
+    try:
+        loaded = load(run)
+    except UsageError as e:  # no model yet (a run without final/): the page says so and goes on
+        raise FileNotFoundError(str(e)) from None
     train_cfg = loaded.config.get("train_config", {})
     suite = load_suite(suite_name or train_cfg.get("eval", {}).get("suite", "shapes"))
     # a seeded draw stratified by label, not the first N (class-sorted shards would give one class)
@@ -233,6 +238,12 @@ def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, 
 def eval_files(run: Path) -> list[Path]:
     """``eval_step*.json`` in step order, then ``eval.json`` (the end of the run)."""
     return sorted(run.glob("eval_step*.json")) + [p for p in [run / "eval.json"] if p.is_file()]
+
+
+def cli_eval_files(run: Path) -> list[Path]:
+    """What ``mmalign eval`` wrote beside the run's own: ``eval_cli_*.json`` in the run directory
+    (a run, or one of its step checkpoints, evaluated) and in ``final/`` (``--model RUN/final``)."""
+    return [p for folder in (run, run / "final") for p in sorted(folder.glob("eval_cli_*.json")) if p.is_file()]
 
 
 def run_time(run: Path) -> str | None:
@@ -370,18 +381,20 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
             plot_tsne(img, labels, f"t-SNE of image embeddings, coloured by {task['label_field']}", out / "tsne.png")
             body.append("<img src='tsne.png'>")
 
-    files = eval_files(run)
-    if not files:
-        body.append("<h2>Evaluation</h2><p>no eval.json or eval_step*.json in the run</p>")
-    for path in files:
+    files, cli_files = eval_files(run), cli_eval_files(run)
+    if not files and not cli_files:
+        body.append("<h2>Evaluation</h2><p>no eval.json, eval_step*.json or eval_cli_*.json in the run</p>")
+    for path in files + cli_files:
+        name = html.escape(str(path.relative_to(run))) + (" (mmalign eval)" if path in cli_files else "")
         try:
             records = json.loads(path.read_text())
-        except (json.JSONDecodeError, OSError) as e:
-            body.append(f"<h2>{html.escape(path.name)}</h2><p>unreadable: {html.escape(str(e))}</p>")
+            records = [records] if isinstance(records, dict) else records  # a clip_benchmark record: one object
+            rows_ = [(r["dataset"], k, v) for r in records for k, v in r["metrics"].items()
+                     if isinstance(v, (int, float)) or v is None]
+        except (json.JSONDecodeError, OSError, TypeError, KeyError, AttributeError) as e:
+            body.append(f"<h2>{name}</h2><p>unreadable: {html.escape(str(e))}</p>")
             continue
-        rows_ = [(r["dataset"], k, v) for r in records for k, v in r["metrics"].items()
-                 if isinstance(v, (int, float)) or v is None]
-        body.append(f"<h2>{html.escape(path.name)}</h2>" + _table([("task", "metric", "value")] + rows_))
+        body.append(f"<h2>{name}</h2>" + _table([("task", "metric", "value")] + rows_))
     if (run / "config.yaml").is_file():
         body.append("<h2>Resolved config (config.yaml)</h2><pre>"
                     f"{html.escape((run / 'config.yaml').read_text())}</pre>")
