@@ -28,7 +28,18 @@ def _check_flags(args) -> None:
         raise UsageError("give one of --suite and --cb-dataset (or --suite cb:DIR)")
 
 
+def check_not_onnx(model: str) -> None:
+    """An ONNX export (``mmalign export --format onnx``: ``*.onnx`` graphs) is for serving, not
+    weights eval can load: one line naming the folders it takes, before anything loads."""
+    path = Path(model)
+    if path.is_dir() and any(path.glob("*.onnx")) and not (path / "model.safetensors").is_file():
+        raise UsageError(f"--model {model}: an ONNX export is for serving (onnxruntime), not for mmalign eval; "
+                         f"give the run directory it was exported from, its final/, a step checkpoint "
+                         f"RUN/checkpoints/step_N, or an open_clip / Hugging Face export folder")
+
+
 def cmd_eval(args) -> int:
+    check_not_onnx(args.model)
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
