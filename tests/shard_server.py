@@ -5,6 +5,10 @@ off (then the whole file, as a server without range support answers). Faults, se
 
 - ``server.fail[name] = k``: 503 to the next k requests for ``name`` (-1: always);
 - ``server.cut[name] = k``: the next k responses for ``name`` end half-way through the body;
+- ``server.cut_at[name] = b``: every response for ``name`` ends at byte ``b`` of the file (a
+  proxy that always drops the connection there), its Content-Length announcing the whole body,
+  or none at all when ``name`` is in ``server.no_length`` (a close-delimited body);
+- ``server.endless``: names streamed for ever (valid tar members, no length) until the client leaves;
 - ``server.held``: while ``server.gate`` is clear, a name in it answers its first request
   (a start-up probe) and holds every later one until the gate is set, so a client can be
   killed between two shards.
@@ -45,6 +49,8 @@ class _Handler(BaseHTTPRequestHandler):
         if failing:
             self.send_error(503)
             return
+        if name in srv.endless:
+            return self._endless(head)
         path = srv.root / name
         if not path.is_file():
             self.send_error(404)
@@ -67,10 +73,28 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 body = data
                 self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+            if name not in srv.no_length:
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            if name in srv.cut_at:
+                first = start if match else 0
+                body = body[:max(0, srv.cut_at[name] - first)]
             if not head:
                 self.wfile.write(body[:len(body) // 2] if cutting else body)
+
+    def _endless(self, head: bool) -> None:
+        import tarfile
+
+        with contextlib.suppress(OSError):  # ends when the client closes
+            self.send_response(200)
+            self.end_headers()
+            i = 0
+            while not head and i < 10_000_000:  # bounded all the same: ~10 GB
+                for ext in ("txt", "cls"):  # one sample: two members, never an end-of-archive block
+                    info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    info.size = 4
+                    self.wfile.write(info.tobuf(tarfile.USTAR_FORMAT) + b"abcd".ljust(512, b"\0"))
+                i += 1
 
 
 @contextlib.contextmanager
@@ -81,6 +105,7 @@ def serve(root: Path, ranges: bool = True):
     server.handle_error = lambda request, address: None  # a client closing early is no test failure
     server.root, server.ranges, server.lock = Path(root), ranges, threading.Lock()
     server.requests, server.fail, server.cut, server.held = [], {}, {}, set()
+    server.cut_at, server.no_length, server.endless = {}, set(), set()
     server.gate = threading.Event()
     server.gate.set()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"

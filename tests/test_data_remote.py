@@ -127,6 +127,52 @@ def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
     assert failed == reads_of_1 // 3 + requests.count("00003.tar")
 
 
+@pytest.mark.parametrize("length", [True, False], ids=["content-length", "close-delimited"])
+def test_a_shard_cut_at_the_same_byte_every_time_is_a_counted_logged_skip(tmp_path, length, caplog):
+    from mmalign.data.tario import iter_samples
+
+    rng = random.Random(3)
+    keys = make_shards(tmp_path, [10, 10], rng)
+    with open(tmp_path / "00000.tar", "rb") as f:
+        starts = [raw.offset for raw in iter_samples(f)]
+    with serve(tmp_path) as server:
+        server.cut_at["00000.tar"] = starts[4]  # between two samples: no member is cut
+        if not length:
+            server.no_length.add("00000.tar")  # the cut looks like the end of the body
+        loader = loader_for(f"{server.url}/{{00000..00001}}.tar", mode="epoch", workers=0, buffer=1, batch=2,
+                            remote_retries=1, remote_backoff=0.01)
+        batches = take(loader, 10)  # 20 rows: past epoch 0 on both lanes
+    got = [k for b in batches for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
+    before_cut = keys[:4] if not length else keys[:3]  # a failed read of the next header loses the 4th
+    assert sorted(got) == sorted(before_cut + keys[10:])  # the other shard whole; nothing after the cut
+    skipped = batches[-1].skipped
+    assert sum(skipped.values()) >= 1 and set(skipped) <= {"truncated_tar", "unreadable_shard"}, skipped
+    named = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "00000.tar" in r.getMessage()]
+    assert any("skipped sample" in m for m in named)  # the lane's counted skip, with the shard's name
+    assert any("ends early" in m for m in named)  # and the count pass says it at start-up
+
+
+@pytest.mark.parametrize("bound", ["bytes", "seconds"])
+def test_an_endless_remote_shard_stops_start_up_with_one_line(tmp_path, bound, monkeypatch):
+    from mmalign.data import shard_sizes
+
+    make_shards(tmp_path, [4], random.Random(0))
+    if bound == "bytes":
+        monkeypatch.setattr(shard_sizes, "MAX_COUNT_BYTES", 2 << 20)
+    else:
+        monkeypatch.setattr(shard_sizes, "MAX_COUNT_SECONDS", 0.5)
+    with serve(tmp_path) as server:
+        server.endless.add("endless.tar")  # valid members for ever, never an end-of-archive block
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as e:
+            loader_for(f"{server.url}/00000.tar::{server.url}/endless.tar", mode="epoch", workers=0, batch=2,
+                       remote_retries=0)
+        took = time.monotonic() - start
+    message = str(e.value)
+    assert "\n" not in message and "endless.tar" in message and "has not ended" in message
+    assert took < 20
+
+
 def test_gzip_shards_stream_but_refuse_exact_resume(tmp_path):
     rng = random.Random(0)
     make_shards(tmp_path, [8, 8], rng)

@@ -17,6 +17,8 @@ Transient failures (connection errors, timeouts, HTTP 5xx/408/429, a cut respons
 command that exits non-zero) are retried with exponential backoff, resuming at the byte
 where reading stopped; after ``retries`` failures without progress the read raises
 ``OSError`` and the stream counts the shard as ``unreadable_shard``, as for local files.
+A stream that ends cleanly but before the tar's end-of-archive blocks (a body without a
+length, or a pipe, cut short) is a ``truncated_tar`` skip (:class:`RemoteFile`).
 Every wait on the network or on a command has a timeout.
 """
 
@@ -238,7 +240,14 @@ class RemoteFile:
     ``pos`` is the logical position; ``seek`` only moves it.  A read is served from the
     window of the last bytes read when it can be, else from the open stream (after
     reading and dropping a short forward gap), else from a stream reopened at ``pos``.
+
+    ``needs_end_marker``: the tar reader (:func:`mmalign.data.tario.iter_members`) refuses to take
+    the end of a remote stream for the end of the shard unless the tar's end-of-archive blocks
+    came first: a body without a length (or a pipe) cut between two members would otherwise
+    lose the rest of the shard silently.  The cut is a ``truncated_tar`` skip naming the shard.
     """
+
+    needs_end_marker = True
 
     def __init__(self, url: str, options: RemoteOptions | None = None):
         self.url, self.kind = url, kind_of(url)

@@ -10,7 +10,12 @@ sample instead of reading every header before it (over HTTP: every byte before i
 ``sizes.json`` there are no offsets and the lane reads the headers from the shard's start.
 A count that is wrong (a shard rewritten since its ``sizes.json``) changes no other shard's
 samples: the samples a lane misses are counted skips (``shard_shorter_than_counted``), surplus
-ones are never read.
+ones are never read.  A shard whose header pass ends early (cut, unreadable) is logged here
+with its name; its readable samples are counted, and the lane that reads its end meets the
+damage again and counts the skip.
+
+Counting a remote shard is bounded: a stream that has not ended after ``MAX_COUNT_BYTES`` or
+``MAX_COUNT_SECONDS`` (an endless or runaway shard) is one ``ConfigError`` line, not a hang.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from array import array
 from dataclasses import dataclass
 
@@ -29,6 +35,39 @@ log = logging.getLogger("mmalign.data")
 SIZES_FILE = "sizes.json"
 STRIDE = 16  # an offset is kept for every STRIDE-th sample at least ...
 MAX_OFFSETS = 1 << 21  # ... and at most about this many in all (400M samples: every 256th)
+MAX_COUNT_BYTES = 16 << 30  # a remote shard counted past this does not end (shards are ~0.1-2 GB)
+MAX_COUNT_SECONDS = 900.0  # nor one still streaming after this (15 min)
+
+
+class _CountLimit(Exception):
+    """A remote shard's header pass ran past its bounds (not an OSError: never taken for damage)."""
+
+
+class _Bounded:
+    """A remote shard file whose header pass stops at ``MAX_COUNT_BYTES`` / ``MAX_COUNT_SECONDS``."""
+
+    def __init__(self, f, url: str):
+        self.f, self.url, self.start = f, url, time.monotonic()
+        self.needs_end_marker = getattr(f, "needs_end_marker", False)
+
+    def _check(self) -> None:
+        at, took = self.f.tell(), time.monotonic() - self.start
+        if at > MAX_COUNT_BYTES or took > MAX_COUNT_SECONDS:
+            raise _CountLimit(f"config key 'data.train': remote shard {self.url} has not ended after {at} bytes "
+                              f"and {took:.0f} s of counting its samples (at most {MAX_COUNT_BYTES} bytes, "
+                              f"{MAX_COUNT_SECONDS:g} s): an endless stream? split it or fix its server")
+
+    def read(self, n: int = -1) -> bytes:
+        self._check()
+        return self.f.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        position = self.f.seek(offset, whence)
+        self._check()
+        return position
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 def stride_for(samples: int) -> int:
@@ -80,12 +119,19 @@ def count_samples(url: str, remote: RemoteOptions | None = None, max_member: int
     n, offsets = 0, array("q")
     try:
         with open_shard(url, remote) as f:
-            for raw in iter_samples(f, keep=lambda i: False, max_member=max_member):
+            reader = f if kind_of(url) == "local" else _Bounded(f, url)
+            for raw in iter_samples(reader, keep=lambda i: False, max_member=max_member):
                 if n % stride == 0:
                     offsets.append(raw.offset)
                 n += 1
-    except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError):
-        pass  # the samples before the damage count; the lane reading it counts the skip
+    except _CountLimit as e:
+        from mmalign.config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError) as e:
+        # the samples before the damage count; the lane that reads the shard's end counts the skip
+        log.warning("data: shard %s ends early after %d sample(s) (%s: %s): the rest of it is lost, "
+                    "a counted skip each time it is read", url, n, type(e).__name__, e)
     return n, offsets
 
 
@@ -94,6 +140,10 @@ def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
     """Samples per shard (and offsets where the headers were read), in ``urls`` order."""
     cache: dict = {}
     counts, offsets, scanned, stride = [], [], 0, None
+    streamed = sum(kind_of(u) != "local" for u in urls)
+    if streamed:  # this may take a while: said first
+        log.info("data: counting the samples of %d remote shard(s) from their tar headers (each is streamed once)",
+                 streamed)
     for url in urls:
         listed = _listed(url, cache)
         known = array("q")

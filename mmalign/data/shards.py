@@ -32,7 +32,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 # The skip reasons, in the order a sample is checked.
 REASONS = (
     "unreadable_shard",  # missing file, not a tar, bad header checksum
-    "truncated_tar",  # the shard ends inside a member (counted once per shard read)
+    "truncated_tar",  # the shard ends inside a member, or a remote one before its end blocks (once per read)
     "member_too_large",  # a member over data.max_member_bytes (never read into memory)
     "missing_image",
     "corrupt_image",

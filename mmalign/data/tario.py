@@ -38,12 +38,13 @@ class Oversized:
 class TruncatedTar(Exception):
     """The archive ended inside a header or a member (a partial copy or download).
 
-    ``name`` is the member whose data was cut, when its header was still whole.
+    ``name`` is the member whose data was cut, when its header was still whole;
+    ``at_boundary``: the archive ended between two members (the members before it are whole).
     """
 
-    def __init__(self, message: str, name: str | None = None):
+    def __init__(self, message: str, name: str | None = None, at_boundary: bool = False):
         super().__init__(message)
-        self.name = name
+        self.name, self.at_boundary = name, at_boundary
 
 
 class CorruptTar(Exception):
@@ -100,6 +101,8 @@ def _pax_path(data: bytes) -> str | None:
 class _GzipShard(gzip.GzipFile):
     """A gzip stream over a remote shard file, closing that file with itself."""
 
+    needs_end_marker = True  # a remote stream's end is checked (see iter_members)
+
     def __init__(self, raw: BinaryIO):
         super().__init__(fileobj=raw, mode="rb")
         self._raw = raw
@@ -152,7 +155,10 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
     while True:
         header = f.read(BLOCK)
         if len(header) == 0:
-            return  # ended without the end-of-archive blocks: lenient, like tarfile
+            if getattr(f, "needs_end_marker", False):  # a remote body cut at a header boundary: no silent loss
+                raise TruncatedTar(f"archive ends at byte {pos} without its end-of-archive blocks "
+                                   "(the remote stream was cut short)", at_boundary=True)
+            return  # a local file without the end-of-archive blocks: lenient, like tarfile
         if len(header) < BLOCK:
             raise TruncatedTar(f"archive ends inside a header at byte {pos}")
         if header == b"\0" * BLOCK:
@@ -241,7 +247,7 @@ def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None,
         except TruncatedTar as e:
             # Cut inside the first member of the next sample: the current one is whole.
             cut = split_name(e.name) if e.name else None
-            if current is not None and cut is not None and cut[0] != current.key:
+            if current is not None and (e.at_boundary or (cut is not None and cut[0] != current.key)):
                 yield current
             raise
         parts = split_name(name)
