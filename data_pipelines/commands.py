@@ -137,6 +137,9 @@ def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_tokenizer(args) -> dict:
+    from mmalign.data.shards import check_urls, expand_urls
+
+    check_urls(expand_urls(args.data), "--data")  # a missing shard is one line before torch is imported
     from data_pipelines.tokenizer_train import train_from_shards
 
     info = train_from_shards(args.data, args.vocab_size, args.out, model_type=args.model_type,
@@ -163,6 +166,13 @@ def add_mine_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_mine(args) -> dict:
+    from data_pipelines.shard_input import input_shards
+    from mmalign.models.locate import check_exists
+
+    # the two paths, as one line each, before the seconds of importing torch and open_clip
+    input_shards(args.data)
+    check_exists(args.model)
+    print(f"mmalign: loading the model from {args.model} ...", flush=True)
     from data_pipelines.mine import mine
 
     stats = mine(args.data, args.model, args.out, k=args.k, max_similarity=args.max_similarity,

@@ -59,7 +59,19 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
 
 
+def _loading(model: str) -> None:
+    """A model path that does not exist is one line now, before the seconds that importing torch
+    and open_clip and building the model take; else a line saying that those seconds begin."""
+    from mmalign.models.locate import check_exists
+
+    check_exists(model)
+    print(f"mmalign: loading the model from {model} ...", flush=True)
+
+
 def cmd_report(args) -> int:
+    if not os.path.isdir(args.run):  # before torch, and before the report folder is made
+        raise UsageError(f"--run: {args.run} is not a run directory")
+    print(f"mmalign: loading the run's model from {args.run} ...", flush=True)
     from mmalign.evaluation.report import write_report
 
     out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit, progress=True)
@@ -102,11 +114,14 @@ def _run_command(name: str, argv: list[str]) -> None:
 
 
 def cmd_models(args) -> int:
-    from mmalign.models import describe_presets
+    from mmalign.models.preset_table import describe, stale
 
+    if todo := stale():  # presets new or changed since the shipped table: each is built on the meta device
+        print(f"mmalign: counting the parameters of {len(todo)} preset(s) not in the shipped table "
+              f"({', '.join(todo[:3])}{', ...' if len(todo) > 3 else ''}): building each takes ~0.1-1 s", flush=True)
     header = f"{'preset':<36} {'parameters':>11} {'image':>6}"
     print(header, flush=True)
-    for row in describe_presets(include_unavailable=args.all):  # rows stream: building each takes ~0.1-1 s
+    for row in describe(include_unavailable=args.all):  # from the shipped table: no model is built
         if row["offline"]:
             print(f"{row['name']:<36} {row['params'] / 1e6:>10.1f}M {row['image_size']:>6}", flush=True)
         else:
@@ -117,6 +132,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_export(args) -> int:
+    _loading(args.model)
     from mmalign.export import export
 
     out = export(args.model, args.format, args.out, force=args.force)
@@ -125,6 +141,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    _loading(args.model)
     from mmalign import dirlock
     from mmalign.search.embed import embed
 
@@ -136,6 +153,8 @@ def cmd_embed(args) -> int:
 
 
 def cmd_index(args) -> int:
+    if not os.path.isfile(os.path.join(args.emb, "embed.json")):  # mmalign.search.embed.EMBED_INFO; before torch
+        raise UsageError(f"--emb: {args.emb} is not an embedding directory (no embed.json; run `mmalign embed`)")
     from mmalign.search.index import build_index
 
     info = build_index(args.emb, args.out, exact_max=args.exact_max, nlist=args.nlist, pq_m=args.pq_m,
@@ -148,10 +167,12 @@ def cmd_index(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from mmalign.search.searcher import Searcher, format_hits
-
     if (args.text is None) == (args.image is None):
         raise UsageError("search: give exactly one of --text or --image")
+    _check_index(args.index)
+    _loading(args.model)
+    from mmalign.search.searcher import Searcher, format_hits
+
     searcher = Searcher(args.index, args.model)
     dedupe = not args.no_dedupe
     hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \
@@ -160,7 +181,18 @@ def cmd_search(args) -> int:
     return 0
 
 
+INDEX_INFO = "index.json"  # mmalign.search.index.INDEX_INFO (importing it imports torch: seconds)
+
+
+def _check_index(index: str) -> None:
+    """The Searcher's first check, before torch and the model load (the same line)."""
+    if not os.path.isfile(os.path.join(index, INDEX_INFO)):
+        raise UsageError(f"--index: {index} is not an index directory (no {INDEX_INFO}; run `mmalign index`)")
+
+
 def cmd_serve(args) -> int:
+    _check_index(args.index)
+    _loading(args.model)
     from mmalign.search.serve import serve
 
     serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k, timeout=args.timeout,

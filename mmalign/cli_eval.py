@@ -39,7 +39,12 @@ def check_not_onnx(model: str) -> None:
 
 
 def cmd_eval(args) -> int:
+    from mmalign.models.locate import check_exists
+
+    _check_flags(args)
+    check_exists(args.model)  # one line before the seconds of importing torch and open_clip
     check_not_onnx(args.model)
+    print(f"mmalign: loading the model from {args.model} ...", flush=True)
     import torch
 
     from mmalign.evaluation import load_suite, run_suite, write_results
@@ -47,7 +52,6 @@ def cmd_eval(args) -> int:
     from mmalign.evaluation.suite import check_suite_data, label_field
     from mmalign.models.load import load
 
-    _check_flags(args)
     if args.benchmark:
         return _cmd_benchmark(args)
     split = args.cb_split or "test"

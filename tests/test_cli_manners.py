@@ -74,10 +74,11 @@ def test_usage_mistakes_are_one_line_exit_2(capsys):
 
 def test_models_lists_offline_presets_with_parameter_counts(monkeypatch, capsys):
     import mmalign.models.presets as presets
-    from mmalign.models import TwoTower
+    from mmalign.models import TwoTower, preset_table
 
     names = ["micro", "ViT-B-16-SigLIP", "RN50"]
-    monkeypatch.setattr(presets, "available", lambda: names)
+    every = preset_table.architectures()  # the shipped table's rows of these three (mmalign.models.preset_table)
+    monkeypatch.setattr(preset_table, "architectures", lambda: {n: every[n] for n in names})
     assert main(["models"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:-1]}
     assert set(rows) == {"micro", "RN50"}  # the SigLIP preset needs a Hugging Face text tower

@@ -1,13 +1,33 @@
-"""Towers and the TwoTower model (no loss; the only collectives are sync BatchNorm's, models/batchnorm.py)."""
+"""Towers and the TwoTower model (no loss; the only collectives are sync BatchNorm's, models/batchnorm.py).
 
-from mmalign.config import ModelConfig
-from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
-from mmalign.models.flip import add_patch_dropout
-from mmalign.models.init_from import load_pretrained_weights
-from mmalign.models.timm_tower import load_timm_weights
-from mmalign.models.arch import resolve_arch
-from mmalign.models.presets import PRESETS, available
-from mmalign.models.two_tower import TwoTower
+The names below are imported when first used (PEP 562 ``__getattr__``): importing a submodule
+such as :mod:`mmalign.models.locate` or :mod:`mmalign.models.preset_table` runs this file first,
+and a command that only checks a path or lists presets must not pay for torch and open_clip.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmalign.config import ModelConfig
+    from mmalign.models.two_tower import TwoTower
+
+
+def __getattr__(name: str):
+    if name == "TwoTower":
+        from mmalign.models.two_tower import TwoTower
+
+        return TwoTower
+    if name in ("PRESETS", "available"):
+        from mmalign.models import presets
+
+        return getattr(presets, name)
+    if name == "resolve_arch":
+        from mmalign.models.arch import resolve_arch
+
+        return resolve_arch
+    raise AttributeError(f"module 'mmalign.models' has no attribute {name!r}")
 
 
 def build_model(cfg: ModelConfig) -> TwoTower:
@@ -15,6 +35,13 @@ def build_model(cfg: ModelConfig) -> TwoTower:
     (models/init_from.py); never downloads weights.  With
     ``model.batchnorm`` its BatchNorm layers take that mode (models/batchnorm.py); with
     ``model.lock_image`` / ``model.lock_text`` a tower is locked (:meth:`TwoTower.lock`)."""
+    from mmalign.models.arch import resolve_arch
+    from mmalign.models.batchnorm import convert_batchnorm, has_batchnorm
+    from mmalign.models.flip import add_patch_dropout
+    from mmalign.models.init_from import load_pretrained_weights
+    from mmalign.models.timm_tower import load_timm_weights
+    from mmalign.models.two_tower import TwoTower
+
     model = TwoTower(
         resolve_arch(cfg),
         init_logit_scale=cfg.init_logit_scale,
@@ -45,6 +72,7 @@ def check_buildable(cfg: ModelConfig) -> TwoTower:
     import torch
 
     from mmalign.errors import ConfigError, first_line
+    from mmalign.models.arch import resolve_arch
 
     resolve_arch(cfg)  # unknown presets: their own one-line error
     try:
@@ -83,26 +111,4 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
         raise ConfigError(f"config key '{key}': {e}") from None
 
 
-def describe_presets(include_unavailable: bool = False, names: list[str] | None = None):
-    """Yield ``{"name", "offline", "params", "image_size", "why"}`` per preset (``mmalign models``).
-
-    A preset is offline when its towers build without a download (a Hugging Face text tower
-    named by hub id needs one; ``model.text.hf_local_dir`` replaces it); its parameters are
-    counted on the meta device (no memory, no maths).  The others are yielded, with ``why``, only under ``include_unavailable``.
-    """
-    from mmalign.errors import ConfigError
-    from mmalign.models import presets
-
-    for name in presets.available() if names is None else names:
-        try:
-            model = check_buildable(ModelConfig(preset=name))
-        except ConfigError as e:
-            if include_unavailable:
-                why = "needs a Hugging Face text tower" if "Hugging Face" in str(e) else str(e).split(": ", 1)[-1]
-                yield {"name": name, "offline": False, "params": None, "image_size": None, "why": why[:100]}
-            continue
-        yield {"name": name, "offline": True, "params": sum(p.numel() for p in model.parameters()),
-               "image_size": model.image_size, "why": None}
-
-
-__all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "describe_presets", "resolve_arch"]
+__all__ = ["PRESETS", "TwoTower", "available", "build_model", "check_buildable", "resolve_arch"]

@@ -24,13 +24,20 @@ def is_step_checkpoint(path: Path) -> bool:
     return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
 
 
+def check_exists(path: str | Path) -> Path:
+    """``path``, or the one-line UsageError of a model path that does not exist: free of torch, so
+    a command says it before the seconds of importing the loader."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"model path {p} does not exist")
+    return p
+
+
 def locate(path: str | Path) -> tuple[str, Path]:
     """``(kind, folder)`` of the model at ``path``; a one-line UsageError when there is none."""
     from mmalign.models.io import resolve_model_dir
 
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"model path {p} does not exist")
+    p = check_exists(path)
     try:
         return MODEL, resolve_model_dir(p)  # safetensors first, whatever else the folder holds
     except FileNotFoundError as e:

@@ -13,8 +13,6 @@ import copy
 from importlib import resources
 from pathlib import Path
 
-import open_clip
-
 from mmalign.config import ConfigError
 
 PRESET_DIR = "preset_data"  # package data: one YAML file per preset (pyproject.toml ships them)
@@ -39,6 +37,8 @@ PRESETS: dict[str, dict] = _load_presets()
 
 
 def available() -> list[str]:
+    import open_clip  # its registry: the import takes seconds (torchvision, transformers), so only here
+
     return sorted(PRESETS) + open_clip.list_models()
 
 
@@ -47,6 +47,8 @@ def preset_arch(name: str) -> dict:
     if name in PRESETS:
         arch = copy.deepcopy(PRESETS[name])
     else:
+        import open_clip
+
         found = open_clip.get_model_config(name)
         if found is None:
             raise ConfigError(
