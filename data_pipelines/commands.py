@@ -20,43 +20,128 @@ PER_SHARD = 1000
 SHAPES_PER_SHARD = 2000  # shapes.generate's own default (the quickstart's layout)
 
 
-def add_shard_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", choices=SOURCES,
-                   help="shapes (synthetic), imagefolder (class folders, dir or tar), table (csv/tsv/parquet), "
-                        "hf (a Hugging Face dataset on disk)")
-    p.add_argument("--out", default=None, help="output folder (default: data/shapes for shapes)")
-    g = p.add_argument_group("shapes")
-    g.add_argument("--n-train", type=int, default=16000)
-    g.add_argument("--n-val", type=int, default=1000)
-    g.add_argument("--seed", type=int, default=0, help="also seeds the choice of templates per image")
-    g = p.add_argument_group("sources")
-    g.add_argument("--input", help="the folder, tar, table or dataset to read")
-    g.add_argument("--templates", default=None,
+# Each source is its own sub-parser (``mmalign shards imagefolder --help`` shows its flags
+# only); every parser also takes the other sources' flags, hidden, so that one given to the
+# wrong source is a one-line refusal naming its sources rather than argparse's bare
+# "unrecognized arguments".
+
+
+def _common_flags(p, source: str) -> None:
+    default = " (default: data/shapes)" if source == "shapes" else ""
+    p.add_argument("--out", default=None, help=f"output folder{default}")
+    p.add_argument("--per-shard", type=int, default=None,
+                   help=f"samples per shard (<= 10000; default {SHAPES_PER_SHARD if source == 'shapes' else PER_SHARD})")
+
+
+def _input_flag(p) -> None:
+    p.add_argument("--input", help="the folder, tar, table or dataset to read")
+
+
+def _seed_flag(p) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seeds the samples' order and the choice of templates per image")
+
+
+def _shapes_flags(p) -> None:
+    p.add_argument("--n-train", type=int, default=16000)
+    p.add_argument("--n-val", type=int, default=1000)
+
+
+def _caption_flags(p) -> None:
+    p.add_argument("--templates", default=None,
                    help="caption templates for class names: a set in data_pipelines/templates (cifar10, generic) "
                         "or a YAML path; default generic")
-    g.add_argument("--templates-per-image", type=_per_image, default=1,
+    p.add_argument("--templates-per-image", type=_per_image, default=1,
                    help="captions per image, each a template drawn with --seed (default 1); 'all' writes every "
                         "template into every .txt (evaluation, embed and report then embed them all)")
-    g.add_argument("--no-shuffle", action="store_true",
-                   help="imagefolder: keep folder order (default: a random order seeded by --seed, so every shard "
-                        "mixes the classes)")
-    g.add_argument("--classes", default=None,
-                   help="imagefolder: only these class folders, comma-separated (class ids stay those of the "
-                        "full class list), e.g. half the classes for a held-out-classes experiment")
-    g.add_argument("--image-col", default="image", help="column with the image (path in tables)")
-    g.add_argument("--caption-col", default="caption", help="column with the caption(s)")
-    g.add_argument("--label-col", default=None, help="hf: a ClassLabel column to caption from templates")
-    g.add_argument("--format", default="disk", choices=["disk", "parquet", "imagefolder"], help="hf: how it is stored")
-    g.add_argument("--split", default="train", help="hf: the split of a DatasetDict")
-    g.add_argument("--root", default=None, help="table: folder that relative image paths start from")
-    g = p.add_argument_group("output")
-    g.add_argument("--per-shard", type=int, default=None,
-                   help=f"samples per shard (<= 10000; default {PER_SHARD}, shapes {SHAPES_PER_SHARD})")
-    g.add_argument("--resize", type=int, default=0, help="shorter side in pixels (0 = keep)")
-    g.add_argument("--resize-mode", default="keep_ratio", choices=["keep_ratio", "center_crop"])
-    g.add_argument("--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)")
-    g.add_argument("--processes", type=int, default=1, help="encoder processes")
-    g.add_argument("--no-progress", action="store_true")
+
+
+def _imagefolder_flags(p) -> None:
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="keep folder order (default: a random order seeded by --seed, so every shard mixes the "
+                        "classes)")
+    p.add_argument("--classes", default=None,
+                   help="only these class folders, comma-separated (class ids stay those of the full class list), "
+                        "e.g. half the classes for a held-out-classes experiment")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="the first N images of each class, in the folder's (or tar's) order: a quick subset")
+
+
+def _column_flags(p) -> None:
+    p.add_argument("--image-col", default="image", help="column with the image (path in tables)")
+    p.add_argument("--caption-col", default="caption", help="column with the caption(s)")
+
+
+def _table_flags(p) -> None:
+    p.add_argument("--root", default=None, help="folder that relative image paths start from")
+
+
+def _hf_flags(p) -> None:
+    p.add_argument("--label-col", default=None, help="a ClassLabel column to caption from templates")
+    p.add_argument("--format", default="disk", choices=["disk", "parquet", "imagefolder"], help="how it is stored")
+    p.add_argument("--split", default="train", help="the split of a DatasetDict")
+
+
+def _output_flags(p) -> None:
+    p.add_argument("--resize", type=int, default=0, help="shorter side in pixels (0 = keep)")
+    p.add_argument("--resize-mode", default="keep_ratio", choices=["keep_ratio", "center_crop"])
+    p.add_argument("--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)")
+    p.add_argument("--processes", type=int, default=1, help="encoder processes")
+    p.add_argument("--no-progress", action="store_true")
+
+
+# source -> (its help line, its flag groups); _common_flags go to every source
+SOURCE_FLAGS = {
+    "shapes": ("synthetic coloured shapes with captions (the quickstart's data)", (_seed_flag, _shapes_flags)),
+    "imagefolder": ("class folders (root/CLASS/*.jpg), a directory or a tar",
+                    (_input_flag, _seed_flag, _caption_flags, _imagefolder_flags, _output_flags)),
+    "table": ("a csv / tsv / parquet table of image paths and captions",
+              (_input_flag, _column_flags, _table_flags, _output_flags)),
+    "hf": ("a Hugging Face dataset on disk", (_input_flag, _seed_flag, _caption_flags, _column_flags, _hf_flags,
+                                              _output_flags)),
+}
+
+
+class _Hidden:
+    """Another source's flags on this parser: absent from its --help, None unless given."""
+
+    def __init__(self, parser: argparse.ArgumentParser, owners: dict[str, str]):
+        self.parser, self.owners = parser, owners
+
+    def add_argument(self, flag: str, **kwargs) -> None:
+        store_true = kwargs.get("action") == "store_true"
+        action = self.parser.add_argument(flag, action="store_true" if store_true else "store", default=None,
+                                          help=argparse.SUPPRESS)
+        self.owners[action.dest] = flag
+
+
+def add_shard_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
+                           help="what to read (each source has its own flags: mmalign shards SOURCE --help)")
+    for name, (text, groups) in SOURCE_FLAGS.items():
+        s = sub.add_parser(name, help=text, description=f"mmalign shards {name}: {text}.")
+        _common_flags(s, name)
+        for add in groups:
+            add(s)
+        foreign: dict[str, str] = {}
+        hidden = _Hidden(s, foreign)
+        for other in {g for _, gs in SOURCE_FLAGS.values() for g in gs} - set(groups):
+            other(hidden)
+        s.set_defaults(foreign_flags=foreign)
+
+
+def _refuse_foreign(args) -> None:
+    """A flag of another source, given here: one line naming the sources it belongs to."""
+    for dest, flag in sorted(args.foreign_flags.items()):
+        if getattr(args, dest) is not None:
+            owners = [n for n, (_, gs) in SOURCE_FLAGS.items() if any(flag in _flags_of(g) for g in gs)]
+            raise UsageError(f"mmalign shards {args.source}: {flag} does not apply to this source (a flag of "
+                             f"{', '.join(owners)}; see `mmalign shards {args.source} --help`)")
+
+
+def _flags_of(group) -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)  # a throwaway parser: only the flag names are wanted
+    group(probe)
+    return {flag for action in probe._actions for flag in action.option_strings}
 
 
 def _per_image(value: str) -> int:
@@ -77,15 +162,16 @@ def _items(args):
 
     if not args.input:
         raise UsageError(f"mmalign shards {args.source} needs --input")
-    if args.classes and args.source != "imagefolder":
-        raise UsageError(f"mmalign shards {args.source}: --classes applies to imagefolder only")
     if args.source in ("imagefolder", "hf"):
         tset = sources.load_templates(args.templates or "generic")
         captioner = sources.Captioner(tset["templates"], args.templates_per_image, args.seed)
     if args.source == "imagefolder":
         seed = None if args.no_shuffle else args.seed
         only = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
-        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed, only=only)
+        if args.limit is not None and args.limit < 1:
+            raise UsageError(f"--limit must be >= 1 images per class, got {args.limit}")
+        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed, only=only,
+                                        limit=args.limit)
         return items
     if args.source == "table":
         return sources.table(args.input, args.image_col, args.caption_col, args.root)
@@ -94,6 +180,7 @@ def _items(args):
 
 
 def run_shards(args) -> dict:
+    _refuse_foreign(args)
     per_shard = args.per_shard
     if per_shard is None:
         per_shard = SHAPES_PER_SHARD if args.source == "shapes" else PER_SHARD
@@ -102,10 +189,6 @@ def run_shards(args) -> dict:
     if args.source == "shapes":
         from data_pipelines import shapes
 
-        # flags of the other sources would be silently ignored here: refuse them instead
-        for flag, given in (("--input", args.input), ("--resize", args.resize)):
-            if given:
-                raise UsageError(f"mmalign shards shapes: {flag} does not apply to the synthetic source")
         out = args.out or "data/shapes"
         info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard)
         print(f"wrote {info['splits']} samples to {out}")
@@ -211,6 +294,9 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
                    help="drop no duplicate: write each sample's group into its .json under FIELD, for "
                         "loss.false_negative_ids: FIELD")
     g = p.add_argument_group("output")
+    g.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that curate did not create, beside its files (curate replaces "
+                        "only files it wrote, listed in OUT/curate_manifest.json)")
     g.add_argument("--keys-only", action="store_true",
                    help="write OUT/keep_keys.txt (for data.keep_keys) instead of new shards")
     g.add_argument("--per-shard", type=int, default=1000, help="samples per new shard (default 1000)")
@@ -240,14 +326,16 @@ def run_curate(args) -> dict | None:
                         seed=args.seed, max_drop=args.max_drop, force=args.force)
     opts = Options(data=args.data, model=args.model, out=args.out, policies=policies, keys_only=args.keys_only,
                    per_shard=args.per_shard, batch_size=args.batch_size, device=args.device,
-                   progress=not args.no_progress, examples=args.examples)
+                   progress=not args.no_progress, examples=args.examples, overwrite=args.overwrite)
     check(opts)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from mmalign.dirlock import hold
         from mmalign.dist.launch import launch_local
 
-        code = launch_local(args.nproc, args.argv)  # what mmalign.cli.main was given (in-process too)
+        with hold(args.out, "mmalign curate"):  # the ranks inherit it (mmalign.dirlock.ENV)
+            code = launch_local(args.nproc, args.argv)  # what mmalign.cli.main was given (in-process too)
         if code:
             raise SystemExit(code)
         return None

@@ -782,6 +782,7 @@ def test_ranks_split_the_shards_and_give_the_output_of_one(pool, local_run, tmp_
     out = tmp_path / "out"
     opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4)
     urls = input_shards(opts.data)
+    run_mod.outdir.claim(out, overwrite=False)  # rank 0 takes --out first (the other ranks wait for its stamp)
     part = run_mod.embed_part(opts, urls, out, rank=1, world=2)
     assert part["shards"] == N_SHARDS // 2
     assert sorted(p.name for p in (out / "pool").glob("*.json") if p.name != "stamp.json") == [

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_pipelines.curate import outdir
 from data_pipelines.curate.decide import Policies
 from data_pipelines.curate.embed_pass import POOL, ShardEmbedder, done_shards
 from data_pipelines.shard_input import input_shards
@@ -50,6 +51,7 @@ class Options:
     progress: bool = True
     examples: int = 24
     stall_timeout_s: float = 3600.0  # rank 0 waiting for other ranks' shards with no progress
+    overwrite: bool = False  # write into a non-empty --out curate did not create (replacing none of its files)
 
 
 def check(opts: Options) -> None:
@@ -212,22 +214,8 @@ def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
                              f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume")
 
 
-def _clear_outputs(out: Path) -> None:
-    """The previous run's outputs (not the embeddings): a rerun with other policies rewrites them."""
-    from data_pipelines.curate.report import REPORT_HTML, REPORT_JSON
-    from data_pipelines.curate.write_out import KEYS_FILE
-
-    for pattern in ("[0-9]*.tar", "[0-9]*.parquet", "sizes.json", KEYS_FILE, REPORT_JSON, REPORT_HTML):
-        for p in out.glob(pattern):
-            p.unlink()
-
-
 def curate(opts: Options) -> dict | None:
     """Run all passes (module docstring); returns the report on rank 0, None on other ranks."""
-    from data_pipelines.curate import report as report_mod
-    from data_pipelines.curate.decide import check_drop, decide, load_pool
-    from data_pipelines.curate.write_out import write_keys, write_shards
-
     check(opts)
     start = time.time()
     out = Path(opts.out)
@@ -238,8 +226,24 @@ def curate(opts: Options) -> dict | None:
     if field_name is not None:
         _peek_field(urls, field_name)
     rank, world = _rank()
-    if rank == 0:
+    if rank != 0:
+        return _curate(opts, urls, out, rank, world, start)
+    from mmalign.dirlock import hold
+
+    # one curate per --out for the whole run (a --nproc launcher holds it already: inherited)
+    with hold(out, "mmalign curate"):
+        outdir.claim(out, opts.overwrite)
         _check_stamp(opts, urls, out)
+        return _curate(opts, urls, out, rank, world, start)
+
+
+def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, start: float) -> dict | None:
+    from data_pipelines.curate import report as report_mod
+    from data_pipelines.curate.decide import check_drop, decide, load_pool
+    from data_pipelines.curate.report import REPORT_HTML, REPORT_JSON
+    from data_pipelines.curate.write_out import KEYS_FILE, write_keys, write_shards
+
+    field_name = opts.policies.false_negative_field
     part = embed_part(opts, urls, out, rank, world,
                       on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)))
     if rank != 0:
@@ -256,7 +260,11 @@ def curate(opts: Options) -> dict | None:
     decisions = decide(pool, opts.policies)
     check_drop(pool, decisions, opts.policies)  # before any output is touched
     t_write = time.time()
-    _clear_outputs(out)
+    outdir.clear_outputs(out)  # the previous run's outputs, as its manifest lists them: nothing else
+    n_out = -(-int(decisions.keep.sum()) // opts.per_shard)
+    names = [KEYS_FILE] if opts.keys_only else [f"{j:05d}.{ext}" for j in range(n_out) for ext in ("tar", "parquet")]
+    # listed before they are written: a kill mid-write leaves files the next run knows as its own
+    outdir.record(out, names + ["sizes.json", REPORT_JSON, REPORT_HTML, "decisions.parquet"])
     if opts.keys_only:
         written = write_keys(out, pool, decisions.keep)
     else:
