@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
 from mmalign.progress import Counted
 # Class-folder enumeration is shared with the imagefolder eval suites, so it lives in the library.
@@ -36,6 +37,7 @@ def load_templates(name_or_path: str) -> dict:
     templates = data.get("templates")
     if not isinstance(templates, list) or not templates or not all("{c}" in str(t) for t in templates):
         raise UsageError(f"template set {path}: 'templates' must be a non-empty list of strings containing {{c}}")
+    check_templates(templates, f"template set {path}")  # {x}, {}, a lone {: one line here, not a KeyError later
     return data
 
 

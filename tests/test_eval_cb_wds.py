@@ -135,6 +135,10 @@ def _broken(root: Path, what: str) -> Path:
         _tar(root / "test" / "1.tar", {"k1.png": _png(), "k1.cls": b"9"})
     elif what == "cls":
         _tar(root / "test" / "1.tar", {"k1.png": _png(), "k1.cls": b"cat"})
+    elif what == "many_shards":
+        (root / "test" / "nshards.txt").write_text("5000000\n")
+    elif what.startswith("templates:"):
+        (root / "zeroshot_classification_templates.txt").write_text(what.split(":", 1)[1])
     return root
 
 
@@ -158,6 +162,12 @@ def _png() -> bytes:
     ("type", "dataset_type.txt says 'multilabel'"),
     ("label", "label 9 is not a class index (0..5"),
     ("cls", ".cls holds 'cat', not a label index"),
+    ("many_shards", "shard test/2.tar not found (and 4999997 more of 5000000)"),
+    ("templates:\n\n\n", "zeroshot_classification_templates.txt is empty"),
+    ("templates:a {c}.\n\n", "zeroshot_classification_templates.txt: line 2 '' is blank"),
+    ("templates:a {c}.\n{x} of {c}\n", "templates.txt: line 2 '{x} of {c}' has the field {x}"),
+    ("templates:a {}.\n", "line 1 'a {}.' has the field {}"),
+    ("templates:a { of {c}\n", "line 1 'a { of {c}' does not format"),
 ])
 def test_a_broken_layout_is_one_line_naming_what_is_missing(model_dir, tmp_path, capsys, what, message):
     data = _broken(tmp_path / "wds_x", what)
@@ -165,6 +175,24 @@ def test_a_broken_layout_is_one_line_naming_what_is_missing(model_dir, tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("mmalign: error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_a_huge_shard_count_is_refused_from_the_folder_at_once(tmp_path):
+    import time
+
+    from mmalign.evaluation.cb_wds import inspect
+
+    data = _broken(tmp_path / "wds_big", "many_shards")
+    start = time.monotonic()
+    with pytest.raises(UsageError, match=r"shard test/2.tar not found \(and 4999997 more of 5000000\)"):
+        inspect(data)
+    assert time.monotonic() - start < 2  # not five million stats (217 s)
+    (data / "test" / "nshards.txt").write_text("2\n")
+    assert [Path(u).name for u in inspect(data).urls] == ["0.tar", "1.tar"]
+    (data / "test" / "3.tar").write_bytes((data / "test" / "1.tar").read_bytes())
+    (data / "test" / "nshards.txt").write_text("4\n")  # 0, 1 and 3 present: 2 missing, counted right
+    with pytest.raises(UsageError, match=r"shard test/2.tar not found$"):
+        inspect(data)
 
 
 def test_cb_flag_mistakes_are_one_line(model_dir, tmp_path, capsys):

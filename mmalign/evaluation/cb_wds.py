@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, iter_tar_groups, open_image
+from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
 
 PREFIX = "cb:"  # a suite named cb:DIR is the clip_benchmark dataset in DIR
@@ -98,16 +100,23 @@ def inspect(root: str | Path, split: str = "test") -> Layout:
     if not count_file.is_file():
         raise UsageError(f"{where}: {split}/nshards.txt not found (it holds the number of shards)")
     try:
-        nshards = int(count_file.read_text().strip())
-    except ValueError:
+        with open(count_file, "rb") as f:
+            nshards = int(f.read(64).decode("ascii").strip())  # a number: 64 bytes are plenty
+    except (ValueError, UnicodeDecodeError):
         raise UsageError(f"{where}: {split}/nshards.txt does not hold a number of shards") from None
     if nshards < 1:
         raise UsageError(f"{where}: {split}/nshards.txt says {nshards} shards")
-    urls = [str(split_dir / f"{i}.tar") for i in range(nshards)]
-    missing = [u for u in urls if not Path(u).is_file()]
-    if missing:
-        more = f" (and {len(missing) - 1} more of {nshards})" if len(missing) > 1 else ""
-        raise UsageError(f"{where}: shard {split}/{Path(missing[0]).name} not found{more}")
+    # the folder's listing first: a count far beyond it is refused at once, not after N stats
+    with os.scandir(split_dir) as entries:
+        present = {e.name for e in entries if e.name.endswith(".tar") and e.is_file()}
+    names = [f"{i}.tar" for i in range(min(nshards, len(present) + 1))]
+    missing = next((name for name in names if name not in present), None)
+    if missing is not None:
+        numbered = (n[:-4] for n in present)
+        lacking = nshards - sum(1 for n in numbered if n.isdigit() and n == str(int(n)) and int(n) < nshards)
+        more = f" (and {lacking - 1} more of {nshards})" if lacking > 1 else ""
+        raise UsageError(f"{where}: shard {split}/{missing} not found{more}")
+    urls = [str(split_dir / name) for name in names]
     type_file = root / TYPE_FILE
     if type_file.is_file():
         declared = type_file.read_text().strip().lower()
@@ -128,8 +137,9 @@ def inspect(root: str | Path, split: str = "test") -> Layout:
                 raise UsageError(f"{where}: {name} not found (a classification dataset needs {CLASSNAMES} "
                                  f"and {TEMPLATES})")
         classnames, templates = _lines(root / CLASSNAMES), _lines(root / TEMPLATES)
-        if not classnames or not templates:
+        if not classnames or not any(templates):
             raise UsageError(f"{where}: {CLASSNAMES if not classnames else TEMPLATES} is empty")
+        check_templates(templates, f"{where}: {TEMPLATES}", unit="line")  # blank lines, {x}, a lone {
     return Layout(root, split, task, urls, classnames, templates)
 
 

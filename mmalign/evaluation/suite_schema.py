@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
+from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
 
 FEATURES = Literal["joint", "pre_projection"]  # = mmalign.evaluation.features.FEATURE_KINDS
@@ -192,6 +193,8 @@ def _task(data: Any, index: int, where: str):
     if kind not in TASKS:
         raise UsageError(f"{label}: key 'type' must be one of {', '.join(TASKS)}, got {kind!r}")
     task = _build(TASKS[kind], {k: v for k, v in data.items() if k != "type"}, label, skip=("type",))
+    if kind == "zeroshot":
+        check_templates(task.templates, f"{label}: key 'templates'")  # {x}, {}, a lone {, a blank one
     if kind == "zeroshot" and task.classes is not None:
         classes = task.classes
         if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(task.classnames):
@@ -209,8 +212,11 @@ def _dataset(data: Any, where: str):
     kind = data.get("type")
     if kind not in DATASETS:
         raise UsageError(f"{where}: dataset key 'type' must be one of {', '.join(DATASETS)}, got {kind!r}")
-    return _build(DATASETS[kind], {k: v for k, v in data.items() if k != "type"}, f"{where}: dataset",
-                  skip=("type",))
+    dataset = _build(DATASETS[kind], {k: v for k, v in data.items() if k != "type"}, f"{where}: dataset",
+                     skip=("type",))
+    if getattr(dataset, "caption_templates", None) is not None:
+        check_templates(dataset.caption_templates, f"{where}: dataset key 'caption_templates'")
+    return dataset
 
 
 def _build(cls: type, data: dict, where: str, skip: tuple = ()):

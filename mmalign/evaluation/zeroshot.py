@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mmalign.data.templates import check_templates
+
 
 PROMPT_BATCH = 1024  # prompts per tokenizer-and-encoder call: whole classes share a call (the encoder may split it further)
 
@@ -42,6 +44,7 @@ def prompt_texts(classnames: Sequence[str], templates: Sequence[str]) -> list[st
     if not classnames or not templates:
         raise ValueError(f"a zero-shot classifier needs class names and templates, got {len(classnames)} "
                          f"and {len(templates)}")
+    check_templates(list(templates), "zero-shot templates")  # one line naming the template, not a KeyError
     return [tpl.format(c=name) for name in classnames for tpl in templates]
 
 
