@@ -62,7 +62,8 @@ def _relpath(name: str) -> str:
 
 
 def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] | None = None,
-                 shuffle_seed: int | None = None, only: list[str] | None = None) -> tuple[list[str], Counted]:
+                 shuffle_seed: int | None = None, only: list[str] | None = None,
+                 limit: int | None = None) -> tuple[list[str], Counted]:
     """``root/CLASS/*.jpg`` as a directory or a tar (``./cat/0001.jpg``).
 
     Class ids follow ``classnames`` when a template set gives them (CIFAR-10's label
@@ -71,7 +72,9 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     written in folder order hold one class each and every "first N" reader sees one
     class.  ``only``: the images of these classes alone (their ids stay those of the full
     class list, so a model trained on a subset is scored with the same labels; the other
-    images are never read).  Returns (class names, items).
+    images are never read).  ``limit``: the first N images of each class, in folder order (a
+    directory's sorted file names, a tar's member order), before any shuffle.  Returns (class
+    names, items).
     """
     path = Path(path)
     if not path.exists():
@@ -81,6 +84,7 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
         _check_only(path, only, folders)
         files = [(d, f) for d in folders if only is None or d in only
                  for f in sorted((path / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+        files = _first_per_class(files, lambda df: df[0], limit)
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(files)
         pairs = ((d, f"{d}/{f.name}", str(f)) for d, f in files)
@@ -95,6 +99,7 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
         found = sorted({Path(n).parts[-2] for n in files})
         _check_only(path, only, found)
         files = [n for n in files if only is None or Path(n).parts[-2] in only]
+        files = _first_per_class(files, lambda n: Path(n).parts[-2], limit)
         if shuffle_seed is None:
             pairs = _tar_pairs(path, files)
         else:
@@ -107,6 +112,20 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     if unknown:
         raise UsageError(f"image folder {path}: folders {unknown[:3]} are not in the template set's classnames")
     return names, Counted(_class_items(pairs, names, captioner), len(files))  # one item per image file
+
+
+def _first_per_class(files: list, class_of, limit: int | None) -> list:
+    """The first ``limit`` of ``files`` per class (all of them when ``limit`` is None), in order."""
+    if limit is None:
+        return files
+    seen: dict[str, int] = {}
+    kept = []
+    for f in files:
+        c = class_of(f)
+        if seen.get(c, 0) < limit:
+            seen[c] = seen.get(c, 0) + 1
+            kept.append(f)
+    return kept
 
 
 def _check_only(path: Path, only: list[str] | None, found: list[str]) -> None:
