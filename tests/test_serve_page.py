@@ -289,3 +289,27 @@ def test_an_image_file_chosen_in_the_form_is_the_query(browser, served, corpus):
     assert shown["rows"][0]["cells"][4] == "dog/0002.png"  # its own indexed copy is the nearest
     assert float(shown["rows"][0]["cells"][2]) == pytest.approx(1.0, abs=1e-3)
     assert any(line.split()[1:3] == ["POST", "/search?k=3&against=image&dedupe=true"] for line in served.lines)
+
+
+def test_the_uploaded_query_image_is_shown_beside_its_results(browser, served, corpus):
+    """Issue 39, point 6: the image searched by is shown (a thumbnail of the file itself, not
+    a server round trip) above its results, and a text search hides it again."""
+    session = _open(browser, served.base + "/?k=3")
+    hidden = "document.getElementById('query').hidden"
+    assert browser.evaluate(session, hidden) is True
+    picked = corpus["root"] / "src" / "cat" / "0001.png"
+    document = browser.call("DOM.getDocument", {}, session)["root"]["nodeId"]
+    node = browser.call("DOM.querySelector", {"nodeId": document, "selector": "#image"}, session)["nodeId"]
+    browser.call("DOM.setFileInputFiles", {"files": [str(picked)], "nodeId": node}, session)
+    _rows(browser, session, 3, status="like the image 0001.png")
+    shown = json.loads(browser.wait_for(session, """(() => { const img = document.getElementById('query-image');
+      const box = img.getBoundingClientRect();
+      return !document.getElementById('query').hidden && img.complete && img.naturalWidth > 0 ?
+        JSON.stringify({src: img.src, w: box.width, h: box.height, natural: img.naturalWidth,
+                        name: document.getElementById('query-name').textContent}) : null; })()"""))
+    assert shown["src"].startswith("blob:") and shown["name"] == "query: 0001.png"
+    assert shown["w"] >= 96 and shown["h"] >= 96 and shown["natural"] == 32  # the 32 px file, upscaled
+    browser.evaluate(session, "document.getElementById('q').value = 'a photo of a dog'; "
+                              "document.getElementById('form').requestSubmit()")
+    _rows(browser, session, 3, status="result(s) for")
+    assert browser.evaluate(session, hidden) is True

@@ -12,7 +12,8 @@ A search lives in the page's URL, so it can be linked, reloaded and gone back to
 like this"), with ``&k=N&mode=image|text[&dedupe=false]`` (``mode`` is the JSON route's
 ``against``).  The page runs the URL's search on load, and each new search adds a history
 entry.  An image file chosen in the form is posted to ``POST /search`` (it cannot live in
-the URL).  Thumbnails are shown at 128 CSS pixels, small dataset images upscaled.
+the URL) and shown above its results.  Thumbnails are shown at 128 CSS pixels, small dataset
+images upscaled.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ PAGE = """<!doctype html>
   td.thumb img { width: 128px; height: 128px; object-fit: contain; background: #f4f4f4; }
   td.source { color: #555; font-size: .9em; word-break: break-all; }
   td.more a { white-space: nowrap; }
+  #query { display: flex; gap: .6rem; align-items: center; margin: .4rem 0; color: #555; }
+  #query[hidden] { display: none; }
+  #query img { width: 128px; height: 128px; object-fit: contain; background: #f4f4f4; }
 </style>
 </head>
 <body>
@@ -80,6 +84,8 @@ PAGE = """<!doctype html>
     <input id="image" type="file" accept="image/*"></label>
 </form>
 <p id="status"></p>
+<figure id="query" hidden><img id="query-image" alt="the uploaded query image">
+  <figcaption id="query-name"></figcaption></figure>
 <table>
   <thead><tr><th>#</th><th>image</th><th>score</th><th>caption</th><th>source</th><th></th></tr></thead>
   <tbody id="results"></tbody>
@@ -91,6 +97,20 @@ PAGE = """<!doctype html>
 const $ = (id) => document.getElementById(id);
 const status = $("status"), results = $("results");
 let latest = 0;  // the newest search: an older reply arriving late is dropped
+let queryUrl = null;  // the object URL of the uploaded query image shown above the results
+
+// the uploaded image a search is for, shown beside its results (null: a text or key search)
+function showQuery(file) {
+  if (queryUrl) URL.revokeObjectURL(queryUrl);
+  queryUrl = file ? URL.createObjectURL(file) : null;
+  $("query").hidden = !file;
+  if (file) {
+    $("query-image").src = queryUrl;
+    $("query-name").textContent = "query: " + file.name;
+  } else {
+    $("query-image").removeAttribute("src");
+  }
+}
 
 function say(text, error) {
   status.textContent = text;
@@ -187,6 +207,7 @@ function query(state) {
 // current one is rewritten (a loaded or reloaded URL, back and forward)
 function run(state, push) {
   if (!state.q && !state.key) return;
+  showQuery(null);
   const url = pageUrl(state), same = url === location.pathname + location.search;
   history[push && !same ? "pushState" : "replaceState"](null, "", url);
   const params = query(state);
@@ -202,6 +223,7 @@ function upload(file) {
   const state = {...settings(), q: "", key: ""};
   $("q").value = "";
   history.pushState(null, "", pageUrl(state));  // an uploaded image cannot live in the URL
+  showQuery(file);
   return fetchHits("/search?" + query(state).toString(), {method: "POST", body: file},
                    "like the image " + file.name, state);
 }
@@ -217,7 +239,7 @@ $("image").addEventListener("change", () => {
 });
 window.addEventListener("popstate", () => {
   const state = fromUrl();
-  if (state.q || state.key) run(state, false); else { results.replaceChildren(); say(""); }
+  if (state.q || state.key) run(state, false); else { results.replaceChildren(); say(""); showQuery(null); }
 });
 
 fetch("/health").then((r) => r.json()).then((health) => {
