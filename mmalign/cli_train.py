@@ -61,6 +61,10 @@ def _checked_run(args, cfg, meta_model) -> int:
             raise
         raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
                           f"so that a restart continues the run)") from None
+    from mmalign.run.rundir import check_newest
+
+    # a key that cannot change on resume: one line here, not one per rank and torchrun's report
+    check_newest(Path(cfg.output), args.resume, cfg)
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.dist.launch import launch_local
 

@@ -34,6 +34,8 @@ import torch
 from mmalign.dist import distributed as mdist
 from mmalign.run import diskspace, reshard, rundir
 from mmalign.run.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exported: the loop saves them)
+# torch-free, in rundir: the launcher checks a resume before it starts any rank
+from mmalign.run.rundir import candidates, empty_pointer, step_of  # noqa: F401 (re-exported)
 from mmalign.config import ConfigError
 from mmalign.errors import first_line
 
@@ -82,10 +84,6 @@ def _prune(base: Path, written: Path, keep: int) -> None:
     for old in older:
         if old in stale or old not in kept_older:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def step_of(path: Path) -> int:
-    return int(path.name.split("_", 1)[1])
 
 
 def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: dict, keep: int,
@@ -212,32 +210,6 @@ def resolve(out: str | Path, resume: str | None) -> Path | None:
     return found[0] if found else None
 
 
-def candidates(out: str | Path, resume: str | None) -> list[Path]:
-    """The checkpoints a resume may load, in the order to try them: for ``latest``, the one
-    it names and then every older ``step_N`` of the run, newest first (the fallbacks when
-    the newest is damaged); for an explicit path, that one alone."""
-    if not resume:
-        return []
-    if resume == "latest":
-        pointer = root(out) / "latest"
-        if not pointer.is_file():
-            return []
-        name = pointer.read_text().strip()
-        # only a sibling step_N: the pointer is a file anyone may edit, never a path to follow
-        if not is_step_name(name):
-            raise ConfigError(f"--resume latest: {pointer} names {name[:80]!r}, not a step_N checkpoint of this run")
-        newest = root(out) / name
-        older = sorted((p for p in root(out).glob("step_*") if p.is_dir() and is_step_name(p.name)
-                        and step_of(p) < step_of(newest)), key=step_of, reverse=True)
-        return [newest, *older]
-    path = Path(resume)
-    if not is_step_name(path.name) or path.resolve().parent.name != ROOT:
-        raise ConfigError(f"--resume: {path} is not a checkpoint directory RUN/{ROOT}/step_N")
-    if not (path / ENGINE_TAG).is_dir():
-        raise ConfigError(f"--resume: {path} is not a complete mmalign checkpoint")
-    return [path]
-
-
 _OTHER_RANK = re.compile(r"(?:zero_pp_rank_|trainer_rank|loader_rank)(\d+)")
 
 
@@ -254,6 +226,9 @@ def damaged(path: Path, rank: int = 0) -> str | None:
         return f"{ENGINE_TAG}/ holds no state"
     if not (path / "trainer_rank0.pt").is_file():
         return "no trainer_rank0.pt"
+    for r in sorted({0, rank}):  # a rank that wrote its trainer state wrote its data position beside it
+        if (path / f"trainer_rank{r}.pt").is_file() and not (path / f"loader_rank{r}.json").is_file():
+            return f"no loader_rank{r}.json"
     for file in sorted([*engine.glob("*.pt"), *path.glob("*.pt"), *path.glob("loader_rank*.json")]):
         owner = _OTHER_RANK.search(file.name)
         if owner is not None and int(owner.group(1)) != rank:
@@ -262,9 +237,11 @@ def damaged(path: Path, rank: int = 0) -> str | None:
             return f"{file.name} is empty"
         if file.suffix == ".json":
             try:
-                json.loads(file.read_text())
+                state = json.loads(file.read_text())
             except (ValueError, UnicodeDecodeError):
                 return f"{file.name} is not valid JSON"
+            if not isinstance(state, dict) or "version" not in state:  # valid JSON, but not a data position
+                return f"{file.name} is not a data loader state"
             continue
         try:
             with zipfile.ZipFile(file) as archive:
@@ -295,6 +272,9 @@ def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> 
     """
     paths = candidates(out, resume)
     rank = mdist.get_rank()
+    if rank == 0 and paths and empty_pointer(out, resume):
+        say(f"mmalign: {root(out) / 'latest'} names no checkpoint (empty or unreadable); trying the newest, "
+            f"{paths[0].name}")
     for i, path in enumerate(paths):
         reason = _agree(damaged(path, rank))
         if reason is None:

@@ -38,6 +38,7 @@ import yaml
 from mmalign.config import Config, ConfigError, to_dict
 from mmalign.dirlock import LOCK_FILE  # the launch's own lock (mmalign.dirlock): not run content
 from mmalign.layout.run_dir import CONFIG_FILE  # noqa: F401 (re-exported)
+from mmalign.layout.run_dir import ENGINE_TAG, ROOT, is_step_name
 
 # What a run writes; --overwrite removes these and nothing else (a directory may hold the
 # user's own files too).
@@ -256,3 +257,62 @@ def check_shared(out: Path) -> None:
         raise ConfigError(f"config key 'output': {out} is not shared between the ranks ({shown} cannot see rank 0's "
                           f"files there); the output directory must be on a filesystem every node mounts at "
                           f"the same path")
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
+
+
+def _pointer_text(out: str | Path) -> str | None:
+    """What ``checkpoints/latest`` says ("" when it is empty or unreadable); None without one."""
+    pointer = Path(out) / ROOT / "latest"
+    if not pointer.is_file():
+        return None
+    try:
+        return pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def empty_pointer(out: str | Path, resume: str | None) -> bool:
+    """``--resume latest`` where ``latest`` exists but names nothing (a save cut on a full disk,
+    a hand edit): :func:`candidates` then tries every checkpoint, newest first."""
+    return resume == "latest" and _pointer_text(out) == ""
+
+
+def candidates(out: str | Path, resume: str | None) -> list[Path]:
+    """The checkpoints a resume may load, in the order to try them: for ``latest``, the one
+    it names and then every older ``step_N`` of the run, newest first (the fallbacks when
+    the newest is damaged); an empty ``latest``, every ``step_N``, newest first; for an
+    explicit path, that one alone."""
+    if not resume:
+        return []
+    base = Path(out) / ROOT
+    if resume == "latest":
+        name = _pointer_text(out)
+        if name is None:
+            return []
+        steps = sorted((p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name)), key=step_of,
+                       reverse=True)
+        if name == "":
+            return steps
+        # only a sibling step_N: the pointer is a file anyone may edit, never a path to follow
+        if not is_step_name(name):
+            raise ConfigError(f"--resume latest: {base / 'latest'} names {name[:80]!r}, not a step_N checkpoint of "
+                              f"this run")
+        newest = base / name
+        return [newest, *(p for p in steps if step_of(p) < step_of(newest))]
+    path = Path(resume)
+    if not is_step_name(path.name) or path.resolve().parent.name != ROOT:
+        raise ConfigError(f"--resume: {path} is not a checkpoint directory RUN/{ROOT}/step_N")
+    if not (path / ENGINE_TAG).is_dir():
+        raise ConfigError(f"--resume: {path} is not a complete mmalign checkpoint")
+    return [path]
+
+
+def check_newest(out: str | Path, resume: str | None, cfg: Config) -> None:
+    """:func:`check_resume` on the checkpoint a resume tries first (the fallbacks are checked as
+    they are loaded). Torch-free: the ``--nproc`` launcher runs it before any rank starts, so a
+    changed key is one line instead of one per rank and torchrun's report of failed children."""
+    for newest in candidates(out, resume)[:1]:
+        check_resume(cfg, newest, step_of(newest))

@@ -204,8 +204,7 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, Eval
     # a typo in eval.suite or eval.during fails now, not after training
     evals = plan_evaluations(cfg, resolve_suite(cfg))
     rundir.check_fresh_start(out, resume, overwrite, cfg)  # with cfg: a finished run is not restarted by --resume
-    for newest in checkpoint.candidates(out, resume)[:1]:
-        rundir.check_resume(cfg, newest, checkpoint.step_of(newest))
+    rundir.check_newest(out, resume, cfg)  # a changed key that changes the run: one line
     mdist.barrier()  # every rank has looked before rank 0 writes
     if main:
         if overwrite and out.is_dir():
