@@ -100,3 +100,19 @@ def test_readme_tour_with_cifar_shards_fails_before_any_step(tmp_path):
     assert "step" not in res.stdout.lower()
     assert not (out / "metrics.jsonl").exists()
     assert elapsed < 60, elapsed  # the import of torch and the probe; no model, no loop (generous on 2 busy cores)
+
+
+def test_an_eval_during_entry_that_does_not_fit_is_named_by_its_key(tmp_path):
+    from mmalign.config import load_config
+    from mmalign.run.in_run_eval import plan_evaluations, resolve_suite
+
+    shard = cifar_like(tmp_path / "val" / "00000.tar")
+    cfg = load_config(str(ROOT / "configs/quickstart.yaml"),
+                      [f"data.train={shard}", f"data.val={shard}", "eval.suite=cifar10",
+                       "eval.during=[{suite: shapes, every: 2}]"])
+    suite = resolve_suite(cfg)  # cifar10 fits the CIFAR-like shards
+    with pytest.raises(ConfigError) as e:
+        plan_evaluations(cfg, suite)
+    line = str(e.value)
+    assert line.startswith("config key 'eval.during[0].suite': suite 'shapes' does not fit data.val")
+    assert "suite cifar10 fits the data" in line and "drop the entry" in line

@@ -137,7 +137,7 @@ def _entry_suite(name: str, key: str, val: str | None) -> dict:
         suite = load_suite(name)
         spec = check_suite_data(suite, val)
         check_suite_fields(suite, spec, "data.val" if val else "its own dataset", key="eval.suite",
-                           flag=f"--set {key}=", nothing="drop the entry to evaluate nothing")
+                           flag="suite ", nothing="drop the entry to evaluate nothing")
     except ConfigError as e:
         raise ConfigError(str(e).replace("config key 'eval.suite'", f"config key '{key}'")) from None
     return suite
