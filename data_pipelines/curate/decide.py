@@ -203,7 +203,8 @@ def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
         if dropped > p.max_drop * n:
             raise UsageError(f"curate: --clip-score-min {p.clip_score_min:g} would drop {dropped} of {n} samples "
                              f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); the pool's median score is "
-                             f"{np.median(scores):.3f}; nothing written: lower it, use --keep-fraction, or pass --force")
+                             f"{np.median(scores):.3f}; nothing written: lower it, use --keep-fraction, or pass "
+                             f"--force")
 
 
 def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:

@@ -10,7 +10,8 @@ For input shard number ``u`` (its place in the ``--data`` list) the pass writes,
     u.image.npy   (n, D) float16 L2-normalised image embeddings (row = image_emb_id)
     u.text.npy    (r, D) float16 L2-normalised caption embeddings (row = text_emb_id ...)
     u.json        the shard's counts: samples, readable, skipped by reason, ended_early,
-                  the .json field names seen, seconds
+                  the .json field names seen, seconds; and ``source``, the input's fingerprint
+                  (:mod:`.fingerprint`: size, mtime, sha256) that a rerun checks
 
 The CLIP score of a sample is the cosine of its image with its caption, computed from the
 float32 embeddings before they are stored as float16 (a sample with several captions: the
@@ -87,7 +88,13 @@ class ShardEmbedder:
         from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
         from mmalign.data.tario import CorruptTar, TruncatedTar
 
+        from data_pipelines.curate.fingerprint import fingerprint
+
         start = time.time()
+        try:
+            source = fingerprint(url)  # what these embeddings are of: a rerun compares it (fingerprint.changed)
+        except OSError:
+            source = None  # unreadable: the read below says so, and the shard ends early
         rows: list[dict] = []
         images: list[np.ndarray] = []
         texts: list[np.ndarray] = []
@@ -146,7 +153,8 @@ class ShardEmbedder:
         for row, s in zip(rows, score.tolist()):
             row["clip_score"] = s
         self._write(out, u, rows, images, texts, dim)
-        stats = {"url": url, "samples": samples, "readable": len(rows), "skipped": dict(sorted(skipped.items())),
+        stats = {"url": url, "source": source, "samples": samples, "readable": len(rows),
+                 "skipped": dict(sorted(skipped.items())),
                  "ended_early": ended_early, "fields": sorted(fields), "dim": dim,
                  "seconds": round(time.time() - start, 3)}
         _atomic(shard_files(out, u)["stats"], lambda p: p.write_text(json.dumps(stats, indent=1)))

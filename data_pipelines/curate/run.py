@@ -10,10 +10,12 @@ Passes (each its own module):
 3. :mod:`.write_out`: new shuffled shards in ``OUT`` (or ``OUT/keep_keys.txt``), and
    :mod:`.report`'s ``curate_report.json`` / ``.html``.
 
-Resume: ``OUT/pool/stamp.json`` records the model and shards the embeddings came from. Run the
-same command again after a kill and pass 1 embeds only the shards without a finished result;
-passes 2 and 3 are cheap and always run whole. The policies are not in the stamp, so a second
-run with other policies reuses the embeddings.
+Resume: ``OUT/pool/stamp.json`` records the model (its weight files' names, sizes, mtimes and
+sha256) and the shards the embeddings came from. Run the same command again after a kill and
+pass 1 embeds only the shards without a finished result; passes 2 and 3 are cheap and always
+run whole. The policies are not in the stamp, so a second run with other policies reuses the
+embeddings. Each shard's result records its input's fingerprint (:mod:`.fingerprint`): a shard
+rewritten at the same path since is embedded again, with a line naming it and why.
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ def _stamp_content(opts: Options, urls: list[str]) -> dict:
     model = Path(opts.model).resolve()
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
         model = model / "final"
+    from data_pipelines.curate.fingerprint import _sha256
+
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime)]
-                                             for p in weights],
+    return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime),
+                                              _sha256(str(p))] for p in weights],  # the hash: ~1 s a GB
             "urls": urls}
 
 
@@ -99,6 +103,8 @@ def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
     if not path.is_file():
         return
     have, want = json.loads(path.read_text()), _stamp_content(opts, urls)
+    if all(len(w) == 3 for w in have.get("weights", [])):  # a stamp from before the hash: compare what it has
+        want["weights"] = [w[:3] for w in want["weights"]]
     if have != want:
         what = "model" if have.get("model") != want["model"] or have.get("weights") != want["weights"] else "shards"
         raise UsageError(f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
@@ -175,6 +181,7 @@ def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int,
     from mmalign.data.shards import shard_total
     from mmalign.models.load import load
 
+    _embed_changed_again(out, urls, range(rank, len(urls), world))
     todo = [u for u in range(rank, len(urls), world) if u not in done_shards(out, len(urls))]
     counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
     if not todo and (out / POOL / STAMP).is_file():
@@ -200,16 +207,62 @@ def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int,
     return counts
 
 
-def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
-    """Rank 0: until every shard's pass-1 result exists; a one-line error after a stall."""
-    done, last_change = len(done_shards(out, n)), time.time()
+def _changed_shards(out: Path, urls: list[str], shards) -> dict[int, str]:
+    """Embedded shards among ``shards`` whose input changed since (:func:`fingerprint.changed`): number -> why."""
+    from data_pipelines.curate.embed_pass import shard_files
+    from data_pipelines.curate.fingerprint import changed
+
+    done = sorted(set(shards) & done_shards(out, len(urls)))
+    local = [urls[u] for u in done if "://" not in urls[u] and not urls[u].startswith("pipe:")]
+    size = sum(os.path.getsize(u) for u in local if os.path.isfile(u))
+    if size > 256 << 20:  # reading them takes a while: say so first
+        print(f"mmalign: curate: checking {len(done)} embedded shard(s) against their inputs "
+              f"(sha256 of {size / 2**30:.1f} GiB)", flush=True)
+    found = {}
+    for u in done:
+        stored = json.loads(shard_files(out, u)["stats"].read_text()).get("source")
+        why = changed(stored, urls[u])
+        if why is not None:
+            found[u] = why
+    return found
+
+
+def _embed_changed_again(out: Path, urls: list[str], shards) -> None:
+    """This rank's embedded shards whose input changed since: marked not done (their stats file
+    removed), so that they are embedded again, each with a line saying which and why."""
+    from data_pipelines.curate.embed_pass import shard_files
+
+    for u, why in _changed_shards(out, urls, shards).items():
+        print(f"mmalign: curate: {urls[u]} changed since it was embedded ({why}): embedding it again", flush=True)
+        shard_files(out, u)["stats"].unlink(missing_ok=True)
+
+
+def _wait_for_all(out: Path, n: int, stall_timeout_s: float, stale: dict[int, int] | None = None) -> None:
+    """Rank 0: until every shard's pass-1 result exists; a one-line error after a stall. ``stale``:
+    shard -> the mtime of a stats file another rank is to replace (its input changed): that
+    shard is done once the file is a new one."""
+    from data_pipelines.curate.embed_pass import shard_files
+
+    stale = stale or {}
+
+    def finished() -> set[int]:
+        done = done_shards(out, n)
+        for u, mtime in stale.items():
+            try:
+                if shard_files(out, u)["stats"].stat().st_mtime_ns == mtime:
+                    done.discard(u)
+            except FileNotFoundError:
+                done.discard(u)
+        return done
+
+    done, last_change = len(finished()), time.time()
     while done < n:
         time.sleep(0.5)
-        now = len(done_shards(out, n))
+        now = len(finished())
         if now != done:
             done, last_change = now, time.time()
         elif time.time() - last_change > stall_timeout_s:
-            missing = sorted(set(range(n)) - done_shards(out, n))
+            missing = sorted(set(range(n)) - finished())
             raise UsageError(f"curate: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
                              f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume")
 
@@ -244,11 +297,21 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     from data_pipelines.curate.write_out import KEYS_FILE, write_keys, write_shards
 
     field_name = opts.policies.false_negative_field
+    stale = {}
+    if rank == 0 and world > 1:  # the other ranks' changed shards: not done until they are embedded again
+        from data_pipelines.curate.embed_pass import shard_files
+
+        others = [u for u in range(len(urls)) if u % world != 0]
+        for u in _changed_shards(out, urls, others):
+            try:
+                stale[u] = shard_files(out, u)["stats"].stat().st_mtime_ns
+            except FileNotFoundError:
+                pass  # its rank removed it already: not done until it is written again
     part = embed_part(opts, urls, out, rank, world,
                       on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)))
     if rank != 0:
         return None
-    _wait_for_all(out, len(urls), opts.stall_timeout_s)
+    _wait_for_all(out, len(urls), opts.stall_timeout_s, stale)
     pool = load_pool(out, len(urls))
     if len(pool) == 0:
         raise UsageError(f"--data: {opts.data} holds no readable samples")
