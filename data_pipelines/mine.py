@@ -227,9 +227,10 @@ def _select(corpus: _Corpus, k: int, max_similarity: float | None, max_relative:
 def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int], tuple[str, list]]) -> dict:
     """Pass 2: copy ``url`` member by member into ``target``, adding ``hard_negatives`` to mined samples' .json."""
     from mmalign.config import MAX_MEMBER_BYTES
-    from mmalign.data.tario import split_name
+    from mmalign.data.tario import split_name, unsafe_name
 
-    written = {"json_rewritten": 0, "json_added": 0, "json_not_object": 0, "ended_early": 0}
+    written = {"json_rewritten": 0, "json_added": 0, "json_not_object": 0, "ended_early": 0,
+               "unsafe_members_skipped": 0}
     mode = "w:gz" if target.name.endswith((".gz", ".tgz")) else "w"
     with tarfile.open(url, "r:*") as src, tarfile.open(target, mode, format=src.format) as dst:
         current, index, has_json = None, -1, False
@@ -248,12 +249,19 @@ def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int]
             for member in src:
                 parts = split_name(member.name) if member.isreg() else None
                 if parts is None:
+                    link = member.issym() or member.islnk()
+                    if unsafe_name(member.name) or (link and unsafe_name(member.linkname)):
+                        written["unsafe_members_skipped"] += 1  # would extract (or point) outside the folder
+                        continue
                     dst.addfile(member)  # directories, links and stray files: as they are
                     continue
                 key, ext = parts
                 if key != current:
                     close_group()
                     current, index, has_json = key, index + 1, False
+                if unsafe_name(member.name):  # counted in the sample order as pass 1 counts it, never copied
+                    written["unsafe_members_skipped"] += 1
+                    continue
                 entry = negatives.get((shard, index))
                 if member.size > MAX_MEMBER_BYTES:
                     # too large to read whole (pass 1 skipped its sample): copied through a bounded buffer

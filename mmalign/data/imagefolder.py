@@ -11,6 +11,7 @@ and metadata for ``.json``. A folder that cannot be read is a one-line
 from __future__ import annotations
 
 import random
+import sys
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
                 names = [m.name for m in tar.getmembers() if m.isfile()]
         except (tarfile.TarError, OSError) as e:
             raise UsageError(f"image folder {path}: not a directory or a readable tar ({e})") from None
+        names = _safe_names(path, names)
         files = [n for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES and len(Path(n).parts) >= 2]
         found = sorted({Path(n).parts[-2] for n in files})
         _check_only(path, only, found)
@@ -126,6 +128,18 @@ def _first_per_class(files: list, class_of, limit: int | None) -> list:
             seen[c] = seen.get(c, 0) + 1
             kept.append(f)
     return kept
+
+
+def _safe_names(path: Path, names: list[str]) -> list[str]:
+    """The member names that stay inside the folder; the others (``../x.jpg``, ``/x.jpg``) are
+    skipped, counted on one line (never read: their class would be "..")."""
+    from mmalign.data.tario import unsafe_name
+
+    unsafe = [n for n in names if unsafe_name(n)]
+    if unsafe:
+        print(f"mmalign: image folder {path}: skipped {len(unsafe)} member(s) with an unsafe name (outside the "
+              f"folder, e.g. {unsafe[0]!r})", file=sys.stderr, flush=True)
+    return [n for n in names if not unsafe_name(n)]
 
 
 def _check_only(path: Path, only: list[str] | None, found: list[str]) -> None:

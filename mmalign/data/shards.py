@@ -34,6 +34,7 @@ REASONS = (
     "unreadable_shard",  # missing file, not a tar, bad header checksum
     "truncated_tar",  # the shard ends inside a member, or a remote one before its end blocks (once per read)
     "member_too_large",  # a member over data.max_member_bytes (never read into memory)
+    "unsafe_name",  # a name extracting would write outside the folder (../x, /x): never read or copied
     "missing_image",
     "corrupt_image",
     "decompression_bomb",  # more pixels than data.max_image_pixels
@@ -234,6 +235,8 @@ def parse_meta(members: dict[str, bytes]) -> dict:
 
 def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
     """Raw member bytes -> ``{"key", "image" (PIL), "captions" (list[str]), "json"}``."""
+    if raw.get("__unsafe__"):
+        raise BadSample("unsafe_name", f"{raw['__key__']!r} would extract outside its folder")
     if raw.get("__oversized__"):
         raise BadSample("member_too_large", ", ".join(f".{e} {n} bytes" for e, n in raw["__oversized__"].items()))
     image_bytes = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
@@ -256,6 +259,8 @@ def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[d
     with open_shard(path) as f:
         for sample in iter_samples(f, max_member=max_member):
             extra = {"__oversized__": sample.oversized} if sample.oversized else {}
+            if sample.unsafe:
+                extra["__unsafe__"] = True  # decode_sample's unsafe_name skip
             yield {"__key__": sample.key, "__url__": path, "__offset__": sample.offset, **sample.members, **extra}
 
 

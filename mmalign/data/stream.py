@@ -396,6 +396,9 @@ class LaneStream:
             raw, url, epoch = self.buffer.pop()
             taken += 1
             self.emitted += 1
+            if raw.unsafe:  # a name that would extract outside its folder: never read
+                self.skip("unsafe_name", f"{self.spec.urls[url]}:{raw.key}", "would extract outside its folder")
+                continue
             if raw.oversized:  # its big member was never read
                 self.skip("member_too_large", f"{self.spec.urls[url]}:{raw.key}",
                           ", ".join(f".{e} {n} bytes" for e, n in raw.oversized.items()))

@@ -18,6 +18,7 @@ is reported in ``RawSample.oversized``; long-name and pax headers are capped at
 from __future__ import annotations
 
 import gzip
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -59,6 +60,7 @@ class RawSample:
     index: int  # position of the sample in its shard (0-based)
     members: dict[str, bytes] = field(default_factory=dict)  # extension (lower case) -> bytes
     oversized: dict[str, int] = field(default_factory=dict)  # extension -> size of a member too large to read
+    unsafe: bool = False  # its name would extract outside the folder (unsafe_name): members left unread
 
 
 def _octal(field_bytes: bytes) -> int:
@@ -207,6 +209,13 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
         yield member_start, pos, name, data
 
 
+def unsafe_name(name: str) -> bool:
+    """A member name that extracting would write outside the target folder: absolute, or with a
+    ``..`` part (``../x.jpg``, ``/x.jpg``, ``a/../../x.jpg``; ``\\`` counts as a separator too,
+    as it does where the output may be extracted). Such a sample is refused, never copied."""
+    return name.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", name)
+
+
 def split_name(name: str) -> tuple[str, str] | None:
     """``dir/KEY.a.b`` -> (``dir/KEY``, ``a.b``); names without a dot are no sample part."""
     slash = name.rfind("/")
@@ -224,17 +233,19 @@ def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None,
     ``keep(index) -> bool`` lets a reader skip whole samples without reading their
     bytes (sample-granular splitting); skipped samples are yielded with empty members.
     A truncated tail raises TruncatedTar after the complete samples before it.
-    Members over ``max_member`` bytes are left unread and listed in ``oversized``.
+    Members over ``max_member`` bytes are left unread and listed in ``oversized``; a sample
+    whose name is unsafe (:func:`unsafe_name`) is yielded unread with ``unsafe`` set, for the
+    reader to count as a skip.
     """
     current: RawSample | None = None
     reading = True
 
     def want(name: str) -> bool:
         parts = split_name(name)
-        if parts is None:
+        if parts is None or unsafe_name(parts[0]):
             return False
         if current is not None and parts[0] == current.key:
-            return reading
+            return reading and not current.unsafe
         upcoming = index + 1 if current is not None else index
         return keep is None or keep(upcoming)
 
@@ -258,8 +269,8 @@ def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None,
             if current is not None:
                 yield current
                 index += 1
-            current = RawSample(key=key, offset=start, end=end, index=index)
-            reading = keep is None or keep(index)
+            current = RawSample(key=key, offset=start, end=end, index=index, unsafe=unsafe_name(key))
+            reading = (keep is None or keep(index)) and not current.unsafe
         current.end = end
         if reading and isinstance(data, Oversized):
             current.oversized[ext] = data.size
