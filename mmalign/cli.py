@@ -196,7 +196,7 @@ def cmd_serve(args) -> int:
     from mmalign.search.serve import serve
 
     serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k, timeout=args.timeout,
-          workers=args.workers, max_connections=args.max_connections)
+          workers=args.workers, max_connections=args.max_connections, max_per_client=args.max_per_client)
     return 0
 
 
@@ -304,10 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                   help="seconds a request has to arrive whole (else 408), and its reply to be written")
+                   help="seconds a request has to arrive whole (else 408), to wait for a worker (else 503), "
+                        "and its reply to be written (work a worker took is never cut short)")
     p.add_argument("--workers", type=int, default=8, metavar="N", help="threads that answer complete requests")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="connections open at once; more wait in the listen backlog")
+    p.add_argument("--max-per-client", type=int, default=32, metavar="N",
+                   help="connections open at once from one client address; more get a 429 (raise it behind a proxy)")
     p.set_defaults(func=cmd_serve)
 
     from mmalign.commands import add_commands, discover

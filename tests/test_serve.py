@@ -137,7 +137,7 @@ def _drip(socks: list, until: float, every: float = 0.1) -> dict:
     return replies
 
 
-@pytest.mark.parametrize("server", [{"timeout": 2.0, "workers": 2}], indirect=True)
+@pytest.mark.parametrize("server", [{"timeout": 2.0, "workers": 2, "max_per_client": 64}], indirect=True)
 def test_dripping_sockets_hold_no_threads_and_get_a_408_while_others_are_served(server):
     _served_once(server)
     threads = threading.active_count()  # the loop and its 2 workers included
@@ -281,18 +281,22 @@ def test_decoded_pixels_are_bounded(server):
     assert server.stub.images == [(20, 10)]  # nothing else reached the model
 
 
-def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monkeypatch, capsys):
+def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monkeypatch, capsys, tmp_path):
     from mmalign import cli
     from mmalign.search import serve as serve_mod
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "i").mkdir()
+    (tmp_path / "i" / "index.json").write_text("{}")  # the CLI checks the index folder before loading
+    (tmp_path / "m").mkdir()  # and that the model path exists
     seen = {}
     monkeypatch.setattr(serve_mod, "Searcher", lambda *a: seen.setdefault("searcher", StubSearcher()))
     monkeypatch.setattr(serve_mod, "make_server", lambda searcher, host, port, **kw: seen.update(kw) or _Stopped())
     assert cli.main(["serve", "--index", "i", "--model", "m", "--timeout", "3", "--workers", "2",
-                     "--max-connections", "5"]) == 0
-    assert (seen["timeout"], seen["workers"], seen["max_connections"]) == (3.0, 2, 5)
+                     "--max-connections", "5", "--max-per-client", "3"]) == 0
+    assert (seen["timeout"], seen["workers"], seen["max_connections"], seen["max_per_client"]) == (3.0, 2, 5, 3)
     seen.clear()
-    for flags in (["--workers", "0"], ["--timeout", "inf"], ["--max-connections", "-1"]):
+    for flags in (["--workers", "0"], ["--timeout", "inf"], ["--max-connections", "-1"], ["--max-per-client", "0"]):
         assert cli.main(["serve", "--index", "i", "--model", "m", *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and flags[0] in err[0], err

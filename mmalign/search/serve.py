@@ -21,9 +21,11 @@ dataset images, so they are only served to a loopback client, whatever the bind 
 
 Connections are read by one thread and answered by a fixed pool of ``workers``
 (:mod:`mmalign.search.serve_loop`): a slow or idle client holds a socket, never a thread.  A
-request must arrive whole within ``timeout`` seconds (else 408), a body over ``max_body``
-gets a 413 the client can read, and at most ``max_connections`` are open at once (more
-wait in the listen backlog).  The model and the FAISS indexes sit behind one lock
+request must arrive whole within ``timeout`` seconds (else 408) and be taken by a worker
+within ``timeout`` more (else 503, never run); a request taken is answered however long it
+takes.  A body over ``max_body`` gets a 413 the client can read, two ``Content-Length``
+headers or a ``Transfer-Encoding`` a 400, at most ``max_connections`` are open at once (more
+wait in the listen backlog) and at most ``max_per_client`` from one address (more get a 429).  The model and the FAISS indexes sit behind one lock
 (queries are short; images are decoded before taking it).  A ``Host`` header other than
 the bound address or localhost is refused: a web page cannot reach the server through a DNS name rebound to 127.0.0.1.
 Each request writes one access-log line (client, method, path, status, milliseconds)
@@ -101,13 +103,15 @@ class _Handler(PooledRequestHandler):
 
     def handle_one_request(self):
         start = time.monotonic()
-        self._status, self.command, self.path = None, None, None
+        self._status, self.command, self.path, self._undelivered = None, None, None, None
         super().handle_one_request()
         if self.command is None and self._status is None:
             return  # the client closed or stalled before sending a request
         ms = 1000 * (time.monotonic() - start)
+        # a reply that could not be written is said so: the status is what was meant, not what was seen
+        note = f" (reply not delivered: {self._undelivered})" if self._undelivered else ""
         self.access_log(f"{self.client_address[0]} {printable(self.command or '-')} "
-                        f"{printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms")
+                        f"{printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms{note}")
 
     def send_response(self, code, message=None):
         self._status = code
@@ -125,7 +129,8 @@ class _Handler(PooledRequestHandler):
         self.wfile.write(body)
 
     def _reply(self, status: int, payload: dict) -> None:
-        self._send(status, "application/json", json.dumps(payload).encode("utf-8"))
+        self._send(status, "application/json", json.dumps(payload).encode("utf-8"),
+                   {"X-Content-Type-Options": "nosniff"})
 
     def _params(self) -> tuple[str, dict]:
         parts = urlsplit(self.path)
@@ -165,8 +170,10 @@ class _Handler(PooledRequestHandler):
                 self._reply(e.status, {"error": str(e)})
             except UserError as e:
                 self._reply(400, {"error": str(e)})
-        except (TimeoutError, ConnectionError):  # a client that stalled or left (mid-body, or before the reply)
+        except (TimeoutError, ConnectionError) as e:  # a client that stalled or left (mid-body, or before the reply)
             self.close_connection = True
+            self._undelivered = ("the client did not read it in time" if isinstance(e, TimeoutError)
+                                 else f"the client left ({type(e).__name__})")
 
     def do_GET(self):
         self._handle(self._get)
@@ -277,21 +284,24 @@ class _Handler(PooledRequestHandler):
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
 
 
-def check_pool(timeout: float, workers: int, max_connections: int) -> None:
+def check_pool(timeout: float, workers: int, max_connections: int, max_per_client: int = 1) -> None:
     if workers < 1 or max_connections < 1 or not 0 < timeout < float("inf"):
         raise UsageError(f"serve: --workers ({workers}) and --max-connections ({max_connections}) must be >= 1 "
                          f"and --timeout ({timeout}) a finite number > 0")
+    if max_per_client < 1:
+        raise UsageError(f"serve: --max-per-client ({max_per_client}) must be >= 1")
 
 
 def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *, max_k: int = 100,
                 max_text: int = 1000, max_body: int = 8 << 20, max_pixels: int = MAX_QUERY_PIXELS,
                 max_thumb: int = 256, timeout: float = 10.0, workers: int = 8, max_connections: int = 256,
-                access_log: Callable[[str], None] | None = None) -> PooledHTTPServer:
+                max_per_client: int = 32, access_log: Callable[[str], None] | None = None) -> PooledHTTPServer:
     """An HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
-    ``timeout``: the seconds a request has to arrive whole, and its reply to be written;
-    ``workers``: the threads that answer requests; ``max_connections``: open at once.
+    ``timeout``: the seconds a request has to arrive whole, to wait for a worker, and its reply
+    to be written; ``workers``: the threads that answer requests; ``max_connections``: open at
+    once; ``max_per_client``: open at once from one client address.
     ``access_log`` receives one line per request (default: stderr)."""
-    check_pool(timeout, workers, max_connections)
+    check_pool(timeout, workers, max_connections, max_per_client)
     log_lock = threading.Lock()
     write = access_log or _stderr_line
 
@@ -305,17 +315,18 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
         "access_log": staticmethod(log_line)})
     try:
         return PooledHTTPServer((host, int(port)), handler, workers=workers, max_connections=max_connections,
-                                timeout=timeout, max_body=max_body, access_log=log_line)
+                                timeout=timeout, max_body=max_body, max_per_client=max_per_client,
+                                access_log=log_line)
     except (OSError, OverflowError) as e:
         why = getattr(e, "strerror", None) or e
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
 def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100, *,
-          timeout: float = 10.0, workers: int = 8, max_connections: int = 256) -> None:
-    check_pool(timeout, workers, max_connections)  # before the model loads: a bad flag fails at once
+          timeout: float = 10.0, workers: int = 8, max_connections: int = 256, max_per_client: int = 32) -> None:
+    check_pool(timeout, workers, max_connections, max_per_client)  # before the model loads: a bad flag fails at once
     server = make_server(Searcher(index_dir, model_dir), host, port, max_k=max_k, timeout=timeout, workers=workers,
-                         max_connections=max_connections)
+                         max_connections=max_connections, max_per_client=max_per_client)
     base = f"http://{host}:{server.server_address[1]}"
     print(f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)", flush=True)
     try:

@@ -12,12 +12,21 @@ Deadlines (``timeout`` seconds each):
 * a request must arrive whole within ``timeout`` of its connection opening, else the client
   gets a 408 and the connection is closed; a connection that sent nothing is closed without
   a reply;
-* a reply must be written within ``timeout`` of a worker taking its request.
+* a whole request must be taken by a worker within ``timeout`` of being queued, else it gets
+  a 503 (the server is busy) and is never run;
+* work a worker has taken is never timed out: it runs to completion and is answered; only
+  the writing of the reply, from its first byte, must be done within ``timeout`` (a client
+  that does not read).  A reply that could not be delivered is said so in the access log.
 
 Bounds: at most ``max_connections`` open connections (more wait in the listen backlog,
-``request_queue_size``, until one closes); a request head of at most ``MAX_HEAD`` bytes
-(else 431); a body of at most ``max_body`` bytes, else a 413 as soon as the headers are
-in.  Each reply the loop writes itself (408, 413, 431) is followed by a half-close and a
+``request_queue_size``, until one closes), and at most ``max_per_client`` of them from one
+client address: more are answered 429 and closed at once, so one client re-opening hundreds
+of sockets cannot hold every place while others wait; a request head of at most ``MAX_HEAD``
+bytes (else 431) with at most one ``Content-Length`` and no ``Transfer-Encoding`` (else 400:
+two framings of one body are a request-smuggling shape); a body of at most ``max_body``
+bytes, else a 413 as soon as the headers are in.  Each reply the loop writes itself (400,
+408, 413, 429, 431, 503) carries ``X-Content-Type-Options: nosniff``; all but 429 and 503
+are followed by a half-close and a
 bounded drain (the rest of the client's input is read and dropped, at most ``DRAIN_BYTES``,
 for ``timeout`` s after a 413, ``LINGER`` after the others): closing with unread input would send a TCP
 reset, and the client would see a broken pipe instead of the reply.
@@ -50,12 +59,30 @@ def printable(text: str, limit: int = 200) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def _header(head: bytes, name: bytes) -> bytes | None:
-    """The first ``name:`` header's value in a raw request head (case-insensitive), else None."""
+def _headers(head: bytes, name: bytes) -> list[bytes]:
+    """Every ``name:`` header's value in a raw request head (case-insensitive), in order."""
+    values = []
     for line in head.split(b"\n")[1:]:
         key, sep, value = line.partition(b":")
         if sep and key.strip().lower() == name:
-            return value.strip()
+            values.append(value.strip())
+    return values
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The first ``name:`` header's value in a raw request head (case-insensitive), else None."""
+    values = _headers(head, name)
+    return values[0] if values else None
+
+
+def _framing_problem(head: bytes) -> str | None:
+    """Why the body's length is ambiguous (two ``Content-Length``, or ``Transfer-Encoding``), or None."""
+    lengths = _headers(head, b"content-length")
+    if len(lengths) > 1:
+        return f"{len(lengths)} Content-Length headers; a request has at most one"
+    if _headers(head, b"transfer-encoding"):
+        both = " with Content-Length" if lengths else ""
+        return f"Transfer-Encoding{both} is not accepted; send the body with one Content-Length"
     return None
 
 
@@ -69,39 +96,49 @@ def _body_length(head: bytes) -> int:
 def _reply_bytes(status: int, message: str) -> bytes:
     body = json.dumps({"error": message}).encode("utf-8")
     return (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("ascii") + body
+            f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode("ascii") + body
+
+
+def _request_line(data: bytes) -> tuple[str, str]:
+    words = data.split(b"\n", 1)[0].decode("latin-1").split()
+    return (words[0], words[1]) if len(words) >= 2 else ("-", "-")
 
 
 class _Conn:
     """One client connection, owned by the loop thread (a worker only borrows its socket)."""
 
     __slots__ = ("sock", "address", "buf", "scanned", "head_end", "length", "deadline", "started", "state",
-                 "drained")
+                 "drained", "request")
 
     def __init__(self, sock: socket.socket, address, now: float, timeout: float):
         self.sock, self.address = sock, address
         self.buf, self.scanned = bytearray(), 0  # bytes received; how far HEAD_END has looked
         self.head_end, self.length = None, 0  # once the head is in: where it ends, the body's length
         self.started, self.deadline = now, now + timeout
-        self.state = "read"  # read -> busy (with a worker) -> closed; or read -> drain -> closed
-        self.drained = 0
+        # read -> queued -> busy (a worker took it) -> closed; queued -> expired (503) -> closed;
+        # or read -> drain -> closed
+        self.state = "read"
+        self.drained, self.request = 0, b""
 
     def request_line(self) -> tuple[str, str]:
-        words = self.buf.split(b"\n", 1)[0].decode("latin-1").split()
-        return (words[0], words[1]) if len(words) >= 2 else ("-", "-")
+        return _request_line(bytes(self.buf[:4096]))
 
 
 class ReplyWriter(io.RawIOBase):
-    """A handler's ``wfile``: every write must be done by ``deadline`` (monotonic seconds)."""
+    """A handler's ``wfile``: the reply must be written within ``timeout`` seconds of its first
+    byte (the work before it is not timed: a request taken is answered)."""
 
-    def __init__(self, sock: socket.socket, deadline: float):
+    def __init__(self, sock: socket.socket, timeout: float):
         super().__init__()
-        self.sock, self.deadline = sock, deadline
+        self.sock, self.timeout, self.deadline = sock, timeout, None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the reply was not written in time")
@@ -111,13 +148,13 @@ class ReplyWriter(io.RawIOBase):
 
 
 class PooledRequestHandler(BaseHTTPRequestHandler):
-    """A handler for one request the loop has read whole: ``request`` is (socket, bytes, deadline)."""
+    """A handler for one request the loop has read whole: ``request`` is (socket, bytes, write timeout)."""
 
     def setup(self):
-        sock, data, deadline = self.request
+        sock, data, timeout = self.request
         self.connection = sock
         self.rfile = io.BytesIO(data)
-        self.wfile = ReplyWriter(sock, deadline)
+        self.wfile = ReplyWriter(sock, timeout)
 
     def handle(self):
         # one request per connection (HTTP/1.0 replies, "Connection: close"): the loop closes it after
@@ -134,13 +171,17 @@ class PooledHTTPServer(HTTPServer):
     request_queue_size = 128  # listen() backlog (socketserver's default is 5)
 
     def __init__(self, address, handler, *, workers: int = 8, max_connections: int = 256,
-                 timeout: float = 10.0, max_body: int = 8 << 20,
+                 timeout: float = 10.0, max_body: int = 8 << 20, max_per_client: int = 32,
                  access_log: Callable[[str], None] | None = None):
         super().__init__(address, handler)  # binds and listens
         self.workers, self.max_connections = int(workers), int(max_connections)
+        self.max_per_client = int(max_per_client)
+        self._open_from: dict[str, int] = {}  # client address -> its open connections (loop thread)
+        self._turned_away = 0  # connections refused for their address's count (logged at powers of two)
         self.request_timeout, self.max_body = float(timeout), int(max_body)  # not socketserver's `timeout`
         self.access_log = access_log or (lambda line: None)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._claim = threading.Lock()  # a queued request is either taken by a worker or expired by the loop
         self._returned: deque = deque()  # connections whose reply is done, to close (loop thread)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -203,9 +244,29 @@ class PooledHTTPServer(HTTPServer):
                 self._accept_after = time.monotonic() + 0.1
                 return
             sock.setblocking(False)
+            client = str(address[0])
+            if self._open_from.get(client, 0) >= self.max_per_client:
+                self._turn_away(sock, client)
+                continue
+            self._open_from[client] = self._open_from.get(client, 0) + 1
             conn = _Conn(sock, address, time.monotonic(), self.request_timeout)
             conns.add(conn)
             sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _turn_away(self, sock: socket.socket, client: str) -> None:
+        """A 429 and a close, at once: this address already holds ``max_per_client`` connections."""
+        try:
+            sock.send(_reply_bytes(429, f"over {self.max_per_client} open connections from {client}; "
+                                        "close one and retry"))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
+        self._turned_away += 1
+        n = self._turned_away
+        if n & (n - 1) == 0:  # the first, then at powers of two: a churning client cannot flood the log
+            self.access_log(f"{printable(client)} - - 429 0.0 ms (over {self.max_per_client} open connections "
+                            f"from one address; {n} turned away so far)")
 
     def _readable(self, sel, conns: set, conn: _Conn) -> None:
         try:
@@ -234,6 +295,9 @@ class PooledHTTPServer(HTTPServer):
                     self._refuse(sel, conns, conn, 431, f"the request head is over {MAX_HEAD} bytes")
                 return
             conn.head_end, head = found.end(), bytes(conn.buf[:found.end()])
+            ambiguous = _framing_problem(head)
+            if ambiguous is not None:
+                return self._refuse(sel, conns, conn, 400, ambiguous)
             conn.length = _body_length(head)
             if conn.length > self.max_body:
                 return self._refuse(sel, conns, conn, 413, f"the body must be at most {self.max_body} bytes, "
@@ -245,14 +309,17 @@ class PooledHTTPServer(HTTPServer):
         if len(conn.buf) < conn.head_end + conn.length:
             return
         request = bytes(conn.buf[:conn.head_end + conn.length])  # anything after it: one request per connection
-        conn.state, conn.buf = "busy", bytearray()
+        conn.state, conn.buf, conn.request = "queued", bytearray(), request
+        conn.deadline = time.monotonic() + self.request_timeout  # to be taken by a worker, else a 503
         sel.unregister(conn.sock)
         self._jobs.put((conn, request))
 
     def _expire(self, sel, conns: set) -> None:
         now = time.monotonic()
         for conn in [c for c in conns if c.state != "busy" and c.deadline <= now]:
-            if conn.state == "read" and conn.buf:
+            if conn.state == "queued":
+                self._too_busy(sel, conns, conn)
+            elif conn.state == "read" and conn.buf:
                 self._refuse(sel, conns, conn, 408, f"the request did not arrive within {self.request_timeout:g} s")
             else:
                 self._close(sel, conns, conn)  # idle, or done draining
@@ -270,6 +337,23 @@ class PooledHTTPServer(HTTPServer):
         conn.state, conn.deadline, conn.drained = "drain", time.monotonic() + linger, len(conn.buf)
         conn.buf = bytearray()
         self._log(conn, method, path, status)
+
+    def _too_busy(self, sel, conns: set, conn: _Conn) -> None:
+        """A 503 for a request no worker took within the timeout: it is never run."""
+        with self._claim:
+            if conn.state != "queued":
+                return  # a worker took it just now
+            conn.state = "expired"
+        waited = time.monotonic() - conn.deadline + self.request_timeout
+        self._send_now(conn, _reply_bytes(503, f"the server is busy: the request waited {waited:.1f} s for a worker "
+                                               f"(at most {self.request_timeout:g} s) and was not run; retry later"))
+        method, path = _request_line(conn.request)
+        self._log(conn, method, path, 503)
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self._close(sel, conns, conn)
 
     @staticmethod
     def _send_now(conn: _Conn, data: bytes) -> None:
@@ -289,7 +373,14 @@ class PooledHTTPServer(HTTPServer):
             except (KeyError, ValueError):
                 pass
         conn.state = "closed"
-        conns.discard(conn)
+        if conn in conns:
+            conns.discard(conn)
+            client = str(conn.address[0])
+            left = self._open_from.get(client, 1) - 1
+            if left > 0:
+                self._open_from[client] = left
+            else:
+                self._open_from.pop(client, None)
         conn.sock.close()
 
     def _take_back(self, sel, conns: set) -> None:
@@ -311,10 +402,13 @@ class PooledHTTPServer(HTTPServer):
             if job is None:
                 return
             conn, request = job
-            deadline = time.monotonic() + self.request_timeout  # from now: time queued is not the reply's
+            with self._claim:
+                if conn.state != "queued":
+                    continue  # it waited too long and the loop answered 503, or the server stopped
+                conn.state = "busy"  # taken: from here it runs to completion and is answered
             try:
                 conn.sock.setblocking(True)
-                self.RequestHandlerClass((conn.sock, request, deadline), conn.address, self)
+                self.RequestHandlerClass((conn.sock, request, self.request_timeout), conn.address, self)
             except OSError:
                 pass  # the client left mid-reply, or the loop closed the socket at shutdown
             except Exception:  # a bug in a route must not take a worker with it
