@@ -193,14 +193,15 @@ def run_shards(args) -> dict:
         info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard)
         print(f"wrote {info['splits']} samples to {out}")
         return info
-    from data_pipelines.build import EncodeOptions, build_shards
-
     if not args.out:
         raise UsageError(f"mmalign shards {args.source} needs --out")
     if args.resize < 0 or args.processes < 1:
         raise UsageError("--resize must be >= 0 and --processes >= 1")
+    items = _items(args)  # a missing --input is one line before the writer's imports (pandas, pyarrow)
+    from data_pipelines.build import EncodeOptions, build_shards
+
     summary = build_shards(
-        _items(args), args.out, per_shard=per_shard,
+        items, args.out, per_shard=per_shard,
         opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode), dedupe=not args.no_dedupe,
         processes=args.processes, progress=not args.no_progress, source=f"{args.source}:{args.input}",
     )
