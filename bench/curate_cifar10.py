@@ -172,7 +172,7 @@ def curate(work: Path, name: str, pool: str, model: Path, *flags: str, reuse: Pa
     if reuse is not None:  # the embeddings of an earlier curate of the same pool and model
         shutil.copytree(reuse / "pool", out / "pool")
     cmd = [sys.executable, "-m", "mmalign.cli", "curate", "--data", pool, "--model", str(model), "--out", str(out),
-           "--no-progress", *flags]
+           "--no-progress", "--force", *flags]  # --force: the bench measures what a policy does, however much
     with (work / f"{name}.log").open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode:

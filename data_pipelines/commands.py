@@ -281,8 +281,9 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
                    help="keep the top F of the whole pool by CLIP score, F in (0, 1] (DataComp's baseline: 0.3)")
     g = p.add_argument_group("de-duplication")
     g.add_argument("--dedupe", default="", help="exact (image sha256), semantic (SemDeDup), or exact,semantic")
-    g.add_argument("--dedupe-eps", type=float, default=0.05,
-                   help="semantic: duplicates have image cosine > 1 - eps (default 0.05)")
+    g.add_argument("--dedupe-eps", type=float, default=0.002,
+                   help="semantic: duplicates have image cosine > 1 - eps (default 0.002, safe with weak models; "
+                        "pick yours from the report's similarity histogram)")
     g.add_argument("--dedupe-clusters", type=int, default=0,
                    help="semantic: k-means clusters (0 = one per 5000 samples)")
     g.add_argument("--kmeans-sample", type=int, default=0,
@@ -355,6 +356,11 @@ def _print_summary(report: dict, out: str) -> None:
     if sizes is not None:
         print(f"  duplicate groups: {sizes['groups']} (largest {sizes['largest']}, median {sizes['median']:g}, "
               f"{sizes['over_10']} of more than 10)")
+    near = report["dedupe"].get("nearest_similarity_quantiles")
+    if near:
+        eps = report["policies"]["dedupe_eps"]
+        print(f"  nearest other image: median cosine {near['0.5']:.4f}, 10% below {near['0.1']:.4f} "
+              f"(duplicates: above 1 - eps = {1 - eps:.4f})")
     kept = report["kept"]
     print(f"curated {n} samples into {out}: kept {kept['kept']} ({100 * kept['fraction']:.1f}%); "
           f"report {os.path.join(out, 'curate_report.html')}")

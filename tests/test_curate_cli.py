@@ -464,6 +464,10 @@ def test_exact_and_semantic_do_not_chain(pool, embedded, tmp_path):
     assert f"  dedupe: keeps {kept} of {n} ({100 * kept / n:.1f}%)" in lines
     assert f"  duplicate groups: {multi.size} (largest {multi.max()}, median {np.median(multi):g}, " \
            f"{(multi > 10).sum()} of more than 10)" in lines
+    near = cos - 2 * np.eye(n)  # not with itself
+    near = near.max(axis=1)  # (N,) each sample's nearest other image, all pairs (one cluster)
+    assert f"  nearest other image: median cosine {np.quantile(near, 0.5):.4f}, 10% below " \
+           f"{np.quantile(near, 0.1):.4f} (duplicates: above 1 - eps = {1 - eps:.4f})" in lines
     assert lines[-1] == f"curated {n} samples into {out}: kept {kept} ({100 * kept / n:.1f}%); " \
                         f"report {out / 'curate_report.html'}"
 

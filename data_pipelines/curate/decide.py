@@ -43,7 +43,7 @@ class Policies:
     clip_score_min: float | None = None
     keep_fraction: float | None = None
     dedupe: tuple[str, ...] = ()  # "exact", "semantic"
-    dedupe_eps: float = 0.05
+    dedupe_eps: float = 0.002  # safe with a weak model (README, "Picking eps")
     dedupe_clusters: int = 0  # 0 = ceil(N / SAMPLES_PER_CLUSTER)
     kmeans_sample: int = 0  # 0 = TRAIN_PER_CLUSTER x clusters
     false_negative_field: str | None = None
@@ -133,9 +133,8 @@ def decide(pool: Pool, p: Policies) -> Decisions:
         groups["semantic"] = semantic
         nearest = np.full(n, np.nan)
         nearest[reps] = nearest_similarity(emb, labels)
-        if "exact" in groups:
-            copies = groups["exact"] != np.arange(n)
-            nearest[copies] = 1.0  # an exact copy's nearest neighbour is its kept copy
+        if "exact" in groups:  # a sample with an exact copy: that copy is its nearest (cosine 1)
+            nearest[np.bincount(groups["exact"], minlength=n)[groups["exact"]] > 1] = 1.0
         info["kmeans_train_rows"] = train or 0
     group_field = None
     similarity = None
