@@ -84,6 +84,8 @@ def test_models_is_light_and_quick():
 def _usage_errors(tmp):
     missing = tmp / "missing"
     (tmp / "empty").mkdir()
+    (tmp / "shards").mkdir()
+    (tmp / "shards" / "00000.tar").touch()  # a shard by name (read only after the model is found)
     return [  # argv, a word the line must hold
         (["train", "--config", missing / "x.yaml"], "config file not found"),
         (["train", "--set", "train.stepz=3"], "train.stepz"),
@@ -98,6 +100,8 @@ def _usage_errors(tmp):
         (["mine", "--data", tmp / "empty", "--model", missing, "--out", tmp / "o"], "holds no .tar shards"),
         (["tokenizer", "train", "--data", missing / "0.tar", "--vocab-size", "64", "--out", tmp / "t.model"],
          "shard not found"),
+        (["curate", "--data", missing, "--model", tmp / "empty", "--out", tmp / "o"], "shard not found"),
+        (["curate", "--data", tmp / "shards", "--model", missing, "--out", tmp / "o"], "does not exist"),
         (["shards", "imagefolder", "--input", missing, "--out", tmp / "o"], "not found"),
         (["eval", "--model", missing, "--no-such-flag"], "unrecognized arguments"),
     ]

@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from data_pipelines.curate.scores import clip_scores
 
@@ -73,15 +71,18 @@ class ShardEmbedder:
     def __init__(self, loaded, *, batch_size: int = 64, device: str = "cpu", max_pixels: int | None = None):
         self.loaded, self.batch_size, self.device, self.max_pixels = loaded, int(batch_size), device, max_pixels
 
-    @torch.inference_mode()
     def _encode(self, images: list, captions: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        import torch  # here, not at import: `mmalign curate` checks its paths before torch's seconds
+        import torch.nn.functional as F
+
         model = self.loaded.model
-        pixels = torch.stack([self.loaded.preprocess(im) for im in images]).to(self.device)  # (b, 3, S, S)
-        img = F.normalize(model.encode_image(pixels).float(), dim=-1)  # (b, D)
-        flat = [c for caps in captions for c in caps]
-        txt = torch.cat([model.encode_text(self.loaded.tokenizer(flat[i:i + self.batch_size]).to(self.device)).float()
-                         for i in range(0, len(flat), self.batch_size)])
-        return img.cpu().numpy(), F.normalize(txt, dim=-1).cpu().numpy()  # (b, D), (r, D) float32
+        with torch.inference_mode():
+            pixels = torch.stack([self.loaded.preprocess(im) for im in images]).to(self.device)  # (b, 3, S, S)
+            img = F.normalize(model.encode_image(pixels).float(), dim=-1)  # (b, D)
+            flat = [c for caps in captions for c in caps]
+            txt = torch.cat([model.encode_text(self.loaded.tokenizer(flat[i:i + self.batch_size]).to(self.device))
+                             .float() for i in range(0, len(flat), self.batch_size)])
+            return img.cpu().numpy(), F.normalize(txt, dim=-1).cpu().numpy()  # (b, D), (r, D) float32
 
     def embed(self, url: str, u: int, out: Path, progress=None) -> dict:
         """Write shard ``u``'s pass-1 files (module docstring); returns its stats."""

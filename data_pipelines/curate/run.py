@@ -33,6 +33,7 @@ from data_pipelines.curate.decide import Policies
 from data_pipelines.curate.embed_pass import POOL, ShardEmbedder, done_shards
 from data_pipelines.shard_input import input_shards
 from mmalign.errors import UsageError
+from mmalign.models.locate import check_exists
 
 log = logging.getLogger("mmalign.curate")
 
@@ -82,6 +83,7 @@ def check(opts: Options) -> None:
         raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
     if opts.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    check_exists(opts.model)  # before --out is made and before the seconds of importing torch
 
 
 def _stamp_content(opts: Options, urls: list[str]) -> dict:
