@@ -41,6 +41,9 @@ def cmd_train(args) -> int:
     from mmalign.dist import cluster
 
     cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job
+    from mmalign.run.rundir import check_writable
+
+    check_writable(Path(cfg.output))  # a read-only mount: this line, not the lock file's
     lock = _hold_run_dir(Path(cfg.output), os.environ)  # one launch per run directory, before it is checked
     try:
         return _checked_run(args, cfg, meta_model)

@@ -67,22 +67,23 @@ def test_a_second_launch_of_a_running_train_is_refused_and_a_resume_works_after_
 
 
 def test_a_second_embed_into_the_same_out_is_refused(tmp_path):
-    out = tmp_path / "emb"
+    out, model = tmp_path / "emb", tmp_path / "not_a_model"
+    model.mkdir()  # a path that exists: the lock is what refuses, not the model check before it
     # the first embed: what cmd_embed holds while it writes (a real embed needs a trained model)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mmalign import dirlock; "
                                "dirlock.hold(sys.argv[1], 'mmalign embed'); print('held', flush=True); "
                                "time.sleep(120)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        res = cli_main("embed", "--model", tmp_path / "no_model", "--data", tmp_path / "no_data", "--out", out)
+        res = cli_main("embed", "--model", model, "--data", tmp_path / "no_data", "--out", out)
         line = _refusal(res, holder.pid)
         assert line.startswith(f"mmalign: error: {out} is in use by mmalign embed"), line
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    # the holder is gone: the lock no longer refuses; the next problem is the missing model
-    res = cli_main("embed", "--model", tmp_path / "no_model", "--data", tmp_path / "no_data", "--out", out)
-    assert res.returncode == 2 and "in use" not in res.stderr and "no_model" in res.stderr, res.stderr
+    # the holder is gone: the lock no longer refuses; the next problem is the folder that is no model
+    res = cli_main("embed", "--model", model, "--data", tmp_path / "no_data", "--out", out)
+    assert res.returncode == 2 and "in use" not in res.stderr and "not_a_model" in res.stderr, res.stderr
 
 
 def test_the_lock_file_is_not_run_content(tmp_path):

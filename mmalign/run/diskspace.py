@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mmalign.errors import RunStopped
+from mmalign.errors import RunStopped, UserError
 
 from mmalign.layout import ds_adapter
 
@@ -151,3 +151,67 @@ class SpaceWatch:
 
 # one per process: a run warns once, however many saves follow
 space_watch = SpaceWatch()
+
+
+# ------------------------------------------------- the run's other writes (final/, logs, eval json)
+
+# what a writer that is not Python's own says of a full or read-only disk (safetensors' Rust writer)
+_TEXT_REASONS = (("no space left on device", "no space left on device"), ("os error 28", "no space left on device"),
+                 ("disk quota exceeded", "disk quota exceeded"), ("os error 122", "disk quota exceeded"),
+                 ("read-only file system", "read-only file system"), ("os error 30", "read-only file system"))
+_STOPPING = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+class RunWriteError(RunStopped):
+    """A file of the run other than a checkpoint (``final/``, metrics.jsonl, TensorBoard, an eval
+    json) could not be written: one line, exit status 1, the last checkpoint intact."""
+
+
+def _stopping_reason(error: BaseException) -> tuple[str, str | None] | None:
+    """(reason, file name or None) when ``error`` is a write that a full, over-quota or
+    read-only filesystem refused; None for anything else (reported as it is)."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in _STOPPING:
+            return _FULL.get(e.errno, "read-only file system"), e.filename
+    text = str(error).lower()
+    for mark, reason in _TEXT_REASONS:
+        if mark in text:
+            return reason, None
+    return None
+
+
+def run_write_error(error: BaseException, out: Path, what: str | None = None) -> RunWriteError | None:
+    """The one-line :class:`RunWriteError` for ``error`` (a refused write of the run in ``out``;
+    ``what`` names it when the error does not), or None when ``error`` is something else."""
+    found = _stopping_reason(error)
+    if found is None:
+        return None
+    reason, filename = found
+    target = filename or what or f"a file of the run in {out}"
+    free = free_bytes(Path(filename).parent if filename else out)
+    space = "" if reason == "read-only file system" else \
+        f"; {'?' if free is None else size_text(free)} free on that filesystem"
+    latest = out / "checkpoints" / "latest"
+    try:
+        named = latest.read_text().strip() if latest.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    fix = "make the folder writable" if reason == "read-only file system" else "free some space"
+    return RunWriteError(f"cannot write {target}: {reason}{space}; "
+                         + (f"the last checkpoint, {named}, is intact: {fix}, then continue with --resume latest"
+                            if named else f"no checkpoint of this run is saved: {fix}, then start it again"))
+
+
+@contextlib.contextmanager
+def stop_on_refused_write(out: Path, what: str | None = None):
+    """Turn a write refused by a full, over-quota or read-only filesystem inside the block into
+    :class:`RunWriteError` (one line instead of a traceback); anything else passes unchanged."""
+    try:
+        yield
+    except (RunStopped, UserError):  # already one line
+        raise
+    except Exception as e:
+        stop = run_write_error(e, Path(out), what)
+        if stop is None:
+            raise
+        raise stop from None

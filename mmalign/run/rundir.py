@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import shutil
 import socket
@@ -79,10 +80,30 @@ def artefacts(out: Path) -> list[Path]:
     return found
 
 
+def check_writable(out: Path) -> None:
+    """A run writes into ``out`` (a resume too: config.yaml, train.log, metrics.jsonl, its
+    checkpoints): one line when it, its ``checkpoints/`` (a mount of its own) or the folder it
+    will be made in is read-only, instead of a traceback from the first write. Pure."""
+    existing = next((d for d in (out, *out.parents) if d.is_dir()), None)
+    for folder in (existing, out / ROOT):
+        if folder is None or not folder.is_dir() or os.access(folder, os.W_OK):
+            continue
+        try:
+            read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "on a read-only filesystem" if read_only else "not writable by this user"
+        raise ConfigError(f"config key 'output': {folder} is {why}; a run (a resume too) writes its checkpoints, "
+                          f"logs and final/ there: copy the run to a writable folder and resume it there, or "
+                          f"use another output directory")
+
+
 def check_fresh_start(out: Path, resume: str | None, overwrite: bool, cfg: Config | None = None) -> None:
     """A start without ``--resume`` needs an empty or absent directory, or ``--overwrite``;
-    with ``--resume`` and ``cfg``, :func:`check_something_to_resume`.
+    with ``--resume`` and ``cfg``, :func:`check_something_to_resume`; any start needs a
+    writable directory (:func:`check_writable`).
     Pure (no writes): every rank may call it before any rank writes."""
+    check_writable(out)
     if overwrite or not out.is_dir():
         return
     if resume:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign.run import checkpoint, rundir, trainable
+from mmalign.run import checkpoint, diskspace, rundir, trainable
 from mmalign import progress
 from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config
@@ -68,8 +69,29 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _LogFile(logging.FileHandler):
+    """train.log; a write a full or read-only disk refuses is one warning line, then the file is
+    left alone (logging's default prints a traceback for every line that follows)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        stop = diskspace.run_write_error(error, Path(self.baseFilename).parent, self.baseFilename) if error else None
+        if stop is None:
+            super().handleError(record)
+            return
+        self.failed = True
+        print(f"mmalign: warning: {self.baseFilename} is no longer written ({str(stop).split(';')[0]})",
+              file=sys.stderr, flush=True)
+
+
 def setup_logging(out: Path) -> None:
-    handler = logging.FileHandler(out / "train.log")
+    handler = _LogFile(out / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("mmalign")
     root.setLevel(logging.INFO)
@@ -108,7 +130,8 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
     Without ``resume`` the output directory must be empty or absent, or ``overwrite``
     given (which removes the earlier run's files); a resume must continue the same run
     (:mod:`mmalign.run.rundir`). SIGTERM stops it like Ctrl-C (its data workers too)."""
-    with _exit_on_sigterm():
+    # a write refused by a full or read-only disk (metrics.jsonl, TensorBoard, final/, eval.json): one line
+    with _exit_on_sigterm(), diskspace.stop_on_refused_write(Path(cfg.output)):
         return _train(cfg, show_progress, resume, overwrite)
 
 
@@ -184,11 +207,37 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
             say(f"trained {t.steps - start} step(s) in {progress.duration(runlog.elapsed())}; saving final/"
                 + (f", then evaluating on {evals.final_names()}" if evals.final else ""))
         # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them on every final suite
-        records = evaluate_final(evals, p.engine, cfg, p.tokenizer, out, device, runlog, show_progress=show_progress)
+        try:
+            with diskspace.stop_on_refused_write(out, f"the final weights or evaluation in {out}"):
+                records = evaluate_final(evals, p.engine, cfg, p.tokenizer, out, device, runlog,
+                                         show_progress=show_progress)
+        except diskspace.RunWriteError as e:
+            if main and _drop_partial_final(out / "final"):
+                raise diskspace.RunWriteError(f"{e} (the partial final/ was removed)") from None
+            raise
         if main and evals.final:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
             headline.announce(records, out / "eval.json", say)
     mdist.barrier()
     return out
+
+
+def _drop_partial_final(final: Path) -> bool:
+    """Remove ``final`` when its weights are missing or cut (a full disk mid-save), so that it
+    passes neither for a finished run nor for a model; True when removed."""
+    from safetensors import safe_open
+
+    if not final.is_dir():
+        return False
+    try:
+        with safe_open(str(final / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                f.get_slice(name)  # the header's offsets lie inside the file
+        return False
+    except Exception:  # noqa: BLE001 - any unreadable file: not a model
+        import shutil
+
+        shutil.rmtree(final, ignore_errors=True)
+        return True
 
 
 def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, EvalPlan, torch.device]:
@@ -386,5 +435,6 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     # A random tower's outputs are anisotropic; judge collapse once warmup is over.
     watch = runlog.main and p.probe is not None and step > t.warmup_steps
     alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
-    runlog.record(step, record, eta, alarms, once=p.params)  # the first record also holds the counts
+    with diskspace.stop_on_refused_write(p.out, f"the run's logs in {p.out} (metrics.jsonl, TensorBoard)"):
+        runlog.record(step, record, eta, alarms, once=p.params)  # the first record also holds the counts
     tally.window_start, tally.window_samples, tally.window_flops, tally.data_wait = time.time(), 0, 0.0, 0.0
