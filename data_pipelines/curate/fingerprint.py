@@ -78,10 +78,11 @@ def fingerprint(url: str, content: bool = True) -> dict | None:
 
 
 def changed(stored: dict | None, url: str) -> str | None:
-    """Why the shard at ``url`` is not what ``stored`` (its recorded fingerprint) describes, or
+    """Why the shard at ``url`` is not what ``stored`` (its recorded fingerprint) describes (a
+    phrase: "its size changed since it was embedded"), or
     None when it is, or when nothing can tell (a ``pipe:``, a server that gives no header)."""
     if stored is None:
-        return None if kind_of(url) == "pipe" else "no fingerprint was recorded (embedded by an older mmalign)"
+        return None if kind_of(url) == "pipe" else "no record of its input (embedded by an older mmalign)"
     try:
         now = fingerprint(url, content=False)
     except OSError as e:
@@ -90,11 +91,11 @@ def changed(stored: dict | None, url: str) -> str | None:
         return None
     for key in sorted(set(stored) & set(now)):
         if stored[key] != now[key]:
-            return f"its {WORDS.get(key, key)} changed"
+            return f"its {WORDS.get(key, key)} changed since it was embedded"
     if "sha256" in stored and kind_of(url) == "local":
         try:
             if _sha256(local_path(url)) != stored["sha256"]:
-                return "its content changed (same size and time)"
+                return "its content changed since it was embedded (same size and time)"
         except OSError as e:
             return f"it cannot be read now ({e.strerror or e})"
     return None

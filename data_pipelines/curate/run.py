@@ -235,7 +235,7 @@ def _embed_changed_again(out: Path, urls: list[str], shards) -> None:
     from data_pipelines.curate.embed_pass import shard_files
 
     for u, why in _changed_shards(out, urls, shards).items():
-        print(f"mmalign: curate: {urls[u]} changed since it was embedded ({why}): embedding it again", flush=True)
+        print(f"mmalign: curate: {urls[u]}: {why}: embedding it again", flush=True)
         shard_files(out, u)["stats"].unlink(missing_ok=True)
 
 
