@@ -167,10 +167,11 @@ def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
                "import json, mmalign, data_pipelines, mmalign.resources as r, data_pipelines.sources as s; "
                "print(json.dumps([mmalign.__file__, data_pipelines.__file__, r.names(r.RECIPES), "
                "r.names(r.SUITES), str(s.TEMPLATE_DIR), sorted(p.name for p in s.TEMPLATE_DIR.glob('*.yaml')), "
-               "sorted(__import__('mmalign.models.presets').models.presets.PRESETS)]))",
+               "sorted(__import__('mmalign.models.presets').models.presets.PRESETS), "
+               "__import__('mmalign.models.preset_table').models.preset_table.stale()]))",
                cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    mm, dp, recipes, suites, templates, template_files, presets = json.loads(res.stdout)
+    mm, dp, recipes, suites, templates, template_files, presets, stale = json.loads(res.stdout)
     site = str(installed.resolve())
     for path in (mm, dp, templates):  # the installed copy, not the checkout
         assert Path(path).resolve().is_relative_to(site) and "site-packages" in path, path
@@ -182,6 +183,7 @@ def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
     # the presets are package data too (one YAML file each): the wheel must carry every one
     assert presets == sorted(p.stem for p in (ROOT / "mmalign" / "models" / "preset_data").glob("*.yaml"))
     assert presets
+    assert stale == []  # `mmalign models`' table of parameter counts ships with them (preset_data/params.json)
 
 
 @pytest.mark.integration
