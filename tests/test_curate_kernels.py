@@ -296,8 +296,12 @@ def test_nearest_similarity_against_a_loop(seed):
     labels = rng.integers(0, 4, 40)
     labels[7] = 9  # alone in its cluster
     x = emb.astype(np.float64) / np.linalg.norm(emb.astype(np.float64), axis=1, keepdims=True)
+    rows = rng.choice(40, 15, replace=False)
     for block in (3, 1024):
+        part = nearest_similarity(emb, labels, rows=rows, block_size=block)
+        assert np.isnan(np.delete(part, rows)).all()
         got = nearest_similarity(emb, labels, block_size=block)
+        np.testing.assert_array_equal(part[rows], got[rows])
         for i in range(40):
             others = [float(x[i] @ x[j]) for j in range(40) if j != i and labels[j] == labels[i]]
             if others:

@@ -32,9 +32,11 @@ import numpy as np
 from data_pipelines.curate.dedupe import (cluster_labels, exact_groups, group_report, keep_one_per_group,
                                           nearest_similarity, semantic_groups)
 from data_pipelines.curate.embed_pass import shard_files
+from data_pipelines.curate.scores import _unit_rows
 from data_pipelines.curate.threshold import keep_threshold
 
 SAMPLES_PER_CLUSTER = 5000  # the automatic k-means size: pairs compared grow with the cluster size squared
+NEAREST_SAMPLE = 20_000  # samples whose nearest neighbour the report's eps histogram shows
 TRAIN_PER_CLUSTER = 256  # k-means training rows per centroid (FAISS warns under 39)
 
 
@@ -123,7 +125,7 @@ def decide(pool: Pool, p: Policies) -> Decisions:
         clusters = p.dedupe_clusters or max(1, math.ceil(m / SAMPLES_PER_CLUSTER))
         clusters = max(1, min(clusters, m))
         train = min(p.kmeans_sample or TRAIN_PER_CLUSTER * clusters, m) if clusters > 1 else None
-        emb = pool.image[reps]  # (M, D)
+        emb = pool.image if m == n else pool.image[reps]  # (M, D): no copy of the pool when all take part
         labels = cluster_labels(emb, clusters, p.seed, train)  # (M,)
         local = semantic_groups(emb, p.dedupe_eps, clusters, scores=scores[reps], labels=labels)  # (M,)
         semantic = np.arange(n, dtype=np.int64)
@@ -132,7 +134,8 @@ def decide(pool: Pool, p: Policies) -> Decisions:
             semantic = semantic[groups["exact"]]  # an exact copy's group is its kept copy's (no chaining)
         groups["semantic"] = semantic
         nearest = np.full(n, np.nan)
-        nearest[reps] = nearest_similarity(emb, labels)
+        sample = None if m <= NEAREST_SAMPLE else np.random.default_rng(p.seed).choice(m, NEAREST_SAMPLE, replace=False)
+        nearest[reps] = nearest_similarity(emb, labels, rows=sample)  # for the histogram: a sample suffices
         if "exact" in groups:  # a sample with an exact copy: that copy is its nearest (cosine 1)
             nearest[np.bincount(groups["exact"], minlength=n)[groups["exact"]] > 1] = 1.0
         info["kmeans_train_rows"] = train or 0
@@ -145,9 +148,10 @@ def decide(pool: Pool, p: Policies) -> Decisions:
             if name in groups:
                 info[f"{name}_groups"] = group_report(groups[name])
         info["group_sizes"] = group_sizes(combined)
-        unit = pool.image.astype(np.float64)  # (N, D) re-normalised: cosine with the kept member
-        unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
-        similarity = np.einsum("nd,nd->n", unit, unit[combined]).clip(-1.0, 1.0)  # (N,) 1 for a kept one
+        similarity = np.empty(n)  # (N,) cosine with the kept member (1 for a kept one), a block at a time
+        for s in range(0, n, 65536):
+            a, b = _unit_rows(pool.image[s:s + 65536]), _unit_rows(pool.image[combined[s:s + 65536]])  # (b, D)
+            similarity[s:s + 65536] = np.einsum("nd,nd->n", a, b).clip(-1.0, 1.0)
         if p.false_negative_field is None:
             index = np.arange(n)
             if "exact" in groups:

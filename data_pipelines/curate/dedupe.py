@@ -145,23 +145,30 @@ def _clusters(labels: np.ndarray) -> list[np.ndarray]:
     return np.split(order, np.flatnonzero(np.diff(labels[order])) + 1) if labels.size else []
 
 
-def nearest_similarity(emb: np.ndarray, labels: np.ndarray, block_size: int = 1024) -> np.ndarray:
+def nearest_similarity(emb: np.ndarray, labels: np.ndarray, rows: np.ndarray | None = None,
+                       block_size: int = 1024) -> np.ndarray:
     """(N, D), (N,) clusters -> (N,) float64 each sample's highest cosine with another sample of
-    its cluster (NaN when alone): the distribution an eps is read from. Tiled like the groups."""
+    its cluster (NaN when alone): the distribution an eps is read from. ``rows``: only these
+    samples' (the others NaN), so a histogram of a large pool costs a sample's comparisons,
+    not every pair's. Tiled like the groups."""
     emb = np.asarray(emb)
     best = np.full(emb.shape[0], np.nan)  # (N,)
+    wanted = None if rows is None else np.zeros(emb.shape[0], dtype=bool)
+    if wanted is not None:
+        wanted[np.asarray(rows, dtype=np.int64)] = True
     for idx in _clusters(labels):
-        if idx.size < 2:
+        q = np.arange(idx.size) if wanted is None else np.flatnonzero(wanted[idx])  # (q,) places in the cluster
+        if idx.size < 2 or q.size == 0:
             continue
         x = _unit_rows(emb[idx])  # (m, D)
-        near = np.full(idx.size, -np.inf)  # (m,)
-        for s in range(0, idx.size, block_size):
+        near = np.full(q.size, -np.inf)  # (q,)
+        for s in range(0, q.size, block_size):
+            qs = q[s:s + block_size]
             for t in range(0, idx.size, block_size):
-                cos = x[s:s + block_size] @ x[t:t + block_size].T  # (b, b')
-                if s == t:
-                    np.fill_diagonal(cos, -np.inf)  # not with itself
+                cos = x[qs] @ x[t:t + block_size].T  # (b, b')
+                cos[qs[:, None] == np.arange(t, min(t + block_size, idx.size))[None, :]] = -np.inf  # not itself
                 near[s:s + block_size] = np.maximum(near[s:s + block_size], cos.max(axis=1))
-        best[idx] = np.minimum(near, 1.0)  # rounding can put a copy a few ulps past 1
+        best[idx[q]] = np.minimum(near, 1.0)  # rounding can put a copy a few ulps past 1
     return best
 
 
