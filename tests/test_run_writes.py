@@ -115,6 +115,11 @@ def test_a_full_disk_while_writing_metrics_is_one_line_naming_the_checkpoint(sha
                     lines.append(text)
                     return real.write(text)
 
+                def close(self):  # its buffer flushed again on close: the full disk again
+                    super().close()
+                    if len(lines) >= 2:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
             self.metrics_file = Filling(real)
 
     monkeypatch.setattr(RunLog, "_open", full_after_step_2)

@@ -211,7 +211,9 @@ def stop_on_refused_write(out: Path, what: str | None = None):
     except (RunStopped, UserError):  # already one line
         raise
     except Exception as e:
-        stop = run_write_error(e, Path(out), what)
+        # a file's close while a stop unwinds (the same full disk again): the first line stands
+        earlier = next((c for c in _chain(e) if isinstance(c, RunStopped)), None)
+        stop = earlier if earlier is not None and run_write_error(e, Path(out)) else run_write_error(e, Path(out), what)
         if stop is None:
             raise
         raise stop from None
