@@ -104,3 +104,27 @@ def test_a_second_curate_on_one_out_is_refused_naming_the_holder(pool, tmp_path)
         holder.kill()
         holder.wait()
     _curate(pool, out)  # the holder gone, the lock frees itself
+
+
+def test_the_nproc_launcher_holds_the_lock_and_its_ranks_inherit_it(pool, tmp_path, monkeypatch):
+    import os
+
+    import mmalign.dist.launch as launch
+    from mmalign.dirlock import ENV, hold, holder
+
+    out = tmp_path / "out"
+    seen = []
+
+    def ranks(nproc, argv):  # what the launched ranks would find
+        seen.append((os.environ.get(ENV, "").split(os.pathsep), holder(out)))
+        with hold(out, "mmalign curate") as lock:  # a rank's own hold: inherited, not refused
+            seen.append(lock.inherited)
+        return 0
+
+    monkeypatch.setattr(launch, "launch_local", ranks)
+    run = _run(pool, out, "--nproc", "2")
+    assert run.returncode == 0, run.stderr
+    (held, record), inherited = seen
+    assert str(out.resolve()) in held and inherited
+    assert record["command"] == "mmalign curate" and record["pid"] == os.getpid()
+    assert str(out.resolve()) not in os.environ.get(ENV, "").split(os.pathsep)  # released when the ranks end
