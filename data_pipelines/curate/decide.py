@@ -125,17 +125,19 @@ def decide(pool: Pool, p: Policies) -> Decisions:
         clusters = p.dedupe_clusters or max(1, math.ceil(m / SAMPLES_PER_CLUSTER))
         clusters = max(1, min(clusters, m))
         train = min(p.kmeans_sample or TRAIN_PER_CLUSTER * clusters, m) if clusters > 1 else None
-        emb = pool.image if m == n else pool.image[reps]  # (M, D): no copy of the pool when all take part
-        labels = cluster_labels(emb, clusters, p.seed, train)  # (M,)
-        local = semantic_groups(emb, p.dedupe_eps, clusters, scores=scores[reps], labels=labels)  # (M,)
-        semantic = np.arange(n, dtype=np.int64)
-        semantic[reps] = reps[local]  # a representative's group: the kept representative's index
+        # every row is assigned (k-means trained on a sample of them: an exact copy barely weighs), then
+        # each exact copy that is not its group's kept one is put alone, so only the kept copies are
+        # compared; the pool's array is used as it is (no (M, D) copy)
+        labels = cluster_labels(pool.image, clusters, p.seed, train)  # (N,)
+        if m < n:
+            labels = np.where(groups["exact"] == np.arange(n), labels, -1 - np.arange(n))
+        semantic = semantic_groups(pool.image, p.dedupe_eps, clusters, scores=scores, labels=labels)  # (N,)
         if "exact" in groups:
             semantic = semantic[groups["exact"]]  # an exact copy's group is its kept copy's (no chaining)
         groups["semantic"] = semantic
-        nearest = np.full(n, np.nan)
-        sample = None if m <= NEAREST_SAMPLE else np.random.default_rng(p.seed).choice(m, NEAREST_SAMPLE, replace=False)
-        nearest[reps] = nearest_similarity(emb, labels, rows=sample)  # for the histogram: a sample suffices
+        sample = reps if m <= NEAREST_SAMPLE else np.random.default_rng(p.seed).choice(reps, NEAREST_SAMPLE,
+                                                                                         replace=False)
+        nearest = nearest_similarity(pool.image, labels, rows=sample)  # for the histogram: a sample suffices
         if "exact" in groups:  # a sample with an exact copy: that copy is its nearest (cosine 1)
             nearest[np.bincount(groups["exact"], minlength=n)[groups["exact"]] > 1] = 1.0
         info["kmeans_train_rows"] = train or 0
