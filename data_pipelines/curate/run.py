@@ -8,7 +8,11 @@ Passes (each its own module):
    SLURM launch (``RANK`` / ``WORLD_SIZE``), rank r embeds shards r, r + W, r + 2W, ...
 2. :mod:`.decide`: rank 0 waits for every shard, then applies the policies to the whole pool.
 3. :mod:`.write_out`: new shuffled shards in ``OUT`` (or ``OUT/keep_keys.txt``), and
-   :mod:`.report`'s ``curate_report.json`` / ``.html``.
+   :mod:`.report`'s ``curate_report.json`` / ``.html``; before it, a policy dropping more than
+   ``--max-drop`` stops the run with nothing written (:func:`.decide.check_drop`).
+
+``OUT`` is curate's alone while it runs (``mmalign.dirlock``, held by rank 0 or the ``--nproc``
+launcher), and it writes, removes and replaces only files of its own (:mod:`.outdir`).
 
 Resume: ``OUT/pool/stamp.json`` records the model (its weight files' names, sizes, mtimes and
 sha256) and the shards the embeddings came from. Run the same command again after a kill and
