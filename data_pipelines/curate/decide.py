@@ -198,10 +198,12 @@ def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
         dropped = int(n - d.by_policy["dedupe"].sum())
         if dropped > p.max_drop * n:
             sizes = d.info["group_sizes"]
-            eps = f", eps {p.dedupe_eps:g}" if "semantic" in p.dedupe else ""
+            semantic = "semantic" in p.dedupe
+            eps = f", eps {p.dedupe_eps:g}" if semantic else ""
+            fix = "lower --dedupe-eps" if semantic else "most of the pool is byte-identical copies: check it"
             raise UsageError(f"curate: de-duplication ({','.join(p.dedupe)}{eps}) would drop {dropped} of {n} samples "
                              f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
-                             f"{sizes['largest']} samples; nothing written: lower --dedupe-eps, or pass --force")
+                             f"{sizes['largest']} samples; nothing written: {fix}, or pass --force")
     if p.clip_score_min is not None and p.keep_fraction is None:
         scores = pool.frame["clip_score"].to_numpy(np.float64)
         dropped = int((scores < p.clip_score_min).sum())
