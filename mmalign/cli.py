@@ -142,10 +142,10 @@ def cmd_export(args) -> int:
 
 def cmd_embed(args) -> int:
     _loading(args.model)
-    from mmalign import dirlock
+    from mmalign.cli_train import output_lock
     from mmalign.search.embed import embed
 
-    with dirlock.hold(args.out, "mmalign embed"):  # one writer per output folder: a second embed is one line
+    with output_lock(args.out, "mmalign embed"):  # one writer per output folder: a second embed is one line
         info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
                      device=args.device)
     print(f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}")

@@ -5,6 +5,7 @@ ranks launched (``--nproc``). A torchrun restart continues the run instead of re
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -44,12 +45,10 @@ def cmd_train(args) -> int:
     from mmalign.run.rundir import check_writable
 
     check_writable(Path(cfg.output))  # a read-only mount: this line, not the lock file's
-    lock = _hold_run_dir(Path(cfg.output), os.environ)  # one launch per run directory, before it is checked
-    try:
+    # one launch per run directory, before it is checked: the --nproc launcher holds it (its ranks
+    # inherit it), or rank 0 of an outside launcher (the other ranks write what rank 0's run directs)
+    with output_lock(Path(cfg.output), "mmalign train", take=_launch_rank(os.environ) == 0):
         return _checked_run(args, cfg, meta_model)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _checked_run(args, cfg, meta_model) -> int:
@@ -101,16 +100,40 @@ def _launch_rank(env) -> int:
     return 0
 
 
-def _hold_run_dir(out: Path, env) -> "dirlock.DirLock | None":  # noqa: F821
-    """The run directory's lock (:mod:`mmalign.dirlock`), held until this process ends: by the
-    ``--nproc`` launcher (its ranks inherit it) or by rank 0 of an outside launcher (the other
-    ranks write only what rank 0's run coordinates). A second launch is one line naming the
-    first, exit 2: two launches of one run interleaved metrics.jsonl and both wrote final/."""
-    if _launch_rank(env) != 0:
+@contextlib.contextmanager
+def output_lock(directory: Path, what: str, take: bool = True):
+    """``directory``'s lock (:mod:`mmalign.dirlock`) for the block (``take`` False: none): a
+    second launch on it is one line naming this one, exit 2 (two launches of one run interleaved
+    metrics.jsonl and both wrote final/). A folder this launch made that holds nothing but the
+    lock file afterwards (a launch refused by a later check) is removed: a failed launch leaves
+    nothing behind."""
+    if not take:
+        yield None
         return
     from mmalign import dirlock
 
-    return dirlock.hold(out, "mmalign train")
+    directory = Path(directory)
+    made = next((d for d in reversed((directory, *directory.parents)) if not d.exists()), None)  # outermost new
+    lock = dirlock.hold(directory, what)
+    try:
+        yield lock
+    finally:
+        lock.release()
+        if made is not None:
+            _unmake(directory, made, dirlock.LOCK_FILE)
+
+
+def _unmake(directory: Path, made: Path, lock_file: str) -> None:
+    try:
+        if [p.name for p in directory.iterdir()] != [lock_file]:
+            return  # the run wrote something: it stays
+        (directory / lock_file).unlink()
+        for folder in (directory, *directory.parents):
+            folder.rmdir()  # an OSError (not empty) ends it
+            if folder == made:
+                return
+    except OSError:
+        pass
 
 
 def _continue_on_restart(args, out: Path) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mmalign import dirlock
-from mmalign.cli_train import _hold_run_dir
+from mmalign.cli_train import _launch_rank, output_lock
 from mmalign.run.rundir import check_fresh_start
 from tests.conftest import ROOT, cli_main
 
@@ -104,13 +104,25 @@ def test_the_lock_file_is_not_run_content(tmp_path):
 ])
 def test_only_rank_0_of_an_outside_launcher_takes_the_lock(tmp_path, env, takes):
     out = tmp_path / "run"
-    lock = _hold_run_dir(out, env)
-    try:
+    with output_lock(out, "mmalign train", take=_launch_rank(env) == 0) as lock:
         assert (lock is not None) == takes and (out / dirlock.LOCK_FILE).is_file() == takes
         if takes:
             assert dirlock.holder(out)["pid"] == os.getpid()
             assert str(Path(out).resolve()) in os.environ[dirlock.ENV]  # the ranks it starts inherit it
-    finally:
-        if lock is not None:
-            lock.release()
+        (out / "metrics.jsonl").parent.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("")
     assert str(Path(out).resolve()) not in os.environ.get(dirlock.ENV, "")
+    assert (out / "metrics.jsonl").is_file()  # what the run wrote stays
+
+
+def test_a_refused_launch_leaves_no_folder_behind(tmp_path):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="refused later"):
+        with output_lock(out, "mmalign train"):
+            assert (out / dirlock.LOCK_FILE).is_file()
+            raise ValueError("refused later")  # e.g. a shard path checked after the lock
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    with output_lock(tmp_path / "mine", "mmalign embed"):
+        pass
+    assert (tmp_path / "mine").is_dir()  # a folder that was there stays
