@@ -59,13 +59,18 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
 
 
-def _loading(model: str) -> None:
+def _loading(model: str, data_on_stdout: bool = False) -> None:
     """A model path that does not exist is one line now, before the seconds that importing torch
-    and open_clip and building the model take; else a line saying that those seconds begin."""
+    and open_clip and building the model take; else a line saying that those seconds begin.
+    ``data_on_stdout`` (search's table of hits, kept clean for a pipe): the line goes to a
+    terminal's stderr only, so that an error stays the one line on stderr."""
     from mmalign.models.locate import check_exists
 
     check_exists(model)
-    print(f"mmalign: loading the model from {model} ...", flush=True)
+    if not data_on_stdout:
+        print(f"mmalign: loading the model from {model} ...", flush=True)
+    elif sys.stderr.isatty():
+        print(f"mmalign: loading the model from {model} ...", file=sys.stderr, flush=True)
 
 
 def cmd_report(args) -> int:
@@ -170,7 +175,7 @@ def cmd_search(args) -> int:
     if (args.text is None) == (args.image is None):
         raise UsageError("search: give exactly one of --text or --image")
     _check_index(args.index)
-    _loading(args.model)
+    _loading(args.model, data_on_stdout=True)
     from mmalign.search.searcher import Searcher, format_hits
 
     searcher = Searcher(args.index, args.model)

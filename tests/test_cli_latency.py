@@ -147,3 +147,22 @@ def test_a_model_command_says_it_is_loading_before_it_loads(tmp_path, argv):
     res = cli_main(*argv, "--model", tmp_path / "notamodel")
     assert res.stdout.startswith(f"mmalign: loading the model from {tmp_path / 'notamodel'} ...\n"), res
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res
+
+
+def test_search_keeps_its_stdout_for_hits_and_says_it_is_loading_on_a_terminal_only(tmp_path):
+    import contextlib
+    import io
+
+    from mmalign import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    (tmp_path / "m").mkdir()
+    for err, said in ((Terminal(), True), (io.StringIO(), False)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli._loading(str(tmp_path / "m"), data_on_stdout=True)
+        assert out.getvalue() == ""
+        assert err.getvalue() == (f"mmalign: loading the model from {tmp_path / 'm'} ...\n" if said else "")
