@@ -36,6 +36,8 @@ def _world_size(nproc: int, env) -> int:
 def cmd_train(args) -> int:
     # resolved and validated once, at the run's world size, before spawning anything (and before importing torch)
     cfg = _load(args, _world_size(args.nproc, os.environ))
+    if _launch_rank(os.environ) == 0:  # the seconds before "building model" say what they are
+        print("mmalign: config checked; importing torch and open_clip to check the model ...", flush=True)
     from mmalign.models import check_buildable
 
     meta_model = check_buildable(cfg.model)

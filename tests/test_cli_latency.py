@@ -166,3 +166,14 @@ def test_search_keeps_its_stdout_for_hits_and_says_it_is_loading_on_a_terminal_o
             cli._loading(str(tmp_path / "m"), data_on_stdout=True)
         assert out.getvalue() == ""
         assert err.getvalue() == (f"mmalign: loading the model from {tmp_path / 'm'} ...\n" if said else "")
+
+
+def test_train_says_what_its_seconds_of_imports_are_for(tmp_path):
+    """Between a valid config and "building model", `mmalign train` imports torch and open_clip
+    (seconds on 2 cores): a line first (here the towers are then refused, in one line)."""
+    from tests.conftest import cli_main
+
+    res = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
+                   "--set", f"output={tmp_path / 'run'}")
+    assert res.stdout == "mmalign: config checked; importing torch and open_clip to check the model ...\n"
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "config key 'model'" in res.stderr
