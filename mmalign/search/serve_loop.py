@@ -50,6 +50,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 MAX_HEAD = 64 << 10  # request line + headers (http.server's own line limit is 64 KiB)
 DRAIN_BYTES = 64 << 20  # after a loop reply: input read and dropped so the client sees the reply
 LINGER = 1.0  # seconds a 408 or 431 client has to read it before the close (a 413's: the timeout)
+ACCEPT_BATCH = 64  # connections accepted per turn of the loop, at most
 HEAD_END = re.compile(rb"\r?\n\r?\n")  # the empty line that ends a request head
 
 
@@ -235,7 +236,11 @@ class PooledHTTPServer(HTTPServer):
             self._stopped.set()
 
     def _accept(self, sel, conns: set) -> None:
-        while len(conns) < self.max_connections:
+        # at most ACCEPT_BATCH a turn: a client re-opening as fast as it is turned away must not keep
+        # the loop from reading the others
+        for _ in range(ACCEPT_BATCH):
+            if len(conns) >= self.max_connections:
+                return
             try:
                 sock, address = self.socket.accept()
             except (BlockingIOError, InterruptedError):
