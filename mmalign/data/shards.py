@@ -108,6 +108,8 @@ def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) 
         check_backend(url, what)
     sample = _spread(remote_urls, REMOTE_SAMPLE)
     if sample:
+        log.info("%s: probing %d of %d remote shard(s) (each read has data.remote_timeout, then retries)", what,
+                 len(sample), len(remote_urls))  # a dead server takes that long: said first
         problems = _probe_all(sample, remote)
         if problems:
             url, why = problems[0]
