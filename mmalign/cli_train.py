@@ -36,6 +36,7 @@ def _world_size(nproc: int, env) -> int:
 def cmd_train(args) -> int:
     # resolved and validated once, at the run's world size, before spawning anything (and before importing torch)
     cfg = _load(args, _world_size(args.nproc, os.environ))
+    _check_local_shards(cfg)
     if _launch_rank(os.environ) == 0:  # the seconds before "building model" say what they are
         print("mmalign: config checked; importing torch and open_clip to check the model ...", flush=True)
     from mmalign.models import check_buildable
@@ -51,6 +52,15 @@ def cmd_train(args) -> int:
     # inherit it), or rank 0 of an outside launcher (the other ranks write what rank 0's run directs)
     with output_lock(Path(cfg.output), "mmalign train", take=_launch_rank(os.environ) == 0):
         return _checked_run(args, cfg, meta_model)
+
+
+def _check_local_shards(cfg) -> None:
+    """A missing local shard or a table given as shards, in a second rather than after the
+    seconds of importing torch (the remote shards are probed later, with the rest)."""
+    from mmalign.data.shards import check_local, train_shard_lists
+
+    for urls, what in train_shard_lists(cfg.data):
+        check_local(urls, what)
 
 
 def _checked_run(args, cfg, meta_model) -> int:

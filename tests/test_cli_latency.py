@@ -86,10 +86,13 @@ def _usage_errors(tmp):
     (tmp / "empty").mkdir()
     (tmp / "shards").mkdir()
     (tmp / "shards" / "00000.tar").touch()  # a shard by name (read only after the model is found)
+    (tmp / "pairs.csv").write_text("path,caption\n")  # a table where shards belong
     return [  # argv, a word the line must hold
         (["train", "--config", missing / "x.yaml"], "config file not found"),
         (["train", "--set", "train.stepz=3"], "train.stepz"),
         (["train", "--set", "nosuchsection.key=1"], "nosuchsection"),
+        (["train", "--set", f"data.train={missing / '00000.tar'}"], "shard not found"),
+        (["train", "--set", f"data.train={tmp / 'pairs.csv'}"], "mmalign shards table"),
         (["eval", "--model", missing], "does not exist"),
         (["export", "--model", missing, "--format", "hf", "--out", tmp / "o"], "does not exist"),
         (["embed", "--model", missing, "--data", tmp / "empty", "--out", tmp / "o"], "does not exist"),
@@ -173,7 +176,8 @@ def test_train_says_what_its_seconds_of_imports_are_for(tmp_path):
     (seconds on 2 cores): a line first (here the towers are then refused, in one line)."""
     from tests.conftest import cli_main
 
+    (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the imports
     res = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
-                   "--set", f"output={tmp_path / 'run'}")
+                   "--set", f"output={tmp_path / 'run'}", "--set", f"data.train={tmp_path / '00000.tar'}")
     assert res.stdout == "mmalign: config checked; importing torch and open_clip to check the model ...\n"
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "config key 'model'" in res.stderr

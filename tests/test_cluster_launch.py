@@ -105,10 +105,16 @@ def test_slurm_master_address():
                                 "SLURM_JOB_NODELIST": "gpu[07-"}).world_size == 1
 
 
+def _a_shard(tmp_path) -> list[str]:
+    """data.train naming an existing file: the shards are checked before the launch is."""
+    (tmp_path / "00000.tar").touch()
+    return ["--set", f"data.train={tmp_path / '00000.tar'}"]
+
+
 def test_cli_unparsable_nodelist_is_one_line(tmp_path, monkeypatch):
     _launched_as(monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="node[01-")
     res = cli_main("train", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
-                   "--set", "eval.suite=none")
+                   "--set", "eval.suite=none", *_a_shard(tmp_path))
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "SLURM_JOB_NODELIST" in lines[0], res.stderr
@@ -134,7 +140,7 @@ def test_nproc_inside_a_job(env, refused):
 def test_cli_refuses_nproc_under_srun(tmp_path, monkeypatch):
     _launched_as(monkeypatch, SLURM_NTASKS="2", SLURM_PROCID="0")
     res = cli_main("train", "--nproc", "2", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
-                   "--set", "eval.suite=none")
+                   "--set", "eval.suite=none", *_a_shard(tmp_path))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--nproc 2 inside a job that already runs 2 ranks (SLURM_NTASKS=2)" in lines[0]

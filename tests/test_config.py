@@ -162,8 +162,9 @@ def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mmalign.run.train, "train", no_training)
     t0 = time.time()
+    (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the towers
     proc = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
-                    "--set", f"output={tmp_path / 'run'}")
+                    "--set", f"output={tmp_path / 'run'}", "--set", f"data.train={tmp_path / '00000.tar'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("mmalign: error: config key 'model'")
     assert not (tmp_path / "run").exists()  # nothing was started

@@ -83,6 +83,24 @@ def _spread(items: list, n: int) -> list:
 TABLE_EXTS = (".csv", ".tsv", ".parquet", ".jsonl", ".json", ".feather", ".arrow", ".xlsx")
 
 
+def check_local(urls: list[str], what: str) -> None:
+    """The part of :func:`check_urls` that needs no network and no torch: every local shard
+    exists and none is a table (``mmalign train`` runs it before importing torch)."""
+    from mmalign.config import ConfigError
+
+    if not urls:
+        raise ConfigError(f"config key '{what}': no shards given")
+    missing = [u for u in urls if kind_of(u) == "local" and not Path(local_path(u)).exists()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"config key '{what}': shard not found: {missing[0]}{more}")
+    table = next((u for u in urls if kind_of(u) == "local" and u.lower().endswith(TABLE_EXTS)), None)
+    if table is not None:  # read as a tar it would be "0 samples" after the whole start-up
+        raise ConfigError(f"config key '{what}': {table} is a table, not WebDataset shards: build shards from it "
+                          f"with `mmalign shards table --input {table} --image-col COL --caption-col COL "
+                          f"--out DIR`, then give DIR's .tar files")
+
+
 def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) -> None:
     """A one-line ConfigError naming ``what`` unless every local shard exists and a sample
     of the remote ones (``REMOTE_SAMPLE``, probed in parallel) can be read.  A list that
@@ -93,15 +111,7 @@ def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) 
         raise ConfigError(f"config key '{what}': no shards given")
     if _digest(urls) in _checked:
         return
-    missing = [u for u in urls if kind_of(u) == "local" and not Path(local_path(u)).exists()]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"config key '{what}': shard not found: {missing[0]}{more}")
-    table = next((u for u in urls if kind_of(u) == "local" and u.lower().endswith(TABLE_EXTS)), None)
-    if table is not None:  # read as a tar it would be "0 samples" after the whole start-up
-        raise ConfigError(f"config key '{what}': {table} is a table, not WebDataset shards: build shards from it "
-                          f"with `mmalign shards table --input {table} --image-col COL --caption-col COL "
-                          f"--out DIR`, then give DIR's .tar files")
+    check_local(urls, what)
     remote_urls = [u for u in urls if kind_of(u) != "local"]
     schemes = {u.split("://", 1)[0].lower(): u for u in remote_urls if kind_of(u) == "fsspec"}
     for url in schemes.values():
