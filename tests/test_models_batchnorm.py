@@ -133,8 +133,9 @@ def test_config_error_without_a_mode_under_caching_or_ranks():
 
 
 def test_cli_refuses_a_batchnorm_tower_on_two_processes_before_spawning(tmp_path):
+    (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the towers
     result = run_cli("train", "--nproc", "2", "--set", "model.preset=micro-rn", "--set", "train.global_batch_size=8",
-                     "--output", str(tmp_path / "run"))
+                     "--output", str(tmp_path / "run"), "--set", f"data.train={tmp_path / '00000.tar'}")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "model.batchnorm" in lines[0] and "frozen | sync | local" in lines[0], result.stderr
