@@ -184,10 +184,11 @@ class _Handler(PooledRequestHandler):
     def _get(self) -> None:
         path, params = self._params()
         if path in ("/", "/index.html"):
-            # the page's script and style are inline; nothing else may load (no CDN, no frames)
+            # the page's script and style are inline; nothing else may load (no CDN, no frames); blob:
+            # images are the user's own uploaded query file, shown beside its results
             return self._send(200, "text/html; charset=utf-8", PAGE.encode("utf-8"), {
                 "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                                           "style-src 'unsafe-inline'; img-src 'self'; connect-src 'self'; "
+                                           "style-src 'unsafe-inline'; img-src 'self' blob:; connect-src 'self'; "
                                            "frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff"})
         if path == "/health":
