@@ -75,6 +75,7 @@ def usage_errors(tmp: Path) -> list[list[str]]:
     return [
         ["train", "--config", f"{missing}.yaml"],
         ["train", "--set", "train.stepz=3"],
+        ["train", "--set", f"data.train={missing}/00000.tar"],
         ["eval", "--model", missing],
         ["export", "--model", missing, "--format", "hf", "--out", str(tmp / "o")],
         ["search", "--index", missing, "--model", missing, "--text", "a cat"],
