@@ -26,7 +26,7 @@ WORDS = {"mtime_ns": "modification time", "mtime": "modification time", "size": 
 HEAD_TIMEOUT_S = 10.0
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
@@ -68,7 +68,7 @@ def fingerprint(url: str, content: bool = True) -> dict | None:
         st = os.stat(path)
         out = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         if content:
-            out["sha256"] = _sha256(path)
+            out["sha256"] = sha256_file(path)
         return out
     if kind == "http":
         return _http(url)
@@ -94,7 +94,7 @@ def changed(stored: dict | None, url: str) -> str | None:
             return f"its {WORDS.get(key, key)} changed since it was embedded"
     if "sha256" in stored and kind_of(url) == "local":
         try:
-            if _sha256(local_path(url)) != stored["sha256"]:
+            if sha256_file(local_path(url)) != stored["sha256"]:
                 return "its content changed since it was embedded (same size and time)"
         except OSError as e:
             return f"it cannot be read now ({e.strerror or e})"

@@ -95,12 +95,27 @@ def _stamp_content(opts: Options, urls: list[str]) -> dict:
     model = Path(opts.model).resolve()
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
         model = model / "final"
-    from data_pipelines.curate.fingerprint import _sha256
-
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime),
-                                              _sha256(str(p))] for p in weights],  # the hash: ~1 s a GB
+                                              _weight_hash(p)] for p in weights],
             "urls": urls}
+
+
+_hashed: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: the stamp is built twice a run
+
+
+def _weight_hash(path: Path) -> str:
+    """A weight file's sha256 (~1 s a GB: a line first for a large one), once per process."""
+    from data_pipelines.curate.fingerprint import sha256_file
+
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _hashed:
+        if st.st_size > 1 << 30:
+            print(f"mmalign: curate: hashing the model's {path.name} ({st.st_size / 2**30:.1f} GiB) for its stamp",
+                  flush=True)
+        _hashed[key] = sha256_file(str(path))
+    return _hashed[key]
 
 
 def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
