@@ -36,6 +36,7 @@ from data_pipelines.curate.scores import _unit_rows
 from data_pipelines.curate.threshold import keep_threshold
 
 SAMPLES_PER_CLUSTER = 5000  # the automatic k-means size: pairs compared grow with the cluster size squared
+SIMILARITY_BLOCK = 8192  # rows a block for the cosine with the kept member: 4 float64 copies of (b, D), ~128 MB at 512-d
 NEAREST_SAMPLE = 20_000  # samples whose nearest neighbour the report's eps histogram shows
 TRAIN_PER_CLUSTER = 256  # k-means training rows per centroid (FAISS warns under 39)
 
@@ -151,9 +152,10 @@ def decide(pool: Pool, p: Policies) -> Decisions:
                 info[f"{name}_groups"] = group_report(groups[name])
         info["group_sizes"] = group_sizes(combined)
         similarity = np.empty(n)  # (N,) cosine with the kept member (1 for a kept one), a block at a time
-        for s in range(0, n, 65536):
-            a, b = _unit_rows(pool.image[s:s + 65536]), _unit_rows(pool.image[combined[s:s + 65536]])  # (b, D)
-            similarity[s:s + 65536] = np.einsum("nd,nd->n", a, b).clip(-1.0, 1.0)
+        for s in range(0, n, SIMILARITY_BLOCK):
+            e = s + SIMILARITY_BLOCK
+            a, b = _unit_rows(pool.image[s:e]), _unit_rows(pool.image[combined[s:e]])  # (b, D) float64
+            similarity[s:e] = np.einsum("nd,nd->n", a, b).clip(-1.0, 1.0)
         if p.false_negative_field is None:
             index = np.arange(n)
             if "exact" in groups:
