@@ -116,3 +116,38 @@ def test_an_eval_during_entry_that_does_not_fit_is_named_by_its_key(tmp_path):
     line = str(e.value)
     assert line.startswith("config key 'eval.during[0].suite': suite 'shapes' does not fit data.val")
     assert "suite cifar10 fits the data" in line and "drop the entry" in line
+
+
+def test_a_remote_validation_shard_is_probed_too(tmp_path):
+    """data.val over HTTP: the first samples are read (a line first) and a missing field is the
+    same one line as for a local shard."""
+    from tests.shard_server import serve
+
+    cifar_like(tmp_path / "srv" / "00000.tar", n=40)
+    suite = {"name": "shapes", "tasks": [{"name": "shape", "type": "zeroshot", "label_field": "shape",
+                                          "classnames": ["circle", "square"]}]}
+    with serve(tmp_path / "srv") as server:
+        url = f"{server.url}/00000.tar"
+        probed = probe_samples(url, n=5)
+        assert [p["json"]["classname"] for p in probed] == CIFAR[:5]
+        with pytest.raises(ConfigError, match=r"suite 'shapes' does not fit data.val: task 'shape' needs the "
+                                              r"\.json field 'shape'"):
+            check_suite_fields(suite, {"type": "shards", "urls": url}, "data.val")
+
+
+def test_a_silent_remote_server_costs_the_probe_its_bound_and_no_more(tmp_path, capsys):
+    """A server that accepts and never answers: the probe gives up after its bound with nothing
+    probed (no check, no hang); the loader's own timeouts speak when it reads."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepted by the kernel, never answered
+    try:
+        t0 = time.monotonic()
+        probed = probe_samples(f"http://127.0.0.1:{listener.getsockname()[1]}/00000.tar", remote_s=1.0)
+        took = time.monotonic() - t0
+    finally:
+        listener.close()
+    assert probed == [] and 0.9 <= took < 5
+    assert "mmalign: probing the first 32 samples of http://127.0.0.1:" in capsys.readouterr().out

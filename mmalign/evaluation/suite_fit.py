@@ -5,8 +5,8 @@ failed on its suite's missing label field).
 Each task needs fields of the samples: a ``zeroshot`` or ``probe`` task its ``label_field``
 in ``.json`` with values among its ``classnames`` (class indices with ``label_index``), a
 ``retrieval`` or ``diagnostics`` task the samples' captions.  The probe reads the ``.json``
-and captions of the first :data:`PROBE_SAMPLES` samples of the first local shard, decoding
-no image.  A mismatch is one line naming the suite, the task, the field, and the shipped
+and captions of the first :data:`PROBE_SAMPLES` samples of the first shard, decoding no image
+(a remote one for at most :data:`REMOTE_PROBE_S` seconds).  A mismatch is one line naming the suite, the task, the field, and the shipped
 suites that fit the probed samples (else ``none``).
 """
 
@@ -19,19 +19,44 @@ from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, expand_urls
     parse_captions, parse_meta
 
 PROBE_SAMPLES = 32  # enough to see a field's absence and a foreign class name; costs no image decode
+REMOTE_PROBE_S = 15.0  # a remote shard's probe: what arrived by then is the probe (a slow server never blocks)
 LABEL_TASKS = ("zeroshot", "probe")
 CAPTION_TASKS = ("retrieval", "diagnostics")
 
 
-def probe_samples(urls: str | list[str], n: int = PROBE_SAMPLES) -> list[dict]:
-    """``{"json": dict, "captions": bool}`` of the first ``n`` samples of the first local shard
-    (none for remote shards: their reads are bounded by the loader, not here)."""
+def probe_samples(urls: str | list[str], n: int = PROBE_SAMPLES, remote_s: float = REMOTE_PROBE_S) -> list[dict]:
+    """``{"json": dict, "captions": bool}`` of the first ``n`` samples of the first shard. A
+    remote shard (HTTP, fsspec, ``pipe:``) is read in a thread for at most ``remote_s`` seconds,
+    with a line first: the samples that arrived by then are the probe (none: nothing to check)."""
     expanded = expand_urls(urls) if urls else []
-    if not expanded or kind_of(expanded[0]) != "local":
+    if not expanded:
         return []
-    out: list[dict] = []
+    if kind_of(expanded[0]) == "local":
+        return _probe(expanded[0], n)
+    import os
+    import threading
+
+    if os.environ.get("RANK", "0") == "0":  # the other ranks probe the same shard quietly
+        print(f"mmalign: probing the first {n} samples of {expanded[0]} for the suite's fields "
+              f"(at most {remote_s:g} s) ...", flush=True)
+    found: list[dict] = []
+    reader = threading.Thread(target=_probe_quietly, args=(expanded[0], n, found), daemon=True)
+    reader.start()
+    reader.join(remote_s)
+    return list(found)  # a copy: a reader past the deadline may still append
+
+
+def _probe_quietly(url: str, n: int, out: list[dict]) -> None:
     try:
-        for raw in iter_tar_groups(expanded[0]):
+        _probe(url, n, out)
+    except Exception:  # noqa: BLE001  (an unreachable server: the probe is empty, the loader's own checks speak)
+        pass
+
+
+def _probe(url: str, n: int, out: list[dict] | None = None) -> list[dict]:
+    out = [] if out is None else out
+    try:
+        for raw in iter_tar_groups(url):
             try:
                 meta = parse_meta(raw)
             except BadSample:
@@ -43,7 +68,7 @@ def probe_samples(urls: str | list[str], n: int = PROBE_SAMPLES) -> list[dict]:
             out.append({"json": meta, "captions": has_captions})
             if len(out) >= n:
                 break
-    except (TruncatedTar, CorruptTar, OSError):
+    except (TruncatedTar, CorruptTar, OSError, ValueError):
         pass  # what was read is the probe; the sample pass logs the shard
     return out
 
