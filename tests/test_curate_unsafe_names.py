@@ -8,7 +8,6 @@ References: the names this test wrote, and the written tars read back with ``tar
 
 from __future__ import annotations
 
-import io
 import json
 import tarfile
 from pathlib import Path
@@ -18,17 +17,13 @@ import pytest
 
 from tests.conftest import cli_main
 from tests.test_curate_cli import _jpeg, _one_thread, _pixels, _save_model  # noqa: F401
+from tests.test_data_loader import write_shard
 
 UNSAFE = ("../evil", "/abs", "a/../../b")
 
 
 def _tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    write_shard(path, samples)
     with tarfile.open(path) as tar:  # the names are in the archive as written (not cleaned by tarfile)
         names = tar.getnames()
     assert {f"{k}.jpg" for k, _ in samples} <= set(names)
