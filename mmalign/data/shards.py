@@ -107,11 +107,9 @@ def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) 
     passed is not checked again in this process."""
     from mmalign.config import ConfigError
 
-    if not urls:
-        raise ConfigError(f"config key '{what}': no shards given")
     if _digest(urls) in _checked:
         return
-    check_local(urls, what)
+    check_local(urls, what)  # an empty list, a missing local shard, a table
     remote_urls = [u for u in urls if kind_of(u) != "local"]
     schemes = {u.split("://", 1)[0].lower(): u for u in remote_urls if kind_of(u) == "fsspec"}
     for url in schemes.values():

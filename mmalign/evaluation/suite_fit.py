@@ -6,8 +6,8 @@ Each task needs fields of the samples: a ``zeroshot`` or ``probe`` task its ``la
 in ``.json`` with values among its ``classnames`` (class indices with ``label_index``), a
 ``retrieval`` or ``diagnostics`` task the samples' captions.  The probe reads the ``.json``
 and captions of the first :data:`PROBE_SAMPLES` samples of the first shard, decoding no image
-(a remote one for at most :data:`REMOTE_PROBE_S` seconds).  A mismatch is one line naming the suite, the task, the field, and the shipped
-suites that fit the probed samples (else ``none``).
+(a remote one for at most :data:`REMOTE_PROBE_S` seconds).  A mismatch is one line naming the
+suite, the task, the field, and the shipped suites that fit the probed samples (else ``none``).
 """
 
 from __future__ import annotations

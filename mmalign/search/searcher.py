@@ -228,10 +228,10 @@ def format_hits(hits: list[Hit]) -> str:
     rows = [[str(h.rank), f"{h.score:.4f}", str(h.key)] + ([h.source_path or "-"] if sources else []) + [h.caption]
             for h in hits]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header) - 1)]
-    right = (True, True)  # rank and score are numbers: right-aligned
+    numbers = 2  # rank and score: right-aligned
 
     def line(cells: list[str]) -> str:
-        padded = [c.rjust(w) if i < len(right) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        padded = [c.rjust(w) if i < numbers else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "  ".join(padded + [cells[-1]]).rstrip()
 
     return "\n".join(line(r) for r in [header] + rows)
