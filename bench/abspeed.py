@@ -23,15 +23,20 @@ from collections import defaultdict
 EQUAL_GOAL = 1.15  # mmalign / open_clip_train samples/s at equal fp32 settings (issue 20)
 BEST_GOAL = 1.5  # the same at each tool's best setting
 
-PRECISIONS = {"open_clip": ("fp32", "amp_bf16", "amp", "bf16", "pure_bf16"), "mmalign": ("fp32", "bf16", "fp16")}
+PRECISIONS = {
+    "open_clip": ("fp32", "amp_bf16", "amp", "bf16", "pure_bf16"),
+    "mmalign": ("fp32", "bf16", "fp16"),
+}
 
 
 def setting_args(tool: str, setting: str) -> dict:
     """``{"precision": ..., "workers": N, "compile": bool}`` of a setting name; ValueError if malformed."""
     tokens = setting.split("+")
     if tokens[0] not in PRECISIONS[tool]:
-        raise ValueError(f"{tool} setting {setting!r}: the first token must be a precision, one of "
-                         f"{', '.join(PRECISIONS[tool])}")
+        raise ValueError(
+            f"{tool} setting {setting!r}: the first token must be a precision, one of "
+            f"{', '.join(PRECISIONS[tool])}"
+        )
     out = {"precision": tokens[0], "workers": 1, "compile": False}
     for tok in tokens[1:]:
         if tok == "compile":
@@ -47,8 +52,13 @@ def alternation(settings: dict[str, list[str]], reps: int) -> list[tuple[str, st
     """(tool, setting, repetition) in run order: for each repetition, for each setting index, the
     tools in ``settings``' order; a tool with fewer settings is left out of the later indices."""
     width = max(len(v) for v in settings.values())
-    return [(tool, names[i], rep) for rep in range(reps) for i in range(width)
-            for tool, names in settings.items() if i < len(names)]
+    return [
+        (tool, names[i], rep)
+        for rep in range(reps)
+        for i in range(width)
+        for tool, names in settings.items()
+        if i < len(names)
+    ]
 
 
 def summarise(runs: list[dict], settings: dict[str, list[str]]) -> dict:
@@ -62,24 +72,42 @@ def summarise(runs: list[dict], settings: dict[str, list[str]]) -> dict:
     best = {t: max(settings[t], key=lambda s, t=t: med[(t, s)]) for t in (a, b)}
 
     def pair(sa: str, sb: str) -> dict:
-        return {a: {"setting": sa, "median": med[(a, sa)], "runs": rates[(a, sa)]},
-                b: {"setting": sb, "median": med[(b, sb)], "runs": rates[(b, sb)]},
-                "ratio": med[(b, sb)] / med[(a, sa)]}
+        return {
+            a: {"setting": sa, "median": med[(a, sa)], "runs": rates[(a, sa)]},
+            b: {"setting": sb, "median": med[(b, sb)], "runs": rates[(b, sb)]},
+            "ratio": med[(b, sb)] / med[(a, sa)],
+        }
 
-    return {"tools": [a, b], "medians": {f"{t}/{s}": v for (t, s), v in med.items()},
-            "equal": pair(settings[a][0], settings[b][0]), "best": pair(best[a], best[b])}
+    return {
+        "tools": [a, b],
+        "medians": {f"{t}/{s}": v for (t, s), v in med.items()},
+        "equal": pair(settings[a][0], settings[b][0]),
+        "best": pair(best[a], best[b]),
+    }
 
 
 def speed_table(summary: dict, goals: tuple[float, float] = (EQUAL_GOAL, BEST_GOAL)) -> str:
     a, b = summary["tools"]
-    lines = [f"| comparison | {a} setting | {a} samples/s | {b} setting | {b} samples/s | {b} / {a} | goal | met |",
-             "|---|---|---|---|---|---|---|---|"]
-    for key, label, goal in (("equal", "equal settings (fp32)", goals[0]), ("best", "each at its best", goals[1])):
+    lines = [
+        f"| comparison | {a} setting | {a} samples/s | {b} setting | {b} samples/s | {b} / {a} | goal | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, label, goal in (
+        ("equal", "equal settings (fp32)", goals[0]),
+        ("best", "each at its best", goals[1]),
+    ):
         row = summary[key]
-        cells = [f"{row[t]['setting']} | {row[t]['median']:.1f} ({', '.join(f'{x:.1f}' for x in row[t]['runs'])})"
-                 for t in (a, b)]
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {row['ratio']:.2f}x | >= {goal:g}x | "
-                     f"{'yes' if row['ratio'] >= goal else 'no'} |")
-    lines.append("\nMedians of all settings (samples/s): "
-                 + ", ".join(f"{k} {v:.1f}" for k, v in sorted(summary["medians"].items())) + ".")
+        cells = [
+            f"{row[t]['setting']} | {row[t]['median']:.1f} ({', '.join(f'{x:.1f}' for x in row[t]['runs'])})"
+            for t in (a, b)
+        ]
+        lines.append(
+            f"| {label} | {cells[0]} | {cells[1]} | {row['ratio']:.2f}x | >= {goal:g}x | "
+            f"{'yes' if row['ratio'] >= goal else 'no'} |"
+        )
+    lines.append(
+        "\nMedians of all settings (samples/s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(summary["medians"].items()))
+        + "."
+    )
     return "\n".join(lines)

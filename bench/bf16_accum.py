@@ -40,7 +40,7 @@ def _inputs(n: int, image_size: int, context: int, seed: int):
     ends = torch.randint(3, context - 1, (n,), generator=g)
     for i, e in enumerate(ends):
         tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
+        tokens[i, e + 1 :] = 0
     return images, tokens
 
 
@@ -71,8 +71,7 @@ def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
         model.zero_grad(set_to_none=True)
         out = model(im, tok)
         rows = slice(k * chunk, (k + 1) * chunk)
-        surrogate = (out.image.float() * img.grad[rows]).sum() \
-            + (out.text.float() * txt.grad[rows]).sum()
+        surrogate = (out.image.float() * img.grad[rows]).sum() + (out.text.float() * txt.grad[rows]).sum()
         if k == 0:
             surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
         surrogate.backward()
@@ -87,17 +86,28 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     gradient and against the exactly summed bf16 chunk gradients, per DeepSpeed config."""
     import torch
 
-    from mmalign.run import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run import engine as eng
 
     batch = chunk * chunks
-    cfg = load_config(None, [
-        f"model.preset={preset}", f"train.global_batch_size={batch}", f"train.grad_cache_chunk_size={chunk}",
-        "train.optimizer=sgd", "train.lr=0.1", "train.steps=1", "train.warmup_steps=0", f"train.device={device}",
-        f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16"])
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            f"train.global_batch_size={batch}",
+            f"train.grad_cache_chunk_size={chunk}",
+            "train.optimizer=sgd",
+            "train.lr=0.1",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            f"train.device={device}",
+            f"deepspeed.zero_stage={stage}",
+            "deepspeed.precision=bf16",
+        ],
+    )
     torch.manual_seed(seed)
     model = build_model(cfg.model).to(device)
     with torch.no_grad():  # every side starts from the very weights the bf16 engine holds
@@ -109,14 +119,17 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     ref_model = copy.deepcopy(model)
     out = ref_model(images, tokens)  # fp32, uncached, full batch
     _naive_clip_loss(out.image, out.text, out.logit_scale).backward()
-    refs = {"fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
-            "exact_sum": _exact_chunk_sum(model, images, tokens, chunk)}
+    refs = {
+        "fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
+        "exact_sum": _exact_chunk_sum(model, images, tokens, chunk),
+    }
     del ref_model
 
     generated = eng.ds_config
     objective = build_objective(cfg)
     results = {}
     for label, deepspeed_defaults in (("before", True), ("after", False)):
+
         def config(c, plan, stage=None, *, deepspeed_defaults=deepspeed_defaults):
             conf = generated(c, plan, stage)
             if deepspeed_defaults:  # DeepSpeed's defaults: accumulate and reduce in the weight dtype
@@ -129,15 +142,19 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
             engine = eng.Engine(copy.deepcopy(model), cfg)
         finally:
             eng.ds_config = generated
-        grads = {}
-        engine.step(Batch(images, tokens), objective,
-                    before_update=lambda: grads.update(engine.full_grads()))
+        grads: dict = {}
+        engine.step(Batch(images, tokens), objective, before_update=lambda: grads.update(engine.full_grads()))  # noqa: F821 (bound above; deleted at the loop end)
         accum, comm = engine.ds.get_data_types()[1], engine.ds.communication_data_type
-        results[label] = {"accum": str(accum).removeprefix("torch."), "comm": str(comm).removeprefix("torch."),
-                          "optimizer": type(engine.ds.optimizer).__name__}
+        results[label] = {
+            "accum": str(accum).removeprefix("torch."),
+            "comm": str(comm).removeprefix("torch."),
+            "optimizer": type(engine.ds.optimizer).__name__,
+        }
         for name, ref in refs.items():
             diff = torch.linalg.vector_norm(torch.stack([(grads[n] - ref[n]).norm() for n in ref]))
-            results[label][name] = float(diff / torch.linalg.vector_norm(torch.stack([r.norm() for r in ref.values()])))
+            results[label][name] = float(
+                diff / torch.linalg.vector_norm(torch.stack([r.norm() for r in ref.values()]))
+            )
         del engine
     return results
 
@@ -147,7 +164,9 @@ def main() -> None:
     ap.add_argument("--preset", default="micro")
     ap.add_argument("--chunk", type=int, default=4, help="rows per chunk")
     ap.add_argument("--chunks", type=int, default=16)
-    ap.add_argument("--stage", type=int, default=1, help="ZeRO stage (>= 1: ZeRO-0 cannot accumulate bf16 in fp32)")
+    ap.add_argument(
+        "--stage", type=int, default=1, help="ZeRO stage (>= 1: ZeRO-0 cannot accumulate bf16 in fp32)"
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
@@ -165,15 +184,19 @@ def main() -> None:
         rows.append((seed, res))
         for label in ("before", "after"):
             r = res[label]
-            print(f"seed {seed} {label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}): "
-                  f"rel. grad error vs fp32 {r['fp32']:.2e}, vs exact chunk sum {r['exact_sum']:.2e}", flush=True)
+            print(
+                f"seed {seed} {label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}): "
+                f"rel. grad error vs fp32 {r['fp32']:.2e}, vs exact chunk sum {r['exact_sum']:.2e}",
+                flush=True,
+            )
     watch.stop()
     if not args.write_doc:
         return
     cmd = "python bench/bf16_accum.py " + " ".join(sys.argv[1:])
     lines = [
-        SECTION, "",
-        f"Command: `{cmd}` · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · "
+        SECTION,
+        "",
+        f"Command: `{cmd}` · {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC · "
         f"{platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch threads, device {args.device}",
         "",
         f"One gradient-cached step, `{args.preset}` towers, {args.chunks} chunks x {args.chunk} rows, bf16 weights in "
@@ -191,13 +214,18 @@ def main() -> None:
     for seed, res in rows:
         for label in ("before", "after"):
             r = res[label]
-            lines.append(f"| {seed} | {label} | {r['accum']} / {r['comm']} | {r['optimizer']} | {r['fp32']:.2e} | "
-                         f"{r['exact_sum']:.2e} |")
-    lines += ["", "Reading: bf16 weights' own forward/backward arithmetic is ~1-2% off the fp32 gradient whatever "
-              "the accumulation, so against fp32 the fp32 accumulation gains a few percent of that error at 16 "
-              "chunks; against the exact sum of the same chunk gradients the accumulation error drops from ~4e-3 "
-              "(bf16 sums) to <= 3e-6 (fp32 sums). The GPU recipes use fp32 weights with bf16 autocast (open_clip's "
-              "choice), where every sum is fp32 anyway."]
+            lines.append(
+                f"| {seed} | {label} | {r['accum']} / {r['comm']} | {r['optimizer']} | {r['fp32']:.2e} | "
+                f"{r['exact_sum']:.2e} |"
+            )
+    lines += [
+        "",
+        "Reading: bf16 weights' own forward/backward arithmetic is ~1-2% off the fp32 gradient whatever "
+        "the accumulation, so against fp32 the fp32 accumulation gains a few percent of that error at 16 "
+        "chunks; against the exact sum of the same chunk gradients the accumulation error drops from ~4e-3 "
+        "(bf16 sums) to <= 3e-6 (fp32 sums). The GPU recipes use fp32 weights with bf16 autocast (open_clip's "
+        "choice), where every sum is fp32 anyway.",
+    ]
     print("\n".join(lines))
     write_section(ROOT / "docs" / "benchmarks.md", "\n".join(lines) + "\n", watch, args.allow_loaded)
     print("wrote docs/benchmarks.md")

@@ -28,10 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mmalign.models.tokenizers import build_tokenizer  # noqa: E402
 from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
 from mmalign.evaluation import load_suite, run_suite  # noqa: E402
 from mmalign.models.presets import PRESETS  # noqa: E402
+from mmalign.models.tokenizers import build_tokenizer  # noqa: E402
 
 WDS_OLD = "0.2.86"
 SIDE_DIR = ROOT / "data" / "bench_pkgs" / f"webdataset-{WDS_OLD}"
@@ -45,8 +45,20 @@ OPENCLIP_SHUFFLE = 5000
 def ensure_side_webdataset() -> Path:
     if not (SIDE_DIR / "webdataset").is_dir():
         print(f"  installing webdataset=={WDS_OLD} into {SIDE_DIR} (open_clip_train only)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(SIDE_DIR),
-                        f"webdataset=={WDS_OLD}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(SIDE_DIR),
+                f"webdataset=={WDS_OLD}",
+            ],
+            check=True,
+        )
     return SIDE_DIR
 
 
@@ -60,30 +72,91 @@ def openclip_model_dir(work: Path) -> Path:
     return d
 
 
-def run_openclip(work: Path, name: str, *, train: str, n_train: int, batch: int, epochs: int, lr: float,
-                 warmup: int, precision: str, log_every: int, workers: int = 1, compile: bool = False,
-                 seed: int = 0) -> dict:
+def run_openclip(
+    work: Path,
+    name: str,
+    *,
+    train: str,
+    n_train: int,
+    batch: int,
+    epochs: int,
+    lr: float,
+    warmup: int,
+    precision: str,
+    log_every: int,
+    workers: int = 1,
+    compile: bool = False,
+    seed: int = 0,
+) -> dict:
     logs = work / "openclip_logs"
     shutil.rmtree(logs / name, ignore_errors=True)  # open_clip refuses an existing experiment name
-    cmd = [sys.executable, "-m", "open_clip_train.main",
-           "--model", f"local-dir:{openclip_model_dir(work)}",
-           "--train-data", train, "--dataset-type", "webdataset", "--train-num-samples", str(n_train),
-           "--batch-size", str(batch), "--epochs", str(epochs), "--lr", str(lr), "--warmup", str(warmup),
-           "--wd", "0.1", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
-           "--precision", precision, "--device", "cpu", "--workers", str(workers), "--seed", str(seed),
-           "--save-most-recent", "--logs", str(logs), "--name", name,
-           "--log-every-n-steps", str(log_every), "--zeroshot-frequency", "0"] + (["--torchcompile"] if compile else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "open_clip_train.main",
+        "--model",
+        f"local-dir:{openclip_model_dir(work)}",
+        "--train-data",
+        train,
+        "--dataset-type",
+        "webdataset",
+        "--train-num-samples",
+        str(n_train),
+        "--batch-size",
+        str(batch),
+        "--epochs",
+        str(epochs),
+        "--lr",
+        str(lr),
+        "--warmup",
+        str(warmup),
+        "--wd",
+        "0.1",
+        "--beta1",
+        "0.9",
+        "--beta2",
+        "0.98",
+        "--eps",
+        "1e-6",
+        "--precision",
+        precision,
+        "--device",
+        "cpu",
+        "--workers",
+        str(workers),
+        "--seed",
+        str(seed),
+        "--save-most-recent",
+        "--logs",
+        str(logs),
+        "--name",
+        name,
+        "--log-every-n-steps",
+        str(log_every),
+        "--zeroshot-frequency",
+        "0",
+    ] + (["--torchcompile"] if compile else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ensure_side_webdataset()), str(ROOT)]))
     wall = _run(cmd, work / f"{name}.log", env)
     text = (logs / name / "out.log").read_text()
     # "Batch (t): 1.234" is the mean step time (data included) since the previous log line.
     step_times = [float(x) for x in re.findall(r"Batch \(t\): ([0-9.]+)", text)]
-    data_times = [float(x) for x in re.findall(r"Data \(t\): ([0-9.]+)", text)]  # mean wait per step, same windows
+    data_times = [
+        float(x) for x in re.findall(r"Data \(t\): ([0-9.]+)", text)
+    ]  # mean wait per step, same windows
     steps = epochs * math.ceil(n_train / batch)
-    return {"tool": "open_clip", "name": name, "precision": precision, "steps": steps, "batch": batch, "seed": seed,
-            "samples_per_s": _steady(batch / t for t in step_times), "process_s": wall,
-            "data_ms_per_step": 1000 * _steady(data_times),
-            "checkpoint": str(logs / name / "checkpoints" / "epoch_latest.pt")}
+    return {
+        "tool": "open_clip",
+        "name": name,
+        "precision": precision,
+        "steps": steps,
+        "batch": batch,
+        "seed": seed,
+        "samples_per_s": _steady(batch / t for t in step_times),
+        "process_s": wall,
+        "data_ms_per_step": 1000 * _steady(data_times),
+        "checkpoint": str(logs / name / "checkpoints" / "epoch_latest.pt"),
+    }
 
 
 class _Normalised(torch.nn.Module):
@@ -112,34 +185,84 @@ def eval_openclip(work: Path, checkpoint: str, test: str) -> dict:
 # --------------------------------------------------------------- mmalign
 
 
-def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, batch: int, lr: float, warmup: int,
-                precision: str, log_every: int, workers: int = 1, compile: bool = False,
-                evaluate: bool = True, seed: int = 0, extra_sets: tuple[str, ...] = ()) -> dict:
+def run_mmalign(
+    work: Path,
+    name: str,
+    *,
+    train: str,
+    test: str,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup: int,
+    precision: str,
+    log_every: int,
+    workers: int = 1,
+    compile: bool = False,
+    evaluate: bool = True,
+    seed: int = 0,
+    extra_sets: tuple[str, ...] = (),
+) -> dict:
     out = work / "mmalign_runs" / name
     shutil.rmtree(out, ignore_errors=True)
     sets = [
-        f"output={out}", "model.preset=tiny", f"seed={seed}",
-        f"data.train={train}", f"data.val={test}", "data.mode=epoch", f"data.workers={workers}",
+        f"output={out}",
+        "model.preset=tiny",
+        f"seed={seed}",
+        f"data.train={train}",
+        f"data.val={test}",
+        "data.mode=epoch",
+        f"data.workers={workers}",
         f"data.shuffle_buffer={OPENCLIP_SHUFFLE}",
         # open_clip's default training augmentation: random-resized-crop scale 0.9-1, no flip
-        "data.augment.crop_scale=[0.9,1.0]", "data.augment.hflip=false",
-        f"train.steps={steps}", f"train.global_batch_size={batch}", f"train.lr={lr}", f"train.warmup_steps={warmup}",
-        "train.weight_decay=0.1", "train.betas=[0.9,0.98]", "train.eps=1e-6", "train.optimizer=adamw",
-        f"train.precision={precision}", "train.device=cpu", f"train.log_every={log_every}",
-        "loss.name=infonce", "loss.tile_size=0", "loss.false_negative_ids=none",
+        "data.augment.crop_scale=[0.9,1.0]",
+        "data.augment.hflip=false",
+        f"train.steps={steps}",
+        f"train.global_batch_size={batch}",
+        f"train.lr={lr}",
+        f"train.warmup_steps={warmup}",
+        "train.weight_decay=0.1",
+        "train.betas=[0.9,0.98]",
+        "train.eps=1e-6",
+        "train.optimizer=adamw",
+        f"train.precision={precision}",
+        "train.device=cpu",
+        f"train.log_every={log_every}",
+        "loss.name=infonce",
+        "loss.tile_size=0",
+        "loss.false_negative_ids=none",
         # open_clip has no probe forward and logs nowhere here; keep the work equal
-        "monitor.probe_size=0", "monitor.tensorboard=false", f"eval.suite={'cifar10' if evaluate else 'none'}",
-        f"train.compile={str(compile).lower()}", *extra_sets,
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        f"eval.suite={'cifar10' if evaluate else 'none'}",
+        f"train.compile={str(compile).lower()}",
+        *extra_sets,
     ]
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs" / "cifar10_cpu.yaml"), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "cifar10_cpu.yaml"),
+        "--overwrite",
+    ]
     for s in sets:
         cmd += ["--set", s]
     wall = _run(cmd, work / f"{name}.log", dict(os.environ))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    row = {"tool": "mmalign", "name": name, "precision": precision, "steps": steps, "batch": batch, "seed": seed,
-           "samples_per_s": _steady(r["samples_per_s"] for r in records), "process_s": wall,
-           # data_wait_s is the window's sum; log_every steps per window (the last may be shorter)
-           "data_ms_per_step": 1000 * _steady(r["data_wait_s"] / log_every for r in records)}
+    row = {
+        "tool": "mmalign",
+        "name": name,
+        "precision": precision,
+        "steps": steps,
+        "batch": batch,
+        "seed": seed,
+        "samples_per_s": _steady(r["samples_per_s"] for r in records),
+        "process_s": wall,
+        # data_wait_s is the window's sum; log_every steps per window (the last may be shorter)
+        "data_ms_per_step": 1000 * _steady(r["data_wait_s"] / log_every for r in records),
+    }
     if evaluate:  # the run's own final evaluation: run_suite on eval/cifar10.yaml, as for open_clip
         evals = json.loads((out / "eval.json").read_text())
         row["acc1"] = next(r["metrics"]["acc1"] for r in evals if r["dataset"] == "cifar10/zeroshot")
@@ -151,8 +274,14 @@ def run_mmalign(work: Path, name: str, *, train: str, test: str, steps: int, bat
 
 def _zeroshot(model, test: str, model_name: str) -> float:
     arch = PRESETS["tiny"]
-    records = run_suite(model, eval_transform(arch["vision_cfg"]["image_size"]), build_tokenizer(arch),
-                        load_suite("cifar10"), test, model_name=model_name)
+    records = run_suite(
+        model,
+        eval_transform(arch["vision_cfg"]["image_size"]),
+        build_tokenizer(arch),
+        load_suite("cifar10"),
+        test,
+        model_name=model_name,
+    )
     return next(r["metrics"]["acc1"] for r in records if r["dataset"] == "cifar10/zeroshot")
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from data_pipelines.build import build_shards
 from data_pipelines.sources import Captioner, image_folder, load_templates
@@ -19,7 +19,9 @@ def cifar_items(src: Path, seed: int, **kwargs) -> Iterable:
     """The images of a class-folder tar, each with one seeded random CIFAR template over its class
     name (as ``mmalign shards imagefolder --templates cifar10``); kwargs go to ``image_folder``."""
     tset = load_templates("cifar10")
-    _, items = image_folder(src, Captioner(tset["templates"], per_image=1, seed=seed), tset["classnames"], **kwargs)
+    _, items = image_folder(
+        src, Captioner(tset["templates"], per_image=1, seed=seed), tset["classnames"], **kwargs
+    )
     return items
 
 
@@ -30,7 +32,9 @@ def cached_shards(src: Path, out: Path, want: dict, make_items: Callable[[], Ite
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
         return shard_spec(out)
     shutil.rmtree(out, ignore_errors=True)
-    summary = build_shards(make_items(), out, per_shard=want["per_shard"], progress=False, source=f"imagefolder:{src}")
+    summary = build_shards(
+        make_items(), out, per_shard=want["per_shard"], progress=False, source=f"imagefolder:{src}"
+    )
     stamp.write_text(json.dumps(want))
     print(f"  built {summary['written']} samples in {summary['shards']} shards under {out}", flush=True)
     return shard_spec(out)

@@ -82,7 +82,16 @@ def usage_errors(tmp: Path) -> list[list[str]]:
         ["mine", "--data", str(tmp), "--model", missing, "--out", str(tmp / "o")],
         ["curate", "--data", missing, "--model", missing, "--out", str(tmp / "o")],
         ["shards", "imagefolder", "--input", missing, "--out", str(tmp / "o")],
-        ["tokenizer", "train", "--data", f"{missing}/0.tar", "--vocab-size", "64", "--out", str(tmp / "t.model")],
+        [
+            "tokenizer",
+            "train",
+            "--data",
+            f"{missing}/0.tar",
+            "--vocab-size",
+            "64",
+            "--out",
+            str(tmp / "t.model"),
+        ],
     ]
 
 
@@ -93,8 +102,9 @@ def wall(argv: list[str]) -> float:
 
 
 def timed_inside(code: str, *args: str) -> tuple[float, float]:
-    res = subprocess.run([sys.executable, "-c", LOAD_CODE % code, *args], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", LOAD_CODE % code, *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     if res.returncode:
         raise SystemExit(f"bench/cli_latency.py: {code!r} failed: {res.stderr.strip().splitlines()[-1:]}")
     torch_s, part_s = json.loads(res.stdout.splitlines()[-1])
@@ -124,9 +134,12 @@ def cpu_line() -> str:
 def markdown(rows: list[tuple[str, float, str, bool]], repeats: int, cmd: str, env: str) -> str:
     met = sum(r[3] for r in rows)
     lines = [
-        "## CLI latency from a cold process (bench/cli_latency.py)", "",
-        f"`{cmd}` · {env} · median of {repeats} run(s) each · {met} of {len(rows)} goals met", "",
-        "| command | median s | goal | met |", "|---|---:|---|---|",
+        "## CLI latency from a cold process (bench/cli_latency.py)",
+        "",
+        f"`{cmd}` · {env} · median of {repeats} run(s) each · {met} of {len(rows)} goals met",
+        "",
+        "| command | median s | goal | met |",
+        "|---|---:|---|---|",
     ]
     lines += [f"| `{name}` | {s:.2f} | {goal} | {'met' if ok else 'not met'} |" for name, s, goal, ok in rows]
     return "\n".join(lines) + "\n"
@@ -135,8 +148,11 @@ def markdown(rows: list[tuple[str, float, str, bool]], repeats: int, cmd: str, e
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="runs of each command (the median is reported)")
-    p.add_argument("--work", default=str(ROOT / "data" / "bench_cli_latency"),
-                   help="folder for the small model and index (made once)")
+    p.add_argument(
+        "--work",
+        default=str(ROOT / "data" / "bench_cli_latency"),
+        help="folder for the small model and index (made once)",
+    )
     p.add_argument("--write-doc", action="store_true")
     add_flag(p)
     args = p.parse_args()
@@ -153,8 +169,10 @@ def main() -> None:
             rows.append((shown, s, f"<= {HELP_GOAL:g} s", s <= HELP_GOAL))
             print(f"{s:6.2f} s  {shown}", flush=True)
     torch_times = []
-    for name, code, extra in (("mmalign.load(micro model)", LOAD, ()), ("Searcher(index, micro model)", SEARCHER,
-                                                                         (index,))):
+    for name, code, extra in (
+        ("mmalign.load(micro model)", LOAD, ()),
+        ("Searcher(index, micro model)", SEARCHER, (index,)),
+    ):
         pairs = [timed_inside(code, model, *extra) for _ in range(args.repeats)]
         torch_times += [t for t, _ in pairs]
         s = statistics.median(part for _, part in pairs)
@@ -163,8 +181,10 @@ def main() -> None:
     rows.append(("python -c 'import torch' (for reference)", statistics.median(torch_times), "-", True))
     import torch
 
-    env = (f"{datetime.date.today().isoformat()} · {cpu_line()}, {os.cpu_count()} CPU cores · "
-           f"torch {torch.__version__}")
+    env = (
+        f"{datetime.date.today().isoformat()} · {cpu_line()}, {os.cpu_count()} CPU cores · "
+        f"torch {torch.__version__}"
+    )
     cmd = ("python bench/cli_latency.py " + " ".join(sys.argv[1:])).strip()
     text = markdown(rows, args.repeats, cmd, env)
     print("\n" + text)

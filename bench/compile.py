@@ -37,14 +37,23 @@ def run_case(backend: str, batch: int, steps: int, warmup: int, threads: int, de
         torch.set_num_threads(threads)
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     compiled = backend != "eager"
-    cfg = load_config(None, ["model.preset=tiny", f"train.global_batch_size={batch}", "train.warmup_steps=0",
-                             f"train.steps={steps + warmup + 1}", f"train.device={device}",
-                             f"train.compile={str(compiled).lower()}", f"train.compile_backend={backend}"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny",
+            f"train.global_batch_size={batch}",
+            "train.warmup_steps=0",
+            f"train.steps={steps + warmup + 1}",
+            f"train.device={device}",
+            f"train.compile={str(compiled).lower()}",
+            f"train.compile_backend={backend}",
+        ],
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device)
     engine = Engine(model, cfg)
@@ -69,8 +78,22 @@ def run_case(backend: str, batch: int, steps: int, warmup: int, threads: int, de
 
 
 def spawn(backend: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", backend, "--batch", str(args.batch), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--device", args.device]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        backend,
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+    ]
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=cache)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -83,8 +106,10 @@ def spawn(backend: str, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     eager = next((r for r in rows if r["backend"] == "eager" and "error" not in r), None)
-    lines = ["| towers | step (s), mean | step (s), min | speed-up vs eager | first step (s) | compile time (s) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| towers | step (s), mean | step (s), min | speed-up vs eager | first step (s) | compile time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['backend']} | {r['error']} | | | | |")
@@ -92,7 +117,9 @@ def table(rows: list[dict]) -> str:
         speed = f"{eager['step_s'] / r['step_s']:.2f}x" if eager else "–"
         comp = "–" if r["backend"] == "eager" or not eager else f"{r['first_s'] - eager['first_s']:.0f}"
         name = "eager" if r["backend"] == "eager" else f"compiled ({r['backend']})"
-        lines.append(f"| {name} | {r['step_s']:.3f} | {r['min_s']:.3f} | {speed} | {r['first_s']:.1f} | {comp} |")
+        lines.append(
+            f"| {name} | {r['step_s']:.3f} | {r['min_s']:.3f} | {speed} | {r['first_s']:.1f} | {comp} |"
+        )
     return "\n".join(lines)
 
 
@@ -127,12 +154,14 @@ def main() -> None:
     else:
         where = f"{platform.machine()}, {os.cpu_count()} CPU cores"
     heading = SECTION if args.device == "cpu" else SECTION.replace(")", ", GPU)")
-    text = (f"{heading}\n\nCommand: `python bench/compile.py"
-            f"{' --device cuda' if args.device == 'cuda' else ''}` · {datetime.date.today()} · {where} · "
-            f"tiny towers (ViT 4x128 @32px, text 4x128), global batch {args.batch}, uncached, AdamW, fp32, "
-            f"DeepSpeed ZeRO-0; `train.compile: true` compiles each tower's forward in place (the loss stays "
-            f"eager). Step time: mean and min of {args.steps} steps after {args.warmup + 1} warm-up steps. "
-            f"Compile time: the first step's time less eager's first step, cold inductor cache.\n\n{md}\n")
+    text = (
+        f"{heading}\n\nCommand: `python bench/compile.py"
+        f"{' --device cuda' if args.device == 'cuda' else ''}` · {datetime.date.today()} · {where} · "
+        f"tiny towers (ViT 4x128 @32px, text 4x128), global batch {args.batch}, uncached, AdamW, fp32, "
+        f"DeepSpeed ZeRO-0; `train.compile: true` compiles each tower's forward in place (the loss stays "
+        f"eager). Step time: mean and min of {args.steps} steps after {args.warmup + 1} warm-up steps. "
+        f"Compile time: the first step's time less eager's first step, cold inductor cache.\n\n{md}\n"
+    )
     if not args.no_doc:
         write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
 

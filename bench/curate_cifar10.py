@@ -54,14 +54,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
 from cifar10_runs import run_mmalign  # noqa: E402
 from cifar10_shards import cifar_items, shard_spec  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## Curation on a noisy CIFAR-10 pool (bench/curate_cifar10.py)"
 ARMS = ("a", "b", "c", "d")
-ARM_NAMES = {"a": "(a) raw pool", "b": "(b) curate: score top fraction + SemDeDup", "c": "(c) random subset, (b)'s size",
-             "d": "(d) raw pool, duplicate groups as positives"}
+ARM_NAMES = {
+    "a": "(a) raw pool",
+    "b": "(b) curate: score top fraction + SemDeDup",
+    "c": "(c) random subset, (b)'s size",
+    "d": "(d) raw pool, duplicate groups as positives",
+}
 FIELD = "dup_group"
 # The filter model's recipe on top of the arms' (bench/cifar10_runs.run_mmalign). With CLIP's loss
 # alone the tiny model's image embeddings of one class crowd together as closely as a flipped copy
@@ -69,8 +73,12 @@ FIELD = "dup_group"
 # NT-Xent term (SimCLR, Chen et al. 2020, as SLIP adds it to CLIP, Mu et al. 2022) between two
 # flipped and cropped views makes the embedding invariant to those edits and keeps other images apart.
 FILTER_RECIPES = {
-    "slip": ("data.views=2", "loss.image_image_weight=1.0", "data.augment.hflip=true",
-             "data.augment.crop_scale=[0.5,1.0]"),
+    "slip": (
+        "data.views=2",
+        "loss.image_image_weight=1.0",
+        "data.augment.hflip=true",
+        "data.augment.crop_scale=[0.5,1.0]",
+    ),
     "clip": (),
 }
 EPS_SWEEP = [0.002, 0.005, 0.01, 0.02, 0.05]
@@ -99,16 +107,24 @@ def _near_copy(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     return buf.getvalue(), kind
 
 
-def build_pool(src: Path, work: Path, *, n_filter: int, n_pool: int | None, noise: float, dup_fraction: float,
-               seed: int) -> tuple[str, str, Path]:
+def build_pool(
+    src: Path, work: Path, *, n_filter: int, n_pool: int | None, noise: float, dup_fraction: float, seed: int
+) -> tuple[str, str, Path]:
     """Filter shards, pool shards and truth.parquet under ``work`` (cached by their settings)."""
     import pandas as pd
 
     from data_pipelines.build import build_shards
     from data_pipelines.sources import Captioner, Item, load_templates
 
-    want = {"src": str(src), "n_filter": n_filter, "n_pool": n_pool, "noise": noise, "dup": dup_fraction,
-            "seed": seed, "version": 1}
+    want = {
+        "src": str(src),
+        "n_filter": n_filter,
+        "n_pool": n_pool,
+        "noise": noise,
+        "dup": dup_fraction,
+        "seed": seed,
+        "version": 1,
+    }
     stamp = work / "pool_stamp.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
         return shard_spec(work / "filter"), shard_spec(work / "pool"), work / "truth.parquet"
@@ -126,7 +142,7 @@ def build_pool(src: Path, work: Path, *, n_filter: int, n_pool: int | None, nois
     samples = []  # (image bytes, true label, origin id, kind)
     for i, item in enumerate(base):
         samples.append((item.image, item.meta["label"], i, "original"))
-    for j, o in enumerate(rng.sample(range(len(base)), round(dup_fraction * len(base)))):
+    for _j, o in enumerate(rng.sample(range(len(base)), round(dup_fraction * len(base)))):
         data, kind = _near_copy(base[o].image, rng)
         samples.append((data, base[o].meta["label"], o, kind))
     wrong = set(rng.sample(range(len(samples)), round(noise * len(samples))))
@@ -138,17 +154,36 @@ def build_pool(src: Path, work: Path, *, n_filter: int, n_pool: int | None, nois
         caption_label = label
         if bench_id in wrong:
             caption_label = rng.choice([c for c in range(len(classes)) if c != label])
-        pool_items.append(Item(data, captioner(classes[caption_label]), {"bench_id": bench_id, "label": label}))
-        truth.append({"bench_id": bench_id, "label": label, "caption_label": caption_label,
-                      "mismatched": bench_id in wrong, "origin": origin, "kind": kind})
-    build_shards(filt, work / "filter", per_shard=1000, dedupe=False, progress=False, source="cifar10 clean subset")
-    build_shards(pool_items, work / "pool", per_shard=1000, dedupe=False, progress=False, source="cifar10 noisy pool")
-    keys = pd.concat([pd.read_parquet(p) for p in sorted((work / "pool").glob("*.parquet"))])[["key", "bench_id"]]
+        pool_items.append(
+            Item(data, captioner(classes[caption_label]), {"bench_id": bench_id, "label": label})
+        )
+        truth.append(
+            {
+                "bench_id": bench_id,
+                "label": label,
+                "caption_label": caption_label,
+                "mismatched": bench_id in wrong,
+                "origin": origin,
+                "kind": kind,
+            }
+        )
+    build_shards(
+        filt, work / "filter", per_shard=1000, dedupe=False, progress=False, source="cifar10 clean subset"
+    )
+    build_shards(
+        pool_items, work / "pool", per_shard=1000, dedupe=False, progress=False, source="cifar10 noisy pool"
+    )
+    keys = pd.concat([pd.read_parquet(p) for p in sorted((work / "pool").glob("*.parquet"))])[
+        ["key", "bench_id"]
+    ]
     frame = pd.DataFrame(truth).merge(keys, on="bench_id", validate="one_to_one")
     frame.to_parquet(work / "truth.parquet", index=False)
     stamp.write_text(json.dumps(want))
-    print(f"  pool: {len(base)} originals + {len(samples) - len(base)} near-duplicates = {len(samples)} samples, "
-          f"{len(wrong)} captions re-labelled; filter set {len(filt)} clean samples", flush=True)
+    print(
+        f"  pool: {len(base)} originals + {len(samples) - len(base)} near-duplicates = {len(samples)} samples, "
+        f"{len(wrong)} captions re-labelled; filter set {len(filt)} clean samples",
+        flush=True,
+    )
     return shard_spec(work / "filter"), shard_spec(work / "pool"), work / "truth.parquet"
 
 
@@ -160,7 +195,9 @@ def build_test(src: Path, work: Path, n: int) -> str:
         random.Random(1).shuffle(out)
         return out[:n]
 
-    return cached_shards(src, work / f"test{n}", {"src": str(src), "n": n, "seed": 1, "per_shard": 1000}, items)
+    return cached_shards(
+        src, work / f"test{n}", {"src": str(src), "n": n, "seed": 1, "per_shard": 1000}, items
+    )
 
 
 # ------------------------------------------------------------------ curation
@@ -171,8 +208,21 @@ def curate(work: Path, name: str, pool: str, model: Path, *flags: str, reuse: Pa
     shutil.rmtree(out, ignore_errors=True)
     if reuse is not None:  # the embeddings of an earlier curate of the same pool and model
         shutil.copytree(reuse / "pool", out / "pool")
-    cmd = [sys.executable, "-m", "mmalign.cli", "curate", "--data", pool, "--model", str(model), "--out", str(out),
-           "--no-progress", "--force", *flags]  # --force: the bench measures what a policy does, however much
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "curate",
+        "--data",
+        pool,
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--force",
+        *flags,
+    ]  # --force: the bench measures what a policy does, however much
     with (work / f"{name}.log").open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode:
@@ -195,8 +245,14 @@ def detection(truth_file: Path, decisions_file: Path) -> dict:
         out["score_dropped"] = int(dropped.sum())
         out["mismatched"] = int(bad.sum())
     if "semantic_group" in dec:
-        out.update(group_quality(dec["semantic_group"].to_numpy(), dec["origin"].to_numpy(),
-                                 dec["kind"].to_numpy() != "original", dec["kind"].to_numpy()))
+        out.update(
+            group_quality(
+                dec["semantic_group"].to_numpy(),
+                dec["origin"].to_numpy(),
+                dec["kind"].to_numpy() != "original",
+                dec["kind"].to_numpy(),
+            )
+        )
     return out
 
 
@@ -208,8 +264,11 @@ def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, 
     for g, o, inj in zip(groups.tolist(), origin.tolist(), injected.tolist()):
         if not inj:
             original_group[o] = g
-    grouped = [original_group.get(o) == g for g, o, inj in zip(groups.tolist(), origin.tolist(), injected.tolist())
-               if inj]
+    grouped = [
+        original_group.get(o) == g
+        for g, o, inj in zip(groups.tolist(), origin.tolist(), injected.tolist())
+        if inj
+    ]
     members: dict[int, set] = {}
     sizes: dict[int, int] = {}
     for g, o in zip(groups.tolist(), origin.tolist()):
@@ -223,10 +282,14 @@ def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, 
         for kind in sorted(set(edits)):
             hits = [ok for ok, k in zip(grouped, edits) if k == kind]
             per_kind[kind] = float(np.mean(hits))
-    return {"duplicates_injected": len(grouped), "duplicates_grouped": float(np.mean(grouped)) if grouped else 0.0,
-            "grouped_by_edit": per_kind,
-            "groups_of_more_than_one": len(multi), "false_groups": len(false),
-            "false_group_rate": len(false) / len(multi) if multi else 0.0}
+    return {
+        "duplicates_injected": len(grouped),
+        "duplicates_grouped": float(np.mean(grouped)) if grouped else 0.0,
+        "grouped_by_edit": per_kind,
+        "groups_of_more_than_one": len(multi),
+        "false_groups": len(false),
+        "false_group_rate": len(false) / len(multi) if multi else 0.0,
+    }
 
 
 def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[dict]:
@@ -241,8 +304,12 @@ def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[
     rows = []
     for eps in eps_values:
         dec = decide(pool, Policies(dedupe=("semantic",), dedupe_eps=eps))
-        q = group_quality(dec.groups["semantic"], truth["origin"].to_numpy(), truth["kind"].to_numpy() != "original",
-                          truth["kind"].to_numpy())
+        q = group_quality(
+            dec.groups["semantic"],
+            truth["origin"].to_numpy(),
+            truth["kind"].to_numpy() != "original",
+            truth["kind"].to_numpy(),
+        )
         rows.append({"eps": eps, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
     return rows
 
@@ -257,68 +324,103 @@ def mean_std(values) -> tuple[float, float]:
 
 
 def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: float) -> str:
-    lines = ["| arm | samples trained on | seeds | zero-shot top-1 (%) per seed | mean +- std |", "|---|---|---|---|---|"]
+    lines = [
+        "| arm | samples trained on | seeds | zero-shot top-1 (%) per seed | mean +- std |",
+        "|---|---|---|---|---|",
+    ]
     stats = {}
     for arm in ARMS:
         acc = [100 * r["acc1"] for r in runs if r["arm"] == arm]
         if not acc:
             continue
         stats[arm] = mean_std(acc)
-        lines.append(f"| {ARM_NAMES[arm]} | {sizes[arm]} | {len(acc)} | {', '.join(f'{a:.2f}' for a in acc)} | "
-                     f"{stats[arm][0]:.2f} +- {stats[arm][1]:.2f} |")
+        lines.append(
+            f"| {ARM_NAMES[arm]} | {sizes[arm]} | {len(acc)} | {', '.join(f'{a:.2f}' for a in acc)} | "
+            f"{stats[arm][0]:.2f} +- {stats[arm][1]:.2f} |"
+        )
     lines.append("")
     for other in ("a", "c"):
         if "b" in stats and other in stats:
             diff = stats["b"][0] - stats[other][0]
             spread = stats["b"][1] + stats[other][1]
             goal = "met" if diff >= 3 and diff > spread else "not met"
-            lines.append(f"- (b) - ({other}): {diff:+.2f} points (sum of stds {spread:.2f}; goal >= +3 beyond the "
-                         f"spread: {goal})")
+            lines.append(
+                f"- (b) - ({other}): {diff:+.2f} points (sum of stds {spread:.2f}; goal >= +3 beyond the "
+                f"spread: {goal})"
+            )
     if "d" in stats and "a" in stats:
-        lines.append(f"- (d) - (a): {stats['d'][0] - stats['a'][0]:+.2f} points (sum of stds "
-                     f"{stats['d'][1] + stats['a'][1]:.2f})")
-    lines += ["", "**What curation found, against the injected truth**", "",
-              "| measure | value |", "|---|---|",
-              f"| score filter: dropped | {det.get('score_dropped')} of {sizes['a']} |",
-              f"| score filter: precision of the drops (mismatched among dropped) | "
-              f"{100 * det.get('score_drop_precision', 0):.1f}% |",
-              f"| score filter: recall (mismatched captions dropped, of {det.get('mismatched')}) | "
-              f"{100 * det.get('score_drop_recall', 0):.1f}% |",
-              f"| SemDeDup eps {eps:g}: injected duplicates grouped with their original | "
-              f"{100 * det.get('duplicates_grouped', 0):.1f}% of {det.get('duplicates_injected')} (goal >= 90%) |",
-              f"| SemDeDup eps {eps:g}: false groups (joining different origins) | {det.get('false_groups')} of "
-              f"{det.get('groups_of_more_than_one')} = {100 * det.get('false_group_rate', 0):.2f}% (goal <= 2%) |"]
+        lines.append(
+            f"- (d) - (a): {stats['d'][0] - stats['a'][0]:+.2f} points (sum of stds "
+            f"{stats['d'][1] + stats['a'][1]:.2f})"
+        )
+    lines += [
+        "",
+        "**What curation found, against the injected truth**",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| score filter: dropped | {det.get('score_dropped')} of {sizes['a']} |",
+        f"| score filter: precision of the drops (mismatched among dropped) | "
+        f"{100 * det.get('score_drop_precision', 0):.1f}% |",
+        f"| score filter: recall (mismatched captions dropped, of {det.get('mismatched')}) | "
+        f"{100 * det.get('score_drop_recall', 0):.1f}% |",
+        f"| SemDeDup eps {eps:g}: injected duplicates grouped with their original | "
+        f"{100 * det.get('duplicates_grouped', 0):.1f}% of {det.get('duplicates_injected')} (goal >= 90%) |",
+        f"| SemDeDup eps {eps:g}: false groups (joining different origins) | {det.get('false_groups')} of "
+        f"{det.get('groups_of_more_than_one')} = {100 * det.get('false_group_rate', 0):.2f}% (goal <= 2%) |",
+    ]
     if sweep:
-        lines += ["", "Other eps, from the same stored embeddings (for reading; not used by the arms):", "",
-                  "| eps | duplicates grouped | by edit | false groups | kept by dedupe |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Other eps, from the same stored embeddings (for reading; not used by the arms):",
+            "",
+            "| eps | duplicates grouped | by edit | false groups | kept by dedupe |",
+            "|---|---|---|---|---|",
+        ]
         for r in sweep:
             edits = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["grouped_by_edit"].items())
-            lines.append(f"| {r['eps']:g} | {100 * r['duplicates_grouped']:.1f}% | {edits} | {r['false_groups']} of "
-                         f"{r['groups_of_more_than_one']} ({100 * r['false_group_rate']:.2f}%) | {r['kept_by_dedupe']} |")
+            lines.append(
+                f"| {r['eps']:g} | {100 * r['duplicates_grouped']:.1f}% | {edits} | {r['false_groups']} of "
+                f"{r['groups_of_more_than_one']} ({100 * r['false_group_rate']:.2f}%) | {r['kept_by_dedupe']} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="development size: 500 filter / 3000 pool / 1000 test "
-                                                         "images, 20 steps, 1 seed")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "cifar10"),
-                   help="folder with CIFAR-10 train.tar and test.tar (class folders)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="development size: 500 filter / 3000 pool / 1000 test images, 20 steps, 1 seed",
+    )
+    p.add_argument(
+        "--data",
+        default=str(ROOT.parent / "shared" / "data" / "cifar10"),
+        help="folder with CIFAR-10 train.tar and test.tar (class folders)",
+    )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_curate_cifar10"))
     p.add_argument("--seeds", type=int, default=None, help="training seeds per arm (default 3, quick 1)")
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--filter-samples", type=int, default=None, help="clean filter-model images (default 5000)")
+    p.add_argument(
+        "--filter-samples", type=int, default=None, help="clean filter-model images (default 5000)"
+    )
     p.add_argument("--noise", type=float, default=0.3)
     p.add_argument("--dup-fraction", type=float, default=0.2)
     p.add_argument("--keep-fraction", type=float, default=0.3, help="(b)'s score filter (DataComp's 0.3)")
     p.add_argument("--dedupe-eps", type=float, default=0.05, help="(b)/(d)'s SemDeDup eps")
     p.add_argument("--steps", type=int, default=None, help="training steps per arm (default 200, quick 20)")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--filter-steps", type=int, default=None, help="filter model steps (default 300, quick 20)")
-    p.add_argument("--filter-recipe", choices=("slip", "clip"), default="slip",
-                   help="slip (default): CLIP's loss + an image-image NT-Xent term between two flipped and cropped "
-                        "views (data.views 2, loss.image_image_weight 1), so that image embeddings tell instances "
-                        "apart; clip: CLIP's loss alone, crop 0.9-1, no flip (the arms' recipe)")
+    p.add_argument(
+        "--filter-steps", type=int, default=None, help="filter model steps (default 300, quick 20)"
+    )
+    p.add_argument(
+        "--filter-recipe",
+        choices=("slip", "clip"),
+        default="slip",
+        help="slip (default): CLIP's loss + an image-image NT-Xent term between two flipped and cropped "
+        "views (data.views 2, loss.image_image_weight 1), so that image embeddings tell instances "
+        "apart; clip: CLIP's loss alone, crop 0.9-1, no flip (the arms' recipe)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--write-doc", action="store_true")
     add_flag(p)
@@ -335,8 +437,15 @@ def main() -> None:
     data = Path(args.data)
 
     print("building the noisy pool", flush=True)
-    filt, pool, truth = build_pool(data / "train.tar", work, n_filter=n_filter, n_pool=3000 if q else None,
-                                   noise=args.noise, dup_fraction=args.dup_fraction, seed=0)
+    filt, pool, truth = build_pool(
+        data / "train.tar",
+        work,
+        n_filter=n_filter,
+        n_pool=3000 if q else None,
+        noise=args.noise,
+        dup_fraction=args.dup_fraction,
+        seed=0,
+    )
     test = build_test(data / "test.tar", work, 1000 if q else 10000)
     import pandas as pd
 
@@ -348,22 +457,59 @@ def main() -> None:
     model = run_dir / "final"
     want = {"recipe": list(recipe), "steps": filter_steps, "batch": args.batch, "lr": args.lr, "filter": filt}
     stamp = run_dir / "bench_stamp.json"
-    if stamp.is_file() and json.loads(stamp.read_text())["want"] == want and (model / "model.safetensors").is_file():
+    if (
+        stamp.is_file()
+        and json.loads(stamp.read_text())["want"] == want
+        and (model / "model.safetensors").is_file()
+    ):
         fm = json.loads(stamp.read_text())["result"]  # the same filter model, trained before
         print("  (reusing the filter model trained before with these settings)", flush=True)
     else:
-        fm = run_mmalign(work, f"filter_{args.filter_recipe}", train=filt, test=test, steps=filter_steps,
-                         batch=args.batch, lr=args.lr, warmup=max(1, filter_steps // 10), precision="fp32",
-                         log_every=10, seed=0, extra_sets=recipe)
+        fm = run_mmalign(
+            work,
+            f"filter_{args.filter_recipe}",
+            train=filt,
+            test=test,
+            steps=filter_steps,
+            batch=args.batch,
+            lr=args.lr,
+            warmup=max(1, filter_steps // 10),
+            precision="fp32",
+            log_every=10,
+            seed=0,
+            extra_sets=recipe,
+        )
         stamp.write_text(json.dumps({"want": want, "result": fm}))
     print(f"  filter model zero-shot top-1 {100 * fm['acc1']:.2f}%", flush=True)
 
     print("curate (b): score top fraction + SemDeDup, keys only", flush=True)
-    cur_b = curate(work, "curate_b", pool, model, "--keep-fraction", str(args.keep_fraction), "--dedupe", "semantic",
-                   "--dedupe-eps", str(args.dedupe_eps), "--keys-only")
+    cur_b = curate(
+        work,
+        "curate_b",
+        pool,
+        model,
+        "--keep-fraction",
+        str(args.keep_fraction),
+        "--dedupe",
+        "semantic",
+        "--dedupe-eps",
+        str(args.dedupe_eps),
+        "--keys-only",
+    )
     print("curate (d): duplicate groups as a .json field, nothing dropped", flush=True)
-    cur_d = curate(work, "curate_d", pool, model, "--false-negative-groups", FIELD, "--dedupe", "semantic",
-                   "--dedupe-eps", str(args.dedupe_eps), reuse=cur_b)
+    cur_d = curate(
+        work,
+        "curate_d",
+        pool,
+        model,
+        "--false-negative-groups",
+        FIELD,
+        "--dedupe",
+        "semantic",
+        "--dedupe-eps",
+        str(args.dedupe_eps),
+        reuse=cur_b,
+    )
     report_b = json.loads((cur_b / "curate_report.json").read_text())
     kept_b = report_b["kept"]["kept"]
     random_keys = work / "random_keys.txt"
@@ -373,42 +519,75 @@ def main() -> None:
     print(json.dumps(det, indent=1), flush=True)
 
     sizes = {"a": len(pool_keys), "b": kept_b, "c": kept_b, "d": len(pool_keys)}
-    per_arm = {"a": (pool, ()), "b": (pool, (f"data.keep_keys={cur_b / 'keep_keys.txt'}",)),
-               "c": (pool, (f"data.keep_keys={random_keys}",)),
-               "d": (shard_spec(cur_d), (f"loss.false_negative_ids={FIELD}",))}
+    per_arm = {
+        "a": (pool, ()),
+        "b": (pool, (f"data.keep_keys={cur_b / 'keep_keys.txt'}",)),
+        "c": (pool, (f"data.keep_keys={random_keys}",)),
+        "d": (shard_spec(cur_d), (f"loss.false_negative_ids={FIELD}",)),
+    }
     runs = []
     for seed in range(seeds):
         for arm in arms:
             train, sets = per_arm[arm]
-            r = run_mmalign(work, f"arm_{arm}_seed{seed}", train=train, test=test, steps=steps, batch=args.batch,
-                            lr=args.lr, warmup=max(1, steps // 10), precision="fp32", log_every=10, seed=seed,
-                            extra_sets=sets)
+            r = run_mmalign(
+                work,
+                f"arm_{arm}_seed{seed}",
+                train=train,
+                test=test,
+                steps=steps,
+                batch=args.batch,
+                lr=args.lr,
+                warmup=max(1, steps // 10),
+                precision="fp32",
+                log_every=10,
+                seed=seed,
+                extra_sets=sets,
+            )
             r["arm"] = arm
             runs.append(r)
-            print(f"  arm {arm} seed {seed}: zero-shot top-1 {100 * r['acc1']:.2f}% ({r['process_s']:.0f} s)",
-                  flush=True)
+            print(
+                f"  arm {arm} seed {seed}: zero-shot top-1 {100 * r['acc1']:.2f}% ({r['process_s']:.0f} s)",
+                flush=True,
+            )
             (work / "results_partial.json").write_text(json.dumps(runs, indent=1))
 
     cmd = ("python bench/curate_cifar10.py " + " ".join(sys.argv[1:])).strip()
     import torch
 
-    env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
-           f"{torch.get_num_threads()} torch threads · torch {torch.__version__}")
+    env = (
+        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{torch.get_num_threads()} torch threads · torch {torch.__version__}"
+    )
     n_test = 1000 if q else 10000
-    setup = (f"Pool: CIFAR-10 train minus a clean {n_filter}-image filter subset; {sizes['a']} samples = originals + "
-             f"{100 * args.dup_fraction:g}% near-duplicates (flip, 28-30 px crop, JPEG re-encode), then "
-             f"{100 * args.noise:g}% of captions re-labelled to a wrong class. Filter model: the tiny towers, "
-             f"{filter_steps} steps x {args.batch} on the clean subset, recipe {args.filter_recipe} "
-             f"({', '.join(recipe) or 'the arms own'}; zero-shot top-1 {100 * fm['acc1']:.2f}%). "
-             f"Arms: the tiny towers from scratch, {steps} steps x {args.batch}, AdamW lr {args.lr:g}, fp32 "
-             f"(configs/cifar10_cpu.yaml's recipe), seeds 0..{seeds - 1}; zero-shot top-1 on {n_test} CIFAR-10 "
-             f"test images (eval/cifar10.yaml). (b): --keep-fraction {args.keep_fraction:g} --dedupe semantic "
-             f"--dedupe-eps {args.dedupe_eps:g} --keys-only, trained through data.keep_keys.")
-    text = "\n".join([SECTION, "", f"Command: `{cmd}` · {env}", "", setup, "", tables(runs, det, sweep, sizes,
-                                                                                      args.dedupe_eps)])
+    setup = (
+        f"Pool: CIFAR-10 train minus a clean {n_filter}-image filter subset; {sizes['a']} samples = originals + "
+        f"{100 * args.dup_fraction:g}% near-duplicates (flip, 28-30 px crop, JPEG re-encode), then "
+        f"{100 * args.noise:g}% of captions re-labelled to a wrong class. Filter model: the tiny towers, "
+        f"{filter_steps} steps x {args.batch} on the clean subset, recipe {args.filter_recipe} "
+        f"({', '.join(recipe) or 'the arms own'}; zero-shot top-1 {100 * fm['acc1']:.2f}%). "
+        f"Arms: the tiny towers from scratch, {steps} steps x {args.batch}, AdamW lr {args.lr:g}, fp32 "
+        f"(configs/cifar10_cpu.yaml's recipe), seeds 0..{seeds - 1}; zero-shot top-1 on {n_test} CIFAR-10 "
+        f"test images (eval/cifar10.yaml). (b): --keep-fraction {args.keep_fraction:g} --dedupe semantic "
+        f"--dedupe-eps {args.dedupe_eps:g} --keys-only, trained through data.keep_keys."
+    )
+    text = "\n".join(
+        [
+            SECTION,
+            "",
+            f"Command: `{cmd}` · {env}",
+            "",
+            setup,
+            "",
+            tables(runs, det, sweep, sizes, args.dedupe_eps),
+        ]
+    )
     print("\n" + text)
-    (work / "results.json").write_text(json.dumps({"runs": runs, "detection": det, "sweep": sweep, "sizes": sizes,
-                                                   "filter": fm, "markdown": text}, indent=1))
+    (work / "results.json").write_text(
+        json.dumps(
+            {"runs": runs, "detection": det, "sweep": sweep, "sizes": sizes, "filter": fm, "markdown": text},
+            indent=1,
+        )
+    )
     if args.write_doc:
         write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
 

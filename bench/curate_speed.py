@@ -63,8 +63,9 @@ def _shard(path: Path, n: int, size: int, seed: int) -> None:
     with tarfile.open(path, "w") as tar:
         for i in range(n):
             buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, format="JPEG",
-                                                                                       quality=90)
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
+                buf, format="JPEG", quality=90
+            )
             for ext, data in (("jpg", buf.getvalue()), ("txt", f"a photo of thing number {i}".encode())):
                 info = tarfile.TarInfo(f"{i:09d}.{ext}")
                 info.size = len(data)
@@ -97,43 +98,65 @@ def throughput(work: Path, preset: str, n: int, batch: int) -> dict:
     stats = embedder.embed(str(shard), 0, out)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     threads = torch.get_num_threads()
-    return {"preset": preset, "image_size": loaded.model.image_size, "samples": stats["readable"],
-            "seconds": round(seconds, 2), "samples_per_s": stats["readable"] / seconds,
-            "threads": threads, "per_thread": stats["readable"] / seconds / threads,
-            "cpu_seconds": round(cpu, 2), "per_cpu_second": stats["readable"] / cpu}
+    return {
+        "preset": preset,
+        "image_size": loaded.model.image_size,
+        "samples": stats["readable"],
+        "seconds": round(seconds, 2),
+        "samples_per_s": stats["readable"] / seconds,
+        "threads": threads,
+        "per_thread": stats["readable"] / seconds / threads,
+        "cpu_seconds": round(cpu, 2),
+        "per_cpu_second": stats["readable"] / cpu,
+    }
 
 
 def dedupe_memory(n: int, dim: int, seed: int) -> dict:
     """One process, one step: the pool arrays as pass 1 leaves them, then decide()."""
     import pandas as pd
 
-    from data_pipelines.curate.decide import Pool, Policies, decide
+    from data_pipelines.curate.decide import Policies, Pool, decide
 
     rng = np.random.default_rng(seed)
     image = np.empty((n, dim), dtype=np.float16)  # (N, D): what pass 1 stores
     for s in range(0, n, 65536):  # made in blocks: the synthetic data's own peak stays small
         block = rng.standard_normal((min(65536, n - s), dim), dtype=np.float32)
-        image[s:s + block.shape[0]] = block / np.linalg.norm(block, axis=1, keepdims=True)
+        image[s : s + block.shape[0]] = block / np.linalg.norm(block, axis=1, keepdims=True)
     planted = rng.choice(n, size=n // 100, replace=False)
     sources = rng.choice(np.setdiff1d(np.arange(n), planted), size=planted.size, replace=False)
-    near = image[sources].astype(np.float32) + 0.05 / np.sqrt(dim) * rng.standard_normal((planted.size, dim),
-                                                                                         dtype=np.float32)
+    near = image[sources].astype(np.float32) + 0.05 / np.sqrt(dim) * rng.standard_normal(
+        (planted.size, dim), dtype=np.float32
+    )
     image[planted] = near / np.linalg.norm(near, axis=1, keepdims=True)
-    frame = pd.DataFrame({"key": [f"{i:09d}" for i in range(n)],
-                          "clip_score": rng.uniform(0, 0.4, n).astype(np.float32),
-                          "image_sha256": [f"{i:064x}" for i in range(n)]})
+    frame = pd.DataFrame(
+        {
+            "key": [f"{i:09d}" for i in range(n)],
+            "clip_score": rng.uniform(0, 0.4, n).astype(np.float32),
+            "image_sha256": [f"{i:064x}" for i in range(n)],
+        }
+    )
     before = _status_mb("VmRSS")
     _reset_peak()
     start = time.perf_counter()
-    dec = decide(Pool(frame=frame, image=image), Policies(keep_fraction=0.3, dedupe=("exact", "semantic"),
-                                                          dedupe_eps=0.05))
+    dec = decide(
+        Pool(frame=frame, image=image),
+        Policies(keep_fraction=0.3, dedupe=("exact", "semantic"), dedupe_eps=0.05),
+    )
     seconds = time.perf_counter() - start
     groups = dec.groups["semantic"]
     found = float(np.mean(groups[planted] == groups[sources]))
-    return {"pool": n, "dim": dim, "clusters": dec.clusters, "seconds": round(seconds, 1),
-            "rss_before_mb": round(before), "peak_rss_mb": round(_status_mb("VmHWM")),
-            "step_mb": round(_status_mb("VmHWM") - before), "embeddings_mb": round(image.nbytes / 2**20),
-            "planted_found": found, "kept": int(dec.keep.sum())}
+    return {
+        "pool": n,
+        "dim": dim,
+        "clusters": dec.clusters,
+        "seconds": round(seconds, 1),
+        "rss_before_mb": round(before),
+        "peak_rss_mb": round(_status_mb("VmHWM")),
+        "step_mb": round(_status_mb("VmHWM") - before),
+        "embeddings_mb": round(image.nbytes / 2**20),
+        "planted_found": found,
+        "kept": int(dec.keep.sum()),
+    }
 
 
 def main() -> None:
@@ -142,8 +165,11 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=1_000_000, help="synthetic pool for the memory part")
     p.add_argument("--samples", type=int, default=256, help="images per throughput run")
     p.add_argument("--work", default=str(ROOT / "data" / "bench_curate_speed"))
-    p.add_argument("--parts", default="throughput,memory",
-                   help="throughput and/or memory; a part not run is taken from WORK/results.json (an earlier run)")
+    p.add_argument(
+        "--parts",
+        default="throughput,memory",
+        help="throughput and/or memory; a part not run is taken from WORK/results.json (an earlier run)",
+    )
     p.add_argument("--write-doc", action="store_true")
     p.add_argument("--_memory", type=int, help=argparse.SUPPRESS)  # the subprocess of part 2
     add_flag(p)
@@ -169,7 +195,9 @@ def main() -> None:
         pools = [20_000] if args.quick else [100_000, args.pool]
         mem = []
         for n in pools:
-            proc = subprocess.run([sys.executable, __file__, "--_memory", str(n)], capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--_memory", str(n)], capture_output=True, text=True
+            )
             if proc.returncode:
                 raise SystemExit(proc.stderr[-2000:])
             mem.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -184,29 +212,48 @@ def main() -> None:
     cmd = ("python bench/curate_speed.py " + " ".join(sys.argv[1:])).strip()
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     bf16 = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no native bf16"
-    env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores ({bf16}), "
-           f"torch {torch.__version__}, fp32")
-    lines = [SECTION, "", f"Command: `{cmd}` · {env}", "",
-             "**Embedding (pass 1)**: one process, synthetic 256 px JPEGs decoded, resized and embedded with "
-             f"one caption each (random weights; the cost does not depend on them); {saved['throughput']['note']}.",
-             "",
-             "| towers | input | samples | samples/s (wall) | torch threads | samples per CPU-second (per core) |",
-             "|---|---|---|---|---|---|"]
+    env = (
+        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores ({bf16}), "
+        f"torch {torch.__version__}, fp32"
+    )
+    lines = [
+        SECTION,
+        "",
+        f"Command: `{cmd}` · {env}",
+        "",
+        "**Embedding (pass 1)**: one process, synthetic 256 px JPEGs decoded, resized and embedded with "
+        f"one caption each (random weights; the cost does not depend on them); {saved['throughput']['note']}.",
+        "",
+        "| towers | input | samples | samples/s (wall) | torch threads | samples per CPU-second (per core) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['image_size']} px | {r['samples']} | {r['samples_per_s']:.1f} | "
-                     f"{r['threads']} | {r['per_cpu_second']:.1f} |")
-    lines += ["", "Samples per CPU-second (this process's CPU time) is what one free core gives; the wall rate "
-              "also counts waiting for the cores when other jobs share them."]
-    lines += ["", "**De-duplication (pass 2)**: `--keep-fraction 0.3 --dedupe exact,semantic --dedupe-eps 0.05`, "
-              "automatic clusters (one per 5000 samples) and k-means sample (256 rows per cluster); synthetic "
-              "512-d float16 embeddings with 1% planted near-copies; each pool in a fresh process; "
-              f"{saved['memory']['note']} (memory does not depend on the load; wall time does).", "",
-              "| pool | clusters | wall (s) | RSS before (MB) | peak RSS (MB) | step's own (MB) | embeddings (MB) | "
-              "planted copies found |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['preset']} | {r['image_size']} px | {r['samples']} | {r['samples_per_s']:.1f} | "
+            f"{r['threads']} | {r['per_cpu_second']:.1f} |"
+        )
+    lines += [
+        "",
+        "Samples per CPU-second (this process's CPU time) is what one free core gives; the wall rate "
+        "also counts waiting for the cores when other jobs share them.",
+    ]
+    lines += [
+        "",
+        "**De-duplication (pass 2)**: `--keep-fraction 0.3 --dedupe exact,semantic --dedupe-eps 0.05`, "
+        "automatic clusters (one per 5000 samples) and k-means sample (256 rows per cluster); synthetic "
+        "512-d float16 embeddings with 1% planted near-copies; each pool in a fresh process; "
+        f"{saved['memory']['note']} (memory does not depend on the load; wall time does).",
+        "",
+        "| pool | clusters | wall (s) | RSS before (MB) | peak RSS (MB) | step's own (MB) | embeddings (MB) | "
+        "planted copies found |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m in mem:
-        lines.append(f"| {m['pool']:,} | {m['clusters']} | {m['seconds']} | {m['rss_before_mb']} | "
-                     f"{m['peak_rss_mb']} | {m['step_mb']} | {m['embeddings_mb']} | "
-                     f"{100 * m['planted_found']:.1f}% |")
+        lines.append(
+            f"| {m['pool']:,} | {m['clusters']} | {m['seconds']} | {m['rss_before_mb']} | "
+            f"{m['peak_rss_mb']} | {m['step_mb']} | {m['embeddings_mb']} | "
+            f"{100 * m['planted_found']:.1f}% |"
+        )
     text = "\n".join(lines)
     print("\n" + text)
     if args.write_doc:

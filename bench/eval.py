@@ -64,9 +64,18 @@ def run_side(side: str, n_images: int, n_captions: int, dim: int, cap_gb: float)
         error = None
     except (MemoryError, RuntimeError) as e:  # the allocation of the full matrix under the cap
         metrics, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return {"side": side, "images": n_images, "captions": n_captions, "dim": dim, "wall_s": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - c0, "peak_rss_mb": _rss_mb(), "baseline_rss_mb": baseline,
-            "metrics": metrics, "error": error}
+    return {
+        "side": side,
+        "images": n_images,
+        "captions": n_captions,
+        "dim": dim,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+        "peak_rss_mb": _rss_mb(),
+        "baseline_rss_mb": baseline,
+        "metrics": metrics,
+        "error": error,
+    }
 
 
 def _clip_benchmark(images, texts, owner):
@@ -95,26 +104,47 @@ def _clip_benchmark(images, texts, owner):
 
 
 def child(side: str, args, n_images: int, n_captions: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--images", str(n_images), "--captions", str(n_captions),
-           "--dim", str(args.dim), "--cap-gb", str(args.cap_gb)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        side,
+        "--images",
+        str(n_images),
+        "--captions",
+        str(n_captions),
+        "--dim",
+        str(args.dim),
+        "--cap-gb",
+        str(args.cap_gb),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"side": side, "images": n_images, "captions": n_captions, "dim": args.dim,
-                "error": f"exit {proc.returncode}: {tail[:120]}"}
+        return {
+            "side": side,
+            "images": n_images,
+            "captions": n_captions,
+            "dim": args.dim,
+            "error": f"exit {proc.returncode}: {tail[:120]}",
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| images x captions | side | wall (s) | CPU (s) | peak RSS (MB) | of which embeddings (MB) | R@1 t->i / i->t | result |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| images x captions | side | wall (s) | CPU (s) | peak RSS (MB) | of which embeddings (MB) | R@1 t->i / i->t | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         m = r.get("metrics")
         recall = f"{m['image_retrieval_recall@1']:.4f} / {m['text_retrieval_recall@1']:.4f}" if m else "-"
         ok = "ok" if m else (r.get("error") or "failed")
         fmt = lambda k: f"{r[k]:.0f}" if isinstance(r.get(k), float) else "-"  # noqa: E731
-        lines.append(f"| {r['images']:,} x {r['captions']:,} | {r['side']} | {fmt('wall_s')} | {fmt('cpu_s')} | "
-                     f"{fmt('peak_rss_mb')} | {fmt('baseline_rss_mb')} | {recall} | {ok} |")
+        lines.append(
+            f"| {r['images']:,} x {r['captions']:,} | {r['side']} | {fmt('wall_s')} | {fmt('cpu_s')} | "
+            f"{fmt('peak_rss_mb')} | {fmt('baseline_rss_mb')} | {recall} | {ok} |"
+        )
     return "\n".join(lines)
 
 
@@ -127,7 +157,9 @@ def main() -> int:
     p.add_argument("--images", type=int, default=50_000)
     p.add_argument("--captions", type=int, default=250_000)
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--check-scale", type=int, default=10, help="also run both sides at 1/N the size (0: skip)")
+    p.add_argument(
+        "--check-scale", type=int, default=10, help="also run both sides at 1/N the size (0: skip)"
+    )
     p.add_argument("--cap-gb", type=float, default=12.0, help="address-space cap per side (0: none)")
     p.add_argument("--sides", default="mmalign,clip_benchmark")
     p.add_argument("--write-doc", action="store_true")
@@ -150,14 +182,16 @@ def main() -> int:
     print(out)
     if args.write_doc:
         cmd = "python bench/eval.py " + " ".join(a for a in sys.argv[1:] if a != "--write-doc")
-        head = (f"{SECTION}\n\nCommand: `{cmd.strip()} --write-doc` · {time.strftime('%Y-%m-%d')} · "
-                f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} · "
-                f"random normalised embeddings, D={args.dim}, 5 captions per image, ks {KS}; each side in its own "
-                f"subprocess under a {args.cap_gb:g} GB address-space cap.\n\n"
-                "mmalign computes each (caption block x images) score block once and keeps only ranks and a running "
-                "top-k per image (memory O(block x images + k x images)); clip_benchmark 1.6.2's "
-                "`zeroshot_retrieval.evaluate` builds the full captions x images matrix plus a boolean positives "
-                "matrix of the same shape.\n\n")
+        head = (
+            f"{SECTION}\n\nCommand: `{cmd.strip()} --write-doc` · {time.strftime('%Y-%m-%d')} · "
+            f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} · "
+            f"random normalised embeddings, D={args.dim}, 5 captions per image, ks {KS}; each side in its own "
+            f"subprocess under a {args.cap_gb:g} GB address-space cap.\n\n"
+            "mmalign computes each (caption block x images) score block once and keeps only ranks and a running "
+            "top-k per image (memory O(block x images + k x images)); clip_benchmark 1.6.2's "
+            "`zeroshot_retrieval.evaluate` builds the full captions x images matrix plus a boolean positives "
+            "matrix of the same shape.\n\n"
+        )
         write_doc(head + out + "\n", watch, args.allow_loaded)
     return 0
 

@@ -70,12 +70,14 @@ def cifar_wds(src: Path, out: Path) -> Path:
     tset = load_templates("cifar10")
     (out / "test").mkdir(parents=True, exist_ok=True)
     _, found = image_folder(src, Captioner(["{c}"]), tset["classnames"], shuffle_seed=0)  # classes mixed, as
-    items = [(item.image, item.meta["label"], Path(item.meta["source_path"]).suffix.lstrip(".").lower())
-             for item in found]  # clip_benchmark's exports hold them
+    items = [
+        (item.image, item.meta["label"], Path(item.meta["source_path"]).suffix.lstrip(".").lower())
+        for item in found
+    ]  # clip_benchmark's exports hold them
     per = 1000
     for s in range(0, len(items), per):
         with tarfile.open(out / "test" / f"{s // per}.tar", "w") as tar:
-            for i, (data, label, kind) in enumerate(items[s:s + per], start=s):
+            for i, (data, label, kind) in enumerate(items[s : s + per], start=s):
                 for ext, body in ((kind, data), ("cls", str(label).encode())):
                     info = tarfile.TarInfo(f"s{i:06d}.{ext}")
                     info.size = len(body)
@@ -121,12 +123,44 @@ def zeroshot_part(args, work: Path) -> dict:
     n = json.loads((data / "done.json").read_text())["n"]
     ours_out, cb_out = work / "ours.json", work / "cb.json"
     sides = {
-        "mmalign": [sys.executable, "-m", "mmalign.cli", "eval", "--model", str(model), "--cb-dataset", str(data),
-                    "--batch-size", str(args.batch), "--output", str(ours_out)],
-        "clip_benchmark": [sys.executable, "-c", CB_SCRIPT, "--model_type", "mmalign", "--model", "mmalign",
-                           "--pretrained", str(model), "--dataset", "wds/cifar10", "--dataset_root", str(data),
-                           "--task", "zeroshot_classification", "--batch_size", str(args.batch),
-                           "--num_workers", str(args.workers), "--no_amp", "--output", str(cb_out)],
+        "mmalign": [
+            sys.executable,
+            "-m",
+            "mmalign.cli",
+            "eval",
+            "--model",
+            str(model),
+            "--cb-dataset",
+            str(data),
+            "--batch-size",
+            str(args.batch),
+            "--output",
+            str(ours_out),
+        ],
+        "clip_benchmark": [
+            sys.executable,
+            "-c",
+            CB_SCRIPT,
+            "--model_type",
+            "mmalign",
+            "--model",
+            "mmalign",
+            "--pretrained",
+            str(model),
+            "--dataset",
+            "wds/cifar10",
+            "--dataset_root",
+            str(data),
+            "--task",
+            "zeroshot_classification",
+            "--batch_size",
+            str(args.batch),
+            "--num_workers",
+            str(args.workers),
+            "--no_amp",
+            "--output",
+            str(cb_out),
+        ],
     }
     walls: dict[str, list[float]] = {k: [] for k in sides}
     for r in range(args.repeats):
@@ -137,33 +171,79 @@ def zeroshot_part(args, work: Path) -> dict:
     ours = ours[0] if isinstance(ours, list) else ours
     theirs = json.loads(cb_out.read_text())
     best = {k: min(v) for k, v in walls.items()}
-    return {"n": n, "walls": walls, "best": best, "ratio": best["clip_benchmark"] / best["mmalign"],
-            "acc1": {"mmalign": ours["metrics"]["acc1"], "clip_benchmark": theirs["metrics"]["acc1"]},
-            "model": str(model), "batch": args.batch, "workers": args.workers}
+    return {
+        "n": n,
+        "walls": walls,
+        "best": best,
+        "ratio": best["clip_benchmark"] / best["mmalign"],
+        "acc1": {"mmalign": ours["metrics"]["acc1"], "clip_benchmark": theirs["metrics"]["acc1"]},
+        "model": str(model),
+        "batch": args.batch,
+        "workers": args.workers,
+    }
 
 
 def class_names(n: int) -> list[str]:
     rng = random.Random(0)
-    a = ["red", "small", "striped", "wild", "domestic", "spotted", "giant", "mountain", "river", "desert",
-         "northern", "common", "lesser", "greater", "golden", "black-tailed"]
-    b = ["fox", "owl", "beetle", "lizard", "truck", "lamp", "violin", "kettle", "sparrow", "tulip", "crab",
-         "canoe", "drum", "moth", "heron", "scooter", "teapot", "orchid", "salamander", "harp"]
+    a = [
+        "red",
+        "small",
+        "striped",
+        "wild",
+        "domestic",
+        "spotted",
+        "giant",
+        "mountain",
+        "river",
+        "desert",
+        "northern",
+        "common",
+        "lesser",
+        "greater",
+        "golden",
+        "black-tailed",
+    ]
+    b = [
+        "fox",
+        "owl",
+        "beetle",
+        "lizard",
+        "truck",
+        "lamp",
+        "violin",
+        "kettle",
+        "sparrow",
+        "tulip",
+        "crab",
+        "canoe",
+        "drum",
+        "moth",
+        "heron",
+        "scooter",
+        "teapot",
+        "orchid",
+        "salamander",
+        "harp",
+    ]
     # a number in each keeps the names distinct, as ImageNet's 1000 are
     return [f"{rng.choice(a)} {rng.choice(b)} {i}" for i in range(n)]
 
 
 def classifier_part(args) -> dict:
+    import clip_benchmark
     import torch
     from clip_benchmark.metrics import zeroshot_classification as cb_zs
 
-    import clip_benchmark
     from mmalign.evaluation.zeroshot import build_classifier
     from mmalign.models import TwoTower
     from mmalign.models.presets import PRESETS
     from mmalign.models.tokenizers import build_tokenizer
 
-    templates = json.loads((Path(clip_benchmark.__file__).parent / "datasets" /
-                            "en_zeroshot_classification_templates.json").read_text())["imagenet1k"]
+    templates = json.loads(
+        (
+            Path(clip_benchmark.__file__).parent / "datasets" / "en_zeroshot_classification_templates.json"
+        ).read_text()
+    )["imagenet1k"]
     names = class_names(N_CLASSES)
     torch.manual_seed(0)
     model = TwoTower(PRESETS["tiny"]).eval()
@@ -172,8 +252,12 @@ def classifier_part(args) -> dict:
     start = time.perf_counter()
     ours = build_classifier(model.encode_text, tokenizer, names, templates)  # (D, C)
     ours_s = time.perf_counter() - start
-    out = {"classes": len(names), "templates": len(templates), "mmalign_s": ours_s,
-           "threads": torch.get_num_threads()}
+    out = {
+        "classes": len(names),
+        "templates": len(templates),
+        "mmalign_s": ours_s,
+        "threads": torch.get_num_threads(),
+    }
     if args.cb_classifier:
         start = time.perf_counter()
         theirs = cb_zs.zero_shot_classifier(model, tokenizer, names, templates, "cpu", amp=False)  # (D, C)
@@ -185,36 +269,62 @@ def classifier_part(args) -> dict:
 def markdown(z: dict | None, c: dict | None, cmd: str, env: str) -> str:
     lines = [SECTION, "", f"Command: `{cmd}` · {env}", ""]
     if z:
-        lines += [f"**Zero-shot CIFAR-10** ({z['n']} test images in clip_benchmark's `wds_cifar10` layout, tiny ViT "
-                  f"at 32 px, batch {z['batch']}, fp32; clip_benchmark with `--num_workers {z['workers']} --no_amp`; "
-                  f"whole command, start-up and model load included; fastest of {len(z['walls']['mmalign'])}):", "",
-                  "| tool | wall s (each run) | samples/s | top-1 |", "|---|---|---|---|"]
+        lines += [
+            f"**Zero-shot CIFAR-10** ({z['n']} test images in clip_benchmark's `wds_cifar10` layout, tiny ViT "
+            f"at 32 px, batch {z['batch']}, fp32; clip_benchmark with `--num_workers {z['workers']} --no_amp`; "
+            f"whole command, start-up and model load included; fastest of {len(z['walls']['mmalign'])}):",
+            "",
+            "| tool | wall s (each run) | samples/s | top-1 |",
+            "|---|---|---|---|",
+        ]
         for name in ("clip_benchmark", "mmalign"):
-            lines.append(f"| {name} | {', '.join(f'{w:.1f}' for w in z['walls'][name])} | "
-                         f"{z['n'] / z['best'][name]:.0f} | {100 * z['acc1'][name]:.2f}% |")
+            lines.append(
+                f"| {name} | {', '.join(f'{w:.1f}' for w in z['walls'][name])} | "
+                f"{z['n'] / z['best'][name]:.0f} | {100 * z['acc1'][name]:.2f}% |"
+            )
         goal = "met" if z["ratio"] >= 1.2 else "not met"
-        lines += ["", f"- mmalign / clip_benchmark: **{z['ratio']:.2f}x** samples/s (goal >= 1.2x: {goal})", ""]
+        lines += [
+            "",
+            f"- mmalign / clip_benchmark: **{z['ratio']:.2f}x** samples/s (goal >= 1.2x: {goal})",
+            "",
+        ]
     if c:
         goal = "met" if c["mmalign_s"] <= 60 else "not met"
-        lines += [f"**Zero-shot classifier construction**: {c['classes']} synthetic class names x {c['templates']} "
-                  f"ImageNet templates = {c['classes'] * c['templates']} prompts, tiny text tower, "
-                  f"{c['threads']} torch threads:", "",
-                  "| tool | seconds | prompts/s |", "|---|---|---|"]
+        lines += [
+            f"**Zero-shot classifier construction**: {c['classes']} synthetic class names x {c['templates']} "
+            f"ImageNet templates = {c['classes'] * c['templates']} prompts, tiny text tower, "
+            f"{c['threads']} torch threads:",
+            "",
+            "| tool | seconds | prompts/s |",
+            "|---|---|---|",
+        ]
         if "clip_benchmark_s" in c:
-            lines.append(f"| clip_benchmark `zero_shot_classifier` | {c['clip_benchmark_s']:.1f} | "
-                         f"{c['classes'] * c['templates'] / c['clip_benchmark_s']:.0f} |")
-        lines += [f"| mmalign `build_classifier` | {c['mmalign_s']:.1f} | "
-                  f"{c['classes'] * c['templates'] / c['mmalign_s']:.0f} |", "",
-                  f"- goal <= 60 s on 2 CPU cores: {goal}" +
-                  (f"; the two classifiers differ by at most {c['max_abs_diff']:.1e}" if "max_abs_diff" in c else "")]
+            lines.append(
+                f"| clip_benchmark `zero_shot_classifier` | {c['clip_benchmark_s']:.1f} | "
+                f"{c['classes'] * c['templates'] / c['clip_benchmark_s']:.0f} |"
+            )
+        lines += [
+            f"| mmalign `build_classifier` | {c['mmalign_s']:.1f} | "
+            f"{c['classes'] * c['templates'] / c['mmalign_s']:.0f} |",
+            "",
+            f"- goal <= 60 s on 2 CPU cores: {goal}"
+            + (
+                f"; the two classifiers differ by at most {c['max_abs_diff']:.1e}"
+                if "max_abs_diff" in c
+                else ""
+            ),
+        ]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="zeroshot,classifier")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "cifar10"),
-                   help="folder with CIFAR-10 test.tar (class folders)")
+    p.add_argument(
+        "--data",
+        default=str(ROOT.parent / "shared" / "data" / "cifar10"),
+        help="folder with CIFAR-10 test.tar (class folders)",
+    )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_eval_speed"))
     p.add_argument("--model", help="a tiny-ViT model folder (default: a seeded random init)")
     p.add_argument("--batch", type=int, default=256)
@@ -233,8 +343,10 @@ def main() -> None:
     import torch
 
     cpu = "avx512_bf16" if "avx512_bf16" in Path("/proc/cpuinfo").read_text() else "no native bf16"
-    env = (f"{datetime.date.today().isoformat()} · {platform.machine()} ({cpu}), {os.cpu_count()} CPU cores · "
-           f"torch {torch.__version__}")
+    env = (
+        f"{datetime.date.today().isoformat()} · {platform.machine()} ({cpu}), {os.cpu_count()} CPU cores · "
+        f"torch {torch.__version__}"
+    )
     cmd = ("python bench/eval_speed.py " + " ".join(sys.argv[1:])).strip()
     text = markdown(z, c, cmd, env)
     print("\n" + text)

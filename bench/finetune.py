@@ -76,7 +76,9 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int, only: l
     """The first ``n`` of a seeded shuffle of a class-folder tar (``only`` these classes) -> shards,
     captioned as ``mmalign shards imagefolder --templates cifar10`` does; reused while unchanged."""
     want = {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard, "only": only}
-    return cached_shards(src, out, want, lambda: itertools.islice(cifar_items(src, seed, shuffle_seed=seed, only=only), n))
+    return cached_shards(
+        src, out, want, lambda: itertools.islice(cifar_items(src, seed, shuffle_seed=seed, only=only), n)
+    )
 
 
 # ------------------------------------------------------------------ runs
@@ -86,20 +88,34 @@ def run(cmd: list[str], log: Path) -> dict:
     """A subprocess to its end: wall seconds, CPU seconds and peak RSS (MiB) from ``wait4``."""
     start = time.time()
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise SystemExit(f"{' '.join(cmd[2:5])} ... failed (exit {proc.returncode}); see {log}:\n{tail}")
     # ru_maxrss is in KiB on Linux; RUSAGE_BOTH of the child: the larger of it and its reaped children
-    return {"wall_s": time.time() - start, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_mib": usage.ru_maxrss / 1024}
+    return {
+        "wall_s": time.time() - start,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+    }
 
 
 def train(config: str, out: Path, sets: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", config, "--output", str(out), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "train",
+        "--config",
+        config,
+        "--output",
+        str(out),
+        "--overwrite",
+    ]
     for s in sets:
         cmd += ["--set", s]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,35 +128,79 @@ def train(config: str, out: Path, sets: list[str]) -> dict:
 
 def accuracies(path: Path) -> dict:
     records = {r["dataset"]: r for r in json.loads(path.read_text())}
-    return {"all_acc1": records[f"{SUITE}/zeroshot"]["metrics"]["acc1"],
-            "heldout_acc1": records[f"{SUITE}/heldout"]["metrics"]["acc1"],
-            "heldout_n": records[f"{SUITE}/heldout"]["n_images"]}
+    return {
+        "all_acc1": records[f"{SUITE}/zeroshot"]["metrics"]["acc1"],
+        "heldout_acc1": records[f"{SUITE}/heldout"]["metrics"]["acc1"],
+        "heldout_n": records[f"{SUITE}/heldout"]["n_images"],
+    }
 
 
-def pretrain_half(work: Path, train_spec: str, test: str, steps: int, batch: int, log_every: int) -> tuple[Path, dict]:
+def pretrain_half(
+    work: Path, train_spec: str, test: str, steps: int, batch: int, log_every: int
+) -> tuple[Path, dict]:
     """The half-class model and its open_clip export, reused while the settings are unchanged."""
     out, export = work / "half", work / "half_open_clip"
     want = {"train": train_spec, "test": test, "steps": steps, "batch": batch}
     stamp = work / "half_stamp.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("settings") == want and (export / "open_clip_config.json").is_file():
+    if (
+        stamp.is_file()
+        and json.loads(stamp.read_text()).get("settings") == want
+        and (export / "open_clip_config.json").is_file()
+    ):
         print(f"  reusing the half-class model in {out}", flush=True)
         return export, json.loads(stamp.read_text())["result"]
-    result = train("configs/cifar10_cpu.yaml", out, [
-        f"data.train={train_spec}", f"data.val={test}", f"train.steps={steps}", f"train.global_batch_size={batch}",
-        f"train.warmup_steps={max(1, steps // 5)}", f"train.log_every={log_every}", f"eval.suite={SUITE}",
-        "monitor.tensorboard=false"])
-    run([sys.executable, "-m", "mmalign.cli", "export", "--model", str(out), "--format", "open_clip",
-         "--out", str(export), "--force"], work / "export.log")
+    result = train(
+        "configs/cifar10_cpu.yaml",
+        out,
+        [
+            f"data.train={train_spec}",
+            f"data.val={test}",
+            f"train.steps={steps}",
+            f"train.global_batch_size={batch}",
+            f"train.warmup_steps={max(1, steps // 5)}",
+            f"train.log_every={log_every}",
+            f"eval.suite={SUITE}",
+            "monitor.tensorboard=false",
+        ],
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "mmalign.cli",
+            "export",
+            "--model",
+            str(out),
+            "--format",
+            "open_clip",
+            "--out",
+            str(export),
+            "--force",
+        ],
+        work / "export.log",
+    )
     stamp.write_text(json.dumps({"settings": want, "result": result}))
     return export, result
 
 
-def finetune(work: Path, mode: str, export: Path, train_spec: str, test: str, steps: int, batch: int,
-             log_every: int) -> dict:
-    return train("configs/finetune_cifar10_cpu.yaml", work / f"ft_{mode}", [
-        f"model.pretrained={export}", *MODES[mode], f"data.train={train_spec}", f"data.val={test}",
-        f"train.steps={steps}", f"train.global_batch_size={batch}", f"train.warmup_steps={max(1, steps // 10)}",
-        f"train.log_every={log_every}", "monitor.tensorboard=false"])
+def finetune(
+    work: Path, mode: str, export: Path, train_spec: str, test: str, steps: int, batch: int, log_every: int
+) -> dict:
+    return train(
+        "configs/finetune_cifar10_cpu.yaml",
+        work / f"ft_{mode}",
+        [
+            f"model.pretrained={export}",
+            *MODES[mode],
+            f"data.train={train_spec}",
+            f"data.val={test}",
+            f"train.steps={steps}",
+            f"train.global_batch_size={batch}",
+            f"train.warmup_steps={max(1, steps // 10)}",
+            f"train.log_every={log_every}",
+            "monitor.tensorboard=false",
+        ],
+    )
 
 
 # ------------------------------------------------------------------ report
@@ -148,13 +208,18 @@ def finetune(work: Path, mode: str, export: Path, train_spec: str, test: str, st
 
 def table(before: dict, rows: dict) -> str:
     full = rows["full"]
-    lines = ["| mode | trains | held-out top-1 (%) before → after | all-class top-1 (%) before → after | "
-             "train samples/s | vs full | CPU s (run) | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | trains | held-out top-1 (%) before → after | all-class top-1 (%) before → after | "
+        "train samples/s | vs full | CPU s (run) | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, r in rows.items():
-        lines.append(f"| {mode} | {TRAINS[mode]} | {100 * before['heldout_acc1']:.1f} → {100 * r['heldout_acc1']:.1f} | "
-                     f"{100 * before['all_acc1']:.1f} → {100 * r['all_acc1']:.1f} | {r['samples_per_s']:.1f} | "
-                     f"{r['samples_per_s'] / full['samples_per_s']:.2f}x | {r['cpu_s']:.0f} | "
-                     f"{r['peak_rss_mib']:.0f} |")
+        lines.append(
+            f"| {mode} | {TRAINS[mode]} | {100 * before['heldout_acc1']:.1f} → {100 * r['heldout_acc1']:.1f} | "
+            f"{100 * before['all_acc1']:.1f} → {100 * r['all_acc1']:.1f} | {r['samples_per_s']:.1f} | "
+            f"{r['samples_per_s'] / full['samples_per_s']:.2f}x | {r['cpu_s']:.0f} | "
+            f"{r['peak_rss_mib']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -173,19 +238,32 @@ def public_args(argv: list[str]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--full", action="store_true", help="the recipe's sizes: all 50k train / 10k test images, "
-                                                       "pretrain 200 steps and fine-tune 100 steps of 256")
-    p.add_argument("--train-samples", type=int, help="all-class train images (default 10000, --full 50000); "
-                                                     "the half-class set takes the seen classes' share")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the recipe's sizes: all 50k train / 10k test images, "
+        "pretrain 200 steps and fine-tune 100 steps of 256",
+    )
+    p.add_argument(
+        "--train-samples",
+        type=int,
+        help="all-class train images (default 10000, --full 50000); "
+        "the half-class set takes the seen classes' share",
+    )
     p.add_argument("--test-samples", type=int, help="test images scored (default 2000, --full 10000)")
     p.add_argument("--batch", type=int, help="global batch (default 128, --full 256)")
     p.add_argument("--pretrain-steps", type=int, help="half-class pretraining steps (default 80, --full 200)")
     p.add_argument("--steps", type=int, help="fine-tuning steps per mode (default 40, --full 100)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "cifar10"),
-                   help="folder with CIFAR-10 train.tar and test.tar (class folders)")
+    p.add_argument(
+        "--data",
+        default=str(ROOT.parent / "shared" / "data" / "cifar10"),
+        help="folder with CIFAR-10 train.tar and test.tar (class folders)",
+    )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_finetune"), help="shards, runs, logs, cache")
-    p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="the document to write the table into")
+    p.add_argument(
+        "--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="the document to write the table into"
+    )
     p.add_argument("--no-doc", action="store_true", help="print the table only")
     add_flag(p)
     args = p.parse_args()
@@ -207,35 +285,48 @@ def main() -> None:
     seen, held = split_classes()
     print(f"data: seen {', '.join(seen)}; held out {', '.join(held)}", flush=True)
     per_shard = max(1, min(1000, n_train // 10))
-    half = build_split(data / "train.tar", work / f"train_half{n_train // 2}", n_train // 2, 0, per_shard, seen)
+    half = build_split(
+        data / "train.tar", work / f"train_half{n_train // 2}", n_train // 2, 0, per_shard, seen
+    )
     every = build_split(data / "train.tar", work / f"train_all{n_train}", n_train, 0, per_shard, None)
-    test = build_split(data / "test.tar", work / f"test{n_test}", n_test, 1, min(1000, max(1, n_test // 2)), None)
+    test = build_split(
+        data / "test.tar", work / f"test{n_test}", n_test, 1, min(1000, max(1, n_test // 2)), None
+    )
 
     print(f"pretrain on the seen half: {pre_steps} steps x {batch}", flush=True)
     export, before = pretrain_half(work, half, test, pre_steps, batch, log_every)
-    print(f"  before: held-out top-1 {100 * before['heldout_acc1']:.1f}%, all-class {100 * before['all_acc1']:.1f}%",
-          flush=True)
+    print(
+        f"  before: held-out top-1 {100 * before['heldout_acc1']:.1f}%, all-class {100 * before['all_acc1']:.1f}%",
+        flush=True,
+    )
     rows = {}
     for mode in modes:
         print(f"fine-tune {mode}: {steps} steps x {batch} on all classes", flush=True)
         rows[mode] = r = finetune(work, mode, export, every, test, steps, batch, log_every)
-        print(f"  held-out top-1 {100 * r['heldout_acc1']:.1f}%, all-class {100 * r['all_acc1']:.1f}%, "
-              f"{r['samples_per_s']:.1f} samples/s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+        print(
+            f"  held-out top-1 {100 * r['heldout_acc1']:.1f}%, all-class {100 * r['all_acc1']:.1f}%, "
+            f"{r['samples_per_s']:.1f} samples/s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+            flush=True,
+        )
 
     md = table(before, rows)
     cmd = "python bench/finetune.py " + " ".join(public_args(sys.argv[1:]))
-    text = (f"{SECTION}\n\nCommand: `{cmd.strip()}` · {datetime.date.today()} · {platform.machine()}, "
-            f"{os.cpu_count()} CPU cores · tiny towers (ViT 4x128 @32px, text 4x128), fp32, AdamW.\n\n"
-            f"Pretrained {pre_steps} steps x {batch} on {n_train // 2} train images of {', '.join(seen)} "
-            f"(configs/cifar10_cpu.yaml), exported to open_clip format; each mode then fine-tunes from that export "
-            f"for {steps} steps x {batch} on {n_train} images of all ten classes "
-            f"(configs/finetune_cifar10_cpu.yaml, lr 5e-4). Held-out top-1: the {before['heldout_n']} test images of "
-            f"{', '.join(held)}, scored among those five names (eval/{SUITE}.yaml); all-class top-1: {n_test} test "
-            f"images among ten. frozen = both towers locked but the text projection. samples/s: mean of the log "
-            f"windows after the first; CPU s and peak RSS: the whole training process (start-up and the final "
-            f"evaluation included).\n\n{md}\n")
+    text = (
+        f"{SECTION}\n\nCommand: `{cmd.strip()}` · {datetime.date.today()} · {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores · tiny towers (ViT 4x128 @32px, text 4x128), fp32, AdamW.\n\n"
+        f"Pretrained {pre_steps} steps x {batch} on {n_train // 2} train images of {', '.join(seen)} "
+        f"(configs/cifar10_cpu.yaml), exported to open_clip format; each mode then fine-tunes from that export "
+        f"for {steps} steps x {batch} on {n_train} images of all ten classes "
+        f"(configs/finetune_cifar10_cpu.yaml, lr 5e-4). Held-out top-1: the {before['heldout_n']} test images of "
+        f"{', '.join(held)}, scored among those five names (eval/{SUITE}.yaml); all-class top-1: {n_test} test "
+        f"images among ten. frozen = both towers locked but the text projection. samples/s: mean of the log "
+        f"windows after the first; CPU s and peak RSS: the whole training process (start-up and the final "
+        f"evaluation included).\n\n{md}\n"
+    )
     print("\n" + text)
-    (work / "results.json").write_text(json.dumps({"before": before, "modes": rows, "markdown": text}, indent=2))
+    (work / "results.json").write_text(
+        json.dumps({"before": before, "modes": rows, "markdown": text}, indent=2)
+    )
     if not args.no_doc:
         write_section(Path(args.doc), text, watch, args.allow_loaded)
         print(f"wrote {SECTION!r} in {args.doc}")

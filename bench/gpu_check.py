@@ -92,9 +92,19 @@ def _peak_gb(device: torch.device, base: int) -> float | None:
 def _engine_cfg(sizes: Sizes, *overrides: str):
     from mmalign.config import load_config
 
-    return load_config(None, [f"model.preset={sizes.preset}", f"train.global_batch_size={sizes.batch}",
-                              "train.warmup_steps=0", "train.steps=1000", "train.optimizer=sgd", "train.lr=1e-4",
-                              "train.weight_decay=0.0", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.preset={sizes.preset}",
+            f"train.global_batch_size={sizes.batch}",
+            "train.warmup_steps=0",
+            "train.steps=1000",
+            "train.optimizer=sgd",
+            "train.lr=1e-4",
+            "train.weight_decay=0.0",
+            *overrides,
+        ],
+    )
 
 
 def _fmt(v, spec=".3g") -> str:
@@ -114,8 +124,13 @@ def part_gpu_tests(dry_run: bool) -> list[tuple[str, str, str]]:
     if proc.returncode not in (0, 5):
         print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
     ok = proc.returncode == 0 or (dry_run and proc.returncode == 5)
-    return [("gpu tests", "pytest -m gpu tests/test_gpu.py",
-             f"{summary} ({time.perf_counter() - t0:.0f} s){'' if ok else ' FAILED'}")]
+    return [
+        (
+            "gpu tests",
+            "pytest -m gpu tests/test_gpu.py",
+            f"{summary} ({time.perf_counter() - t0:.0f} s){'' if ok else ' FAILED'}",
+        )
+    ]
 
 
 def part_bf16_accumulation(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
@@ -127,11 +142,15 @@ def part_bf16_accumulation(sizes: Sizes, device: torch.device) -> list[tuple[str
     results = measure(sizes.preset, chunk, sizes.grad_chunks, 1, 0, device.type)
     rows = []
     for label, r in results.items():
-        rows.append(("bf16 accumulation",
-                     f"{label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}); {sizes.preset}, "
-                     f"{sizes.grad_chunks} chunks x {chunk}, ZeRO-1",
-                     f"rel. grad error vs fp32 one pass {r['fp32']:.3g}; vs exact sum of the bf16 chunk grads "
-                     f"{r['exact_sum']:.3g}"))
+        rows.append(
+            (
+                "bf16 accumulation",
+                f"{label}: accumulate {r['accum']}, reduce {r['comm']} ({r['optimizer']}); {sizes.preset}, "
+                f"{sizes.grad_chunks} chunks x {chunk}, ZeRO-1",
+                f"rel. grad error vs fp32 one pass {r['fp32']:.3g}; vs exact sum of the bf16 chunk grads "
+                f"{r['exact_sum']:.3g}",
+            )
+        )
     return rows
 
 
@@ -176,8 +195,14 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
 
     rows = []
     for chunk in (0, sizes.step_chunk):
-        cfg = _engine_cfg(sizes, f"train.grad_cache_chunk_size={chunk}", "deepspeed.zero_stage=1",
-                          "train.precision=bf16", "train.optimizer=adamw", "loss.tile_size=0")
+        cfg = _engine_cfg(
+            sizes,
+            f"train.grad_cache_chunk_size={chunk}",
+            "deepspeed.zero_stage=1",
+            "train.precision=bf16",
+            "train.optimizer=adamw",
+            "loss.tile_size=0",
+        )
         with tf32_on(device):  # train.tf32's default; restored after, so the other parts stay exact fp32
             step = MmalignStep(cfg, device, inputs)  # the engine enters train.precision's autocast itself
             for _ in range(2):
@@ -189,9 +214,17 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
                 step()
             _sync(device)
             sps = sizes.steps * sizes.batch / (time.perf_counter() - t0)
-        label = f"{sizes.preset}, batch {sizes.batch}, " + ("uncached" if not chunk else f"cached, chunk {chunk}")
-        rows.append(("step", label, f"{sps:.1f} samples/s, peak {_fmt(_peak_gb(device, base))} GB, "
-                                    f"tower outputs {step.dtypes.describe()} (image / text)"))
+        label = f"{sizes.preset}, batch {sizes.batch}, " + (
+            "uncached" if not chunk else f"cached, chunk {chunk}"
+        )
+        rows.append(
+            (
+                "step",
+                label,
+                f"{sps:.1f} samples/s, peak {_fmt(_peak_gb(device, base))} GB, "
+                f"tower outputs {step.dtypes.describe()} (image / text)",
+            )
+        )
         step.close()
         del step
     return rows
@@ -203,31 +236,52 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU-sized rehearsal (micro preset, small sizes)")
-    p.add_argument("--doc", type=Path, default=None,
-                   help="markdown file for the table (default: docs/benchmarks.md on a GPU, none on a dry run)")
-    p.add_argument("--parts", nargs="+", default=["tests", "bf16", "loss", "step"],
-                   choices=["tests", "bf16", "loss", "step"])
+    p.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="markdown file for the table (default: docs/benchmarks.md on a GPU, none on a dry run)",
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["tests", "bf16", "loss", "step"],
+        choices=["tests", "bf16", "loss", "step"],
+    )
     add_flag(p)
     args = p.parse_args(argv)
     watch = LoadWatch()
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
-        print("bench/gpu_check.py: no CUDA device; run with --dry-run for the CPU-sized rehearsal", file=sys.stderr)
+        print(
+            "bench/gpu_check.py: no CUDA device; run with --dry-run for the CPU-sized rehearsal",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     sizes = GPU if cuda else DRY
     doc = args.doc if args.doc is not None else (DOC if cuda else None)
     started = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    parts = {"tests": lambda: part_gpu_tests(args.dry_run), "bf16": lambda: part_bf16_accumulation(sizes, device),
-             "loss": lambda: part_loss(sizes, device), "step": lambda: part_throughput(sizes, device)}
+    parts = {
+        "tests": lambda: part_gpu_tests(args.dry_run),
+        "bf16": lambda: part_bf16_accumulation(sizes, device),
+        "loss": lambda: part_loss(sizes, device),
+        "step": lambda: part_throughput(sizes, device),
+    }
     for name in args.parts:
         t0 = time.perf_counter()
         try:
             got = parts[name]()
         except Exception as e:  # one broken part must not hide the others' figures
             traceback.print_exc()
-            got = [(name, "error", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''} FAILED")]
+            got = [
+                (
+                    name,
+                    "error",
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''} FAILED",
+                )
+            ]
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.extend(got)
@@ -237,19 +291,28 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed  # noqa: F401  (already imported by the engine; for its version only)
 
-    where = (torch.cuda.get_device_name(device) if cuda else f"CPU dry run ({os.cpu_count()} cores, "
-             f"{platform.processor() or platform.machine()})")
-    command = "python bench/gpu_check.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                  else sys.argv[1:]))
-    body = "\n".join([
-        SECTION, "",
-        f"Command: `{command.strip()}`  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {where}; "
-        f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}; whole run {time.perf_counter() - started:.0f} s.",
-        "",
-        "| part | case | result |", "|---|---|---|",
-        *(f"| {a} | {b} | {c} |" for a, b, c in rows), "",
-    ])
+    where = (
+        torch.cuda.get_device_name(device)
+        if cuda
+        else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+    )
+    command = "python bench/gpu_check.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
+    body = "\n".join(
+        [
+            SECTION,
+            "",
+            f"Command: `{command.strip()}`  ",
+            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}; device: {where}; "
+            f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}; whole run {time.perf_counter() - started:.0f} s.",
+            "",
+            "| part | case | result |",
+            "|---|---|---|",
+            *(f"| {a} | {b} | {c} |" for a, b, c in rows),
+            "",
+        ]
+    )
     print(body)
     if doc is not None:
         write_section(doc, body, watch, args.allow_loaded or args.dry_run)

@@ -53,12 +53,27 @@ def mmalign_config(preset: str, batch: int, *overrides: str):
     (``key=value``) come last and win."""
     from mmalign.config import load_config
 
-    return load_config(None, [
-        f"model.preset={preset}", f"train.global_batch_size={batch}", "train.precision=bf16",
-        "deepspeed.zero_stage=0", "deepspeed.precision=fp32", "train.optimizer=adamw", f"train.lr={LR}",
-        f"train.betas=[{BETAS[0]}, {BETAS[1]}]", f"train.eps={EPS}", f"train.weight_decay={WEIGHT_DECAY}",
-        "train.grad_cache_chunk_size=0", "train.warmup_steps=0", "train.steps=1000000", "loss.tile_size=0",
-        "train.tf32=true", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            f"train.global_batch_size={batch}",
+            "train.precision=bf16",
+            "deepspeed.zero_stage=0",
+            "deepspeed.precision=fp32",
+            "train.optimizer=adamw",
+            f"train.lr={LR}",
+            f"train.betas=[{BETAS[0]}, {BETAS[1]}]",
+            f"train.eps={EPS}",
+            f"train.weight_decay={WEIGHT_DECAY}",
+            "train.grad_cache_chunk_size=0",
+            "train.warmup_steps=0",
+            "train.steps=1000000",
+            "loss.tile_size=0",
+            "train.tf32=true",
+            *overrides,
+        ],
+    )
 
 
 class TowerDtypes:
@@ -80,7 +95,7 @@ class TowerDtypes:
     def __init__(self) -> None:
         self.seen: dict[str, torch.dtype | None] = {"image": None, "text": None}  # keys fixed: see above
 
-    def install(self, model: torch.nn.Module) -> "TowerDtypes":
+    def install(self, model: torch.nn.Module) -> TowerDtypes:
         for field, method in (("image", "encode_image"), ("text", "encode_text")):
             setattr(model, method, self._noting(field, getattr(model, method)))
         return self
@@ -90,7 +105,9 @@ class TowerDtypes:
 
         def noted(x, normalize: bool = False):
             features = encode(x, normalize=False)  # (B, D)
-            seen[field] = features.dtype  # a torch.dtype: a constant to dynamo (str() of it would break the graph)
+            seen[field] = (
+                features.dtype
+            )  # a torch.dtype: a constant to dynamo (str() of it would break the graph)
             return F.normalize(features, dim=-1) if normalize else features
 
         return noted
@@ -110,8 +127,11 @@ def tf32_on(device: torch.device):
         return
     matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
     new_api = hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision")
-    before = (matmul.fp32_precision, conv.fp32_precision) if new_api else (matmul.allow_tf32,
-                                                                            torch.backends.cudnn.allow_tf32)
+    before = (
+        (matmul.fp32_precision, conv.fp32_precision)
+        if new_api
+        else (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    )
     set_tf32(device, True)
     try:
         yield
@@ -135,9 +155,9 @@ class MmalignStep:
 
     def __init__(self, cfg, device: torch.device, inputs=None, seed: int = 0, count_flops: bool = False):
         from mmalign.data.batch import Batch
-        from mmalign.run.engine import Engine
         from mmalign.models import build_model
         from mmalign.objective import build_objective
+        from mmalign.run.engine import Engine
 
         torch.manual_seed(seed)
         model = build_model(cfg.model).to(device)
@@ -147,8 +167,10 @@ class MmalignStep:
 
             self.flops = train_flops_per_sample(model, model.image_size, model.context_length)
         if inputs is None:
+
             def inputs(n, size, context):
                 return full_captions(n, size, context, device, seed)
+
         images, tokens = inputs(cfg.train.global_batch_size, model.image_size, model.context_length)
         self.dtypes = TowerDtypes().install(model)  # before the engine compiles the towers
         self.engine = Engine(model, cfg)  # train.compile=true compiles the towers here (lazily)
@@ -172,18 +194,23 @@ class OpenClipStep:
     autocast, backward, ``AdamW.step`` over its two parameter groups, the logit-scale clamp.
     ``backend``: ``torch.compile(model)`` with it (open_clip_train's ``--torchcompile``); None = eager."""
 
-    def __init__(self, preset: str, batch: int, device: torch.device, backend: str | None = None, seed: int = 0):
+    def __init__(
+        self, preset: str, batch: int, device: torch.device, backend: str | None = None, seed: int = 0
+    ):
         from open_clip.loss import ClipLoss
 
         torch.manual_seed(seed)
         self.model = _openclip_model(preset).to(device)
         self.model.train()
         size = self.model.visual.image_size
-        self.images, self.tokens = full_captions(batch, size if isinstance(size, int) else size[0],
-                                                 self.model.context_length, device, seed)
+        self.images, self.tokens = full_captions(
+            batch, size if isinstance(size, int) else size[0], self.model.context_length, device, seed
+        )
         self.dtypes = TowerDtypes().install(self.model)  # before torch.compile: the compiled graph notes too
         self.run = torch.compile(self.model, backend=backend) if backend else self.model
-        self.loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
+        self.loss = ClipLoss(
+            local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1
+        )
         self.opt = torch.optim.AdamW(openclip_param_groups(self.model), lr=LR, betas=BETAS, eps=EPS)
         self.device_type = torch.device(device).type
 
@@ -219,12 +246,15 @@ def _openclip_model(preset: str):
 def openclip_param_groups(model: torch.nn.Module) -> list[dict]:
     """open_clip_train/main.py's two AdamW groups: no weight decay for tensors with ndim < 2 and for
     names containing bn / ln / bias / logit_scale, WEIGHT_DECAY for the rest."""
+
     def exempt(n, p):
         return p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
-            {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": WEIGHT_DECAY}]
+    return [
+        {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
+        {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": WEIGHT_DECAY},
+    ]
 
 
 def free_device_memory() -> None:

@@ -27,15 +27,25 @@ def main() -> None:
 
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
-    from mmalign.run.monitors import forward_flops_per_sample, peak_tflops
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
+    from mmalign.run.monitors import forward_flops_per_sample, peak_tflops
 
-    cfg = load_config(None, [f"model.preset={args.model}", f"train.global_batch_size={args.batch}",
-                             f"train.grad_cache_chunk_size={args.chunk}", "train.warmup_steps=0",
-                             f"train.steps={args.steps + 3}", "deepspeed.zero_stage=1", "deepspeed.precision=bf16",
-                             "train.precision=bf16", "loss.tile_size=1024"])
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={args.model}",
+            f"train.global_batch_size={args.batch}",
+            f"train.grad_cache_chunk_size={args.chunk}",
+            "train.warmup_steps=0",
+            f"train.steps={args.steps + 3}",
+            "deepspeed.zero_stage=1",
+            "deepspeed.precision=bf16",
+            "train.precision=bf16",
+            "loss.tile_size=1024",
+        ],
+    )
     model = build_model(cfg.model)
     flops = 3 * forward_flops_per_sample(model, model.image_size, model.context_length)
     engine = Engine(model.cuda(), cfg)
@@ -48,8 +58,7 @@ def main() -> None:
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step():
-        engine.step(Batch(images, tokens), objective,
-                    autocast)
+        engine.step(Batch(images, tokens), objective, autocast)
 
     for _ in range(3):
         step()
@@ -61,8 +70,12 @@ def main() -> None:
     sps = args.batch * args.steps / (time.perf_counter() - start)
     peak = peak_tflops(torch.device("cuda"), 0.0)
     tflops = sps * flops / 1e12
-    print(f"| {args.model} | {torch.cuda.get_device_name()} | batch {args.batch} | {sps:.0f} samples/s | "
-          f"{tflops:.1f} TFLOP/s | MFU {tflops / peak:.1%} |" if peak else f"{sps:.0f} samples/s, {tflops:.1f} TFLOP/s")
+    print(
+        f"| {args.model} | {torch.cuda.get_device_name()} | batch {args.batch} | {sps:.0f} samples/s | "
+        f"{tflops:.1f} TFLOP/s | MFU {tflops / peak:.1%} |"
+        if peak
+        else f"{sps:.0f} samples/s, {tflops:.1f} TFLOP/s"
+    )
     print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 

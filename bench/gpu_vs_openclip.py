@@ -49,8 +49,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from gpu_step import (BETAS, EPS, LR, WEIGHT_DECAY, MmalignStep, OpenClipStep, free_device_memory,  # noqa: E402
-                      mmalign_config, tf32_on)
+from gpu_step import (  # noqa: E402
+    BETAS,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    MmalignStep,
+    OpenClipStep,
+    free_device_memory,
+    mmalign_config,
+    tf32_on,
+)
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -105,7 +114,9 @@ def build(tool: str, mode: str, sizes: Sizes, device: torch.device):
     compiled = mode == "compiled"
     if tool == "mmalign":
         extra = ["train.compile=true", f"train.compile_backend={sizes.backend}"] if compiled else []
-        return MmalignStep(mmalign_config(sizes.preset, sizes.batch, f"train.device={device.type}", *extra), device)
+        return MmalignStep(
+            mmalign_config(sizes.preset, sizes.batch, f"train.device={device.type}", *extra), device
+        )
     return OpenClipStep(sizes.preset, sizes.batch, device, sizes.backend if compiled else None)
 
 
@@ -150,6 +161,7 @@ def kernels_per_step(step, device: torch.device) -> tuple[str, int | None]:
         _sync(device)  # the step's kernels finish inside the window
     events = prof.events()
     if not cuda:
+
         def top(e):
             p = e.cpu_parent
             while p is not None:
@@ -190,7 +202,9 @@ def probes(arm: Arm, device: torch.device) -> None:
         arm.kernels, seen = f"? ({type(e).__name__})", None
     try:
         syncs = host_syncs_per_step(arm.step, device)
-        arm.syncs = "-" if syncs is None else f"{syncs}" + ("" if seen is None else f" (profiler: {seen} sync calls)")
+        arm.syncs = (
+            "-" if syncs is None else f"{syncs}" + ("" if seen is None else f" (profiler: {seen} sync calls)")
+        )
     except Exception as e:
         arm.syncs = f"? ({type(e).__name__})"
 
@@ -200,7 +214,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
 
 
-def run_phase(arms: list[Arm], sizes: Sizes, device: torch.device, turns: int, started: float, budget: float) -> None:
+def run_phase(
+    arms: list[Arm], sizes: Sizes, device: torch.device, turns: int, started: float, budget: float
+) -> None:
     """``turns`` rounds over ``arms`` (A B A B ...), each arm built at its first turn; then all freed."""
     for turn in range(turns):
         for arm in arms:
@@ -209,8 +225,13 @@ def run_phase(arms: list[Arm], sizes: Sizes, device: torch.device, turns: int, s
             t0 = time.perf_counter()
             # a turn that would end past the budget is skipped: its guess is the last turn's step time,
             # or for a compiled arm not built yet (on CUDA) a minute of inductor compilation
-            guess = arm.step_s * (sizes.warmup + sizes.steps + 2) + 5 if arm.step_s is not None else \
-                COMPILE_GUESS_S if arm.mode == "compiled" and device.type == "cuda" else 0.0
+            guess = (
+                arm.step_s * (sizes.warmup + sizes.steps + 2) + 5
+                if arm.step_s is not None
+                else COMPILE_GUESS_S
+                if arm.mode == "compiled" and device.type == "cuda"
+                else 0.0
+            )
             run = t0 - started + guess <= budget
             if not run:
                 arm.skipped.append(f"turn {turn + 1} skipped (time budget {budget:.0f} s)")
@@ -230,9 +251,12 @@ def run_phase(arms: list[Arm], sizes: Sizes, device: torch.device, turns: int, s
                 _close(arm)
             arm.graphs = [a + b - c for a, b, c in zip(arm.graphs, _dynamo_counts(), dynamo0)]
             arm.seconds += time.perf_counter() - t0
-            print(f"  [{arm.name}, turn {turn + 1}: {time.perf_counter() - t0:.0f} s, "
-                  f"{arm.sps[-1] if run and arm.sps and not arm.failed else 0:.1f} samples/s; whole run "
-                  f"{time.perf_counter() - started:.0f} s]", flush=True)
+            print(
+                f"  [{arm.name}, turn {turn + 1}: {time.perf_counter() - t0:.0f} s, "
+                f"{arm.sps[-1] if run and arm.sps and not arm.failed else 0:.1f} samples/s; whole run "
+                f"{time.perf_counter() - started:.0f} s]",
+                flush=True,
+            )
     for arm in arms:
         _close(arm)
 
@@ -304,9 +328,11 @@ def arm_row(arm: Arm, flops: float | None, peak: float | None) -> str:
     if arm.mode == "compiled":
         note += f" and compile; dynamo: {arm.graphs[0]} graph(s), {arm.graphs[1]} graph break(s)"
     note = "; ".join([note, *arm.skipped])
-    return (f"| {arm.tool} | {arm.mode} | {sps:.1f} ({turns}) | {_fmt(tflops, '.3g')} | "
-            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {mem} | {arm.dtypes} | {arm.kernels} | {arm.syncs} | "
-            f"{note} |")
+    return (
+        f"| {arm.tool} | {arm.mode} | {sps:.1f} ({turns}) | {_fmt(tflops, '.3g')} | "
+        f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {mem} | {arm.dtypes} | {arm.kernels} | {arm.syncs} | "
+        f"{note} |"
+    )
 
 
 def _fmt(v, spec: str) -> str:
@@ -319,6 +345,7 @@ def _times(r: float | None) -> str:
 
 def comparison(arms: dict, flops: float | None, peak: float | None, cuda: bool) -> list[str]:
     """The ratios at equal settings, each tool's best, and the two goals (judged on a GPU only)."""
+
     def sps(tool, mode):
         a = arms.get((tool, mode))
         return _mean(a.sps) if a is not None and not a.failed else None
@@ -328,22 +355,30 @@ def comparison(arms: dict, flops: float | None, peak: float | None, cuda: bool) 
             return f"{what}: not judged (CPU dry run)"
         return f"{what}: {'not measured' if ok is None else ('met' if ok else 'not met')}"
 
-    lines = ["| comparison | mmalign (samples/s) | open_clip (samples/s) | mmalign / open_clip | goal |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| comparison | mmalign (samples/s) | open_clip (samples/s) | mmalign / open_clip | goal |",
+        "|---|---|---|---|---|",
+    ]
     for mode in MODES:
         m, o = sps("mmalign", mode), sps("open_clip", mode)
         r = m / o if m and o else None
-        lines.append(f"| {mode} vs {mode} | {_fmt(m, '.1f')} | {_fmt(o, '.1f')} | {_times(r)} | "
-                     f"{goal(None if r is None else r >= SPEEDUP_GOAL, f'>= {SPEEDUP_GOAL}x')} |")
+        lines.append(
+            f"| {mode} vs {mode} | {_fmt(m, '.1f')} | {_fmt(o, '.1f')} | {_times(r)} | "
+            f"{goal(None if r is None else r >= SPEEDUP_GOAL, f'>= {SPEEDUP_GOAL}x')} |"
+        )
     best = {t: max(((sps(t, md), md) for md in MODES if sps(t, md)), default=(None, None)) for t in TOOLS}
     (bm, mm), (bo, mo) = best["mmalign"], best["open_clip"]
     r = bm / bo if bm and bo else None
-    lines.append(f"| best vs best | {_fmt(bm, '.1f')} ({mm or '-'}) | {_fmt(bo, '.1f')} ({mo or '-'}) | "
-                 f"{_times(r)} | - |")
+    lines.append(
+        f"| best vs best | {_fmt(bm, '.1f')} ({mm or '-'}) | {_fmt(bo, '.1f')} ({mo or '-'}) | "
+        f"{_times(r)} | - |"
+    )
     mfu = None if bm is None or flops is None or not peak else bm * flops / 1e12 / peak
     what = f">= {100 * MFU_GOAL:.0f}% of the bf16 dense peak ({_fmt(peak, '.0f')} TFLOP/s)"
-    lines.append(f"| mmalign MFU (best arm) | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | - | - | "
-                 f"{goal(None if mfu is None else mfu >= MFU_GOAL, what)} |")
+    lines.append(
+        f"| mmalign MFU (best arm) | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | - | - | "
+        f"{goal(None if mfu is None else mfu >= MFU_GOAL, what)} |"
+    )
     return lines
 
 
@@ -353,8 +388,12 @@ def comparison(arms: dict, flops: float | None, peak: float | None, cuda: bool) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU-sized rehearsal (micro towers, batch 16)")
-    p.add_argument("--doc", type=Path, default=None,
-                   help="markdown file for the table (default: docs/benchmarks.md on a GPU, none on a dry run)")
+    p.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="markdown file for the table (default: docs/benchmarks.md on a GPU, none on a dry run)",
+    )
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--turns", type=int, default=2, help="turns per arm, alternating the tools")
     p.add_argument("--steps", type=int, default=None, help="timed steps per turn (default 10; dry run 2)")
@@ -365,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
-        print("bench/gpu_vs_openclip.py: no CUDA device; run with --dry-run for the CPU-sized rehearsal",
-              file=sys.stderr)
+        print(
+            "bench/gpu_vs_openclip.py: no CUDA device; run with --dry-run for the CPU-sized rehearsal",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     sizes = GPU if cuda else DRY
@@ -382,8 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             print(f"  FLOP count failed ({_first_line(e)}): TFLOP/s and MFU not reported", flush=True)
         peak = _peak_tflops(device)
-        print(f"  [set-up: {time.perf_counter() - started:.0f} s; {_fmt(flops and flops / 1e9, '.2f')} GFLOP per "
-              f"training sample, peak {_fmt(peak, '.0f')} TFLOP/s]", flush=True)
+        print(
+            f"  [set-up: {time.perf_counter() - started:.0f} s; {_fmt(flops and flops / 1e9, '.2f')} GFLOP per "
+            f"training sample, peak {_fmt(peak, '.0f')} TFLOP/s]",
+            flush=True,
+        )
         arms: dict[tuple[str, str], Arm] = {}
         for mode in args.modes:
             phase = [Arm(tool, mode) for tool in TOOLS]
@@ -393,30 +437,39 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import open_clip
 
-    where = (torch.cuda.get_device_name(device) if cuda else f"CPU dry run ({os.cpu_count()} cores, "
-             f"{platform.processor() or platform.machine()})")
-    command = "python bench/gpu_vs_openclip.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                         else sys.argv[1:]))
-    body = "\n".join([
-        SECTION, "",
-        f"Command: `{command.strip()}`  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; device: {where}; torch "
-        f"{torch.__version__}, open_clip_torch {open_clip.__version__}, DeepSpeed {deepspeed.__version__}; whole run "
-        f"{time.perf_counter() - started:.0f} s.  ",
-        f"Setting: {sizes.preset}, batch {sizes.batch}, full-length captions, fp32 weights + bf16 autocast, TF32 "
-        f"{'on' if cuda else 'on (a no-op on the CPU)'}, AdamW lr {LR:g} betas {BETAS} eps {EPS:g} wd "
-        f"{WEIGHT_DECAY:g} (open_clip's no-decay groups); "
-        f"{args.turns} turns per arm alternating the tools, {sizes.warmup} warm-up + {sizes.steps} timed steps "
-        f"each; compiled = torch.compile ({sizes.backend}). FLOPs: "
-        f"{_fmt(flops and flops / 1e9, '.3g')} GFLOP per training sample (mmalign.run.monitors, both tools); "
-        f"MFU over {_fmt(peak, '.0f')} TFLOP/s (bf16 dense).",
-        "",
-        "| tool | mode | samples/s (per turn) | TFLOP/s | MFU | peak memory above base | tower output dtype "
-        "(image / text) | kernels / step | host syncs / step | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        *(arm_row(a, flops, peak) for a in arms.values()), "",
-        *comparison(arms, flops, peak, cuda), "",
-    ])
+    where = (
+        torch.cuda.get_device_name(device)
+        if cuda
+        else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+    )
+    command = "python bench/gpu_vs_openclip.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
+    body = "\n".join(
+        [
+            SECTION,
+            "",
+            f"Command: `{command.strip()}`  ",
+            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}; device: {where}; torch "
+            f"{torch.__version__}, open_clip_torch {open_clip.__version__}, DeepSpeed {deepspeed.__version__}; whole run "
+            f"{time.perf_counter() - started:.0f} s.  ",
+            f"Setting: {sizes.preset}, batch {sizes.batch}, full-length captions, fp32 weights + bf16 autocast, TF32 "
+            f"{'on' if cuda else 'on (a no-op on the CPU)'}, AdamW lr {LR:g} betas {BETAS} eps {EPS:g} wd "
+            f"{WEIGHT_DECAY:g} (open_clip's no-decay groups); "
+            f"{args.turns} turns per arm alternating the tools, {sizes.warmup} warm-up + {sizes.steps} timed steps "
+            f"each; compiled = torch.compile ({sizes.backend}). FLOPs: "
+            f"{_fmt(flops and flops / 1e9, '.3g')} GFLOP per training sample (mmalign.run.monitors, both tools); "
+            f"MFU over {_fmt(peak, '.0f')} TFLOP/s (bf16 dense).",
+            "",
+            "| tool | mode | samples/s (per turn) | TFLOP/s | MFU | peak memory above base | tower output dtype "
+            "(image / text) | kernels / step | host syncs / step | notes |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *(arm_row(a, flops, peak) for a in arms.values()),
+            "",
+            *comparison(arms, flops, peak, cuda),
+            "",
+        ]
+    )
     print(body, flush=True)
     if doc is not None:
         write_section(doc, body, watch, args.allow_loaded or args.dry_run)  # exit 3 when loaded (a GPU run)

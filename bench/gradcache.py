@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +35,19 @@ def run_case(batch: int, chunk: int, steps: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
-    cfg = load_config(None, [f"train.global_batch_size={batch}", f"train.grad_cache_chunk_size={chunk}",
-                             "train.warmup_steps=0", f"train.steps={steps + 1}"])
+    cfg = load_config(
+        None,
+        [
+            f"train.global_batch_size={batch}",
+            f"train.grad_cache_chunk_size={chunk}",
+            "train.warmup_steps=0",
+            f"train.steps={steps + 1}",
+        ],
+    )
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model), cfg)
     objective = build_objective(cfg)
@@ -69,19 +77,39 @@ def child(args) -> None:
 
 
 def spawn(batch: int, chunk: int, steps: int, threads: int, cap_gb: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--batch", str(batch), "--chunk", str(chunk),
-           "--steps", str(steps), "--threads", str(threads), "--cap-gb", str(cap_gb)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--batch",
+        str(batch),
+        "--chunk",
+        str(chunk),
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        "--cap-gb",
+        str(cap_gb),
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return {"batch": batch, "chunk": chunk, "error": f"exit {proc.returncode} (did not fit in {cap_gb:g} GB?)"}
+    return {
+        "batch": batch,
+        "chunk": chunk,
+        "error": f"exit {proc.returncode} (did not fit in {cap_gb:g} GB?)",
+    }
 
 
 def table(rows: list[dict], base_rss: float) -> str:
-    lines = ["| global batch | uncached step (s) | cached step (s) | time ratio | uncached peak RSS (MB) | "
-             "cached peak RSS (MB) | cached RSS / uncached@256 |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| global batch | uncached step (s) | cached step (s) | time ratio | uncached peak RSS (MB) | "
+        "cached peak RSS (MB) | cached RSS / uncached@256 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by_batch: dict[int, dict] = {}
     for r in rows:
         by_batch.setdefault(r["batch"], {})["cached" if r["chunk"] else "uncached"] = r
@@ -93,11 +121,14 @@ def table(rows: list[dict], base_rss: float) -> str:
 
     for batch in sorted(by_batch):
         u, c = by_batch[batch].get("uncached"), by_batch[batch].get("cached")
-        ratio = (f"{c['step_s'] / u['step_s']:.2f}x" if u and c and "error" not in u and "error" not in c
-                 else "–")
+        ratio = (
+            f"{c['step_s'] / u['step_s']:.2f}x" if u and c and "error" not in u and "error" not in c else "–"
+        )
         rss_ratio = f"{c['peak_rss_mb'] / base_rss:.2f}x" if c and "error" not in c and base_rss else "–"
-        lines.append(f"| {batch} | {cell(u, 'step_s', '.2f')} | {cell(c, 'step_s', '.2f')} | {ratio} | "
-                     f"{cell(u, 'peak_rss_mb', '.0f')} | {cell(c, 'peak_rss_mb', '.0f')} | {rss_ratio} |")
+        lines.append(
+            f"| {batch} | {cell(u, 'step_s', '.2f')} | {cell(c, 'step_s', '.2f')} | {ratio} | "
+            f"{cell(u, 'peak_rss_mb', '.0f')} | {cell(c, 'peak_rss_mb', '.0f')} | {rss_ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -123,8 +154,13 @@ def main() -> None:
         return child(args)
     watch = LoadWatch()
 
-    batches = ([int(b) for b in args.batches.split(",")] if args.batches
-               else [256, 1024] if args.quick else [256, 512, 1024, 2048, 4096])
+    batches = (
+        [int(b) for b in args.batches.split(",")]
+        if args.batches
+        else [256, 1024]
+        if args.quick
+        else [256, 512, 1024, 2048, 4096]
+    )
     rows = []
     for batch in batches:
         for chunk in (0, 256):
@@ -133,16 +169,20 @@ def main() -> None:
             r = spawn(batch, chunk, args.steps, args.threads, args.uncached_cap_gb if not chunk else 0)
             print(r, flush=True)
             rows.append(r)
-    base = next((r["peak_rss_mb"] for r in rows if r["batch"] == 256 and not r["chunk"] and "error" not in r), 0)
+    base = next(
+        (r["peak_rss_mb"] for r in rows if r["batch"] == 256 and not r["chunk"] and "error" not in r), 0
+    )
     md = table(rows, base)
     print(md)
     cmd = "python bench/gradcache.py" + (" --quick" if args.quick else "")
-    text = (f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
-            f"{os.cpu_count()} CPU cores, {args.threads} torch threads · tiny towers (ViT 4x128 @32px, text 4x128), "
-            f"AdamW, fp32, DeepSpeed ZeRO-0, chunk 256 (128 at batch 256), mean of {args.steps} steps after one "
-            f"warm-up step. Uncached cases run under a {args.uncached_cap_gb:g} GB address-space cap.\n\n{md}\n\n"
-            "Targets: cached step time <= 1.4x uncached at the same batch; peak RSS at batch 4096 cached "
-            "<= 1.3x the uncached batch-256 step.\n")
+    text = (
+        f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores, {args.threads} torch threads · tiny towers (ViT 4x128 @32px, text 4x128), "
+        f"AdamW, fp32, DeepSpeed ZeRO-0, chunk 256 (128 at batch 256), mean of {args.steps} steps after one "
+        f"warm-up step. Uncached cases run under a {args.uncached_cap_gb:g} GB address-space cap.\n\n{md}\n\n"
+        "Targets: cached step time <= 1.4x uncached at the same batch; peak RSS at batch 4096 cached "
+        "<= 1.3x the uncached batch-256 step.\n"
+    )
     if not args.no_doc:
         write_doc(text, watch, args.allow_loaded)
 

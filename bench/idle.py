@@ -58,7 +58,7 @@ class LoadWatch:
         self.own = 0.0  # the bench's own average CPU use (cores) over its run, read with the end load
         self._cpu0, self._wall0 = _cpu_seconds(), time.monotonic()
 
-    def stop(self) -> "LoadWatch":
+    def stop(self) -> LoadWatch:
         """Read the end load once; later calls keep the first reading."""
         if self.end is None:
             self.end = os.getloadavg()[0]
@@ -74,13 +74,17 @@ class LoadWatch:
     def describe(self) -> str:
         """One line for the table's header, e.g. 'load 0.4 at start, 1.9 at end, 2 cores'."""
         self.stop()
-        return (f"load {self.start:.1f} at start, {self.end:.1f} at end (the bench itself used {self.own:.1f}), "
-                f"{self.cores} cores")
+        return (
+            f"load {self.start:.1f} at start, {self.end:.1f} at end (the bench itself used {self.own:.1f}), "
+            f"{self.cores} cores"
+        )
 
     def note(self) -> str:
         """The line a written section carries under its heading."""
         if self.loaded:
-            return f"Taken under load ({self.describe()}): not comparable with tables taken on an idle machine."
+            return (
+                f"Taken under load ({self.describe()}): not comparable with tables taken on an idle machine."
+            )
         return f"Idle machine: {self.describe()} (1-minute load averages)."
 
 
@@ -91,22 +95,29 @@ def _cpu_seconds() -> float:
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--allow-loaded", action="store_true",
-                        help="write the doc table even if the 1-minute load average exceeded the core count "
-                             "(it is then marked 'taken under load'); without it such a run exits with status "
-                             f"{EXIT_LOADED} and leaves the doc alone")
+    parser.add_argument(
+        "--allow-loaded",
+        action="store_true",
+        help="write the doc table even if the 1-minute load average exceeded the core count "
+        "(it is then marked 'taken under load'); without it such a run exits with status "
+        f"{EXIT_LOADED} and leaves the doc alone",
+    )
 
 
-def write_section(doc: Path, text: str, watch: LoadWatch, allow_loaded: bool, title: str = "# Benchmarks",
-                  note: bool = True) -> None:
+def write_section(
+    doc: Path, text: str, watch: LoadWatch, allow_loaded: bool, title: str = "# Benchmarks", note: bool = True
+) -> None:
     """Write ``text`` (a section starting with its ``## `` heading) into ``doc`` with the load note
     under the heading (``note=False``: the text places it itself, e.g. one per subsection), or
     refuse: one line on stderr and ``SystemExit(EXIT_LOADED)``."""
     watch.stop()
     if watch.loaded and not allow_loaded:
-        print(f"{doc.parent.name}/{doc.name} not written: {watch.describe()}: the machine was loaded, so the table is not "
-              "comparable (rerun on an idle machine, or pass --allow-loaded to record it marked as such)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{doc.parent.name}/{doc.name} not written: {watch.describe()}: the machine was loaded, so the table is not "
+            "comparable (rerun on an idle machine, or pass --allow-loaded to record it marked as such)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(EXIT_LOADED)
     if not note:
         docsection.write_section(doc, text, title)

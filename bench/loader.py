@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,9 @@ def run_webdataset(spec: str, workers: int, batch: int, batches: int, warmup: in
         .map_tuple(transform, one_caption)
         .batched(batch, collation_fn=collate, partial=False)
     )
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None)
+    loader = wds.WebLoader(
+        dataset, batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None
+    )
     return _time(iter(loader), batches, warmup, batch)
 
 
@@ -118,8 +121,12 @@ def write_doc(body: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=int, default=32,
-                   help="32: CIFAR vs plain webdataset; else generated 256-px JPEGs vs open_clip_train")
+    p.add_argument(
+        "--size",
+        type=int,
+        default=32,
+        help="32: CIFAR vs plain webdataset; else generated 256-px JPEGs vs open_clip_train",
+    )
     p.add_argument("--n", type=int, default=None, help="samples in the shards (10000 at 32 px, 3000 else)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--batches", type=int, default=None, help="timed batches per case (30 at 32 px, 8 else)")

@@ -86,8 +86,9 @@ def case(argv: list[str]) -> None:
 
     aug = AugmentConfig(hflip=True)  # the default augmentation (crop scale 0.85-1) plus a flip
     cfg = DataConfig(train=a.spec, mode="resampled", workers=1, shuffle_buffer=a.shuffle, augment=aug)
-    loader = build_train_loader(cfg, train_transform(a.size, aug), SimpleTokenizer(context_length=77), a.batch,
-                                seed=0)
+    loader = build_train_loader(
+        cfg, train_transform(a.size, aug), SimpleTokenizer(context_length=77), a.batch, seed=0
+    )
     batches = iter(loader)
     result = timed(batches, a.warmup, a.batches, a.batch)
     batches.close()  # stops the worker now
@@ -95,9 +96,25 @@ def case(argv: list[str]) -> None:
 
 
 def run_case(tree: Path, spec: str, a) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", "--tree", str(tree), "--spec", spec,
-           "--size", str(a.size), "--batch", str(a.batch), "--batches", str(a.batches), "--warmup", str(a.warmup),
-           "--shuffle", str(a.shuffle)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--case",
+        "--tree",
+        str(tree),
+        "--spec",
+        spec,
+        "--size",
+        str(a.size),
+        "--batch",
+        str(a.batch),
+        "--batches",
+        str(a.batches),
+        "--warmup",
+        str(a.warmup),
+        "--shuffle",
+        str(a.shuffle),
+    ]
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -110,7 +127,7 @@ def run_case(tree: Path, spec: str, a) -> dict:
 
 def uptime() -> str:
     out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return out[out.find("load average"):] if "load average" in out else out
+    return out[out.find("load average") :] if "load average" in out else out
 
 
 def cpu_flags() -> str:
@@ -124,24 +141,34 @@ def cpu_flags() -> str:
 
 
 def git(*args: str) -> str:  # read-only queries, and the worktree add of the old commit
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", default=OLD, help="the commit before the change (default %(default)s)")
-    p.add_argument("--n", type=int, default=3000, help="JPEGs in the shards (bench/loader.py --size 224's default)")
+    p.add_argument(
+        "--n", type=int, default=3000, help="JPEGs in the shards (bench/loader.py --size 224's default)"
+    )
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--batches", type=int, default=8, help="timed batches per run")
-    p.add_argument("--warmup", type=int, default=2, help="batches before the timed ones (worker start, buffer fill)")
-    p.add_argument("--shuffle", type=int, default=5000, help="data.shuffle_buffer (bench/loader.py --size 224's)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="batches before the timed ones (worker start, buffer fill)"
+    )
+    p.add_argument(
+        "--shuffle", type=int, default=5000, help="data.shuffle_buffer (bench/loader.py --size 224's)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds of one old and one new run")
     p.add_argument("--write-doc", action="store_true")
     add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
-    command = ("python bench/loader_before_after.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip()
+    command = (
+        "python bench/loader_before_after.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    ).strip()
     load_before, flags = uptime(), cpu_flags()
     print(f"before: {load_before}", flush=True)
     print(f"CPU flags: {flags}", flush=True)
@@ -158,21 +185,30 @@ def main() -> None:
         shards = tmp / "shards"
         shards.mkdir()
         spec, jpeg_bytes = make_shards(shards, args.n, per_shard=250)
-        print(f"{args.n} JPEGs of 256 px, mean {jpeg_bytes / 1024:.1f} KiB; old = {old_commit}, new = this tree "
-              f"({head}{' + uncommitted changes' if dirty else ''})", flush=True)
+        print(
+            f"{args.n} JPEGs of 256 px, mean {jpeg_bytes / 1024:.1f} KiB; old = {old_commit}, new = this tree "
+            f"({head}{' + uncommitted changes' if dirty else ''})",
+            flush=True,
+        )
         trees = {"old": old_tree, "new": ROOT}
         for i in range(args.repeats):
             got = {}
-            for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            for which in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 got[which] = run_case(trees[which], spec, args)
             ratio = got["new"]["cpu_rate"] / got["old"]["cpu_rate"]
             rounds.append({**got, "ratio": ratio, "load": os.getloadavg()[0]})
-            print(f"round {i + 1}: old {got['old']['cpu_rate']:.0f}, new {got['new']['cpu_rate']:.0f} samples per "
-                  f"worker-CPU-second, new/old {ratio:.3f} (wall {got['old']['rate']:.0f} / {got['new']['rate']:.0f} "
-                  f"samples/s; load {rounds[-1]['load']:.1f})", flush=True)
+            print(
+                f"round {i + 1}: old {got['old']['cpu_rate']:.0f}, new {got['new']['cpu_rate']:.0f} samples per "
+                f"worker-CPU-second, new/old {ratio:.3f} (wall {got['old']['rate']:.0f} / {got['new']['rate']:.0f} "
+                f"samples/s; load {rounds[-1]['load']:.1f})",
+                flush=True,
+            )
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)],
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)],
+            capture_output=True,
+            text=True,
+        )
         shutil.rmtree(tmp, ignore_errors=True)
     load_after = uptime()
     median = statistics.median(r["ratio"] for r in rounds)
@@ -181,12 +217,17 @@ def main() -> None:
 
     import torch
 
-    table = ["| round | first | old samples per worker-CPU-s | new | new / old | old samples/s (wall) | new | "
-             "load at end of round |", "|---|---|---|---|---|---|---|---|"]
+    table = [
+        "| round | first | old samples per worker-CPU-s | new | new / old | old samples/s (wall) | new | "
+        "load at end of round |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(rounds):
-        table.append(f"| {i + 1} | {'old' if i % 2 == 0 else 'new'} | {r['old']['cpu_rate']:.0f} | "
-                     f"{r['new']['cpu_rate']:.0f} | {r['ratio']:.3f} | {r['old']['rate']:.0f} | {r['new']['rate']:.0f} | "
-                     f"{r['load']:.1f} |")
+        table.append(
+            f"| {i + 1} | {'old' if i % 2 == 0 else 'new'} | {r['old']['cpu_rate']:.0f} | "
+            f"{r['new']['cpu_rate']:.0f} | {r['ratio']:.3f} | {r['old']['rate']:.0f} | {r['new']['rate']:.0f} | "
+            f"{r['load']:.1f} |"
+        )
     verdict = "met" if median >= TARGET else "**not met**"
     body = (
         f"Command: `{command}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores "

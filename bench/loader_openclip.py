@@ -38,8 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("a photo of the red green blue small large bright dark cat dog car tree house river sky "
-         "mountain street person bird flower boat road field city beach night morning").split()
+WORDS = (
+    "a photo of the red green blue small large bright dark cat dog car tree house river sky "
+    "mountain street person bird flower boat road field city beach night morning"
+).split()
 
 
 # ------------------------------------------------------------------ data
@@ -94,8 +96,9 @@ def crossing_bytes(item) -> int:
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v) if isinstance(v, (torch.Tensor, dict, list, tuple)) else rest.append((k, v))
-        elif isinstance(x, (list, tuple)) and any(isinstance(v, torch.Tensor) or dataclasses.is_dataclass(v)
-                                                  for v in x):
+        elif isinstance(x, (list, tuple)) and any(
+            isinstance(v, torch.Tensor) or dataclasses.is_dataclass(v) for v in x
+        ):
             for v in x:
                 walk(v)
         else:
@@ -172,8 +175,11 @@ def timed(batches, n_warm: int, n_timed: int, batch: int) -> dict:
         next(batches)
     wall, (main1, workers1) = time.perf_counter() - start, _cpu()
     samples = n_timed * batch
-    return {"rate": samples / wall, "cpu_rate": samples / (workers1 - workers0),
-            "main_cpu_ms": (main1 - main0) / n_timed * 1000}
+    return {
+        "rate": samples / wall,
+        "cpu_rate": samples / (workers1 - workers0),
+        "main_cpu_ms": (main1 - main0) / n_timed * 1000,
+    }
 
 
 # ------------------------------------------------------------- the cases
@@ -215,14 +221,19 @@ def case_mmalign(a) -> dict:
     loader_mod.DataLoader = Counting
     aug = AugmentConfig(crop_scale=[0.9, 1.0], hflip=True)
     cfg = DataConfig(train=a.spec, mode="resampled", workers=a.workers, shuffle_buffer=5000, augment=aug)
-    loader = loader_mod.build_train_loader(cfg, train_transform(a.size, aug), SimpleTokenizer(context_length=77),
-                                           a.batch, seed=0)
+    loader = loader_mod.build_train_loader(
+        cfg, train_transform(a.size, aug), SimpleTokenizer(context_length=77), a.batch, seed=0
+    )
     shm = ShmPeak()
     shm.start()
     result = timed(iter(loader), a.warmup, a.batches, a.batch)
     pieces = a.workers * len(loader.shares[0])
-    return {**result, "bytes_per_batch": counted["bytes"] / counted["items"] * pieces, "shm_peak": shm.stop(),
-            "pieces": pieces}
+    return {
+        **result,
+        "bytes_per_batch": counted["bytes"] / counted["items"] * pieces,
+        "shm_peak": shm.stop(),
+        "pieces": pieces,
+    }
 
 
 def case_openclip(a) -> dict:
@@ -233,12 +244,24 @@ def case_openclip(a) -> dict:
     from torchvision import transforms as T
 
     assert webdataset.__version__.startswith("0.2."), webdataset.__version__
-    preprocess = image_transform(a.size, is_train=True)  # RandomResizedCrop(scale 0.9-1, bicubic), RGB, tensor, norm.
+    preprocess = image_transform(
+        a.size, is_train=True
+    )  # RandomResizedCrop(scale 0.9-1, bicubic), RGB, tensor, norm.
     preprocess.transforms.insert(1, T.RandomHorizontalFlip())
-    args = argparse.Namespace(train_data=a.spec, val_data=None, dataset_resampled=True, train_num_samples=10**8,
-                              train_data_upsampling_factors=None, batch_size=a.batch, world_size=1,
-                              workers=a.workers, seed=0)
-    loader = get_wds_dataset(args, preprocess, is_train=True, tokenizer=SimpleTokenizer(context_length=77)).dataloader
+    args = argparse.Namespace(
+        train_data=a.spec,
+        val_data=None,
+        dataset_resampled=True,
+        train_num_samples=10**8,
+        train_data_upsampling_factors=None,
+        batch_size=a.batch,
+        world_size=1,
+        workers=a.workers,
+        seed=0,
+    )
+    loader = get_wds_dataset(
+        args, preprocess, is_train=True, tokenizer=SimpleTokenizer(context_length=77)
+    ).dataloader
     counted = {"bytes": 0, "items": 0}
 
     def batches():
@@ -251,13 +274,34 @@ def case_openclip(a) -> dict:
     shm = ShmPeak()
     shm.start()
     result = timed(batches(), a.warmup, a.batches, a.batch)
-    return {**result, "bytes_per_batch": counted["bytes"] / counted["items"], "shm_peak": shm.stop(), "pieces": 1}
+    return {
+        **result,
+        "bytes_per_batch": counted["bytes"] / counted["items"],
+        "shm_peak": shm.stop(),
+        "pieces": 1,
+    }
 
 
 def run_case(tool: str, spec: str, workers: int, a, side_dir: Path) -> dict:
     """One case in a fresh process; open_clip's with webdataset 0.2.86 first on its path."""
-    cmd = [sys.executable, str(Path(__file__)), "--case", tool, "--spec", spec, "--workers", str(workers),
-           "--batch", str(a.batch), "--batches", str(a.batches), "--warmup", str(a.warmup), "--size", str(a.size)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__)),
+        "--case",
+        tool,
+        "--spec",
+        spec,
+        "--workers",
+        str(workers),
+        "--batch",
+        str(a.batch),
+        "--batches",
+        str(a.batches),
+        "--warmup",
+        str(a.warmup),
+        "--size",
+        str(a.size),
+    ]
     path = [str(side_dir), str(ROOT)] if tool == "open_clip" else [str(ROOT)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -296,9 +340,21 @@ def decode_speeds(spec_dir: Path, n: int = 200) -> dict:
         "pil_256": (lambda d: Image.open(io.BytesIO(d)).convert("RGB").load(), jpegs),
         "tv_256": (lambda d: decode_jpeg(tensor(d)), jpegs),
         "pil_crop_256": (lambda d: crop.raw(open_image(d), random.Random(0)), jpegs),
-        "tv_crop_256": (lambda d: F.hflip(F.resized_crop(decode_jpeg(tensor(d)), 10, 12, 240, 236, [224, 224],
-                                                         interpolation=InterpolationMode.BICUBIC, antialias=True)),
-                        jpegs),
+        "tv_crop_256": (
+            lambda d: F.hflip(
+                F.resized_crop(
+                    decode_jpeg(tensor(d)),
+                    10,
+                    12,
+                    240,
+                    236,
+                    [224, 224],
+                    interpolation=InterpolationMode.BICUBIC,
+                    antialias=True,
+                )
+            ),
+            jpegs,
+        ),
     }
     rng = np.random.default_rng(0)
     big = []
@@ -307,7 +363,8 @@ def decode_speeds(spec_dir: Path, n: int = 200) -> dict:
         pixels = rng.uniform(0, 255, 3) * x[..., None] + rng.uniform(0, 255, 3) * (1 - y[..., None]) / 2
         buf = io.BytesIO()
         Image.fromarray((pixels + rng.normal(0, 12, pixels.shape)).clip(0, 255).astype(np.uint8)).save(
-            buf, "JPEG", quality=90)
+            buf, "JPEG", quality=90
+        )
         big.append(buf.getvalue())
     cases["crop_1024_full"] = (lambda d: crop.raw(open_image(d), random.Random(0)), big)
     cases["crop_1024_draft"] = (lambda d: crop.raw(open_image(d, None, crop.draft), random.Random(0)), big)
@@ -346,29 +403,44 @@ def compare(a, command: str) -> tuple[str, list]:
             for _ in range(a.repeats):  # alternate, so a busy neighbour hurts both alike
                 for tool in runs:
                     r = run_case(tool, spec, workers, a, side_dir)
-                    print(f"workers={workers} {tool}: {r['rate']:.0f} samples/s, {r['cpu_rate']:.0f} per worker-CPU-s, "
-                          f"{r['bytes_per_batch'] / 2**20:.1f} MiB/batch, shm peak {r['shm_peak'] / 2**20:.0f} MiB, "
-                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"workers={workers} {tool}: {r['rate']:.0f} samples/s, {r['cpu_rate']:.0f} per worker-CPU-s, "
+                        f"{r['bytes_per_batch'] / 2**20:.1f} MiB/batch, shm peak {r['shm_peak'] / 2**20:.0f} MiB, "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
                     runs[tool].append(r)
-            best = {tool: {key: (min if key in ("main_cpu_ms",) else max)(r[key] for r in rs) for key in rs[0]}
-                    for tool, rs in runs.items()}
+            best = {
+                tool: {key: (min if key in ("main_cpu_ms",) else max)(r[key] for r in rs) for key in rs[0]}
+                for tool, rs in runs.items()
+            }
             rows.append((workers, best["mmalign"], best["open_clip"]))
 
     def mib(x):
         return f"{x / 2**20:.1f}"
 
-    speed = ["| workers | mmalign samples/s per worker | open_clip | ratio | mmalign samples per worker-CPU-second | "
-             "open_clip | ratio | training-process CPU ms per batch, mmalign / open_clip |", "|---|---|---|---|---|---|---|---|"]
-    memory = ["| workers | mmalign MiB per batch | open_clip MiB per batch | ratio | mmalign peak shm MiB | "
-              "open_clip peak shm MiB |", "|---|---|---|---|---|---|"]
+    speed = [
+        "| workers | mmalign samples/s per worker | open_clip | ratio | mmalign samples per worker-CPU-second | "
+        "open_clip | ratio | training-process CPU ms per batch, mmalign / open_clip |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    memory = [
+        "| workers | mmalign MiB per batch | open_clip MiB per batch | ratio | mmalign peak shm MiB | "
+        "open_clip peak shm MiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for workers, ours, theirs in rows:
-        speed.append(f"| {workers} | {ours['rate'] / workers:.0f} | {theirs['rate'] / workers:.0f} | "
-                     f"{ours['rate'] / theirs['rate']:.2f}x | {ours['cpu_rate']:.0f} | {theirs['cpu_rate']:.0f} | "
-                     f"{ours['cpu_rate'] / theirs['cpu_rate']:.2f}x | {ours['main_cpu_ms']:.0f} / "
-                     f"{theirs['main_cpu_ms']:.0f} |")
-        memory.append(f"| {workers} | {mib(ours['bytes_per_batch'])} | {mib(theirs['bytes_per_batch'])} | "
-                      f"{ours['bytes_per_batch'] / theirs['bytes_per_batch']:.2f}x | {ours['shm_peak'] / 2**20:.0f} | "
-                      f"{theirs['shm_peak'] / 2**20:.0f} |")
+        speed.append(
+            f"| {workers} | {ours['rate'] / workers:.0f} | {theirs['rate'] / workers:.0f} | "
+            f"{ours['rate'] / theirs['rate']:.2f}x | {ours['cpu_rate']:.0f} | {theirs['cpu_rate']:.0f} | "
+            f"{ours['cpu_rate'] / theirs['cpu_rate']:.2f}x | {ours['main_cpu_ms']:.0f} / "
+            f"{theirs['main_cpu_ms']:.0f} |"
+        )
+        memory.append(
+            f"| {workers} | {mib(ours['bytes_per_batch'])} | {mib(theirs['bytes_per_batch'])} | "
+            f"{ours['bytes_per_batch'] / theirs['bytes_per_batch']:.2f}x | {ours['shm_peak'] / 2**20:.0f} | "
+            f"{theirs['shm_peak'] / 2**20:.0f} |"
+        )
 
     def verdict(ok):
         return "met" if ok else "**not met**"

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 # Tile edge tuned here on the 2-core CPU (docs/benchmarks.md): 1024-2048 are equally fast on a
@@ -100,8 +101,18 @@ def run_case(impl: str, b: int, args, baseline: bool = False) -> dict:
             return {"status": f"skipped (OOM: ~{est_gb:.0f} GB est.)"}
     repeats = 0 if baseline else 1 if b >= 65536 else args.repeats
     warmup = 0 if b >= 65536 or baseline else 1
-    cmd = [sys.executable, __file__, "--child", impl, str(b), str(args.dim), str(args.tile_for.get(impl, args.tile)),
-           str(repeats), str(warmup), str(args.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        str(b),
+        str(args.dim),
+        str(args.tile_for.get(impl, args.tile)),
+        str(repeats),
+        str(warmup),
+        str(args.threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"status": f"failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
@@ -124,8 +135,12 @@ def main_table(args) -> tuple[str, list[dict]]:
             res = run_case(impl, b, args)
             res.update(impl=impl, b=b, base_gb=base.get("maxrss_gb"))
             rows.append(res)
-            print(f"  {impl:16s} B={b:6d} {res['status']:>10s} "
-                  f"rss={fmt(res.get('maxrss_gb'))} GB time={fmt(res.get('time_s'))} s", file=sys.stderr, flush=True)
+            print(
+                f"  {impl:16s} B={b:6d} {res['status']:>10s} "
+                f"rss={fmt(res.get('maxrss_gb'))} GB time={fmt(res.get('time_s'))} s",
+                file=sys.stderr,
+                flush=True,
+            )
     lines = [
         "| implementation | B | tile | peak RSS (GB) | baseline RSS (GB) | peak - baseline (GB) | fwd (s) | fwd+bwd (s) | fwd+bwd CPU (s) | runs | status |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -134,18 +149,30 @@ def main_table(args) -> tuple[str, list[dict]]:
         peak, base = r.get("maxrss_gb"), r.get("base_gb")
         extra = peak - base if peak is not None and base is not None else None
         tile = str(args.tile) if r["impl"] == "mmalign_tiled" else "-"
-        lines.append(f"| {r['impl']} | {r['b']} | {tile} | {fmt(peak)} | {fmt(base)} | {fmt(extra)} | "
-                     f"{fmt(r.get('fwd_s'))} | {fmt(r.get('time_s'))} | {fmt(r.get('cpu_s'))} | "
-                     f"{r.get('repeats', '-')} | {r['status']} |")
+        lines.append(
+            f"| {r['impl']} | {r['b']} | {tile} | {fmt(peak)} | {fmt(base)} | {fmt(extra)} | "
+            f"{fmt(r.get('fwd_s'))} | {fmt(r.get('time_s'))} | {fmt(r.get('cpu_s'))} | "
+            f"{r.get('repeats', '-')} | {r['status']} |"
+        )
     return "\n".join(lines), rows
 
 
 def sweep_table(args) -> str:
     lines = ["| tile | peak RSS (GB) | fwd+bwd (s) | fwd+bwd CPU (s) |", "|---:|---:|---:|---:|"]
     for t in args.sweep:
-        res = run_case("mmalign_tiled", args.sweep_b, argparse.Namespace(**{**vars(args), "tile_for": {"mmalign_tiled": t}}))
-        print(f"  sweep tile={t} rss={fmt(res.get('maxrss_gb'))} time={fmt(res.get('time_s'))}", file=sys.stderr, flush=True)
-        lines.append(f"| {t} | {fmt(res.get('maxrss_gb'))} | {fmt(res.get('time_s'))} | {fmt(res.get('cpu_s'))} |")
+        res = run_case(
+            "mmalign_tiled",
+            args.sweep_b,
+            argparse.Namespace(**{**vars(args), "tile_for": {"mmalign_tiled": t}}),
+        )
+        print(
+            f"  sweep tile={t} rss={fmt(res.get('maxrss_gb'))} time={fmt(res.get('time_s'))}",
+            file=sys.stderr,
+            flush=True,
+        )
+        lines.append(
+            f"| {t} | {fmt(res.get('maxrss_gb'))} | {fmt(res.get('time_s'))} | {fmt(res.get('cpu_s'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -163,9 +190,13 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--tile", type=int, default=TILE)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (after one warm-up); 1 at B >= 65536")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per case (after one warm-up); 1 at B >= 65536"
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--sweep", type=int, nargs="*", default=[512, 1024, 2048, 4096], help="tile sizes to sweep")
+    p.add_argument(
+        "--sweep", type=int, nargs="*", default=[512, 1024, 2048, 4096], help="tile sizes to sweep"
+    )
     p.add_argument("--sweep-b", type=int, default=16384)
     p.add_argument("--write-doc", action="store_true", help=f"write the results into {DOC.relative_to(ROOT)}")
     p.add_argument("--note", default="", help="free text appended to the doc section")
@@ -180,7 +211,7 @@ def main() -> None:
     cpus = os.cpu_count()
     header = (
         f"Command: `{command.strip()}`  \n"
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  \n"
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}  \n"
         f"Machine: {cpus} CPU cores ({platform.processor() or platform.machine()}), torch threads = {args.threads}; "
         f"D = {args.dim}, float32, logit scale 1/0.07.  \n"
         f"Peak RSS is the child's `ru_maxrss`; each case's baseline is a child that makes the same imports "

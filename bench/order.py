@@ -65,13 +65,16 @@ WORDS = "a photo of the red green blue small large cat dog car tree house river 
 
 import mmalign.data.stream as stream_mod  # noqa: E402
 from mmalign.data import tario  # noqa: E402
-from mmalign.data.remote import SKIP, WINDOW  # noqa: E402
 from mmalign.data.loader import (  # noqa: E402
-    DEFAULT_WORKER_BATCH, MAX_OPEN_LANES, lane_split, open_file_budget, worker_shares,
+    DEFAULT_WORKER_BATCH,
+    MAX_OPEN_LANES,
+    lane_split,
+    open_file_budget,
+    worker_shares,
 )
+from mmalign.data.remote import SKIP, WINDOW  # noqa: E402
 from mmalign.data.shard_sizes import STRIDE, shard_sizes  # noqa: E402
 from mmalign.data.stream import EpochOrder, LaneStream, StreamSpec, shard_sequence  # noqa: E402
-
 
 # ------------------------------------------------------------------ data
 
@@ -198,7 +201,7 @@ def run_lanes(spec: StreamSpec, rows: list[int]) -> tuple[Tally, int, list[str]]
     todo = [order.lane_range(lane, 0)[1] - order.lane_range(lane, 0)[0] for lane in rows]
     keys, peak = [], 0
     for step in range(max(todo)):
-        for s, g, n in zip(streams, gens, todo):
+        for _s, g, n in zip(streams, gens, todo):
             if step < n:
                 row, epoch = next(g)
                 assert epoch == 0
@@ -217,14 +220,15 @@ def permuted_sequence(spec: StreamSpec, S: int, seed: int) -> tuple[list[tuple[i
     place = list(range(len(concat)))
     rng = random.Random(seed)
     for start in range(0, len(place), S):
-        block = place[start:start + S]
+        block = place[start : start + S]
         rng.shuffle(block)
-        place[start:start + S] = block
+        place[start : start + S] = block
     return [concat[q] for q in place], place
 
 
-def run_permutation(spec: StreamSpec, seq, place, offsets, rows: list[int], B: int, S: int
-                    ) -> tuple[Tally, int, list[str]]:
+def run_permutation(
+    spec: StreamSpec, seq, place, offsets, rows: list[int], B: int, S: int
+) -> tuple[Tally, int, list[str]]:
     tally, mine = Tally(), set(rows)
     files: dict[int, Counted] = {}
     keys, peak = [], 0
@@ -261,62 +265,99 @@ def measure(args) -> tuple[list[dict], str, float]:
         urls = make_shards(Path(tmp), args.shards, args.per_shard)
         offsets = index_shards(urls)  # every sample's offset: the permutation's index
         counts = [len(o) for o in offsets]
-        index = shard_sizes(urls)  # the lanes' own: counts and every STRIDE-th offset, as the loader reads them
+        index = shard_sizes(
+            urls
+        )  # the lanes' own: counts and every STRIDE-th offset, as the loader reads them
         assert list(index.counts) == counts
         data_bytes = sum(Path(u).stat().st_size for u in urls)
         n = sum(counts)
-        what = (f"{args.shards} shards x {args.per_shard} samples (KEY.jpg 3-5 KiB random bytes + KEY.txt), "
-                f"{data_bytes / 2**20:.1f} MiB")
+        what = (
+            f"{args.shards} shards x {args.per_shard} samples (KEY.jpg 3-5 KiB random bytes + KEY.txt), "
+            f"{data_bytes / 2**20:.1f} MiB"
+        )
         print(what, flush=True)
         results = []
         for W, K in LAYOUTS:
             slots = W * K
-            spec = StreamSpec(urls=tuple(urls), sources=(tuple(range(len(urls))),), weights=(1.0,), mode="epoch",
-                              seed=args.seed, lanes=args.batch, shuffle_buffer=args.shuffle,
-                              max_image_pixels=1 << 30, index=index)
+            spec = StreamSpec(
+                urls=tuple(urls),
+                sources=(tuple(range(len(urls))),),
+                weights=(1.0,),
+                mode="epoch",
+                seed=args.seed,
+                lanes=args.batch,
+                shuffle_buffer=args.shuffle,
+                max_image_pixels=1 << 30,
+                index=index,
+            )
             seq, place = permuted_sequence(spec, args.shuffle, args.seed)
             share = data_bytes / slots
             seen: dict[str, list[str]] = {}
             chosen = sorted({0, slots // 2}) if args.few_slots else range(slots)
             for slot in chosen:
                 rows = slot_rows(args.batch, W, K, slot)
-                for design, run in (("lanes", lambda: run_lanes(spec, rows)),
-                                    ("permutation", lambda: run_permutation(spec, seq, place, offsets, rows,
-                                                                            args.batch, args.shuffle))):
+                for design, run in (
+                    ("lanes", lambda: run_lanes(spec, rows)),
+                    (
+                        "permutation",
+                        lambda: run_permutation(spec, seq, place, offsets, rows, args.batch, args.shuffle),
+                    ),
+                ):
                     tally, peak, keys = run()
                     assert len(keys) == len(set(keys)), design
-                    r = {"W": W, "K": K, "slot": slot, "rows": len(rows), "design": design,
-                         "a": tally.returned / share, "b": tally.through / share, "c": tally.ranged / share,
-                         "opens": tally.opens, "peak": peak}
+                    r = {
+                        "W": W,
+                        "K": K,
+                        "slot": slot,
+                        "rows": len(rows),
+                        "design": design,
+                        "a": tally.returned / share,
+                        "b": tally.through / share,
+                        "c": tally.ranged / share,
+                        "opens": tally.opens,
+                        "peak": peak,
+                    }
                     results.append(r)
                     seen.setdefault(design, []).extend(keys)
                     if slot in (0, slots // 2):
-                        print(f"{W}x{K} slot {slot} ({len(rows)} rows) {design}: (a) {r['a']:.2f}x, (b) {r['b']:.2f}x, "
-                              f"(c) {r['c']:.2f}x, {r['opens']} opens, peak {peak} samples", flush=True)
+                        print(
+                            f"{W}x{K} slot {slot} ({len(rows)} rows) {design}: (a) {r['a']:.2f}x, (b) {r['b']:.2f}x, "
+                            f"(c) {r['c']:.2f}x, {r['opens']} opens, peak {peak} samples",
+                            flush=True,
+                        )
             if not args.few_slots:  # the slots together read every sample once, in both designs
-                assert all(len(set(k)) == len(k) == n for k in seen.values()), {d: len(k) for d, k in seen.items()}
+                assert all(len(set(k)) == len(k) == n for k in seen.values()), {
+                    d: len(k) for d, k in seen.items()
+                }
         return results, what, data_bytes / len(urls) / 2**20
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| W x K (slots) | rows (lanes) per slot | design | bytes read, seek free (x share) | "
-             "bytes read, gaps read through (x share) | bytes read, HTTP with ranges (x share) | files opened per slot | peak raw samples held per slot |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| W x K (slots) | rows (lanes) per slot | design | bytes read, seek free (x share) | "
+        "bytes read, gaps read through (x share) | bytes read, HTTP with ranges (x share) | files opened per slot | peak raw samples held per slot |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["W"], r["K"], r["design"]), []).append(r)
     for (W, K, design), rs in groups.items():
+
         def cell(key, fmt):
             values = [r[key] for r in rs]
             mean = format(sum(values) / len(values), fmt)
             return mean if len(values) == 1 else f"{mean} ({format(max(values), fmt)})"
-        lines.append(f"| {W} x {K} ({W * K}) | {rs[0]['rows']} | {design} | {cell('a', '.2f')} | {cell('b', '.2f')} | "
-                     f"{cell('c', '.2f')} | {cell('opens', '.0f')} | {max(r['peak'] for r in rs)} |")
+
+        lines.append(
+            f"| {W} x {K} ({W * K}) | {rs[0]['rows']} | {design} | {cell('a', '.2f')} | {cell('b', '.2f')} | "
+            f"{cell('c', '.2f')} | {cell('opens', '.0f')} | {max(r['peak'] for r in rs)} |"
+        )
     return "\n".join(lines)
 
 
 def reading(results: list[dict], args, shard_mib: float) -> str:
     """The paragraph under the table: what it shows, its numbers taken from the results."""
+
     def get(layout, design, key, how="mean"):
         values = [r[key] for r in results if (r["W"], r["K"], r["design"]) == (*layout, design)]
         return max(values) if how == "max" else sum(values) / len(values)
@@ -355,21 +396,33 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=64)
     p.add_argument("--per-shard", type=int, default=200)
     p.add_argument("--batch", type=int, default=512, help="the global batch B (lanes)")
-    p.add_argument("--shuffle", type=int, default=1000, help="S: the shuffle buffer (lanes) / block (permutation)")
+    p.add_argument(
+        "--shuffle", type=int, default=1000, help="S: the shuffle buffer (lanes) / block (permutation)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--few-slots", action="store_true", help="only slot 0 and the middle slot of each layout (else all)")
+    p.add_argument(
+        "--few-slots", action="store_true", help="only slot 0 and the middle slot of each layout (else all)"
+    )
     p.add_argument("--write-doc", action="store_true")
-    add_flag(p)  # accepted like every doc-writing bench; these are counts, not timings, so load does not matter
+    add_flag(
+        p
+    )  # accepted like every doc-writing bench; these are counts, not timings, so load does not matter
     args = p.parse_args()
     watch = LoadWatch()
     command = ("python bench/order.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip()
     results, what, shard_mib = measure(args)
     # the paragraph's wording (which layout is special, and why) holds for the default sizes only
     default = all(getattr(args, k) == p.get_default(k) for k in ("shards", "per_shard", "batch", "shuffle"))
-    said = (reading(results, args, shard_mib) if default else
-            "(The reading of the table is written for the default sizes; none for these.)")
-    slots_said = ("slot 0 and the middle slot, their mean and (in brackets) the larger" if args.few_slots
-                  else "every slot simulated, the mean over the slots and (in brackets) the worst slot")
+    said = (
+        reading(results, args, shard_mib)
+        if default
+        else "(The reading of the table is written for the default sizes; none for these.)"
+    )
+    slots_said = (
+        "slot 0 and the middle slot, their mean and (in brackets) the larger"
+        if args.few_slots
+        else "every slot simulated, the mean over the slots and (in brackets) the worst slot"
+    )
     body = (
         f"Command: `{command}` · data: {what} · global batch B = {args.batch}, S = {args.shuffle} (lanes: shuffle "
         f"buffer, ceil(S/B) = {-(-args.shuffle // args.batch)} per lane; permutation: shuffle block), epoch mode, "
@@ -386,7 +439,9 @@ def main() -> None:
         f"slot's rows as the lanes'), read per block in offset order by seeking to each sample, a shard kept open "
         f"while the next block reads it, each sample held until its batch is due.\n\n"
         + table(results)
-        + "\n\n" + said + "\n"
+        + "\n\n"
+        + said
+        + "\n"
     )
     print()
     print(table(results))

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,10 +77,15 @@ def base_shapes(work: Path, steps: int) -> tuple[str, list[str], str, dict]:
         print(f"generating subset-caption shapes into {data}", flush=True)
         shapes.generate(data, caption_mode="subset")
     suite = work / "suite_shapes.yaml"
-    suite.write_text("name: shapes_policies\nextends: shapes\ntasks:\n  - name: geometry\n    type: diagnostics\n")
+    suite.write_text(
+        "name: shapes_policies\nextends: shapes\ntasks:\n  - name: geometry\n    type: diagnostics\n"
+    )
     # the quickstart's towers, augmentation, batch and lr; only the data and the budget change
-    over = [f"data.train={data}/train/{{00000..00007}}.tar", f"data.val={data}/val/00000.tar",
-            f"train.warmup_steps={max(1, steps // 15)}"]
+    over = [
+        f"data.train={data}/train/{{00000..00007}}.tar",
+        f"data.val={data}/val/00000.tar",
+        f"train.warmup_steps={max(1, steps // 15)}",
+    ]
     return "configs/quickstart.yaml", over, str(suite), {"ids": "caption"}
 
 
@@ -92,10 +98,16 @@ def base_cifar(work: Path, steps: int) -> tuple[str, list[str], str, dict] | Non
     train = build_split(CIFAR_SRC / "train.tar", work / "cifar10" / "train", 50000, 0, 1000)
     test = build_split(CIFAR_SRC / "test.tar", work / "cifar10" / "test", 10000, 1, 1000)
     suite = work / "suite_cifar10.yaml"
-    suite.write_text("name: cifar10_policies\nextends: cifar10\ntasks:\n  - name: geometry\n    type: diagnostics\n")
+    suite.write_text(
+        "name: cifar10_policies\nextends: cifar10\ntasks:\n  - name: geometry\n    type: diagnostics\n"
+    )
     # configs/cifar10_cpu.yaml's towers, augmentation, batch and lr on shards shuffled across classes
-    over = [f"data.train={train}", f"data.val={test}", "data.shuffle_buffer=5000",
-            f"train.warmup_steps={max(1, steps // 10)}"]
+    over = [
+        f"data.train={train}",
+        f"data.val={test}",
+        "data.shuffle_buffer=5000",
+        f"train.warmup_steps={max(1, steps // 10)}",
+    ]
     return "configs/cifar10_cpu.yaml", over, str(suite), {"ids": "label"}
 
 
@@ -108,7 +120,17 @@ def supported(policy: str) -> bool:
 
 
 def train_one(config: str, out: Path, overrides: list[str], suite: str) -> dict:
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", config, "--output", str(out), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "train",
+        "--config",
+        config,
+        "--output",
+        str(out),
+        "--overwrite",
+    ]
     for o in overrides + [f"eval.suite={suite}", "monitor.probe_size=0", "monitor.tensorboard=false"]:
         cmd += ["--set", o]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -131,11 +153,17 @@ def read_run(out: Path) -> dict:
             res["t2i_r1"], res["t2i_r5"] = m["image_retrieval_recall@1"], m["image_retrieval_recall@5"]
             res["i2t_r1"], res["i2t_r5"] = m["text_retrieval_recall@1"], m["text_retrieval_recall@5"]
         elif rec["task"] == "embedding_diagnostics":
-            for k in ("alignment", "uniformity_image", "uniformity_text", "effective_rank_image",
-                      "effective_rank_text", "modality_gap"):
+            for k in (
+                "alignment",
+                "uniformity_image",
+                "uniformity_text",
+                "effective_rank_image",
+                "effective_rank_text",
+                "modality_gap",
+            ):
                 res[k] = m[k]
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tail = [r for r in logs[-max(1, len(logs) // 4):] if "hardest_neg_prob" in r]
+    tail = [r for r in logs[-max(1, len(logs) // 4) :] if "hardest_neg_prob" in r]
     if tail:
         res["hardest_neg"] = sum(r["hardest_neg_prob"] for r in tail) / len(tail)
         res["logit_scale"] = tail[-1].get("logit_scale")
@@ -153,8 +181,15 @@ def table(name: str, rows: dict[str, dict]) -> str:
     head = ["policy", "zero-shot shape (%)" if shapes else "zero-shot top-1 (%)"]
     if shapes:
         head += ["zero-shot colour (%)", "t→i R@1 / R@5 (%)", "i→t R@1 / R@5 (%)"]
-    head += ["alignment ↓", "uniformity img / txt ↓", "eff. rank img / txt", "modality gap",
-             "hardest-neg share", "final scale", "wall (s)"]
+    head += [
+        "alignment ↓",
+        "uniformity img / txt ↓",
+        "eff. rank img / txt",
+        "modality gap",
+        "hardest-neg share",
+        "final scale",
+        "wall (s)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pol, r in rows.items():
         if "error" in r:
@@ -162,13 +197,20 @@ def table(name: str, rows: dict[str, dict]) -> str:
             continue
         cells = [pol, fmt(r.get("zs_shape" if shapes else "zs_zeroshot"), True)]
         if shapes:
-            cells += [fmt(r.get("zs_colour"), True),
-                      f"{fmt(r.get('t2i_r1'), True)} / {fmt(r.get('t2i_r5'), True)}",
-                      f"{fmt(r.get('i2t_r1'), True)} / {fmt(r.get('i2t_r5'), True)}"]
-        cells += [fmt(r.get("alignment")), f"{fmt(r.get('uniformity_image'))} / {fmt(r.get('uniformity_text'))}",
-                  f"{r.get('effective_rank_image', 0):.1f} / {r.get('effective_rank_text', 0):.1f}",
-                  fmt(r.get("modality_gap")), fmt(r.get("hardest_neg")), fmt(r.get("logit_scale")),
-                  f"{r['wall_s']:.0f}"]
+            cells += [
+                fmt(r.get("zs_colour"), True),
+                f"{fmt(r.get('t2i_r1'), True)} / {fmt(r.get('t2i_r5'), True)}",
+                f"{fmt(r.get('i2t_r1'), True)} / {fmt(r.get('i2t_r5'), True)}",
+            ]
+        cells += [
+            fmt(r.get("alignment")),
+            f"{fmt(r.get('uniformity_image'))} / {fmt(r.get('uniformity_text'))}",
+            f"{r.get('effective_rank_image', 0):.1f} / {r.get('effective_rank_text', 0):.1f}",
+            fmt(r.get("modality_gap")),
+            fmt(r.get("hardest_neg")),
+            fmt(r.get("logit_scale")),
+            f"{r['wall_s']:.0f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -179,7 +221,9 @@ def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=150, help="shapes: training steps per run (same for every policy)")
+    p.add_argument(
+        "--steps", type=int, default=150, help="shapes: training steps per run (same for every policy)"
+    )
     p.add_argument("--cifar-steps", type=int, default=100, help="CIFAR-10: training steps per run")
     p.add_argument("--datasets", default="shapes,cifar10")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -210,7 +254,9 @@ def main() -> None:
             extra = [o.format(**fill) for o in POLICIES[pol]]
             out = work / "runs" / f"{name}_{pol}"
             print(f"[{name}] {pol}: {' '.join(extra) or '(base)'}", flush=True)
-            rows[pol] = train_one(config, out, over + [f"seed={args.seed}", f"train.steps={steps}"] + extra, suite)
+            rows[pol] = train_one(
+                config, out, over + [f"seed={args.seed}", f"train.steps={steps}"] + extra, suite
+            )
             print(f"  {json.dumps(rows[pol])}", flush=True)
         all_rows[name] = rows
         sections.append(f"**{name}** ({steps} steps)\n\n" + table(name, rows))
@@ -219,10 +265,13 @@ def main() -> None:
     print(body)
     if not args.no_doc:
         cmd = " ".join(["python bench/pair_policies.py", *sys.argv[1:]])
-        write_doc(f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
-                  f"{os.cpu_count()} CPU cores · shapes: configs/quickstart.yaml's towers and settings; "
-                  f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n",
-                  watch, args.allow_loaded)
+        write_doc(
+            f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
+            f"{os.cpu_count()} CPU cores · shapes: configs/quickstart.yaml's towers and settings; "
+            f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n",
+            watch,
+            args.allow_loaded,
+        )
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
 import abspeed  # noqa: E402
-from cifar10_shards import cached_shards, cifar_items  # noqa: E402
 from cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip  # noqa: E402
+from cifar10_shards import cached_shards, cifar_items  # noqa: E402
+from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
 SPEED_SECTION = "## Speed against open_clip_train on CIFAR-10 (bench/quality_cifar10.py --parts speed)"
@@ -71,6 +71,7 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int) -> str:
     The folder tar is sorted by class; shuffling before writing gives every shard all
     classes, which open_clip's pipeline (5000-sample buffer) needs as much as ours.
     """
+
     def shuffled() -> list:
         items = list(cifar_items(src, seed))  # 60k tiny jpgs: ~100 MB held briefly
         random.Random(seed).shuffle(items)
@@ -79,17 +80,52 @@ def build_split(src: Path, out: Path, n: int, seed: int, per_shard: int) -> str:
     return cached_shards(src, out, {"src": str(src), "n": n, "seed": seed, "per_shard": per_shard}, shuffled)
 
 
-def train_pair(work: Path, tag: str, *, train: str, test: str, n_train: int, batch: int, steps_per_epoch: int,
-               epochs: int, lr: float, warmup: int, precisions: dict, log_every: int, seed: int = 0) -> list[dict]:
+def train_pair(
+    work: Path,
+    tag: str,
+    *,
+    train: str,
+    test: str,
+    n_train: int,
+    batch: int,
+    steps_per_epoch: int,
+    epochs: int,
+    lr: float,
+    warmup: int,
+    precisions: dict,
+    log_every: int,
+    seed: int = 0,
+) -> list[dict]:
     """Train open_clip then mmalign for the same number of epochs/steps with one seed; evaluate both."""
     suffix = "" if seed == 0 else f"_seed{seed}"  # seed 0 keeps the single-run names
-    oc = run_openclip(work, f"openclip_{tag}{suffix}", train=train, n_train=n_train, batch=batch, epochs=epochs, lr=lr,
-                      warmup=warmup, precision=precisions["open_clip"], log_every=log_every, seed=seed)
+    oc = run_openclip(
+        work,
+        f"openclip_{tag}{suffix}",
+        train=train,
+        n_train=n_train,
+        batch=batch,
+        epochs=epochs,
+        lr=lr,
+        warmup=warmup,
+        precision=precisions["open_clip"],
+        log_every=log_every,
+        seed=seed,
+    )
     oc["acc1"] = eval_openclip(work, oc.pop("checkpoint"), test)
     _say(oc)
-    mm = run_mmalign(work, f"mmalign_{tag}{suffix}", train=train, test=test, steps=steps_per_epoch * epochs,
-                     batch=batch, lr=lr, warmup=warmup, precision=precisions["mmalign"], log_every=log_every,
-                     seed=seed)
+    mm = run_mmalign(
+        work,
+        f"mmalign_{tag}{suffix}",
+        train=train,
+        test=test,
+        steps=steps_per_epoch * epochs,
+        batch=batch,
+        lr=lr,
+        warmup=warmup,
+        precision=precisions["mmalign"],
+        log_every=log_every,
+        seed=seed,
+    )
     _say(mm)
     return [oc, mm]
 
@@ -114,27 +150,63 @@ def _bf16_flags() -> str:
 
 
 def _say(r: dict) -> None:
-    print(f"  {r['tool']:<9} {r['precision']:<9} {r['steps']:>5} steps: zero-shot top-1 {100 * r['acc1']:.2f}%, "
-          f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s", flush=True)
+    print(
+        f"  {r['tool']:<9} {r['precision']:<9} {r['steps']:>5} steps: zero-shot top-1 {100 * r['acc1']:.2f}%, "
+        f"{r['samples_per_s']:.1f} samples/s, process {r['process_s']:.0f} s",
+        flush=True,
+    )
 
 
-def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, log_every: int,
-          settings: dict[str, list[str]], reps: int) -> tuple[list[dict], dict]:
+def speed(
+    work: Path,
+    *,
+    train: str,
+    test_small: str,
+    batch: int,
+    steps: int,
+    log_every: int,
+    settings: dict[str, list[str]],
+    reps: int,
+) -> tuple[list[dict], dict]:
     """Short training runs of both tools, alternated (abspeed.alternation); no evaluation."""
     runs = []
     for tool, setting, rep in abspeed.alternation(settings, reps):
         kw = abspeed.setting_args(tool, setting)
         name = f"{'openclip' if tool == 'open_clip' else 'mmalign'}_speed_{setting.replace('+', '_')}_{rep}"
         if tool == "open_clip":
-            r = run_openclip(work, name, train=train, n_train=steps * batch, batch=batch, epochs=1, lr=1e-3,
-                             warmup=1, log_every=log_every, **kw)
+            r = run_openclip(
+                work,
+                name,
+                train=train,
+                n_train=steps * batch,
+                batch=batch,
+                epochs=1,
+                lr=1e-3,
+                warmup=1,
+                log_every=log_every,
+                **kw,
+            )
             r.pop("checkpoint")
         else:
-            r = run_mmalign(work, name, train=train, test=test_small, steps=steps, batch=batch, lr=1e-3, warmup=1,
-                            log_every=log_every, evaluate=False, **kw)
+            r = run_mmalign(
+                work,
+                name,
+                train=train,
+                test=test_small,
+                steps=steps,
+                batch=batch,
+                lr=1e-3,
+                warmup=1,
+                log_every=log_every,
+                evaluate=False,
+                **kw,
+            )
         r.update(setting=setting, rep=rep)
-        print(f"  {tool:<9} {setting:<16} rep {rep}: {r['samples_per_s']:.1f} samples/s, data wait "
-              f"{r['data_ms_per_step']:.1f} ms/step, process {r['process_s']:.0f} s", flush=True)
+        print(
+            f"  {tool:<9} {setting:<16} rep {rep}: {r['samples_per_s']:.1f} samples/s, data wait "
+            f"{r['data_ms_per_step']:.1f} ms/step, process {r['process_s']:.0f} s",
+            flush=True,
+        )
         runs.append(r)
     return runs, abspeed.summarise(runs, settings)
 
@@ -145,56 +217,85 @@ def speed(work: Path, *, train: str, test_small: str, batch: int, steps: int, lo
 def table_a(rows: list[dict]) -> str:
     """One line per (tool, seed), then mean +- std per tool over seeds; the difference counts only
     beyond the spread (the guide's seed rule)."""
-    lines = ["| tool | precision | seed | steps x batch | zero-shot top-1 (%) | train samples/s | process (s) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| tool | precision | seed | steps x batch | zero-shot top-1 (%) | train samples/s | process (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["tool"] != "open_clip", r.get("seed", 0))):
-        lines.append(f"| {r['tool']} | {r['precision']} | {r.get('seed', 0)} | {r['steps']} x {r['batch']} | "
-                     f"{100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |")
+        lines.append(
+            f"| {r['tool']} | {r['precision']} | {r.get('seed', 0)} | {r['steps']} x {r['batch']} | "
+            f"{100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |"
+        )
     stats = {}
     for tool in ("open_clip", "mmalign"):
         mine = [r for r in rows if r["tool"] == tool]
-        stats[tool] = (mean_std(100 * r["acc1"] for r in mine), mean_std(r["samples_per_s"] for r in mine),
-                       len(mine))
-    lines += ["", "| tool | seeds | zero-shot top-1 (%), mean +- std | train samples/s, mean +- std |",
-              "|---|---|---|---|"]
+        stats[tool] = (
+            mean_std(100 * r["acc1"] for r in mine),
+            mean_std(r["samples_per_s"] for r in mine),
+            len(mine),
+        )
+    lines += [
+        "",
+        "| tool | seeds | zero-shot top-1 (%), mean +- std | train samples/s, mean +- std |",
+        "|---|---|---|---|",
+    ]
     for tool, ((acc, acc_sd), (sps, sps_sd), n) in stats.items():
         lines.append(f"| {tool} | {n} | {acc:.2f} +- {acc_sd:.2f} | {sps:.1f} +- {sps_sd:.1f} |")
     (oc_acc, oc_sd), (oc_sps, _), _ = stats["open_clip"]
     (mm_acc, mm_sd), (mm_sps, _), n = stats["mmalign"]
     diff = mm_acc - oc_acc
     spread = oc_sd + mm_sd
-    verdict = ("beyond the spread" if abs(diff) > spread else "within the spread: parity") if n > 1 else \
-        "one seed: no spread, no claim"
-    lines.append(f"\nmmalign - open_clip: {diff:+.2f} points top-1 (sum of the two stds {spread:.2f}: {verdict}), "
-                 f"{mm_sps / oc_sps:.2f}x samples/s.")
+    verdict = (
+        ("beyond the spread" if abs(diff) > spread else "within the spread: parity")
+        if n > 1
+        else "one seed: no spread, no claim"
+    )
+    lines.append(
+        f"\nmmalign - open_clip: {diff:+.2f} points top-1 (sum of the two stds {spread:.2f}: {verdict}), "
+        f"{mm_sps / oc_sps:.2f}x samples/s."
+    )
     return "\n".join(lines)
 
 
 def table_b(rows: list[dict], minutes: float, summary: dict) -> str:
     oc, mm = rows
-    lines = ["| tool | best setting (measured) | steps x batch | est. train time (s) | zero-shot top-1 (%) | "
-             "train samples/s | process (s) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| tool | best setting (measured) | steps x batch | est. train time (s) | zero-shot top-1 (%) | "
+        "train samples/s | process (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         est = r["steps"] * r["batch"] / r["samples_per_s"]
-        lines.append(f"| {r['tool']} | {r['setting']}, {r['settings']} | {r['steps']} x {r['batch']} | "
-                     f"{est:.0f} | {100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |")
-    lines.append(f"\nBudget {minutes:g} min of training each; steps = budget x the best setting's median samples/s "
-                 "from the speed runs / batch (" + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                          sorted(summary["medians"].items())) + " samples/s).")
+        lines.append(
+            f"| {r['tool']} | {r['setting']}, {r['settings']} | {r['steps']} x {r['batch']} | "
+            f"{est:.0f} | {100 * r['acc1']:.2f} | {r['samples_per_s']:.1f} | {r['process_s']:.0f} |"
+        )
+    lines.append(
+        f"\nBudget {minutes:g} min of training each; steps = budget x the best setting's median samples/s "
+        "from the speed runs / batch ("
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(summary["medians"].items()))
+        + " samples/s)."
+    )
     lines.append(f"mmalign - open_clip: {100 * (mm['acc1'] - oc['acc1']):+.2f} points top-1.")
     return "\n".join(lines)
 
 
-def wallclock(work: Path, *, train: str, test: str, batch: int, lr: float, minutes: float, log_every: int,
-              summary: dict) -> list[dict]:
+def wallclock(
+    work: Path, *, train: str, test: str, batch: int, lr: float, minutes: float, log_every: int, summary: dict
+) -> list[dict]:
     """Budget (b): each tool at its best setting of the speed runs, for the steps that fill ``minutes``."""
     rows = []
     for tool in ("open_clip", "mmalign"):
         setting = summary["best"][tool]["setting"]
         # cosine schedules need the length up front: fix the steps from the measured rate
         steps = max(1, round(minutes * 60 * summary["best"][tool]["median"] / batch))
-        kw = dict(abspeed.setting_args(tool, setting), batch=batch, lr=lr, warmup=max(1, round(0.1 * steps)),
-                  log_every=log_every)
+        kw = dict(
+            abspeed.setting_args(tool, setting),
+            batch=batch,
+            lr=lr,
+            warmup=max(1, round(0.1 * steps)),
+            log_every=log_every,
+        )
         if tool == "open_clip":
             # open_clip counts epochs over --train-num-samples: one "epoch" of steps x batch samples
             r = run_openclip(work, "openclip_wallclock", train=train, n_train=steps * batch, epochs=1, **kw)
@@ -210,14 +311,24 @@ def wallclock(work: Path, *, train: str, test: str, batch: int, lr: float, minut
 
 
 def speed_text(summary: dict, cmd: str, env: str, setup: str, batch: int, steps: int, reps: int) -> str:
-    return "\n".join([
-        SPEED_SECTION, "", f"Command: `{cmd}` · {env}", "", setup, "",
-        f"Each tool trains {steps} steps x {batch} per run with no evaluation; the runs alternate the tools "
-        f"(open_clip_train, mmalign, ... for each setting, {reps} times), and each cell is the median of the "
-        "runs' steady samples/s (the runs in brackets). Settings: precision (fp32; bf16 = mmalign's "
-        "train.precision=bf16 autocast; amp_bf16 = open_clip_train's), +compile = torch.compile of the towers, "
-        "+wN = N loader workers (default 1). Equal settings = both fp32 with 1 worker; best = each tool's "
-        "fastest measured setting.", "", abspeed.speed_table(summary)])
+    return "\n".join(
+        [
+            SPEED_SECTION,
+            "",
+            f"Command: `{cmd}` · {env}",
+            "",
+            setup,
+            "",
+            f"Each tool trains {steps} steps x {batch} per run with no evaluation; the runs alternate the tools "
+            f"(open_clip_train, mmalign, ... for each setting, {reps} times), and each cell is the median of the "
+            "runs' steady samples/s (the runs in brackets). Settings: precision (fp32; bf16 = mmalign's "
+            "train.precision=bf16 autocast; amp_bf16 = open_clip_train's), +compile = torch.compile of the towers, "
+            "+wN = N loader workers (default 1). Equal settings = both fp32 with 1 worker; best = each tool's "
+            "fastest measured setting.",
+            "",
+            abspeed.speed_table(summary),
+        ]
+    )
 
 
 def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
@@ -226,32 +337,60 @@ def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="equal-steps,wallclock",
-                   help=f"comma-separated, from {','.join(PARTS)} (run in that order; wallclock includes "
-                        "the speed runs, once each unless speed is named)")
-    p.add_argument("--quick", action="store_true", help="development size: 3k train / 500 test images, batch 100, "
-                                                         "1 epoch, 1 min wall-clock budget, 10 steps per speed run")
+    p.add_argument(
+        "--parts",
+        default="equal-steps,wallclock",
+        help=f"comma-separated, from {','.join(PARTS)} (run in that order; wallclock includes "
+        "the speed runs, once each unless speed is named)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="development size: 3k train / 500 test images, batch 100, "
+        "1 epoch, 1 min wall-clock budget, 10 steps per speed run",
+    )
     p.add_argument("--train-samples", type=int, help="train images used (default 50000, quick 3000)")
     p.add_argument("--test-samples", type=int, help="test images scored (default 10000, quick 500)")
     p.add_argument("--batch", type=int, help="batch size (default 256, quick 100)")
     p.add_argument("--epochs", type=int, help="epochs of budget (a) (default 2, quick 1)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--resume", action="store_true",
-                   help="equal-steps: reuse the seeds an interrupted run finished (WORK/results_partial.json)")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="equal-steps: train both tools with seeds 0..N-1 (model init and sample order) and report "
-                        "mean +- std over them (default 1; a quality claim needs >= 3)")
-    p.add_argument("--minutes", type=float, help="training minutes per tool in budget (b) (default 8, quick 1)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="equal-steps: reuse the seeds an interrupted run finished (WORK/results_partial.json)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="equal-steps: train both tools with seeds 0..N-1 (model init and sample order) and report "
+        "mean +- std over them (default 1; a quality claim needs >= 3)",
+    )
+    p.add_argument(
+        "--minutes", type=float, help="training minutes per tool in budget (b) (default 8, quick 1)"
+    )
     p.add_argument("--skip-wallclock", action="store_true", help="drop wallclock from --parts")
-    p.add_argument("--speed-steps", type=int, help="steps per speed run (default 40, quick 10; a multiple of "
-                                                   "the log interval, 10 or quick 5)")
+    p.add_argument(
+        "--speed-steps",
+        type=int,
+        help="steps per speed run (default 40, quick 10; a multiple of the log interval, 10 or quick 5)",
+    )
     p.add_argument("--speed-reps", type=int, default=2, help="runs per tool and setting in the speed part")
-    p.add_argument("--speed-openclip", default="fp32,amp_bf16",
-                   help="open_clip_train settings, the first being the equal one (see bench/abspeed.py)")
-    p.add_argument("--speed-mmalign", default="fp32,bf16",
-                   help="mmalign settings, the first being the equal one (see bench/abspeed.py)")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "cifar10"),
-                   help="folder with CIFAR-10 train.tar and test.tar (class folders)")
+    p.add_argument(
+        "--speed-openclip",
+        default="fp32,amp_bf16",
+        help="open_clip_train settings, the first being the equal one (see bench/abspeed.py)",
+    )
+    p.add_argument(
+        "--speed-mmalign",
+        default="fp32,bf16",
+        help="mmalign settings, the first being the equal one (see bench/abspeed.py)",
+    )
+    p.add_argument(
+        "--data",
+        default=str(ROOT.parent / "shared" / "data" / "cifar10"),
+        help="folder with CIFAR-10 train.tar and test.tar (class folders)",
+    )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_quality_cifar10"), help="shards, runs, logs")
     p.add_argument("--write-doc", action="store_true", help="write the tables into docs/benchmarks.md")
     add_flag(p)
@@ -284,7 +423,9 @@ def main() -> None:
     data = Path(args.data)
 
     print("data: shuffled CIFAR-10 shards, one random CIFAR template per image", flush=True)
-    per_shard = 1000 if n_train >= 5000 else max(1, n_train // 5)  # >= 5 shards: shard shuffling has work to do
+    per_shard = (
+        1000 if n_train >= 5000 else max(1, n_train // 5)
+    )  # >= 5 shards: shard shuffling has work to do
     train = build_split(data / "train.tar", work / f"train{n_train}", n_train, 0, per_shard)
     test = build_split(data / "test.tar", work / f"test{n_test}", n_test, 1, 1000)
     test_small = build_split(data / "test.tar", work / "test_calib", 200, 2, 200)  # the speed runs' data.val
@@ -295,64 +436,123 @@ def main() -> None:
     summary = None
     if "speed" in parts or "wallclock" in parts:
         reps = args.speed_reps if "speed" in parts else 1
-        print(f"speed: {speed_steps} steps x {batch} per run, {reps} run(s) per tool and setting, alternated: "
-              f"{settings}", flush=True)
-        runs, summary = speed(work, train=train, test_small=test_small, batch=batch, steps=speed_steps,
-                              log_every=log_every, settings=settings, reps=reps)
+        print(
+            f"speed: {speed_steps} steps x {batch} per run, {reps} run(s) per tool and setting, alternated: "
+            f"{settings}",
+            flush=True,
+        )
+        runs, summary = speed(
+            work,
+            train=train,
+            test_small=test_small,
+            batch=batch,
+            steps=speed_steps,
+            log_every=log_every,
+            settings=settings,
+            reps=reps,
+        )
         results.update(speed_runs=runs, speed=summary)
         print(abspeed.speed_table(summary), flush=True)
 
     rows_a = rows_b = None
     if "equal-steps" in parts:
-        print(f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
-              f"lr {args.lr:g}, warmup {warmup}, fp32", flush=True)
+        print(
+            f"(a) equal steps: {epochs} epoch(s) of {n_train} = {steps_per_epoch * epochs} steps x {batch}, "
+            f"lr {args.lr:g}, warmup {warmup}, fp32",
+            flush=True,
+        )
         rows_a = []
         partial = work / "results_partial.json"
         done = json.loads(partial.read_text())["budget_a"] if args.resume and partial.is_file() else []
         for seed in range(args.seeds):
-            again = [r for r in done if r.get("seed", 0) == seed and r["steps"] == steps_per_epoch * epochs
-                     and r["batch"] == batch]
+            again = [
+                r
+                for r in done
+                if r.get("seed", 0) == seed and r["steps"] == steps_per_epoch * epochs and r["batch"] == batch
+            ]
             if len(again) == 2:  # both tools of this seed, from an interrupted run of the same settings
                 print(f"  seed {seed}: reusing the runs of {partial}", flush=True)
                 rows_a += again
                 continue
             print(f"  seed {seed}", flush=True)
-            rows_a += train_pair(work, "equal_steps", train=train, test=test, n_train=n_train, batch=batch,
-                                 steps_per_epoch=steps_per_epoch, epochs=epochs, lr=args.lr, warmup=warmup,
-                                 precisions={"open_clip": "fp32", "mmalign": "fp32"}, log_every=log_every, seed=seed)
+            rows_a += train_pair(
+                work,
+                "equal_steps",
+                train=train,
+                test=test,
+                n_train=n_train,
+                batch=batch,
+                steps_per_epoch=steps_per_epoch,
+                epochs=epochs,
+                lr=args.lr,
+                warmup=warmup,
+                precisions={"open_clip": "fp32", "mmalign": "fp32"},
+                log_every=log_every,
+                seed=seed,
+            )
             (work / "results_partial.json").write_text(json.dumps({"budget_a": rows_a}, indent=2))
         results["budget_a"] = rows_a
     if "wallclock" in parts:
-        print(f"(b) equal wall-clock: {minutes:g} min of training each, each tool at its fastest setting", flush=True)
-        rows_b = wallclock(work, train=train, test=test, batch=batch, lr=args.lr, minutes=minutes,
-                           log_every=log_every, summary=summary)
+        print(
+            f"(b) equal wall-clock: {minutes:g} min of training each, each tool at its fastest setting",
+            flush=True,
+        )
+        rows_b = wallclock(
+            work,
+            train=train,
+            test=test,
+            batch=batch,
+            lr=args.lr,
+            minutes=minutes,
+            log_every=log_every,
+            summary=summary,
+        )
         results.update(budget_b=rows_b, minutes=minutes)
 
     cmd = ("python bench/quality_cifar10.py " + " ".join(sys.argv[1:])).strip()
-    env = (f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
-           f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
-           f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
-           f"{_version('webdataset')} · CPU flags: {_bf16_flags()}")
-    data_line = (f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random "
-                 f"clip_benchmark CIFAR template per image")
-    common = (f"tiny towers (ViT 4x128 @32px patch 4, text 4x128) · AdamW lr {args.lr:g}, betas (0.9, 0.98), "
-              f"eps 1e-6, wd 0.1, warmup 10% then cosine · random-resized-crop 0.9-1, no flip · "
-              f"{OPENCLIP_SHUFFLE}-sample shuffle buffer. samples/s: mean over log windows after the first "
-              f"(data wait included)")
+    env = (
+        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
+        f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
+        f"{_version('webdataset')} · CPU flags: {_bf16_flags()}"
+    )
+    data_line = (
+        f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random "
+        f"clip_benchmark CIFAR template per image"
+    )
+    common = (
+        f"tiny towers (ViT 4x128 @32px patch 4, text 4x128) · AdamW lr {args.lr:g}, betas (0.9, 0.98), "
+        f"eps 1e-6, wd 0.1, warmup 10% then cosine · random-resized-crop 0.9-1, no flip · "
+        f"{OPENCLIP_SHUFFLE}-sample shuffle buffer. samples/s: mean over log windows after the first "
+        f"(data wait included)"
+    )
     texts = []
     if summary is not None and "speed" in parts:
-        texts.append(speed_text(summary, cmd, env, f"{data_line} · {common}.", batch, speed_steps, args.speed_reps))
+        texts.append(
+            speed_text(summary, cmd, env, f"{data_line} · {common}.", batch, speed_steps, args.speed_reps)
+        )
     if rows_a or rows_b:
-        setup = (f"{data_line}; zero-shot top-1 on {n_test} test images with mmalign's suite (eval/cifar10.yaml, "
-                 f"18 templates) for both models · {common}; one pass per epoch. process (s): the training "
-                 f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split.")
+        setup = (
+            f"{data_line}; zero-shot top-1 on {n_test} test images with mmalign's suite (eval/cifar10.yaml, "
+            f"18 templates) for both models · {common}; one pass per epoch. process (s): the training "
+            f"subprocess end to end, start-up included; mmalign's also saves final/ and scores the test split."
+        )
         text = [SECTION, "", f"Command: `{cmd}` · {env}", "", setup]
         if rows_a:
-            text += ["", f"**(a) Equal steps, batch, lr and float32, 1 loader worker each, "
-                         f"{args.seeds} seed(s) per tool**", "", table_a(rows_a)]
+            text += [
+                "",
+                f"**(a) Equal steps, batch, lr and float32, 1 loader worker each, "
+                f"{args.seeds} seed(s) per tool**",
+                "",
+                table_a(rows_a),
+            ]
         if rows_b:
-            text += ["", "**(b) Equal wall-clock, each at its best measured setting**", "",
-                     table_b(rows_b, minutes, summary)]
+            text += [
+                "",
+                "**(b) Equal wall-clock, each at its best measured setting**",
+                "",
+                table_b(rows_b, minutes, summary),
+            ]
         texts.append("\n".join(text))
     for text in texts:
         print("\n" + text)

@@ -52,9 +52,21 @@ from idle import LoadWatch, add_flag, write_section  # noqa: E402
 SECTION = "## Training step profile (bench/step.py)"
 MODES = ("mmalign fp32", "mmalign bf16", "bare fp32", "bare bf16")
 # profile rows, in this order; the ranges are named "step/<row>"
-ROWS = ("data wait", "to device", "towers forward", "loss", "stats", "finite guard", "towers backward",
-        "DeepSpeed backward bookkeeping", "optimizer", "DeepSpeed step bookkeeping", "logit-scale clamp",
-        "after update", "other")
+ROWS = (
+    "data wait",
+    "to device",
+    "towers forward",
+    "loss",
+    "stats",
+    "finite guard",
+    "towers backward",
+    "DeepSpeed backward bookkeeping",
+    "optimizer",
+    "DeepSpeed step bookkeeping",
+    "logit-scale clamp",
+    "after update",
+    "other",
+)
 
 
 # ----------------------------------------------------------------- set-up
@@ -70,7 +82,7 @@ def _synthetic(batch: int, image_size: int, context: int):
     ends = torch.randint(3, context - 1, (batch,), generator=g)
     for i, e in enumerate(ends.tolist()):
         tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
+        tokens[i, e + 1 :] = 0
     return images, tokens
 
 
@@ -96,8 +108,8 @@ def _wrap(owner, name: str, label: str) -> None:
 def _label_parts() -> None:
     """record_function ranges around the step's parts (class-level, bench-only: nothing in the
     package changes; each wrapper costs one profiler range, nothing when not profiling)."""
-    from mmalign.run import engine as engine_mod
     from mmalign.objective import objective as objective_mod
+    from mmalign.run import engine as engine_mod
 
     E = engine_mod.Engine
     _wrap(E, "encode", "step/towers forward")
@@ -116,16 +128,25 @@ class _Mmalign:
     def __init__(self, precision: str, batch: int, threads: int):
         import torch
 
-        from mmalign.run import train as train_mod
         from mmalign.config import load_config
-        from mmalign.run.engine import Engine
+        from mmalign.data.batch import Batch
         from mmalign.models import build_model
         from mmalign.objective import build_objective
-        from mmalign.data.batch import Batch
+        from mmalign.run import train as train_mod
+        from mmalign.run.engine import Engine
 
-        cfg = load_config(None, ["model.preset=tiny", f"train.global_batch_size={batch}", "train.warmup_steps=0",
-                                 "train.steps=1000000", "train.device=cpu", f"train.precision={precision}",
-                                 f"train.threads={threads}"])
+        cfg = load_config(
+            None,
+            [
+                "model.preset=tiny",
+                f"train.global_batch_size={batch}",
+                "train.warmup_steps=0",
+                "train.steps=1000000",
+                "train.device=cpu",
+                f"train.precision={precision}",
+                f"train.threads={threads}",
+            ],
+        )
         torch.manual_seed(0)
         model = build_model(cfg.model)
         self.engine = engine = Engine(model, cfg)
@@ -138,9 +159,23 @@ class _Mmalign:
 
         images, tokens = _synthetic(batch, model.image_size, model.context_length)
         self.host_batch = Batch(images, tokens)
-        parts = dict(cfg=cfg, out=Path("."), device=torch.device("cpu"), world=1, model_flops=0.0,
-                     model_flops_unmasked=0.0, embed_dim=model.embed_dim, tokenizer=None, queue=None,
-                     engine=engine, loader=None, probe=None, objective=objective, autocast=autocast, peak=None)
+        parts = dict(
+            cfg=cfg,
+            out=Path("."),
+            device=torch.device("cpu"),
+            world=1,
+            model_flops=0.0,
+            model_flops_unmasked=0.0,
+            embed_dim=model.embed_dim,
+            tokenizer=None,
+            queue=None,
+            engine=engine,
+            loader=None,
+            probe=None,
+            objective=objective,
+            autocast=autocast,
+            peak=None,
+        )
         names = getattr(train_mod._Parts, "__dataclass_fields__", parts)
         self.parts = train_mod._Parts(**{k: v for k, v in parts.items() if k in names})
         self.tally = train_mod._Tally()
@@ -233,9 +268,15 @@ def _split(prof) -> dict[str, float]:
     def top(name: str) -> list:
         return [e for e in events if e.name == name and not _inside_label(e)]
 
-    simple = {"step/data wait": "data wait", "step/towers forward": "towers forward", "step/loss": "loss",
-              "step/finite guard": "finite guard", "step/logit-scale clamp": "logit-scale clamp",
-              "step/after update": "after update", "step/to device": "to device"}
+    simple = {
+        "step/data wait": "data wait",
+        "step/towers forward": "towers forward",
+        "step/loss": "loss",
+        "step/finite guard": "finite guard",
+        "step/logit-scale clamp": "logit-scale clamp",
+        "step/after update": "after update",
+        "step/to device": "to device",
+    }
     for name, row in simple.items():
         for e in top(name):
             t = e.cpu_time_total
@@ -248,11 +289,15 @@ def _split(prof) -> dict[str, float]:
             labelled += t
     # DeepSpeed's backward and step: the autograd / optimiser events inside, the rest its bookkeeping
     for name, prefix, inner, rest in (
-            ("step/backward", "autograd::engine", "towers backward", "DeepSpeed backward bookkeeping"),
-            ("step/optimizer+DeepSpeed", "Optimizer.step#", "optimizer", "DeepSpeed step bookkeeping")):
+        ("step/backward", "autograd::engine", "towers backward", "DeepSpeed backward bookkeeping"),
+        ("step/optimizer+DeepSpeed", "Optimizer.step#", "optimizer", "DeepSpeed step bookkeeping"),
+    ):
         for e in top(name):
-            part = sum(d.cpu_time_total for d in _descendants(e, stop=lambda x: x.name.startswith(prefix))
-                       if d.name.startswith(prefix))
+            part = sum(
+                d.cpu_time_total
+                for d in _descendants(e, stop=lambda x: x.name.startswith(prefix))
+                if d.name.startswith(prefix)
+            )
             out[inner] += part
             out[rest] += e.cpu_time_total - part
             labelled += e.cpu_time_total
@@ -294,8 +339,13 @@ def profile(runner, steps: int) -> dict[str, float]:
                 runner.step()
     split = {k: v / steps for k, v in _split(prof).items()}
     thread = _main_thread(prof)
-    casts = [e for e in prof.events() if e.thread == thread and e.name == "aten::_to_copy" and not any(
-        a.name == "aten::_to_copy" for a in _ancestors(e))]
+    casts = [
+        e
+        for e in prof.events()
+        if e.thread == thread
+        and e.name == "aten::_to_copy"
+        and not any(a.name == "aten::_to_copy" for a in _ancestors(e))
+    ]
     split["_casts"] = (len(casts) / steps, sum(e.cpu_time_total for e in casts) / 1e6 / steps)
     return split
 
@@ -345,7 +395,10 @@ def ratio(res: dict, a: str, b: str, key: str) -> float:
 
 
 def casts_table(splits: dict[str, dict]) -> str:
-    lines = ["| mode | profiled step (ms) | dtype casts (`aten::_to_copy`) per step | ms in them |", "|---|---|---|---|"]
+    lines = [
+        "| mode | profiled step (ms) | dtype casts (`aten::_to_copy`) per step | ms in them |",
+        "|---|---|---|---|",
+    ]
     for m, sp in splits.items():
         total = sum(v for k, v in sp.items() if k in ROWS)
         n, t = sp["_casts"]
@@ -356,22 +409,35 @@ def casts_table(splits: dict[str, dict]) -> str:
 def profile_table(splits: dict[str, dict]) -> str:
     splits = {m: v for m, v in splits.items() if m.startswith("mmalign")}
     modes = list(splits)
-    lines = ["| part of the step | " + " | ".join(f"{m} (ms)" for m in modes) + " | " +
-             " | ".join(f"{m} (%)" for m in modes) + " |",
-             "|---|" + "---|" * (2 * len(modes))]
+    lines = [
+        "| part of the step | "
+        + " | ".join(f"{m} (ms)" for m in modes)
+        + " | "
+        + " | ".join(f"{m} (%)" for m in modes)
+        + " |",
+        "|---|" + "---|" * (2 * len(modes)),
+    ]
     totals = {m: sum(v for k, v in splits[m].items() if k in ROWS) for m in modes}
     for row in ROWS:
         ms = " | ".join(f"{splits[m][row] * 1e3:.1f}" for m in modes)
         pct = " | ".join(f"{100 * splits[m][row] / totals[m]:.1f}" for m in modes)
         lines.append(f"| {row} | {ms} | {pct} |")
-    lines.append("| **step** | " + " | ".join(f"**{totals[m] * 1e3:.1f}**" for m in modes) + " | " +
-                 " | ".join("100" for _ in modes) + " |")
+    lines.append(
+        "| **step** | "
+        + " | ".join(f"**{totals[m] * 1e3:.1f}**" for m in modes)
+        + " | "
+        + " | ".join("100" for _ in modes)
+        + " |"
+    )
     return "\n".join(lines)
 
 
 def throughput_table(res: dict) -> str:
-    lines = ["| mode | samples/s (wall), median | samples/s (CPU time), median | bf16 / fp32 (wall) | "
-             "bf16 / fp32 (CPU time) |", "|---|---|---|---|---|"]
+    lines = [
+        "| mode | samples/s (wall), median | samples/s (CPU time), median | bf16 / fp32 (wall) | "
+        "bf16 / fp32 (CPU time) |",
+        "|---|---|---|---|---|",
+    ]
     for m in res:
         kind, precision = m.split()
         if precision == "bf16" and f"{kind} fp32" in res:
@@ -379,20 +445,28 @@ def throughput_table(res: dict) -> str:
             rel = f"**{rw:.2f}x** | {rc:.2f}x"
         else:
             rel = "– | –"
-        lines.append(f"| {m} | {statistics.median(res[m]['wall']):.3g} | {statistics.median(res[m]['cpu']):.3g} "
-                     f"| {rel} |")
+        lines.append(
+            f"| {m} | {statistics.median(res[m]['wall']):.3g} | {statistics.median(res[m]['cpu']):.3g} "
+            f"| {rel} |"
+        )
     if "mmalign fp32" in res and "bare fp32" in res:
         lines.append("")
-        lines.append("mmalign / bare loop (wall, median of the rounds): fp32 "
-                     f"{ratio(res, 'mmalign fp32', 'bare fp32', 'wall'):.2f}x"
-                     + (f", bf16 {ratio(res, 'mmalign bf16', 'bare bf16', 'wall'):.2f}x" if "bare bf16" in res else ""))
+        lines.append(
+            "mmalign / bare loop (wall, median of the rounds): fp32 "
+            f"{ratio(res, 'mmalign fp32', 'bare fp32', 'wall'):.2f}x"
+            + (f", bf16 {ratio(res, 'mmalign bf16', 'bare bf16', 'wall'):.2f}x" if "bare bf16" in res else "")
+        )
     return "\n".join(lines)
 
 
 def _tree_commit(tree: Path) -> str:
     try:
-        out = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out[:60] or "?"
     except (OSError, subprocess.SubprocessError):
         return "?"
@@ -408,30 +482,32 @@ def write_doc(label: str, body: str, watch: LoadWatch, allow_loaded: bool) -> No
     old = ""
     if start >= 0:
         nxt = current.find("\n## ", start + len(SECTION))
-        old = current[start:nxt if nxt >= 0 else len(current)]
+        old = current[start : nxt if nxt >= 0 else len(current)]
     subs = {}
     for name in ("before", "after"):
         head = f"### {name}"
         i = old.find(head)
         if i >= 0:
             j = old.find("\n### ", i + len(head))
-            subs[name] = old[i:j if j >= 0 else len(old)].strip("\n")
+            subs[name] = old[i : j if j >= 0 else len(old)].strip("\n")
     subs[label] = f"### {label}\n\n{watch.note()}\n\n{body}".strip("\n")
-    intro = (f"{SECTION}\n\nCommand: `python bench/step.py` (`--tree DIR --label before` runs it against another "
-             "checkout). Tiny towers (ViT 4x128 @32px, text 4x128), one synthetic in-memory batch, "
-             "DeepSpeed ZeRO-0 fp32 weights, AdamW, no gradient caching, through the loop's step function "
-             "(`mmalign.run.train._train_step`). `mmalign bf16` is `train.precision: bf16` (autocast); `bare` is a "
-             "plain PyTorch loop over the same towers (autocast forward, naive fp32 CLIP loss, backward, AdamW). "
-             "Profile: torch.profiler, ms per step of the main thread (towers backward = the autograd events "
-             "inside DeepSpeed's backward; optimizer = `Optimizer.step` inside DeepSpeed's step; the rest of "
-             "either is DeepSpeed's bookkeeping). Throughput: every mode in turn in each round (ABBA), "
-             "medians over the rounds; the ratio is the median of the per-round ratios. bf16 pays only where "
-             "the CPU multiplies bf16 natively (avx512_bf16 or AMX; a GPU): on an AVX2-only CPU oneDNN converts, "
-             "a bf16 matmul is several times slower than fp32 and so is every bf16 loop, the bare one too; each "
-             "table's last line (one bare matmul, bf16 over fp32) says which case it was taken in. bf16 quality at "
-             "equal steps (not yet run here): `mmalign train --config configs/cifar10_cpu.yaml --set "
-             "train.precision=P --set output=runs/cifar10_P` for P in fp32 and bf16, then compare the zero-shot "
-             "top-1 in the two `eval.json` (target: within 1 point).\n")
+    intro = (
+        f"{SECTION}\n\nCommand: `python bench/step.py` (`--tree DIR --label before` runs it against another "
+        "checkout). Tiny towers (ViT 4x128 @32px, text 4x128), one synthetic in-memory batch, "
+        "DeepSpeed ZeRO-0 fp32 weights, AdamW, no gradient caching, through the loop's step function "
+        "(`mmalign.run.train._train_step`). `mmalign bf16` is `train.precision: bf16` (autocast); `bare` is a "
+        "plain PyTorch loop over the same towers (autocast forward, naive fp32 CLIP loss, backward, AdamW). "
+        "Profile: torch.profiler, ms per step of the main thread (towers backward = the autograd events "
+        "inside DeepSpeed's backward; optimizer = `Optimizer.step` inside DeepSpeed's step; the rest of "
+        "either is DeepSpeed's bookkeeping). Throughput: every mode in turn in each round (ABBA), "
+        "medians over the rounds; the ratio is the median of the per-round ratios. bf16 pays only where "
+        "the CPU multiplies bf16 natively (avx512_bf16 or AMX; a GPU): on an AVX2-only CPU oneDNN converts, "
+        "a bf16 matmul is several times slower than fp32 and so is every bf16 loop, the bare one too; each "
+        "table's last line (one bare matmul, bf16 over fp32) says which case it was taken in. bf16 quality at "
+        "equal steps (not yet run here): `mmalign train --config configs/cifar10_cpu.yaml --set "
+        "train.precision=P --set output=runs/cifar10_P` for P in fp32 and bf16, then compare the zero-shot "
+        "top-1 in the two `eval.json` (target: within 1 point).\n"
+    )
     text = intro + "".join(f"\n{subs[n]}\n" for n in ("before", "after") if n in subs)
     write_section(doc, text, watch, allow_loaded, note=False)  # refuses (exit 3) when loaded
     print(f"wrote the '{label}' table of docs/benchmarks.md", flush=True)
@@ -505,23 +581,29 @@ def main() -> None:
     Batch.to = labelled_to
     modes = args.modes.split(",")
     runners = {m: build(m, args.batch, args.threads) for m in modes}
-    for m, r in runners.items():
+    for _m, r in runners.items():
         for _ in range(args.warmup):
             r.step()
     splits = {m: profile(r, args.profile_steps) for m, r in runners.items()}
     res = throughput(runners, args.steps, args.rounds, args.batch)
     prof_md, thr_md = profile_table(splits) + "\n\n" + casts_table(splits), throughput_table(res)
-    thr_md += (f"\n\nbf16 / fp32 throughput of one bare matmul at the towers' shape (CPU time, median of 5): "
-               f"{matmul_ratio():.2f}x")
-    where = (f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.backends.cpu.get_cpu_capability()}, "
-             f"avx512_bf16: {'yes' if _has_cpu_flag('avx512_bf16') else 'no'}, amx_bf16: "
-             f"{'yes' if _has_cpu_flag('amx_bf16') else 'no'}), torch {torch.__version__}")
+    thr_md += (
+        f"\n\nbf16 / fp32 throughput of one bare matmul at the towers' shape (CPU time, median of 5): "
+        f"{matmul_ratio():.2f}x"
+    )
+    where = (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.backends.cpu.get_cpu_capability()}, "
+        f"avx512_bf16: {'yes' if _has_cpu_flag('avx512_bf16') else 'no'}, amx_bf16: "
+        f"{'yes' if _has_cpu_flag('amx_bf16') else 'no'}), torch {torch.__version__}"
+    )
     print(prof_md)
     print()
     print(thr_md)
-    body = (f"{datetime.date.today()} · {where} · mmalign at `{_tree_commit(tree)}` · batch {args.batch}, "
-            f"{args.profile_steps} profiled steps after {args.warmup} warm-up steps, {args.rounds} rounds of "
-            f"{args.steps} steps per mode.\n\n{prof_md}\n\n{thr_md}\n")
+    body = (
+        f"{datetime.date.today()} · {where} · mmalign at `{_tree_commit(tree)}` · batch {args.batch}, "
+        f"{args.profile_steps} profiled steps after {args.warmup} warm-up steps, {args.rounds} rounds of "
+        f"{args.steps} steps per mode.\n\n{prof_md}\n\n{thr_md}\n"
+    )
     if not args.no_doc:
         write_doc(args.label, body, watch, args.allow_loaded)
     else:

@@ -94,9 +94,18 @@ def _encode_one(args: tuple[Item, EncodeOptions]) -> tuple[list[str], dict, dict
     return item.captions, item.meta, _source_ref(item), encode(item, opts)
 
 
-def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int = 1000, opts: EncodeOptions = EncodeOptions(),
-                 dedupe: bool = True, processes: int = 1, total: int | None = None, progress: bool = True,
-                 source: str = "") -> dict:
+def build_shards(
+    items: Iterable[Item],
+    out_dir: str | Path,
+    *,
+    per_shard: int = 1000,
+    opts: EncodeOptions = EncodeOptions(),
+    dedupe: bool = True,
+    processes: int = 1,
+    total: int | None = None,
+    progress: bool = True,
+    source: str = "",
+) -> dict:
     """Write all ``items``; returns the summary also saved as ``out_dir/build.json``.
 
     The progress shows a total and an ETA when the count is known: ``total``, else the
@@ -135,9 +144,18 @@ def build_shards(items: Iterable[Item], out_dir: str | Path, *, per_shard: int =
             pool.close()
             pool.join()
         sizes = writer.close()
-    summary = {"source": source, "written": written, "failures": failures, "duplicates_removed": duplicates,
-               "shards": len(sizes), "per_shard": per_shard, "resize": opts.resize, "resize_mode": opts.resize_mode,
-               "dedupe": dedupe, "seconds": round(time.time() - start, 2)}
+    summary = {
+        "source": source,
+        "written": written,
+        "failures": failures,
+        "duplicates_removed": duplicates,
+        "shards": len(sizes),
+        "per_shard": per_shard,
+        "resize": opts.resize,
+        "resize_mode": opts.resize_mode,
+        "dedupe": dedupe,
+        "seconds": round(time.time() - start, 2),
+    }
     (out / "build.json").write_text(json.dumps(summary, indent=2))
     log.info("built %s: %s", out, summary)
     return summary

@@ -29,8 +29,12 @@ SHAPES_PER_SHARD = 2000  # shapes.generate's own default (the quickstart's layou
 def _common_flags(p, source: str) -> None:
     default = " (default: data/shapes)" if source == "shapes" else ""
     p.add_argument("--out", default=None, help=f"output folder{default}")
-    p.add_argument("--per-shard", type=int, default=None,
-                   help=f"samples per shard (<= 10000; default {SHAPES_PER_SHARD if source == 'shapes' else PER_SHARD})")
+    p.add_argument(
+        "--per-shard",
+        type=int,
+        default=None,
+        help=f"samples per shard (<= 10000; default {SHAPES_PER_SHARD if source == 'shapes' else PER_SHARD})",
+    )
 
 
 def _input_flag(p) -> None:
@@ -38,7 +42,9 @@ def _input_flag(p) -> None:
 
 
 def _seed_flag(p) -> None:
-    p.add_argument("--seed", type=int, default=0, help="seeds the samples' order and the choice of templates per image")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the samples' order and the choice of templates per image"
+    )
 
 
 def _shapes_flags(p) -> None:
@@ -47,23 +53,40 @@ def _shapes_flags(p) -> None:
 
 
 def _caption_flags(p) -> None:
-    p.add_argument("--templates", default=None,
-                   help="caption templates for class names: a set in data_pipelines/templates (cifar10, generic) "
-                        "or a YAML path; default generic")
-    p.add_argument("--templates-per-image", type=_per_image, default=1,
-                   help="captions per image, each a template drawn with --seed (default 1); 'all' writes every "
-                        "template into every .txt (evaluation, embed and report then embed them all)")
+    p.add_argument(
+        "--templates",
+        default=None,
+        help="caption templates for class names: a set in data_pipelines/templates (cifar10, generic) "
+        "or a YAML path; default generic",
+    )
+    p.add_argument(
+        "--templates-per-image",
+        type=_per_image,
+        default=1,
+        help="captions per image, each a template drawn with --seed (default 1); 'all' writes every "
+        "template into every .txt (evaluation, embed and report then embed them all)",
+    )
 
 
 def _imagefolder_flags(p) -> None:
-    p.add_argument("--no-shuffle", action="store_true",
-                   help="keep folder order (default: a random order seeded by --seed, so every shard mixes the "
-                        "classes)")
-    p.add_argument("--classes", default=None,
-                   help="only these class folders, comma-separated (class ids stay those of the full class list), "
-                        "e.g. half the classes for a held-out-classes experiment")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="the first N images of each class, in the folder's (or tar's) order: a quick subset")
+    p.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="keep folder order (default: a random order seeded by --seed, so every shard mixes the classes)",
+    )
+    p.add_argument(
+        "--classes",
+        default=None,
+        help="only these class folders, comma-separated (class ids stay those of the full class list), "
+        "e.g. half the classes for a held-out-classes experiment",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the first N images of each class, in the folder's (or tar's) order: a quick subset",
+    )
 
 
 def _column_flags(p) -> None:
@@ -77,27 +100,40 @@ def _table_flags(p) -> None:
 
 def _hf_flags(p) -> None:
     p.add_argument("--label-col", default=None, help="a ClassLabel column to caption from templates")
-    p.add_argument("--format", default="disk", choices=["disk", "parquet", "imagefolder"], help="how it is stored")
+    p.add_argument(
+        "--format", default="disk", choices=["disk", "parquet", "imagefolder"], help="how it is stored"
+    )
     p.add_argument("--split", default="train", help="the split of a DatasetDict")
 
 
 def _output_flags(p) -> None:
     p.add_argument("--resize", type=int, default=0, help="shorter side in pixels (0 = keep)")
     p.add_argument("--resize-mode", default="keep_ratio", choices=["keep_ratio", "center_crop"])
-    p.add_argument("--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)")
+    p.add_argument(
+        "--no-dedupe", action="store_true", help="keep exact duplicates (same sha256 of the source bytes)"
+    )
     p.add_argument("--processes", type=int, default=1, help="encoder processes")
     p.add_argument("--no-progress", action="store_true")
 
 
 # source -> (its help line, its flag groups); _common_flags go to every source
 SOURCE_FLAGS = {
-    "shapes": ("synthetic coloured shapes with captions (the quickstart's data)", (_seed_flag, _shapes_flags)),
-    "imagefolder": ("class folders (root/CLASS/*.jpg), a directory or a tar",
-                    (_input_flag, _seed_flag, _caption_flags, _imagefolder_flags, _output_flags)),
-    "table": ("a csv / tsv / parquet table of image paths and captions",
-              (_input_flag, _column_flags, _table_flags, _output_flags)),
-    "hf": ("a Hugging Face dataset on disk", (_input_flag, _seed_flag, _caption_flags, _column_flags, _hf_flags,
-                                              _output_flags)),
+    "shapes": (
+        "synthetic coloured shapes with captions (the quickstart's data)",
+        (_seed_flag, _shapes_flags),
+    ),
+    "imagefolder": (
+        "class folders (root/CLASS/*.jpg), a directory or a tar",
+        (_input_flag, _seed_flag, _caption_flags, _imagefolder_flags, _output_flags),
+    ),
+    "table": (
+        "a csv / tsv / parquet table of image paths and captions",
+        (_input_flag, _column_flags, _table_flags, _output_flags),
+    ),
+    "hf": (
+        "a Hugging Face dataset on disk",
+        (_input_flag, _seed_flag, _caption_flags, _column_flags, _hf_flags, _output_flags),
+    ),
 }
 
 
@@ -109,14 +145,19 @@ class _Hidden:
 
     def add_argument(self, flag: str, **kwargs) -> None:
         store_true = kwargs.get("action") == "store_true"
-        action = self.parser.add_argument(flag, action="store_true" if store_true else "store", default=None,
-                                          help=argparse.SUPPRESS)
+        action = self.parser.add_argument(
+            flag, action="store_true" if store_true else "store", default=None, help=argparse.SUPPRESS
+        )
         self.owners[action.dest] = flag
 
 
 def add_shard_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
-                           help="what to read (each source has its own flags: mmalign shards SOURCE --help)")
+    sub = p.add_subparsers(
+        dest="source",
+        required=True,
+        metavar="SOURCE",
+        help="what to read (each source has its own flags: mmalign shards SOURCE --help)",
+    )
     for name, (text, groups) in SOURCE_FLAGS.items():
         s = sub.add_parser(name, help=text, description=f"mmalign shards {name}: {text}.")
         _common_flags(s, name)
@@ -134,8 +175,10 @@ def _refuse_foreign(args) -> None:
     for dest, flag in sorted(args.foreign_flags.items()):
         if getattr(args, dest) is not None:
             owners = [n for n, (_, gs) in SOURCE_FLAGS.items() if any(flag in _flags_of(g) for g in gs)]
-            raise UsageError(f"mmalign shards {args.source}: {flag} does not apply to this source (a flag of "
-                             f"{', '.join(owners)}; see `mmalign shards {args.source} --help`)")
+            raise UsageError(
+                f"mmalign shards {args.source}: {flag} does not apply to this source (a flag of "
+                f"{', '.join(owners)}; see `mmalign shards {args.source} --help`)"
+            )
 
 
 def _flags_of(group) -> set[str]:
@@ -170,13 +213,16 @@ def _items(args):
         only = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
         if args.limit is not None and args.limit < 1:
             raise UsageError(f"--limit must be >= 1 images per class, got {args.limit}")
-        _, items = sources.image_folder(args.input, captioner, tset.get("classnames"), shuffle_seed=seed, only=only,
-                                        limit=args.limit)
+        _, items = sources.image_folder(
+            args.input, captioner, tset.get("classnames"), shuffle_seed=seed, only=only, limit=args.limit
+        )
         return items
     if args.source == "table":
         return sources.table(args.input, args.image_col, args.caption_col, args.root)
     caption_col = None if args.label_col else args.caption_col
-    return sources.hf_dataset(args.input, args.format, args.image_col, caption_col, args.label_col, captioner, args.split)
+    return sources.hf_dataset(
+        args.input, args.format, args.image_col, caption_col, args.label_col, captioner, args.split
+    )
 
 
 def run_shards(args) -> dict:
@@ -190,7 +236,9 @@ def run_shards(args) -> dict:
         from data_pipelines import shapes
 
         out = args.out or "data/shapes"
-        info = shapes.generate(out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard)
+        info = shapes.generate(
+            out, n_train=args.n_train, n_val=args.n_val, seed=args.seed, per_shard=per_shard
+        )
         print(f"wrote {info['splits']} samples to {out}")
         return info
     if not args.out:
@@ -201,12 +249,19 @@ def run_shards(args) -> dict:
     from data_pipelines.build import EncodeOptions, build_shards
 
     summary = build_shards(
-        items, args.out, per_shard=per_shard,
-        opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode), dedupe=not args.no_dedupe,
-        processes=args.processes, progress=not args.no_progress, source=f"{args.source}:{args.input}",
+        items,
+        args.out,
+        per_shard=per_shard,
+        opts=EncodeOptions(resize=args.resize, resize_mode=args.resize_mode),
+        dedupe=not args.no_dedupe,
+        processes=args.processes,
+        progress=not args.no_progress,
+        source=f"{args.source}:{args.input}",
     )
-    print(f"wrote {summary['written']} samples in {summary['shards']} shards to {args.out} "
-          f"({summary['failures']} failures, {summary['duplicates_removed']} duplicates removed)")
+    print(
+        f"wrote {summary['written']} samples in {summary['shards']} shards to {args.out} "
+        f"({summary['failures']} failures, {summary['duplicates_removed']} duplicates removed)"
+    )
     return summary
 
 
@@ -214,7 +269,9 @@ def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     t = sub.add_parser("train", help="train a sentencepiece tokenizer on the captions of a shard set")
     t.add_argument("--data", required=True, help="shard spec, e.g. data/x/{00000..00009}.tar")
-    t.add_argument("--vocab-size", type=int, required=True, help="sentencepiece pieces (the tower adds pad/sot/eot)")
+    t.add_argument(
+        "--vocab-size", type=int, required=True, help="sentencepiece pieces (the tower adds pad/sot/eot)"
+    )
     t.add_argument("--out", required=True, help="the .model file to write")
     t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     t.add_argument("--max-captions", type=int, default=2_000_000, help="captions read at most")
@@ -226,23 +283,39 @@ def run_tokenizer(args) -> dict:
     check_urls(expand_urls(args.data), "--data")  # a missing shard is one line before torch is imported
     from data_pipelines.tokenizer_train import train_from_shards
 
-    info = train_from_shards(args.data, args.vocab_size, args.out, model_type=args.model_type,
-                             max_captions=args.max_captions)
-    print(f"wrote {args.out}: {info['pieces']} pieces from {info['captions']} captions; "
-          f"set model.tokenizer={args.out} (text tower vocab_size {info['vocab_size']})")
+    info = train_from_shards(
+        args.data, args.vocab_size, args.out, model_type=args.model_type, max_captions=args.max_captions
+    )
+    print(
+        f"wrote {args.out}: {info['pieces']} pieces from {info['captions']} captions; "
+        f"set model.tokenizer={args.out} (text tower vocab_size {info['vocab_size']})"
+    )
     return info
 
 
 def add_mine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="shards to mine: a spec (dir/{00000..00009}.tar) or a directory of .tar")
-    p.add_argument("--model", required=True, help="the model that scores candidates: a run directory, its final/, "
-                                                  "or RUN/checkpoints/step_N")
+    p.add_argument(
+        "--data", required=True, help="shards to mine: a spec (dir/{00000..00009}.tar) or a directory of .tar"
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the model that scores candidates: a run directory, its final/, or RUN/checkpoints/step_N",
+    )
     p.add_argument("--out", required=True, help="folder for the rewritten shards and mine.json")
     p.add_argument("-k", type=int, default=8, help="negative captions kept per sample (default 8)")
-    p.add_argument("--max-similarity", type=float, default=None,
-                   help="drop candidates whose cosine with the image exceeds this (suspected false negatives)")
-    p.add_argument("--max-relative", type=float, default=None,
-                   help="drop candidates above this fraction of the image's own-caption cosine (e.g. 0.95)")
+    p.add_argument(
+        "--max-similarity",
+        type=float,
+        default=None,
+        help="drop candidates whose cosine with the image exceeds this (suspected false negatives)",
+    )
+    p.add_argument(
+        "--max-relative",
+        type=float,
+        default=None,
+        help="drop candidates above this fraction of the image's own-caption cosine (e.g. 0.95)",
+    )
     p.add_argument("--id-field", default=None, help="a .json field: samples with equal values are positives")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
@@ -259,57 +332,112 @@ def run_mine(args) -> dict:
     print(f"mmalign: loading the model from {args.model} ...", flush=True)
     from data_pipelines.mine import mine
 
-    stats = mine(args.data, args.model, args.out, k=args.k, max_similarity=args.max_similarity,
-                 max_relative=args.max_relative, id_field=args.id_field, batch_size=args.batch_size,
-                 device=args.device, progress=not args.no_progress)
-    print(f"wrote {stats['negatives_written']} negatives for {stats['mined_samples']} samples into {args.out} "
-          f"({stats['samples_with_fewer_than_k']} with fewer than {args.k}, {stats['filtered_false_negatives']} "
-          f"suspected false negatives filtered); train on them with data.hard_negatives: k <= {args.k}")
+    stats = mine(
+        args.data,
+        args.model,
+        args.out,
+        k=args.k,
+        max_similarity=args.max_similarity,
+        max_relative=args.max_relative,
+        id_field=args.id_field,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    print(
+        f"wrote {stats['negatives_written']} negatives for {stats['mined_samples']} samples into {args.out} "
+        f"({stats['samples_with_fewer_than_k']} with fewer than {args.k}, {stats['filtered_false_negatives']} "
+        f"suspected false negatives filtered); train on them with data.hard_negatives: k <= {args.k}"
+    )
     return stats
 
 
 def add_curate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="the pool: a shard spec (local, pipe:, http(s)://, fsspec), "
-                                                 "or a directory of .tar shards")
-    p.add_argument("--model", required=True, help="the filter model: an mmalign run, its final/, a step "
-                                                  "checkpoint, or an open_clip / HF export folder")
-    p.add_argument("--out", required=True, help="folder for the embeddings (pool/), the curated shards or key "
-                                                "list, decisions.parquet and curate_report.json/.html")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="the pool: a shard spec (local, pipe:, http(s)://, fsspec), or a directory of .tar shards",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the filter model: an mmalign run, its final/, a step "
+        "checkpoint, or an open_clip / HF export folder",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="folder for the embeddings (pool/), the curated shards or key "
+        "list, decisions.parquet and curate_report.json/.html",
+    )
     g = p.add_argument_group("score filter (DataComp)")
     g.add_argument("--clip-score-min", type=float, default=None, help="keep image-text cosine >= S")
-    g.add_argument("--keep-fraction", type=float, default=None,
-                   help="keep the top F of the whole pool by CLIP score, F in (0, 1] (DataComp's baseline: 0.3)")
+    g.add_argument(
+        "--keep-fraction",
+        type=float,
+        default=None,
+        help="keep the top F of the whole pool by CLIP score, F in (0, 1] (DataComp's baseline: 0.3)",
+    )
     g = p.add_argument_group("de-duplication")
-    g.add_argument("--dedupe", default="", help="exact (image sha256), semantic (SemDeDup), or exact,semantic")
-    g.add_argument("--dedupe-eps", type=float, default=0.002,
-                   help="semantic: duplicates have image cosine > 1 - eps (default 0.002, safe with weak models; "
-                        "pick yours from the report's similarity histogram)")
-    g.add_argument("--dedupe-clusters", type=int, default=0,
-                   help="semantic: k-means clusters (0 = one per 5000 samples)")
-    g.add_argument("--kmeans-sample", type=int, default=0,
-                   help="semantic: k-means training rows (0 = 256 per cluster), so memory stays bounded")
-    g.add_argument("--max-drop", type=float, default=0.5,
-                   help="refuse (writing nothing) when de-duplication or --clip-score-min would drop more than "
-                        "this fraction of the pool (default 0.5; --keep-fraction states its own drop)")
+    g.add_argument(
+        "--dedupe", default="", help="exact (image sha256), semantic (SemDeDup), or exact,semantic"
+    )
+    g.add_argument(
+        "--dedupe-eps",
+        type=float,
+        default=0.002,
+        help="semantic: duplicates have image cosine > 1 - eps (default 0.002, safe with weak models; "
+        "pick yours from the report's similarity histogram)",
+    )
+    g.add_argument(
+        "--dedupe-clusters", type=int, default=0, help="semantic: k-means clusters (0 = one per 5000 samples)"
+    )
+    g.add_argument(
+        "--kmeans-sample",
+        type=int,
+        default=0,
+        help="semantic: k-means training rows (0 = 256 per cluster), so memory stays bounded",
+    )
+    g.add_argument(
+        "--max-drop",
+        type=float,
+        default=0.5,
+        help="refuse (writing nothing) when de-duplication or --clip-score-min would drop more than "
+        "this fraction of the pool (default 0.5; --keep-fraction states its own drop)",
+    )
     g.add_argument("--force", action="store_true", help="write the outputs even past --max-drop")
-    g.add_argument("--false-negative-groups", default=None, metavar="FIELD",
-                   help="drop no duplicate: write each sample's group into its .json under FIELD, for "
-                        "loss.false_negative_ids: FIELD")
+    g.add_argument(
+        "--false-negative-groups",
+        default=None,
+        metavar="FIELD",
+        help="drop no duplicate: write each sample's group into its .json under FIELD, for "
+        "loss.false_negative_ids: FIELD",
+    )
     g = p.add_argument_group("output")
-    g.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out that curate did not create, beside its files (curate replaces "
-                        "only files it wrote, listed in OUT/curate_manifest.json)")
-    g.add_argument("--keys-only", action="store_true",
-                   help="write OUT/keep_keys.txt (for data.keep_keys) instead of new shards")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out that curate did not create, beside its files (curate replaces "
+        "only files it wrote, listed in OUT/curate_manifest.json)",
+    )
+    g.add_argument(
+        "--keys-only",
+        action="store_true",
+        help="write OUT/keep_keys.txt (for data.keep_keys) instead of new shards",
+    )
     g.add_argument("--per-shard", type=int, default=1000, help="samples per new shard (default 1000)")
     g.add_argument("--seed", type=int, default=0, help="the shuffle of the new shards and the k-means sample")
     g.add_argument("--examples", type=int, default=24, help="dropped pairs shown in the HTML report")
     g = p.add_argument_group("running")
     g.add_argument("--batch-size", type=int, default=64)
     g.add_argument("--device", default="cpu")
-    g.add_argument("--nproc", type=int, default=1,
-                   help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
-                        "or SLURM launch sets RANK / WORLD_SIZE itself)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
+        "or SLURM launch sets RANK / WORLD_SIZE itself)",
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -322,13 +450,31 @@ def run_curate(args) -> dict | None:
         raise UsageError(f"--dedupe: unknown mode {bad[0]!r} (exact, semantic, or exact,semantic)")
     if args.false_negative_groups and not modes:
         modes = ("semantic",)  # groups to write: SemDeDup's, unless asked otherwise
-    policies = Policies(clip_score_min=args.clip_score_min, keep_fraction=args.keep_fraction, dedupe=modes,
-                        dedupe_eps=args.dedupe_eps, dedupe_clusters=args.dedupe_clusters,
-                        kmeans_sample=args.kmeans_sample, false_negative_field=args.false_negative_groups,
-                        seed=args.seed, max_drop=args.max_drop, force=args.force)
-    opts = Options(data=args.data, model=args.model, out=args.out, policies=policies, keys_only=args.keys_only,
-                   per_shard=args.per_shard, batch_size=args.batch_size, device=args.device,
-                   progress=not args.no_progress, examples=args.examples, overwrite=args.overwrite)
+    policies = Policies(
+        clip_score_min=args.clip_score_min,
+        keep_fraction=args.keep_fraction,
+        dedupe=modes,
+        dedupe_eps=args.dedupe_eps,
+        dedupe_clusters=args.dedupe_clusters,
+        kmeans_sample=args.kmeans_sample,
+        false_negative_field=args.false_negative_groups,
+        seed=args.seed,
+        max_drop=args.max_drop,
+        force=args.force,
+    )
+    opts = Options(
+        data=args.data,
+        model=args.model,
+        out=args.out,
+        policies=policies,
+        keys_only=args.keys_only,
+        per_shard=args.per_shard,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=not args.no_progress,
+        examples=args.examples,
+        overwrite=args.overwrite,
+    )
     check(opts)
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
@@ -354,22 +500,39 @@ def _print_summary(report: dict, out: str) -> None:
         print(f"  {name}: keeps {v['kept']} of {n} ({100 * v['fraction']:.1f}%)")
     sizes = report["dedupe"].get("group_sizes")
     if sizes is not None:
-        print(f"  duplicate groups: {sizes['groups']} (largest {sizes['largest']}, median {sizes['median']:g}, "
-              f"{sizes['over_10']} of more than 10)")
+        print(
+            f"  duplicate groups: {sizes['groups']} (largest {sizes['largest']}, median {sizes['median']:g}, "
+            f"{sizes['over_10']} of more than 10)"
+        )
     near = report["dedupe"].get("nearest_similarity_quantiles")
     if near:
         eps = report["policies"]["dedupe_eps"]
-        print(f"  nearest other image: median cosine {near['0.5']:.4f}, 10% below {near['0.1']:.4f} "
-              f"(duplicates: above 1 - eps = {1 - eps:.4f})")
+        print(
+            f"  nearest other image: median cosine {near['0.5']:.4f}, 10% below {near['0.1']:.4f} "
+            f"(duplicates: above 1 - eps = {1 - eps:.4f})"
+        )
     kept = report["kept"]
-    print(f"curated {n} samples into {out}: kept {kept['kept']} ({100 * kept['fraction']:.1f}%); "
-          f"report {os.path.join(out, 'curate_report.html')}")
+    print(
+        f"curated {n} samples into {out}: kept {kept['kept']} ({100 * kept['fraction']:.1f}%); "
+        f"report {os.path.join(out, 'curate_report.html')}"
+    )
 
 
-SHARDS = Command("shards", "build WebDataset shards (img2dataset layout) from a source", add_shard_args, run_shards)
-MINE = Command("mine", "mine hard negative captions with a trained model into a copy of the shards",
-               add_mine_args, run_mine)
-TOKENIZER = Command("tokenizer", "train a sentencepiece tokenizer on shard captions", add_tokenizer_args,
-                    run_tokenizer)
-CURATE = Command("curate", "score, de-duplicate and filter a shard pool with a CLIP model (DataComp, SemDeDup)",
-                 add_curate_args, run_curate)
+SHARDS = Command(
+    "shards", "build WebDataset shards (img2dataset layout) from a source", add_shard_args, run_shards
+)
+MINE = Command(
+    "mine",
+    "mine hard negative captions with a trained model into a copy of the shards",
+    add_mine_args,
+    run_mine,
+)
+TOKENIZER = Command(
+    "tokenizer", "train a sentencepiece tokenizer on shard captions", add_tokenizer_args, run_tokenizer
+)
+CURATE = Command(
+    "curate",
+    "score, de-duplicate and filter a shard pool with a CLIP model (DataComp, SemDeDup)",
+    add_curate_args,
+    run_curate,
+)

@@ -95,8 +95,16 @@ def _listed_total(urls: list[str]) -> int | None:
 
 
 @torch.no_grad()
-def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, batch_size: int, device: str,
-           progress: bool) -> _Corpus:
+def _embed(
+    urls: list[str],
+    model,
+    preprocess,
+    tokenizer,
+    id_field: str | None,
+    batch_size: int,
+    device: str,
+    progress: bool,
+) -> _Corpus:
     """Pass 1: read every shard in order, embed the readable samples' images and captions."""
     from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
     from mmalign.data.tario import CorruptTar, TruncatedTar
@@ -111,7 +119,7 @@ def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, 
         corpus.image.append(F.normalize(model.encode_image(images).float(), dim=-1).cpu().numpy())
         captions = [c for _, caps in pending for c in caps]
         for i in range(0, len(captions), batch_size):
-            tokens = tokenizer(captions[i:i + batch_size]).to(device)
+            tokens = tokenizer(captions[i : i + batch_size]).to(device)
             corpus.caption.append(F.normalize(model.encode_text(tokens).float(), dim=-1).cpu().numpy())
         pending.clear()
 
@@ -126,14 +134,17 @@ def _embed(urls: list[str], model, preprocess, tokenizer, id_field: str | None, 
 
     # a bar on a terminal, a readable line every 10 s elsewhere (not tqdm's carriage returns);
     # a total and an ETA when the shards' sizes.json lists every one of them
-    for shard, index, raw in track(raw_samples(), "mining: embedding", unit="samples", total=_listed_total(urls),
-                                   enabled=progress):
+    for shard, index, raw in track(
+        raw_samples(), "mining: embedding", unit="samples", total=_listed_total(urls), enabled=progress
+    ):
         corpus.samples += 1
         try:
             sample = decode_sample(raw)
         except BadSample as e:
             corpus.unreadable[e.reason] = corpus.unreadable.get(e.reason, 0) + 1
-            log.warning("mine: copying unreadable sample %s of %s unchanged: %s", raw["__key__"], urls[shard], e)
+            log.warning(
+                "mine: copying unreadable sample %s of %s unchanged: %s", raw["__key__"], urls[shard], e
+            )
             continue
         value = sample["json"].get(id_field) if id_field else None
         corpus.where.append((shard, index))
@@ -157,8 +168,18 @@ class _Choice:
     exhausted: bool = False  # walked every returned neighbour without reaching k
 
 
-def _choose(i: int, sims: np.ndarray, rows: np.ndarray, owner: np.ndarray, norm_texts: list[str], own: set[str],
-            ids: list[str | None], k: int, max_similarity: float | None, limit_relative: float | None) -> _Choice:
+def _choose(
+    i: int,
+    sims: np.ndarray,
+    rows: np.ndarray,
+    owner: np.ndarray,
+    norm_texts: list[str],
+    own: set[str],
+    ids: list[str | None],
+    k: int,
+    max_similarity: float | None,
+    limit_relative: float | None,
+) -> _Choice:
     """Walk image i's neighbours (best first) and keep up to k negatives (module docstring, step 3)."""
     choice, seen = _Choice(kept=[]), set()
     for sim, r in zip(sims.tolist(), rows.tolist()):
@@ -214,7 +235,9 @@ def _select(corpus: _Corpus, k: int, max_similarity: float | None, max_relative:
         for q, i in enumerate(todo.tolist()):
             own = {normalise_caption(c) for c in corpus.texts[i]}
             limit = None if max_relative is None else max_relative * positive[i]
-            choice = _choose(i, sims[q], rows[q], owner, norm_texts, own, corpus.ids, k, max_similarity, limit)
+            choice = _choose(
+                i, sims[q], rows[q], owner, norm_texts, own, corpus.ids, k, max_similarity, limit
+            )
             if choice.exhausted and len(choice.kept) < k and width < n_rows:
                 again.append(i)  # the search stopped before the corpus did: look further
             else:
@@ -229,8 +252,13 @@ def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int]
     from mmalign.config import MAX_MEMBER_BYTES
     from mmalign.data.tario import split_name, unsafe_name
 
-    written = {"json_rewritten": 0, "json_added": 0, "json_not_object": 0, "ended_early": 0,
-               "unsafe_members_skipped": 0}
+    written = {
+        "json_rewritten": 0,
+        "json_added": 0,
+        "json_not_object": 0,
+        "ended_early": 0,
+        "unsafe_members_skipped": 0,
+    }
     mode = "w:gz" if target.name.endswith((".gz", ".tgz")) else "w"
     with tarfile.open(url, "r:*") as src, tarfile.open(target, mode, format=src.format) as dst:
         current, index, has_json = None, -1, False
@@ -301,9 +329,19 @@ def _copy_side_files(urls: list[str], out: Path) -> None:
         shutil.copy2(Path(urls[0]).parent / "sizes.json", out / "sizes.json")
 
 
-def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, max_similarity: float | None = None,
-         max_relative: float | None = None, id_field: str | None = None, batch_size: int = 64, device: str = "cpu",
-         progress: bool = True) -> dict:
+def mine(
+    data: str | list[str],
+    model: str | Path,
+    out: str | Path,
+    *,
+    k: int,
+    max_similarity: float | None = None,
+    max_relative: float | None = None,
+    id_field: str | None = None,
+    batch_size: int = 64,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict:
     """Mine ``k`` hard negative captions per sample of ``data`` with ``model``; returns ``mine.json``'s content."""
     from mmalign.models.load import load
 
@@ -331,9 +369,13 @@ def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, m
     owner_key = [corpus.keys[i].rsplit("/", 1)[-1] for i, caps in enumerate(corpus.texts) for _ in caps]
     negatives = {}
     for i, choice in enumerate(choices):
-        negatives[corpus.where[i]] = (corpus.keys[i], [
-            {"key": owner_key[r], "caption": flat_captions[r], "similarity": round(float(sim), 6)}
-            for r, sim in choice.kept])
+        negatives[corpus.where[i]] = (
+            corpus.keys[i],
+            [
+                {"key": owner_key[r], "caption": flat_captions[r], "similarity": round(float(sim), 6)}
+                for r, sim in choice.kept
+            ],
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, int] = {}
@@ -347,21 +389,32 @@ def mine(data: str | list[str], model: str | Path, out: str | Path, *, k: int, m
     filtered_abs = sum(c.filtered_absolute for c in choices)
     filtered_rel = sum(c.filtered_relative for c in choices)
     stats = {
-        "model": str(model), "data": urls, "out": str(out), "k": k, "max_similarity": max_similarity,
-        "max_relative": max_relative, "id_field": id_field,
-        "shards": len(urls), "samples": corpus.samples, "mined_samples": len(corpus.keys),
+        "model": str(model),
+        "data": urls,
+        "out": str(out),
+        "k": k,
+        "max_similarity": max_similarity,
+        "max_relative": max_relative,
+        "id_field": id_field,
+        "shards": len(urls),
+        "samples": corpus.samples,
+        "mined_samples": len(corpus.keys),
         "unreadable_copied_unchanged": dict(sorted(corpus.unreadable.items())),
         "shards_ended_early": corpus.shards_ended_early + written.pop("ended_early"),
         "captions_indexed": len(flat_captions),
         "negatives_written": int(per_sample.sum()),
         "samples_with_fewer_than_k": int((per_sample < k).sum()),
         "samples_with_none": int((per_sample == 0).sum()),
-        "negative_similarity": ({"mean": float(sims.mean()), "min": float(sims.min()), "max": float(sims.max())}
-                                if sims.size else None),
+        "negative_similarity": (
+            {"mean": float(sims.mean()), "min": float(sims.min()), "max": float(sims.max())}
+            if sims.size
+            else None
+        ),
         "positive_similarity_mean": float(positive.mean()),
         # distinct caption texts dropped as suspected false negatives, summed over images
         "filtered_false_negatives": filtered_abs + filtered_rel,
-        "filtered_absolute": filtered_abs, "filtered_relative": filtered_rel,
+        "filtered_absolute": filtered_abs,
+        "filtered_relative": filtered_rel,
         "samples_with_filtered": sum(1 for c in choices if c.filtered_absolute or c.filtered_relative),
         "excluded_same_caption": sum(c.same_caption for c in choices),
         "excluded_same_id": sum(c.same_id for c in choices),

@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 
 from data_pipelines.writer import ShardWriter
-from mmalign.progress import track
+
 # The scene schema, renderer and codec live in the library (the counterfactual eval re-draws scenes).
 from mmalign.data.shapes_scene import (  # noqa: F401  (re-exported: SHAPES, draw, is_complete, ...)
     BACKGROUNDS,
@@ -36,6 +36,7 @@ from mmalign.data.shapes_scene import (  # noqa: F401  (re-exported: SHAPES, dra
     is_complete,
     subset_code,
 )
+from mmalign.progress import track
 
 TEMPLATES = [
     "a {size} {colour} {shape} in the {position}",
@@ -89,8 +90,15 @@ def subset_caption(attrs: dict, rng: random.Random) -> tuple[str, list[str]]:
     return " ".join(words), mentioned
 
 
-def generate_split(out_dir: str | Path, split: str, n: int, seed: int = 0, per_shard: int = 1000, size: int = 64,
-                   caption_mode: str = "full") -> dict:
+def generate_split(
+    out_dir: str | Path,
+    split: str,
+    n: int,
+    seed: int = 0,
+    per_shard: int = 1000,
+    size: int = 64,
+    caption_mode: str = "full",
+) -> dict:
     """Write ``n`` samples of ``split`` as shards under ``out_dir/split``.
 
     caption_mode: "full" (two full-template captions; the default) or "subset"
@@ -113,8 +121,14 @@ def generate_split(out_dir: str | Path, split: str, n: int, seed: int = 0, per_s
     return writer.sizes
 
 
-def generate(out_dir: str | Path, n_train: int = 16000, n_val: int = 1000, seed: int = 0, per_shard: int = 2000,
-             caption_mode: str = "full") -> dict:
+def generate(
+    out_dir: str | Path,
+    n_train: int = 16000,
+    n_val: int = 1000,
+    seed: int = 0,
+    per_shard: int = 2000,
+    caption_mode: str = "full",
+) -> dict:
     """Both splits plus a small ``dataset.json`` describing the attribute vocabularies.
 
     ``caption_mode="subset"`` applies to train only: val keeps full captions so

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import yaml
 
+# Class-folder enumeration is shared with the imagefolder eval suites, so it lives in the library.
+from mmalign.data.imagefolder import IMAGE_SUFFIXES, Captioner, Item, image_folder  # noqa: F401 (re-exported)
 from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
 from mmalign.progress import Counted
-# Class-folder enumeration is shared with the imagefolder eval suites, so it lives in the library.
-from mmalign.data.imagefolder import IMAGE_SUFFIXES, Captioner, Item, image_folder  # noqa: F401 (re-exported)
 
 # package data (pyproject.toml): found the same way in a checkout and in an installed wheel
 TEMPLATE_DIR = Path(str(resources.files("data_pipelines") / "templates"))
@@ -36,8 +36,12 @@ def load_templates(name_or_path: str) -> dict:
     data = yaml.safe_load(path.read_text()) or {}
     templates = data.get("templates")
     if not isinstance(templates, list) or not templates or not all("{c}" in str(t) for t in templates):
-        raise UsageError(f"template set {path}: 'templates' must be a non-empty list of strings containing {{c}}")
-    check_templates(templates, f"template set {path}")  # {x}, {}, a lone {: one line here, not a KeyError later
+        raise UsageError(
+            f"template set {path}: 'templates' must be a non-empty list of strings containing {{c}}"
+        )
+    check_templates(
+        templates, f"template set {path}"
+    )  # {x}, {}, a lone {: one line here, not a KeyError later
     return data
 
 
@@ -47,7 +51,9 @@ def _columns(available: list[str], wanted: dict[str, str | None], what: str) -> 
             raise UsageError(f"{what}: no column {column!r} for the {role} (columns: {', '.join(available)})")
 
 
-def table(path: str | Path, image_col: str = "image", caption_col: str = "caption", root: str | None = None) -> Counted:
+def table(
+    path: str | Path, image_col: str = "image", caption_col: str = "caption", root: str | None = None
+) -> Counted:
     """CSV/TSV/parquet rows of (image path, caption, other columns -> .json).
 
     Relative image paths resolve against ``root`` (default: the table's folder); a
@@ -76,7 +82,11 @@ def _table_items(frame, image_col: str, caption_col: str, base: Path, extra: lis
         record = dict(zip(frame.columns, row))
         image_path = Path(str(record[image_col]))
         caption = record[caption_col]
-        captions = [line.strip() for line in str(caption).splitlines() if line.strip()] if caption is not None else []
+        captions = (
+            [line.strip() for line in str(caption).splitlines() if line.strip()]
+            if caption is not None
+            else []
+        )
         meta = {c: _plain(record[c]) for c in extra}
         yield Item(str(image_path if image_path.is_absolute() else base / image_path), captions, meta)
 
@@ -88,8 +98,15 @@ def _plain(value):
     return value
 
 
-def hf_dataset(path: str | Path, fmt: str = "disk", image_col: str = "image", caption_col: str | None = "caption",
-               label_col: str | None = None, captioner: Captioner | None = None, split: str = "train") -> Counted:
+def hf_dataset(
+    path: str | Path,
+    fmt: str = "disk",
+    image_col: str = "image",
+    caption_col: str | None = "caption",
+    label_col: str | None = None,
+    captioner: Captioner | None = None,
+    split: str = "train",
+) -> Counted:
     """A Hugging Face dataset from local files, no network.
 
     ``fmt``: ``disk`` (``save_to_disk`` output), ``parquet`` (a file or folder of
@@ -120,9 +137,16 @@ def hf_dataset(path: str | Path, fmt: str = "disk", image_col: str = "image", ca
         if split not in ds:
             raise UsageError(f"dataset {path}: no split {split!r} (splits: {', '.join(ds)})")
         ds = ds[split]
-    if label_col is None and caption_col is not None and caption_col not in ds.column_names and "label" in ds.column_names:
+    if (
+        label_col is None
+        and caption_col is not None
+        and caption_col not in ds.column_names
+        and "label" in ds.column_names
+    ):
         label_col, caption_col = "label", None  # imagefolder: captions from the folder names
-    _columns(ds.column_names, {"image": image_col, "caption": caption_col, "label": label_col}, f"dataset {path}")
+    _columns(
+        ds.column_names, {"image": image_col, "caption": caption_col, "label": label_col}, f"dataset {path}"
+    )
     if caption_col is None and label_col is None:
         raise UsageError(f"dataset {path}: give a caption column or a label column")
     if isinstance(ds.features.get(image_col), datasets.Image):
@@ -132,14 +156,24 @@ def hf_dataset(path: str | Path, fmt: str = "disk", image_col: str = "image", ca
     return Counted(_dataset_items(ds, image_col, caption_col, label_col, names, captioner), len(ds))
 
 
-def _dataset_items(ds, image_col: str, caption_col: str | None, label_col: str | None, names: list[str] | None,
-                   captioner: Captioner) -> Iterator[Item]:
+def _dataset_items(
+    ds,
+    image_col: str,
+    caption_col: str | None,
+    label_col: str | None,
+    names: list[str] | None,
+    captioner: Captioner,
+) -> Iterator[Item]:
     skip = {image_col}
     for row in ds:
         image = row[image_col]
         if isinstance(image, dict):
             image = image.get("bytes") or image.get("path")
-        meta = {k: _plain(v) for k, v in row.items() if k not in skip and isinstance(_plain(v), (str, int, float, bool))}
+        meta = {
+            k: _plain(v)
+            for k, v in row.items()
+            if k not in skip and isinstance(_plain(v), (str, int, float, bool))
+        }
         if label_col is not None:
             label = int(row[label_col])
             classname = names[label] if names else str(label)

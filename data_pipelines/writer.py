@@ -59,7 +59,9 @@ class ShardWriter:
         image.convert("RGB").save(buf, format="JPEG", quality=self.quality)
         return self.write_encoded(buf.getvalue(), caption, meta, width=image.width, height=image.height)
 
-    def write_encoded(self, jpg: bytes, caption: str, meta: dict | None = None, *, width: int, height: int) -> str:
+    def write_encoded(
+        self, jpg: bytes, caption: str, meta: dict | None = None, *, width: int, height: int
+    ) -> str:
         """Add one sample whose JPEG bytes are already made (e.g. by a pool of encoders)."""
         if self._tar is None or len(self._rows) - self._failures >= self.per_shard:
             self._open_next()
@@ -77,8 +79,18 @@ class ShardWriter:
         """Record a sample that could not be written (counted in the current shard's stats)."""
         if self._tar is None:
             self._open_next()
-        self._rows.append({"key": None, "caption": None, "width": None, "height": None, "sha256": None,
-                           **(meta or {}), "status": "failed", "error_message": error})
+        self._rows.append(
+            {
+                "key": None,
+                "caption": None,
+                "width": None,
+                "height": None,
+                "sha256": None,
+                **(meta or {}),
+                "status": "failed",
+                "error_message": error,
+            }
+        )
         self._failures += 1
 
     def _close_current(self) -> None:
@@ -107,7 +119,7 @@ class ShardWriter:
         (self.out / "sizes.json").write_text(json.dumps(self.sizes, indent=2))
         return self.sizes
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -52,11 +52,19 @@ EXPORT_FORMATS = ("open_clip", "hf", "onnx")
 
 
 def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = None) -> None:
-    p.add_argument("--config", default=default_config,
-                   help="experiment YAML, or a shipped recipe's name, e.g. cifar10_cpu (defaults: the embedded quickstart)")
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help="experiment YAML, or a shipped recipe's name, e.g. cifar10_cpu (defaults: the embedded quickstart)",
+    )
     p.add_argument("--output", help="run directory (overrides the config's output)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.steps=100 (repeatable)",
+    )
 
 
 def _loading(model: str, data_on_stdout: bool = False) -> None:
@@ -79,7 +87,9 @@ def cmd_report(args) -> int:
     print(f"mmalign: loading the run's model from {args.run} ...", flush=True)
     from mmalign.evaluation.report import write_report
 
-    out = write_report(args.run, args.output, suite=args.suite, data=args.data, limit=args.limit, progress=True)
+    out = write_report(
+        args.run, args.output, suite=args.suite, data=args.data, limit=args.limit, progress=True
+    )
     print(f"report written to {out}")
     return 0
 
@@ -112,8 +122,10 @@ def _run_command(name: str, argv: list[str]) -> None:
     from mmalign.commands import discover
 
     if name not in discover():
-        raise UsageError(f"`mmalign {name}` is not installed (it comes with the package's data_pipelines "
-                         f"through the mmalign.commands entry points): install mmalign again, e.g. pip install -e .")
+        raise UsageError(
+            f"`mmalign {name}` is not installed (it comes with the package's data_pipelines "
+            f"through the mmalign.commands entry points): install mmalign again, e.g. pip install -e ."
+        )
     args = build_parser().parse_args([name, *argv])
     args.func(args)
 
@@ -122,8 +134,11 @@ def cmd_models(args) -> int:
     from mmalign.models.preset_table import describe, stale
 
     if todo := stale():  # presets new or changed since the shipped table: each is built on the meta device
-        print(f"mmalign: counting the parameters of {len(todo)} preset(s) not in the shipped table "
-              f"({', '.join(todo[:3])}{', ...' if len(todo) > 3 else ''}): building each takes ~0.1-1 s", flush=True)
+        print(
+            f"mmalign: counting the parameters of {len(todo)} preset(s) not in the shipped table "
+            f"({', '.join(todo[:3])}{', ...' if len(todo) > 3 else ''}): building each takes ~0.1-1 s",
+            flush=True,
+        )
     header = f"{'preset':<36} {'parameters':>11} {'image':>6}"
     print(header, flush=True)
     for row in describe(include_unavailable=args.all):  # from the shipped table: no model is built
@@ -151,22 +166,43 @@ def cmd_embed(args) -> int:
     from mmalign.search.embed import embed
 
     with output_lock(args.out, "mmalign embed"):  # one writer per output folder: a second embed is one line
-        info = embed(args.model, args.data, args.out, batch_size=args.batch_size, part_size=args.part_size,
-                     device=args.device)
-    print(f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}")
+        info = embed(
+            args.model,
+            args.data,
+            args.out,
+            batch_size=args.batch_size,
+            part_size=args.part_size,
+            device=args.device,
+        )
+    print(
+        f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}"
+    )
     return 0
 
 
 def cmd_index(args) -> int:
-    if not os.path.isfile(os.path.join(args.emb, "embed.json")):  # mmalign.search.embed.EMBED_INFO; before torch
-        raise UsageError(f"--emb: {args.emb} is not an embedding directory (no embed.json; run `mmalign embed`)")
+    if not os.path.isfile(
+        os.path.join(args.emb, "embed.json")
+    ):  # mmalign.search.embed.EMBED_INFO; before torch
+        raise UsageError(
+            f"--emb: {args.emb} is not an embedding directory (no embed.json; run `mmalign embed`)"
+        )
     from mmalign.search.index import build_index
 
-    info = build_index(args.emb, args.out, exact_max=args.exact_max, nlist=args.nlist, pq_m=args.pq_m,
-                       nbits=args.nbits, nprobe=args.nprobe)
+    info = build_index(
+        args.emb,
+        args.out,
+        exact_max=args.exact_max,
+        nlist=args.nlist,
+        pq_m=args.pq_m,
+        nbits=args.nbits,
+        nprobe=args.nprobe,
+    )
     for name in ("image", "text"):
         if name in info:
-            print(f"{name}: {info[name]['count']} vectors, {info[name]['factory']} (inner product, dim {info['dim']})")
+            print(
+                f"{name}: {info[name]['count']} vectors, {info[name]['factory']} (inner product, dim {info['dim']})"
+            )
     print(f"index written to {args.out}")
     return 0
 
@@ -180,8 +216,11 @@ def cmd_search(args) -> int:
 
     searcher = Searcher(args.index, args.model)
     dedupe = not args.no_dedupe
-    hits = searcher.text(args.text, args.k, args.against, dedupe) if args.text is not None else \
-        searcher.image(args.image, args.k, args.against, dedupe)
+    hits = (
+        searcher.text(args.text, args.k, args.against, dedupe)
+        if args.text is not None
+        else searcher.image(args.image, args.k, args.against, dedupe)
+    )
     print(format_hits(hits))
     return 0
 
@@ -200,8 +239,17 @@ def cmd_serve(args) -> int:
     _loading(args.model)
     from mmalign.search.serve import serve
 
-    serve(args.index, args.model, host=args.host, port=args.port, max_k=args.max_k, timeout=args.timeout,
-          workers=args.workers, max_connections=args.max_connections, max_per_client=args.max_per_client)
+    serve(
+        args.index,
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_k=args.max_k,
+        timeout=args.timeout,
+        workers=args.workers,
+        max_connections=args.max_connections,
+        max_per_client=args.max_per_client,
+    )
     return 0
 
 
@@ -216,41 +264,73 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a config")
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, help="local processes (gloo on CPU, nccl on GPU)")
-    p.add_argument("--resume", help="'latest' (the run directory's newest loadable checkpoint; nothing to resume "
-                   "yet is a fresh start, unless the directory holds a finished run (final/) or another "
-                   "config's run) or a checkpoint path RUN/checkpoints/step_N")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start over in a run directory that is not empty (removes the earlier run's files)")
+    p.add_argument(
+        "--resume",
+        help="'latest' (the run directory's newest loadable checkpoint; nothing to resume "
+        "yet is a fresh start, unless the directory holds a finished run (final/) or another "
+        "config's run) or a checkpoint path RUN/checkpoints/step_N",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run directory that is not empty (removes the earlier run's files)",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
     p.add_argument("--suite", help="a shipped suite's name (eval/) or a suite YAML (default: the run's)")
-    p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
-                   "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
-    p.add_argument("--output", "--out", dest="out",
-                   help="results JSON (default: MODEL/eval_cli_SUITE.json, for a step checkpoint "
-                   "RUN/eval_cli_SUITE_step_N.json; the run's own eval.json is kept)")
-    p.add_argument("--limit", type=int,
-                   help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label")
+    p.add_argument(
+        "--data",
+        help="evaluation data: shards for a shards suite (default: the run's data.val), "
+        "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)",
+    )
+    p.add_argument(
+        "--output",
+        "--out",
+        dest="out",
+        help="results JSON (default: MODEL/eval_cli_SUITE.json, for a step checkpoint "
+        "RUN/eval_cli_SUITE_step_N.json; the run's own eval.json is kept)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="evaluate N images: a seeded random draw, stratified by the first zero-shot task's label",
+    )
     p.add_argument("--batch-size", type=int, default=256, help="images / captions per encoder call")
-    p.add_argument("--cb-dataset", metavar="DIR",
-                   help="a local clip_benchmark WebDataset dataset (wds_NAME: classnames.txt, templates, "
-                   "test/N.tar); writes clip_benchmark's record (same as --suite cb:DIR)")
-    p.add_argument("--cb-split", metavar="SPLIT", help="the split folder of --cb-dataset / cb:DIR (default: test)")
-    p.add_argument("--benchmark", metavar="NAME_OR_YAML",
-                   help="several tasks at once: 'datacomp' (its tasks found under --root) or a YAML list of "
-                   "suites (cb:DIR, shipped suite names, suite YAMLs); writes a record per task and summary.json")
-    p.add_argument("--root", metavar="DIR",
-                   help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)")
+    p.add_argument(
+        "--cb-dataset",
+        metavar="DIR",
+        help="a local clip_benchmark WebDataset dataset (wds_NAME: classnames.txt, templates, "
+        "test/N.tar); writes clip_benchmark's record (same as --suite cb:DIR)",
+    )
+    p.add_argument(
+        "--cb-split", metavar="SPLIT", help="the split folder of --cb-dataset / cb:DIR (default: test)"
+    )
+    p.add_argument(
+        "--benchmark",
+        metavar="NAME_OR_YAML",
+        help="several tasks at once: 'datacomp' (its tasks found under --root) or a YAML list of "
+        "suites (cb:DIR, shipped suite names, suite YAMLs); writes a record per task and summary.json",
+    )
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)",
+    )
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("report", help="HTML page + PNGs of a run: curves, similarity histograms, t-SNE, Recall@k")
+    p = sub.add_parser(
+        "report", help="HTML page + PNGs of a run: curves, similarity histograms, t-SNE, Recall@k"
+    )
     p.add_argument("--run", required=True, help="a run directory (metrics.jsonl, final/, eval.json)")
     p.add_argument("--output", help="report directory (default: RUN/report)")
     p.add_argument("--suite", help="suite whose dataset is embedded (default: the run's)")
-    p.add_argument("--data", help="evaluation data: shards for a shards suite (default: the run's data.val), "
-                   "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)")
+    p.add_argument(
+        "--data",
+        help="evaluation data: shards for a shards suite (default: the run's data.val), "
+        "or a directory / tar of class folders for an imagefolder suite (default: the suite's path)",
+    )
     p.add_argument("--limit", type=int, default=1000, help="images embedded for the plots")
     p.set_defaults(func=cmd_report)
 
@@ -269,20 +349,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("embed", help="embed a dataset into clip-retrieval's layout (img_emb/, text_emb/, metadata/)")
+    p = sub.add_parser(
+        "embed", help="embed a dataset into clip-retrieval's layout (img_emb/, text_emb/, metadata/)"
+    )
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
-    p.add_argument("--data", required=True, help="shards (dir/{00000..00009}.tar), a directory of .tar, or an image folder")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="shards (dir/{00000..00009}.tar), a directory of .tar, or an image folder",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--part-size", type=int, default=100_000, help="rows per img_emb_N/text_emb_N/metadata_N part")
+    p.add_argument(
+        "--part-size", type=int, default=100_000, help="rows per img_emb_N/text_emb_N/metadata_N part"
+    )
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("index", help="build FAISS inner-product indexes from `mmalign embed` output")
     p.add_argument("--emb", required=True, help="an `mmalign embed` output directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--exact-max", type=int, default=100_000,
-                   help="corpora up to this size get an exact IndexFlatIP, larger ones IVF-PQ")
+    p.add_argument(
+        "--exact-max",
+        type=int,
+        default=100_000,
+        help="corpora up to this size get an exact IndexFlatIP, larger ones IVF-PQ",
+    )
     p.add_argument("--nlist", type=int, help="IVF lists (default ~4 sqrt(n))")
     p.add_argument("--pq-m", type=int, help="PQ sub-quantizers, a divisor of the dim (default ~dim/4)")
     p.add_argument("--nbits", type=int, help="bits per PQ code (default 8)")
@@ -295,27 +387,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", help="a text query")
     p.add_argument("--image", help="an image file as the query")
     p.add_argument("-k", type=int, default=10, help="results to show")
-    p.add_argument("--against", default="image", choices=("image", "text"),
-                   help="search the image index or the caption index")
-    p.add_argument("--no-dedupe", action="store_true",
-                   help="--against text: keep identical captions (default: one row per distinct caption, its best)")
+    p.add_argument(
+        "--against",
+        default="image",
+        choices=("image", "text"),
+        help="search the image index or the caption index",
+    )
+    p.add_argument(
+        "--no-dedupe",
+        action="store_true",
+        help="--against text: keep identical captions (default: one row per distinct caption, its best)",
+    )
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("serve", help="answer search queries over HTTP (JSON; 127.0.0.1 by default)",
-                       description=ROUTES_HELP, formatter_class=_RawDescriptionFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="answer search queries over HTTP (JSON; 127.0.0.1 by default)",
+        description=ROUTES_HELP,
+        formatter_class=_RawDescriptionFormatter,
+    )
     p.add_argument("--index", required=True, help="an `mmalign index` output directory")
     p.add_argument("--model", required=True, help="the model that made the embeddings")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: local)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                   help="seconds a request has to arrive whole (else 408), to wait for a worker (else 503), "
-                        "and its reply to be written (work a worker took is never cut short)")
-    p.add_argument("--workers", type=int, default=8, metavar="N", help="threads that answer complete requests")
-    p.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="connections open at once; more wait in the listen backlog")
-    p.add_argument("--max-per-client", type=int, default=32, metavar="N",
-                   help="connections open at once from one client address; more get a 429 (raise it behind a proxy)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a request has to arrive whole (else 408), to wait for a worker (else 503), "
+        "and its reply to be written (work a worker took is never cut short)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=8, metavar="N", help="threads that answer complete requests"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        metavar="N",
+        help="connections open at once; more wait in the listen backlog",
+    )
+    p.add_argument(
+        "--max-per-client",
+        type=int,
+        default=32,
+        metavar="N",
+        help="connections open at once from one client address; more get a 429 (raise it behind a proxy)",
+    )
     p.set_defaults(func=cmd_serve)
 
     from mmalign.commands import add_commands, discover
@@ -381,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         # that peer (the reason we are here), so this rank leaves at once.
         os._exit(1)
     except KeyboardInterrupt as e:
-        if not getattr(e, "reported", False):  # a training run already said where it stopped (mmalign.run.signals)
+        if not getattr(
+            e, "reported", False
+        ):  # a training run already said where it stopped (mmalign.run.signals)
             print("mmalign: interrupted", file=sys.stderr)
         return 130
 

@@ -18,8 +18,11 @@ from mmalign.errors import UsageError
 def _check_flags(args) -> None:
     """Flags that exclude each other, before anything loads."""
     if args.benchmark:
-        clash = [f for f, v in (("--suite", args.suite), ("--cb-dataset", args.cb_dataset), ("--data", args.data))
-                 if v]
+        clash = [
+            f
+            for f, v in (("--suite", args.suite), ("--cb-dataset", args.cb_dataset), ("--data", args.data))
+            if v
+        ]
         if clash:
             raise UsageError(f"--benchmark runs its own tasks: drop {', '.join(clash)}")
     elif args.root:
@@ -33,9 +36,11 @@ def check_not_onnx(model: str) -> None:
     weights eval can load: one line naming the folders it takes, before anything loads."""
     path = Path(model)
     if path.is_dir() and any(path.glob("*.onnx")) and not (path / "model.safetensors").is_file():
-        raise UsageError(f"--model {model}: an ONNX export is for serving (onnxruntime), not for mmalign eval; "
-                         f"give the run directory it was exported from, its final/, a step checkpoint "
-                         f"RUN/checkpoints/step_N, or an open_clip / Hugging Face export folder")
+        raise UsageError(
+            f"--model {model}: an ONNX export is for serving (onnxruntime), not for mmalign eval; "
+            f"give the run directory it was exported from, its final/, a step checkpoint "
+            f"RUN/checkpoints/step_N, or an open_clip / Hugging Face export folder"
+        )
 
 
 def cmd_eval(args) -> int:
@@ -68,15 +73,30 @@ def cmd_eval(args) -> int:
     spec = check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
     from mmalign.evaluation.suite_fit import check_suite_fields
 
-    check_suite_fields(suite, spec, "--data" if args.data else "data.val" if data else "its own dataset",
-                       key="--suite", flag="--suite ", nothing="or --data with shards that have the field")
+    check_suite_fields(
+        suite,
+        spec,
+        "--data" if args.data else "data.val" if data else "its own dataset",
+        key="--suite",
+        flag="--suite ",
+        nothing="or --data with shards that have the field",
+    )
     if args.limit:
         suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
-    records = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, data, device=device,
-                        model_name=str(args.model), batch_size=args.batch_size, progress=True,
-                        user_data=args.data)
+    records = run_suite(
+        loaded.model,
+        loaded.preprocess,
+        loaded.tokenizer,
+        suite,
+        data,
+        device=device,
+        model_name=str(args.model),
+        batch_size=args.batch_size,
+        progress=True,
+        user_data=args.data,
+    )
     if "cb" in suite:  # clip_benchmark's record, one object, as its CLI writes it
         from mmalign.evaluation.cb_wds import cb_record
 
@@ -115,10 +135,21 @@ def _cmd_benchmark(args) -> int:
     loaded = load(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
-    run_benchmark(loaded.model, loaded.preprocess, loaded.tokenizer, tasks, batch_size=args.batch_size,
-                  device=device, pretrained=str(args.model), progress=True)
-    out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), f"benchmark_{_suite_label(name)}",
-                                                    suffix="")
+    run_benchmark(
+        loaded.model,
+        loaded.preprocess,
+        loaded.tokenizer,
+        tasks,
+        batch_size=args.batch_size,
+        device=device,
+        pretrained=str(args.model),
+        progress=True,
+    )
+    out = (
+        Path(args.out)
+        if args.out
+        else _eval_out(loaded, Path(args.model), f"benchmark_{_suite_label(name)}", suffix="")
+    )
     out.mkdir(parents=True, exist_ok=True)
     for task in present:
         for row in task.rows:

@@ -12,7 +12,7 @@ from pathlib import Path
 from mmalign.errors import UserError
 
 
-def _load(args, world_size: int = 1) -> "Config":  # noqa: F821
+def _load(args, world_size: int = 1) -> Config:  # noqa: F821
     from mmalign.config import load_config
 
     overrides = list(args.set)
@@ -73,8 +73,10 @@ def _checked_run(args, cfg, meta_model) -> int:
     except UserError as e:
         if not restart or typed_resume == "latest":  # the hint would repeat what the line already says
             raise
-        raise type(e)(f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
-                          f"so that a restart continues the run)") from None
+        raise type(e)(
+            f"{e} (this is torchrun's restart {restart}: put --resume latest on the launch line, "
+            f"so that a restart continues the run)"
+        ) from None
     from mmalign.run.rundir import check_newest
 
     # a key that cannot change on resume: one line here, not one per rank and torchrun's report
@@ -125,7 +127,9 @@ def output_lock(directory: Path, what: str, take: bool = True):
     from mmalign import dirlock
 
     directory = Path(directory)
-    made = next((d for d in reversed((directory, *directory.parents)) if not d.exists()), None)  # outermost new
+    made = next(
+        (d for d in reversed((directory, *directory.parents)) if not d.exists()), None
+    )  # outermost new
     lock = dirlock.hold(directory, what)
     try:
         yield lock
@@ -160,22 +164,32 @@ def _continue_on_restart(args, out: Path) -> int:
     if not restart or not (args.overwrite or args.resume not in (None, "latest")):
         return restart  # the first attempt, or a line that already continues the run
     has_latest = (out / "checkpoints" / "latest").is_file()
-    given = " ".join(flag for flag, on in (("--overwrite", args.overwrite),
-                                           (f"--resume {args.resume}", args.resume not in (None, "latest"))) if on)
+    given = " ".join(
+        flag
+        for flag, on in (
+            ("--overwrite", args.overwrite),
+            (f"--resume {args.resume}", args.resume not in (None, "latest")),
+        )
+        if on
+    )
     if args.overwrite or has_latest:
         args.overwrite, args.resume = False, "latest"
     if os.environ.get("RANK", "0") == "0":
-        print(f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
-              f"(`{given}` is not applied again)" if args.resume == "latest" else
-              f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given", flush=True)
+        print(
+            f"mmalign: torchrun restart {restart}: continuing the run from its latest checkpoint, if any "
+            f"(`{given}` is not applied again)"
+            if args.resume == "latest"
+            else f"mmalign: torchrun restart {restart}: no checkpoint in {out}; `{given}` applies as given",
+            flush=True,
+        )
     return restart
 
 
 def _check_batchnorm(cfg, model, world_size: int) -> None:
     """The engine's BatchNorm gate, once before spawning ranks (each would print it), on the
     meta-device model of :func:`~mmalign.models.check_buildable`."""
-    from mmalign.run.gradcache import chunk_sizes
     from mmalign.models.batchnorm import check_batchnorm
+    from mmalign.run.gradcache import chunk_sizes
 
     local = cfg.train.global_batch_size // world_size
     chunk = cfg.train.grad_cache_chunk_size

@@ -43,17 +43,22 @@ def _unloadable(name: str, error: Exception) -> Command:
 
     def add_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-        p.prefix_chars = ""  # every word is a positional, so any flags given reach run() and its one-line reason
+        p.prefix_chars = (
+            ""  # every word is a positional, so any flags given reach run() and its one-line reason
+        )
 
     def run(args: argparse.Namespace) -> None:
-        raise UsageError(f"mmalign {name}: its package cannot be imported ({why}); install it with mmalign "
-                         f"(pip install -e . in a checkout)")
+        raise UsageError(
+            f"mmalign {name}: its package cannot be imported ({why}); install it with mmalign "
+            f"(pip install -e . in a checkout)"
+        )
 
     return Command(name, f"(unavailable: {why})", add_args, run)
 
 
-def discover(entry_points: Iterable[metadata.EntryPoint] | None = None,
-             reserved: Iterable[str] = ()) -> dict[str, Command]:
+def discover(
+    entry_points: Iterable[metadata.EntryPoint] | None = None, reserved: Iterable[str] = ()
+) -> dict[str, Command]:
     """The commands declared in the group :data:`GROUP`, by name, in declaration order.
 
     ``entry_points``: the entry points to load (default: those of the installed packages).
@@ -66,14 +71,18 @@ def discover(entry_points: Iterable[metadata.EntryPoint] | None = None,
     found: dict[str, Command] = {}
     for ep in entry_points:
         if ep.name in reserved or ep.name in found:
-            raise RuntimeError(f"entry point {ep.name} = {ep.value} in group {GROUP}: the command "
-                               f"{ep.name!r} is already defined")
+            raise RuntimeError(
+                f"entry point {ep.name} = {ep.value} in group {GROUP}: the command "
+                f"{ep.name!r} is already defined"
+            )
         try:
             command = ep.load()
         except ImportError as e:
             command = _unloadable(ep.name, e)
         if not isinstance(command, Command) or command.name != ep.name:
-            raise TypeError(f"entry point {ep.name} = {ep.value} in group {GROUP} is not a Command named {ep.name!r}")
+            raise TypeError(
+                f"entry point {ep.name} = {ep.value} in group {GROUP} is not a Command named {ep.name!r}"
+            )
         found[ep.name] = command
     return found
 

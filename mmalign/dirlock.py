@@ -46,7 +46,9 @@ def _describe(info: dict | None) -> str:
     if not info:
         return "another process (no holder recorded yet)"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
-    return f"{info.get('command', '?')} (pid {info.get('pid', '?')} on {info.get('host', '?')}, since {since})"
+    return (
+        f"{info.get('command', '?')} (pid {info.get('pid', '?')} on {info.get('host', '?')}, since {since})"
+    )
 
 
 class DirLock:
@@ -68,22 +70,35 @@ class DirLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UsageError(f"{self.directory}: cannot create its lock file {path} ({e.strerror or e})") from None
+            raise UsageError(
+                f"{self.directory}: cannot create its lock file {path} ({e.strerror or e})"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise UsageError(f"{self.directory} is in use by {_describe(holder(self.directory))}; wait for it "
-                                 f"to end or stop it (one writer per folder)") from None
+                raise UsageError(
+                    f"{self.directory} is in use by {_describe(holder(self.directory))}; wait for it "
+                    f"to end or stop it (one writer per folder)"
+                ) from None
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 # a file system without locks (some network mounts): the record still names us
-                print(f"mmalign: warning: {self.directory} does not support file locks; two launches on it "
-                      f"would not be stopped", file=sys.stderr, flush=True)
+                print(
+                    f"mmalign: warning: {self.directory} does not support file locks; two launches on it "
+                    f"would not be stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             else:
                 raise UsageError(f"{self.directory}: cannot lock {path} ({e.strerror or e})") from None
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.what, "since": time.time()}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.what,
+            "since": time.time(),
+        }
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)

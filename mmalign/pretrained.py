@@ -28,8 +28,12 @@ from pathlib import Path
 from mmalign.models.load import Loaded, load  # the one model loader (mmalign/models/load.py)
 
 
-def clip_benchmark_loader(model_name: str = "mmalign", pretrained: str | Path = "", cache_dir: str | None = None,
-                          device: str = "cpu"):
+def clip_benchmark_loader(
+    model_name: str = "mmalign",
+    pretrained: str | Path = "",
+    cache_dir: str | None = None,
+    device: str = "cpu",
+):
     """clip_benchmark's loader protocol: ``pretrained`` is a run directory, its final/, a model
     folder or a step checkpoint ``RUN/checkpoints/step_N``.
 

@@ -76,8 +76,16 @@ def duration(seconds: float) -> str:
     return f"{days} days, {text}" if days else text
 
 
-def track(items: Iterable, desc: str, *, total: int | None = None, unit: str = "it", enabled: bool = True,
-          every_s: float = 10.0, out=None) -> Iterator:
+def track(
+    items: Iterable,
+    desc: str,
+    *,
+    total: int | None = None,
+    unit: str = "it",
+    enabled: bool = True,
+    every_s: float = 10.0,
+    out=None,
+) -> Iterator:
     """``items`` with progress: a tqdm bar on a terminal, else a line every ``every_s`` seconds
     and one at the end (``mmalign: <desc>: N <unit> [of T] (R/s)``)."""
     if not enabled:
@@ -97,7 +105,9 @@ def track(items: Iterable, desc: str, *, total: int | None = None, unit: str = "
         eta = ""
         if total and not final and n:
             eta = f", ETA {duration((total - n) * elapsed / n)}"
-        return f"mmalign: {desc}: {n}{of} {unit}{rate}{eta}" + (f", done in {duration(elapsed)}" if final else "")
+        return f"mmalign: {desc}: {n}{of} {unit}{rate}{eta}" + (
+            f", done in {duration(elapsed)}" if final else ""
+        )
 
     for item in items:
         yield item
@@ -112,8 +122,11 @@ def train_line(step: int, steps: int, record: dict, eta_s: float | None) -> str:
     """One readable training line (open_clip style): step, loss, lr, scale, samples/s, ETA
     (``warming up`` while ``eta_s`` is None: no estimate from the set-up steps)."""
     width = len(str(steps))
-    parts = [f"step {step:>{width}}/{steps} ({100 * step / steps:3.0f}%)",
-             f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
+    parts = [
+        f"step {step:>{width}}/{steps} ({100 * step / steps:3.0f}%)",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.3e}",
+    ]
     if "logit_scale" in record:
         parts.append(f"scale {record['logit_scale']:.2f}")
     parts.append(f"samples/s {record['samples_per_s']:.1f}")

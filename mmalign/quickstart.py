@@ -26,11 +26,13 @@ TIME_GOAL = f"<= {TIME_GOAL_S // 60} min on 2 CPU cores"
 
 # The start of each phase inside train(), recognised by the start-up lines train.py logs to
 # ``mmalign.run.train`` (runlog.say and its log.info lines): (phase that starts, line prefix).
-_MARKS = (("build", "building model "),
-          ("train loop", "training "),
-          ("save final/", "trained "),
-          ("evaluation", "saved "),
-          ("wrap-up", "evaluation written to "))
+_MARKS = (
+    ("build", "building model "),
+    ("train loop", "training "),
+    ("save final/", "trained "),
+    ("evaluation", "saved "),
+    ("wrap-up", "evaluation written to "),
+)
 
 
 def _cpu() -> float:
@@ -94,11 +96,23 @@ def targets(records: list[dict]) -> list[dict]:
     for r in records:
         m = r["metrics"]
         if r["dataset"].endswith("/shape"):
-            found.append({"name": "shape zero-shot top-1", "value": m["acc1"],
-                          "threshold": 2 * m["chance_acc1"], "rule": "2x chance"})
+            found.append(
+                {
+                    "name": "shape zero-shot top-1",
+                    "value": m["acc1"],
+                    "threshold": 2 * m["chance_acc1"],
+                    "rule": "2x chance",
+                }
+            )
         if r["task"] == "zeroshot_retrieval":
-            found.append({"name": "text->image R@5", "value": m["image_retrieval_recall@5"],
-                          "threshold": 3 * 5 / r["n_images"], "rule": "3x chance"})
+            found.append(
+                {
+                    "name": "text->image R@5",
+                    "value": m["image_retrieval_recall@5"],
+                    "threshold": 3 * 5 / r["n_images"],
+                    "rule": "3x chance",
+                }
+            )
     for t in found:
         t["met"] = t["value"] >= t["threshold"]
     return found
@@ -106,16 +120,21 @@ def targets(records: list[dict]) -> list[dict]:
 
 def verdict(records: list[dict]) -> list[str]:
     """The targets ``records`` miss, one readable line each (empty: all met)."""
-    return [f"{t['name']} {t['value']:.3f} < {t['rule']} {t['threshold']:.3f}" for t in targets(records)
-            if not t["met"]]
+    return [
+        f"{t['name']} {t['value']:.3f} < {t['rule']} {t['threshold']:.3f}"
+        for t in targets(records)
+        if not t["met"]
+    ]
 
 
 def time_verdict(wall_s: float) -> str | None:
     """The end-to-end time against :data:`TIME_GOAL_S`: None when met, else one readable line."""
     if wall_s <= TIME_GOAL_S:
         return None
-    return (f"took {wall_s / 60:.1f} min, over the goal of {TIME_GOAL} (a slower or busy machine: "
-            f"compare each phase's wall and CPU time above)")
+    return (
+        f"took {wall_s / 60:.1f} min, over the goal of {TIME_GOAL} (a slower or busy machine: "
+        f"compare each phase's wall and CPU time above)"
+    )
 
 
 def print_summary(records: list[dict], clock: PhaseClock, out: Path) -> None:
@@ -128,15 +147,25 @@ def print_summary(records: list[dict], clock: PhaseClock, out: Path) -> None:
     for col in ("target / phase", "measured", "threshold", ""):
         table.add_column(col)
     for t in targets(records):
-        table.add_row(t["name"], f"{t['value']:.3f}", f">= {t['threshold']:.3f} ({t['rule']})",
-                      "met" if t["met"] else "MISSED")
+        table.add_row(
+            t["name"],
+            f"{t['value']:.3f}",
+            f">= {t['threshold']:.3f} ({t['rule']})",
+            "met" if t["met"] else "MISSED",
+        )
     for name, w, c in clock.phases:
         table.add_row(f"time: {name}", f"{w:.1f} s", "", f"{c:.1f} s CPU")
-    table.add_row("time: total", f"{wall:.1f} s ({cpu:.1f} s CPU)", TIME_GOAL,
-                  "met" if time_verdict(wall) is None else "NOT MET")
+    table.add_row(
+        "time: total",
+        f"{wall:.1f} s ({cpu:.1f} s CPU)",
+        TIME_GOAL,
+        "met" if time_verdict(wall) is None else "NOT MET",
+    )
     Console().print(table)
-    print(f"quickstart finished in {wall / 60:.1f} min ({cpu:.0f} s CPU, user + sys, data workers included); "
-          f"model in {out / 'final'}, reload with mmalign.load({str(out)!r})")
+    print(
+        f"quickstart finished in {wall / 60:.1f} min ({cpu:.0f} s CPU, user + sys, data workers included); "
+        f"model in {out / 'final'}, reload with mmalign.load({str(out)!r})"
+    )
 
 
 def run(clock: PhaseClock, load_config, make_data, print_table) -> int:

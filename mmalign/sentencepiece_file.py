@@ -29,8 +29,9 @@ def open_sentencepiece(model_file: str | Path):
         processor = spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError, ValueError) as e:  # sentencepiece's parse errors are RuntimeErrors
         reason = first_line(e).replace(f" from {path}", "") or type(e).__name__  # the path is named once
-        raise UsageError(f"tokenizer {path}: not a sentencepiece model ({SPM_EXPECTED}; "
-                         f"sentencepiece says {reason[:160]})") from None
+        raise UsageError(
+            f"tokenizer {path}: not a sentencepiece model ({SPM_EXPECTED}; sentencepiece says {reason[:160]})"
+        ) from None
     if processor.get_piece_size() < 1:  # parses, but would encode every caption as nothing
         raise UsageError(f"tokenizer {path}: a sentencepiece model without pieces ({SPM_EXPECTED})")
     return processor

@@ -13,17 +13,22 @@ import math
 from pathlib import Path
 
 import torch
-from sklearn.metrics import balanced_accuracy_score
-
 from clip_benchmark.datasets.builder import build_dataset
 from clip_benchmark.metrics import zeroshot_classification as cb_zs
 from clip_benchmark.metrics import zeroshot_retrieval as cb_ret
+from sklearn.metrics import balanced_accuracy_score
 
 
 def cb_loader(root: Path, transform, batch: int, task: str = "zeroshot_classification"):
     """(dataset, loader) as clip_benchmark's CLI builds them for a wds/ dataset."""
-    ds = build_dataset(dataset_name=f"wds/{Path(root).name}", root=str(root), transform=transform, split="test",
-                       download=False, task=task)
+    ds = build_dataset(
+        dataset_name=f"wds/{Path(root).name}",
+        root=str(root),
+        transform=transform,
+        split="test",
+        download=False,
+        task=task,
+    )
     return ds, torch.utils.data.DataLoader(ds.batched(batch), batch_size=None, shuffle=False, num_workers=0)
 
 

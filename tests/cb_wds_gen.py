@@ -35,9 +35,18 @@ def _encode(image, ext: str) -> bytes:
     return out.getvalue()
 
 
-def write_wds(root: Path, task: str = "classification", n: int = 40, seed: int = 1, shards: int = 1,
-              split: str = "test", image_ext: str = "png", groups: int = 0, type_file: bool = True,
-              size: int = 32) -> list[dict]:
+def write_wds(
+    root: Path,
+    task: str = "classification",
+    n: int = 40,
+    seed: int = 1,
+    shards: int = 1,
+    split: str = "test",
+    image_ext: str = "png",
+    groups: int = 0,
+    type_file: bool = True,
+    size: int = 32,
+) -> list[dict]:
     """Write a dataset to ``root``; returns one dict per sample, in order: ``{"key", "label" or
     "captions", "group" (with ``groups``)}``.  ``type_file=False`` leaves out dataset_type.txt
     (clip_benchmark then assumes classification; mmalign looks at the samples)."""
@@ -56,12 +65,16 @@ def write_wds(root: Path, task: str = "classification", n: int = 40, seed: int =
                     item["label"] = CLASSNAMES.index(attrs["shape"])
                     _member(tar, f"{key}.cls", str(item["label"]).encode())
                 else:  # a per-sample suffix: no wrong caption exactly ties a right one
-                    item["captions"] = [f"{c} ({i})" for c in shapes.captions_for(attrs, rng, n=rng.randint(1, 3))]
+                    item["captions"] = [
+                        f"{c} ({i})" for c in shapes.captions_for(attrs, rng, n=rng.randint(1, 3))
+                    ]
                     _member(tar, f"{key}.txt", "\n".join(item["captions"]).encode())
                 if groups:
                     item["group"] = rng.randrange(groups)
                     vec = io.BytesIO()
-                    np.save(vec, np.array([item["group"], rng.randrange(5), item.get("label", 0)], dtype=np.int64))
+                    np.save(
+                        vec, np.array([item["group"], rng.randrange(5), item.get("label", 0)], dtype=np.int64)
+                    )
                     _member(tar, f"{key}.npy", vec.getvalue())
                 truth.append(item)
     (root / split / "nshards.txt").write_text(str(shards))

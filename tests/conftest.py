@@ -22,8 +22,10 @@ class _NestedAutocastIsAnError(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if "disabled within the DeepSpeed engine" in record.getMessage():
-            raise AssertionError("DeepSpeed switched the caller's autocast off around the module: "
-                                 "autocast must be entered inside the engine's module (mmalign.run.engine)")
+            raise AssertionError(
+                "DeepSpeed switched the caller's autocast off around the module: "
+                "autocast must be entered inside the engine's module (mmalign.run.engine)"
+            )
 
 
 logging.getLogger("DeepSpeed").addHandler(_NestedAutocastIsAnError())
@@ -129,8 +131,13 @@ def micro_overrides(shapes_dir, tmp_path):
 def run_cli(*args, cwd=None):
     import subprocess
 
-    return subprocess.run([sys.executable, "-m", "mmalign.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mmalign.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=600,
+    )
 
 
 class CliRun(NamedTuple):
@@ -181,7 +188,7 @@ def clip_batch(n: int, seed: int, image_size: int = 16, context: int = 16):
     ends = torch.randint(3, context - 1, (n,), generator=g)
     for i, e in enumerate(ends):
         tokens[i, e] = 49407
-        tokens[i, e + 1:] = 0
+        tokens[i, e + 1 :] = 0
     return images, tokens
 
 
@@ -195,8 +202,9 @@ def naive_clip_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -
 def chunkwise_clip_loss(outs) -> torch.Tensor:
     """The reference loss of chunks forwarded one by one (each with grad, in order): the naive CLIP
     loss of their features concatenated in chunk order, (B, D) each, at the first chunk's scale."""
-    return naive_clip_loss(torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]),
-                           outs[0].logit_scale)
+    return naive_clip_loss(
+        torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]), outs[0].logit_scale
+    )
 
 
 ENGINE_BATCH = 8  # global batch of the engine integration runs (4 rows per rank at 2 ranks)
@@ -206,8 +214,18 @@ def engine_cfg(stage: int, *extra: str):
     """A micro-tower engine config at ZeRO ``stage`` for 2-rank integration tests."""
     from mmalign.config import load_config
 
-    return load_config(None, ["model.preset=micro", f"train.global_batch_size={ENGINE_BATCH}", "train.steps=4",
-                              "train.warmup_steps=1", "train.lr=0.01", f"deepspeed.zero_stage={stage}", *extra])
+    return load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={ENGINE_BATCH}",
+            "train.steps=4",
+            "train.warmup_steps=1",
+            "train.lr=0.01",
+            f"deepspeed.zero_stage={stage}",
+            *extra,
+        ],
+    )
 
 
 def engine_batch(seed: int, rank: int, world: int):
@@ -217,10 +235,12 @@ def engine_batch(seed: int, rank: int, world: int):
     tokens = torch.randint(1, 49000, (ENGINE_BATCH, 16), generator=g)
     tokens[:, 0], tokens[:, 7], tokens[:, 8:] = 49406, 49407, 0
     local = ENGINE_BATCH // world
-    return images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
+    return images[rank * local : (rank + 1) * local], tokens[rank * local : (rank + 1) * local]
 
 
-def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 600, pooled: bool = False) -> list:
+def run_ranks(
+    worker, world: int, *args, group: bool = True, timeout_s: float = 600, pooled: bool = False
+) -> list:
     """Run ``worker(rank, world, *args)`` on ``world`` spawned processes and return what each returned,
     in rank order. Each process is set up as a launcher would start a rank (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and a free loopback MASTER_PORT), with one torch thread (the ranks share
@@ -249,14 +269,19 @@ def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 
     ctx = mp.get_context("spawn")
     port = int(free_port())
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_rank_main, args=(worker, r, world, port, args, group, out_dir))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(worker, r, world, port, args, group, out_dir))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
         try:
-            while (any(p.is_alive() for p in procs) and time.monotonic() < deadline
-                   and all(p.exitcode in (None, 0) for p in procs)):
+            while (
+                any(p.is_alive() for p in procs)
+                and time.monotonic() < deadline
+                and all(p.exitcode in (None, 0) for p in procs)
+            ):
                 time.sleep(0.1)
         finally:
             codes = [p.exitcode for p in procs]
@@ -264,16 +289,23 @@ def run_ranks(worker, world: int, *args, group: bool = True, timeout_s: float = 
                 if p.is_alive():
                     p.kill()
                 p.join()
-        assert codes == [0] * world, (f"rank exit codes {codes} (None: stopped, still running when a rank "
-                                      f"failed or at {timeout_s:.0f} s)")
+        assert codes == [0] * world, (
+            f"rank exit codes {codes} (None: stopped, still running when a rank "
+            f"failed or at {timeout_s:.0f} s)"
+        )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def _rank_main(worker, rank: int, world: int, port: int, args: tuple, group: bool, out_dir: str) -> None:
     """One spawned rank of :func:`run_ranks`: its result goes to a file, so that passing it on needs
     no collective (and works whether or not a process group is left)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from mmalign.dist import distributed as mdist
 
@@ -289,5 +321,8 @@ def _rank_main(worker, rank: int, world: int, port: int, args: tuple, group: boo
 def max_rel_error(got: dict, want: dict) -> tuple[float, str]:
     """The largest relative error over the floating-point tensors of a state dict (attention
     masks skipped), with the tensor's name."""
-    return max((float((got[n] - w).norm() / w.norm().clamp_min(1e-12)), n) for n, w in want.items()
-               if w.is_floating_point() and not n.endswith("attn_mask"))
+    return max(
+        (float((got[n] - w).norm() / w.norm().clamp_min(1e-12)), n)
+        for n, w in want.items()
+        if w.is_floating_point() and not n.endswith("attn_mask")
+    )

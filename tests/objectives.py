@@ -10,8 +10,15 @@ import torch
 
 from mmalign.data.batch import Batch
 from mmalign.models.embeddings import Embeddings
-from mmalign.objective import (Contrastive, ImageImage, LossOutput, MinedNegatives, Objective, PositiveSource,
-                               QueueNegatives)
+from mmalign.objective import (
+    Contrastive,
+    ImageImage,
+    LossOutput,
+    MinedNegatives,
+    Objective,
+    PositiveSource,
+    QueueNegatives,
+)
 
 
 class GivenPositives(PositiveSource):
@@ -28,9 +35,20 @@ class GivenPositives(PositiveSource):
         return self._mask
 
 
-def objective(name: str = "infonce", tile: int = 0, *, ids=None, mask=None, beta: float = 0.0, prior: float = 0.0,
-              queue=None, mined: bool = False, views: tuple[float, float] | None = None,
-              stats: bool = True, reduce: bool = True) -> Objective:
+def objective(
+    name: str = "infonce",
+    tile: int = 0,
+    *,
+    ids=None,
+    mask=None,
+    beta: float = 0.0,
+    prior: float = 0.0,
+    queue=None,
+    mined: bool = False,
+    views: tuple[float, float] | None = None,
+    stats: bool = True,
+    reduce: bool = True,
+) -> Objective:
     """``queue``: QueueEntries (a stand-in for the MoCo state); ``views``: (weight, temperature)."""
     terms = []
     if queue is not None:

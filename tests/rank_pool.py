@@ -41,7 +41,13 @@ SIZE = 2  # ranks in the pool: the tests' largest world size
 START_TIMEOUT_S = 300.0  # interpreter plus imports on a busy 2-core machine
 # Imported by every rank before it reports ready: the start-up cost paid once, and the module state
 # that _ProcessState records is the state right after these imports.
-PRELOAD = ("deepspeed", "mmalign.run.engine", "mmalign.run.train", "mmalign.evaluation.sharded", "tests.conftest")
+PRELOAD = (
+    "deepspeed",
+    "mmalign.run.engine",
+    "mmalign.run.train",
+    "mmalign.evaluation.sharded",
+    "tests.conftest",
+)
 
 _pool: RankPool | None = None
 
@@ -115,21 +121,26 @@ class RankPool:
             waiting = {self.conns[r]: r for r in pending} | {self.procs[r].sentinel: r for r in pending}
             ready = mpc.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise AssertionError(f"ranks {sorted(pending)} still {phase} after {limit_s:.0f} s: stopped, "
-                                     "the pool is replaced")
+                raise AssertionError(
+                    f"ranks {sorted(pending)} still {phase} after {limit_s:.0f} s: stopped, "
+                    "the pool is replaced"
+                )
             for r in sorted({waiting[obj] for obj in ready}):
                 try:
                     kind, body = pickle.loads(self.conns[r].recv_bytes())
                 except (EOFError, OSError):
                     self.procs[r].join(5)
-                    raise AssertionError(f"rank {r} died {phase} (exit code {self.procs[r].exitcode}): "
-                                         "the pool is replaced") from None
+                    raise AssertionError(
+                        f"rank {r} died {phase} (exit code {self.procs[r].exitcode}): the pool is replaced"
+                    ) from None
                 if kind == "error":
                     raise AssertionError(f"rank {r} raised:\n{body}")
                 replies[r] = body
                 pending.discard(r)
-        return [None if replies[r] is None else torch.load(io.BytesIO(replies[r]), weights_only=False)
-                for r in sorted(replies)]
+        return [
+            None if replies[r] is None else torch.load(io.BytesIO(replies[r]), weights_only=False)
+            for r in sorted(replies)
+        ]
 
     def close(self) -> None:
         for conn in self.conns:
@@ -160,7 +171,9 @@ def _serve(conn, index: int) -> None:
             try:
                 importlib.import_module(name)
             except ModuleNotFoundError as e:
-                if e.name != name:  # a module that moved is only not preloaded; a missing dependency is an error
+                if (
+                    e.name != name
+                ):  # a module that moved is only not preloaded; a missing dependency is an error
                     raise
         state = _ProcessState()
     except BaseException:
@@ -186,8 +199,14 @@ def _run_task(worker, rank: int, world: int, port: int, args: tuple, env: dict, 
     from mmalign.dist import distributed as mdist
 
     os.environ.clear()
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        env,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     os.chdir(cwd)
     mdist.init_from_env(backend="gloo")
     result = worker(rank, world, *args)
@@ -219,7 +238,9 @@ _PATCHED_NAMESPACES = (torch, torch.nn.functional, torch.Tensor, torch.nn.Module
 # group, the group's timeout, the evaluation timer), torch.distributed's defaults that
 # init_from_env sets, and DeepSpeed's communication backend and group caches.
 _STATEFUL_PACKAGES = ("mmalign", "deepspeed", "torch.distributed")
-_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None)
+_SIGNALS = tuple(
+    s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None
+)
 
 
 class _ProcessState:
@@ -229,8 +250,11 @@ class _ProcessState:
     def __init__(self):
         self.seed = torch.initial_seed()  # drawn by torch at start-up (a fresh rank's is random too)
         self.namespaces = [(ns, dict(vars(ns))) for ns in _PATCHED_NAMESPACES]
-        self.globals = {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
-                        if mod is not None and any(name == p or name.startswith(p + ".") for p in _STATEFUL_PACKAGES)}
+        self.globals = {
+            name: dict(vars(mod))
+            for name, mod in list(sys.modules.items())
+            if mod is not None and any(name == p or name.startswith(p + ".") for p in _STATEFUL_PACKAGES)
+        }
         self.class_state = _class_state()
         self.loggers = {name: _logger_state(lg) for name, lg in _all_loggers()}
         self.log_disable = logging.root.manager.disable
@@ -308,8 +332,12 @@ def _class_state() -> list:
                     continue
                 if type(value) in _SCALARS:
                     found.append((cls, key, value))
-                elif callable(value) and isinstance(getattr(value, "__defaults__", None), tuple) \
-                        and value.__defaults__ and type(value.__defaults__[0]) is list:
+                elif (
+                    callable(value)
+                    and isinstance(getattr(value, "__defaults__", None), tuple)
+                    and value.__defaults__
+                    and type(value.__defaults__[0]) is list
+                ):
                     found.append((cls, key, list(value.__defaults__[0])))
     return found
 

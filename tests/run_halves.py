@@ -31,41 +31,106 @@ UNLISTED_S = 1.0
 # Seconds per test file (make test's selection, the sum of its tests' setup, call and teardown
 # from ``--durations=0``), measured 2026-12-01 with the two halves running; only the balance
 # depends on them, so stale values cost time, never correctness.
-DURATIONS: dict[str, float] = {f"tests/{k}": v for k, v in {
-    "multihost": 208, "test_conftest.py": 57.1, "test_cli_startup.py": 53.8, "test_compile.py": 53.7,
-    "test_cli_gradcache.py": 32.9, "test_data_remote.py": 32.4, "test_checkpoint_diskfull.py": 31.7,
-    "test_same_model_any_cluster.py": 27.2, "test_memory_plan.py": 26.2, "test_reshard_cli.py": 24.3,
-    "test_engine_autocast.py": 21.4, "test_install.py": 20.8, "test_models_batchnorm.py": 17.3,
-    "test_gpu_check.py": 16.8, "test_signals.py": 16.4, "test_curate_cli.py": 15.9, "test_monitors_ranks.py": 15.8,
-    "test_gpu_vs_openclip.py": 13.7, "test_ds_adapter.py": 13.3, "test_cluster_launch.py": 13.3,
-    "test_one_rank_zero.py": 13, "test_data_global_order.py": 12.6, "test_eval_during.py": 12.1,
-    "test_supervise.py": 11.2, "test_engine_exact.py": 10.3, "test_progress.py": 10.2,
-    "test_reshard_engine.py": 10.1, "test_lock.py": 10, "test_optim_lamb_zero.py": 9.7,
-    "test_engine_checkpoint.py": 8.8, "test_quickstart.py": 8.7, "test_objective_queue.py": 8.6,
-    "test_rundir.py": 7.7, "test_train_run.py": 7.6, "test_evaluation_suite.py": 7.1, "test_export.py": 6.3,
-    "test_layers.py": 6.3, "test_serve_page.py": 6.2, "test_towers.py": 6.1, "test_train.py": 5.8,
-    "test_engine_extras.py": 5.8, "test_serve.py": 5.7, "test_models_load.py": 5.6, "test_config_recipes.py": 5.6,
-    "test_losses.py": 5, "test_host_syncs.py": 4.8, "test_data_pipelines_mine.py": 4.7, "test_cpu_chunks.py": 4.2,
-    "test_engine_bf16_accum.py": 4.1, "test_attention_kernel.py": 4.1, "test_models_init_from.py": 3.9,
-    "test_data_resharding.py": 3.9, "test_search.py": 3.8, "test_trainable.py": 3.3,
-    "test_data_pipelines_build.py": 3.1, "test_losses_ntxent.py": 3.1, "test_search_usable.py": 3.1,
-    "test_data_stream.py": 3, "test_data_loader.py": 2.9, "test_grad_checkpointing.py": 2.8,
-    "test_monitors_flops.py": 2.7, "test_export_to_hf.py": 2.7, "test_timm_tower.py": 2.6,
-    "test_export_atomic.py": 2.4, "test_patch_dropout.py": 2.4, "test_config_domains.py": 2, "test_text_trim.py": 2,
-    "test_serve_key.py": 1.8, "test_evaluation_sharded.py": 1.8, "test_eval_cb_wds.py": 1.7,
-    "test_data_samples.py": 1.7, "test_data_keep_keys.py": 1.6, "test_cli_manners.py": 1.2,
-    "test_engine_ds_config.py": 1.2, "test_finetune_recipe.py": 1.1, "test_import_graph.py": 1.1,
-    "test_optim.py": 1.1, "test_eval_benchmark.py": 1, "test_rundir_finished.py": 1,
-}.items()}
+DURATIONS: dict[str, float] = {
+    f"tests/{k}": v
+    for k, v in {
+        "multihost": 208,
+        "test_conftest.py": 57.1,
+        "test_cli_startup.py": 53.8,
+        "test_compile.py": 53.7,
+        "test_cli_gradcache.py": 32.9,
+        "test_data_remote.py": 32.4,
+        "test_checkpoint_diskfull.py": 31.7,
+        "test_same_model_any_cluster.py": 27.2,
+        "test_memory_plan.py": 26.2,
+        "test_reshard_cli.py": 24.3,
+        "test_engine_autocast.py": 21.4,
+        "test_install.py": 20.8,
+        "test_models_batchnorm.py": 17.3,
+        "test_gpu_check.py": 16.8,
+        "test_signals.py": 16.4,
+        "test_curate_cli.py": 15.9,
+        "test_monitors_ranks.py": 15.8,
+        "test_gpu_vs_openclip.py": 13.7,
+        "test_ds_adapter.py": 13.3,
+        "test_cluster_launch.py": 13.3,
+        "test_one_rank_zero.py": 13,
+        "test_data_global_order.py": 12.6,
+        "test_eval_during.py": 12.1,
+        "test_supervise.py": 11.2,
+        "test_engine_exact.py": 10.3,
+        "test_progress.py": 10.2,
+        "test_reshard_engine.py": 10.1,
+        "test_lock.py": 10,
+        "test_optim_lamb_zero.py": 9.7,
+        "test_engine_checkpoint.py": 8.8,
+        "test_quickstart.py": 8.7,
+        "test_objective_queue.py": 8.6,
+        "test_rundir.py": 7.7,
+        "test_train_run.py": 7.6,
+        "test_evaluation_suite.py": 7.1,
+        "test_export.py": 6.3,
+        "test_layers.py": 6.3,
+        "test_serve_page.py": 6.2,
+        "test_towers.py": 6.1,
+        "test_train.py": 5.8,
+        "test_engine_extras.py": 5.8,
+        "test_serve.py": 5.7,
+        "test_models_load.py": 5.6,
+        "test_config_recipes.py": 5.6,
+        "test_losses.py": 5,
+        "test_host_syncs.py": 4.8,
+        "test_data_pipelines_mine.py": 4.7,
+        "test_cpu_chunks.py": 4.2,
+        "test_engine_bf16_accum.py": 4.1,
+        "test_attention_kernel.py": 4.1,
+        "test_models_init_from.py": 3.9,
+        "test_data_resharding.py": 3.9,
+        "test_search.py": 3.8,
+        "test_trainable.py": 3.3,
+        "test_data_pipelines_build.py": 3.1,
+        "test_losses_ntxent.py": 3.1,
+        "test_search_usable.py": 3.1,
+        "test_data_stream.py": 3,
+        "test_data_loader.py": 2.9,
+        "test_grad_checkpointing.py": 2.8,
+        "test_monitors_flops.py": 2.7,
+        "test_export_to_hf.py": 2.7,
+        "test_timm_tower.py": 2.6,
+        "test_export_atomic.py": 2.4,
+        "test_patch_dropout.py": 2.4,
+        "test_config_domains.py": 2,
+        "test_text_trim.py": 2,
+        "test_serve_key.py": 1.8,
+        "test_evaluation_sharded.py": 1.8,
+        "test_eval_cb_wds.py": 1.7,
+        "test_data_samples.py": 1.7,
+        "test_data_keep_keys.py": 1.6,
+        "test_cli_manners.py": 1.2,
+        "test_engine_ds_config.py": 1.2,
+        "test_finetune_recipe.py": 1.1,
+        "test_import_graph.py": 1.1,
+        "test_optim.py": 1.1,
+        "test_eval_benchmark.py": 1,
+        "test_rundir_finished.py": 1,
+    }.items()
+}
 # Files that wait more than they compute (timeouts, kills, network namespaces): always in half
 # "a", so the computing files of half "b" fill the cores while they wait.
-WAITING = ("tests/multihost", "tests/test_signals.py", "tests/test_cli_startup.py", "tests/test_conftest.py",
-           "tests/test_data_remote.py", "tests/test_curate_cli.py")
+WAITING = (
+    "tests/multihost",
+    "tests/test_signals.py",
+    "tests/test_cli_startup.py",
+    "tests/test_conftest.py",
+    "tests/test_data_remote.py",
+    "tests/test_curate_cli.py",
+)
 
 
 def test_files() -> list[str]:
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                   if "multihost" not in p.parts)
+    files = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "multihost" not in p.parts
+    )
     return files + ["tests/multihost"] if (ROOT / "tests" / "multihost").is_dir() else files
 
 
@@ -98,8 +163,11 @@ def main(argv: list[str]) -> int:
         # one intra-op thread per half (unless the caller chose): two halves of 2 threads each on 2
         # cores spend their time preempting each other
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **os.environ}
-        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), log,
-                       len(files))
+        procs[name] = (
+            subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
+            log,
+            len(files),
+        )
     codes = {}
     for name, (proc, log, n) in procs.items():
         codes[name] = proc.wait()

@@ -53,15 +53,52 @@ def build_corpus(root: Path) -> dict:
     """Shards (3 of them), embeddings, an exact index and the model, all under ``root``."""
     colours = class_folders(root / "src")
     (root / "templates.yaml").write_text("templates:\n" + "".join(f"  - '{t}'\n" for t in TEMPLATES))
-    assert main(["shards", "imagefolder", "--input", str(root / "src"), "--out", str(root / "shards"),
-                 "--templates", str(root / "templates.yaml"), "--templates-per-image", "all",
-                 "--per-shard", "5", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                "imagefolder",
+                "--input",
+                str(root / "src"),
+                "--out",
+                str(root / "shards"),
+                "--templates",
+                str(root / "templates.yaml"),
+                "--templates-per-image",
+                "all",
+                "--per-shard",
+                "5",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     model = save_random_model(root / "model", seed=5)
-    assert main(["embed", "--model", model, "--data", str(root / "shards"), "--out", str(root / "emb"),
-                 "--batch-size", "8"]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                "--model",
+                model,
+                "--data",
+                str(root / "shards"),
+                "--out",
+                str(root / "emb"),
+                "--batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert main(["index", "--emb", str(root / "emb"), "--out", str(root / "idx")]) == 0
-    return {"root": root, "model": model, "colours": colours, "shards": root / "shards", "emb": root / "emb",
-            "idx": root / "idx"}
+    return {
+        "root": root,
+        "model": model,
+        "colours": colours,
+        "shards": root / "shards",
+        "emb": root / "emb",
+        "idx": root / "idx",
+    }
 
 
 def serve_corpus(corpus: dict):

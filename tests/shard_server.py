@@ -67,7 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                body = data[start:end + 1]
+                body = data[start : end + 1]
                 self.send_response(206)
                 self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
             else:
@@ -78,9 +78,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if name in srv.cut_at:
                 first = start if match else 0
-                body = body[:max(0, srv.cut_at[name] - first)]
+                body = body[: max(0, srv.cut_at[name] - first)]
             if not head:
-                self.wfile.write(body[:len(body) // 2] if cutting else body)
+                self.wfile.write(body[: len(body) // 2] if cutting else body)
 
     def _endless(self, head: bool) -> None:
         import tarfile

@@ -38,7 +38,9 @@ def _causal_mask(n, dtype=torch.float64):
 @pytest.mark.parametrize("case", ["none", "causal", "mask"])
 def test_every_kernel_is_the_naive_attention_in_float64(kind, case, gen):
     b, h, n, d = 3, 2, 9, 8
-    q, k, v = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(b, h, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
     mask = torch.randn(n, n, generator=gen, dtype=torch.float64) if case == "mask" else None
     causal = case == "causal"
     want = _naive(q, k, v, mask, causal)
@@ -67,7 +69,9 @@ def test_auto_picks_the_fastest_measured_candidate_once_per_shape_class():
         assert ak.choose(q[:50], q[:50], q[:50], timer=timer) == "math"  # same class (64 rows, 128 tokens)
         assert len(calls) == 1 and calls[0][2] is True  # timed forward + backward
         with torch.no_grad():  # the same class without gradients: gradient caching's first pass
-            assert ak.choose(q, q, q, timer=lambda *a: {"flash": 1.0, "math": 2.0, "flash_fp32": 3.0}) == "math"
+            assert (
+                ak.choose(q, q, q, timer=lambda *a: {"flash": 1.0, "math": 2.0, "flash_fp32": 3.0}) == "math"
+            )
         assert ak.choose(q, q, q, timer=timer, is_causal=True) == "math" and len(calls) == 2
         # never measured: fp32 on CPU, and any non-CPU device
         assert ak.choose(q.float(), q.float(), q.float(), timer=timer) == "default"
@@ -214,7 +218,9 @@ def test_the_measurement_is_invisible_to_saved_tensor_hooks_and_dispatch_modes()
     with ak.using("auto"):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
             ak.attention(q, q, q)  # measures (an empty cache), then runs
-        assert packed and not any(len(shape) and shape[0] == 32 for shape in packed), packed  # none of the measurement's
+        assert packed and not any(len(shape) and shape[0] == 32 for shape in packed), (
+            packed
+        )  # none of the measurement's
         ak.clear_cache()
         with FlopCounterMode(display=False):
             assert ak.choose(q, q, q) == "default"
@@ -244,4 +250,6 @@ def test_fp32_text_tower_is_bit_identical_with_the_causal_flag(seed):
             m.causal_mask = False
     plain, plain_grads = run()
     assert torch.equal(marked, plain)
-    assert len(marked_grads) == len(plain_grads) and all(torch.equal(a, b) for a, b in zip(marked_grads, plain_grads))
+    assert len(marked_grads) == len(plain_grads) and all(
+        torch.equal(a, b) for a, b in zip(marked_grads, plain_grads)
+    )

@@ -25,14 +25,27 @@ SETTINGS = {"open_clip": ["fp32", "amp_bf16"], "mmalign": ["fp32", "bf16", "bf16
 
 def test_alternation_is_a_b_a_b_per_setting_and_repetition():
     order = ab.alternation(SETTINGS, reps=2)
-    one = [("open_clip", "fp32"), ("mmalign", "fp32"), ("open_clip", "amp_bf16"), ("mmalign", "bf16"),
-           ("mmalign", "bf16+compile")]
+    one = [
+        ("open_clip", "fp32"),
+        ("mmalign", "fp32"),
+        ("open_clip", "amp_bf16"),
+        ("mmalign", "bf16"),
+        ("mmalign", "bf16+compile"),
+    ]
     assert order == [(t, s, 0) for t, s in one] + [(t, s, 1) for t, s in one]
 
 
 def test_setting_args_parses_tokens_and_rejects_others():
-    assert ab.setting_args("mmalign", "bf16+compile+w2") == {"precision": "bf16", "workers": 2, "compile": True}
-    assert ab.setting_args("open_clip", "amp_bf16") == {"precision": "amp_bf16", "workers": 1, "compile": False}
+    assert ab.setting_args("mmalign", "bf16+compile+w2") == {
+        "precision": "bf16",
+        "workers": 2,
+        "compile": True,
+    }
+    assert ab.setting_args("open_clip", "amp_bf16") == {
+        "precision": "amp_bf16",
+        "workers": 1,
+        "compile": False,
+    }
     with pytest.raises(ValueError, match="precision"):
         ab.setting_args("mmalign", "amp_bf16")  # open_clip's word, not mmalign's
     with pytest.raises(ValueError, match="unknown token 'fast'"):
@@ -44,9 +57,15 @@ def _runs(rates: dict) -> list[dict]:
 
 
 def test_summary_medians_equal_and_best_pairs_and_ratio():
-    runs = _runs({("open_clip", "fp32"): [100.0, 90.0, 200.0], ("open_clip", "amp_bf16"): [80.0, 70.0],
-                  ("mmalign", "fp32"): [120.0, 110.0, 5.0], ("mmalign", "bf16"): [150.0, 170.0],
-                  ("mmalign", "bf16+compile"): [140.0, 130.0]})
+    runs = _runs(
+        {
+            ("open_clip", "fp32"): [100.0, 90.0, 200.0],
+            ("open_clip", "amp_bf16"): [80.0, 70.0],
+            ("mmalign", "fp32"): [120.0, 110.0, 5.0],
+            ("mmalign", "bf16"): [150.0, 170.0],
+            ("mmalign", "bf16+compile"): [140.0, 130.0],
+        }
+    )
     s = ab.summarise(runs, SETTINGS)
     # medians: odd count -> the middle value (an outlier does not move it); even -> mean of the two middle
     assert s["equal"]["open_clip"] == {"setting": "fp32", "median": 100.0, "runs": [100.0, 90.0, 200.0]}

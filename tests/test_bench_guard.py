@@ -33,8 +33,9 @@ def idle():
     return _load_idle()
 
 
-def machine(monkeypatch, loads: list[float], cpu_count: int = 2, affinity: int | None = None,
-            own: float = 0.0) -> None:
+def machine(
+    monkeypatch, loads: list[float], cpu_count: int = 2, affinity: int | None = None, own: float = 0.0
+) -> None:
     """The 1-minute load averages successive os.getloadavg() calls return, the core counts, and the
     bench's own CPU use (cores busy over a 10 s run; successive os.times() / monotonic readings)."""
     it = iter(loads)
@@ -60,7 +61,10 @@ def test_idle_run_writes_the_section_with_both_loads(idle, monkeypatch, tmp_path
     idle.write_section(doc, TEXT, watch, allow_loaded=False)
     text = doc.read_text()
     assert watch.describe() == "load 0.4 at start, 1.9 at end (the bench itself used 0.0), 2 cores"
-    assert f"{HEADING}\n\nIdle machine: load 0.4 at start, 1.9 at end (the bench itself used 0.0), 2 cores" in text
+    assert (
+        f"{HEADING}\n\nIdle machine: load 0.4 at start, 1.9 at end (the bench itself used 0.0), 2 cores"
+        in text
+    )
     assert "| 1 | 2 |" in text and "## Other (bench/other.py)\n\nkept" in text  # the other section stays
     assert "under load" not in text.lower()
     assert capsys.readouterr().err == ""
@@ -78,7 +82,10 @@ def test_loaded_run_leaves_the_doc_alone_and_says_why_in_one_line(idle, monkeypa
     assert doc.read_text() == before
     err = capsys.readouterr().err.strip()
     assert "\n" not in err, err
-    assert "not written" in err and f"load {loads[0]:.1f} at start, {loads[1]:.1f} at end (the bench itself used 0.0), 2 cores" in err
+    assert (
+        "not written" in err
+        and f"load {loads[0]:.1f} at start, {loads[1]:.1f} at end (the bench itself used 0.0), 2 cores" in err
+    )
     assert "--allow-loaded" in err
 
 
@@ -95,7 +102,10 @@ def test_allow_loaded_writes_the_section_marked_as_taken_under_load(idle, monkey
     doc = _doc(tmp_path)
     idle.write_section(doc, TEXT, idle.LoadWatch(), allow_loaded=True)
     text = doc.read_text()
-    assert f"{HEADING}\n\nTaken under load (load 0.5 at start, 3.1 at end (the bench itself used 0.0), 2 cores): not comparable" in text
+    assert (
+        f"{HEADING}\n\nTaken under load (load 0.5 at start, 3.1 at end (the bench itself used 0.0), 2 cores): not comparable"
+        in text
+    )
     assert "| 1 | 2 |" in text and "Idle machine" not in text
     assert capsys.readouterr().err == ""
 
@@ -147,9 +157,15 @@ def test_add_flag(idle):
 
 
 def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-            and ((isinstance(n.func, ast.Name) and n.func.id == name)
-                 or (isinstance(n.func, ast.Attribute) and n.func.attr == name))]
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and (
+            (isinstance(n.func, ast.Name) and n.func.id == name)
+            or (isinstance(n.func, ast.Attribute) and n.func.attr == name)
+        )
+    ]
 
 
 def _doc_writers() -> dict[str, ast.AST]:
@@ -167,17 +183,34 @@ def _doc_writers() -> dict[str, ast.AST]:
 def test_every_doc_writing_bench_goes_through_the_guard_and_accepts_allow_loaded():
     writers = _doc_writers()
     # the detection must find the scripts known to write docs/benchmarks.md (and pair_policies.md)
-    assert {"bf16_accum", "eval", "gpu_check", "gradcache", "loader", "loss", "pair_policies",
-            "quality_cifar10"} <= set(writers), sorted(writers)
+    assert {
+        "bf16_accum",
+        "eval",
+        "gpu_check",
+        "gradcache",
+        "loader",
+        "loss",
+        "pair_policies",
+        "quality_cifar10",
+    } <= set(writers), sorted(writers)
     for name, tree in writers.items():
-        sources = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        assert ("idle", "write_section") in sources, f"bench/{name}.py writes its doc through bench/idle.py's guard"
+        sources = {
+            (n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+        }
+        assert ("idle", "write_section") in sources, (
+            f"bench/{name}.py writes its doc through bench/idle.py's guard"
+        )
         assert ("docsection", "write_section") not in sources, f"bench/{name}.py imports the unguarded writer"
         flag = _calls(tree, "add_flag") or [
-            c for c in _calls(tree, "add_argument")
-            if any(isinstance(a, ast.Constant) and a.value == "--allow-loaded" for a in c.args)]
+            c
+            for c in _calls(tree, "add_argument")
+            if any(isinstance(a, ast.Constant) and a.value == "--allow-loaded" for a in c.args)
+        ]
         assert flag, f"bench/{name}.py has no --allow-loaded flag"
-        assert any(isinstance(n, ast.Attribute) and n.attr == "allow_loaded" for n in ast.walk(tree)), \
+        assert any(isinstance(n, ast.Attribute) and n.attr == "allow_loaded" for n in ast.walk(tree)), (
             f"bench/{name}.py never passes args.allow_loaded on"
+        )
         for call in _calls(tree, "write_section"):
-            assert len(call.args) + len(call.keywords) >= 4, f"bench/{name}.py line {call.lineno}: no watch/flag"
+            assert len(call.args) + len(call.keywords) >= 4, (
+                f"bench/{name}.py line {call.lineno}: no watch/flag"
+            )

@@ -35,8 +35,11 @@ def _unresolved(source: str, namespace: dict) -> list[str]:
     missing = []
     for const in code.co_consts:  # the module's functions and classes (module-level code ran on import)
         if isinstance(const, types.CodeType):
-            missing += [f"{name} (line {line})" for name, line in _global_reads(const)
-                        if name not in namespace and not hasattr(builtins, name)]
+            missing += [
+                f"{name} (line {line})"
+                for name, line in _global_reads(const)
+                if name not in namespace and not hasattr(builtins, name)
+            ]
     return missing
 
 

@@ -24,16 +24,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmalign.run import checkpoint, diskspace
 from mmalign.config import load_config
+from mmalign.run import checkpoint, diskspace
 from tests.conftest import ROOT, run_ranks
 
 
 def _sets(shapes_dir) -> list[str]:
-    return ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=2",
-            "train.log_every=1", "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=none"]
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.checkpoint_every=2",
+        "train.log_every=1",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+    ]
 
 
 def _enospc_at(monkeypatch, marker: str) -> list:
@@ -46,7 +57,9 @@ def _enospc_at(monkeypatch, marker: str) -> list:
         name = getattr(f, "name", f)
         if marker in str(name):
             handed.append(f)
-            f.write(b"PK\x03\x04partial") if hasattr(f, "write") else Path(f).write_bytes(b"PK\x03\x04partial")
+            f.write(b"PK\x03\x04partial") if hasattr(f, "write") else Path(f).write_bytes(
+                b"PK\x03\x04partial"
+            )
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(obj, f, *args, **kwargs)
 
@@ -88,7 +101,9 @@ def test_a_full_disk_stops_in_one_line_and_the_run_resumes(shapes_dir, tmp_path,
 
 
 def test_write_reasons():
-    assert diskspace.write_reason(OSError(errno.ENOSPC, "No space left on device")) == "no space left on device"
+    assert (
+        diskspace.write_reason(OSError(errno.ENOSPC, "No space left on device")) == "no space left on device"
+    )
     assert diskspace.write_reason(OSError(errno.EDQUOT, "Disk quota exceeded")) == "disk quota exceeded"
     assert diskspace.write_reason(OSError(errno.EIO, "Input/output error")) == "input/output error"
     try:  # torch's writer of a path: the errno is gone, the message is its own
@@ -99,7 +114,7 @@ def test_write_reasons():
         try:
             raise RuntimeError("unexpected pos 704 vs 598")
         except RuntimeError:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device")  # noqa: B904 (the context is the point)
     except OSError as e:
         assert diskspace.write_reason(e) == "no space left on device"
     assert diskspace.write_reason(ValueError("a bug")) is None
@@ -164,7 +179,9 @@ class _RankEngine:
 
         (Path(directory) / tag).mkdir(exist_ok=True)
         rank = mdist.get_rank()
-        self.ds.checkpoint_engine.save({"w": torch.ones(3)}, str(Path(directory) / tag / f"rank{rank}_states.pt"))
+        self.ds.checkpoint_engine.save(
+            {"w": torch.ones(3)}, str(Path(directory) / tag / f"rank{rank}_states.pt")
+        )
         mdist.barrier()
 
 
@@ -172,6 +189,7 @@ def _full_on_rank1(rank, world, out):
     from mmalign.run import checkpoint, diskspace
 
     if rank == 1:
+
         def full(obj, path, **kwargs):
             Path(path).write_bytes(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -200,8 +218,10 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(tmp_path):
         assert second is None
     base = out / "checkpoints"
     assert sorted(p.name for p in base.iterdir()) == ["latest", "step_00000004"]
-    assert sorted(p.name for p in (base / "step_00000004" / "engine").iterdir()) == ["rank0_states.pt",
-                                                                                    "rank1_states.pt"]
+    assert sorted(p.name for p in (base / "step_00000004" / "engine").iterdir()) == [
+        "rank0_states.pt",
+        "rank1_states.pt",
+    ]
 
 
 @pytest.fixture
@@ -212,7 +232,9 @@ def small_tmpfs(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0:
         pytest.skip("a tmpfs needs root (mount); the injected-ENOSPC tests cover the same path")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if res.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here ({res.stderr.strip()[:120]})")
     try:
@@ -235,8 +257,10 @@ def test_a_real_full_tmpfs_is_exit_1_and_resumes_after_space_is_freed(shapes_dir
     res = _cli(out, sets)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert lines[-1].startswith(f"mmalign: stopped: cannot write checkpoint {out / 'checkpoints' / 'step_00000004'}: "
-                                f"no space left on device; "), lines[-1]
+    assert lines[-1].startswith(
+        f"mmalign: stopped: cannot write checkpoint {out / 'checkpoints' / 'step_00000004'}: "
+        f"no space left on device; "
+    ), lines[-1]
     assert "MiB free on that filesystem" in lines[-1] and "latest still names step_00000002" in lines[-1]
     warned = [ln for ln in res.stdout.splitlines() if "will probably not fit" in ln]
     assert len(warned) == 1 and "the save of step 4" in warned[0], res.stdout[-2000:]

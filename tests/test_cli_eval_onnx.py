@@ -28,8 +28,13 @@ def test_eval_on_an_onnx_export_is_one_line_naming_what_eval_takes(onnx_export):
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
-    for words in ("ONNX export is for serving", "run directory", "final/", "RUN/checkpoints/step_N",
-                  "open_clip / Hugging Face export folder"):
+    for words in (
+        "ONNX export is for serving",
+        "run directory",
+        "final/",
+        "RUN/checkpoints/step_N",
+        "open_clip / Hugging Face export folder",
+    ):
         assert words in lines[0], words
     assert elapsed < 60  # answered before loading anything (generous on 2 busy cores)
 

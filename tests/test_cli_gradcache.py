@@ -63,8 +63,20 @@ def test_deepspeed_launcher_two_ranks(micro_overrides, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ds"
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
-           "--module", "mmalign.cli", "train", "--config", str(ROOT / "configs/quickstart.yaml"), "--output", str(out)]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        "--module",
+        "mmalign.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        "--output",
+        str(out),
+    ]
     for o in _quiet(micro_overrides) + ["train.steps=2", "train.warmup_steps=1"]:
         cmd += ["--set", o]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)

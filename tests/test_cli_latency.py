@@ -17,12 +17,22 @@ import pytest
 
 from tests.conftest import ROOT
 
-HEAVY = ("torch", "deepspeed", "transformers", "open_clip", "faiss", "matplotlib", "sklearn", "torchvision", "timm")
+HEAVY = (
+    "torch",
+    "deepspeed",
+    "transformers",
+    "open_clip",
+    "faiss",
+    "matplotlib",
+    "sklearn",
+    "torchvision",
+    "timm",
+)
 GOAL_S = 2.0
 FACTOR = 3.0  # a loaded test machine: the limit is 3x the goal; bench/cli_latency.py records the real times
 
 # what a cold process runs: main(argv), then the heavy modules it imported, as JSON on the last line of stderr
-RUNNER = """
+RUNNER = f"""
 import json, sys
 from mmalign.cli import main
 try:
@@ -30,15 +40,16 @@ try:
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 sys.stdout.flush()
-print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))), file=sys.stderr)
+print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))), file=sys.stderr)
 sys.exit(code)
-""" % (HEAVY,)
+"""
 
 
 def _run(*argv, cwd=ROOT):
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", RUNNER, *map(str, argv)], capture_output=True, text=True,
-                         cwd=cwd, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", RUNNER, *map(str, argv)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
     wall = time.perf_counter() - start
     *err, heavy = res.stderr.rstrip("\n").split("\n")
     return res.returncode, res.stdout, "".join(line + "\n" for line in err), json.loads(heavy), wall
@@ -49,7 +60,9 @@ def _help_commands() -> list[list[str]]:
     sub-commands: bench/cli_latency.py's list, so the bench times what this test holds."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_cli_latency_under_test", ROOT / "bench" / "cli_latency.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_cli_latency_under_test", ROOT / "bench" / "cli_latency.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench.help_commands()
@@ -92,12 +105,26 @@ def _usage_errors(tmp):
         (["export", "--model", missing, "--format", "hf", "--out", tmp / "o"], "does not exist"),
         (["embed", "--model", missing, "--data", tmp / "empty", "--out", tmp / "o"], "does not exist"),
         (["index", "--emb", missing, "--out", tmp / "o"], "not an embedding directory"),
-        (["search", "--index", tmp / "empty", "--model", missing, "--text", "a cat"], "not an index directory"),
+        (
+            ["search", "--index", tmp / "empty", "--model", missing, "--text", "a cat"],
+            "not an index directory",
+        ),
         (["serve", "--index", tmp / "empty", "--model", missing], "not an index directory"),
         (["report", "--run", missing], "not a run directory"),
         (["mine", "--data", tmp / "empty", "--model", missing, "--out", tmp / "o"], "holds no .tar shards"),
-        (["tokenizer", "train", "--data", missing / "0.tar", "--vocab-size", "64", "--out", tmp / "t.model"],
-         "shard not found"),
+        (
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                missing / "0.tar",
+                "--vocab-size",
+                "64",
+                "--out",
+                tmp / "t.model",
+            ],
+            "shard not found",
+        ),
         (["curate", "--data", missing, "--model", tmp / "empty", "--out", tmp / "o"], "shard not found"),
         (["curate", "--data", tmp / "shards", "--model", missing, "--out", tmp / "o"], "does not exist"),
         (["shards", "imagefolder", "--input", missing, "--out", tmp / "o"], "not found"),
@@ -119,9 +146,11 @@ def test_a_model_load_takes_seconds_beyond_torch(tmp_path):
     from tests.searchdata import save_random_model
 
     model = save_random_model(tmp_path / "model", seed=0)
-    code = ("import time, json, sys; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-            "import mmalign; m = mmalign.load(sys.argv[1]); t2 = time.perf_counter(); "
-            "print(json.dumps([t1 - t0, t2 - t1, m.model.embed_dim]))")
+    code = (
+        "import time, json, sys; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+        "import mmalign; m = mmalign.load(sys.argv[1]); t2 = time.perf_counter(); "
+        "print(json.dumps([t1 - t0, t2 - t1, m.model.embed_dim]))"
+    )
     res = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     torch_s, load_s, dim = json.loads(res.stdout.splitlines()[-1])
@@ -130,8 +159,15 @@ def test_a_model_load_takes_seconds_beyond_torch(tmp_path):
     assert load_s <= FACTOR * 3.0, (torch_s, load_s)
 
 
-@pytest.mark.parametrize("argv", [["eval"], ["export", "--format", "hf", "--out", "OUT"],
-                                  ["embed", "--data", "D", "--out", "OUT"], ["mine", "--data", "D", "--out", "OUT"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval"],
+        ["export", "--format", "hf", "--out", "OUT"],
+        ["embed", "--data", "D", "--out", "OUT"],
+        ["mine", "--data", "D", "--out", "OUT"],
+    ],
+)
 def test_a_model_command_says_it_is_loading_before_it_loads(tmp_path, argv):
     """The seconds of importing torch and open_clip begin with a line (here a folder that holds no
     model: the line, then the loader's one-line error; in this process, where torch is imported once)."""
@@ -172,7 +208,16 @@ def test_train_says_what_its_seconds_of_imports_are_for(tmp_path):
     from tests.conftest import cli_main
 
     (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the imports
-    res = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
-                   "--set", f"output={tmp_path / 'run'}", "--set", f"data.train={tmp_path / '00000.tar'}")
+    res = cli_main(
+        "train",
+        "--set",
+        "model.preset=micro",
+        "--set",
+        "model.vision.patch_size=x",
+        "--set",
+        f"output={tmp_path / 'run'}",
+        "--set",
+        f"data.train={tmp_path / '00000.tar'}",
+    )
     assert res.stdout == "mmalign: config checked; importing torch and open_clip to check the model ...\n"
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "config key 'model'" in res.stderr

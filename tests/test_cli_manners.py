@@ -36,7 +36,10 @@ def test_every_help_shows_defaults_and_choices():
             if action.help is argparse.SUPPRESS or action.required or not action.option_strings:
                 continue
             shown = formatter._expand_help(action) if action.help else ""
-            if not any(action.default is v for v in (None, False, argparse.SUPPRESS)) and action.default != []:
+            if (
+                not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                and action.default != []
+            ):
                 # a value-taking flag states its default (in our words or argparse's)
                 assert "default" in shown, (name, action.option_strings, shown)
             if action.choices:
@@ -77,7 +80,9 @@ def test_models_lists_offline_presets_with_parameter_counts(monkeypatch, capsys)
     from mmalign.models import TwoTower, preset_table
 
     names = ["micro", "ViT-B-16-SigLIP", "RN50"]
-    every = preset_table.architectures()  # the shipped table's rows of these three (mmalign.models.preset_table)
+    every = (
+        preset_table.architectures()
+    )  # the shipped table's rows of these three (mmalign.models.preset_table)
     monkeypatch.setattr(preset_table, "architectures", lambda: {n: every[n] for n in names})
     assert main(["models"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:-1]}
@@ -94,15 +99,19 @@ def test_models_lists_offline_presets_with_parameter_counts(monkeypatch, capsys)
 def test_eval_without_output_keeps_the_runs_eval_json(shapes_dir, tmp_path, capsys):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models.io import save_pretrained
     from mmalign.models.arch import resolve_arch
+    from mmalign.models.io import save_pretrained
     from mmalign.models.two_tower import TwoTower
 
     run = tmp_path / "run"
     torch.manual_seed(0)
     model = TwoTower(resolve_arch(ModelConfig(preset="micro")))
-    save_pretrained(model, run / "final", preprocess=preprocess_cfg(model.image_size),
-                    extra={"train_config": {"data": {"val": f"{shapes_dir}/val/00000.tar"}, "eval": {"suite": "shapes"}}})
+    save_pretrained(
+        model,
+        run / "final",
+        preprocess=preprocess_cfg(model.image_size),
+        extra={"train_config": {"data": {"val": f"{shapes_dir}/val/00000.tar"}, "eval": {"suite": "shapes"}}},
+    )
     (run / "final" / "eval.json").write_text("[]")  # stands for the run's own end-of-training results
     assert main(["eval", "--model", str(run / "final"), "--limit", "40"]) == 0
     assert (run / "final" / "eval.json").read_text() == "[]"
@@ -119,10 +128,19 @@ def test_cli_main_sees_what_the_process_prints(tmp_path):
     command's (compared once here against a real process), and --version's SystemExit is an exit code."""
     from tests.conftest import cli_main, run_cli
 
-    args = ("train", "--set", "train.stepz=3", "--output", str(tmp_path / "run"))  # refused before torch is imported
+    args = (
+        "train",
+        "--set",
+        "train.stepz=3",
+        "--output",
+        str(tmp_path / "run"),
+    )  # refused before torch is imported
     real, here = run_cli(*args), cli_main(*args)
-    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr) == (
-        2, "", here.stderr.splitlines()[0] + "\n"), real.stderr
+    assert (
+        (here.returncode, here.stdout, here.stderr)
+        == (real.returncode, real.stdout, real.stderr)
+        == (2, "", here.stderr.splitlines()[0] + "\n")
+    ), real.stderr
     version = cli_main("--version")
     assert (version.returncode, version.stdout, version.stderr) == (0, f"mmalign {mmalign.__version__}\n", "")
 
@@ -144,6 +162,8 @@ def test_cli_main_leaves_this_process_as_it_found_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli, "cmd_models", command)  # `mmalign models` runs it
     here = os.getcwd()
-    with pytest.raises(RuntimeError, match="a bug"):  # a traceback fails the test, as a process would print one
+    with pytest.raises(
+        RuntimeError, match="a bug"
+    ):  # a traceback fails the test, as a process would print one
         cli_main("models", cwd=tmp_path)
     assert seen == {"cwd": str(tmp_path)} and os.getcwd() == here

@@ -47,8 +47,17 @@ def test_two_trainings_in_one_process_and_an_engine_after_them(micro_overrides, 
 
     ov = [o for o in micro_overrides if not o.startswith(("output=", "train.steps="))]
     for name in ("first", "second"):
-        args = ["train", "--output", str(tmp_path / name), "--set", "train.steps=2", "--set", "eval.suite=none",
-                "--set", "monitor.probe_size=0"]
+        args = [
+            "train",
+            "--output",
+            str(tmp_path / name),
+            "--set",
+            "train.steps=2",
+            "--set",
+            "eval.suite=none",
+            "--set",
+            "monitor.probe_size=0",
+        ]
         for o in ov:
             args += ["--set", o]
         res = cli_main(*args)
@@ -66,18 +75,34 @@ def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro
     eval.suite none: no evaluation."""
     extensions = tmp_path / "torch_extensions"
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions), PYTHONPATH=str(ROOT))
-    overrides = micro_overrides + ["train.steps=6", "train.log_every=3", "eval.suite=none", "monitor.probe_size=0"]
-    res = subprocess.run(_train_cmd(overrides), capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    overrides = micro_overrides + [
+        "train.steps=6",
+        "train.log_every=3",
+        "eval.suite=none",
+        "monitor.probe_size=0",
+    ]
+    res = subprocess.run(
+        _train_cmd(overrides), capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
-    phases = ["building model micro", "starting DeepSpeed", "global batch 32", "opening data: 2 training shard",
-              "training 6 step(s), no evaluation", "first 3 step(s)", "trained 6 step(s)"]
+    phases = [
+        "building model micro",
+        "starting DeepSpeed",
+        "global batch 32",
+        "opening data: 2 training shard",
+        "training 6 step(s), no evaluation",
+        "first 3 step(s)",
+        "trained 6 step(s)",
+    ]
     where = [out.find("mmalign: " + p) for p in phases]
     assert -1 not in where and where == sorted(where), out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 2, out  # steps 3 and 6
-    pattern = (r"step +(\d+)/6 \(\s*\d+%\)  loss \d+\.\d{4}  lr \d\.\d{3}e[+-]\d\d  scale \d+\.\d\d  "
-               r"samples/s \d+\.\d  ETA \d+:\d\d:\d\d(?:  GFLOP/s \d+\.\d+)?")
+    pattern = (
+        r"step +(\d+)/6 \(\s*\d+%\)  loss \d+\.\d{4}  lr \d\.\d{3}e[+-]\d\d  scale \d+\.\d\d  "
+        r"samples/s \d+\.\d  ETA \d+:\d\d:\d\d(?:  GFLOP/s \d+\.\d+)?"
+    )
     assert [int(re.fullmatch(pattern, s).group(1)) for s in steps] == [3, 6], steps
     both = out + res.stderr
     assert "CUDA_HOME" not in both and "built successfully" not in both and "\r" not in both
@@ -105,7 +130,9 @@ def test_eval_suite_typo_fails_before_anything_is_built(micro_overrides, monkeyp
         train_mod.train(cfg, show_progress=False)
     assert not Path(cfg.output).exists()
     # a shard suite with neither its own shards nor data.val: also before training
-    missing = load_config(None, micro_overrides + ["data.val=" + str(Path(cfg.output).parent / "nowhere.tar")])
+    missing = load_config(
+        None, micro_overrides + ["data.val=" + str(Path(cfg.output).parent / "nowhere.tar")]
+    )
     with pytest.raises(ConfigError, match="config key 'data.val': shard not found"):
         train_mod.train(missing, show_progress=False)
     assert train_mod.resolve_suite(load_config(None, ["eval.suite=none"])) is None
@@ -121,8 +148,9 @@ def test_suite_paths_resolve_against_the_suite_file_then_the_working_directory(t
     for name in ("a.tar", "b.tar"):
         (data / name).write_bytes(b"")
     (suites / "by_file.yaml").write_text("name: by_file\ndataset: ../data/{a,b}.tar\ntasks: []\n")
-    (suites / "folder.yaml").write_text("name: folder\ndataset: {type: imagefolder, path: ../data/folder}\n"
-                                        "tasks: []\n")
+    (suites / "folder.yaml").write_text(
+        "name: folder\ndataset: {type: imagefolder, path: ../data/folder}\ntasks: []\n"
+    )
     (suites / "by_cwd.yaml").write_text("name: by_cwd\ndataset: data/a.tar\ntasks: []\n")
     (suites / "gone.yaml").write_text("name: gone\ndataset: {type: imagefolder, path: nowhere}\ntasks: []\n")
     monkeypatch.chdir(elsewhere)
@@ -139,7 +167,9 @@ def test_suite_paths_resolve_against_the_suite_file_then_the_working_directory(t
     monkeypatch.chdir(ROOT)
     assert load_suite("imagefolder_cifar10")["dataset"]["path"] == from_elsewhere
     # --data / data.val replaces a shard suite's files
-    assert check_suite_data(load_suite(str(suites / "by_cwd.yaml")), str(data / "b.tar"))["urls"] == str(data / "b.tar")
+    assert check_suite_data(load_suite(str(suites / "by_cwd.yaml")), str(data / "b.tar"))["urls"] == str(
+        data / "b.tar"
+    )
 
 
 # ------------------------------------------------------------------ progress
@@ -148,13 +178,23 @@ def test_suite_paths_resolve_against_the_suite_file_then_the_working_directory(t
 def test_progress_lines_off_a_terminal(capsys):
     assert duration(0) == "0:00:00" and duration(3725.4) == "1:02:05" and duration(90061) == "1 days, 1:01:01"
     assert duration(float("nan")) == "?"
-    line = train_line(40, 1000, {"loss": 3.25, "lr": 1e-3, "logit_scale": 14.2857, "samples_per_s": 85.12,
-                                 "skipped_steps": 0}, 754)
-    assert line == "step   40/1000 (  4%)  loss 3.2500  lr 1.000e-03  scale 14.29  samples/s 85.1  ETA 0:12:34"
+    line = train_line(
+        40,
+        1000,
+        {"loss": 3.25, "lr": 1e-3, "logit_scale": 14.2857, "samples_per_s": 85.12, "skipped_steps": 0},
+        754,
+    )
+    assert (
+        line == "step   40/1000 (  4%)  loss 3.2500  lr 1.000e-03  scale 14.29  samples/s 85.1  ETA 0:12:34"
+    )
     assert list(track(range(5), "eval x", total=5, unit="images", every_s=0.0)) == list(range(5))
     printed = capsys.readouterr().out.splitlines()  # pytest's capture is not a terminal: lines, no bar
     assert len(printed) == 6 and printed[0].startswith("mmalign: eval x: 1 of 5 images")
-    assert "ETA" in printed[0] and printed[-1].startswith("mmalign: eval x: 5 of 5 images") and "done in" in printed[-1]
+    assert (
+        "ETA" in printed[0]
+        and printed[-1].startswith("mmalign: eval x: 5 of 5 images")
+        and "done in" in printed[-1]
+    )
     assert list(track(range(3), "quiet", enabled=False)) == [0, 1, 2] and capsys.readouterr().out == ""
 
 
@@ -194,9 +234,15 @@ def _training(cmd: list[str], log: Path, limit_s: float):
     with log.open("w") as sink:
         # SIGINT at its default in the run: a shell's background job (make test under nohup, CI)
         # can hand pytest an ignored SIGINT, which its children would inherit and never see Ctrl-C
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     family: list[int] = []
     try:
         deadline = time.time() + limit_s
@@ -224,7 +270,11 @@ def _wait_gone(pids: list[int], within_s: float) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
-        "data.workers=2", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
+        "data.workers=2",
+        "train.steps=1000",
+        "monitor.probe_size=0",
+        "eval.suite=none",
+    ]
     log = tmp_path / "stdout.txt"
     with _training(_train_cmd(overrides), log, 180) as (proc, workers):
         assert len(workers) >= 2, workers  # the two DataLoader workers
@@ -258,8 +308,12 @@ def test_probes_say_what_they_fit():
     heard: list[str] = []
     quiet = run_probes(features, labels, 3, {"Cs": [0.1, 1.0]})
     loud = run_probes(features, labels, 3, {"Cs": [0.1, 1.0]}, say=heard.append)
-    assert heard == ["linear probe: fitting C=0.1 (1/2) on 30 samples", "linear probe: fitting C=1 (2/2) on 30 samples",
-                     "kNN probes", "few-shot probes"]
+    assert heard == [
+        "linear probe: fitting C=0.1 (1/2) on 30 samples",
+        "linear probe: fitting C=1 (2/2) on 30 samples",
+        "kNN probes",
+        "few-shot probes",
+    ]
     assert loud == quiet  # progress changes no number
 
 
@@ -270,8 +324,12 @@ def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_ove
         raise AssertionError("ranks were launched before eval.suite was checked")
 
     monkeypatch.setattr(mmalign.dist.launch, "launch_local", no_ranks)
-    res = cli_main("train", "--nproc", "2", *[a for o in micro_overrides + ["eval.suite=shapez"] for a in ("--set", o)])
-    assert res.returncode == 2 and res.stderr.startswith("mmalign: error: config key 'eval.suite': unknown suite")
+    res = cli_main(
+        "train", "--nproc", "2", *[a for o in micro_overrides + ["eval.suite=shapez"] for a in ("--set", o)]
+    )
+    assert res.returncode == 2 and res.stderr.startswith(
+        "mmalign: error: config key 'eval.suite': unknown suite"
+    )
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no per-rank copies, no launcher traceback
 
 
@@ -279,7 +337,11 @@ def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_ove
 def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides, tmp_path):
     """SIGTERM to `mmalign train --nproc 2` reaches torchrun, its ranks and their data workers."""
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
-        "data.workers=1", "train.steps=1000", "monitor.probe_size=0", "eval.suite=none"]
+        "data.workers=1",
+        "train.steps=1000",
+        "monitor.probe_size=0",
+        "eval.suite=none",
+    ]
     log = tmp_path / "stdout.txt"
     with _training(_train_cmd(overrides, "--nproc", "2"), log, 240) as (proc, family):
         assert len(family) >= 5, family  # torchrun, 2 ranks, a worker each
@@ -304,9 +366,11 @@ def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(tmp_pa
             Image.new("RGB", (20, 20), colour).save(folder / c / f"{i}.png")
     suite_file = tmp_path / "suites" / "colours.yaml"
     suite_file.parent.mkdir()
-    suite_file.write_text("name: colours\ndataset: {type: imagefolder, path: nowhere, classnames: [red, blue]}\n"
-                          "tasks: [{name: colours, type: zeroshot, label_field: classname, classnames: [red, blue],"
-                          " templates: ['a {c} square.']}]\n")
+    suite_file.write_text(
+        "name: colours\ndataset: {type: imagefolder, path: nowhere, classnames: [red, blue]}\n"
+        "tasks: [{name: colours, type: zeroshot, label_field: classname, classnames: [red, blue],"
+        " templates: ['a {c} square.']}]\n"
+    )
     suite = load_suite(str(suite_file))
     with pytest.raises(ConfigError, match="image folder 'nowhere' not found"):
         check_suite_data(suite, "shards/{0..1}.tar")  # data.val leaves an image folder alone
@@ -320,11 +384,15 @@ def test_data_flag_replaces_an_image_folder_suite_path_from_any_directory(tmp_pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = tmp_path / "colours.json"
-    res = cli_main("eval", "--model", final, "--suite", suite_file, "--data", folder, "--output", out, cwd=elsewhere)
+    res = cli_main(
+        "eval", "--model", final, "--suite", suite_file, "--data", folder, "--output", out, cwd=elsewhere
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     (record,) = json.loads(out.read_text())
     assert record["dataset"] == "colours/colours" and record["n_images"] == 6 and "acc1" in record["metrics"]
-    res = cli_main("eval", "--model", final, "--suite", suite_file, "--data", tmp_path / "gone", cwd=elsewhere)
+    res = cli_main(
+        "eval", "--model", final, "--suite", suite_file, "--data", tmp_path / "gone", cwd=elsewhere
+    )
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
@@ -334,8 +402,8 @@ def _saved_micro_model(folder: Path) -> Path:
 
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models.io import save_pretrained
     from mmalign.models.arch import resolve_arch
+    from mmalign.models.io import save_pretrained
     from mmalign.models.two_tower import TwoTower
 
     torch.manual_seed(0)

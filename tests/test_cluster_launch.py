@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign.run import checkpoint, gradcache
 from mmalign.dist import cluster
 from mmalign.dist import distributed as mdist
 from mmalign.errors import UsageError
+from mmalign.run import checkpoint, gradcache
 from tests.conftest import ROOT, cli_main
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
@@ -66,29 +66,50 @@ def _launched_as(monkeypatch, **extra: str) -> None:
 # ------------------------------------------------------------------ SLURM node lists
 
 
-@pytest.mark.parametrize("text, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-    ("node[01-03,07],gpu7", ["node01", "node02", "node03", "node07", "gpu7"]),
-    ("a[8-10]", ["a8", "a9", "a10"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("login1,node[001-002].cluster", ["login1", "node001.cluster", "node002.cluster"]),
-])
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("node[01-03,07],gpu7", ["node01", "node02", "node03", "node07", "gpu7"]),
+        ("a[8-10]", ["a8", "a9", "a10"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("login1,node[001-002].cluster", ["login1", "node001.cluster", "node002.cluster"]),
+    ],
+)
 def test_nodelist_expansion(text, hosts):
     assert cluster.expand_nodelist(text) == hosts
     assert cluster.first_host(text) == hosts[0]
 
 
-@pytest.mark.parametrize("text", ["", "node[01-", "node]01[", "node[a-b]", "node[3-1]", "node[]", "a,,b",
-                                  "node[[1]]", "no de", "node[1-2-3]"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "node[01-",
+        "node]01[",
+        "node[a-b]",
+        "node[3-1]",
+        "node[]",
+        "a,,b",
+        "node[[1]]",
+        "no de",
+        "node[1-2-3]",
+    ],
+)
 def test_unparsable_nodelist(text):
     with pytest.raises(ValueError):
         cluster.first_host(text)
 
 
 def test_slurm_master_address():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08,11]",
-           "SLURM_JOB_ID": "123456"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08,11]",
+        "SLURM_JOB_ID": "123456",
+    }
     info = mdist.env_dist_info(env)
     assert (info.rank, info.world_size, info.local_rank, info.source) == (1, 16, 1, "slurm")
     assert (info.master_addr, info.master_port) == ("gpu07", str(12000 + 123456 % 20000))
@@ -101,8 +122,12 @@ def test_slurm_master_address():
     with pytest.raises(UsageError, match="SLURM_JOB_NODELIST.*cannot be parsed.*MASTER_ADDR"):
         mdist.env_dist_info({**env, "SLURM_JOB_NODELIST": "gpu[07-"})
     # one task has no rendezvous to find: its node list is not read
-    assert mdist.env_dist_info({**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-                                "SLURM_JOB_NODELIST": "gpu[07-"}).world_size == 1
+    assert (
+        mdist.env_dist_info(
+            {**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "gpu[07-"}
+        ).world_size
+        == 1
+    )
 
 
 def _a_shard(tmp_path) -> list[str]:
@@ -112,9 +137,19 @@ def _a_shard(tmp_path) -> list[str]:
 
 
 def test_cli_unparsable_nodelist_is_one_line(tmp_path, monkeypatch):
-    _launched_as(monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="node[01-")
-    res = cli_main("train", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
-                   "--set", "eval.suite=none", *_a_shard(tmp_path))
+    _launched_as(
+        monkeypatch, SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="node[01-"
+    )
+    res = cli_main(
+        "train",
+        "--output",
+        str(tmp_path / "run"),
+        "--set",
+        "model.preset=micro",
+        "--set",
+        "eval.suite=none",
+        *_a_shard(tmp_path),
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "SLURM_JOB_NODELIST" in lines[0], res.stderr
@@ -124,10 +159,18 @@ def test_cli_unparsable_nodelist_is_one_line(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ --nproc inside a job
 
 
-@pytest.mark.parametrize("env, refused", [
-    ({"SLURM_NTASKS": "4"}, True), ({"WORLD_SIZE": "2"}, True), ({"OMPI_COMM_WORLD_SIZE": "8"}, True),
-    ({"GROUP_WORLD_SIZE": "2"}, True), ({"SLURM_NTASKS": "1"}, False), ({"WORLD_SIZE": "1"}, False), ({}, False),
-])
+@pytest.mark.parametrize(
+    "env, refused",
+    [
+        ({"SLURM_NTASKS": "4"}, True),
+        ({"WORLD_SIZE": "2"}, True),
+        ({"OMPI_COMM_WORLD_SIZE": "8"}, True),
+        ({"GROUP_WORLD_SIZE": "2"}, True),
+        ({"SLURM_NTASKS": "1"}, False),
+        ({"WORLD_SIZE": "1"}, False),
+        ({}, False),
+    ],
+)
 def test_nproc_inside_a_job(env, refused):
     if refused:
         with pytest.raises(UsageError, match="--nproc 2 inside a job"):
@@ -139,8 +182,18 @@ def test_nproc_inside_a_job(env, refused):
 
 def test_cli_refuses_nproc_under_srun(tmp_path, monkeypatch):
     _launched_as(monkeypatch, SLURM_NTASKS="2", SLURM_PROCID="0")
-    res = cli_main("train", "--nproc", "2", "--output", str(tmp_path / "run"), "--set", "model.preset=micro",
-                   "--set", "eval.suite=none", *_a_shard(tmp_path))
+    res = cli_main(
+        "train",
+        "--nproc",
+        "2",
+        "--output",
+        str(tmp_path / "run"),
+        "--set",
+        "model.preset=micro",
+        "--set",
+        "eval.suite=none",
+        *_a_shard(tmp_path),
+    )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--nproc 2 inside a job that already runs 2 ranks (SLURM_NTASKS=2)" in lines[0]
@@ -156,8 +209,14 @@ def test_local_device_index():
 
 
 def _run_fresh(code: str, **env: str) -> None:
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         env=_env(**env), cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -179,7 +238,10 @@ def test_cuda_group_is_bound_to_the_rank_device(monkeypatch):
     from torch.distributed import distributed_c10d as c10d
 
     calls = {}
-    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):  # init_from_env sets them; restored afterwards
+    for name in (
+        "default_pg_timeout",
+        "default_pg_nccl_timeout",
+    ):  # init_from_env sets them; restored afterwards
         monkeypatch.setattr(c10d, name, getattr(c10d, name, None), raising=False)
     monkeypatch.setattr(mdist, "_timeout_s", None)
     monkeypatch.setattr(mdist, "is_initialized", lambda: False)
@@ -187,8 +249,13 @@ def test_cuda_group_is_bound_to_the_rank_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.setdefault("set_device", index))
     monkeypatch.setattr(mdist.dist, "init_process_group", lambda **kw: calls.setdefault("init", kw))
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "MASTER_ADDR": "10.1.1.1",
-                       "MASTER_PORT": "1234"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "3",
+        "MASTER_ADDR": "10.1.1.1",
+        "MASTER_PORT": "1234",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     mdist.init_from_env()
@@ -208,7 +275,9 @@ def test_only_the_current_cuda_rng_is_saved(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
     for name in ("get_rng_state_all", "set_rng_state_all"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: pytest.fail(f"{name} touches every device"))
+        monkeypatch.setattr(
+            torch.cuda, name, lambda *a, name=name: pytest.fail(f"{name} touches every device")
+        )
     saved = checkpoint.rng_state()
     assert len(saved["cuda"]) == 1 and torch.equal(saved["cuda"][0], state)
     checkpoint.set_rng_state(saved)
@@ -231,11 +300,23 @@ def _train(out, overrides, *flags):
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, shapes_dir):
     """An 8-step run with checkpoints at 4 and 8, and its overrides."""
-    overrides = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-                 f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-                 "train.global_batch_size=16", "train.steps=8", "train.warmup_steps=1", "train.log_every=1",
-                 "train.checkpoint_every=4", "train.keep_checkpoints=3", "monitor.log_sample_keys=true",
-                 "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=none"]
+    overrides = [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=8",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=3",
+        "monitor.log_sample_keys=true",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+    ]
     out = tmp_path_factory.mktemp("short") / "run"
     with pytest.MonkeyPatch.context() as monkeypatch:
         _launch_env(monkeypatch)
@@ -245,7 +326,10 @@ def short_run(tmp_path_factory, shapes_dir):
 
 
 def _keys(out):
-    return [(r["step"], r["keys"]) for r in map(json.loads, (out / "samples_rank0.jsonl").read_text().splitlines())]
+    return [
+        (r["step"], r["keys"])
+        for r in map(json.loads, (out / "samples_rank0.jsonl").read_text().splitlines())
+    ]
 
 
 @pytest.mark.integration
@@ -267,7 +351,9 @@ def test_resume_latest_before_the_first_save_is_a_fresh_start(short_run, tmp_pat
     a, b = load_file(str(ref / "final/model.safetensors")), load_file(str(out / "final/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _keys(out) == _keys(ref)
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, 9)
+    )
 
 
 def _copy_run(src, dst):
@@ -279,7 +365,9 @@ def _copy_run(src, dst):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("flags", [["--resume", "STEP4"], ["--overwrite"], ["--overwrite", "--resume", "latest"]])
+@pytest.mark.parametrize(
+    "flags", [["--resume", "STEP4"], ["--overwrite"], ["--overwrite", "--resume", "latest"]]
+)
 def test_torchrun_restart_keeps_the_checkpoints(short_run, tmp_path, flags, monkeypatch):
     """A restarted attempt runs the launch line again: --overwrite would delete this job's
     checkpoints, an older --resume PATH would rewind the run (and prune what is newer)."""
@@ -317,24 +405,42 @@ def test_every_readme_launch_line_resumes():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     commands = [c.strip() for block in blocks for c in block.replace("\\\n", " ").splitlines()]
-    launches = [c for c in commands if re.match(
-        r"(mmalign train|torchrun|srun|deepspeed|python -m mmalign\.cli train|python -m mmalign\.supervise)\b", c)]
+    launches = [
+        c
+        for c in commands
+        if re.match(
+            r"(mmalign train|torchrun|srun|deepspeed|python -m mmalign\.cli train|python -m mmalign\.supervise)\b",
+            c,
+        )
+    ]
     assert len(launches) >= 5, launches  # the tour, --nproc, torchrun, srun, the DeepSpeed launcher
     missing = [c for c in launches if "--resume latest" not in c]
     assert not missing, missing
     # a torchrun agent left alone after a split network never exits (issue 28): each runs supervised
-    unsupervised = [c for c in launches if re.search(r"\btorchrun\b", c) and "python -m mmalign.dist.supervise torchrun" not in c]
+    unsupervised = [
+        c
+        for c in launches
+        if re.search(r"\btorchrun\b", c) and "python -m mmalign.dist.supervise torchrun" not in c
+    ]
     assert not unsupervised, unsupervised
 
 
 def test_lost_peer_is_one_line(monkeypatch):
     monkeypatch.setattr(mdist, "_timeout_s", 15.0)
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 15000ms "
-                        "for send operation to complete\nmore detail")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 15000ms "
+        "for send operation to complete\nmore detail"
+    )
     line = mdist.lost_peer(gloo)
     assert line is not None and "\n" not in line
-    assert "lost contact with another rank" in line and "dist.timeout_s=15 s" in line and "--resume latest" in line
-    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:3242: Connection reset by peer")
+    assert (
+        "lost contact with another rank" in line
+        and "dist.timeout_s=15 s" in line
+        and "--resume latest" in line
+    )
+    reset = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:3242: Connection reset by peer"
+    )
     assert mdist.lost_peer(reset) is not None
     # not communication errors: reported as they are
     assert mdist.lost_peer(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds")) is None

@@ -42,11 +42,19 @@ def test_declared_commands_have_working_help_and_run(declared, capsys, tmp_path)
             cli.main([name, "--help"])
         assert e.value.code == 0 and f"usage: mmalign {name}" in capsys.readouterr().out
     out = tmp_path / "shapes"
-    assert cli.main(["shards", "shapes", "--out", str(out), "--n-train", "4", "--n-val", "2", "--per-shard", "4"]) == 0
+    assert (
+        cli.main(
+            ["shards", "shapes", "--out", str(out), "--n-train", "4", "--n-val", "2", "--per-shard", "4"]
+        )
+        == 0
+    )
     assert (out / "train" / "sizes.json").is_file() and (out / "dataset.json").is_file()
     assert cli.main(["shards", "shapes", "--out", str(out), "--input", "x"]) == 2  # a UsageError: one line
     err = capsys.readouterr().err
-    assert err.startswith("mmalign: error: mmalign shards shapes: --input does not apply") and err.count("\n") == 1
+    assert (
+        err.startswith("mmalign: error: mmalign shards shapes: --input does not apply")
+        and err.count("\n") == 1
+    )
 
 
 def test_without_the_entry_points_the_builders_are_absent_and_quickstart_says_why(monkeypatch):
@@ -94,4 +102,6 @@ def test_the_installed_metadata_declares_the_builders():
     run it fail too): install again, `pip install -e .` (`make` does when pyproject.toml changes)."""
     installed = {ep.name: ep.value for ep in metadata.entry_points(group=GROUP)}
     declared = {ep.name: ep.value for ep in _declared()}
-    assert installed == declared, "the mmalign install predates pyproject.toml's entry points: pip install -e ."
+    assert installed == declared, (
+        "the mmalign install predates pyproject.toml's entry points: pip install -e ."
+    )

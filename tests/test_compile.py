@@ -35,8 +35,9 @@ def _model(seed: int, dropout: float = 0.0):
     return model
 
 
-def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int, dropout: float = 0.0,
-               backend: str = "") -> tuple[float, dict]:
+def _reference(
+    model_seed: int, data_seed: int, step_seed: int, chunk: int, dropout: float = 0.0, backend: str = ""
+) -> tuple[float, dict]:
     """Plain autograd loss and gradients, the chunks forwarded in order (the first pass's order
     of random draws); ``backend``: the towers compiled with it (dropout masks are then the
     compiled graph's, drawn from the same global generator)."""
@@ -47,7 +48,7 @@ def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int, drop
     images, tokens = clip_batch(BATCH, data_seed)
     torch.manual_seed(step_seed)
     size = chunk or BATCH
-    outs = [model(images[i:i + size], tokens[i:i + size]) for i in range(0, BATCH, size)]
+    outs = [model(images[i : i + size], tokens[i : i + size]) for i in range(0, BATCH, size)]
     loss = chunkwise_clip_loss(outs)
     loss.backward()
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -56,21 +57,39 @@ def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int, drop
 def _cfg(chunk: int, compile_: bool, backend: str):
     from mmalign.config import load_config
 
-    return load_config(None, [
-        "model.preset=micro", f"train.global_batch_size={BATCH}", f"train.grad_cache_chunk_size={chunk}",
-        "train.steps=1", "train.warmup_steps=0", "train.optimizer=sgd", "train.weight_decay=0.0",
-        f"train.compile={str(compile_).lower()}", f"train.compile_backend={backend}"])
+    return load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={BATCH}",
+            f"train.grad_cache_chunk_size={chunk}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.optimizer=sgd",
+            "train.weight_decay=0.0",
+            f"train.compile={str(compile_).lower()}",
+            f"train.compile_backend={backend}",
+        ],
+    )
 
 
-def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: int, backend: str,
-            dropout: float, runs: tuple) -> dict:
+def _worker(
+    rank: int,
+    world: int,
+    model_seed: int,
+    data_seed: int,
+    step_seed: int,
+    backend: str,
+    dropout: float,
+    runs: tuple,
+) -> dict:
     """{(compiled, chunk): (loss, full gradients, state_dict keys, consolidated keys, graphs captured)}
     after one step."""
     from torch._dynamo.utils import counters
 
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = clip_batch(BATCH, data_seed)
     results = {}
@@ -81,11 +100,19 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: i
         counters.clear()
         captured = {}
         torch.manual_seed(step_seed)
-        out = engine.step(Batch(images, tokens), build_objective(cfg),
-                          before_update=lambda: captured.update(engine.full_grads()))
+        out = engine.step(
+            Batch(images, tokens),
+            build_objective(cfg),
+            before_update=lambda: captured.update(engine.full_grads()),
+        )
         assert not out.skipped
-        results[compiled, chunk] = (float(out.loss), captured, list(engine.module.state_dict()),
-                                    list(engine.consolidated_state_dict()), counters["stats"]["unique_graphs"])
+        results[compiled, chunk] = (
+            float(out.loss),
+            captured,
+            list(engine.module.state_dict()),
+            list(engine.consolidated_state_dict()),
+            counters["stats"]["unique_graphs"],
+        )
     return results
 
 
@@ -117,8 +144,9 @@ def test_compiled_cached_step_replays_dropout(seed):
     first pass recorded, draw the first pass's masks (equal to plain autograd with the same
     compiled towers forwarding the chunks in order), and other masks give other gradients."""
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
-    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.2, ((True, CHUNK),),
-                        pooled=True)[0]
+    results = run_ranks(
+        _worker, 1, model_seed, data_seed, step_seed, "aot_eager", 0.2, ((True, CHUNK),), pooled=True
+    )[0]
     loss, grads, *_ = results[True, CHUNK]
     ref_loss, ref = _reference(model_seed, data_seed, step_seed, CHUNK, 0.2, "aot_eager")
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
@@ -135,8 +163,8 @@ def _failing_worker(rank: int, world: int) -> tuple[str, str]:
 
     from mmalign.config import ConfigError
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     def broken(gm, example_inputs):
         raise RuntimeError("no C++ compiler found\nsecond line of the compiler's output")
@@ -171,7 +199,9 @@ def test_inductor_compiled_steps_equal_eager(seed):
     model_seed, data_seed, step_seed = seed, seed + 1, seed + 2
     runs = ((False, CHUNK), (True, CHUNK), (True, 0))
     # fresh ranks: inductor's compile workers are processes of this rank's that would outlive the task
-    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "inductor", 0.0, runs, timeout_s=1500)[0]
+    results = run_ranks(_worker, 1, model_seed, data_seed, step_seed, "inductor", 0.0, runs, timeout_s=1500)[
+        0
+    ]
     ref_loss, ref = _reference(model_seed, data_seed, step_seed, 0)
     for chunk in (0, CHUNK):
         loss, grads, names, *_ = results[True, chunk]
@@ -186,18 +216,19 @@ def test_inductor_compiled_steps_equal_eager(seed):
 def test_compile_refused_under_zero3():
     from mmalign.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^config key 'train\.compile': not supported with deepspeed\.zero_stage=3"):
+    with pytest.raises(
+        ConfigError, match=r"^config key 'train\.compile': not supported with deepspeed\.zero_stage=3"
+    ):
         load_config(None, ["train.compile=true", "deepspeed.zero_stage=3"])
     assert load_config(None, ["train.compile=true", "deepspeed.zero_stage=2"]).train.compile
 
 
 def _patch_dropout_worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: int) -> dict:
     """{(compiled, patch_dropout): (loss, full gradients)} of one cached step (chunks 3, 3, 2)."""
-    from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = clip_batch(BATCH, data_seed)
     out = {}
@@ -208,8 +239,11 @@ def _patch_dropout_worker(rank: int, world: int, model_seed: int, data_seed: int
         engine = Engine(build_model(cfg.model), cfg)
         captured = {}
         torch.manual_seed(step_seed)
-        result = engine.step(Batch(images, tokens), build_objective(cfg),
-                             before_update=lambda: captured.update(engine.full_grads()))
+        result = engine.step(
+            Batch(images, tokens),
+            build_objective(cfg),
+            before_update=lambda: captured.update(engine.full_grads()),
+        )
         out[compiled, p] = (result.loss.item(), captured)
     return out
 

@@ -15,8 +15,18 @@ def test_defaults_are_a_complete_config():
 def test_yaml_and_overrides_coerced_to_field_types(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"train": {"steps": 7, "lr": 0.01}, "model": {"preset": "micro"}}))
-    cfg = load_config(path, ["train.steps=11", "train.warmup_steps=2", "train.lr=1e-4", "seed=5", "data.augment.hflip=true",
-                             "data.augment.crop_scale=[0.5, 1.0]", "model.vision.layers=2"])
+    cfg = load_config(
+        path,
+        [
+            "train.steps=11",
+            "train.warmup_steps=2",
+            "train.lr=1e-4",
+            "seed=5",
+            "data.augment.hflip=true",
+            "data.augment.crop_scale=[0.5, 1.0]",
+            "model.vision.layers=2",
+        ],
+    )
     assert cfg.train.steps == 11 and isinstance(cfg.train.steps, int)
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.seed == 5 and cfg.data.augment.hflip is True
@@ -100,19 +110,30 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and "train.stepz" in lines[0] and "Traceback" not in res.stderr
     res = cli_main("train", "--config", str(tmp_path / "missing.yaml"))
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and "not found" in lines[0] and "Traceback" not in res.stderr
+    assert (
+        res.returncode == 2 and len(lines) == 1 and "not found" in lines[0] and "Traceback" not in res.stderr
+    )
     res = cli_main("eval", "--model", str(tmp_path / "nomodel"))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("mmalign: error: ")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.lr=nan", "train.lr"), ("train.lr=.inf", "train.lr"), ("loss.momentum=nan", "loss.momentum"),
-    ("train.device=tpu", "train.device"), ("train.device=cuda:x", "train.device"),
-    ("model.embed_dim=0", "model.embed_dim"), ("model.image_size=-3", "model.image_size"),
-    ("eval.batch_size=0", "eval.batch_size"), ("train.threads=-1", "train.threads"),
-    ("monitor.probe_size=-1", "monitor.probe_size"), ("data.max_consecutive_skips=0", "data.max_consecutive_skips"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=nan", "train.lr"),
+        ("train.lr=.inf", "train.lr"),
+        ("loss.momentum=nan", "loss.momentum"),
+        ("train.device=tpu", "train.device"),
+        ("train.device=cuda:x", "train.device"),
+        ("model.embed_dim=0", "model.embed_dim"),
+        ("model.image_size=-3", "model.image_size"),
+        ("eval.batch_size=0", "eval.batch_size"),
+        ("train.threads=-1", "train.threads"),
+        ("monitor.probe_size=-1", "monitor.probe_size"),
+        ("data.max_consecutive_skips=0", "data.max_consecutive_skips"),
+    ],
+)
 def test_values_that_used_to_fail_late_are_rejected_at_load(override, key):
     """Each of these trained (or set up DeepSpeed for 20 s) and then died with a traceback."""
     with pytest.raises(ConfigError) as err:
@@ -142,7 +163,9 @@ def test_output_that_is_a_file_and_non_utf8_config(tmp_path):
         load_config(bad)
 
 
-@pytest.mark.parametrize("override", ["model.vision.patch_size=x", "model.vision.layers=abc", "model.text.width=-4"])
+@pytest.mark.parametrize(
+    "override", ["model.vision.patch_size=x", "model.vision.layers=abc", "model.text.width=-4"]
+)
 def test_towers_that_cannot_be_built_are_one_line_before_any_engine(tmp_path, override):
     from mmalign.models import check_buildable
 
@@ -163,8 +186,17 @@ def test_cli_reports_unbuildable_towers_in_one_line_fast(tmp_path, monkeypatch):
     monkeypatch.setattr(mmalign.run.train, "train", no_training)
     t0 = time.time()
     (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the towers
-    proc = cli_main("train", "--set", "model.preset=micro", "--set", "model.vision.patch_size=x",
-                    "--set", f"output={tmp_path / 'run'}", "--set", f"data.train={tmp_path / '00000.tar'}")
+    proc = cli_main(
+        "train",
+        "--set",
+        "model.preset=micro",
+        "--set",
+        "model.vision.patch_size=x",
+        "--set",
+        f"output={tmp_path / 'run'}",
+        "--set",
+        f"data.train={tmp_path / '00000.tar'}",
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("mmalign: error: config key 'model'")
     assert not (tmp_path / "run").exists()  # nothing was started

@@ -27,7 +27,7 @@ def test_domains_are_field_metadata_and_the_generic_validator_reads_them():
     with pytest.raises(ConfigError) as err:
         check_domains(Toy(budget=11.0))
     assert str(err.value) == "config key 'budget' must be in [0, 10] seconds (0 = off), got 11.0"
-    (key, value, f), = fields_of(Toy)
+    ((key, value, f),) = fields_of(Toy)
     assert (key, value, f.metadata["unit"], f.metadata["doc"]) == ("budget", 1.0, "seconds", "a toy budget")
 
 
@@ -49,8 +49,11 @@ def test_string_modes_are_literal_types():
     hints = typing.get_type_hints(LossConfig)
     assert typing.get_args(hints["positive_mask"]) == ("none", "attribute_subset")  # was `str`
     assert typing.get_origin(hints["name"]) is Literal
-    with pytest.raises(ConfigError, match=r"config key 'loss.positive_mask': expected one of 'none' \| "
-                                          r"'attribute_subset', got 'maybe'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config key 'loss.positive_mask': expected one of 'none' \| "
+        r"'attribute_subset', got 'maybe'",
+    ):
         build_config(None, ["loss.positive_mask=maybe"])
 
 
@@ -91,14 +94,21 @@ def test_validate_is_pure_with_a_tokenizer(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"a red square {i} and a blue circle {i % 7}" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "t"), vocab_size=40,
-                                   model_type="unigram", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "t"),
+        vocab_size=40,
+        model_type="unigram",
+        minloglevel=2,
+    )
     cfg = build_config(None, [f"model.tokenizer={tmp_path / 't.model'}"])
     validate(cfg)
     assert cfg.model.text == {}  # the old validate() wrote vocab_size and tokenizer_kwargs here
     resolve(cfg)
     assert cfg.model.text["vocab_size"] == 43 and "tokenizer_kwargs" in cfg.model.text
-    with pytest.raises(ConfigError, match="'model.text.vocab_size'=10 is smaller than the tokenizer's 43 ids"):
+    with pytest.raises(
+        ConfigError, match="'model.text.vocab_size'=10 is smaller than the tokenizer's 43 ids"
+    ):
         load_config(None, [f"model.tokenizer={tmp_path / 't.model'}", "model.text.vocab_size=10"])
 
 
@@ -113,7 +123,9 @@ def test_resolve_does_not_derive_from_a_value_outside_its_domain():
 def test_load_config_validates_once(monkeypatch):
     calls = []
     real = config_mod.validate
-    monkeypatch.setattr(config_mod, "validate", lambda cfg, world_size=1: calls.append(world_size) or real(cfg, world_size))
+    monkeypatch.setattr(
+        config_mod, "validate", lambda cfg, world_size=1: calls.append(world_size) or real(cfg, world_size)
+    )
     load_config(None, [], world_size=2)
     assert calls == [2]
 
@@ -149,11 +161,17 @@ def test_memory_plan_rechecks_only_the_chunk(monkeypatch):
     assert resolved.train.grad_cache_chunk_size == 16 and cfg.train.grad_cache_chunk_size == "auto"
 
 
-@pytest.mark.parametrize("env, nproc, want", [
-    ({}, 1, 1), ({}, 4, 4),
-    ({"RANK": "1", "WORLD_SIZE": "3"}, 1, 3), ({"RANK": "0", "WORLD_SIZE": "2"}, 2, 2),  # a rank --nproc spawned
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "5"}, 1, 5), ({"WORLD_SIZE": "8"}, 1, 1),
-])
+@pytest.mark.parametrize(
+    "env, nproc, want",
+    [
+        ({}, 1, 1),
+        ({}, 4, 4),
+        ({"RANK": "1", "WORLD_SIZE": "3"}, 1, 3),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, 2, 2),  # a rank --nproc spawned
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "5"}, 1, 5),
+        ({"WORLD_SIZE": "8"}, 1, 1),
+    ],
+)
 def test_the_cli_world_size_is_what_the_ranks_will_see(env, nproc, want):
     pytest.importorskip("torch")
     from mmalign import cli
@@ -176,7 +194,9 @@ def test_cmd_train_loads_at_the_run_world_size(monkeypatch, tmp_path):
     monkeypatch.setattr(config_mod, "load_config", fake_load)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="stop here"):
-        cli.cmd_train(cli.build_parser().parse_args(["train", "--nproc", "2", "--output", str(tmp_path / "r")]))
+        cli.cmd_train(
+            cli.build_parser().parse_args(["train", "--nproc", "2", "--output", str(tmp_path / "r")])
+        )
     assert seen == [2]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmalign.config import doc as config_doc
 from mmalign.config import Config
+from mmalign.config import doc as config_doc
 from mmalign.config.checks import fields_of
 from tests.conftest import ROOT
 
@@ -15,7 +15,9 @@ README = ROOT / "README.md"
 
 def test_the_readme_table_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
-    assert config_doc.updated(text) == text, "the README's config table is stale: run `python -m mmalign.config.doc`"
+    assert config_doc.updated(text) == text, (
+        "the README's config table is stale: run `python -m mmalign.config.doc`"
+    )
     assert config_doc.main([str(README), "--check"]) == 0
     # without an argument it checks the checkout's README, wherever the module sits in the package
     assert config_doc.README.resolve() == README.resolve() and config_doc.main(["--check"]) == 0
@@ -27,19 +29,26 @@ def test_every_key_has_one_row_with_its_domain_and_unit():
     assert len(config_doc.rows()) == len(keys) > 90
     for key in keys:
         assert table.count(f"| `{key}` |") == 1, key
-    assert "| `dist.timeout_s` | float | `0` | in [0, 86400] seconds (0 = 600 s on GPU, 120 s on CPU) |" in table
+    assert (
+        "| `dist.timeout_s` | float | `0` | in [0, 86400] seconds (0 = 600 s on GPU, 120 s on CPU) |" in table
+    )
     assert "| `loss.positive_mask` | `none` / `attribute_subset` | `none` |" in table  # a Literal's values
 
 
 def test_check_fails_on_a_stale_table_and_the_writer_fixes_only_the_table(tmp_path, capsys):
     path = tmp_path / "README.md"
-    stale = config_doc.table().replace("| `seed` | int | `0` | >= 0 | RNG seed |", "| `seed` | int | `7` | | |")
+    stale = config_doc.table().replace(
+        "| `seed` | int | `0` | >= 0 | RNG seed |", "| `seed` | int | `7` | | |"
+    )
     path.write_text(f"# Title\n\nprose before\n\n{stale}\n\nprose after\n", encoding="utf-8")
     assert config_doc.main([str(path), "--check"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("config_doc: the config table of") and "\n" not in err
     assert config_doc.main([str(path)]) == 0
-    assert path.read_text(encoding="utf-8") == f"# Title\n\nprose before\n\n{config_doc.table()}\n\nprose after\n"
+    assert (
+        path.read_text(encoding="utf-8")
+        == f"# Title\n\nprose before\n\n{config_doc.table()}\n\nprose after\n"
+    )
     assert config_doc.main([str(path), "--check"]) == 0
 
 

@@ -27,23 +27,55 @@ from tests.conftest import ROOT, cli_main
 NEGATIVE_OK = {"model.init_logit_bias"}
 # Numbers of which 0 is no valid value either.
 ZERO_INVALID = {
-    "train.steps", "train.global_batch_size", "train.log_every", "train.max_consecutive_skips", "train.lr",
-    "train.eps", "train.layer_decay", "train.lr_image", "train.lr_text", "data.shuffle_buffer", "data.views",
-    "data.max_image_pixels", "data.max_consecutive_skips", "data.max_member_bytes", "data.remote_timeout",
-    "model.embed_dim", "model.image_size", "model.max_logit_scale", "loss.tile_budget_mb",
-    "loss.image_image_temperature", "eval.batch_size",
+    "train.steps",
+    "train.global_batch_size",
+    "train.log_every",
+    "train.max_consecutive_skips",
+    "train.lr",
+    "train.eps",
+    "train.layer_decay",
+    "train.lr_image",
+    "train.lr_text",
+    "data.shuffle_buffer",
+    "data.views",
+    "data.max_image_pixels",
+    "data.max_consecutive_skips",
+    "data.max_member_bytes",
+    "data.remote_timeout",
+    "model.embed_dim",
+    "model.image_size",
+    "model.max_logit_scale",
+    "loss.tile_budget_mb",
+    "loss.image_image_temperature",
+    "eval.batch_size",
 }
 # Numbers bounded above by 1: probabilities, momenta, fractions, betas' parts, Adam's eps.
 AT_MOST_ONE = {
-    "model.patch_dropout", "data.augment.color_jitter_prob", "data.augment.grayscale_prob",
-    "data.augment.blur_prob", "train.momentum", "train.layer_decay", "train.eps", "loss.debias_prior",
-    "loss.momentum", "monitor.min_dim_std", "monitor.min_effective_rank_frac",
+    "model.patch_dropout",
+    "data.augment.color_jitter_prob",
+    "data.augment.grayscale_prob",
+    "data.augment.blur_prob",
+    "train.momentum",
+    "train.layer_decay",
+    "train.eps",
+    "loss.debias_prior",
+    "loss.momentum",
+    "monitor.min_dim_std",
+    "monitor.min_effective_rank_frac",
 }
 # Strings for which "" is a documented value (no validation data; no evaluation).
 EMPTY_OK = {"data.val", "eval.suite"}
 # Strings with a fixed vocabulary (or a path that must exist): a random word is no value.
-CLOSED_STRINGS = {"train.device", "loss.positive_mask", "model.preset", "model.tokenizer", "model.pretrained",
-                  "model.pretrained_image", "model.pretrained_text", "model.timm_weights"}
+CLOSED_STRINGS = {
+    "train.device",
+    "loss.positive_mask",
+    "model.preset",
+    "model.tokenizer",
+    "model.pretrained",
+    "model.pretrained_image",
+    "model.pretrained_text",
+    "model.timm_weights",
+}
 # The list keys' own shape: a pair / quadruple in a range, ordered for [lo, hi] ranges.
 LISTS = {
     "data.augment.crop_scale": ["[0.9, 0.1]", "[0, 0.5]", "[0.5, 1.5]", "[0.5]"],
@@ -53,8 +85,15 @@ LISTS = {
     "train.betas": ["[1.5, 0.9]", "[0.9, 1.0]", "[-0.1, 0.9]", "[0.9]", "[0.9, 0.98, 0.5]"],
     "data.train_weights": ["[-1]", "[0]", "[.inf]", "[a]"],
     "data.train": ["[]", "['']", "[1, 2]"],
-    "eval.during": ["[1]", "[{suite: shapes}]", "[{suite: shapes, every: 0}]", "[{suite: shapes, every: 2, evry: 3}]",
-                    "[{suite: '', every: 2}]", "[{suite: shapes, every: 2, limit: 0}]", "[{suite: shapes, every: 1.5}]"],
+    "eval.during": [
+        "[1]",
+        "[{suite: shapes}]",
+        "[{suite: shapes, every: 0}]",
+        "[{suite: shapes, every: 2, evry: 3}]",
+        "[{suite: '', every: 2}]",
+        "[{suite: shapes, every: 2, limit: 0}]",
+        "[{suite: shapes, every: 1.5}]",
+    ],
 }
 
 
@@ -153,17 +192,30 @@ def test_every_typed_key_refuses_invalid_values_in_one_line(seed):
             if problem:
                 problems.append(problem)
     print(f"{tried} invalid values over {len(keys)} keys")
-    assert not problems, f"{len(problems)} of {tried} invalid values were not one ConfigError line:\n" + \
-        "\n".join(problems[:40])
+    assert not problems, (
+        f"{len(problems)} of {tried} invalid values were not one ConfigError line:\n"
+        + "\n".join(problems[:40])
+    )
 
 
 def test_the_fuzz_values_are_valid_yaml_overrides_of_the_right_key(seed):
     """The test's own footing: a valid value of each kind passes, so a refusal above is the
     value's, not the override syntax's."""
-    good = {"train.steps": "700", "train.lr": "1e-4", "train.betas": "[0.8, 0.9]", "data.val": "''",
-            "eval.suite": "none", "model.init_logit_bias": "-10", "data.augment.crop_ratio": "[0.5, 2]",
-            "train.device": "cpu", "loss.false_negative_ids": "label", "train.grad_cache_chunk_size": "auto",
-            "model.vision": "{layers: 2}", "model.preset": "micro", "monitor.min_dim_std": "0"}
+    good = {
+        "train.steps": "700",
+        "train.lr": "1e-4",
+        "train.betas": "[0.8, 0.9]",
+        "data.val": "''",
+        "eval.suite": "none",
+        "model.init_logit_bias": "-10",
+        "data.augment.crop_ratio": "[0.5, 2]",
+        "train.device": "cpu",
+        "loss.false_negative_ids": "label",
+        "train.grad_cache_chunk_size": "auto",
+        "model.vision": "{layers: 2}",
+        "model.preset": "micro",
+        "monitor.min_dim_std": "0",
+    }
     for key, text in good.items():
         load_config(None, [f"{key}={text}"])
 
@@ -182,8 +234,15 @@ CLI_CASES = [
 @pytest.mark.parametrize("override, key", CLI_CASES, ids=[k for _, k in CLI_CASES])
 def test_the_cli_gives_one_line_and_exit_2(tmp_path, override, key):
     out = tmp_path / "run"
-    res = cli_main("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set", override,
-                   "--output", str(out))
+    res = cli_main(
+        "train",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--set",
+        override,
+        "--output",
+        str(out),
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]

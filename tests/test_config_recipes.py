@@ -54,8 +54,9 @@ def test_recipe_first_line_is_its_command(path: Path):
     assert launches and all("--resume latest" in line for line in launches), launches
     # and says how long it takes: measured on 2 idle cores (CPU recipes) or what is known (GPU)
     text = " ".join(line.lstrip("# ") for line in header)
-    assert re.search(r"Measured on 2 idle cores \(\d{4}-\d\d-\d\d\): [\d.]+ min", text) or \
-        (path.name.endswith("_gpu.yaml") and "Time:" in text), f"{path.name}: the header states no time"
+    assert re.search(r"Measured on 2 idle cores \(\d{4}-\d\d-\d\d\): [\d.]+ min", text) or (
+        path.name.endswith("_gpu.yaml") and "Time:" in text
+    ), f"{path.name}: the header states no time"
 
 
 def test_committed_recipes_use_no_machine_specific_paths():
@@ -89,17 +90,43 @@ def _subset_shards(src: Path, out: Path, every: int, seed: int) -> str:
 @pytest.mark.integration
 @pytest.mark.skipif(not (CIFAR / "test.tar").is_file(), reason="../shared/data/cifar10 not present")
 def test_cifar10_recipe_trains_and_evaluates(tmp_path):
-    train = _subset_shards(CIFAR / "train.tar", tmp_path / "train", every=500, seed=0)  # 100 images, all classes
+    train = _subset_shards(
+        CIFAR / "train.tar", tmp_path / "train", every=500, seed=0
+    )  # 100 images, all classes
     test = _subset_shards(CIFAR / "test.tar", tmp_path / "test", every=100, seed=1)  # 100 images
     with tarfile.open(train) as tar:  # the recipe's label fields: class id and class name
         meta = json.loads(tar.extractfile(next(m for m in tar if m.name.endswith(".json"))).read())
-    assert isinstance(meta["label"], int) and meta["classname"] in load_suite("cifar10")["tasks"][0]["classnames"]
+    assert (
+        isinstance(meta["label"], int)
+        and meta["classname"] in load_suite("cifar10")["tasks"][0]["classnames"]
+    )
     out = tmp_path / "run"
-    res = cli_main("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(out),
-                   "--set", "model.preset=micro", "--set", f"data.train={train}", "--set", f"data.val={test}",
-                   "--set", "data.workers=0", "--set", "data.shuffle_buffer=50",
-                   "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.global_batch_size=16",
-                   "--set", "train.log_every=1", cwd=ROOT)
+    res = cli_main(
+        "train",
+        "--config",
+        "configs/cifar10_cpu.yaml",
+        "--output",
+        str(out),
+        "--set",
+        "model.preset=micro",
+        "--set",
+        f"data.train={train}",
+        "--set",
+        f"data.val={test}",
+        "--set",
+        "data.workers=0",
+        "--set",
+        "data.shuffle_buffer=50",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "train.global_batch_size=16",
+        "--set",
+        "train.log_every=1",
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]

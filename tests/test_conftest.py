@@ -41,7 +41,9 @@ def test_random_draws_a_fresh_seed_and_prints_its_replay_line(monkeypatch, capsy
 
 def test_anything_else_is_refused(monkeypatch):
     monkeypatch.setenv(SEED_ENV, "yes")
-    with pytest.raises(pytest.UsageError, match="MMALIGN_TEST_SEED must be an integer or 'random', not 'yes'"):
+    with pytest.raises(
+        pytest.UsageError, match="MMALIGN_TEST_SEED must be an integer or 'random', not 'yes'"
+    ):
         pick_seed(17)
 
 
@@ -190,19 +192,29 @@ def _state(rank, world):
     from mmalign.dist import distributed as mdist
 
     mdist.slow_barrier(30)  # works only with this task's group: a leaked group would fail it
-    return {"env": os.environ.get(LEAK_ENV), "cwd": os.getcwd(), 
-            # a fresh rank's generators start from the OS's entropy: not the stream a task seeded
-            "reseeded": (random.random() != random.Random(1).random(),
-                         np.random.random() != np.random.RandomState(1).random_sample(),
-                         not torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(12345)))),
-            "threads": torch.get_num_threads(),
-            "dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
-            "autocast": torch.is_autocast_enabled("cpu"), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "matmul": torch.get_float32_matmul_precision(), "linear": F.linear is torch._C._nn.linear,
-            "loggers": [(len(logging.getLogger(n).handlers), logging.getLogger(n).level)
-                        for n in ("mmalign", "mmalign.pool_test_new")],
-            "warnings": warnings.filters[:1] != [("error", None, Warning, None, 0)],
-            "linear_works": F.linear(torch.ones(1, 2), torch.ones(3, 2)).tolist()}
+    return {
+        "env": os.environ.get(LEAK_ENV),
+        "cwd": os.getcwd(),
+        # a fresh rank's generators start from the OS's entropy: not the stream a task seeded
+        "reseeded": (
+            random.random() != random.Random(1).random(),
+            np.random.random() != np.random.RandomState(1).random_sample(),
+            not torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(12345))),
+        ),
+        "threads": torch.get_num_threads(),
+        "dtype": str(torch.get_default_dtype()),
+        "grad": torch.is_grad_enabled(),
+        "autocast": torch.is_autocast_enabled("cpu"),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "linear": F.linear is torch._C._nn.linear,
+        "loggers": [
+            (len(logging.getLogger(n).handlers), logging.getLogger(n).level)
+            for n in ("mmalign", "mmalign.pool_test_new")
+        ],
+        "warnings": warnings.filters[:1] != [("error", None, Warning, None, 0)],
+        "linear_works": F.linear(torch.ones(1, 2), torch.ones(3, 2)).tolist(),
+    }
 
 
 @pytest.mark.integration

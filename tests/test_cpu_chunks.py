@@ -45,8 +45,8 @@ def test_pieces_give_the_features_of_one_call(tiny):
 
 
 def test_prefetched_batches_keep_order_and_raise_the_readers_error(tiny):
-    from mmalign.evaluation.features import embed_images
     from mmalign.data.transforms import eval_transform
+    from mmalign.evaluation.features import embed_images
 
     g = torch.Generator().manual_seed(2)
     pics = [Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()) for _ in range(21)]

@@ -109,7 +109,22 @@ def _near(rng: np.random.Generator, pixels: np.ndarray) -> np.ndarray:
     return np.clip(pixels.astype(np.int64) + rng.integers(-1, 2, pixels.shape), 0, 255).astype(np.uint8)
 
 
-WORDS = ("red", "blue", "cat", "dog", "tree", "car", "a", "photo", "of", "small", "large", "house", "bird", "sky")
+WORDS = (
+    "red",
+    "blue",
+    "cat",
+    "dog",
+    "tree",
+    "car",
+    "a",
+    "photo",
+    "of",
+    "small",
+    "large",
+    "house",
+    "bird",
+    "sky",
+)
 
 
 def _caption(rng: np.random.Generator, shard: int) -> str:
@@ -126,9 +141,16 @@ def _build_pool(root: Path, seed: int) -> PoolData:
     root.mkdir(parents=True)
     pixels: dict[str, np.ndarray] = {}
     images: dict[str, bytes] = {}
-    copies = {"b003": ("exact", "a002"), "b004": ("near", "a003"), "b005": ("near", "b004"),
-              "c001": ("exact", "a010"), "c002": ("exact", "a010"), "c003": ("near", "b010"),
-              "d001": ("exact", "d000"), "d002": ("near", "c020")}
+    copies = {
+        "b003": ("exact", "a002"),
+        "b004": ("near", "a003"),
+        "b005": ("near", "b004"),
+        "c001": ("exact", "a010"),
+        "c002": ("exact", "a010"),
+        "c003": ("near", "b010"),
+        "d001": ("exact", "d000"),
+        "d002": ("near", "c020"),
+    }
     samples, order = {}, []
     for s, n in enumerate(SIZES):
         shard = []
@@ -180,8 +202,21 @@ def pool(tmp_path_factory) -> PoolData:
 
 def _curate(pool: PoolData, out, *flags, data=None):
     """``mmalign curate`` in this process; asserts it succeeded."""
-    run = cli_main("curate", "--data", data or pool.dir, "--model", pool.model, "--out", out, "--no-progress",
-                   "--batch-size", "4", "--per-shard", "10", *flags)
+    run = cli_main(
+        "curate",
+        "--data",
+        data or pool.dir,
+        "--model",
+        pool.model,
+        "--out",
+        out,
+        "--no-progress",
+        "--batch-size",
+        "4",
+        "--per-shard",
+        "10",
+        *flags,
+    )
     assert run.returncode == 0, run.stderr
     return run
 
@@ -202,8 +237,9 @@ def _out_with_embeddings(embedded: Path, out: Path) -> Path:
 
 
 def _pool_frame(out: Path) -> pd.DataFrame:
-    return pd.concat([pd.read_parquet(out / "pool" / f"{u:05d}.parquet") for u in range(N_SHARDS)],
-                     ignore_index=True)
+    return pd.concat(
+        [pd.read_parquet(out / "pool" / f"{u:05d}.parquet") for u in range(N_SHARDS)], ignore_index=True
+    )
 
 
 def _pool_images(out: Path) -> np.ndarray:
@@ -293,7 +329,9 @@ def test_scores_and_embeddings_equal_a_naive_per_sample_encoding(pool, embedded)
     assert frame["key"].tolist() == _readable(pool)
     images = np.concatenate([np.load(embedded / "pool" / f"{u:05d}.image.npy") for u in range(N_SHARDS)])
     texts = {u: np.load(embedded / "pool" / f"{u:05d}.text.npy") for u in range(N_SHARDS)}
-    offsets = np.cumsum([0] + [len(pd.read_parquet(embedded / "pool" / f"{u:05d}.parquet")) for u in range(N_SHARDS)])
+    offsets = np.cumsum(
+        [0] + [len(pd.read_parquet(embedded / "pool" / f"{u:05d}.parquet")) for u in range(N_SHARDS)]
+    )
     for row in frame.itertuples():
         shard, tar_key, members = pool.samples[row.key]
         assert row.tar_key == tar_key
@@ -301,15 +339,27 @@ def test_scores_and_embeddings_equal_a_naive_per_sample_encoding(pool, embedded)
         lines = [ln.strip() for ln in members["txt"].decode().splitlines() if ln.strip()]
         with torch.no_grad():
             img = F.normalize(loaded.model.encode_image(loaded.preprocess(image)[None]).float(), dim=-1)[0]
-            txt = [F.normalize(loaded.model.encode_text(loaded.tokenizer([c])).float(), dim=-1)[0] for c in lines]
+            txt = [
+                F.normalize(loaded.model.encode_text(loaded.tokenizer([c])).float(), dim=-1)[0] for c in lines
+            ]
         want = float(np.mean([float(img.double() @ t.double()) for t in txt]))
         assert row.captions == len(lines) and row.caption == lines[0]
         assert row.clip_score == pytest.approx(want, abs=1e-5), row.key
-        np.testing.assert_allclose(images[offsets[shard] + row.image_emb_id].astype(np.float32), img.numpy(),
-                                   rtol=0, atol=2e-3, err_msg=row.key)  # float16 of a unit vector
+        np.testing.assert_allclose(
+            images[offsets[shard] + row.image_emb_id].astype(np.float32),
+            img.numpy(),
+            rtol=0,
+            atol=2e-3,
+            err_msg=row.key,
+        )  # float16 of a unit vector
         for j, t in enumerate(txt):
-            np.testing.assert_allclose(texts[shard][row.text_emb_id + j].astype(np.float32), t.numpy(),
-                                       rtol=0, atol=2e-3, err_msg=row.key)
+            np.testing.assert_allclose(
+                texts[shard][row.text_emb_id + j].astype(np.float32),
+                t.numpy(),
+                rtol=0,
+                atol=2e-3,
+                err_msg=row.key,
+            )
     assert frame.set_index("key").loc[TWO_CAPTIONS, "captions"] == 2
 
 
@@ -355,8 +405,9 @@ def test_keep_fraction_threshold_is_the_whole_pools_quantile(pool, embedded, tmp
     assert set(_written(out)) == {pool.samples[k][1] for k in np.array(_readable(pool))[want]}
     # the test tells a pool threshold from per-shard ones: the shards' own top 30% differ
     shards = decisions["shard"].to_numpy()
-    per_shard = np.concatenate([scores[shards == u] >= np.quantile(scores[shards == u], 0.7)
-                                for u in range(N_SHARDS)])
+    per_shard = np.concatenate(
+        [scores[shards == u] >= np.quantile(scores[shards == u], 0.7) for u in range(N_SHARDS)]
+    )
     assert (per_shard != want).sum() >= 3
 
     floor = float(np.quantile(scores, 0.85))  # above the fraction's threshold: the floor decides some
@@ -399,8 +450,14 @@ def test_semantic_dedupe_equals_brute_force_greedy_groups(pool, embedded, tmp_pa
     # the pool's planted copies are found: b003~a002, c001~c002~a010, d001~d000 (exact), b004~b005~a003,
     # c003~b010, d002~c020 (near) -- more groups may exist by chance, these must
     index = {k: i for i, k in enumerate(_readable(pool))}
-    for members in (("a002", "b003"), ("a010", "c001", "c002"), ("d000", "d001"), ("a003", "b004", "b005"),
-                    ("b010", "c003"), ("c020", "d002")):
+    for members in (
+        ("a002", "b003"),
+        ("a010", "c001", "c002"),
+        ("d000", "d001"),
+        ("a003", "b004", "b005"),
+        ("b010", "c003"),
+        ("c020", "d002"),
+    ):
         assert len({int(want[index[k]]) for k in members}) == 1, members
     scores = decisions["clip_score"].to_numpy()
     np.testing.assert_array_equal(decisions["kept"].to_numpy(), _best_of(want, scores))
@@ -414,8 +471,9 @@ def test_exact_dedupe_groups_are_the_byte_equal_images(pool, embedded, tmp_path)
     want = _byte_groups(pool)
     assert _partition(decisions["exact_group"].to_numpy()) == _partition(want)
     assert sum(len(g) > 1 for g in _partition(want)) == 3
-    np.testing.assert_array_equal(decisions["kept"].to_numpy(),
-                                  _best_of(want, decisions["clip_score"].to_numpy()))
+    np.testing.assert_array_equal(
+        decisions["kept"].to_numpy(), _best_of(want, decisions["clip_score"].to_numpy())
+    )
 
 
 def _cos(embedded: Path) -> np.ndarray:
@@ -443,7 +501,9 @@ def _exact_then_semantic(pool: PoolData, embedded: Path, eps: float) -> np.ndarr
 def test_exact_and_semantic_do_not_chain(pool, embedded, tmp_path):
     out = _out_with_embeddings(embedded, tmp_path / "out")
     _, eps = _brute_force_groups(embedded)
-    run = _curate(pool, out, "--dedupe", "exact,semantic", "--dedupe-eps", repr(eps), "--dedupe-clusters", "1")
+    run = _curate(
+        pool, out, "--dedupe", "exact,semantic", "--dedupe-eps", repr(eps), "--dedupe-clusters", "1"
+    )
     decisions = pd.read_parquet(out / "decisions.parquet")
     want = _exact_then_semantic(pool, embedded, eps)
     np.testing.assert_array_equal(decisions["semantic_group"].to_numpy(), want)
@@ -459,24 +519,43 @@ def test_exact_and_semantic_do_not_chain(pool, embedded, tmp_path):
     multi = sizes[sizes > 1]
     lines = run.stdout.splitlines()
     exact = _byte_groups(pool)
-    assert f"  exact: keeps {len(set(exact.tolist()))} of {n} ({100 * len(set(exact.tolist())) / n:.1f}%)" in lines
+    assert (
+        f"  exact: keeps {len(set(exact.tolist()))} of {n} ({100 * len(set(exact.tolist())) / n:.1f}%)"
+        in lines
+    )
     kept = int((want == np.arange(n)).sum())
     assert f"  dedupe: keeps {kept} of {n} ({100 * kept / n:.1f}%)" in lines
-    assert f"  duplicate groups: {multi.size} (largest {multi.max()}, median {np.median(multi):g}, " \
-           f"{(multi > 10).sum()} of more than 10)" in lines
+    assert (
+        f"  duplicate groups: {multi.size} (largest {multi.max()}, median {np.median(multi):g}, "
+        f"{(multi > 10).sum()} of more than 10)" in lines
+    )
     near = cos - 2 * np.eye(n)  # not with itself
     near = near.max(axis=1)  # (N,) each sample's nearest other image, all pairs (one cluster)
-    assert f"  nearest other image: median cosine {np.quantile(near, 0.5):.4f}, 10% below " \
-           f"{np.quantile(near, 0.1):.4f} (duplicates: above 1 - eps = {1 - eps:.4f})" in lines
-    assert lines[-1] == f"curated {n} samples into {out}: kept {kept} ({100 * kept / n:.1f}%); " \
-                        f"report {out / 'curate_report.html'}"
+    assert (
+        f"  nearest other image: median cosine {np.quantile(near, 0.5):.4f}, 10% below "
+        f"{np.quantile(near, 0.1):.4f} (duplicates: above 1 - eps = {1 - eps:.4f})" in lines
+    )
+    assert (
+        lines[-1] == f"curated {n} samples into {out}: kept {kept} ({100 * kept / n:.1f}%); "
+        f"report {out / 'curate_report.html'}"
+    )
 
 
 def test_reason_column_names_the_policy_and_the_duplicated_key(pool, embedded, tmp_path):
     out = _out_with_embeddings(embedded, tmp_path / "out")
     _, eps = _brute_force_groups(embedded)
-    _curate(pool, out, "--keep-fraction", "0.6", "--dedupe", "exact,semantic", "--dedupe-eps", repr(eps),
-            "--dedupe-clusters", "1")
+    _curate(
+        pool,
+        out,
+        "--keep-fraction",
+        "0.6",
+        "--dedupe",
+        "exact,semantic",
+        "--dedupe-eps",
+        repr(eps),
+        "--dedupe-clusters",
+        "1",
+    )
     decisions = pd.read_parquet(out / "decisions.parquet")
     keys, scores = _readable(pool), decisions["clip_score"].to_numpy()
     groups = _exact_then_semantic(pool, embedded, eps)
@@ -518,29 +597,60 @@ def test_a_policy_dropping_more_than_max_drop_writes_nothing(pool, embedded, tmp
     _curate(pool, out, "--keep-fraction", "0.9")  # a previous run's outputs, which must stay as they are
     before = _tree(out)
     eps = 1.5  # cosine > -0.5: nearly every pair of this pool
-    run = cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress",
-                   "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1")
+    run = cli_main(
+        "curate",
+        "--data",
+        pool.dir,
+        "--model",
+        pool.model,
+        "--out",
+        out,
+        "--no-progress",
+        "--dedupe",
+        "semantic",
+        "--dedupe-eps",
+        "1.5",
+        "--dedupe-clusters",
+        "1",
+    )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     groups = _greedy(_cos(embedded), _pool_frame(embedded)["clip_score"].to_numpy(), eps)
     n, kept = len(groups), len(set(groups.tolist()))
     largest = np.unique(groups, return_counts=True)[1].max()
     assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
-    for words in ("semantic", f"would drop {n - kept} of {n}", "--max-drop 0.5", f"largest group holds {largest}",
-                  "--force"):
+    for words in (
+        "semantic",
+        f"would drop {n - kept} of {n}",
+        "--max-drop 0.5",
+        f"largest group holds {largest}",
+        "--force",
+    ):
         assert words in lines[0], (words, lines[0])
     assert _tree(out) == before  # nothing written, nothing removed
     # a score floor that drops most of the pool is refused too; a keep fraction states its drop
     scores = _pool_frame(embedded)["clip_score"].to_numpy()
     floor = float(np.quantile(scores, 0.8))
-    run = cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress",
-                   "--clip-score-min", f"{floor:.6f}")
+    run = cli_main(
+        "curate",
+        "--data",
+        pool.dir,
+        "--model",
+        pool.model,
+        "--out",
+        out,
+        "--no-progress",
+        "--clip-score-min",
+        f"{floor:.6f}",
+    )
     assert run.returncode == 2 and "--clip-score-min" in run.stderr and "would drop" in run.stderr
     _curate(pool, out, "--keep-fraction", "0.1")
     # --force writes it; --max-drop 1 too
     _curate(pool, out, "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1", "--force")
     assert pd.read_parquet(out / "decisions.parquet")["kept"].sum() == kept
-    _curate(pool, out, "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1", "--max-drop", "1")
+    _curate(
+        pool, out, "--dedupe", "semantic", "--dedupe-eps", "1.5", "--dedupe-clusters", "1", "--max-drop", "1"
+    )
 
 
 # ---------------------------------------------------------------- 7. outputs
@@ -553,8 +663,18 @@ def _meta(members: dict) -> dict:
 def test_new_shards_hold_exactly_the_kept_samples_byte_for_byte(pool, embedded, tmp_path):
     out = _out_with_embeddings(embedded, tmp_path / "out")
     groups, eps = _brute_force_groups(embedded)
-    _curate(pool, out, "--keep-fraction", "0.6", "--dedupe", "semantic", "--dedupe-eps", repr(eps),
-            "--dedupe-clusters", "1")
+    _curate(
+        pool,
+        out,
+        "--keep-fraction",
+        "0.6",
+        "--dedupe",
+        "semantic",
+        "--dedupe-eps",
+        repr(eps),
+        "--dedupe-clusters",
+        "1",
+    )
     decisions = pd.read_parquet(out / "decisions.parquet")
     keys, scores = _readable(pool), decisions["clip_score"].to_numpy()
     by_score = scores >= np.quantile(scores, 0.4)
@@ -617,8 +737,9 @@ def test_false_negative_groups_label_every_sample_and_drop_none(pool, embedded, 
     best = _best_of(groups, _pool_frame(out)["clip_score"].to_numpy())
     for i, k in enumerate(keys):
         assert best[keys.index(labels[i])] and groups[keys.index(labels[i])] == groups[i], k
-        assert {f: v for f, v in json.loads(written[k]["json"]).items() if f not in ("dup", "clip_score")} == \
-            _meta(pool.samples[k][2])
+        assert {
+            f: v for f, v in json.loads(written[k]["json"]).items() if f not in ("dup", "clip_score")
+        } == _meta(pool.samples[k][2])
 
 
 # ---------------------------------------------------------------- 8. bad input
@@ -632,8 +753,19 @@ def _no_weights(pool: PoolData, tmp_path: Path) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("case", ["no_weights", "field_in_first_json", "field_in_a_later_shard", "fraction_0",
-                                  "fraction_1.5", "fraction_nan", "missing_shard", "dedupe_fuzzy"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no_weights",
+        "field_in_first_json",
+        "field_in_a_later_shard",
+        "fraction_0",
+        "fraction_1.5",
+        "fraction_nan",
+        "missing_shard",
+        "dedupe_fuzzy",
+    ],
+)
 def test_bad_input_is_a_one_line_error_with_exit_2(pool, tmp_path, case):
     model, data, flags, words = pool.model, str(pool.dir), [], ()
     if case == "no_weights":
@@ -648,7 +780,9 @@ def test_bad_input_is_a_one_line_error_with_exit_2(pool, tmp_path, case):
         data, words = f"{pool.dir}/{{00000..00004}}.tar", ("not found", "00004.tar")
     elif case == "dedupe_fuzzy":
         flags, words = ["--dedupe", "fuzzy"], ("--dedupe", "fuzzy")
-    run = cli_main("curate", "--data", data, "--model", model, "--out", tmp_path / "out", "--no-progress", *flags)
+    run = cli_main(
+        "curate", "--data", data, "--model", model, "--out", tmp_path / "out", "--no-progress", *flags
+    )
     print(run.stderr)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
@@ -661,7 +795,9 @@ def test_bad_input_is_a_one_line_error_with_exit_2(pool, tmp_path, case):
 def test_a_run_that_fails_before_embedding_does_not_block_the_corrected_rerun(pool, tmp_path):
     """A typo in --model is a one-line error; the same command with the right path then runs."""
     out = tmp_path / "out"
-    run = cli_main("curate", "--data", pool.dir, "--model", f"{pool.model}_typo", "--out", out, "--no-progress")
+    run = cli_main(
+        "curate", "--data", pool.dir, "--model", f"{pool.model}_typo", "--out", out, "--no-progress"
+    )
     assert run.returncode == 2 and "does not exist" in run.stderr
     run = cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress")
     assert run.returncode == 0, run.stderr
@@ -684,17 +820,22 @@ def _same_outputs(got: Path, want: Path) -> None:
     assert sorted(p.name for p in got.glob("[0-9]*.tar")) == tars and tars
     for name in tars:
         with tarfile.open(got / name) as a, tarfile.open(want / name) as b:
-            assert [(m.name, a.extractfile(m).read()) for m in a.getmembers()] == \
-                   [(m.name, b.extractfile(m).read()) for m in b.getmembers()], name
-    pd.testing.assert_frame_equal(pd.read_parquet(got / "decisions.parquet"),
-                                  pd.read_parquet(want / "decisions.parquet"))
+            assert [(m.name, a.extractfile(m).read()) for m in a.getmembers()] == [
+                (m.name, b.extractfile(m).read()) for m in b.getmembers()
+            ], name
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(got / "decisions.parquet"), pd.read_parquet(want / "decisions.parquet")
+    )
     assert json.loads((got / "sizes.json").read_text()) == json.loads((want / "sizes.json").read_text())
     for u in range(N_SHARDS):
-        pd.testing.assert_frame_equal(pd.read_parquet(got / "pool" / f"{u:05d}.parquet"),
-                                      pd.read_parquet(want / "pool" / f"{u:05d}.parquet"))
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(got / "pool" / f"{u:05d}.parquet"),
+            pd.read_parquet(want / "pool" / f"{u:05d}.parquet"),
+        )
         for part in ("image", "text"):
-            np.testing.assert_array_equal(np.load(got / "pool" / f"{u:05d}.{part}.npy"),
-                                          np.load(want / "pool" / f"{u:05d}.{part}.npy"))
+            np.testing.assert_array_equal(
+                np.load(got / "pool" / f"{u:05d}.{part}.npy"), np.load(want / "pool" / f"{u:05d}.{part}.npy")
+            )
 
 
 @pytest.fixture(scope="module")
@@ -717,13 +858,18 @@ def local_run(pool, embedded, tmp_path_factory) -> Path:
 
 
 def test_remote_shards_give_the_decisions_and_samples_of_the_local_pool(remote_run, local_run):
-    got, want = pd.read_parquet(remote_run / "decisions.parquet"), pd.read_parquet(local_run / "decisions.parquet")
+    got, want = (
+        pd.read_parquet(remote_run / "decisions.parquet"),
+        pd.read_parquet(local_run / "decisions.parquet"),
+    )
     pd.testing.assert_frame_equal(got, want)
     assert 0 < got["kept"].sum() < len(got)
     assert _written(remote_run) == _written(local_run)  # the same samples, byte for byte
     for u in range(N_SHARDS):
-        np.testing.assert_array_equal(np.load(remote_run / "pool" / f"{u:05d}.image.npy"),
-                                      np.load(local_run / "pool" / f"{u:05d}.image.npy"))
+        np.testing.assert_array_equal(
+            np.load(remote_run / "pool" / f"{u:05d}.image.npy"),
+            np.load(local_run / "pool" / f"{u:05d}.image.npy"),
+        )
     report = json.loads((remote_run / "curate_report.json").read_text())
     assert report["pool"]["skipped"] == {"corrupt_image": 1, "missing_caption": 1}
     assert '<img src="data:image/jpeg;base64,' in (remote_run / "curate_report.html").read_text()
@@ -733,13 +879,32 @@ def test_remote_shards_give_the_decisions_and_samples_of_the_local_pool(remote_r
 
 
 def _subprocess_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
 
 
 def _curate_cmd(pool: PoolData, data: str, out: Path, *flags) -> list[str]:
-    return [sys.executable, "-m", "mmalign.cli", "curate", "--data", data, "--model", pool.model, "--out", str(out),
-            "--no-progress", "--batch-size", "4", "--per-shard", "10", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "curate",
+        "--data",
+        data,
+        "--model",
+        pool.model,
+        "--out",
+        str(out),
+        "--no-progress",
+        "--batch-size",
+        "4",
+        "--per-shard",
+        "10",
+        *flags,
+    ]
 
 
 def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp_path):
@@ -751,7 +916,9 @@ def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp
     served.gate.clear()  # shard 1 and later wait: the kill falls between shard 0 and shard 1
     try:
         with open(tmp_path / "log", "w") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=_subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=_subprocess_env(), stdout=log, stderr=subprocess.STDOUT
+            )
         first = out / "pool" / "00000.json"
         deadline = time.monotonic() + 120
         while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -765,9 +932,13 @@ def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp
     assert not (out / "pool" / "00001.json").exists() and not (out / "decisions.parquet").exists()
     stamp = {p.name: p.stat().st_mtime_ns for p in (out / "pool").glob("00000.*")}
 
-    resumed = subprocess.run(cmd, cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        cmd, cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "pool").glob("00000.*")} == stamp  # not embedded again
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (out / "pool").glob("00000.*")
+    } == stamp  # not embedded again
     report = json.loads((out / "curate_report.json").read_text())
     assert report["timing"]["this_run_rank0_embedded_shards"] == N_SHARDS - 1
     _same_outputs(out, remote_run)
@@ -786,15 +957,25 @@ def test_ranks_split_the_shards_and_give_the_output_of_one(pool, local_run, tmp_
     out = tmp_path / "out"
     opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4)
     urls = input_shards(opts.data)
-    run_mod.outdir.claim(out, overwrite=False)  # rank 0 takes --out first (the other ranks wait for its stamp)
+    run_mod.outdir.claim(
+        out, overwrite=False
+    )  # rank 0 takes --out first (the other ranks wait for its stamp)
     part = run_mod.embed_part(opts, urls, out, rank=1, world=2)
     assert part["shards"] == N_SHARDS // 2
     assert sorted(p.name for p in (out / "pool").glob("*.json") if p.name != "stamp.json") == [
-        f"{u:05d}.json" for u in range(1, N_SHARDS, 2)]
+        f"{u:05d}.json" for u in range(1, N_SHARDS, 2)
+    ]
     monkeypatch.setattr(run_mod, "_rank", lambda: (0, 2))
     policies = Policies(keep_fraction=0.5, dedupe=("exact", "semantic"), dedupe_clusters=1)  # = POLICY
-    opts = run_mod.Options(data=str(pool.dir), model=pool.model, out=str(out), progress=False, batch_size=4,
-                           per_shard=10, policies=policies)
+    opts = run_mod.Options(
+        data=str(pool.dir),
+        model=pool.model,
+        out=str(out),
+        progress=False,
+        batch_size=4,
+        per_shard=10,
+        policies=policies,
+    )
     report = run_mod.curate(opts)
     assert report["processes"] == 2 and report["timing"]["this_run_rank0_embedded_shards"] == N_SHARDS // 2
     _same_outputs(out, local_run)
@@ -804,8 +985,14 @@ def test_ranks_split_the_shards_and_give_the_output_of_one(pool, local_run, tmp_
 @pytest.mark.integration
 def test_two_processes_give_the_output_of_one(pool, local_run, tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run(_curate_cmd(pool, str(pool.dir), out, *POLICY, "--nproc", "2"), cwd=ROOT,
-                         env=_subprocess_env(), capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        _curate_cmd(pool, str(pool.dir), out, *POLICY, "--nproc", "2"),
+        cwd=ROOT,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads((out / "curate_report.json").read_text())
     assert report["processes"] == 2 and report["timing"]["this_run_rank0_embedded_shards"] == N_SHARDS // 2
@@ -817,8 +1004,18 @@ def test_nproc_relaunches_the_command_it_was_given(pool, tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: seen.append((nproc, list(argv))) or 0)
-    args = ["curate", "--data", str(pool.dir), "--model", pool.model, "--out", str(tmp_path / "out"),
-            "--no-progress", "--nproc", "2"]
+    args = [
+        "curate",
+        "--data",
+        str(pool.dir),
+        "--model",
+        pool.model,
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        "--nproc",
+        "2",
+    ]
     run = cli_main(*args)
     assert run.returncode == 0, run.stderr
     assert seen == [(2, args)]

@@ -46,10 +46,12 @@ def test_a_shard_rewritten_at_the_same_path_is_embedded_again(pool, tmp_path):
     # back: the size and time agree, only the content tells
     target = next(k for k in pool.order if pool.samples[k][0] == 1 and "txt" in pool.samples[k][2])
     old_caption = pool.samples[target][2]["txt"].decode()
-    new_caption = ("zebra " * 40)[:len(old_caption)].strip().ljust(len(old_caption), "z")
+    new_caption = ("zebra " * 40)[: len(old_caption)].strip().ljust(len(old_caption), "z")
     path = data / "00001.tar"
     st = os.stat(path)
-    write_shard(path, _shard(pool, 1, lambda k, m: m.update(txt=new_caption.encode()) if k == target else None))
+    write_shard(
+        path, _shard(pool, 1, lambda k, m: m.update(txt=new_caption.encode()) if k == target else None)
+    )
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
     # 2. shard 3: other samples (its first two dropped): size and time differ
@@ -57,10 +59,15 @@ def test_a_shard_rewritten_at_the_same_path_is_embedded_again(pool, tmp_path):
 
     run = _curate(pool, out, data=data)
     lines = run.stdout.splitlines()
-    assert f"mmalign: curate: {path}: its content changed since it was embedded (same size and time): " \
-           f"embedding it again" in lines
-    assert any(line.startswith(f"mmalign: curate: {data / '00003.tar'}: its ")  # its size or its modification time
-               and line.endswith("changed since it was embedded: embedding it again") for line in lines), lines
+    assert (
+        f"mmalign: curate: {path}: its content changed since it was embedded (same size and time): "
+        f"embedding it again" in lines
+    )
+    assert any(
+        line.startswith(f"mmalign: curate: {data / '00003.tar'}: its ")  # its size or its modification time
+        and line.endswith("changed since it was embedded: embedding it again")
+        for line in lines
+    ), lines
     assert sum(line.endswith("embedding it again") for line in lines) == 2  # shards 0 and 2 are as they were
     for u in (0, 2):
         assert _stored(out, u) == before[u], u

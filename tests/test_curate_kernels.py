@@ -9,11 +9,20 @@ import math
 import numpy as np
 import pytest
 
-from data_pipelines.curate import (PoolQuantile, clip_scores, cluster_labels, exact_groups, group_report,
-                                   keep_one_per_group, keep_threshold, select, semantic_groups)
-
+from data_pipelines.curate import (
+    PoolQuantile,
+    clip_scores,
+    cluster_labels,
+    exact_groups,
+    group_report,
+    keep_one_per_group,
+    keep_threshold,
+    select,
+    semantic_groups,
+)
 
 # ---- scores ---------------------------------------------------------------------------------
+
 
 def test_clip_scores_equal_a_per_sample_loop(seed):
     rng = np.random.default_rng(seed)
@@ -117,6 +126,7 @@ def test_select_combinations_against_a_hand_mask(seed):
 
 # ---- exact groups ---------------------------------------------------------------------------
 
+
 def test_exact_groups_against_a_dict(seed):
     rng = np.random.default_rng(seed)
     for kind in (bytes, str):
@@ -199,8 +209,11 @@ def test_semantic_groups_no_clustering_equal_all_pairs(seed):
     for block in (1, 7, 64):
         assert semantic_groups(emb, EPS, n_clusters=1, scores=scores, block_size=block).tolist() == want
     assert semantic_groups(emb, EPS, n_clusters=1).tolist() == brute_groups(emb, EPS)  # no scores: pool order
-    assert report == {"samples": n, "duplicate_groups": len({g for g in want if want.count(g) > 1}),
-                      "samples_in_duplicate_groups": sum(1 for g in want if want.count(g) > 1)}
+    assert report == {
+        "samples": n,
+        "duplicate_groups": len({g for g in want if want.count(g) > 1}),
+        "samples_in_duplicate_groups": sum(1 for g in want if want.count(g) > 1),
+    }
 
 
 def test_semantic_groups_in_clusters_equal_all_pairs_on_blobs(seed):
@@ -217,7 +230,10 @@ def test_semantic_groups_in_clusters_equal_all_pairs_on_blobs(seed):
     assert group_report(np.array(want))["duplicate_groups"] >= 20
     got = semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, scores=scores)
     assert got.tolist() == want
-    assert semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, scores=scores, block_size=5).tolist() == want
+    assert (
+        semantic_groups(emb, EPS, n_clusters=4, seed=seed, nredo=8, scores=scores, block_size=5).tolist()
+        == want
+    )
     # Why clustering changes nothing here: every duplicate pair lies in one blob, the blobs are
     # orthogonal, and k-means finds the blobs (nredo: restarts guard a bad start), so no
     # duplicate pair straddles two clusters; then the clusters' groups are those of all pairs.
@@ -279,7 +295,9 @@ def test_semantic_groups_long_chain_against_brute_force(seed, block):
 def test_semantic_groups_with_clusters_keep_clusters_apart():
     """Given labels: a duplicate across two clusters is not compared."""
     emb = arc(3)
-    got = semantic_groups(emb, EPS_ARC, n_clusters=2, labels=np.array([0, 1, 1]), scores=np.array([0.9, 0.8, 0.7]))
+    got = semantic_groups(
+        emb, EPS_ARC, n_clusters=2, labels=np.array([0, 1, 1]), scores=np.array([0.9, 0.8, 0.7])
+    )
     assert got.tolist() == [0, 1, 1] == brute_groups(emb, EPS_ARC, [0.9, 0.8, 0.7], [0, 1, 1])
 
 
@@ -312,6 +330,7 @@ def test_nearest_similarity_against_a_loop(seed):
 
 # ---- keep one per group ---------------------------------------------------------------------
 
+
 def test_keep_one_per_group_against_a_loop(seed):
     rng = np.random.default_rng(seed)
     n = 400
@@ -325,5 +344,10 @@ def test_keep_one_per_group_against_a_loop(seed):
     want = [best[int(groups[i])] == i for i in range(n)]
     assert keep_one_per_group(groups, scores).tolist() == want
     # Explicit ties, and singletons kept.
-    assert keep_one_per_group(np.array([3, 3, 3, 7, 9]), np.array([0.5, 0.9, 0.9, 0.1, 0.0])).tolist() == \
-        [False, True, False, True, True]
+    assert keep_one_per_group(np.array([3, 3, 3, 7, 9]), np.array([0.5, 0.9, 0.9, 0.1, 0.0])).tolist() == [
+        False,
+        True,
+        False,
+        True,
+        True,
+    ]

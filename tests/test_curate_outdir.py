@@ -19,13 +19,19 @@ import pandas as pd
 from tests.conftest import ROOT, cli_main
 from tests.test_curate_cli import _curate, _one_thread, _out_with_embeddings, embedded, pool  # noqa: F401
 
-USER_FILES = {"2024_backup.tar": b"the user's backup", "7days.parquet": b"not a parquet", "notes.txt": b"mine"}
+USER_FILES = {
+    "2024_backup.tar": b"the user's backup",
+    "7days.parquet": b"not a parquet",
+    "notes.txt": b"mine",
+}
 
 
 def _one_line_error(run) -> str:
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mmalign: error:") and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and lines[0].startswith("mmalign: error:") and "Traceback" not in run.stderr, (
+        run.stderr
+    )
     return lines[0]
 
 
@@ -37,8 +43,21 @@ def _user_folder(path: Path, extra: dict | None = None) -> Path:
 
 
 def _run(pool, out, *flags):
-    return cli_main("curate", "--data", pool.dir, "--model", pool.model, "--out", out, "--no-progress",
-                    "--batch-size", "4", "--per-shard", "10", *flags)
+    return cli_main(
+        "curate",
+        "--data",
+        pool.dir,
+        "--model",
+        pool.model,
+        "--out",
+        out,
+        "--no-progress",
+        "--batch-size",
+        "4",
+        "--per-shard",
+        "10",
+        *flags,
+    )
 
 
 def test_a_folder_curate_did_not_create_is_refused_untouched(pool, tmp_path):
@@ -72,9 +91,13 @@ def test_overwrite_replaces_only_curates_own_files(pool, tmp_path):
     with_json = 0
     for name in ours:
         with tarfile.open(out / name) as tar:
-            with_json += sum(m.name.endswith(".json") for m in tar.getmembers())  # every written sample has one
+            with_json += sum(
+                m.name.endswith(".json") for m in tar.getmembers()
+            )  # every written sample has one
     assert with_json == kept
-    assert json.loads((out / "sizes.json").read_text()) == {name: min(10, kept - 10 * i) for i, name in enumerate(ours)}
+    assert json.loads((out / "sizes.json").read_text()) == {
+        name: min(10, kept - 10 * i) for i, name in enumerate(ours)
+    }
 
 
 def test_a_folder_holding_only_curates_embeddings_is_curates(pool, embedded, tmp_path):
@@ -90,8 +113,10 @@ def test_a_folder_holding_only_curates_embeddings_is_curates(pool, embedded, tmp
 
 def test_a_second_curate_on_one_out_is_refused_naming_the_holder(pool, tmp_path):
     out = tmp_path / "out"
-    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from mmalign.dirlock import hold; "
-            f"hold({str(out)!r}, 'mmalign curate'); print('held', flush=True); time.sleep(60)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); from mmalign.dirlock import hold; "
+        f"hold({str(out)!r}, 'mmalign curate'); print('held', flush=True); time.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

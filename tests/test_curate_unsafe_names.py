@@ -32,7 +32,10 @@ def _tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
 def _pool(path: Path, rng) -> list[str]:
     safe = [f"s{i:03d}" for i in range(6)]
     order = safe[:2] + list(UNSAFE) + safe[2:]
-    _tar(path, [(k, {"jpg": _jpeg(_pixels(rng, 0)), "txt": f"a photo {i}".encode()}) for i, k in enumerate(order)])
+    _tar(
+        path,
+        [(k, {"jpg": _jpeg(_pixels(rng, 0)), "txt": f"a photo {i}".encode()}) for i, k in enumerate(order)],
+    )
     return safe
 
 
@@ -45,7 +48,9 @@ def test_readers_yield_unsafe_samples_unread_and_flagged(tmp_path):
         samples = list(iter_samples(f))
     assert [s.key for s in samples if s.unsafe] == list(UNSAFE)
     assert all(not s.members for s in samples if s.unsafe)  # never read
-    assert [s.key for s in samples if not s.unsafe] == safe and all(s.members for s in samples if not s.unsafe)
+    assert [s.key for s in samples if not s.unsafe] == safe and all(
+        s.members for s in samples if not s.unsafe
+    )
     reasons = []
     for raw in iter_tar_groups(str(tmp_path / "x.tar")):
         try:
@@ -61,8 +66,18 @@ def test_curate_skips_and_counts_them_and_never_writes_them(tmp_path):
     safe = _pool(tmp_path / "pool" / "00000.tar", rng)
     model = _save_model(tmp_path / "model", 1)
     out = tmp_path / "out"
-    run = cli_main("curate", "--data", tmp_path / "pool", "--model", model, "--out", out, "--no-progress",
-                   "--batch-size", "4")
+    run = cli_main(
+        "curate",
+        "--data",
+        tmp_path / "pool",
+        "--model",
+        model,
+        "--out",
+        out,
+        "--no-progress",
+        "--batch-size",
+        "4",
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads((out / "curate_report.json").read_text())
     assert report["pool"]["skipped"] == {"unsafe_name": 3}
@@ -74,10 +89,13 @@ def test_curate_skips_and_counts_them_and_never_writes_them(tmp_path):
 
 def test_imagefolder_from_a_tar_skips_and_counts_them(tmp_path):
     rng = np.random.default_rng(2)
-    _tar(tmp_path / "x.tar", [(k, {"jpg": _jpeg(_pixels(rng, 0))}) for k in
-                              ("cat/0", "cat/1", "dog/2", *UNSAFE)])
-    run = cli_main("shards", "imagefolder", "--input", tmp_path / "x.tar", "--out", tmp_path / "out",
-                   "--no-progress")
+    _tar(
+        tmp_path / "x.tar",
+        [(k, {"jpg": _jpeg(_pixels(rng, 0))}) for k in ("cat/0", "cat/1", "dog/2", *UNSAFE)],
+    )
+    run = cli_main(
+        "shards", "imagefolder", "--input", tmp_path / "x.tar", "--out", tmp_path / "out", "--no-progress"
+    )
     assert run.returncode == 0, run.stderr
     assert "skipped 3 member(s) with an unsafe name" in run.stderr
     assert "wrote 3 samples" in run.stdout

@@ -26,7 +26,9 @@ def test_equal_to_torchvision_bit_for_bit_over_repeated_batches(gen):
     for _ in range(3):  # later batches use the cached constants
         images = _images(gen)
         want = torch.stack([reference(to_tensor(im)) for im in images])  # (B, 3, H, W) float32
-        uint8 = torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1) for im in images])  # (B, 3, H, W)
+        uint8 = torch.stack(
+            [torch.from_numpy(np.array(im)).permute(2, 0, 1) for im in images]
+        )  # (B, 3, H, W)
         got = dev.images_to(uint8, torch.device("cpu"))
         assert got.dtype == torch.float32 and torch.equal(got, want)
 
@@ -51,8 +53,9 @@ def test_the_constants_are_built_once_per_device(monkeypatch, gen):
     assert meta.device.type == "meta" and built == ["cpu", "cpu", "meta", "meta"]
     # the cached constants are read, never written by the in-place normalisation
     mean, std = dev._CONSTANTS[torch.device("cpu")]
-    assert torch.equal(mean.reshape(-1), real(OPENAI_DATASET_MEAN)) and torch.equal(std.reshape(-1),
-                                                                                     real(OPENAI_DATASET_STD))
+    assert torch.equal(mean.reshape(-1), real(OPENAI_DATASET_MEAN)) and torch.equal(
+        std.reshape(-1), real(OPENAI_DATASET_STD)
+    )
 
 
 def test_constants_first_built_under_inference_mode_serve_autograd_later(gen):

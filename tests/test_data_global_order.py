@@ -15,12 +15,12 @@ import torch
 
 import mmalign.data.loader as loader_mod
 import mmalign.data.stream as stream_mod
+from mmalign.config import AugmentConfig
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import CAPTION, draws, sample_seed
 from mmalign.data.shard_sizes import ShardIndex
 from mmalign.data.stream import EpochOrder, StreamSpec, shard_sequence
 from mmalign.data.transforms import train_transform
-from mmalign.config import AugmentConfig
 from tests.test_data_loader import TOKENIZER, jpeg, loader_for, make_shards, take, write_shard
 
 AUG = AugmentConfig(crop_scale=[0.5, 1.0], hflip=True, color_jitter=[0.4, 0.4, 0.4, 0.1])  # as loader_for's
@@ -28,9 +28,17 @@ AUG = AugmentConfig(crop_scale=[0.5, 1.0], hflip=True, color_jitter=[0.4, 0.4, 0
 
 def _spec(counts, lanes, mode, seed, sources=None, weights=(1.0,), buffer=1):
     n = len(counts)
-    return StreamSpec(urls=tuple(f"s{u}.tar" for u in range(n)), sources=sources or (tuple(range(n)),),
-                      weights=tuple(weights), mode=mode, seed=seed, lanes=lanes, shuffle_buffer=buffer,
-                      max_image_pixels=1, index=ShardIndex(tuple(counts)))
+    return StreamSpec(
+        urls=tuple(f"s{u}.tar" for u in range(n)),
+        sources=sources or (tuple(range(n)),),
+        weights=tuple(weights),
+        mode=mode,
+        seed=seed,
+        lanes=lanes,
+        shuffle_buffer=buffer,
+        max_image_pixels=1,
+        index=ShardIndex(tuple(counts)),
+    )
 
 
 def _random_spec(rng, mode):
@@ -148,14 +156,35 @@ B = 16  # the global batch of the layout tests
 
 def _global(spec, mode, world, workers, seed, steps, **data):
     """The global batches of a layout, by hand: each step's rank batches joined in rank order."""
-    per_rank = [take(loader_for(spec, mode=mode, workers=workers, buffer=24, batch=B // world, seed=seed, rank=r,
-                                world_size=world, **data), steps) for r in range(world)]
+    per_rank = [
+        take(
+            loader_for(
+                spec,
+                mode=mode,
+                workers=workers,
+                buffer=24,
+                batch=B // world,
+                seed=seed,
+                rank=r,
+                world_size=world,
+                **data,
+            ),
+            steps,
+        )
+        for r in range(world)
+    ]
     out = []
     for t in range(steps):
         parts = [batches[t] for batches in per_rank]
-        out.append({"keys": [k for p in parts for k in p.keys], "captions": [c for p in parts for c in p.captions],
-                    "seeds": torch.cat([p.seeds for p in parts]), "epochs": torch.cat([p.epochs for p in parts]),
-                    "images": torch.cat([p.images for p in parts])})
+        out.append(
+            {
+                "keys": [k for p in parts for k in p.keys],
+                "captions": [c for p in parts for c in p.captions],
+                "seeds": torch.cat([p.seeds for p in parts]),
+                "epochs": torch.cat([p.epochs for p in parts]),
+                "images": torch.cat([p.images for p in parts]),
+            }
+        )
     return out
 
 
@@ -178,7 +207,14 @@ def test_the_global_batch_is_the_same_for_every_layout(tmp_path, mode, seed):
     assert all(len(g["keys"]) == B and g["images"].dtype == torch.uint8 for g in reference)
     if mode == "epoch":
         assert reference[-1]["epochs"].max() >= 1  # the run crosses the end of epoch 0
-    layouts = [(1, 2, 0), (2, 1, 0), (2, 2, 0), (4, 0, 0), (8, 1, 0), (1, 2, 3)]  # (world, workers, piece size)
+    layouts = [
+        (1, 2, 0),
+        (2, 1, 0),
+        (2, 2, 0),
+        (4, 0, 0),
+        (8, 1, 0),
+        (1, 2, 3),
+    ]  # (world, workers, piece size)
     for world, workers, piece in layouts:
         got = _global(spec, mode, world, workers, seed, steps, worker_batch_size=piece, **data)
         for t, (g, want) in enumerate(zip(got, reference)):
@@ -199,7 +235,11 @@ def test_a_samples_randomness_is_its_own(seed):
         captions = [f"caption {i} {j} {rng.random():.6f}" for j in range(4)]
         members = {"jpg": jpeg((40, 32)), "txt": "\n".join(captions).encode()}
         s0, s1 = sample_seed(seed, 0, key.rsplit("/", 1)[-1]), sample_seed(seed, 1, key.rsplit("/", 1)[-1])
-        a, again, other = processor(key, members, s0), processor(key, dict(members), s0), processor(key, members, s1)
+        a, again, other = (
+            processor(key, members, s0),
+            processor(key, dict(members), s0),
+            processor(key, members, s1),
+        )
         assert a["seed"] == s0 and a["key"] == f"{i:09d}"
         assert a["caption"] == again["caption"] and torch.equal(a["image"], again["image"])
         assert a["caption"] == captions[draws(s0, CAPTION).randrange(len(captions))]  # the caption by hand
@@ -248,7 +288,10 @@ def test_memory_per_worker_is_bounded_and_does_not_grow_with_the_cluster(tmp_pat
     peak, lanes = _peak_buffers(monkeypatch, one, 0, steps=8)
     assert lanes == 16 and one.spec.lane_buffer == 5
     assert 16 * (5 - 1) < peak <= 16 * one.spec.lane_buffer  # the buffers do fill, and no further
-    many = [loader_for(spec, mode="epoch", workers=8, buffer=shuffle, batch=8, rank=r, world_size=8) for r in (0, 7)]
+    many = [
+        loader_for(spec, mode="epoch", workers=8, buffer=shuffle, batch=8, rank=r, world_size=8)
+        for r in (0, 7)
+    ]
     for loader in many:  # 64 lanes over 8 ranks x 8 workers: one lane per worker
         assert loader.spec.lane_buffer == 2
         for worker in (0, 7):
@@ -311,7 +354,11 @@ def test_a_worker_with_many_lanes_keeps_few_shards_open(tmp_path, monkeypatch, m
     assert max(open_now) <= limit + 1 and peak <= limit + 1
     for a, b in zip(closing, plain, strict=True):
         assert a.keys == b.keys and a.captions == b.captions
-        assert torch.equal(a.images, b.images) and torch.equal(a.seeds, b.seeds) and torch.equal(a.epochs, b.epochs)
+        assert (
+            torch.equal(a.images, b.images)
+            and torch.equal(a.seeds, b.seeds)
+            and torch.equal(a.epochs, b.epochs)
+        )
 
 
 def test_epoch_mode_with_bad_data_reads_each_good_sample_once_in_every_layout(tmp_path, seed):
@@ -328,8 +375,19 @@ def test_epoch_mode_with_bad_data_reads_each_good_sample_once_in_every_layout(tm
     seed = rng.randrange(1000)
     skips = []
     for world, workers in ((1, 0), (2, 2)):
-        loaders = [loader_for(spec, mode="epoch", workers=workers, buffer=16, batch=lanes // world, seed=seed,
-                              rank=r, world_size=world) for r in range(world)]
+        loaders = [
+            loader_for(
+                spec,
+                mode="epoch",
+                workers=workers,
+                buffer=16,
+                batch=lanes // world,
+                seed=seed,
+                rank=r,
+                world_size=world,
+            )
+            for r in range(world)
+        ]
         seen = []
         for loader in loaders:
             for b in take(loader, steps):

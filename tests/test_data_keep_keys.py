@@ -5,6 +5,7 @@ the shards' own keys, counted here."""
 from __future__ import annotations
 
 import random
+
 import pytest
 
 from mmalign.config import ConfigError
@@ -39,8 +40,10 @@ def test_epoch_trains_each_listed_sample_once_and_counts_the_rest(tmp_path, seed
     skipped = batches[-1].skipped
     assert set(skipped) == {SKIP_REASON} and skipped[SKIP_REASON] >= len(keys) - len(listed)
     # two ranks read the same global batches
-    two = [loader_for(spec, mode="epoch", batch=2, rank=r, world_size=2, keep_keys=str(tmp_path / "keep.txt"))
-           for r in range(2)]
+    two = [
+        loader_for(spec, mode="epoch", batch=2, rank=r, world_size=2, keep_keys=str(tmp_path / "keep.txt"))
+        for r in range(2)
+    ]
     halves = [take(loader, 10) for loader in two]
     for b, (left, right) in zip(batches, zip(*halves)):
         assert b.keys == left.keys + right.keys
@@ -50,8 +53,12 @@ def test_keep_keys_errors_are_one_line(tmp_path, seed):
     rng = random.Random(seed)
     make_shards(tmp_path, [6, 6], rng)
     spec = f"{tmp_path}/{{00000..00001}}.tar"
-    cases = {"missing.txt": None, "empty.txt": "# nothing\n", "folders.txt": "a/0000000001\n",
-             "few.txt": "000000000\n000000001\n"}
+    cases = {
+        "missing.txt": None,
+        "empty.txt": "# nothing\n",
+        "folders.txt": "a/0000000001\n",
+        "few.txt": "000000000\n000000001\n",
+    }
     for name, text in cases.items():
         if text is not None:
             (tmp_path / name).write_text(text)
@@ -64,8 +71,13 @@ def test_a_list_naming_no_sample_of_the_shards_stops_with_a_reason(tmp_path, see
     rng = random.Random(seed)
     make_shards(tmp_path, [5, 5], rng)
     (tmp_path / "keep.txt").write_text("\n".join(f"other{i}" for i in range(8)))
-    loader = loader_for(f"{tmp_path}/{{00000..00001}}.tar", mode="epoch", batch=4, workers=0,
-                        keep_keys=str(tmp_path / "keep.txt"))
+    loader = loader_for(
+        f"{tmp_path}/{{00000..00001}}.tar",
+        mode="epoch",
+        batch=4,
+        workers=0,
+        keep_keys=str(tmp_path / "keep.txt"),
+    )
     with pytest.raises(ConfigError, match="no sample of them is in data.keep_keys") as e:
         take(loader, 1)
     assert "\n" not in str(e.value)

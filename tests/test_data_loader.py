@@ -3,7 +3,6 @@ sample-granular splitting with few shards, weighted sources, batch contents."""
 
 import io
 import json
-import logging
 import random
 import tarfile
 
@@ -54,8 +53,9 @@ def make_shards(root, sizes, rng, shard_id0=0):
 def loader_for(spec, *, mode, workers=2, buffer=7, batch=5, seed=0, rank=0, world_size=1, **data):
     aug = AugmentConfig(crop_scale=[0.5, 1.0], hflip=True, color_jitter=[0.4, 0.4, 0.4, 0.1])
     cfg = DataConfig(train=spec, mode=mode, workers=workers, shuffle_buffer=buffer, augment=aug, **data)
-    return build_train_loader(cfg, train_transform(8, aug), TOKENIZER, batch, seed=seed, rank=rank,
-                              world_size=world_size)
+    return build_train_loader(
+        cfg, train_transform(8, aug), TOKENIZER, batch, seed=seed, rank=rank, world_size=world_size
+    )
 
 
 def take(loader, n):

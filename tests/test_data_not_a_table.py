@@ -22,8 +22,17 @@ def test_a_table_is_refused_with_the_command_that_makes_shards(tmp_path, name):
 def test_train_with_a_csv_as_data_train_is_one_line_exit_2(tmp_path):
     table = tmp_path / "pairs.csv"
     table.write_text("path,text\na.jpg,a cat\n")
-    res = run_cli("train", "--config", "configs/quickstart.yaml", "--output", str(tmp_path / "run"),
-                  "--set", f"data.train={table}", "--set", "eval.suite=none")
+    res = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        "--output",
+        str(tmp_path / "run"),
+        "--set",
+        f"data.train={table}",
+        "--set",
+        "eval.suite=none",
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "mmalign shards table" in lines[0] and "0 samples" not in lines[0], res.stderr

@@ -60,7 +60,9 @@ def test_image_folder_dir_and_tar_give_the_same_shards(tmp_path, seed):
         assert summaries[name]["written"] == len(files)  # the duplicate and the broken file are out
         assert summaries[name]["duplicates_removed"] == 1 and summaries[name]["failures"] == 1
 
-    samples = list(read_samples(expand_urls(f"{tmp_path}/dir/{{00000..{summaries['dir']['shards'] - 1:05d}}}.tar")))
+    samples = list(
+        read_samples(expand_urls(f"{tmp_path}/dir/{{00000..{summaries['dir']['shards'] - 1:05d}}}.tar"))
+    )
     assert len(samples) == len(files)
     sizes = json.loads((tmp_path / "dir" / "sizes.json").read_text())
     assert sum(sizes.values()) == len(files) and max(sizes.values()) == 4
@@ -83,9 +85,12 @@ def test_image_folder_dir_and_tar_give_the_same_shards(tmp_path, seed):
     failed = shard_rows(tmp_path / "dir").query("status == 'failed'")
     assert len(failed) == 1 and "broken.png" in failed["source_path"].iloc[0]
     # the tar source yields the very same images and captions
-    tar_samples = list(read_samples(expand_urls(f"{tmp_path}/tar/{{00000..{summaries['tar']['shards'] - 1:05d}}}.tar")))
-    assert sorted(s["captions"][0] + s["json"]["source_sha256"] for s in tar_samples) == \
-        sorted(s["captions"][0] + s["json"]["source_sha256"] for s in samples)
+    tar_samples = list(
+        read_samples(expand_urls(f"{tmp_path}/tar/{{00000..{summaries['tar']['shards'] - 1:05d}}}.tar"))
+    )
+    assert sorted(s["captions"][0] + s["json"]["source_sha256"] for s in tar_samples) == sorted(
+        s["captions"][0] + s["json"]["source_sha256"] for s in samples
+    )
 
 
 def test_table_source_with_resize_and_processes(tmp_path, seed):
@@ -93,7 +98,9 @@ def test_table_source_with_resize_and_processes(tmp_path, seed):
     rows = []
     for i in range(rng.randint(6, 12)):
         (tmp_path / f"im{i}.png").write_bytes(png(rng.randint(20, 40), rng.randint(20, 40)))
-        rows.append({"path": f"im{i}.png", "text": f"picture number {i}\nsecond caption {i}", "score": i / 10})
+        rows.append(
+            {"path": f"im{i}.png", "text": f"picture number {i}\nsecond caption {i}", "score": i / 10}
+        )
     rows.append({"path": "missing.png", "text": "gone", "score": 0.0})
     for ext in ("csv", "tsv", "parquet"):
         frame = pd.DataFrame(rows)
@@ -103,8 +110,14 @@ def test_table_source_with_resize_and_processes(tmp_path, seed):
         else:
             frame.to_csv(target, sep="\t" if ext == "tsv" else ",", index=False)
         out = tmp_path / f"out_{ext}"
-        summary = build_shards(table(target, "path", "text"), out, per_shard=5, progress=False, processes=2,
-                               opts=EncodeOptions(resize=16, resize_mode="center_crop"))
+        summary = build_shards(
+            table(target, "path", "text"),
+            out,
+            per_shard=5,
+            progress=False,
+            processes=2,
+            opts=EncodeOptions(resize=16, resize_mode="center_crop"),
+        )
         assert summary["written"] == len(rows) - 1 and summary["failures"] == 1
         got = list(read_samples(sorted(str(p) for p in out.glob("*.tar"))))
         assert [s["captions"] for s in got] == [r["text"].split("\n") for r in rows[:-1]]  # input order
@@ -121,8 +134,9 @@ def test_hf_sources_from_local_files(tmp_path, seed):
     images = [png() for _ in range(n)]
     captions = [f"hf caption {i}" for i in range(n)]
     features = datasets.Features({"img": datasets.Image(), "text": datasets.Value("string")})
-    ds = datasets.Dataset.from_dict({"img": [{"bytes": b, "path": None} for b in images], "text": captions},
-                                    features=features)
+    ds = datasets.Dataset.from_dict(
+        {"img": [{"bytes": b, "path": None} for b in images], "text": captions}, features=features
+    )
     ds.save_to_disk(str(tmp_path / "disk"))
     ds.to_parquet(str(tmp_path / "data.parquet"))
     for fmt, path in (("disk", tmp_path / "disk"), ("parquet", tmp_path / "data.parquet")):
@@ -139,16 +153,48 @@ def test_hf_sources_from_local_files(tmp_path, seed):
 def test_cli_builds_shards_and_reports_mistakes(tmp_path, capsys, seed):
     rng = random.Random(seed)
     files = class_folder(tmp_path / "src", rng)
-    code = main(["shards", "imagefolder", "--input", str(tmp_path / "src"), "--out", str(tmp_path / "out"),
-                 "--templates", "generic", "--templates-per-image", "1", "--per-shard", "3", "--no-progress",
-                 "--resize", "8"])
+    code = main(
+        [
+            "shards",
+            "imagefolder",
+            "--input",
+            str(tmp_path / "src"),
+            "--out",
+            str(tmp_path / "out"),
+            "--templates",
+            "generic",
+            "--templates-per-image",
+            "1",
+            "--per-shard",
+            "3",
+            "--no-progress",
+            "--resize",
+            "8",
+        ]
+    )
     assert code == 0
     groups = [g for p in sorted((tmp_path / "out").glob("*.tar")) for g in iter_tar_groups(str(p))]
     assert len(groups) == len(files)
     assert all(g["txt"].count(b"\n") == 0 for g in groups)  # one template each
-    assert main(["shards", "imagefolder", "--input", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
-    assert main(["shards", "imagefolder", "--input", str(tmp_path / "src"), "--out", str(tmp_path / "x"),
-                 "--templates", "nope"]) == 2
+    assert (
+        main(["shards", "imagefolder", "--input", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
+        == 2
+    )
+    assert (
+        main(
+            [
+                "shards",
+                "imagefolder",
+                "--input",
+                str(tmp_path / "src"),
+                "--out",
+                str(tmp_path / "x"),
+                "--templates",
+                "nope",
+            ]
+        )
+        == 2
+    )
     assert "unknown template set 'nope'" in capsys.readouterr().err
 
 
@@ -198,19 +244,34 @@ def test_imagefolder_shards_are_shuffled_and_keep_their_source(tmp_path, form):
         src = tmp_path / f"src.{form}"
         with tarfile.open(src, "w:gz" if form == "tar.gz" else "w") as tar:
             tar.add(tmp_path / "src", arcname=".")
-    base = ["shards", "imagefolder", "--input", str(src), "--templates", "generic", "--per-shard", "6",
-            "--no-progress"]
+    base = [
+        "shards",
+        "imagefolder",
+        "--input",
+        str(src),
+        "--templates",
+        "generic",
+        "--per-shard",
+        "6",
+        "--no-progress",
+    ]
     assert main(base + ["--out", str(tmp_path / "a")]) == 0
     assert main(base + ["--out", str(tmp_path / "b")]) == 0
     assert main(base + ["--out", str(tmp_path / "c"), "--seed", "1"]) == 0
-    assert main(base + ["--out", str(tmp_path / "plain"), "--no-shuffle", "--templates-per-image", "all"]) == 0
+    assert (
+        main(base + ["--out", str(tmp_path / "plain"), "--no-shuffle", "--templates-per-image", "all"]) == 0
+    )
     generic = load_templates("generic")["templates"]
     for g in shard_members(tmp_path / "a"):  # one caption per image by default, a template of the set
         (caption,) = g["txt"].decode().split("\n")
         assert caption in {t.format(c=json.loads(g["json"])["classname"]) for t in generic}
-    assert len({g["txt"] for g in shard_members(tmp_path / "a")}) > len(CLASSES)  # drawn per image, not per class
+    assert len({g["txt"] for g in shard_members(tmp_path / "a")}) > len(
+        CLASSES
+    )  # drawn per image, not per class
     for g in shard_members(tmp_path / "plain"):  # 'all': every template, the old behaviour
-        assert g["txt"].decode().split("\n") == [t.format(c=json.loads(g["json"])["classname"]) for t in generic]
+        assert g["txt"].decode().split("\n") == [
+            t.format(c=json.loads(g["json"])["classname"]) for t in generic
+        ]
     first = [json.loads(g["json"]) for g in shard_members(tmp_path / "a", 0)]
     # 6 of 24 samples all from one of 3 classes of 8 has probability 3*C(8,6)/C(24,6) < 1e-3 per seed
     assert len({m["classname"] for m in first}) > 1

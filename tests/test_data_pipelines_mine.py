@@ -4,7 +4,6 @@ reference), the rewritten shards (byte-identical apart from the added field), th
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import tarfile
@@ -44,8 +43,11 @@ def corpus(shapes_dir, micro_model):
 
     loaded = mmalign.load(micro_model)
     loaded.model.eval()
-    samples = [decode_sample(raw) for url in sorted((shapes_dir / "train").glob("*.tar"))
-               for raw in iter_tar_groups(str(url))]
+    samples = [
+        decode_sample(raw)
+        for url in sorted((shapes_dir / "train").glob("*.tar"))
+        for raw in iter_tar_groups(str(url))
+    ]
     images = torch.stack([loaded.preprocess(s["image"].convert("RGB")) for s in samples])
     img = loaded.encode_image(images).double().numpy()
     captions = [c for s in samples for c in s["captions"]]
@@ -58,10 +60,15 @@ def reference(corpus, i, k, max_similarity=None, id_field=None, max_relative=Non
     """Image i's negatives by brute force: every caption, best first, explicit exclusion rules."""
     s = corpus["samples"]
     own = {normalise_caption(c) for c in s[i]["captions"]}
-    positive = max(float(corpus["img"][i] @ corpus["cap"][r]) for r in range(len(corpus["captions"]))
-                   if corpus["owner"][r] == i)
-    cands = sorted(((float(corpus["img"][i] @ corpus["cap"][r]), r) for r in range(len(corpus["captions"]))),
-                   reverse=True)
+    positive = max(
+        float(corpus["img"][i] @ corpus["cap"][r])
+        for r in range(len(corpus["captions"]))
+        if corpus["owner"][r] == i
+    )
+    cands = sorted(
+        ((float(corpus["img"][i] @ corpus["cap"][r]), r) for r in range(len(corpus["captions"]))),
+        reverse=True,
+    )
     kept, seen = [], set()
     for sim, r in cands:
         j, text = corpus["owner"][r], normalise_caption(corpus["captions"][r])
@@ -131,37 +138,51 @@ def test_mined_negatives_match_brute_force_and_shards_are_otherwise_unchanged(sh
             else:
                 assert a == b, name
         assert (out / src.with_suffix(".parquet").name).is_file()
-    assert json.loads((out / "sizes.json").read_text()) == json.loads((shapes_dir / "train" / "sizes.json").read_text())
+    assert json.loads((out / "sizes.json").read_text()) == json.loads(
+        (shapes_dir / "train" / "sizes.json").read_text()
+    )
 
 
-def test_similarity_threshold_filters_suspected_false_negatives(shapes_dir, micro_model, mined_dir, corpus, tmp_path):
+def test_similarity_threshold_filters_suspected_false_negatives(
+    shapes_dir, micro_model, mined_dir, corpus, tmp_path
+):
     _, first = mined_dir
     # a threshold inside the range of what the unfiltered pass kept, so it must bind
     threshold = round(first["negative_similarity"]["mean"], 4)
-    stats = mine(str(shapes_dir / "train"), micro_model, tmp_path / "t", k=K, max_similarity=threshold,
-                 progress=False)
+    stats = mine(
+        str(shapes_dir / "train"), micro_model, tmp_path / "t", k=K, max_similarity=threshold, progress=False
+    )
     check_against_reference(corpus, tmp_path / "t", K, max_similarity=threshold)
     assert stats["filtered_false_negatives"] == stats["filtered_absolute"] > 0
     assert stats["samples_with_filtered"] > 0 and stats["negative_similarity"]["max"] <= threshold
 
 
-def test_relative_threshold_searches_deeper_for_images_that_need_it(shapes_dir, micro_model, corpus, tmp_path,
-                                                                   monkeypatch):
+def test_relative_threshold_searches_deeper_for_images_that_need_it(
+    shapes_dir, micro_model, corpus, tmp_path, monkeypatch
+):
     import faiss
 
     widths = []
     real = faiss.IndexFlatIP.search
     monkeypatch.setattr(faiss.IndexFlatIP, "search", lambda self, x, w: widths.append(w) or real(self, x, w))
     # "not above the image's own caption": with a random scorer most nearest captions are above it
-    stats = mine(str(shapes_dir / "train"), micro_model, tmp_path / "r", k=K, max_relative=1.0, progress=False)
+    stats = mine(
+        str(shapes_dir / "train"), micro_model, tmp_path / "r", k=K, max_relative=1.0, progress=False
+    )
     mined = check_against_reference(corpus, tmp_path / "r", K, max_relative=1.0)
     assert stats["filtered_relative"] > 0 and len(widths) > 1 and widths == sorted(widths)
     assert stats["negatives_written"] == sum(len(n) for n in mined.values())
 
 
 def test_id_field_makes_same_id_samples_positives(shapes_dir, micro_model, corpus, tmp_path):
-    stats = mine(f"{shapes_dir}/train/{{00000..00001}}.tar", micro_model, tmp_path / "ids", k=2, id_field="shape",
-                 progress=False)
+    stats = mine(
+        f"{shapes_dir}/train/{{00000..00001}}.tar",
+        micro_model,
+        tmp_path / "ids",
+        k=2,
+        id_field="shape",
+        progress=False,
+    )
     mined = check_against_reference(corpus, tmp_path / "ids", 2, id_field="shape")
     shape_of = {s["key"]: s["json"]["shape"] for s in corpus["samples"]}
     for key, negatives in mined.items():
@@ -181,8 +202,10 @@ def test_positives_duplicates_unreadable_samples_and_a_missing_json(micro_model,
     groups = list(iter_tar_groups(str(tmp_path / "out" / "00000.tar")))
     assert [g["__key__"] for g in groups] == [k for k, _ in samples]
     assert groups[2]["json"] == b"{}" and groups[2]["jpg"] == b"not a jpeg"  # copied unchanged
-    got = {g["__key__"]: {n["caption"] for n in json.loads(g["json"])["hard_negatives"]}
-           for g in groups[:2] + groups[3:]}
+    got = {
+        g["__key__"]: {n["caption"] for n in json.loads(g["json"])["hard_negatives"]}
+        for g in groups[:2] + groups[3:]
+    }
     assert got["00000000"] == got["00000001"] == {"a blue square", "a green star"}  # not its positive
     # one slot per caption text: the two red circles count once
     assert len(got["00000003"]) == len(got["00000004"]) == 2
@@ -192,11 +215,32 @@ def test_positives_duplicates_unreadable_samples_and_a_missing_json(micro_model,
 
 def test_cli_mines_and_reports_mistakes_in_one_line(shapes_dir, micro_model, tmp_path, capsys):
     spec = f"{shapes_dir}/val/00000.tar"
-    assert main(["mine", "--data", spec, "--model", str(micro_model), "--out", str(tmp_path / "m"), "-k", "2",
-                 "--max-similarity", "0.99", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "mine",
+                "--data",
+                spec,
+                "--model",
+                str(micro_model),
+                "--out",
+                str(tmp_path / "m"),
+                "-k",
+                "2",
+                "--max-similarity",
+                "0.99",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "negatives for 120 samples" in capsys.readouterr().out
-    for bad, msg in ((["-k", "0"], "-k"), (["--out", str(shapes_dir / "val")], "--out"),
-                     (["--out", str(tmp_path / "m")], "already holds"), (["--max-similarity", "2"], "cosine")):
+    for bad, msg in (
+        (["-k", "0"], "-k"),
+        (["--out", str(shapes_dir / "val")], "--out"),
+        (["--out", str(tmp_path / "m")], "already holds"),
+        (["--max-similarity", "2"], "cosine"),
+    ):
         args = {"--data": spec, "--model": str(micro_model), "--out": str(tmp_path / "x"), "-k": "2"}
         args.update(dict(zip(bad[::2], bad[1::2])))
         assert main(["mine", *[x for kv in args.items() for x in kv], "--no-progress"]) == 2
@@ -212,44 +256,64 @@ def test_loader_emits_negative_tokens_and_masks(mined_dir, shapes_dir, tmp_path)
     loader = loader_for(f"{out}/{{00000..00001}}.tar", mode="epoch", workers=0, batch=6, hard_negatives=2)
     batch = next(iter(loader))
     assert batch.neg_tokens.shape == (6, 2, 12) and batch.neg_mask.all()
-    by_key = {raw["__key__"]: json.loads(raw["json"])["hard_negatives"]
-              for url in sorted(out.glob("*.tar")) for raw in iter_tar_groups(str(url))}
+    by_key = {
+        raw["__key__"]: json.loads(raw["json"])["hard_negatives"]
+        for url in sorted(out.glob("*.tar"))
+        for raw in iter_tar_groups(str(url))
+    }
     from tests.test_data_loader import TOKENIZER
 
     for key, tokens in zip(batch.keys, batch.neg_tokens):
         want = TOKENIZER([n["caption"] for n in by_key[key][:2]])
         assert torch.equal(tokens, want)
     # unmined shards: every slot masked, nothing skipped
-    plain = next(iter(loader_for(f"{shapes_dir}/train/00000.tar", mode="epoch", workers=0, batch=4,
-                                 hard_negatives=2)))
+    plain = next(
+        iter(loader_for(f"{shapes_dir}/train/00000.tar", mode="epoch", workers=0, batch=4, hard_negatives=2))
+    )
     assert plain.neg_tokens.shape == (4, 2, 12) and not plain.neg_mask.any() and plain.skipped == {}
 
 
 def test_loader_pads_short_lists_and_skips_malformed_ones(tmp_path):
-    metas = [{"hard_negatives": [{"caption": "a"}, {"caption": "b"}, {"caption": "c"}]},
-             {"hard_negatives": ["only one"]}, {"hard_negatives": []}, {"hard_negatives": "oops"},
-             {"hard_negatives": [{"similarity": 0.3}]}, {}]
-    samples = [(f"0000000{i}", {"jpg": jpeg(), "txt": b"x", "json": json.dumps(m).encode()})
-               for i, m in enumerate(metas)]
+    metas = [
+        {"hard_negatives": [{"caption": "a"}, {"caption": "b"}, {"caption": "c"}]},
+        {"hard_negatives": ["only one"]},
+        {"hard_negatives": []},
+        {"hard_negatives": "oops"},
+        {"hard_negatives": [{"similarity": 0.3}]},
+        {},
+    ]
+    samples = [
+        (f"0000000{i}", {"jpg": jpeg(), "txt": b"x", "json": json.dumps(m).encode()})
+        for i, m in enumerate(metas)
+    ]
     write_shard(tmp_path / "00000.tar", samples)
     # one lane (a global batch of 1), no shuffling: the samples in write order
-    batches = take(loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=1, buffer=1,
-                              hard_negatives=2), 4)
+    batches = take(
+        loader_for(f"{tmp_path}/00000.tar", mode="epoch", workers=0, batch=1, buffer=1, hard_negatives=2), 4
+    )
     assert [b.keys[0] for b in batches] == ["00000000", "00000001", "00000002", "00000005"]
-    assert [b.neg_mask.tolist()[0] for b in batches] == [[True, True], [True, False], [False, False], [False, False]]
+    assert [b.neg_mask.tolist()[0] for b in batches] == [
+        [True, True],
+        [True, False],
+        [False, False],
+        [False, False],
+    ]
     assert batches[-1].skipped == {"bad_hard_negatives": 2}
 
 
 # ------------------------------------------------------------------------- config and training
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["data.hard_negatives=-1"], "data.hard_negatives"),
-    (["data.hard_negatives=2", "loss.name=siglip", "model.init_logit_bias=-10"], "data.hard_negatives"),
-    (["data.hard_negatives=2", "loss.hard_negative_beta=0.5"], "data.hard_negatives"),
-    (["data.hard_negatives=2", "loss.debias_prior=0.1"], "data.hard_negatives"),
-    (["data.hard_negatives=2", "loss.queue_size=64"], "data.hard_negatives"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.hard_negatives=-1"], "data.hard_negatives"),
+        (["data.hard_negatives=2", "loss.name=siglip", "model.init_logit_bias=-10"], "data.hard_negatives"),
+        (["data.hard_negatives=2", "loss.hard_negative_beta=0.5"], "data.hard_negatives"),
+        (["data.hard_negatives=2", "loss.debias_prior=0.1"], "data.hard_negatives"),
+        (["data.hard_negatives=2", "loss.queue_size=64"], "data.hard_negatives"),
+    ],
+)
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -261,8 +325,16 @@ def test_short_training_run_on_mined_shards(mined_dir, micro_overrides):
 
     out, _ = mined_dir
     overrides = [o for o in micro_overrides if not o.startswith("data.train=")]
-    cfg = load_config(None, overrides + [f"data.train={out}/{{00000..00001}}.tar", "data.hard_negatives=2",
-                                         "train.steps=8", "train.grad_cache_chunk_size=12"])
+    cfg = load_config(
+        None,
+        overrides
+        + [
+            f"data.train={out}/{{00000..00001}}.tar",
+            "data.hard_negatives=2",
+            "train.steps=8",
+            "train.grad_cache_chunk_size=12",
+        ],
+    )
     run = train(cfg, show_progress=False)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))

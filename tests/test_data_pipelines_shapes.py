@@ -36,7 +36,9 @@ def test_img2dataset_layout(shapes_dir):
         names = tar.getnames()[:3]
     assert names == ["000010000.jpg", "000010000.txt", "000010000.json"]
     table = pd.read_parquet(split / "00001.parquet")
-    assert len(table) == 200 and {"key", "caption", "status", "sha256", "width", "height"} <= set(table.columns)
+    assert len(table) == 200 and {"key", "caption", "status", "sha256", "width", "height"} <= set(
+        table.columns
+    )
     assert table["key"].iloc[0] == "000010000"
 
 
@@ -62,8 +64,25 @@ def test_shards_shapes_honours_per_shard(tmp_path, capsys):
     from mmalign.cli import main
 
     out = tmp_path / "s"
-    assert main(["shards", "shapes", "--out", str(out), "--n-train", "30", "--n-val", "7", "--per-shard", "20",
-                 "--seed", "3"]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                "shapes",
+                "--out",
+                str(out),
+                "--n-train",
+                "30",
+                "--n-val",
+                "7",
+                "--per-shard",
+                "20",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "train" / "sizes.json").read_text()) == {"00000.tar": 20, "00001.tar": 10}
     assert json.loads((out / "val" / "sizes.json").read_text()) == {"00000.tar": 7}
     for bad in (["--per-shard", "0"], ["--per-shard", "10001"], ["--resize", "32"], ["--input", "x"]):

@@ -17,10 +17,18 @@ from tests.conftest import cli_main
 
 OWN = {  # a few flags each source's --help must show, and a few it must not
     "shapes": ({"--n-train", "--n-val", "--seed", "--out", "--per-shard"}, {"--input", "--limit", "--root"}),
-    "imagefolder": ({"--input", "--classes", "--limit", "--templates", "--no-shuffle", "--resize"},
-                    {"--n-train", "--root", "--label-col", "--image-col"}),
-    "table": ({"--input", "--image-col", "--caption-col", "--root"}, {"--limit", "--templates", "--label-col"}),
-    "hf": ({"--input", "--label-col", "--format", "--split", "--templates"}, {"--limit", "--classes", "--root"}),
+    "imagefolder": (
+        {"--input", "--classes", "--limit", "--templates", "--no-shuffle", "--resize"},
+        {"--n-train", "--root", "--label-col", "--image-col"},
+    ),
+    "table": (
+        {"--input", "--image-col", "--caption-col", "--root"},
+        {"--limit", "--templates", "--label-col"},
+    ),
+    "hf": (
+        {"--input", "--label-col", "--format", "--split", "--templates"},
+        {"--limit", "--classes", "--root"},
+    ),
 }
 
 
@@ -70,11 +78,23 @@ def test_limit_takes_the_first_n_images_of_each_class_from_a_folder(tmp_path, sh
     for name, data in files.items():
         (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "src" / name).write_bytes(data)
-    res = cli_main("shards", "imagefolder", "--input", tmp_path / "src", "--out", tmp_path / "out", "--limit", "2",
-                   "--no-progress", *(() if shuffle else ("--no-shuffle",)))
+    res = cli_main(
+        "shards",
+        "imagefolder",
+        "--input",
+        tmp_path / "src",
+        "--out",
+        tmp_path / "out",
+        "--limit",
+        "2",
+        "--no-progress",
+        *(() if shuffle else ("--no-shuffle",)),
+    )
     assert res.returncode == 0, res.stderr
     # a brute-force reference: sorted names per class, the first two of each
-    expected = [n for c in ("cat", "dog", "owl") for n in sorted(f for f in files if f.startswith(c + "/"))[:2]]
+    expected = [
+        n for c in ("cat", "dog", "owl") for n in sorted(f for f in files if f.startswith(c + "/"))[:2]
+    ]
     written = _written(tmp_path / "out")
     assert sorted(written) == sorted(expected)
     if not shuffle:
@@ -83,20 +103,40 @@ def test_limit_takes_the_first_n_images_of_each_class_from_a_folder(tmp_path, sh
 
 def test_limit_follows_a_tars_member_order(tmp_path):
     files = _images({"cat": 4, "dog": 4}, seed=1)
-    order = ["cat/0003.png", "dog/0002.png", "cat/0000.png", "dog/0000.png", "cat/0002.png", "dog/0003.png",
-             "cat/0001.png", "dog/0001.png"]  # the archive's order, not the names'
+    order = [
+        "cat/0003.png",
+        "dog/0002.png",
+        "cat/0000.png",
+        "dog/0000.png",
+        "cat/0002.png",
+        "dog/0003.png",
+        "cat/0001.png",
+        "dog/0001.png",
+    ]  # the archive's order, not the names'
     with tarfile.open(tmp_path / "src.tar", "w") as tar:
         for name in order:
             info = tarfile.TarInfo(name)
             info.size = len(files[name])
             tar.addfile(info, io.BytesIO(files[name]))
-    res = cli_main("shards", "imagefolder", "--input", tmp_path / "src.tar", "--out", tmp_path / "out",
-                   "--limit", "1", "--no-shuffle", "--no-progress")
+    res = cli_main(
+        "shards",
+        "imagefolder",
+        "--input",
+        tmp_path / "src.tar",
+        "--out",
+        tmp_path / "out",
+        "--limit",
+        "1",
+        "--no-shuffle",
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(_written(tmp_path / "out")) == ["cat/0003.png", "dog/0002.png"]
 
 
 def test_limit_below_one_is_one_line(tmp_path):
     (tmp_path / "src" / "cat").mkdir(parents=True)
-    res = cli_main("shards", "imagefolder", "--input", tmp_path / "src", "--out", tmp_path / "out", "--limit", "0")
+    res = cli_main(
+        "shards", "imagefolder", "--input", tmp_path / "src", "--out", tmp_path / "out", "--limit", "0"
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--limit must be >= 1" in res.stderr

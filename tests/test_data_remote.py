@@ -82,8 +82,11 @@ def test_remote_stream_and_its_resume_equal_the_local_stream(tmp_path, kind, cap
         _same(head + tail, reference)
         ranged = [r for _, r in server.requests if r]
     said = [r.getMessage() for r in caplog.records if "exact resume" in r.getMessage()]
-    expected = {"http": "by HTTP range requests", "http-without-ranges": "ignores HTTP ranges",
-                "pipe": "re-runs the command"}[kind]
+    expected = {
+        "http": "by HTTP range requests",
+        "http-without-ranges": "ignores HTTP ranges",
+        "pipe": "re-runs the command",
+    }[kind]
     assert len(said) == 1 and expected in said[0], said  # once, not per sample or per shard
     if kind != "pipe":
         assert ranged, "the resume asked for no byte range"
@@ -109,8 +112,15 @@ def test_a_shard_that_keeps_failing_is_skipped_and_counted(tmp_path):
     keys = make_shards(tmp_path, [4, 4, 4, 4], rng)
     by_shard = {s: [k for k in keys if k.startswith(f"{s:05d}")] for s in range(4)}
     with serve(tmp_path) as server:
-        loader = loader_for(f"{server.url}/{{00000..00003}}.tar", mode="epoch", workers=0, buffer=1, batch=3,
-                            remote_retries=2, remote_backoff=0.01)
+        loader = loader_for(
+            f"{server.url}/{{00000..00003}}.tar",
+            mode="epoch",
+            workers=0,
+            buffer=1,
+            batch=3,
+            remote_retries=2,
+            remote_backoff=0.01,
+        )
         server.requests.clear()
         server.fail["00001.tar"] = -1  # 503 for ever: retried twice, then skipped
         server.fail["00002.tar"] = 2  # two 503s, then fine: read whole
@@ -139,15 +149,24 @@ def test_a_shard_cut_at_the_same_byte_every_time_is_a_counted_logged_skip(tmp_pa
         server.cut_at["00000.tar"] = starts[4]  # between two samples: no member is cut
         if not length:
             server.no_length.add("00000.tar")  # the cut looks like the end of the body
-        loader = loader_for(f"{server.url}/{{00000..00001}}.tar", mode="epoch", workers=0, buffer=1, batch=2,
-                            remote_retries=1, remote_backoff=0.01)
+        loader = loader_for(
+            f"{server.url}/{{00000..00001}}.tar",
+            mode="epoch",
+            workers=0,
+            buffer=1,
+            batch=2,
+            remote_retries=1,
+            remote_backoff=0.01,
+        )
         batches = take(loader, 10)  # 20 rows: past epoch 0 on both lanes
     got = [k for b in batches for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
     before_cut = keys[:4] if not length else keys[:3]  # a failed read of the next header loses the 4th
     assert sorted(got) == sorted(before_cut + keys[10:])  # the other shard whole; nothing after the cut
     skipped = batches[-1].skipped
     assert sum(skipped.values()) >= 1 and set(skipped) <= {"truncated_tar", "unreadable_shard"}, skipped
-    named = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "00000.tar" in r.getMessage()]
+    named = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "00000.tar" in r.getMessage()
+    ]
     assert any("skipped sample" in m for m in named)  # the lane's counted skip, with the shard's name
     assert any("ends early" in m for m in named)  # and the count pass says it at start-up
 
@@ -165,8 +184,13 @@ def test_an_endless_remote_shard_stops_start_up_with_one_line(tmp_path, bound, m
         server.endless.add("endless.tar")  # valid members for ever, never an end-of-archive block
         start = time.monotonic()
         with pytest.raises(ConfigError) as e:
-            loader_for(f"{server.url}/00000.tar::{server.url}/endless.tar", mode="epoch", workers=0, batch=2,
-                       remote_retries=0)
+            loader_for(
+                f"{server.url}/00000.tar::{server.url}/endless.tar",
+                mode="epoch",
+                workers=0,
+                batch=2,
+                remote_retries=0,
+            )
         took = time.monotonic() - start
     message = str(e.value)
     assert "\n" not in message and "endless.tar" in message and "has not ended" in message
@@ -184,8 +208,11 @@ def test_gzip_shards_stream_but_refuse_exact_resume(tmp_path):
             first = loader_for(spec, mode="epoch", workers=0, batch=4)
             _same(take(first, 3), reference)
             again = loader_for(spec, mode="epoch", workers=0, batch=4)
-            with pytest.raises(ConfigError, match=r"^config key 'data.train': cannot resume exactly inside gzip "
-                                                  r"shard .*store shards as plain \.tar"):
+            with pytest.raises(
+                ConfigError,
+                match=r"^config key 'data.train': cannot resume exactly inside gzip "
+                r"shard .*store shards as plain \.tar",
+            ):
                 again.load_state_dict(first.state_dict())
 
 
@@ -197,7 +224,9 @@ def test_refilling_the_shuffle_buffer_opens_each_shard_once(tmp_path, where, mon
         base = server.url if where == "http" else str(tmp_path)
         spec = f"{base}/{{00000..00003}}.tar"
         loader = loader_for(spec, mode="resampled", workers=0, buffer=40, batch=1)  # one lane: all 40 its own
-        take(loader, 10)  # 10 taken, 40 buffered (of a 60-sample virtual epoch): the buffer spans several shards
+        take(
+            loader, 10
+        )  # 10 taken, 40 buffered (of a 60-sample virtual epoch): the buffer spans several shards
         slot_state = json.loads(json.dumps(loader.state_dict()))["lane_states"]["0"]
         buffered = {ref[0] for ref in slot_state["buffer"]}
         assert len(slot_state["buffer"]) == 39  # 40 less the last one taken; one open each, before
@@ -223,8 +252,11 @@ def test_refilling_the_shuffle_buffer_opens_each_shard_once(tmp_path, where, mon
             next(samples)
         # one open for the refill and the rest of its piece, plus one per later piece of the same
         # shard that this fill went on to (resampled draws may repeat a shard)
-        later = (s.order.pieces(0, epoch)[cursor:s.cursor] if s.epoch == epoch else
-                 s.order.pieces(0, epoch)[cursor:] + s.order.pieces(0, s.epoch)[:s.cursor])
+        later = (
+            s.order.pieces(0, epoch)[cursor : s.cursor]
+            if s.epoch == epoch
+            else s.order.pieces(0, epoch)[cursor:] + s.order.pieces(0, s.epoch)[: s.cursor]
+        )
         assert opened.count(current) == 1 + sum(loader.spec.urls[u] == current for u, _, _ in later)
 
 
@@ -245,8 +277,11 @@ def test_startup_probes_a_sample_of_remote_shards_and_names_backends(tmp_path):
         assert server.requests == []
         (tmp_path / "249.tar").unlink()
         shards._checked.clear()
-        with pytest.raises(ConfigError, match=r"^config key 'data.val': shard not readable: .*/249.tar "
-                                              r"\(PermanentError: HTTP 404"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^config key 'data.val': shard not readable: .*/249.tar "
+            r"\(PermanentError: HTTP 404",
+        ):
             shards.check_urls(urls, "data.val", remote.RemoteOptions(retries=0))
     with pytest.raises(ConfigError, match=r"^config key 'data.train': s3:// shards need .*s3fs"):
         shards.check_urls(["s3://bucket/00000.tar"], "data.train")
@@ -312,13 +347,29 @@ def test_training_over_http_killed_and_resumed_equals_the_local_run(eight_shards
     """SIGKILL after the step-6 checkpoint, ``--resume latest`` over HTTP: the same weights (bitwise)
     and sample keys as a straight run from local files, each step logged once, the probe batch on
     (the local twin of this, tests/test_train_run.py, is `slow`)."""
-    common = ["model.preset=micro", "data.workers=1", "data.shuffle_buffer=50", "train.global_batch_size=16",
-              "train.steps=12", "train.warmup_steps=2", "train.lr=0.002", "train.checkpoint_every=6",
-              "train.log_every=3", "monitor.log_sample_keys=true", "monitor.probe_size=16", "eval.suite=none",
-              f"data.val={eight_shards.parent / 'val' / '00000.tar'}"]
+    common = [
+        "model.preset=micro",
+        "data.workers=1",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=12",
+        "train.warmup_steps=2",
+        "train.lr=0.002",
+        "train.checkpoint_every=6",
+        "train.log_every=3",
+        "monitor.log_sample_keys=true",
+        "monitor.probe_size=16",
+        "eval.suite=none",
+        f"data.val={eight_shards.parent / 'val' / '00000.tar'}",
+    ]
     local = tmp_path / "local"
-    res = subprocess.run(_cmd(local, common + [f"data.train={eight_shards}/{{00000..00007}}.tar"]),
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    res = subprocess.run(
+        _cmd(local, common + [f"data.train={eight_shards}/{{00000..00007}}.tar"]),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     with serve(eight_shards) as server:
         ov = common + [f"data.train={server.url}/{{00000..00007}}.tar"]
@@ -331,8 +382,9 @@ def test_training_over_http_killed_and_resumed_equals_the_local_run(eight_shards
         proc.wait()
         assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
         server.requests.clear()
-        res = subprocess.run(_cmd(killed, ov, "--resume", "latest"), capture_output=True, text=True, cwd=ROOT,
-                             timeout=600)
+        res = subprocess.run(
+            _cmd(killed, ov, "--resume", "latest"), capture_output=True, text=True, cwd=ROOT, timeout=600
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         assert "step 6" in res.stdout
         assert any(r for _, r in server.requests), "the resume asked for no byte range"
@@ -343,13 +395,24 @@ def test_training_over_http_killed_and_resumed_equals_the_local_run(eight_shards
     assert _keys(killed) == _keys(local) and len(_keys(local)) == 12
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3, 6, 9, 12]  # each logged once: the resume truncated what the kill left
-    a, b = load_file(str(local / "final" / "model.safetensors")), load_file(str(killed / "final" / "model.safetensors"))
+    a, b = (
+        load_file(str(local / "final" / "model.safetensors")),
+        load_file(str(killed / "final" / "model.safetensors")),
+    )
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("override", ["data.remote_retries=-1", "data.remote_retries=1.5", "data.remote_backoff=-1",
-                                      "data.remote_timeout=0", "data.remote_timeout=nan"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.remote_retries=-1",
+        "data.remote_retries=1.5",
+        "data.remote_backoff=-1",
+        "data.remote_timeout=0",
+        "data.remote_timeout=nan",
+    ],
+)
 def test_remote_keys_are_validated_at_load(override):
     from mmalign.config import load_config
 

@@ -22,8 +22,12 @@ GLOBAL_BATCH = 8
 
 
 def _loaders(spec, world, mode, seed, workers=0, states=None, step=0):
-    loaders = [loader_for(spec, mode=mode, workers=workers, batch=GLOBAL_BATCH // world, seed=seed, rank=r,
-                          world_size=world) for r in range(world)]
+    loaders = [
+        loader_for(
+            spec, mode=mode, workers=workers, batch=GLOBAL_BATCH // world, seed=seed, rank=r, world_size=world
+        )
+        for r in range(world)
+    ]
     if states is not None:
         for r, loader in enumerate(loaders):
             state, how = convert(json.loads(json.dumps(states)), loader.spec, r, step)
@@ -59,9 +63,18 @@ def test_a_pre_lane_position_restarts_the_lanes_and_says_so(tmp_path, seed):
     make_shards(tmp_path, [rng.randint(6, 12) for _ in range(3)], rng)
     spec = f"{tmp_path}/{{00000..00002}}.tar"
     loader = _loaders(spec, 1, "resampled", 5)[0]
-    old = {"version": 2, "mode": "resampled", "seed": 5, "rank": 0, "world_size": 2, "workers": 1, "batch_size": 4,
-           "shards": loader.state_dict()["shards"], "consumed": 3,
-           "slots": {"0": {"epoch": 0, "skipped": {"corrupt_image": 2}}, "1": {"epoch": 0, "skipped": {}}}}
+    old = {
+        "version": 2,
+        "mode": "resampled",
+        "seed": 5,
+        "rank": 0,
+        "world_size": 2,
+        "workers": 1,
+        "batch_size": 4,
+        "shards": loader.state_dict()["shards"],
+        "consumed": 3,
+        "slots": {"0": {"epoch": 0, "skipped": {"corrupt_image": 2}}, "1": {"epoch": 0, "skipped": {}}},
+    }
     state, how = convert([old], loader.spec, 0, 3)
     assert "data order restarted at step 3" in how
     assert all(s["epoch"] == RESTART + 3 for s in state["lane_states"].values())  # draws never reached before
@@ -86,9 +99,20 @@ def test_a_pre_lane_position_keeps_each_ranks_skip_counts(tmp_path, seed, caplog
     shards = ranks[0].state_dict()["shards"]
     with caplog.at_level(logging.WARNING, logger="mmalign.data"):
         for r, loader in enumerate(ranks):
-            loader.load_state_dict({"version": 2, "mode": "epoch", "seed": 5, "rank": r, "world_size": 2, "workers": 1,
-                                    "batch_size": 4, "shards": shards, "consumed": 2,
-                                    "slots": {str(r): {"epoch": 0, "skipped": {"corrupt_image": r + 1}}}})
+            loader.load_state_dict(
+                {
+                    "version": 2,
+                    "mode": "epoch",
+                    "seed": 5,
+                    "rank": r,
+                    "world_size": 2,
+                    "workers": 1,
+                    "batch_size": 4,
+                    "shards": shards,
+                    "consumed": 2,
+                    "slots": {str(r): {"epoch": 0, "skipped": {"corrupt_image": r + 1}}},
+                }
+            )
     assert [loader.skipped() for loader in ranks] == [{"corrupt_image": 1}, {"corrupt_image": 2}]
     said = [r.getMessage() for r in caplog.records if "predates lanes" in r.getMessage()]
     assert len(said) == 1 and "restarts at step 2" in said[0]  # rank 0 says it, once

@@ -1,7 +1,6 @@
 """Bad data is skipped and counted by reason, never fatal: hand-built broken shards."""
 
 import io
-import json
 import random
 import tarfile
 
@@ -72,8 +71,12 @@ def test_each_kind_of_bad_sample_is_skipped_and_counted_in_order(tmp_path):
 
     pil_limit = Image.MAX_IMAGE_PIXELS
     n = len(goods)
-    batches = [b for _, b in zip(range(2 * n), iter(loader(str(tmp_path / "00000.tar"), workers=0,
-                                                           shuffle_buffer=1, batch=1)))]
+    batches = [
+        b
+        for _, b in zip(
+            range(2 * n), iter(loader(str(tmp_path / "00000.tar"), workers=0, shuffle_buffer=1, batch=1))
+        )
+    ]
     assert Image.MAX_IMAGE_PIXELS == pil_limit  # in-process reading leaves PIL's global alone
     assert [b.keys[0] for b in batches[:n]] == [k for k, _ in goods]
     expected = {}
@@ -111,7 +114,9 @@ def test_bad_shards_never_crash_a_multi_worker_run(tmp_path, seed):
 def test_missing_id_field_is_a_counted_skip(tmp_path):
     samples = [good("a"), ("b", {"jpg": jpeg(), "txt": b"no label", "json": b'{"other": 1}'}), good("c")]
     (tmp_path / "00000.tar").write_bytes(tar_bytes(samples))
-    batches = take_n(loader(str(tmp_path / "00000.tar"), workers=0, shuffle_buffer=1, batch=1, id_field="label"), 2)
+    batches = take_n(
+        loader(str(tmp_path / "00000.tar"), workers=0, shuffle_buffer=1, batch=1, id_field="label"), 2
+    )
     assert [b.keys[0] for b in batches] == ["a", "c"] and [b.ids.tolist() for b in batches] == [[1], [1]]
     assert batches[1].skipped == {"missing_id": 1}
 
@@ -126,9 +131,13 @@ def _unusable_shards(tmp_path, n=2):
         samples = []
         for i in range(30):
             kind = i % 3
-            members = ({"txt": b"a caption without an image"} if kind == 0 else
-                       {"jpg": random.randbytes(200), "txt": b"random bytes"} if kind == 1 else
-                       {"jpg": jpeg(), "txt": b"caf\xe9 \xff"})
+            members = (
+                {"txt": b"a caption without an image"}
+                if kind == 0
+                else {"jpg": random.randbytes(200), "txt": b"random bytes"}
+                if kind == 1
+                else {"jpg": jpeg(), "txt": b"caf\xe9 \xff"}
+            )
             samples.append((f"{s}{i:03d}", members))
         (tmp_path / f"{s:05d}.tar").write_bytes(tar_bytes(samples))
     return f"{tmp_path}/{{00000..{n - 1:05d}}}.tar"
@@ -146,14 +155,22 @@ def test_shards_without_a_usable_sample_stop_with_one_line(tmp_path, mode, worke
     import time
 
     spec = _unusable_shards(tmp_path)
-    cfg = DataConfig(train=spec, mode=mode, max_image_pixels=MAX_PIXELS, workers=workers, shuffle_buffer=4,
-                     max_consecutive_skips=500)
+    cfg = DataConfig(
+        train=spec,
+        mode=mode,
+        max_image_pixels=MAX_PIXELS,
+        workers=workers,
+        shuffle_buffer=4,
+        max_consecutive_skips=500,
+    )
     t0 = time.time()
     with pytest.raises(ConfigError) as err:
         next(iter(build_train_loader(cfg, train_transform(8, AugmentConfig()), TOKENIZER, 4, seed=1)))
     assert time.time() - t0 < 60
     msg = str(err.value)
-    assert "\n" not in msg and "500 samples in a row were skipped" in msg and "data.max_consecutive_skips" in msg
+    assert (
+        "\n" not in msg and "500 samples in a row were skipped" in msg and "data.max_consecutive_skips" in msg
+    )
     for reason in ("missing_image", "corrupt_image", "caption_not_utf8"):
         assert reason in msg
 
@@ -169,10 +186,21 @@ def test_consecutive_skip_limit_counts_only_unbroken_runs(tmp_path):
         samples.append(good(f"g{i:03d}"))
         samples += [(f"b{i:03d}{j}", {"txt": b"no image"}) for j in range(3)]
     (tmp_path / "00000.tar").write_bytes(tar_bytes(samples))
-    cfg = DataConfig(train=str(tmp_path / "00000.tar"), mode="epoch", max_image_pixels=MAX_PIXELS, workers=0,
-                     shuffle_buffer=1, max_consecutive_skips=4)
-    batches = [b for _, b in zip(range(3), iter(build_train_loader(cfg, train_transform(8, AugmentConfig()),
-                                                                   TOKENIZER, 20, seed=1)))]
+    cfg = DataConfig(
+        train=str(tmp_path / "00000.tar"),
+        mode="epoch",
+        max_image_pixels=MAX_PIXELS,
+        workers=0,
+        shuffle_buffer=1,
+        max_consecutive_skips=4,
+    )
+    batches = [
+        b
+        for _, b in zip(
+            range(3),
+            iter(build_train_loader(cfg, train_transform(8, AugmentConfig()), TOKENIZER, 20, seed=1)),
+        )
+    ]
     # 20 lanes of 8 samples (2 good ones each): no lane meets more than 3 bad ones in a row
     assert sorted(k for b in batches[:2] for k in b.keys) == [f"g{i:03d}" for i in range(40)]
 
@@ -181,12 +209,29 @@ def test_cli_train_on_unusable_shards_exits_2_with_one_line(tmp_path):
     from tests.conftest import cli_main
 
     spec = _unusable_shards(tmp_path)
-    proc = cli_main("train", "--set", "model.preset=micro", "--set", f"data.train={spec}",
-                    "--set", "data.workers=0", "--set", "train.steps=2", "--set", "train.warmup_steps=0",
-                    "--set", "monitor.probe_size=0", "--set", "data.max_consecutive_skips=1000",
-                    "--set", "train.global_batch_size=8",
-                    "--set", "eval.suite=none",
-                    "--set", f"output={tmp_path / 'run'}")
+    proc = cli_main(
+        "train",
+        "--set",
+        "model.preset=micro",
+        "--set",
+        f"data.train={spec}",
+        "--set",
+        "data.workers=0",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "monitor.probe_size=0",
+        "--set",
+        "data.max_consecutive_skips=1000",
+        "--set",
+        "train.global_batch_size=8",
+        "--set",
+        "eval.suite=none",
+        "--set",
+        f"output={tmp_path / 'run'}",
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.replace("\r", "\n").splitlines() if "mmalign: error:" in ln]
     assert len(errors) == 1 and "1000 samples in a row were skipped" in errors[0], proc.stderr[-2000:]

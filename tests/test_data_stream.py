@@ -50,7 +50,9 @@ def make_shards(root, sizes, rng):
 
 
 def loader_for(spec, *, piece=0, mode="epoch", workers=2, batch=7, seed=0):
-    cfg = DataConfig(train=spec, mode=mode, workers=workers, shuffle_buffer=6, augment=AUG, worker_batch_size=piece)
+    cfg = DataConfig(
+        train=spec, mode=mode, workers=workers, shuffle_buffer=6, augment=AUG, worker_batch_size=piece
+    )
     return build_train_loader(cfg, train_transform(8, AUG), TOKENIZER, batch, seed=seed)
 
 
@@ -66,7 +68,9 @@ def assert_same(got, want):
     for a, b in zip(got, want):
         assert a.keys == b.keys and a.captions == b.captions and a.skipped == b.skipped
         for name in ("images", "tokens", "epochs"):
-            assert getattr(a, name).dtype == getattr(b, name).dtype and torch.equal(getattr(a, name), getattr(b, name)), name
+            assert getattr(a, name).dtype == getattr(b, name).dtype and torch.equal(
+                getattr(a, name), getattr(b, name)
+            ), name
 
 
 def test_worker_shares():
@@ -128,8 +132,9 @@ def test_uint8_normalised_on_the_device_equals_the_float32_path(seed):
     # today's float32 path, by hand: HWC uint8 -> CHW float / 255, minus mean, over std
     mean = torch.tensor(MEAN, dtype=torch.float32)[:, None, None]
     std = torch.tensor(STD, dtype=torch.float32)[:, None, None]
-    want = torch.stack([(torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 - mean) / std
-                        for im in images])
+    want = torch.stack(
+        [(torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 - mean) / std for im in images]
+    )
     assert torch.equal(images_to(raw, torch.device("cpu")), want)
     assert torch.equal(torch.stack([t(im, random.Random(0)) for im in images]), want)  # the transform's own
     if torch.cuda.is_available():  # pinned, asynchronous copy, normalised on the GPU
@@ -141,7 +146,9 @@ def test_uint8_normalised_on_the_device_equals_the_float32_path(seed):
 
 
 def test_merge_joins_in_order_and_leaves_out_empty_pieces():
-    a = Batch(torch.zeros(2, 3, 1, 1, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.long), keys=["a", "b"])
+    a = Batch(
+        torch.zeros(2, 3, 1, 1, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.long), keys=["a", "b"]
+    )
     b = Batch(torch.ones(1, 3, 1, 1, dtype=torch.uint8), torch.ones(1, 4, dtype=torch.long), keys=["c"])
     out = merge([a, None, b])
     assert out.keys == ["a", "b", "c"] and out.images[:, 0, 0, 0].tolist() == [0, 0, 1]

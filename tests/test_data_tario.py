@@ -70,10 +70,16 @@ def test_oversized_member_is_a_counted_skip(tmp_path):
     shard = tmp_path / "00000.tar.gz"
     goods = _bomb_shard(shard)
     # one lane (a global batch of 1), no shuffling: the write order, the big one between the goods
-    batches = [b for _, b in zip(range(2), iter(loader(str(shard), workers=0, shuffle_buffer=1, batch=1,
-                                                       max_member_bytes=CAP)))]
+    batches = [
+        b
+        for _, b in zip(
+            range(2), iter(loader(str(shard), workers=0, shuffle_buffer=1, batch=1, max_member_bytes=CAP))
+        )
+    ]
     assert [b.keys[0] for b in batches] == goods and batches[1].skipped == {"member_too_large": 1}
-    assert [s["key"] for s in read_samples([str(shard)], max_member=CAP)] == goods  # evaluation / embed / mine
+    assert [
+        s["key"] for s in read_samples([str(shard)], max_member=CAP)
+    ] == goods  # evaluation / embed / mine
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5])

@@ -8,8 +8,25 @@ import pytest
 from mmalign.data.templates import check_templates, template_problem
 from mmalign.errors import UsageError
 
-CASES = ["a photo of a {c}.", "{c}", "{{literal}} {c}", "no field", "{x}", "{}", "{0}", "a { b", "a } b",
-         "{c!r}", "{c:>99999}", "{c.upper}", "{c[0]}", "", "   ", "{c} and {d}", "{{}}"]
+CASES = [
+    "a photo of a {c}.",
+    "{c}",
+    "{{literal}} {c}",
+    "no field",
+    "{x}",
+    "{}",
+    "{0}",
+    "a { b",
+    "a } b",
+    "{c!r}",
+    "{c:>99999}",
+    "{c.upper}",
+    "{c[0]}",
+    "",
+    "   ",
+    "{c} and {d}",
+    "{{}}",
+]
 
 
 def _reference_ok(template: str) -> bool:
@@ -31,7 +48,12 @@ def test_template_problem_equals_the_naive_reference(template):
 
 def test_check_templates_is_one_line_naming_the_place_and_the_template():
     check_templates(["a {c}.", "the {c}"], "x")
-    for bad, words in [("{x}", "field {x}"), ("{}", "field {}"), ("a {", "does not format"), ("", "is blank")]:
+    for bad, words in [
+        ("{x}", "field {x}"),
+        ("{}", "field {}"),
+        ("a {", "does not format"),
+        ("", "is blank"),
+    ]:
         with pytest.raises(UsageError) as e:
             check_templates(["a {c}.", bad], "suite s.yaml")
         message = str(e.value)
@@ -44,9 +66,19 @@ def test_a_suite_file_with_a_bad_template_is_one_line(tmp_path, bad):
 
     from mmalign.evaluation.suite import load_suite
 
-    suite = {"name": "s", "dataset": "x/{0..1}.tar", "tasks": [
-        {"name": "zs", "type": "zeroshot", "label_field": "classname", "classnames": ["a", "b"],
-         "templates": ["a photo of a {c}.", bad]}]}
+    suite = {
+        "name": "s",
+        "dataset": "x/{0..1}.tar",
+        "tasks": [
+            {
+                "name": "zs",
+                "type": "zeroshot",
+                "label_field": "classname",
+                "classnames": ["a", "b"],
+                "templates": ["a photo of a {c}.", bad],
+            }
+        ],
+    }
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite))
     with pytest.raises(UsageError) as e:

@@ -13,7 +13,21 @@ from mmalign.data.tokenizer import SentencePieceTokenizer
 from mmalign.models.tokenizers import build_tokenizer
 from tests.conftest import pick_seed
 
-WORDS = ["red", "green", "blue", "circle", "square", "small", "large", "left", "right", "photo", "of", "a", "the"]
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "circle",
+    "square",
+    "small",
+    "large",
+    "left",
+    "right",
+    "photo",
+    "of",
+    "a",
+    "the",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +46,21 @@ def caption_shards(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spm_file(caption_shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("tok") / "spm.model"
-    assert main(["tokenizer", "train", "--data", f"{caption_shards}/{{00000..00001}}.tar",
-                 "--vocab-size", "60", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                f"{caption_shards}/{{00000..00001}}.tar",
+                "--vocab-size",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -49,7 +76,9 @@ def test_token_layout_sot_eot_padding_and_truncation(spm_file, seed):
     ids = tok([short, long, "RED  Circle"])
     assert ids.shape == (3, 24) and ids.dtype == torch.long
     n = len(tok.encode(short))
-    assert ids[0, 0] == tok.sot_token_id and ids[0, n + 1] == tok.eot_token_id and (ids[0, n + 2:] == 0).all()
+    assert (
+        ids[0, 0] == tok.sot_token_id and ids[0, n + 1] == tok.eot_token_id and (ids[0, n + 2 :] == 0).all()
+    )
     assert ids[1, -1] == tok.eot_token_id and (ids[1] > 0).all()  # cut, still ends with eot
     assert (ids.argmax(dim=1) == torch.tensor([n + 1, 23, ids[2].tolist().index(tok.eot_token_id)])).all()
     assert tok.decode(ids[0]) == short  # pieces round-trip (lower case, collapsed spaces)
@@ -77,7 +106,10 @@ def test_model_tokenizer_sets_the_tower_and_survives_save_and_load(spm_file, tmp
     spm_file.rename(spm_file.with_name("moved.model"))  # the saved folder must not need the original
     try:
         loaded = load(tmp_path)
-        assert json.loads((tmp_path / "final" / "model_config.json").read_text())["tokenizer"]["type"] == "sentencepiece"
+        assert (
+            json.loads((tmp_path / "final" / "model_config.json").read_text())["tokenizer"]["type"]
+            == "sentencepiece"
+        )
         assert torch.allclose(loaded.encode_text(texts), before, atol=1e-6)
     finally:
         spm_file.with_name("moved.model").rename(spm_file)
@@ -88,8 +120,34 @@ def test_tokenizer_mistakes_are_one_line_errors(spm_file, caption_shards, tmp_pa
         load_config(None, [f"model.tokenizer={spm_file}", "model.text={vocab_size: 10}"])
     with pytest.raises(ConfigError, match="file not found"):
         load_config(None, [f"model.tokenizer={tmp_path / 'none.model'}"])
-    assert main(["tokenizer", "train", "--data", f"{tmp_path}/x.tar", "--vocab-size", "50",
-                 "--out", str(tmp_path / "a.model")]) == 2
-    assert main(["tokenizer", "train", "--data", f"{caption_shards}/00000.tar", "--vocab-size", "50",
-                 "--out", str(tmp_path / "a.spm")]) == 2
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                f"{tmp_path}/x.tar",
+                "--vocab-size",
+                "50",
+                "--out",
+                str(tmp_path / "a.model"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                f"{caption_shards}/00000.tar",
+                "--vocab-size",
+                "50",
+                "--out",
+                str(tmp_path / "a.spm"),
+            ]
+        )
+        == 2
+    )
     assert "must end in .model" in capsys.readouterr().err

@@ -28,11 +28,23 @@ def test_default_keeps_left_right_and_colours(seed):
 
 
 def test_every_declared_augmentation_is_described_and_applied(seed):
-    a = AugmentConfig(crop_scale=[0.3, 0.9], hflip=True, color_jitter=[0.4, 0.4, 0.4, 0.1], color_jitter_prob=1.0,
-                      grayscale_prob=0.5, blur_prob=0.5)
+    a = AugmentConfig(
+        crop_scale=[0.3, 0.9],
+        hflip=True,
+        color_jitter=[0.4, 0.4, 0.4, 0.1],
+        color_jitter_prob=1.0,
+        grayscale_prob=0.5,
+        blur_prob=0.5,
+    )
     line = describe(a, views=2)
-    for phrase in ("scale [0.3, 0.9]", "horizontal flip", "colour jitter p=1.0", "grayscale p=0.5",
-                   "gaussian blur p=0.5", "2 views"):
+    for phrase in (
+        "scale [0.3, 0.9]",
+        "horizontal flip",
+        "colour jitter p=1.0",
+        "grayscale p=0.5",
+        "gaussian blur p=0.5",
+        "2 views",
+    ):
         assert phrase in line
     rng = random.Random(seed)
     image = picture(rng)
@@ -77,18 +89,21 @@ def test_crop_box_stays_inside_and_respects_scale(seed):
         assert 0 <= top and 0 <= left and top + ch <= h and left + cw <= w and ch > 0 and cw > 0
 
 
-@pytest.mark.parametrize("override, key", [
-    ("data.augment.crop_scale=[0.5, 1.5]", "data.augment.crop_scale"),
-    ("data.augment.color_jitter=[0.4, 0.4]", "data.augment.color_jitter"),
-    ("data.augment.color_jitter=[0.1, 0.1, 0.1, 0.9]", "data.augment.color_jitter"),
-    ("data.augment.grayscale_prob=1.5", "data.augment.grayscale_prob"),
-    ("data.augment.blur_sigma=[2, 1]", "data.augment.blur_sigma"),
-    ("data.views=3", "data.views"),
-    ("data.mode=sometimes", "data.mode"),
-    ("data.shuffle_buffer=0", "data.shuffle_buffer"),
-    ("data.train_weights=[1, 2]", "data.train_weights"),
-    ("data.max_image_pixels=0", "data.max_image_pixels"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("data.augment.crop_scale=[0.5, 1.5]", "data.augment.crop_scale"),
+        ("data.augment.color_jitter=[0.4, 0.4]", "data.augment.color_jitter"),
+        ("data.augment.color_jitter=[0.1, 0.1, 0.1, 0.9]", "data.augment.color_jitter"),
+        ("data.augment.grayscale_prob=1.5", "data.augment.grayscale_prob"),
+        ("data.augment.blur_sigma=[2, 1]", "data.augment.blur_sigma"),
+        ("data.views=3", "data.views"),
+        ("data.mode=sometimes", "data.mode"),
+        ("data.shuffle_buffer=0", "data.shuffle_buffer"),
+        ("data.train_weights=[1, 2]", "data.train_weights"),
+        ("data.max_image_pixels=0", "data.max_image_pixels"),
+    ],
+)
 def test_bad_data_keys_are_one_line_errors(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])

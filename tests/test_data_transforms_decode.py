@@ -32,8 +32,10 @@ def photo(rng: random.Random, n: int) -> bytes:
     draw = ImageDraw.Draw(image)
     for _ in range(12):
         x0, y0 = rng.randrange(n), rng.randrange(n)
-        draw.ellipse([x0, y0, x0 + rng.randrange(n // 25, n // 3), y0 + rng.randrange(n // 25, n // 3)],
-                     fill=tuple(rng.randrange(256) for _ in range(3)))
+        draw.ellipse(
+            [x0, y0, x0 + rng.randrange(n // 25, n // 3), y0 + rng.randrange(n // 25, n // 3)],
+            fill=tuple(rng.randrange(256) for _ in range(3)),
+        )
     noise = np.random.default_rng(rng.randrange(2**32)).integers(-8, 9, (n, n, 3))
     buf = io.BytesIO()
     Image.fromarray((np.asarray(image) + noise).clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
@@ -87,7 +89,9 @@ def test_no_draft_when_the_source_is_not_much_larger(drafts, seed):
     image = open_image(data, None, lambda im: scales.append(t.draft(im)))
     assert scales == [1] and image.size == (256, 256) and drafts == []
     seed = rng.randrange(10**6)
-    assert torch.equal(t.raw(image, random.Random(seed)), full_decode_crop(data, aug, random.Random(seed)))  # exactly today's
+    assert torch.equal(
+        t.raw(image, random.Random(seed)), full_decode_crop(data, aug, random.Random(seed))
+    )  # exactly today's
 
 
 def test_eval_drafts_only_on_request(drafts, seed):

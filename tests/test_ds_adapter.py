@@ -26,9 +26,9 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")
 def _stepped_engine(stage: int, seed: int, world: int = 1, rank: int = 0):
     """A micro-tower engine at ZeRO ``stage`` after one AdamW step (so that moments exist)."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     cfg = engine_cfg(stage)
     torch.manual_seed(seed)
@@ -81,16 +81,20 @@ def _fragments_against_public_api(engine, moments: bool = True) -> list[tuple[st
             continue
         assert f.param is p and any(f.partition is t for t in parts), name
         piece = f.partition.narrow(0, f.offset, f.length)
-        assert torch.equal(piece, full[f.start:f.start + f.length]), name
+        assert torch.equal(piece, full[f.start : f.start + f.length]), name
         state = engine.base_optimizer.state[f.partition]
         for k in ADAM_STATE if moments else ():
             moment = _public_moment(p, k)
             if moment is not None:
                 compared += 1
-                assert torch.equal(state[k].narrow(0, f.offset, f.length), moment[f.start:f.start + f.length]), (name, k)
+                assert torch.equal(
+                    state[k].narrow(0, f.offset, f.length), moment[f.start : f.start + f.length]
+                ), (name, k)
         out.append((name, f.start, f.length, full.numel()))
     assert sorted(frags) == sorted(n for n, _, _, _ in out)  # no fragment of a frozen or unknown parameter
-    assert compared or not moments, "DeepSpeed's getter gave some optimizer state (the premise of the comparison)"
+    assert compared or not moments, (
+        "DeepSpeed's getter gave some optimizer state (the premise of the comparison)"
+    )
     return out
 
 
@@ -112,7 +116,7 @@ def test_fragments_and_partitions_match_deepspeeds_public_getters(stage, seed, a
             partition, offset, size = ds_adapter.zero3_slot(engine.ds, q)
             local = safe_get_local_fp32_param(q).reshape(-1)
             assert torch.equal(partition.narrow(0, offset, local.numel()), local), name
-            assert torch.equal(ds_adapter.local_partition(q).reshape(-1)[:local.numel()], local), name
+            assert torch.equal(ds_adapter.local_partition(q).reshape(-1)[: local.numel()], local), name
     else:
         assert ds_adapter.local_partition(p) is p
         # the master fragment is a writable view: what DeepSpeed's getter reads afterwards
@@ -141,16 +145,21 @@ def test_counters_writer_resume_and_consolidation_agree_with_deepspeed(stage, se
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from mmalign.layout import ds_adapter
-    from mmalign.run import engine as engine_module, reshard
+    from mmalign.run import engine as engine_module
+    from mmalign.run import reshard
 
     if stage in (1, 2):
-        monkeypatch.setattr(engine_module, "effective_stage", lambda cfg, world: (cfg.deepspeed.zero_stage, None))
+        monkeypatch.setattr(
+            engine_module, "effective_stage", lambda cfg, world: (cfg.deepspeed.zero_stage, None)
+        )
     engine = _stepped_engine(stage, seed)
     ds_adapter.set_step_counters(engine.ds, 7, 56, 2)
     writer, zipfile = ds_adapter.checkpoint_writer(engine)
     assert zipfile in (True, False)  # DeepSpeed's torch writer
     written, original = [], writer.save
-    with ds_adapter.shadowed(writer, "save", lambda state_dict, path: (written.append(path), original(state_dict, path))):
+    with ds_adapter.shadowed(
+        writer, "save", lambda state_dict, path: (written.append(path), original(state_dict, path))
+    ):
         engine.save_checkpoint(tmp_path, "t")
     assert "save" not in vars(writer)  # the class's method again
     files = sorted(str(f) for f in (tmp_path / "t").iterdir())
@@ -190,8 +199,10 @@ def test_counters_writer_resume_and_consolidation_agree_with_deepspeed(stage, se
 
 
 def _two_rank_fragments(rank: int, world: int, seed: int) -> dict:
-    return {stage: _fragments_against_public_api(_stepped_engine(stage, seed, world, rank), moments=False)
-            for stage in (2, 3)}
+    return {
+        stage: _fragments_against_public_api(_stepped_engine(stage, seed, world, rank), moments=False)
+        for stage in (2, 3)
+    }
 
 
 def test_fragments_on_two_ranks_cover_each_parameter_once(seed):

@@ -69,6 +69,7 @@ def _rel(got: dict, want: dict) -> float:
 
 def _cuda_like_check():
     """:func:`cuda_like_autocast_check` for a spawned rank (no monkeypatch fixture there)."""
+
     def check(*args, **kwargs):
         if args or kwargs:
             return _real_is_autocast_enabled(*args, **kwargs)
@@ -82,15 +83,23 @@ def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
     building a ZeRO-3 engine leaves DeepSpeed's hooks behind, so neither the references (taken
     first, on a copy of the same initial weights) nor later tests share a process with it."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     _cuda_like_check()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         simulated = torch.is_autocast_enabled() is True  # the simulation: DeepSpeed's check now sees it
-    cfg = engine_cfg(stage, "train.precision=bf16", "deepspeed.precision=fp32", "train.optimizer=sgd",
-                     "train.lr=0.1", "train.warmup_steps=0", "train.weight_decay=0.0", "loss.tile_size=0")
+    cfg = engine_cfg(
+        stage,
+        "train.precision=bf16",
+        "deepspeed.precision=fp32",
+        "train.optimizer=sgd",
+        "train.lr=0.1",
+        "train.warmup_steps=0",
+        "train.weight_decay=0.0",
+        "loss.tile_size=0",
+    )
     torch.manual_seed(seed)
     model = build_model(cfg.model)
     images, tokens = engine_batch(seed, 0, 1)
@@ -110,24 +119,40 @@ def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
     result = engine.step(Batch(images, tokens), objective, before_update=before_update)  # config's autocast
     for h in handles:
         h.remove()
-    masters = ({t.dtype for t in engine.ds.optimizer.fp32_partitioned_groups_flat} if stage == 3
-               else {p.dtype for p in engine.module.parameters()})
+    masters = (
+        {t.dtype for t in engine.ds.optimizer.fp32_partitioned_groups_flat}
+        if stage == 3
+        else {p.dtype for p in engine.module.parameters()}
+    )
     after = engine.full_params(master=True)
-    return {"simulated": simulated, "skipped": result.skipped, "stage": engine.stage, "seen": set(seen),
-            "grad_dtypes": grad_dtypes, "weights": {p.dtype for p in engine.module.parameters()},
-            "masters": masters, "after_dtypes": {t.dtype for t in after.values()},
-            "err_plain": _rel(grads, plain), "err_fp32": _rel(grads, exact), "plain_fp32": _rel(plain, exact),
-            "update_err": _rel({k: after[k] - before[k] for k in plain}, {k: -lr * plain[k] for k in plain}),
-            "update_own": _rel({k: after[k] - before[k] for k in grads}, {k: -lr * grads[k] for k in grads})}
+    return {
+        "simulated": simulated,
+        "skipped": result.skipped,
+        "stage": engine.stage,
+        "seen": set(seen),
+        "grad_dtypes": grad_dtypes,
+        "weights": {p.dtype for p in engine.module.parameters()},
+        "masters": masters,
+        "after_dtypes": {t.dtype for t in after.values()},
+        "err_plain": _rel(grads, plain),
+        "err_fp32": _rel(grads, exact),
+        "plain_fp32": _rel(plain, exact),
+        "update_err": _rel({k: after[k] - before[k] for k in plain}, {k: -lr * plain[k] for k in plain}),
+        "update_own": _rel({k: after[k] - before[k] for k in grads}, {k: -lr * grads[k] for k in grads}),
+    }
 
 
-@pytest.mark.parametrize("stage", [0, 3])  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/run/zero_stage.py); 3 keeps its stage
+@pytest.mark.parametrize(
+    "stage", [0, 3]
+)  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/run/zero_stage.py); 3 keeps its stage
 def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stage, seed):
     from tests.conftest import run_ranks
 
     r = run_ranks(_autocast_worker, 1, stage, seed)[0]
-    print(f"ZeRO-{stage}: engine vs plain bf16 autocast {r['err_plain']:.2e}; vs fp32 {r['err_fp32']:.2e}; "
-          f"plain bf16 vs fp32 {r['plain_fp32']:.2e}; update vs plain SGD {r['update_err']:.2e}")
+    print(
+        f"ZeRO-{stage}: engine vs plain bf16 autocast {r['err_plain']:.2e}; vs fp32 {r['err_fp32']:.2e}; "
+        f"plain bf16 vs fp32 {r['plain_fp32']:.2e}; update vs plain SGD {r['update_err']:.2e}"
+    )
     assert r["simulated"] and not r["skipped"] and r["stage"] == stage
     assert r["seen"] == {torch.bfloat16}, r["seen"]  # every Linear of both towers ran in bf16
     if stage == 0:
@@ -148,8 +173,8 @@ def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stag
 def test_the_old_call_shape_is_caught(cuda_like_autocast_check, seed):
     """A caller's autocast around the DeepSpeed call (the pre-fix engine) is switched off by
     DeepSpeed under the simulated check, and its warning is an error in tests (conftest)."""
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
+    from mmalign.run.engine import Engine
 
     cfg = engine_cfg(0, "train.precision=fp32")
     torch.manual_seed(seed)
@@ -161,8 +186,8 @@ def test_the_old_call_shape_is_caught(cuda_like_autocast_check, seed):
 
 
 def test_fp32_config_runs_the_towers_in_fp32(cuda_like_autocast_check, seed):
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
+    from mmalign.run.engine import Engine
 
     cfg = engine_cfg(0, "train.precision=fp32")
     torch.manual_seed(seed)
@@ -174,7 +199,9 @@ def test_fp32_config_runs_the_towers_in_fp32(cuda_like_autocast_check, seed):
     assert set(seen) == {torch.float32} and out.image.dtype == torch.float32
     # an explicit context still goes inside (bench scripts, the probe)
     seen, handles = _linear_output_dtypes(engine.module)
-    out = engine.forward(*engine_batch(seed, 0, 1), autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    out = engine.forward(
+        *engine_batch(seed, 0, 1), autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    )
     for h in handles:
         h.remove()
     assert set(seen) == {torch.bfloat16}

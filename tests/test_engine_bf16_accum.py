@@ -61,8 +61,7 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
         model.zero_grad(set_to_none=True)
         out = model(im, tok)
         rows = slice(k * CHUNK, (k + 1) * CHUNK)
-        surrogate = (out.image.float() * img.grad[rows]).sum() \
-            + (out.text.float() * txt.grad[rows]).sum()
+        surrogate = (out.image.float() * img.grad[rows]).sum() + (out.text.float() * txt.grad[rows]).sum()
         if k == 0:  # the temperature's gradient belongs to the step, not to a chunk
             surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
         surrogate.backward()
@@ -73,27 +72,40 @@ def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
 
 
 def _worker(rank: int, world: int, seed: int) -> dict:
-    from mmalign.run import engine as eng
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run import engine as eng
 
-    cfg = load_config(None, ["model.preset=micro", f"train.global_batch_size={BATCH}",
-                             f"train.grad_cache_chunk_size={CHUNK}", "train.optimizer=sgd", "train.lr=0.1",
-                             "train.steps=1", "train.warmup_steps=0", "deepspeed.zero_stage=1",
-                             "deepspeed.precision=bf16"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={BATCH}",
+            f"train.grad_cache_chunk_size={CHUNK}",
+            "train.optimizer=sgd",
+            "train.lr=0.1",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "deepspeed.zero_stage=1",
+            "deepspeed.precision=bf16",
+        ],
+    )
     torch.manual_seed(seed)
     model = build_model(cfg.model)
     with torch.no_grad():  # every side starts from the weights the bf16 engine holds
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
     images, tokens = _inputs(seed + 1)
-    results = {"fp32": _fp32_reference(model, images, tokens),
-               "exact_sum": _bf16_chunks_summed_exactly(model, images, tokens)}
+    results = {
+        "fp32": _fp32_reference(model, images, tokens),
+        "exact_sum": _bf16_chunks_summed_exactly(model, images, tokens),
+    }
     generated = eng.ds_config
     objective = build_objective(cfg)
     for label, deepspeed_defaults in (("before", True), ("after", False)):
+
         def config(c, plan, stage=None, *, deepspeed_defaults=deepspeed_defaults):
             conf = generated(c, plan, stage)
             if deepspeed_defaults:  # accumulate and reduce in the weight dtype, as before
@@ -104,8 +116,7 @@ def _worker(rank: int, world: int, seed: int) -> dict:
         engine = eng.Engine(copy.deepcopy(model), cfg)
         eng.ds_config = generated
         grads = {}
-        engine.step(Batch(images, tokens), objective,
-                    before_update=lambda: grads.update(engine.full_grads()))
+        engine.step(Batch(images, tokens), objective, before_update=lambda: grads.update(engine.full_grads()))
         results[label] = (engine.ds_config.get("data_types"), grads)
         results[label + "_used"] = (engine.ds.get_data_types()[1], engine.ds.communication_data_type)
     return results
@@ -121,8 +132,10 @@ def test_bf16_weights_accumulate_chunk_gradients_in_fp32():
     (before_conf, before), (after_conf, after) = res["before"], res["after"]
     assert after_conf == {"grad_accum_dtype": "fp32"} and before_conf is None
     assert res["after_used"] == (torch.float32, torch.float32) and res["before_used"] == (torch.bfloat16,) * 2
-    errors = {label: (_rel(g, res["fp32"]), _rel(g, res["exact_sum"])) for label, g in (("before", before),
-                                                                                     ("after", after))}
+    errors = {
+        label: (_rel(g, res["fp32"]), _rel(g, res["exact_sum"]))
+        for label, g in (("before", before), ("after", after))
+    }
     # against fp32: bf16 weights' own arithmetic bounds what is reachable (measured ~1.2-1.7e-2)
     assert errors["after"][0] <= 3e-2, errors
     assert errors["after"][0] < errors["before"][0], errors

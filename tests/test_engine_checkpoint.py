@@ -13,11 +13,11 @@ pytestmark = pytest.mark.integration
 
 
 def _worker(rank, world, seed, ckpt_dir):
-    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine, consolidate_checkpoint
+    from mmalign.dist import distributed as mdist
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine, consolidate_checkpoint
 
     results = {}
 
@@ -56,7 +56,11 @@ def _worker(rank, world, seed, ckpt_dir):
     # precision and optimizer smoke: bf16 weights (ZeRO-2), bf16 autocast, LAMB under ZeRO-3
     for name, cfg, auto in (
         ("bf16_weights", engine_cfg(2, "deepspeed.precision=bf16"), None),
-        ("bf16_autocast", engine_cfg(1, "train.precision=bf16"), lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        (
+            "bf16_autocast",
+            engine_cfg(1, "train.precision=bf16"),
+            lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        ),
         ("lamb_zero3", engine_cfg(3, "train.optimizer=lamb"), None),
     ):
         torch.manual_seed(seed)
@@ -67,7 +71,6 @@ def _worker(rank, world, seed, ckpt_dir):
         after = e.consolidated_state_dict()
         results[name] = (float(res.loss), before, after)
     return results
-
 
 
 def test_checkpoint_resume_consolidation_and_precisions(tmp_path, seed):

@@ -25,11 +25,20 @@ LR = 0.5
 def _cfg(zero_stage: int, chunk: int, world: int):
     from mmalign.config import load_config
 
-    return load_config(None, [
-        "model.preset=micro", f"train.global_batch_size={GLOBAL_BATCH}", "train.steps=1", "train.warmup_steps=0",
-        "train.optimizer=sgd", f"train.lr={LR}", "train.weight_decay=0.0", f"train.grad_cache_chunk_size={chunk}",
-        f"deepspeed.zero_stage={zero_stage}",
-    ])
+    return load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.optimizer=sgd",
+            f"train.lr={LR}",
+            "train.weight_decay=0.0",
+            f"train.grad_cache_chunk_size={chunk}",
+            f"deepspeed.zero_stage={zero_stage}",
+        ],
+    )
 
 
 def _inputs(seed: int):
@@ -69,13 +78,13 @@ def _cases(world: int):
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
-    images, tokens = images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
+    images, tokens = images[rank * local : (rank + 1) * local], tokens[rank * local : (rank + 1) * local]
     results = {}
     for stage, name, chunk in _cases(world):
         cfg = _cfg(stage, chunk, world)
@@ -83,12 +92,13 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
         engine = Engine(build_model(cfg.model), cfg)
         objective = build_objective(cfg)
         captured = {}
-        engine.step(Batch(images, tokens), objective, before_update=lambda: captured.update(engine.full_grads()))
+        engine.step(
+            Batch(images, tokens), objective, before_update=lambda: captured.update(engine.full_grads())
+        )
         params = engine.consolidated_state_dict()
         if rank == 0:
             results[(stage, name)] = (engine.plan.chunks, captured, params, engine.grad_norm())
     return results
-
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -114,14 +124,13 @@ def test_engine_matches_full_batch_sgd_reference(world, seed):
         assert params["logit_scale"].item() == pytest.approx(ref_params["logit_scale"].item(), rel=1e-6)
 
 
-
 def _single_rank_reductions(rank: int, world: int, seed: int) -> dict:
     """One step per fp32 stage (0, 1) on one rank: how often DeepSpeed's gradient reduction ran,
     and the parameters after it."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = _inputs(seed + 1)
     out = {}

@@ -25,12 +25,24 @@ GLOBAL_BATCH, K, LR, WEIGHT, TAU = 8, 2, 0.5, 0.7, 0.1
 def _cfg(stage: int, chunk: int):
     from mmalign.config import load_config
 
-    return load_config(None, [
-        "model.preset=micro", f"train.global_batch_size={GLOBAL_BATCH}", "train.steps=1", "train.warmup_steps=0",
-        "train.optimizer=sgd", f"train.lr={LR}", "train.weight_decay=0.0", f"train.grad_cache_chunk_size={chunk}",
-        f"deepspeed.zero_stage={stage}", "data.views=2", f"loss.image_image_weight={WEIGHT}",
-        f"loss.image_image_temperature={TAU}", f"data.hard_negatives={K}",
-    ])
+    return load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.optimizer=sgd",
+            f"train.lr={LR}",
+            "train.weight_decay=0.0",
+            f"train.grad_cache_chunk_size={chunk}",
+            f"deepspeed.zero_stage={stage}",
+            "data.views=2",
+            f"loss.image_image_weight={WEIGHT}",
+            f"loss.image_image_temperature={TAU}",
+            f"data.hard_negatives={K}",
+        ],
+    )
 
 
 def _tokens(g, n):
@@ -78,12 +90,12 @@ def _reference(model_seed: int, data_seed: int):
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     local = GLOBAL_BATCH // world
-    images, tokens, images2, neg, mask = (t[rank * local:(rank + 1) * local] for t in _inputs(data_seed))
+    images, tokens, images2, neg, mask = (t[rank * local : (rank + 1) * local] for t in _inputs(data_seed))
     results = {}
     for stage in (0, 3):
         for name, chunk in (("off", 0), ("uneven", 3)):
@@ -93,8 +105,9 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
             objective = build_objective(cfg, world)
             captured = {}
             batch = Batch(images, tokens, images2=images2, neg_tokens=neg, neg_mask=mask)
-            result = engine.step(objective.select(batch), objective,
-                                 before_update=lambda: captured.update(engine.full_grads()))
+            result = engine.step(
+                objective.select(batch), objective, before_update=lambda: captured.update(engine.full_grads())
+            )
             params = engine.consolidated_state_dict()
             if rank == 0:
                 results[(stage, name)] = (engine.plan.chunks, captured, params, result.stats)

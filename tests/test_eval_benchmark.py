@@ -29,8 +29,14 @@ BATCH = 16
 # DataComp task -> (folder under root, how it is written)
 DATASETS = {
     "vtab/cifar100": ("wds_vtab-cifar100", dict(task="classification", seed=1)),  # acc1
-    "vtab/pets": ("wds_vtab-pets_test", dict(task="classification", seed=2, image_ext="jpg")),  # mean per-class recall
-    "retrieval/mscoco_2014_5k_test_image_text_retrieval": ("wds_mscoco_captions", dict(task="retrieval", seed=3)),
+    "vtab/pets": (
+        "wds_vtab-pets_test",
+        dict(task="classification", seed=2, image_ext="jpg"),
+    ),  # mean per-class recall
+    "retrieval/mscoco_2014_5k_test_image_text_retrieval": (
+        "wds_mscoco_captions",
+        dict(task="retrieval", seed=3),
+    ),
     "fairness/geode": ("geode", dict(task="classification", seed=4, groups=3)),  # worst-group accuracy
     "wilds/iwildcam": ("wds_wilds-iwildcam", dict(task="classification", seed=5)),  # macro F1
 }
@@ -69,8 +75,8 @@ def _reference(tmp, truth, cb) -> dict[str, float]:
     return {
         "vtab/cifar100": cifar["acc1"],
         "vtab/pets": pets["mean_per_class_recall"],
-        "retrieval/mscoco_2014_5k_test_image_text_retrieval":
-            0.5 * (coco["image_retrieval_recall@1"] + coco["text_retrieval_recall@1"]),
+        "retrieval/mscoco_2014_5k_test_image_text_retrieval": 0.5
+        * (coco["image_retrieval_recall@1"] + coco["text_retrieval_recall@1"]),
         "fairness/geode": min(float(hits[groups == g].mean()) for g in set(groups.tolist())),
         "wilds/iwildcam": _naive_macro_f1(logits_w.argmax(dim=1).numpy(), target_w.numpy()),
     }
@@ -79,8 +85,24 @@ def _reference(tmp, truth, cb) -> dict[str, float]:
 def test_datacomp_reports_present_tasks_lists_absent_ones_and_a_partial_average(setup, capsys):
     tmp, truth, cb = setup
     out = tmp / "dc"
-    assert main(["eval", "--model", str(tmp / "model"), "--benchmark", "datacomp", "--root", str(tmp / "data"),
-                 "--output", str(out), "--batch-size", str(BATCH)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(tmp / "model"),
+                "--benchmark",
+                "datacomp",
+                "--root",
+                str(tmp / "data"),
+                "--output",
+                str(out),
+                "--batch-size",
+                str(BATCH),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     want = _reference(tmp, truth, cb)
     rows = {r["task"]: r for r in summary["tasks"]}
@@ -112,32 +134,66 @@ def test_group_metric_without_npy_falls_back_and_says_so():
     labels = torch.tensor([0, 0, 2, 0])
     metric, value, note = datacomp.prediction_metric("acc_wg", logits, labels, [{"label": 0}] * 4)
     assert (metric, value) == ("acc1", 0.75) and "acc_wg" in note and ".npy" in note
-    metas = [{"npy": [0]}, {"npy": [0]}, {"npy": [1]}, {"npy": [1]}]  # groups: rows 0-1 (1/2 right), 2-3 (2/2)
+    metas = [
+        {"npy": [0]},
+        {"npy": [0]},
+        {"npy": [1]},
+        {"npy": [1]},
+    ]  # groups: rows 0-1 (1/2 right), 2-3 (2/2)
     assert datacomp.prediction_metric("acc_wg", logits, labels, metas) == ("acc_wg", 0.5, "")
 
 
 def test_a_yaml_benchmark_of_suites(setup, tmp_path):
     tmp, truth, cb = setup
     suite = tmp_path / "mini_digits.yaml"
-    suite.write_text("name: mini_digits\n"
-                     "dataset: {type: digits, size: 16, per_class: 3}\n"
-                     "tasks:\n"
-                     "  - {name: digit, type: zeroshot, label_field: classname,\n"
-                     "     templates: ['a photo of the number: \"{c}\".'],\n"
-                     "     classnames: [zero, one, two, three, four, five, six, seven, eight, nine]}\n"
-                     "  - {name: geometry, type: diagnostics}\n")
+    suite.write_text(
+        "name: mini_digits\n"
+        "dataset: {type: digits, size: 16, per_class: 3}\n"
+        "tasks:\n"
+        "  - {name: digit, type: zeroshot, label_field: classname,\n"
+        "     templates: ['a photo of the number: \"{c}\".'],\n"
+        "     classnames: [zero, one, two, three, four, five, six, seven, eight, nine]}\n"
+        "  - {name: geometry, type: diagnostics}\n"
+    )
     bench = tmp_path / "mine.yaml"
-    bench.write_text("- cb:wds_vtab-cifar100\n"
-                     "- {suite: 'cb:wds_vtab-pets_test', main_metric: mean_per_class_recall}\n"
-                     "- cb:wds_not_here\n"
-                     "- mini_digits.yaml\n")
+    bench.write_text(
+        "- cb:wds_vtab-cifar100\n"
+        "- {suite: 'cb:wds_vtab-pets_test', main_metric: mean_per_class_recall}\n"
+        "- cb:wds_not_here\n"
+        "- mini_digits.yaml\n"
+    )
     out = tmp_path / "out"
-    assert main(["eval", "--model", str(tmp / "model"), "--benchmark", str(bench), "--root", str(tmp / "data"),
-                 "--output", str(out), "--batch-size", str(BATCH)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(tmp / "model"),
+                "--benchmark",
+                str(bench),
+                "--root",
+                str(tmp / "data"),
+                "--output",
+                str(out),
+                "--batch-size",
+                str(BATCH),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["benchmark"] == "mine" and summary["absent"] == ["cb:wds_not_here"] and summary["partial"] is True
+    assert (
+        summary["benchmark"] == "mine"
+        and summary["absent"] == ["cb:wds_not_here"]
+        and summary["partial"] is True
+    )
     rows = {r["dataset"]: r for r in summary["tasks"]}
-    assert set(rows) == {"wds/vtab-cifar100", "wds/vtab-pets_test", "mini_digits/digit", "mini_digits/geometry"}
+    assert set(rows) == {
+        "wds/vtab-cifar100",
+        "wds/vtab-pets_test",
+        "mini_digits/digit",
+        "mini_digits/geometry",
+    }
     assert rows["mini_digits/geometry"]["main_metric"] is None  # a diagnostics task is written, not scored
     # references: clip_benchmark on the wds folders; on the digits, its classifier and logits
     from clip_benchmark.metrics import zeroshot_classification as cb_zs
@@ -151,18 +207,23 @@ def test_a_yaml_benchmark_of_suites(setup, tmp_path):
     names = digits["tasks"][0]["classnames"]
     items = [(transform(s["image"]), names.index(s["json"]["classname"])) for s in samples]
     loader = torch.utils.data.DataLoader(items, batch_size=BATCH)
-    weights = cb_zs.zero_shot_classifier(model, tokenizer, names, digits["tasks"][0]["templates"], "cpu", amp=False)
+    weights = cb_zs.zero_shot_classifier(
+        model, tokenizer, names, digits["tasks"][0]["templates"], "cpu", amp=False
+    )
     logits, target = cb_zs.run_classification(model, weights, loader, "cpu", amp=False)
     want = {
         "wds/vtab-cifar100": cb_classification(*cb, tmp / "data" / "wds_vtab-cifar100", BATCH)["acc1"],
-        "wds/vtab-pets_test":
-            cb_classification(*cb, tmp / "data" / "wds_vtab-pets_test", BATCH)["mean_per_class_recall"],
+        "wds/vtab-pets_test": cb_classification(*cb, tmp / "data" / "wds_vtab-pets_test", BATCH)[
+            "mean_per_class_recall"
+        ],
         "mini_digits/digit": (logits.argmax(dim=1) == target).float().mean().item(),
     }
     for name, value in want.items():
         assert abs(rows[name]["value"] - value) <= 1e-6, (name, rows[name], value)
     assert rows["wds/vtab-pets_test"]["main_metric"] == "mean_per_class_recall"
-    assert abs(summary["average"] - float(np.mean(list(want.values())))) <= 1e-6 and summary["average_over"] == 3
+    assert (
+        abs(summary["average"] - float(np.mean(list(want.values())))) <= 1e-6 and summary["average_over"] == 3
+    )
     assert (out / rows["mini_digits/digit"]["file"]).is_file()
 
 
@@ -179,7 +240,10 @@ def test_benchmark_mistakes_are_one_line(setup, tmp_path, capsys):
         (["--benchmark", "nope"], "neither a shipped benchmark (datacomp) nor a YAML file"),
         (["--benchmark", str(bad)], "must be a non-empty YAML list of suites"),
         (["--benchmark", str(typo)], "unknown keys ['metric']"),
-        (["--benchmark", "datacomp", "--root", str(tmp), "--suite", "shapes"], "--benchmark runs its own tasks"),
+        (
+            ["--benchmark", "datacomp", "--root", str(tmp), "--suite", "shapes"],
+            "--benchmark runs its own tasks",
+        ),
     ]
     for args, message in cases:
         assert main(model + args) == 2, args

@@ -68,11 +68,37 @@ def test_retrieval_equals_clip_benchmarks_cli(model_dir, tmp_path, monkeypatch):
     ours = tmp_path / "ours.json"
     assert _eval(model_dir, "--suite", f"cb:{data}", "--output", str(ours)) == 0
     monkeypatch.setitem(models.TYPE2FUNC, "mmalign", clip_benchmark_loader)
-    monkeypatch.setattr(sys, "argv", ["clip_benchmark", "eval", "--model_type", "mmalign", "--model", "mmalign",
-                                      "--pretrained", str(model_dir), "--dataset", "wds/flickr8k",
-                                      "--dataset_root", str(data), "--task", "zeroshot_retrieval",
-                                      "--recall_k", "1", "5", "10", "--no_amp", "--num_workers", "0",
-                                      "--batch_size", BATCH, "--output", str(tmp_path / "cb.json")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "clip_benchmark",
+            "eval",
+            "--model_type",
+            "mmalign",
+            "--model",
+            "mmalign",
+            "--pretrained",
+            str(model_dir),
+            "--dataset",
+            "wds/flickr8k",
+            "--dataset_root",
+            str(data),
+            "--task",
+            "zeroshot_retrieval",
+            "--recall_k",
+            "1",
+            "5",
+            "10",
+            "--no_amp",
+            "--num_workers",
+            "0",
+            "--batch_size",
+            BATCH,
+            "--output",
+            str(tmp_path / "cb.json"),
+        ],
+    )
     models.MODEL_TYPES.append("mmalign")  # the CLI imported this very list: extend it in place
     try:
         cli.main()
@@ -80,7 +106,9 @@ def test_retrieval_equals_clip_benchmarks_cli(model_dir, tmp_path, monkeypatch):
         models.MODEL_TYPES.remove("mmalign")
     theirs, mine = json.loads((tmp_path / "cb.json").read_text()), json.loads(ours.read_text())
     assert list(mine) == list(theirs) and list(mine["metrics"]) == list(theirs["metrics"])
-    assert {k: v for k, v in mine.items() if k != "metrics"} == {k: v for k, v in theirs.items() if k != "metrics"}
+    assert {k: v for k, v in mine.items() if k != "metrics"} == {
+        k: v for k, v in theirs.items() if k != "metrics"
+    }
     for key, value in theirs["metrics"].items():
         assert abs(mine["metrics"][key] - value) <= 1e-6, (key, mine["metrics"], theirs["metrics"])
     assert 0 < theirs["metrics"]["text_retrieval_recall@5"] < 1
@@ -124,7 +152,9 @@ def _broken(root: Path, what: str) -> Path:
     elif what == "shard":
         (root / "test" / "1.tar").unlink()
     elif what in ("classnames", "templates"):
-        (root / ("classnames.txt" if what == "classnames" else "zeroshot_classification_templates.txt")).unlink()
+        (
+            root / ("classnames.txt" if what == "classnames" else "zeroshot_classification_templates.txt")
+        ).unlink()
     elif what == "image":
         _tar(root / "test" / "1.tar", {"k1.cls": b"0"})
     elif what == "label_or_captions":
@@ -152,23 +182,26 @@ def _png() -> bytes:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("what, message", [
-    ("nshards", "test/nshards.txt not found"),
-    ("shard", "shard test/1.tar not found"),
-    ("classnames", "classnames.txt not found"),
-    ("templates", "zeroshot_classification_templates.txt not found"),
-    ("image", "has no image (.webp, .png, .jpg or .jpeg)"),
-    ("label_or_captions", "has neither .cls (a label) nor .txt (captions)"),
-    ("type", "dataset_type.txt says 'multilabel'"),
-    ("label", "label 9 is not a class index (0..5"),
-    ("cls", ".cls holds 'cat', not a label index"),
-    ("many_shards", "shard test/2.tar not found (and 4999997 more of 5000000)"),
-    ("templates:\n\n\n", "zeroshot_classification_templates.txt is empty"),
-    ("templates:a {c}.\n\n", "zeroshot_classification_templates.txt: line 2 '' is blank"),
-    ("templates:a {c}.\n{x} of {c}\n", "templates.txt: line 2 '{x} of {c}' has the field {x}"),
-    ("templates:a {}.\n", "line 1 'a {}.' has the field {}"),
-    ("templates:a { of {c}\n", "line 1 'a { of {c}' does not format"),
-])
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("nshards", "test/nshards.txt not found"),
+        ("shard", "shard test/1.tar not found"),
+        ("classnames", "classnames.txt not found"),
+        ("templates", "zeroshot_classification_templates.txt not found"),
+        ("image", "has no image (.webp, .png, .jpg or .jpeg)"),
+        ("label_or_captions", "has neither .cls (a label) nor .txt (captions)"),
+        ("type", "dataset_type.txt says 'multilabel'"),
+        ("label", "label 9 is not a class index (0..5"),
+        ("cls", ".cls holds 'cat', not a label index"),
+        ("many_shards", "shard test/2.tar not found (and 4999997 more of 5000000)"),
+        ("templates:\n\n\n", "zeroshot_classification_templates.txt is empty"),
+        ("templates:a {c}.\n\n", "zeroshot_classification_templates.txt: line 2 '' is blank"),
+        ("templates:a {c}.\n{x} of {c}\n", "templates.txt: line 2 '{x} of {c}' has the field {x}"),
+        ("templates:a {}.\n", "line 1 'a {}.' has the field {}"),
+        ("templates:a { of {c}\n", "line 1 'a { of {c}' does not format"),
+    ],
+)
 def test_a_broken_layout_is_one_line_naming_what_is_missing(model_dir, tmp_path, capsys, what, message):
     data = _broken(tmp_path / "wds_x", what)
     assert _eval(model_dir, "--cb-dataset", str(data), "--output", str(tmp_path / "o.json")) == 2
@@ -201,7 +234,10 @@ def test_cb_flag_mistakes_are_one_line(model_dir, tmp_path, capsys):
     cases = [
         (["--cb-dataset", str(tmp_path / "nope")], "no such folder"),
         (["--cb-dataset", str(data), "--suite", "shapes"], "give one of --suite and --cb-dataset"),
-        (["--cb-dataset", str(data), "--data", str(data)], "--data: a clip_benchmark dataset reads its own shards"),
+        (
+            ["--cb-dataset", str(data), "--data", str(data)],
+            "--data: a clip_benchmark dataset reads its own shards",
+        ),
         (["--suite", "digits", "--cb-split", "train"], "--cb-split goes with --cb-dataset"),
         (["--cb-dataset", str(data), "--root", str(data)], "--root goes with --benchmark"),
     ]

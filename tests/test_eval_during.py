@@ -36,13 +36,24 @@ tasks:
 
 
 def _overrides(shapes_dir: Path, out: Path, suites: Path) -> list[str]:
-    return ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", f"train.steps={STEPS}", "train.warmup_steps=1", "train.lr=0.002",
-            "train.log_every=3", "monitor.probe_size=0", "eval.batch_size=16",  # 40 images: 3 batches
-            "eval.suite=shapes", f"output={out}",
-            f"eval.during=[{{suite: {suites / 'a.yaml'}, every: 2, limit: {LIMIT}}}, "
-            f"{{suite: {suites / 'b.yaml'}, every: 3}}]"]
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        f"train.steps={STEPS}",
+        "train.warmup_steps=1",
+        "train.lr=0.002",
+        "train.log_every=3",
+        "monitor.probe_size=0",
+        "eval.batch_size=16",  # 40 images: 3 batches
+        "eval.suite=shapes",
+        f"output={out}",
+        f"eval.during=[{{suite: {suites / 'a.yaml'}, every: 2, limit: {LIMIT}}}, "
+        f"{{suite: {suites / 'b.yaml'}, every: 3}}]",
+    ]
 
 
 def _suites(folder: Path) -> Path:
@@ -63,7 +74,8 @@ def run(shapes_dir, tmp_path_factory):
     (the sharded evaluation assembles each from its prompts' embeddings once) and every suite
     evaluation counted in order."""
     from mmalign.config import load_config
-    from mmalign.evaluation import sharded, suite as suite_mod
+    from mmalign.evaluation import sharded
+    from mmalign.evaluation import suite as suite_mod
     from mmalign.run.train import train
 
     root = tmp_path_factory.mktemp("during")
@@ -97,12 +109,19 @@ def test_each_suite_follows_its_own_schedule(run):
     out = run["out"]
     seen = [(r["step"], r["eval"], r["images"]) for r in _eval_records(out)]
     # in the loop: A at 2 and 4 (on its draw), B at 3; step 6 is the final evaluation's, whole
-    assert seen == [(2, "suite_a", LIMIT), (3, "suite_b", 120), (4, "suite_a", LIMIT),
-                    (6, "suite_a", 120), (6, "suite_b", 120)]
+    assert seen == [
+        (2, "suite_a", LIMIT),
+        (3, "suite_b", 120),
+        (4, "suite_a", LIMIT),
+        (6, "suite_a", 120),
+        (6, "suite_b", 120),
+    ]
     steps = sorted(p.name for p in out.glob("eval_step*.json"))
     assert steps == ["eval_step00000002.json", "eval_step00000003.json", "eval_step00000004.json"]
-    assert {r["dataset"] for r in json.loads((out / "eval_step00000003.json").read_text())} == \
-        {"suite_b/colour", "suite_b/flips"}
+    assert {r["dataset"] for r in json.loads((out / "eval_step00000003.json").read_text())} == {
+        "suite_b/colour",
+        "suite_b/flips",
+    }
     train_records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in train_records if "eval" not in r] == [3, 6]  # train.log_every=3, untouched
 
@@ -130,7 +149,9 @@ def test_the_logged_numbers_are_the_suite_evaluated_directly_on_the_step_weights
             suite = limited_suite(suite, LIMIT)
         weights = out / "checkpoints" / f"step_{step:08d}"
         loaded = load(weights if weights.is_dir() else out / "final")
-        want = eval_scalars(run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val, batch_size=16))
+        want = eval_scalars(
+            run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val, batch_size=16)
+        )
         got = {k: v for k, v in record.items() if k.startswith("eval/")}
         assert got.keys() == want.keys() and len(want) >= 3, (step, name, sorted(got))
         for tag, value in want.items():
@@ -157,16 +178,26 @@ def test_one_classifier_per_zero_shot_task_per_evaluation(run):
     assert evaluations == [
         # a classifier named by its first class (built in one process) or its class count (assembled
         # by the sharded evaluation: 6 shapes, 7 colours)
-        ["suite_a", [6]], ["suite_b", [7]], ["suite_a", [6]],  # steps 2, 3, 4
-        ["shapes", [6, 7]], ["suite_a", [6]], ["suite_b", [7]],  # the final evaluation
+        ["suite_a", [6]],
+        ["suite_b", [7]],
+        ["suite_a", [6]],  # steps 2, 3, 4
+        ["shapes", [6, 7]],
+        ["suite_a", [6]],
+        ["suite_b", [7]],  # the final evaluation
     ]
 
 
 def test_the_final_evaluation_holds_every_suite_once_and_whole(run):
     records = json.loads((run["out"] / "eval.json").read_text())
     datasets = [r["dataset"] for r in records]
-    assert datasets == ["shapes/shape", "shapes/colour", "shapes/retrieval", "suite_a/shape", "suite_b/colour",
-                        "suite_b/flips"]
+    assert datasets == [
+        "shapes/shape",
+        "shapes/colour",
+        "shapes/retrieval",
+        "suite_a/shape",
+        "suite_b/colour",
+        "suite_b/flips",
+    ]
     assert {r["n_images"] for r in records if r["task"] != "counterfactual"} == {120}
 
 
@@ -193,23 +224,41 @@ def test_two_ranks_log_the_numbers_of_one(run, shapes_dir):
     assert final_two.keys() == final_one.keys()
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("[{suite: shapes, every: 2, evry: 3}]", "unknown config key 'eval.during[0].evry' (valid: every, limit, suite)"),
-    ("[{suite: shapes, every: 0}]", "config key 'eval.during[0].every' must be >= 1 steps, got 0"),
-    ("[{suite: shapes}]", "config key 'eval.during[0].every' is required"),
-    ("[{suite: digits, every: 2, limit: -5}]", "config key 'eval.during[0].limit' must be >= 1 images, got -5"),
-    ("[{suite: digits, every: 2}, {suite: shapez, every: 3}]",
-     "config key 'eval.during[1].suite': unknown suite 'shapez'"),
-    ("[{suite: digits, every: 2}, {suite: digits, every: 5, limit: 10}]",
-     "config key 'eval.during[1].suite': suite 'digits' is already evaluated during training"),
-    ("[{suite: shapes, every: 3}]", "config key 'eval.during[0].suite': suite 'shapes' is already evaluated "
-                                    "during training by train.eval_every"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            "[{suite: shapes, every: 2, evry: 3}]",
+            "unknown config key 'eval.during[0].evry' (valid: every, limit, suite)",
+        ),
+        ("[{suite: shapes, every: 0}]", "config key 'eval.during[0].every' must be >= 1 steps, got 0"),
+        ("[{suite: shapes}]", "config key 'eval.during[0].every' is required"),
+        (
+            "[{suite: digits, every: 2, limit: -5}]",
+            "config key 'eval.during[0].limit' must be >= 1 images, got -5",
+        ),
+        (
+            "[{suite: digits, every: 2}, {suite: shapez, every: 3}]",
+            "config key 'eval.during[1].suite': unknown suite 'shapez'",
+        ),
+        (
+            "[{suite: digits, every: 2}, {suite: digits, every: 5, limit: 10}]",
+            "config key 'eval.during[1].suite': suite 'digits' is already evaluated during training",
+        ),
+        (
+            "[{suite: shapes, every: 3}]",
+            "config key 'eval.during[0].suite': suite 'shapes' is already evaluated "
+            "during training by train.eval_every",
+        ),
+    ],
+)
 def test_a_bad_entry_is_one_line_before_anything_runs(micro_overrides, tmp_path, entry, message):
     out = tmp_path / "bad"
     args = ["train", "--output", str(out)]
-    for o in [o for o in micro_overrides if not o.startswith("output=")] + ["train.eval_every=2",
-                                                                           f"eval.during={entry}"]:
+    for o in [o for o in micro_overrides if not o.startswith("output=")] + [
+        "train.eval_every=2",
+        f"eval.during={entry}",
+    ]:
         args += ["--set", o]
     res = cli_main(*args)
     lines = res.stderr.strip().splitlines()

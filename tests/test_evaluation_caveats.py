@@ -27,8 +27,12 @@ def test_template_captions_are_told_from_captions_that_describe_images():
 
 
 def _retrieval(dataset: str, templated: bool) -> dict:
-    record = {"dataset": dataset, "task": "zeroshot_retrieval", "n_images": 100,
-              "metrics": {"image_retrieval_recall@1": 0.1, "text_retrieval_recall@1": 0.2}}
+    record = {
+        "dataset": dataset,
+        "task": "zeroshot_retrieval",
+        "n_images": 100,
+        "metrics": {"image_retrieval_recall@1": 0.1, "text_retrieval_recall@1": 0.2},
+    }
     return {**record, "template_captions": True} if templated else record
 
 
@@ -67,16 +71,34 @@ def cifar_index(tmp_path_factory):
 def test_index_recall_warns_on_template_captions(cifar_index, caplog):
     with caplog.at_level(logging.WARNING, logger="mmalign.search"):
         metrics = index_recall(cifar_index["idx"], (1, 5))
-    assert set(metrics) == {"image_retrieval_recall@1", "image_retrieval_recall@5", "text_retrieval_recall@1",
-                            "text_retrieval_recall@5"}
+    assert set(metrics) == {
+        "image_retrieval_recall@1",
+        "image_retrieval_recall@5",
+        "text_retrieval_recall@1",
+        "text_retrieval_recall@5",
+    }
     assert [r.getMessage().endswith(TEMPLATE_CAVEAT) for r in caplog.records] == [True]
 
 
 def test_mmalign_eval_marks_retrieval_on_template_captions(cifar_index, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     out = tmp_path / "r.json"
-    assert main(["eval", "--model", cifar_index["model"], "--suite", "retrieval", "--data",
-                 str(cifar_index["shard"]), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                cifar_index["model"],
+                "--suite",
+                "retrieval",
+                "--data",
+                str(cifar_index["shard"]),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"note: retrieval/retrieval: {TEMPLATE_CAVEAT}" in printed
     import json

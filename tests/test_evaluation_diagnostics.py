@@ -47,7 +47,9 @@ def test_nn_diversity_against_loop_and_known_cases():
     # other) is every spoke's nearest neighbour
     spokes = torch.eye(4)
     hub = F.normalize(torch.ones(1, 4), dim=-1)
-    assert dg.nn_diversity(torch.cat([hub, spokes])) == pytest.approx(2 / 5)  # the hub, and the hub's own neighbour
+    assert dg.nn_diversity(torch.cat([hub, spokes])) == pytest.approx(
+        2 / 5
+    )  # the hub, and the hub's own neighbour
 
 
 def test_positive_negative_auc_matches_sklearn_with_ties():
@@ -77,5 +79,12 @@ def test_embedding_diagnostics_separates_aligned_from_shuffled():
     assert good["positive_negative_auc"] > 0.95 > 0.7 > bad["positive_negative_auc"]
     assert good["alignment"] < bad["alignment"]
     assert good["positive_similarity_mean"] > good["negative_similarity_mean"] + 0.5
-    assert set(good) >= {"uniformity_image", "uniformity_text", "effective_rank_image", "dim_std_min_text",
-                         "modality_gap", "nn_diversity_image", "nn_diversity_text"}
+    assert set(good) >= {
+        "uniformity_image",
+        "uniformity_text",
+        "effective_rank_image",
+        "dim_std_min_text",
+        "modality_gap",
+        "nn_diversity_image",
+        "nn_diversity_text",
+    }

@@ -32,8 +32,8 @@ BATCH = 32  # the same on both sides, so both encode identical batches
 def parity_setup(tmp_path_factory):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models.io import save_pretrained
     from mmalign.models.arch import resolve_arch
+    from mmalign.models.io import save_pretrained
     from mmalign.models.two_tower import TwoTower
 
     root = tmp_path_factory.mktemp("parity")
@@ -47,7 +47,9 @@ def parity_setup(tmp_path_factory):
         for i in range(70):
             attrs = shapes.sample_attributes(rng)
             caps = [f"{c} ({i})" for c in shapes.captions_for(attrs, rng, n=rng.randint(1, 3))]
-            writer.write(shapes.draw(attrs, 32), "\n".join(caps), {k: v for k, v in attrs.items() if k != "jitter"})
+            writer.write(
+                shapes.draw(attrs, 32), "\n".join(caps), {k: v for k, v in attrs.items() if k != "jitter"}
+            )
     cb_models.TYPE2FUNC["mmalign"] = clip_benchmark_loader
     cb_models.MODEL_TYPES.append("mmalign")
     model, transform, tokenizer = cb_models.load_clip("mmalign", "micro", str(root / "model"), None, "cpu")
@@ -68,8 +70,10 @@ def _loader(samples, transform, target):
 def test_zero_shot_matches_clip_benchmark(parity_setup):
     model, transform, tokenizer, shard = parity_setup
     suite = load_suite("shapes")
-    records = {r["dataset"].split("/")[1]: r for r in run_suite(model, transform, tokenizer, suite, shard,
-                                                               batch_size=BATCH)}
+    records = {
+        r["dataset"].split("/")[1]: r
+        for r in run_suite(model, transform, tokenizer, suite, shard, batch_size=BATCH)
+    }
     samples = list(read_samples([shard]))
     for task in (t for t in suite["tasks"] if t["type"] == "zeroshot"):
         names = task["classnames"]
@@ -93,8 +97,14 @@ def test_retrieval_matches_clip_benchmark(parity_setup):
     got = run_suite(model, transform, tokenizer, suite, shard, batch_size=BATCH)[0]["metrics"]
     samples = list(read_samples([shard]))
     assert sum(len(s["captions"]) for s in samples) > len(samples)  # several captions per image
-    want = cb_ret.evaluate(model, _loader(samples, transform, lambda s: s["captions"]), tokenizer, "cpu",
-                           amp=False, recall_k_list=[1, 2, 5, 10])
+    want = cb_ret.evaluate(
+        model,
+        _loader(samples, transform, lambda s: s["captions"]),
+        tokenizer,
+        "cpu",
+        amp=False,
+        recall_k_list=[1, 2, 5, 10],
+    )
     assert set(got) == set(want)
     for key, value in want.items():
         assert abs(got[key] - value) <= 1e-6, (key, got[key], value)

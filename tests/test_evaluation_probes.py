@@ -62,12 +62,20 @@ def test_linear_probe_picks_c_on_validation_and_refits():
     tr, va, te = probes.split_indices(90, [0.4, 0.2], seed=0)[::-1]
     cs = [0.001, 1.0, 100.0]
     got = probes.linear_probe(x[tr], y[tr], x[va], y[va], x[te], y[te], 3, cs)
-    val_acc = {c: (LogisticRegression(C=c, max_iter=1000, random_state=0).fit(x[tr].numpy(), y[tr].numpy())
-                   .predict(x[va].numpy()) == y[va].numpy()).mean() for c in cs}
+    val_acc = {
+        c: (
+            LogisticRegression(C=c, max_iter=1000, random_state=0)
+            .fit(x[tr].numpy(), y[tr].numpy())
+            .predict(x[va].numpy())
+            == y[va].numpy()
+        ).mean()
+        for c in cs
+    }
     best = max(cs, key=lambda c: (val_acc[c], -c))
     assert got["best_C"] == best
     final = LogisticRegression(C=best, max_iter=1000, random_state=0).fit(
-        torch.cat([x[tr], x[va]]).numpy(), torch.cat([y[tr], y[va]]).numpy())
+        torch.cat([x[tr], x[va]]).numpy(), torch.cat([y[tr], y[va]]).numpy()
+    )
     assert got["acc1"] == pytest.approx(float((final.predict(x[te].numpy()) == y[te].numpy()).mean()))
     assert got["val_acc1_by_C"] == {str(c): pytest.approx(a) for c, a in val_acc.items()}
 

@@ -20,14 +20,23 @@ def test_report_lists_eval_cli_results_beside_eval_json(tmp_path):
     (run / "eval_cli_cb_cars.json").write_text(json.dumps(_records("wds/cars", 0.0625)[0]))
     (run / "eval_cli_broken.json").write_text("{not json")
     (run / "eval_cli_benchmark_datacomp").mkdir()  # a benchmark's folder is not a results file
-    assert [p.name for p in cli_eval_files(run)] == ["eval_cli_broken.json", "eval_cli_cb_cars.json",
-                                                     "eval_cli_cifar10.json", "eval_cli_cifar10_step_20.json"]
+    assert [p.name for p in cli_eval_files(run)] == [
+        "eval_cli_broken.json",
+        "eval_cli_cb_cars.json",
+        "eval_cli_cifar10.json",
+        "eval_cli_cifar10_step_20.json",
+    ]
     page = write_report(run, tmp_path / "report").read_text()
-    names = ["eval.json", "eval_cli_broken.json (mmalign eval)", "eval_cli_cb_cars.json (mmalign eval)",
-             "eval_cli_cifar10.json (mmalign eval)", "eval_cli_cifar10_step_20.json (mmalign eval)"]
+    names = [
+        "eval.json",
+        "eval_cli_broken.json (mmalign eval)",
+        "eval_cli_cb_cars.json (mmalign eval)",
+        "eval_cli_cifar10.json (mmalign eval)",
+        "eval_cli_cifar10_step_20.json (mmalign eval)",
+    ]
     starts = [page.index(f"<h2>{n}</h2>") for n in names]
     assert starts == sorted(starts)
     ends = starts[1:] + [len(page)]
     for i, value in ((0, "0.5"), (2, "0.0625"), (3, "0.375"), (4, "0.125")):
-        assert f"<td>{value}</td>" in page[starts[i]:ends[i]], names[i]
-    assert "unreadable" in page[starts[1]:ends[1]]
+        assert f"<td>{value}</td>" in page[starts[i] : ends[i]], names[i]
+    assert "unreadable" in page[starts[1] : ends[1]]

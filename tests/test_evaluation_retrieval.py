@@ -35,12 +35,17 @@ def test_recall_matches_naive_for_every_k(budget):
 def test_hand_made_example_with_known_answers():
     # 3 images on the axes; captions: two for image 0, one each for images 1 and 2.
     img = torch.eye(3)
-    txt = F.normalize(torch.tensor([
-        [1.0, 0.2, 0.0],   # image 0's caption, right: t2i rank 0
-        [0.1, 1.0, 0.0],   # image 0's caption, closest to image 1: t2i rank 1
-        [0.0, 1.0, 0.5],   # image 1's caption, right: rank 0
-        [0.0, 1.0, 0.9],   # image 2's caption, image 1 scores higher: rank 1
-    ]), dim=-1)
+    txt = F.normalize(
+        torch.tensor(
+            [
+                [1.0, 0.2, 0.0],  # image 0's caption, right: t2i rank 0
+                [0.1, 1.0, 0.0],  # image 0's caption, closest to image 1: t2i rank 1
+                [0.0, 1.0, 0.5],  # image 1's caption, right: rank 0
+                [0.0, 1.0, 0.9],  # image 2's caption, image 1 scores higher: rank 1
+            ]
+        ),
+        dim=-1,
+    )
     owner = torch.tensor([0, 0, 1, 2])
     t2i, i2t = retrieval_ranks(img, txt, owner, kmax=3)
     assert t2i.tolist() == [0, 1, 0, 1]
@@ -99,15 +104,25 @@ def _clip_benchmark_recall(img, txt, owner, ks):
     positive_pairs[torch.arange(len(scores)), owner] = True
     out = {}
     for k in ks:
-        out[f"image_retrieval_recall@{k}"] = (cb_ret.batchify(cb_ret.recall_at_k, scores, positive_pairs, 32, "cpu",
-                                                              k=k) > 0).float().mean().item()
-        out[f"text_retrieval_recall@{k}"] = (cb_ret.batchify(cb_ret.recall_at_k, scores.T, positive_pairs.T, 32,
-                                                             "cpu", k=k) > 0).float().mean().item()
+        out[f"image_retrieval_recall@{k}"] = (
+            (cb_ret.batchify(cb_ret.recall_at_k, scores, positive_pairs, 32, "cpu", k=k) > 0)
+            .float()
+            .mean()
+            .item()
+        )
+        out[f"text_retrieval_recall@{k}"] = (
+            (cb_ret.batchify(cb_ret.recall_at_k, scores.T, positive_pairs.T, 32, "cpu", k=k) > 0)
+            .float()
+            .mean()
+            .item()
+        )
     return out
 
 
-@pytest.mark.parametrize("kind, budget", [("quantised", 1), ("quantised", 13 * 90), ("quantised", 1 << 24),
-                                          ("duplicated", 1 << 24)])
+@pytest.mark.parametrize(
+    "kind, budget",
+    [("quantised", 1), ("quantised", 13 * 90), ("quantised", 1 << 24), ("duplicated", 1 << 24)],
+)
 def test_recall_with_exact_ties_equals_clip_benchmark(kind, budget, gen):
     # Float scores equal clip_benchmark's only where the matmul of a caption block gives the
     # numbers of the whole matrix (here: one block; few-row blocks differ in the last bit);
@@ -117,7 +132,7 @@ def test_recall_with_exact_ties_equals_clip_benchmark(kind, budget, gen):
         img = torch.randint(-1, 2, (n, 6), generator=gen).float() / 4
         owner = torch.randint(0, n, (200,), generator=gen)
         owner[:n] = torch.arange(n)  # every image has a caption
-        txt = (img[owner] + torch.randint(-1, 2, (200, 6), generator=gen).float() / 4)
+        txt = img[owner] + torch.randint(-1, 2, (200, 6), generator=gen).float() / 4
     else:  # duplicated float embeddings: equal scores from equal rows
         base = F.normalize(torch.randn(25, 8, generator=gen), dim=-1)
         img = base[torch.randint(0, 25, (70,), generator=gen)]  # 70 images, 25 distinct
@@ -132,5 +147,8 @@ def test_recall_with_exact_ties_equals_clip_benchmark(kind, budget, gen):
     assert got == want
     t2i, i2t = retrieval_ranks(img, txt, owner, kmax=10)
     # the old rule (ties to the query) is optimistic here: the test data has ties that matter
-    assert any((t2i < k).float().mean().item() > want[f"image_retrieval_recall@{k}"] or
-               (i2t < k).float().mean().item() > want[f"text_retrieval_recall@{k}"] for k in ks)
+    assert any(
+        (t2i < k).float().mean().item() > want[f"image_retrieval_recall@{k}"]
+        or (i2t < k).float().mean().item() > want[f"text_retrieval_recall@{k}"]
+        for k in ks
+    )

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.integration
 
 def _worker(rank: int, world: int, val: str) -> dict:
     from mmalign.config import ModelConfig
-    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.data.transforms import eval_transform
     from mmalign.evaluation import load_suite
     from mmalign.evaluation.sharded import build_classifiers, embed_sharded, evaluate
     from mmalign.models import build_model
+    from mmalign.models.tokenizers import build_tokenizer
 
     lines: list[str] = []
     handler = logging.Handler()
@@ -35,7 +35,11 @@ def _worker(rank: int, world: int, val: str) -> dict:
     logging.getLogger("mmalign.evaluation").setLevel(logging.INFO)
     torch.manual_seed(3)
     model = build_model(ModelConfig(preset="micro"))
-    suite, tokenizer, transform = load_suite("shapes"), build_tokenizer(model.arch), eval_transform(model.image_size)
+    suite, tokenizer, transform = (
+        load_suite("shapes"),
+        build_tokenizer(model.arch),
+        eval_transform(model.image_size),
+    )
     emb, _ = embed_sharded(model, transform, tokenizer, suite, val, batch_size=16)
     records = evaluate(model, transform, tokenizer, suite, val, batch_size=16)
     encode, encoded = model.encode_text, []
@@ -70,8 +74,18 @@ def test_two_rank_evaluation_equals_one_rank(shapes_dir):
         n = len(task["classnames"]) * len(task["templates"])
         prompts, rank0_share = prompts + n, rank0_share + (n + 1) // 2
         with torch.no_grad():
-            want = torch.stack([F.normalize(F.normalize(model.encode_text(tokenizer(
-                [t.format(c=c) for t in task["templates"]])), dim=-1).mean(0), dim=0) for c in task["classnames"]], 1)
+            want = torch.stack(
+                [
+                    F.normalize(
+                        F.normalize(
+                            model.encode_text(tokenizer([t.format(c=c) for t in task["templates"]])), dim=-1
+                        ).mean(0),
+                        dim=0,
+                    )
+                    for c in task["classnames"]
+                ],
+                1,
+            )
         for got in (one["classifiers"][task["name"]], two["classifiers"][task["name"]]):
             assert (got - want).abs().max() <= 1e-5, task["name"]
     assert one["encoded"] == prompts and two["encoded"] == rank0_share
@@ -101,11 +115,16 @@ def test_interleave_restores_dataset_order_with_uneven_shares():
     parts = []
     for r in range(world):
         mine = list(range(r, n, world))
-        parts.append({"keys": [f"k{i}" for i in mine], "metas": [{"i": i} for i in mine],
-                      "image_features": img[mine],
-                      "captions": [c for i in mine for c in caps[i]],
-                      "text_to_image": torch.tensor([j for j, i in enumerate(mine) for _ in caps[i]]),
-                      "text_features": torch.stack([txt[c] for i in mine for c in caps[i]])})
+        parts.append(
+            {
+                "keys": [f"k{i}" for i in mine],
+                "metas": [{"i": i} for i in mine],
+                "image_features": img[mine],
+                "captions": [c for i in mine for c in caps[i]],
+                "text_to_image": torch.tensor([j for j, i in enumerate(mine) for _ in caps[i]]),
+                "text_features": torch.stack([txt[c] for i in mine for c in caps[i]]),
+            }
+        )
     out = interleave(parts)
     assert out["keys"] == [f"k{i}" for i in range(n)]
     assert torch.equal(out["image_features"], img)

@@ -23,19 +23,37 @@ from mmalign.evaluation.features import encode_images
 def run_dir(shapes_dir, tmp_path_factory):
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models.io import save_pretrained
     from mmalign.models.arch import resolve_arch
+    from mmalign.models.io import save_pretrained
     from mmalign.models.two_tower import TwoTower
 
     run = tmp_path_factory.mktemp("evalrun")
     torch.manual_seed(0)
     model = TwoTower(resolve_arch(ModelConfig(preset="micro")))
-    save_pretrained(model, run / "final", preprocess=preprocess_cfg(model.image_size),
-                    extra={"train_config": {"data": {"val": f"{shapes_dir}/val/00000.tar"}, "eval": {"suite": "shapes"}}})
-    keys = ["loss", "loss_floor", "logit_scale", "pos_rank", "hardest_neg_prob", "top1",
-            "probe_image_effective_rank", "probe_text_effective_rank", "samples_per_s"]
-    rows = [{"step": s, **{k: 1.0 / s + i for i, k in enumerate(keys)}, "grad_norm": float("nan")} for s in range(1, 21)]
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 21, \"lo")  # torn last line
+    save_pretrained(
+        model,
+        run / "final",
+        preprocess=preprocess_cfg(model.image_size),
+        extra={"train_config": {"data": {"val": f"{shapes_dir}/val/00000.tar"}, "eval": {"suite": "shapes"}}},
+    )
+    keys = [
+        "loss",
+        "loss_floor",
+        "logit_scale",
+        "pos_rank",
+        "hardest_neg_prob",
+        "top1",
+        "probe_image_effective_rank",
+        "probe_text_effective_rank",
+        "samples_per_s",
+    ]
+    rows = [
+        {"step": s, **{k: 1.0 / s + i for i, k in enumerate(keys)}, "grad_norm": float("nan")}
+        for s in range(1, 21)
+    ]
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows) + '\n{"step": 21, "lo'
+    )  # torn last line
     return run
 
 
@@ -43,8 +61,13 @@ def test_eval_shapes_full_writes_clip_benchmark_records(run_dir, tmp_path):
     out = tmp_path / "full.json"
     assert main(["eval", "--model", str(run_dir), "--suite", "shapes_full", "--output", str(out)]) == 0
     records = {r["dataset"]: r for r in json.loads(out.read_text())}
-    assert {r["task"] for r in records.values()} == {"zeroshot_classification", "zeroshot_retrieval", "linear_probe",
-                                                    "embedding_diagnostics", "counterfactual"}
+    assert {r["task"] for r in records.values()} == {
+        "zeroshot_classification",
+        "zeroshot_retrieval",
+        "linear_probe",
+        "embedding_diagnostics",
+        "counterfactual",
+    }
     for r in records.values():
         assert set(r) >= {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert set(records["shapes_full/shape"]["metrics"]) >= {"acc1", "acc5", "mean_per_class_recall"}
@@ -65,7 +88,10 @@ def test_eval_shapes_full_writes_clip_benchmark_records(run_dir, tmp_path):
 
 def test_eval_digits_suite_with_limit(run_dir, tmp_path):
     out = tmp_path / "digits.json"
-    assert main(["eval", "--model", str(run_dir), "--suite", "digits", "--output", str(out), "--limit", "150"]) == 0
+    assert (
+        main(["eval", "--model", str(run_dir), "--suite", "digits", "--output", str(out), "--limit", "150"])
+        == 0
+    )
     records = {r["dataset"]: r for r in json.loads(out.read_text())}
     assert records["digits/digit"]["n_images"] == 150
     assert records["digits/digit"]["metrics"]["chance_acc1"] == pytest.approx(0.1)
@@ -103,17 +129,30 @@ def test_pre_projection_features_come_from_one_pass_and_restore_the_head(run_dir
 
 
 def _scene(**kw):
-    attrs = {"shape": "square", "colour": "red", "background": "white", "size": "large", "grid": [1, 1],
-             "position": "center", **kw}
-    return {"key": "k", "image": shapes.draw(dict(attrs, jitter=[0.3, -0.2]), 32), "captions": [], "json": attrs}
+    attrs = {
+        "shape": "square",
+        "colour": "red",
+        "background": "white",
+        "size": "large",
+        "grid": [1, 1],
+        "position": "center",
+        **kw,
+    }
+    return {
+        "key": "k",
+        "image": shapes.draw(dict(attrs, jitter=[0.3, -0.2]), 32),
+        "captions": [],
+        "json": attrs,
+    }
 
 
 def test_edits_change_what_they_say():
     samples = [_scene(), _scene(colour="blue", shape="circle")]
     before, after, metas = edit_pairs(samples, {"name": "rerender", "field": "colour"}, seed=1)
     for s, b, a, m in zip(samples, before, after, metas):
-        assert m["colour"] != s["json"]["colour"] and {k: v for k, v in m.items() if k != "colour"} == \
-            {k: v for k, v in dict(s["json"], jitter=[0.0, 0.0]).items() if k != "colour"}
+        assert m["colour"] != s["json"]["colour"] and {k: v for k, v in m.items() if k != "colour"} == {
+            k: v for k, v in dict(s["json"], jitter=[0.0, 0.0]).items() if k != "colour"
+        }
         b, a = np.asarray(b), np.asarray(a)
         changed = (b != a).any(axis=2)
         assert changed.any()
@@ -136,10 +175,14 @@ def test_counterfactual_metrics_against_direct_computation():
     rng = np.random.default_rng(0)
     samples = [_scene(colour=str(c), background="black") for c in rng.choice(list(shapes.COLOURS), 12)]
     names = list(shapes.COLOURS)
-    weights = F.normalize(torch.tensor([shapes.COLOURS[n] for n in names], dtype=torch.float32), dim=-1).T  # (3, C)
+    weights = F.normalize(
+        torch.tensor([shapes.COLOURS[n] for n in names], dtype=torch.float32), dim=-1
+    ).T  # (3, C)
     clf = {"colour": {"weights": weights, "label_field": "colour", "classnames": names}}
     edits = [{"name": "hflip"}, {"name": "rerender", "field": "colour"}]
-    metrics, expected = run_counterfactuals(_MeanColour(), T.ToTensor(), samples, edits, clf, batch_size=5, seed=2)
+    metrics, expected = run_counterfactuals(
+        _MeanColour(), T.ToTensor(), samples, edits, clf, batch_size=5, seed=2
+    )
     assert metrics["hflip_cosine_mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["hflip_colour_flip_rate"] == 0.0
     before, after, _ = edit_pairs(samples, edits[1], seed=2)
@@ -162,7 +205,9 @@ def test_extends_resolves_a_sibling_file_or_a_builtin_suite(tmp_path):
     names = [t["name"] for t in suite["tasks"]]
     assert names[:3] == ["shape", "colour", "retrieval"] and names[-1] == "geometry"
     assert suite["name"] == "mine" and suite["dataset"].endswith("data/shapes/val/00000.tar")
-    (tmp_path / "base.yaml").write_text("name: base\ndataset: x.tar\ntasks:\n  - name: g\n    type: diagnostics\n")
+    (tmp_path / "base.yaml").write_text(
+        "name: base\ndataset: x.tar\ntasks:\n  - name: g\n    type: diagnostics\n"
+    )
     (tmp_path / "child.yaml").write_text("name: child\nextends: base\n")
     assert [t["name"] for t in load_suite(str(tmp_path / "child.yaml"))["tasks"]] == ["g"]
     (tmp_path / "orphan.yaml").write_text("name: orphan\nextends: nowhere\n")
@@ -191,7 +236,9 @@ def test_zero_shot_never_embeds_the_dataset_captions(run_dir, shapes_dir):
     only = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, {**suite, "tasks": zeroshot}, val)
     assert sum(rows) == prompts and all(r["n_captions"] == 0 for r in only)
     rows.clear()
-    full = run_suite(loaded.model, loaded.preprocess, loaded.tokenizer, suite, val)  # + retrieval: 2 captions each
+    full = run_suite(
+        loaded.model, loaded.preprocess, loaded.tokenizer, suite, val
+    )  # + retrieval: 2 captions each
     assert sum(rows) == prompts + 240
     assert [r["metrics"] for r in only] == [r["metrics"] for r in full[: len(zeroshot)]]
 
@@ -213,12 +260,18 @@ def sorted_shards(tmp_path_factory):
             buf = io.BytesIO()
             Image.frombytes("RGB", (16, 16), rng.randbytes(16 * 16 * 3)).save(buf, format="PNG")
             (root / "src" / c / f"{i:04d}.png").write_bytes(buf.getvalue())
-    build_shards(image_folder(root / "src", Captioner(["a photo of a {c}."]))[1], root / "shards", per_shard=20,
-                 progress=False)
+    build_shards(
+        image_folder(root / "src", Captioner(["a photo of a {c}."]))[1],
+        root / "shards",
+        per_shard=20,
+        progress=False,
+    )
     suite = root / "sorted.yaml"
-    suite.write_text("name: sorted\ndataset: null\ntasks:\n  - name: cls\n    type: zeroshot\n"
-                     "    label_field: classname\n    classnames: [bird, cat, dog]\n    templates: ['a {c}.']\n"
-                     "    slices: [classname]\n")
+    suite.write_text(
+        "name: sorted\ndataset: null\ntasks:\n  - name: cls\n    type: zeroshot\n"
+        "    label_field: classname\n    classnames: [bird, cat, dog]\n    templates: ['a {c}.']\n"
+        "    slices: [classname]\n"
+    )
     return {"suite": suite, "data": f"{root}/shards/{{00000..00002}}.tar"}
 
 
@@ -226,18 +279,38 @@ def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_
     from mmalign.evaluation.datasets import iter_dataset
 
     spec = {"type": "shards", "urls": sorted_shards["data"], "stratify": "label"}
-    assert [s["json"]["classname"] for s in iter_dataset(dict(spec, limit=12))].count("bird") == 4  # 12 x 20/60
+    assert [s["json"]["classname"] for s in iter_dataset(dict(spec, limit=12))].count(
+        "bird"
+    ) == 4  # 12 x 20/60
     drawn = lambda **kw: [s["json"]["source_path"] for s in iter_dataset(dict(spec, **kw))]  # noqa: E731
     assert drawn(limit=12) == drawn(limit=12, seed=0) != drawn(limit=12, seed=1)
-    assert drawn(limit=12) != drawn()[:12] and drawn(limit=60) == drawn()  # not the first N; all when N >= size
+    assert (
+        drawn(limit=12) != drawn()[:12] and drawn(limit=60) == drawn()
+    )  # not the first N; all when N >= size
     assert len(drawn(limit=12, per_class=5)) == 12
     assert {p.split("/")[0] for p in drawn(limit=9, per_class=5)} == {"bird", "cat", "dog"}
     with pytest.raises(Exception, match="limit must be >= 1"):
         drawn(limit=0)
     # mmalign eval --limit: the per-class slices count the sample's class mix
     out = tmp_path / "e.json"
-    assert main(["eval", "--model", str(run_dir), "--suite", str(sorted_shards["suite"]), "--data",
-                 sorted_shards["data"], "--limit", "9", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(run_dir),
+                "--suite",
+                str(sorted_shards["suite"]),
+                "--data",
+                sorted_shards["data"],
+                "--limit",
+                "9",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (record,) = json.loads(out.read_text())
     assert record["n_images"] == 9
     assert {k: v["n"] for k, v in record["slices"]["classname"].items()} == {"bird": 3, "cat": 3, "dog": 3}
@@ -251,24 +324,34 @@ def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shar
 
     run = tmp_path / "run"
     shutil.copytree(run_dir / "final", run / "final")
+
     def record(v):
         return [{"dataset": "sorted/cls", "task": "zeroshot_classification", "metrics": {"acc1": v}}]
 
     (run / "eval_step00000010.json").write_text(json.dumps(record(0.125)))
     (run / "eval_step00000020.json").write_text(json.dumps(record(0.25)))
     (run / "eval.json").write_text(json.dumps(record(0.5)))
-    (run / "config.yaml").write_text(f"# hash abc\nseed: 7\ndata:\n  train: {sorted_shards['data']}\n"
-                                     f"  val: {sorted_shards['data']}\n")
-    (run / "train.log").write_text("2026-11-30 10:00:00,123 INFO mmalign.run.train: start\nno stamp here\n"
-                                   "2026-11-30 10:02:05,001 INFO mmalign.run.train: done\n")
+    (run / "config.yaml").write_text(
+        f"# hash abc\nseed: 7\ndata:\n  train: {sorted_shards['data']}\n  val: {sorted_shards['data']}\n"
+    )
+    (run / "train.log").write_text(
+        "2026-11-30 10:00:00,123 INFO mmalign.run.train: start\nno stamp here\n"
+        "2026-11-30 10:02:05,001 INFO mmalign.run.train: done\n"
+    )
     suite = sorted_shards["suite"]
-    page = write_report(run, tmp_path / "all", suite=str(suite), data=sorted_shards["data"], limit=30).read_text()
-    headings = [h for h in ("eval_step00000010.json", "eval_step00000020.json", "eval.json") if f"<h2>{h}</h2>" in page]
+    page = write_report(
+        run, tmp_path / "all", suite=str(suite), data=sorted_shards["data"], limit=30
+    ).read_text()
+    headings = [
+        h
+        for h in ("eval_step00000010.json", "eval_step00000020.json", "eval.json")
+        if f"<h2>{h}</h2>" in page
+    ]
     assert headings == ["eval_step00000010.json", "eval_step00000020.json", "eval.json"]
     # each file's own value under its own heading (other tables may hold the same numbers)
     starts = [page.index(f"<h2>{h}</h2>") for h in headings] + [len(page)]
     for i, value in enumerate(("0.125", "0.25", "0.5")):
-        assert f"<td>{value}</td>" in page[starts[i]:starts[i + 1]], (headings[i], value)
+        assert f"<td>{value}</td>" in page[starts[i] : starts[i + 1]], (headings[i], value)
     assert "seed: 7" in page and "0h 02m 05s" in page
     assert "3 of 3 shards present, 60 samples (sizes.json)" in page
     assert "classes (classname)</td><td>3: bird 10, cat 10, dog 10" in page  # a stratified 30 of 60
@@ -285,5 +368,7 @@ def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shar
     # a suite whose captions are class templates: retrieval is marked
     templated = tmp_path / "templated.yaml"
     templated.write_text("template_captions: true\n" + suite.read_text())
-    page = write_report(run, tmp_path / "tpl", suite=str(templated), data=sorted_shards["data"], limit=12).read_text()
+    page = write_report(
+        run, tmp_path / "tpl", suite=str(templated), data=sorted_shards["data"], limit=12
+    ).read_text()
     assert "retrieval not meaningful" in page and "src='recall.png'" in page

@@ -34,7 +34,10 @@ def cifar_like(path: Path, n: int = 40, captions: bool = True) -> Path:
     with tarfile.open(path, "w") as tar:
         for i in range(n):
             label = i % 10
-            members = {"jpg": _jpeg(), "json": json.dumps({"label": label, "classname": CIFAR[label]}).encode()}
+            members = {
+                "jpg": _jpeg(),
+                "json": json.dumps({"label": label, "classname": CIFAR[label]}).encode(),
+            }
             if captions:
                 members["txt"] = f"a photo of a {CIFAR[label]}.".encode()
             for ext, data in members.items():
@@ -60,7 +63,13 @@ def test_each_task_kind_names_its_missing_field(tmp_path):
     right = {"name": "z", "type": "zeroshot", "label_field": "classname", "classnames": CIFAR}
     assert task_mismatch(right, probed) is None
     assert "captions" in task_mismatch({"name": "r", "type": "retrieval"}, probed)
-    index = {"name": "i", "type": "probe", "label_field": "label", "classnames": CIFAR[:3], "label_index": True}
+    index = {
+        "name": "i",
+        "type": "probe",
+        "label_field": "label",
+        "classnames": CIFAR[:3],
+        "label_index": True,
+    }
     assert "class index" in task_mismatch(index, probed)  # labels 3..9 are beyond three names
 
 
@@ -80,16 +89,31 @@ def test_a_mismatch_is_one_line_naming_suite_field_and_fix(tmp_path):
     line = str(e.value)
     assert "\n" not in line
     assert "'shapes'" in line and "'shape'" in line and "--set eval.suite=cifar10" in line and "none" in line
-    check_suite_fields(load_suite("cifar10"), {"type": "shards", "urls": str(shard)}, "data.val")  # fits: silent
+    check_suite_fields(
+        load_suite("cifar10"), {"type": "shards", "urls": str(shard)}, "data.val"
+    )  # fits: silent
 
 
 def test_readme_tour_with_cifar_shards_fails_before_any_step(tmp_path):
     train = cifar_like(tmp_path / "cifar" / "train" / "00000.tar", n=64)
     val = cifar_like(tmp_path / "cifar" / "val" / "00000.tar", n=20)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mmalign.cli", "train", "--config", str(ROOT / "configs/quickstart.yaml"),
-           "--output", str(out), "--set", f"data.train={train}", "--set", f"data.val={val}",
-           "--set", "train.steps=50"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        "--output",
+        str(out),
+        "--set",
+        f"data.train={train}",
+        "--set",
+        f"data.val={val}",
+        "--set",
+        "train.steps=50",
+    ]
     start = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     elapsed = time.monotonic() - start
@@ -99,7 +123,9 @@ def test_readme_tour_with_cifar_shards_fails_before_any_step(tmp_path):
     assert "'shapes'" in lines[0] and "'shape'" in lines[0] and "--set eval.suite=cifar10" in lines[0]
     assert "step" not in res.stdout.lower()
     assert not (out / "metrics.jsonl").exists()
-    assert elapsed < 60, elapsed  # the import of torch and the probe; no model, no loop (generous on 2 busy cores)
+    assert elapsed < 60, (
+        elapsed
+    )  # the import of torch and the probe; no model, no loop (generous on 2 busy cores)
 
 
 def test_an_eval_during_entry_that_does_not_fit_is_named_by_its_key(tmp_path):
@@ -107,9 +133,15 @@ def test_an_eval_during_entry_that_does_not_fit_is_named_by_its_key(tmp_path):
     from mmalign.run.in_run_eval import plan_evaluations, resolve_suite
 
     shard = cifar_like(tmp_path / "val" / "00000.tar")
-    cfg = load_config(str(ROOT / "configs/quickstart.yaml"),
-                      [f"data.train={shard}", f"data.val={shard}", "eval.suite=cifar10",
-                       "eval.during=[{suite: shapes, every: 2}]"])
+    cfg = load_config(
+        str(ROOT / "configs/quickstart.yaml"),
+        [
+            f"data.train={shard}",
+            f"data.val={shard}",
+            "eval.suite=cifar10",
+            "eval.during=[{suite: shapes, every: 2}]",
+        ],
+    )
     suite = resolve_suite(cfg)  # cifar10 fits the CIFAR-like shards
     with pytest.raises(ConfigError) as e:
         plan_evaluations(cfg, suite)
@@ -124,14 +156,21 @@ def test_a_remote_validation_shard_is_probed_too(tmp_path):
     from tests.shard_server import serve
 
     cifar_like(tmp_path / "srv" / "00000.tar", n=40)
-    suite = {"name": "shapes", "tasks": [{"name": "shape", "type": "zeroshot", "label_field": "shape",
-                                          "classnames": ["circle", "square"]}]}
+    suite = {
+        "name": "shapes",
+        "tasks": [
+            {"name": "shape", "type": "zeroshot", "label_field": "shape", "classnames": ["circle", "square"]}
+        ],
+    }
     with serve(tmp_path / "srv") as server:
         url = f"{server.url}/00000.tar"
         probed = probe_samples(url, n=5)
         assert [p["json"]["classname"] for p in probed] == CIFAR[:5]
-        with pytest.raises(ConfigError, match=r"suite 'shapes' does not fit data.val: task 'shape' needs the "
-                                              r"\.json field 'shape'"):
+        with pytest.raises(
+            ConfigError,
+            match=r"suite 'shapes' does not fit data.val: task 'shape' needs the "
+            r"\.json field 'shape'",
+        ):
             check_suite_fields(suite, {"type": "shards", "urls": url}, "data.val")
 
 

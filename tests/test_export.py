@@ -16,15 +16,20 @@ from PIL import Image
 
 import mmalign
 from mmalign.cli import main
-from mmalign.errors import UsageError
 from mmalign.data.transforms import preprocess_cfg
+from mmalign.errors import UsageError
 from mmalign.export import export
 from mmalign.models import TwoTower
 from mmalign.models.io import save_pretrained
 from mmalign.models.presets import PRESETS
 
-CAPTIONS = ["a small red circle in the top left corner", "blue square", "x",
-            "there is a green star in the center of the picture", "one large cross, coloured pink, on gray"]
+CAPTIONS = [
+    "a small red circle in the top left corner",
+    "blue square",
+    "x",
+    "there is a green star in the center of the picture",
+    "one large cross, coloured pink, on gray",
+]
 
 
 def _save_random(path, seed: int, **arch_changes) -> str:
@@ -82,8 +87,11 @@ def test_hf_clipmodel_round_trip(tmp_path, quick_gelu):
     out = tmp_path / "hf"
     export(src, "hf", out)
     hf = CLIPModel.from_pretrained(str(out)).eval()
-    assert hf.config.text_config.hidden_act == hf.config.vision_config.hidden_act == (
-        "quick_gelu" if quick_gelu else "gelu")
+    assert (
+        hf.config.text_config.hidden_act
+        == hf.config.vision_config.hidden_act
+        == ("quick_gelu" if quick_gelu else "gelu")
+    )
     assert hf.config.text_config.eos_token_id == 49407 and hf.config.text_config.pad_token_id == 0
     assert math.isclose(float(hf.logit_scale.exp()), 23.0, rel_tol=1e-6)
     ours = mmalign.load(src)
@@ -135,14 +143,32 @@ def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
     from mmalign.run.train import train
 
     run = tmp_path / "run"
-    train(load_config(None, [
-        "model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-        f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-        "train.global_batch_size=8", "train.steps=2", "train.warmup_steps=1", "train.lr=0.01",
-        "train.checkpoint_every=2", "monitor.probe_size=0", "deepspeed.zero_stage=3", f"output={run}",
-    ]), show_progress=False)
+    train(
+        load_config(
+            None,
+            [
+                "model.preset=micro",
+                f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+                f"data.val={shapes_dir}/val/00000.tar",
+                "data.workers=0",
+                "data.shuffle_buffer=50",
+                "train.global_batch_size=8",
+                "train.steps=2",
+                "train.warmup_steps=1",
+                "train.lr=0.01",
+                "train.checkpoint_every=2",
+                "monitor.probe_size=0",
+                "deepspeed.zero_stage=3",
+                f"output={run}",
+            ],
+        ),
+        show_progress=False,
+    )
     step = run / "checkpoints" / "step_00000002"
-    assert main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "from_ckpt")]) == 0
+    assert (
+        main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "from_ckpt")])
+        == 0
+    )
     export(run, "open_clip", tmp_path / "from_final")
     a = load_file(str(tmp_path / "from_ckpt" / "open_clip_model.safetensors"))
     b = load_file(str(tmp_path / "from_final" / "open_clip_model.safetensors"))
@@ -155,12 +181,17 @@ def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
 
     marker = tmp_path / "MARKER"
     plant(next((step / "engine").glob("*optim_states.pt")), marker)
-    assert main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "again")]) == 2
+    assert (
+        main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "again")]) == 2
+    )
     assert not marker.exists() and not (tmp_path / "again").exists()
 
 
 def test_cli_errors_are_one_line(model_dir, tmp_path, capsys):
-    assert main(["export", "--model", str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["export", "--model", str(tmp_path / "missing"), "--format", "hf", "--out", str(tmp_path / "o")])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("mmalign: error:") and "missing" in err and "\n" not in err
     assert main(["export", "--model", model_dir, "--format", "tensorflow", "--out", str(tmp_path / "o")]) == 2

@@ -36,7 +36,9 @@ def _model(path, seed=0, **vision):
 
 
 def _modes(root):
-    return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()
+    }
 
 
 def _one_line(capsys) -> str:
@@ -49,7 +51,10 @@ def test_saved_and_exported_files_follow_the_umask(tmp_path, umask022):
     _model(tmp_path / "m")
     assert stat.S_IMODE((tmp_path / "m" / WEIGHTS).stat().st_mode) == 0o644
     for fmt in ("open_clip", "hf"):
-        assert main(["export", "--model", str(tmp_path / "m"), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        assert (
+            main(["export", "--model", str(tmp_path / "m"), "--format", fmt, "--out", str(tmp_path / fmt)])
+            == 0
+        )
         modes = _modes(tmp_path / fmt)
         assert modes and set(modes.values()) == {0o644}, modes
 
@@ -64,12 +69,25 @@ def test_non_empty_out_is_refused_unless_force(tmp_path, capsys):
     assert "not empty" in _one_line(capsys) and (out / "old.txt").read_text() == "someone's file"
     assert main(args + ["--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["open_clip_config.json", "open_clip_model.safetensors"]
-    assert torch.equal(load_file(str(out / "open_clip_model.safetensors"))["visual.proj"],
-                       model.state_dict()["visual.proj"])
+    assert torch.equal(
+        load_file(str(out / "open_clip_model.safetensors"))["visual.proj"], model.state_dict()["visual.proj"]
+    )
     assert not (tmp_path / "out.tmp").exists()
     (tmp_path / "empty").mkdir()  # an empty directory is fine without --force
-    assert main(["export", "--model", str(tmp_path / "m"), "--format", "open_clip", "--out",
-                 str(tmp_path / "empty")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp_path / "m"),
+                "--format",
+                "open_clip",
+                "--out",
+                str(tmp_path / "empty"),
+            ]
+        )
+        == 0
+    )
 
 
 def test_invalid_out_is_one_line(tmp_path, capsys):
@@ -83,6 +101,8 @@ def test_invalid_out_is_one_line(tmp_path, capsys):
 
 def test_failed_export_leaves_nothing(tmp_path, capsys):
     _model(tmp_path / "m", ls_init_value=0.1)  # no CLIPModel equivalent: export_hf raises midway
-    assert main(["export", "--model", str(tmp_path / "m"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert (
+        main(["export", "--model", str(tmp_path / "m"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    )
     assert "ls_init_value" in _one_line(capsys)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()

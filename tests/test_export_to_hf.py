@@ -53,8 +53,13 @@ def test_tokenizer_files_and_processor(exported):
     from transformers import AutoProcessor
 
     final, hf = exported
-    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
-                 "preprocessor_config.json"):
+    for name in (
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "preprocessor_config.json",
+    ):
         assert (hf / name).is_file(), name
     assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == 16
     processor = AutoProcessor.from_pretrained(str(hf))
@@ -84,8 +89,12 @@ def test_zero_shot_pipeline_gives_mmalign_probabilities(exported):
     final, hf = exported
     prompts = [f"This is a photo of {x}." for x in LABELS]  # the pipeline's default template
     pipe = pipeline("zero-shot-image-classification", model=str(hf), device="cpu")
-    pil_pipe = pipeline("zero-shot-image-classification", model=str(hf), device="cpu",
-                        image_processor=AutoImageProcessor.from_pretrained(str(hf), backend="pil"))
+    pil_pipe = pipeline(
+        "zero-shot-image-classification",
+        model=str(hf),
+        device="cpu",
+        image_processor=AutoImageProcessor.from_pretrained(str(hf), backend="pil"),
+    )
     for seed in (0, 1):
         image = _image(seed)
         want = _ours(final, image, prompts)
@@ -119,9 +128,19 @@ def spm_export(request, tmp_path_factory):
     captions += ["naïve café, résumé — ½ ﬁve", "a zebra, photographed"]
     (root / "captions.txt").write_text("\n".join(clean_caption(c) for c in captions))
     # the settings of data_pipelines.tokenizer_train (no bos/eos/pad inside sentencepiece)
-    spm.SentencePieceTrainer.train(input=str(root / "captions.txt"), model_prefix=str(root / "spm"), vocab_size=90,
-                                   model_type=request.param, character_coverage=1.0, hard_vocab_limit=False,
-                                   unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(root / "captions.txt"),
+        model_prefix=str(root / "spm"),
+        vocab_size=90,
+        model_type=request.param,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=-1,
+        pad_id=-1,
+        minloglevel=2,
+    )
     cfg = load_config(None, ["model.preset=micro", f"model.tokenizer={root / 'spm.model'}"])
     torch.manual_seed(4)
     model = build_model(cfg.model)
@@ -138,14 +157,25 @@ def test_sentencepiece_export_tokenizes_and_classifies_like_mmalign(spm_export):
     assert (hf / "tokenizer.model").is_file() and (hf / "special_tokens_map.json").is_file()
     ours = mmalign.load(final)
     processor = AutoProcessor.from_pretrained(str(hf))
-    texts = ["This is a photo of a red circle.", "A  LARGE blue   square, on the left", "naïve café — ½ ﬁve",
-             "unseen words: zebra 日本", "x", "",
-             "a very long caption about a small green star in the top right corner of a gray picture"]
-    got = processor.tokenizer(texts, padding="max_length", truncation=True, max_length=16,
-                              return_tensors="pt")["input_ids"]
+    texts = [
+        "This is a photo of a red circle.",
+        "A  LARGE blue   square, on the left",
+        "naïve café — ½ ﬁve",
+        "unseen words: zebra 日本",
+        "x",
+        "",
+        "a very long caption about a small green star in the top right corner of a gray picture",
+    ]
+    got = processor.tokenizer(
+        texts, padding="max_length", truncation=True, max_length=16, return_tensors="pt"
+    )["input_ids"]
     assert torch.equal(got, ours.tokenizer(texts))  # same ids, same 0 padding, eot kept on truncation
-    pipe = pipeline("zero-shot-image-classification", model=str(hf), device="cpu",
-                    image_processor=AutoImageProcessor.from_pretrained(str(hf), backend="pil"))
+    pipe = pipeline(
+        "zero-shot-image-classification",
+        model=str(hf),
+        device="cpu",
+        image_processor=AutoImageProcessor.from_pretrained(str(hf), backend="pil"),
+    )
     labels = ["red circle", "blue square", "green star"]
     image = _image(2)
     want = _ours(final, image, [f"a {x}." for x in labels])

@@ -50,8 +50,25 @@ def _folder(root, rng, per_class: int):
 
 
 def _shards(src, out, *extra) -> list[dict]:
-    assert main(["shards", "imagefolder", "--input", str(src), "--out", str(out), "--templates", "cifar10",
-                 "--per-shard", "100", "--no-progress", *extra]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                "imagefolder",
+                "--input",
+                str(src),
+                "--out",
+                str(out),
+                "--templates",
+                "cifar10",
+                "--per-shard",
+                "100",
+                "--no-progress",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return [json.loads(g["json"]) for p in sorted(out.glob("*.tar")) for g in iter_tar_groups(str(p))]
 
 
@@ -65,16 +82,67 @@ def flow(tmp_path_factory):
     half = _shards(tmp / "train_src", tmp / "half", "--classes", ",".join(SEEN))
     _shards(tmp / "train_src", tmp / "all")
     test = _shards(tmp / "test_src", tmp / "test")
-    common = ["--set", f"data.val={tmp}/test/00000.tar", "--set", "data.workers=0", "--set", "data.shuffle_buffer=20",
-              "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.global_batch_size=8",
-              "--set", "train.log_every=1", "--set", "monitor.tensorboard=false", "--set", "eval.suite=cifar10_heldout"]
-    res = cli_main("train", "--config", "configs/cifar10_cpu.yaml", "--output", str(tmp / "half_run"),
-                   "--set", "model.preset=micro", "--set", f"data.train={tmp}/half/00000.tar", *common, cwd=ROOT)
+    common = [
+        "--set",
+        f"data.val={tmp}/test/00000.tar",
+        "--set",
+        "data.workers=0",
+        "--set",
+        "data.shuffle_buffer=20",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "train.global_batch_size=8",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "monitor.tensorboard=false",
+        "--set",
+        "eval.suite=cifar10_heldout",
+    ]
+    res = cli_main(
+        "train",
+        "--config",
+        "configs/cifar10_cpu.yaml",
+        "--output",
+        str(tmp / "half_run"),
+        "--set",
+        "model.preset=micro",
+        "--set",
+        f"data.train={tmp}/half/00000.tar",
+        *common,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert main(["export", "--model", str(tmp / "half_run"), "--format", "open_clip", "--out", str(tmp / "export")]) == 0
-    res = cli_main("train", "--config", str(RECIPE), "--output", str(tmp / "lit_run"),
-                   "--set", f"model.pretrained={tmp / 'export'}", "--set", f"data.train={tmp}/all/00000.tar", *common,
-                   cwd=ROOT)
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp / "half_run"),
+                "--format",
+                "open_clip",
+                "--out",
+                str(tmp / "export"),
+            ]
+        )
+        == 0
+    )
+    res = cli_main(
+        "train",
+        "--config",
+        str(RECIPE),
+        "--output",
+        str(tmp / "lit_run"),
+        "--set",
+        f"model.pretrained={tmp / 'export'}",
+        "--set",
+        f"data.train={tmp}/all/00000.tar",
+        *common,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return {"tmp": tmp, "half": half, "test": test}
 
@@ -86,8 +154,21 @@ def test_classes_keeps_only_those_classes_with_their_full_list_ids(flow, tmp_pat
         from data_pipelines.sources import Captioner, image_folder
 
         image_folder(flow["tmp"] / "train_src", Captioner(["a {c}"]), CIFAR, only=["dog", "horse"])
-    assert main(["shards", "table", "--input", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o"),
-                 "--classes", "dog"]) == 2  # imagefolder only
+    assert (
+        main(
+            [
+                "shards",
+                "table",
+                "--input",
+                str(tmp_path / "x.csv"),
+                "--out",
+                str(tmp_path / "o"),
+                "--classes",
+                "dog",
+            ]
+        )
+        == 2
+    )  # imagefolder only
 
 
 def test_recipe_validates_with_its_export_in_place(flow, tmp_path, monkeypatch):
@@ -100,7 +181,9 @@ def test_recipe_validates_with_its_export_in_place(flow, tmp_path, monkeypatch):
     cfg = load_config(RECIPE)
     validate(cfg)
     assert cfg.model.lock_image and not cfg.model.lock_text and cfg.model.pretrained == path
-    assert resolve_arch(cfg.model)["vision_cfg"]["layers"] == 1  # the export's (micro) architecture, not a preset
+    assert (
+        resolve_arch(cfg.model)["vision_cfg"]["layers"] == 1
+    )  # the export's (micro) architecture, not a preset
     suite = load_suite(cfg.eval.suite)
     (held,) = [t for t in suite["tasks"] if t["name"] == "heldout"]
     # the held-out classes are those the recipe's first line leaves out of the pretraining shards
@@ -141,15 +224,34 @@ def _tokenize(texts):
 def test_held_out_accuracy_equals_a_naive_computation(tmp_path, seed):
     classnames, classes = ["a", "b", "c", "d", "e", "f"], ["e", "b", "d"]
     templates = ["a {c}.", "the {c} here", "{c}!"]
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"name": "s", "dataset": "x.tar", "tasks": [
-        {"name": "held", "type": "zeroshot", "label_field": "classname", "classnames": classnames,
-         "templates": templates, "classes": classes}]}))
+    (tmp_path / "s.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "dataset": "x.tar",
+                "tasks": [
+                    {
+                        "name": "held",
+                        "type": "zeroshot",
+                        "label_field": "classname",
+                        "classnames": classnames,
+                        "templates": templates,
+                        "classes": classes,
+                    }
+                ],
+            }
+        )
+    )
     g = torch.Generator().manual_seed(seed)
     n = 60
     labels = torch.randint(0, len(classnames), (n,), generator=g)
     feats = torch.nn.functional.normalize(torch.randn(n, 8, generator=g), dim=-1)
-    emb = {"image_features": feats, "metas": [{"classname": classnames[i]} for i in labels],
-           "keys": [str(i) for i in range(n)], "text_to_image": torch.zeros(0, dtype=torch.long)}
+    emb = {
+        "image_features": feats,
+        "metas": [{"classname": classnames[i]} for i in labels],
+        "keys": [str(i) for i in range(n)],
+        "text_to_image": torch.zeros(0, dtype=torch.long),
+    }
     model = _Text(seed)
     (rec,) = run_suite(model, None, _tokenize, load_suite(str(tmp_path / "s.yaml")), embedded=emb)
 
@@ -173,8 +275,24 @@ def test_held_out_accuracy_equals_a_naive_computation(tmp_path, seed):
 
 
 def test_a_classes_key_outside_the_classnames_is_one_line(tmp_path):
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"name": "s", "tasks": [
-        {"name": "held", "type": "zeroshot", "label_field": "classname", "classnames": ["a", "b"],
-         "templates": ["{c}"], "classes": ["a", "z"]}]}))
-    with pytest.raises(UsageError, match=r"task 'held': key 'classes' must list distinct names of its classnames"):
+    (tmp_path / "s.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "tasks": [
+                    {
+                        "name": "held",
+                        "type": "zeroshot",
+                        "label_field": "classname",
+                        "classnames": ["a", "b"],
+                        "templates": ["{c}"],
+                        "classes": ["a", "z"],
+                    }
+                ],
+            }
+        )
+    )
+    with pytest.raises(
+        UsageError, match=r"task 'held': key 'classes' must list distinct names of its classnames"
+    ):
         load_suite(str(tmp_path / "s.yaml"))

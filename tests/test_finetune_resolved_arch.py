@@ -44,16 +44,24 @@ def test_the_quickstart_recipe_with_preset_tiny_fine_tunes_its_own_export(tmp_pa
     assert check_buildable(cfg.model).arch["text_cfg"]["context_length"] == 16
 
 
-@pytest.mark.parametrize("overrides, setting", [
-    (["model.preset=micro"], "text_cfg.context_length: 16 vs 8"),  # the preset's context, not the export's
-    (MICRO_8 + ["model.vision.width=64"], "vision_cfg.width: 64 vs 32"),
-    (MICRO_8 + ["model.embed_dim=48"], "embed_dim: 48 vs 32"),
-])
+@pytest.mark.parametrize(
+    "overrides, setting",
+    [
+        (
+            ["model.preset=micro"],
+            "text_cfg.context_length: 16 vs 8",
+        ),  # the preset's context, not the export's
+        (MICRO_8 + ["model.vision.width=64"], "vision_cfg.width: 64 vs 32"),
+        (MICRO_8 + ["model.embed_dim=48"], "embed_dim: 48 vs 32"),
+    ],
+)
 def test_a_different_architecture_is_still_refused_naming_the_setting(tmp_path, seed, overrides, setting):
     run, _ = _export(tmp_path, None, MICRO_8, seed)
     cfg = load_config(None, overrides + [f"model.pretrained={run}"])
     with pytest.raises(ConfigError) as err:
         check_buildable(cfg.model)
     msg = str(err.value)
-    assert msg.startswith("config key 'model.preset': 'micro' differs from the architecture") and setting in msg
+    assert (
+        msg.startswith("config key 'model.preset': 'micro' differs from the architecture") and setting in msg
+    )
     assert "\n" not in msg

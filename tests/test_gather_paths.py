@@ -22,7 +22,7 @@ def _rank_loss(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> torch.
     """A loss that reads this rank's rows and every rank's, with a weight per rank, so that each
     rank's gradient on a row differs and only their sum is the full-batch gradient."""
     w = 1.0 + rank
-    return w * torch.logsumexp(local @ gathered.T, dim=1).mean() + 0.1 * w * (gathered ** 3 * (rank + 2)).sum()
+    return w * torch.logsumexp(local @ gathered.T, dim=1).mean() + 0.1 * w * (gathered**3 * (rank + 2)).sum()
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -34,6 +34,7 @@ def _worker(rank: int, world: int) -> dict:
         def wrapper(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     mdist._gather_single = counted("gather_single", mdist._gather_single)
@@ -45,13 +46,17 @@ def _worker(rank: int, world: int) -> dict:
     out = {}
     for path in ("all_reduce", "single"):
         mdist.gather_path = lambda backend, path=path: path  # the path of this round, on gloo
-        local = full[rank * B:(rank + 1) * B].clone().requires_grad_()
+        local = full[rank * B : (rank + 1) * B].clone().requires_grad_()
         before = dict(counts)
         gathered = mdist.all_gather_with_grad(local)
         _rank_loss(local, gathered, rank).backward()
         nograd = mdist.all_gather_nograd(local)
-        out[path] = {"gathered": gathered.detach(), "nograd": nograd, "grad": local.grad,
-                     "calls": {k: counts[k] - before[k] for k in counts}}
+        out[path] = {
+            "gathered": gathered.detach(),
+            "nograd": nograd,
+            "grad": local.grad,
+            "calls": {k: counts[k] - before[k] for k in counts},
+        }
     return out
 
 
@@ -65,16 +70,29 @@ def test_both_paths_give_the_full_batch_gradient():
     world = 2
     results = run_ranks(_worker, world, timeout_s=120, pooled=True)
     full = _full_batch(world).requires_grad_()
-    total = sum(_rank_loss(full[r * B:(r + 1) * B], full, r) for r in range(world))  # sum_r L_r
+    total = sum(_rank_loss(full[r * B : (r + 1) * B], full, r) for r in range(world))  # sum_r L_r
     total.backward()
     for rank, res in enumerate(results):
         for path, got in res.items():
             assert torch.equal(got["gathered"], full.detach()), (rank, path)
             assert torch.equal(got["nograd"], full.detach()), (rank, path)
-            torch.testing.assert_close(got["grad"], full.grad[rank * B:(rank + 1) * B], rtol=1e-12, atol=1e-12,
-                                       msg=f"rank {rank}, path {path}")
+            torch.testing.assert_close(
+                got["grad"],
+                full.grad[rank * B : (rank + 1) * B],
+                rtol=1e-12,
+                atol=1e-12,
+                msg=f"rank {rank}, path {path}",
+            )
         # each path used its own collectives: one gather each (grad + nograd), one backward reduction
-        assert res["single"]["calls"] == {"gather_single": 2, "reduce_scatter": 1, "all_reduce": 0,
-                                          "all_gather": 0}, res["single"]["calls"]
-        assert res["all_reduce"]["calls"] == {"gather_single": 0, "reduce_scatter": 0, "all_reduce": 1,
-                                              "all_gather": 2}, res["all_reduce"]["calls"]
+        assert res["single"]["calls"] == {
+            "gather_single": 2,
+            "reduce_scatter": 1,
+            "all_reduce": 0,
+            "all_gather": 0,
+        }, res["single"]["calls"]
+        assert res["all_reduce"]["calls"] == {
+            "gather_single": 0,
+            "reduce_scatter": 0,
+            "all_reduce": 1,
+            "all_gather": 2,
+        }, res["all_reduce"]["calls"]

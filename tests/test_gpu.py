@@ -11,13 +11,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_zero2_bf16_step_on_cuda():
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
-    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
-                             "train.warmup_steps=0", "deepspeed.zero_stage=2", "deepspeed.precision=bf16",
-                             "train.grad_cache_chunk_size=8"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro",
+            "train.global_batch_size=16",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "deepspeed.zero_stage=2",
+            "deepspeed.precision=bf16",
+            "train.grad_cache_chunk_size=8",
+        ],
+    )
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     objective = build_objective(cfg)
@@ -35,9 +44,9 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout(seed):
     import torch.nn.functional as F
 
     from mmalign.config import ModelConfig
-    from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
     from mmalign.models import build_model
     from mmalign.models.embeddings import Embeddings
+    from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
 
     def loss(full):
         logits = full.logit_scale * full.image @ full.text.T
@@ -58,8 +67,11 @@ def test_grad_cache_replays_cuda_rng_with_patch_dropout(seed):
     model = fresh()
     torch.manual_seed(data_seed)
     outs = [model(*c) for c in chunks]
-    full = Embeddings(image=torch.cat([o.image for o in outs]), text=torch.cat([o.text for o in outs]),
-                      logit_scale=outs[0].logit_scale)
+    full = Embeddings(
+        image=torch.cat([o.image for o in outs]),
+        text=torch.cat([o.text for o in outs]),
+        logit_scale=outs[0].logit_scale,
+    )
     loss(full).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -82,13 +94,23 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
     """bf16 weights at ZeRO-1 (BF16_Optimizer, fp32 accumulation) with the per-tensor LAMB layout."""
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
-    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
-                             "train.warmup_steps=0", "deepspeed.zero_stage=1", "deepspeed.precision=bf16",
-                             "train.grad_cache_chunk_size=4", "train.optimizer=lamb"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro",
+            "train.global_batch_size=16",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "deepspeed.zero_stage=1",
+            "deepspeed.precision=bf16",
+            "train.grad_cache_chunk_size=4",
+            "train.optimizer=lamb",
+        ],
+    )
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     assert type(engine.ds.optimizer).__name__ == "BF16_Optimizer"
@@ -104,12 +126,21 @@ def test_lamb_partition_layout_and_fp32_accumulation_on_cuda():
 def test_batchnorm_local_cached_step_commits_running_stats_once_on_cuda():
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
-    cfg = load_config(None, ["model.preset=micro-rn", "model.batchnorm=local", "train.global_batch_size=12",
-                             "train.steps=2", "train.warmup_steps=0", "train.grad_cache_chunk_size=4"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro-rn",
+            "model.batchnorm=local",
+            "train.global_batch_size=12",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "train.grad_cache_chunk_size=4",
+        ],
+    )
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     objective = build_objective(cfg)
@@ -128,12 +159,21 @@ def test_bf16_autocast_reaches_the_towers_under_deepspeed_on_cuda():
 
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
-    cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.steps=2",
-                             "train.warmup_steps=0", "deepspeed.zero_stage=0", "train.precision=bf16"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro",
+            "train.global_batch_size=16",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "deepspeed.zero_stage=0",
+            "train.precision=bf16",
+        ],
+    )
     torch.manual_seed(0)
     engine = Engine(build_model(cfg.model).cuda(), cfg)
     seen = []

@@ -37,7 +37,7 @@ def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int) -> d
     images, tokens = clip_batch(BATCH, data_seed)
     torch.manual_seed(step_seed)
     size = chunk or BATCH
-    outs = [model(images[i:i + size], tokens[i:i + size]) for i in range(0, BATCH, size)]
+    outs = [model(images[i : i + size], tokens[i : i + size]) for i in range(0, BATCH, size)]
     chunkwise_clip_loss(outs).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -45,26 +45,39 @@ def _reference(model_seed: int, data_seed: int, step_seed: int, chunk: int) -> d
 def _worker(rank: int, world: int, model_seed: int, data_seed: int, step_seed: int) -> dict:
     from mmalign.config import load_config
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = clip_batch(BATCH, data_seed)
     results = {}
     for checkpointing in (True, False):
         for chunk in (0, CHUNK):
-            cfg = load_config(None, [
-                "model.preset=micro", "model.vision.layers=2", "model.text.layers=2",
-                f"train.global_batch_size={BATCH}", f"train.grad_cache_chunk_size={chunk}", "train.steps=1",
-                "train.warmup_steps=0", "train.optimizer=sgd", "train.weight_decay=0.0",
-                f"train.grad_checkpointing={str(checkpointing).lower()}"])
+            cfg = load_config(
+                None,
+                [
+                    "model.preset=micro",
+                    "model.vision.layers=2",
+                    "model.text.layers=2",
+                    f"train.global_batch_size={BATCH}",
+                    f"train.grad_cache_chunk_size={chunk}",
+                    "train.steps=1",
+                    "train.warmup_steps=0",
+                    "train.optimizer=sgd",
+                    "train.weight_decay=0.0",
+                    f"train.grad_checkpointing={str(checkpointing).lower()}",
+                ],
+            )
             model = _model(model_seed)
             calls = []
             model.visual.transformer.resblocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
             engine = Engine(model, cfg)
             captured = {}
             torch.manual_seed(step_seed)
-            engine.step(Batch(images, tokens), build_objective(cfg),
-                        before_update=lambda: captured.update(engine.full_grads()))
+            engine.step(
+                Batch(images, tokens),
+                build_objective(cfg),
+                before_update=lambda: captured.update(engine.full_grads()),
+            )
             results[checkpointing, chunk] = (captured, len(calls))
     return results
 
@@ -89,8 +102,9 @@ def test_checkpointed_engine_steps_equal_plain_autograd(seed):
         err, name = max_rel_error(results[True, chunk][0], ref)
         assert err <= 1e-5, (chunk, name, err)
     # the dropout masks matter: other masks give other gradients, so equal ones were replayed
-    err, name = max_rel_error(_reference(model_seed, data_seed, step_seed + 1, 0), _reference(
-        model_seed, data_seed, step_seed, 0))
+    err, name = max_rel_error(
+        _reference(model_seed, data_seed, step_seed + 1, 0), _reference(model_seed, data_seed, step_seed, 0)
+    )
     assert err > 1e-3, (name, err)
 
 
@@ -140,8 +154,10 @@ def test_checkpointing_lowers_peak_memory_at_a_fixed_batch(seed, record_property
     err, name = max_rel_error(grads[True], grads[False])
     assert err <= 1e-6, (name, err)
     peaks = _peak_bytes(model, images, tokens)  # activations and the backward's temporaries
-    line = (f"peak forward+backward memory above weights and grads, tiny preset, batch 16: "
-            f"{peaks[False] / 2**20:.1f} MiB plain, {peaks[True] / 2**20:.1f} MiB checkpointed")
+    line = (
+        f"peak forward+backward memory above weights and grads, tiny preset, batch 16: "
+        f"{peaks[False] / 2**20:.1f} MiB plain, {peaks[True] / 2**20:.1f} MiB checkpointed"
+    )
     print(line)
     record_property("peak_memory", line)
     assert peaks[True] < 0.5 * peaks[False], line

@@ -2,17 +2,16 @@
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmalign.run import gradcache
 from mmalign.config import ModelConfig
-from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
 from mmalign.models import TwoTower, build_model
 from mmalign.models.embeddings import Embeddings, per_sample
+from mmalign.run import gradcache
+from mmalign.run.gradcache import chunk_sizes, grad_cache_step, split_batch
 from tests.conftest import chunkwise_clip_loss
 
 
@@ -62,8 +61,12 @@ def test_cached_equals_one_pass_full_batch_without_dropout(chunk, seed):
     _naive_loss(out).backward()
     want = _grads(model)
     model.zero_grad()
-    step = grad_cache_step(_encoder(model), split_batch((images, tokens), chunk_sizes(12, chunk)), _naive_loss,
-                           lambda x: x.backward())
+    step = grad_cache_step(
+        _encoder(model),
+        split_batch((images, tokens), chunk_sizes(12, chunk)),
+        _naive_loss,
+        lambda x: x.backward(),
+    )
     _assert_close_grads(_grads(model), want)
     assert step.loss.item() == pytest.approx(_naive_loss(out).item(), rel=1e-6)
     assert not step.loss.requires_grad
@@ -114,7 +117,9 @@ def test_scale_gets_its_gradient_once(seed):
     _naive_loss(model(images, tokens)).backward()
     want = model.logit_scale.grad.clone()
     model.zero_grad()
-    grad_cache_step(_encoder(model), split_batch((images, tokens), [3, 3, 3, 3]), _naive_loss, lambda x: x.backward())
+    grad_cache_step(
+        _encoder(model), split_batch((images, tokens), [3, 3, 3, 3]), _naive_loss, lambda x: x.backward()
+    )
     torch.testing.assert_close(model.logit_scale.grad, want, rtol=1e-5, atol=1e-7)
 
 
@@ -190,11 +195,11 @@ def test_cached_equals_one_pass_with_second_view_and_mined_negatives(sizes, seed
         im, tok, im2, ng = chunk
         return model(im, tok, images2=im2, neg_texts=ng)
 
-    step = grad_cache_step(encode, split_batch((images, tokens, images2, neg), sizes), loss_fn,
-                           lambda x: x.backward())
+    step = grad_cache_step(
+        encode, split_batch((images, tokens, images2, neg), sizes), loss_fn, lambda x: x.backward()
+    )
     assert step.loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
     _assert_close_grads(_grads(model), want)
-
 
 
 # ------------------------------------------- a new output field: its metadata is all it needs
@@ -202,7 +207,7 @@ def test_cached_equals_one_pass_with_second_view_and_mined_negatives(sizes, seed
 
 @dataclass
 class _WithRaw(Embeddings):
-    image_raw: Optional[torch.Tensor] = per_sample("(B, D) image features before the L2 normalisation")
+    image_raw: torch.Tensor | None = per_sample("(B, D) image features before the L2 normalisation")
 
 
 class _RawModel(TwoTower):
@@ -210,8 +215,12 @@ class _RawModel(TwoTower):
 
     def forward(self, images, texts):
         raw = self.encode_image(images, normalize=False)  # (B, D)
-        return _WithRaw(image=F.normalize(raw, dim=-1), text=self.encode_text(texts),
-                        logit_scale=self.logit_scale.exp(), image_raw=raw)
+        return _WithRaw(
+            image=F.normalize(raw, dim=-1),
+            text=self.encode_text(texts),
+            logit_scale=self.logit_scale.exp(),
+            image_raw=raw,
+        )
 
 
 def _raw_loss(full):
@@ -221,8 +230,8 @@ def _raw_loss(full):
 
 def test_a_field_added_in_a_subclass_gets_its_gradient_cached_and_uncached(seed):
     from mmalign.config import ModelConfig as MC
-    from mmalign.run.engine import Engine
     from mmalign.models.arch import resolve_arch
+    from mmalign.run.engine import Engine
 
     torch.manual_seed(seed)
     model = _RawModel(resolve_arch(MC(preset="micro")))
@@ -236,16 +245,18 @@ def test_a_field_added_in_a_subclass_gets_its_gradient_cached_and_uncached(seed)
 
     # cached: three chunks
     model.zero_grad()
-    step = grad_cache_step(_encoder(model), split_batch((images, tokens), [5, 5, 2]), _raw_loss,
-                           lambda x: x.backward())
+    step = grad_cache_step(
+        _encoder(model), split_batch((images, tokens), [5, 5, 2]), _raw_loss, lambda x: x.backward()
+    )
     _assert_close_grads(_grads(model), want)
     assert step.loss.item() == pytest.approx(_raw_loss(model(images, tokens)).item(), rel=1e-5)
 
     # uncached: the engine's single pass (its DeepSpeed backward stood in for by autograd)
     model.zero_grad()
     stub = SimpleNamespace(_all_finite=lambda loss, grads: True, _backward=lambda x: x.backward())
-    result, skipped = Engine._single_pass(stub, model(images, tokens), lambda e: SimpleNamespace(loss=_raw_loss(e)),
-                                          lambda: None)
+    result, skipped = Engine._single_pass(
+        stub, model(images, tokens), lambda e: SimpleNamespace(loss=_raw_loss(e)), lambda: None
+    )
     assert not skipped
     _assert_close_grads(_grads(model), want)
 
@@ -253,7 +264,7 @@ def test_a_field_added_in_a_subclass_gets_its_gradient_cached_and_uncached(seed)
 def test_a_field_without_its_kind_is_refused():
     @dataclass
     class Bad(Embeddings):
-        extra: Optional[torch.Tensor] = None
+        extra: torch.Tensor | None = None
 
     with pytest.raises(TypeError, match="per_sample"):
         Bad(image=torch.zeros(2, 3)).tensors()

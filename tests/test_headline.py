@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 import random
 
-from mmalign.evaluation import headline
+from mmalign.evaluation import headline, report
 from mmalign.run.runlog import say
-from mmalign.evaluation import report
 
 
 def sample_records(seed: int) -> list[dict]:
@@ -19,13 +18,40 @@ def sample_records(seed: int) -> list[dict]:
     rng = random.Random(seed)
     value = lambda: rng.random()  # noqa: E731
     return [
-        {"dataset": "shapes/shape", "task": "zeroshot_classification", "n_images": 120, "n_captions": 240,
-         "metrics": {"acc1": value(), "acc5": value(), "mean_per_class_recall": value(), "chance_acc1": 1 / 6}},
-        {"dataset": "shapes/colour", "task": "zeroshot_classification", "n_images": 120, "n_captions": 240,
-         "metrics": {"acc1": value(), "acc5": None, "chance_acc1": 1 / 7}},
-        {"dataset": "shapes/retrieval", "task": "zeroshot_retrieval", "n_images": 120, "n_captions": 240,
-         "metrics": {f"{side}_retrieval_recall@{k}": value() for side in ("text", "image") for k in (10, 1, 5)}},
-        {"dataset": "shapes/probe", "task": "linear_probe", "features": "joint", "metrics": {"linear_acc1": value()}},
+        {
+            "dataset": "shapes/shape",
+            "task": "zeroshot_classification",
+            "n_images": 120,
+            "n_captions": 240,
+            "metrics": {
+                "acc1": value(),
+                "acc5": value(),
+                "mean_per_class_recall": value(),
+                "chance_acc1": 1 / 6,
+            },
+        },
+        {
+            "dataset": "shapes/colour",
+            "task": "zeroshot_classification",
+            "n_images": 120,
+            "n_captions": 240,
+            "metrics": {"acc1": value(), "acc5": None, "chance_acc1": 1 / 7},
+        },
+        {
+            "dataset": "shapes/retrieval",
+            "task": "zeroshot_retrieval",
+            "n_images": 120,
+            "n_captions": 240,
+            "metrics": {
+                f"{side}_retrieval_recall@{k}": value() for side in ("text", "image") for k in (10, 1, 5)
+            },
+        },
+        {
+            "dataset": "shapes/probe",
+            "task": "linear_probe",
+            "features": "joint",
+            "metrics": {"linear_acc1": value()},
+        },
     ]
 
 
@@ -38,12 +64,14 @@ def test_the_headline_lines_hold_eval_json_values_and_its_path(tmp_path, seed):
         f"results ({path}):",
         f"  shapes/shape: zero-shot top-1 {pct(shape['acc1'])}, top-5 {pct(shape['acc5'])}; chance top-1 16.7%",
         f"  shapes/colour: zero-shot top-1 {pct(colour['acc1'])}, top-5 n/a; chance top-1 14.3%",
-        "  shapes/retrieval: text->image " + ", ".join(f"R@{k} {pct(recall[f'image_retrieval_recall@{k}'])}"
-                                                     for k in (1, 5, 10))
-        + "; image->text " + ", ".join(f"R@{k} {pct(recall[f'text_retrieval_recall@{k}'])}" for k in (1, 5, 10)),
+        "  shapes/retrieval: text->image "
+        + ", ".join(f"R@{k} {pct(recall[f'image_retrieval_recall@{k}'])}" for k in (1, 5, 10))
+        + "; image->text "
+        + ", ".join(f"R@{k} {pct(recall[f'text_retrieval_recall@{k}'])}" for k in (1, 5, 10)),
     ]
     assert headline.lines(records[3:], path) == [
-        f"results: no zero-shot or retrieval task in this suite; every metric is in {path}"]
+        f"results: no zero-shot or retrieval task in this suite; every metric is in {path}"
+    ]
 
 
 def test_a_run_prints_the_headline_on_stdout_and_in_train_log(tmp_path, capsys, caplog, seed):
@@ -71,13 +99,15 @@ def test_the_report_opens_with_the_headline_of_the_last_evaluation(tmp_path, mon
     assert sections[1].startswith("Headline results") and f"<code>{run / 'eval.json'}</code>" in sections[1]
     acc1 = f"{100 * records[0]['metrics']['acc1']:.1f}%"
     r10 = f"{100 * records[2]['metrics']['image_retrieval_recall@10']:.1f}%"
-    assert (f"<td>shapes/shape</td><td>zero-shot top-1</td><td>{acc1}</td>" in sections[1]
-            and f"<td>shapes/retrieval</td><td>text-&gt;image R@10</td><td>{r10}</td>" in sections[1])
+    assert (
+        f"<td>shapes/shape</td><td>zero-shot top-1</td><td>{acc1}</td>" in sections[1]
+        and f"<td>shapes/retrieval</td><td>text-&gt;image R@10</td><td>{r10}</td>" in sections[1]
+    )
     assert "linear_acc1" not in sections[1]  # the probes stay in the full tables below
 
     (run / "eval.json").unlink()  # a run stopped before its end: the newest step evaluation
     assert f"<code>{run / 'eval_step00000010.json'}</code>" in report.headline_section(run)
-    (run / "eval_step00000010.json").write_text("[{\"dataset\": ")
+    (run / "eval_step00000010.json").write_text('[{"dataset": ')
     assert "unreadable" in report.headline_section(run)
     (run / "eval_step00000010.json").unlink()
     assert "no eval.json" in report.headline_section(run)

@@ -28,9 +28,22 @@ import torch
 from tests.conftest import engine_batch, engine_cfg, run_ranks
 from tests.multihost.tracebacks import PACKAGE_DIR, package_path
 
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-               "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce",
-               "all_gather_object", "broadcast_object_list", "all_to_all_single", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "broadcast",
+    "reduce",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_to_all_single",
+    "barrier",
+)
 
 
 def _issuer() -> str:
@@ -73,6 +86,7 @@ class Collectives:
             def counted(*args, **kwargs):
                 self.calls.append((name, _issuer()))
                 return fn(*args, **kwargs)
+
             return counted
 
         for name, fn in real.items():
@@ -87,8 +101,13 @@ class Collectives:
         """The calls that are none of: DeepSpeed's backward and update (the gradient reduction,
         ZeRO's partition gathers), the towers' forward (ZeRO-3 fetches the parameters there) and
         the loss's feature gathers."""
-        allowed = {"gather", "forward", "engine.py:Engine.forward", "engine.py:Engine._backward",
-                   "engine.py:Engine.step.<locals>.update"}
+        allowed = {
+            "gather",
+            "forward",
+            "engine.py:Engine.forward",
+            "engine.py:Engine._backward",
+            "engine.py:Engine.step.<locals>.update",
+        }
         return sorted(c for c in self.calls if c[1] not in allowed)
 
 
@@ -98,9 +117,9 @@ STATS = ("all_reduce", "objective.py:Objective._finish_stats")
 
 def _step_worker(rank, world, seed):
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
     from mmalign.run.train import _Parts, _Tally, _train_step, logs_at
 
     class Runlog:  # what _train_step asks of the run log
@@ -108,20 +127,40 @@ def _step_worker(rank, world, seed):
             pass
 
     counter, results = Collectives(), {}
-    for name, stage, extra in (("zero0", 0, ()), ("zero1_cached", 1, ("train.grad_cache_chunk_size=2",)),
-                               ("zero3", 3, ())):
+    for name, stage, extra in (
+        ("zero0", 0, ()),
+        ("zero1_cached", 1, ("train.grad_cache_chunk_size=2",)),
+        ("zero3", 3, ()),
+    ):
         cfg = engine_cfg(stage, "train.log_every=2", *extra)
         torch.manual_seed(seed)
         engine = Engine(build_model(cfg.model), cfg)
         objective = build_objective(cfg, world)
-        parts = _Parts(cfg, None, torch.device("cpu"), world, 1.0, 1.0, 0, None, None, engine, None, None,
-                       objective, contextlib.nullcontext, None)
+        parts = _Parts(
+            cfg,
+            None,
+            torch.device("cpu"),
+            world,
+            1.0,
+            1.0,
+            0,
+            None,
+            None,
+            engine,
+            None,
+            None,
+            objective,
+            contextlib.nullcontext,
+            None,
+        )
         batches = iter([Batch(*engine_batch(seed + k, rank, world)) for k in range(2)])
         seen = []
         for step in (1, 2):
             with counter.counting():
                 _, result = _train_step(parts, step, batches, _Tally(), Runlog())
-            seen.append((logs_at(cfg.train, step), counter.beyond_gradients(), sorted(result.stats), result.skipped))
+            seen.append(
+                (logs_at(cfg.train, step), counter.beyond_gradients(), sorted(result.stats), result.skipped)
+            )
         results[name] = seen
     return results
 
@@ -134,12 +173,16 @@ def _issuer_through(filename: str, qualname: str) -> str:
 
 
 def test_the_issuer_is_told_by_the_package_location_not_a_folder_name(tmp_path):
-    torch_file = tmp_path / "mmalign" / ".venv" / "lib" / "site-packages" / "torch" / "distributed" / "c10d_logger.py"
+    torch_file = (
+        tmp_path / "mmalign" / ".venv" / "lib" / "site-packages" / "torch" / "distributed" / "c10d_logger.py"
+    )
     assert _issuer_through(str(torch_file), "wrapper") == "outside mmalign"
     assert _issuer_through(str(tmp_path / "models" / "vit.py"), "forward") == "outside mmalign"
     assert _issuer_through(str(PACKAGE_DIR / "run" / "engine.py"), "_all_finite") == "engine.py:_all_finite"
     assert _issuer_through(str(PACKAGE_DIR / "models" / "vit.py"), "block") == "forward"
-    assert _issuer_through(str(PACKAGE_DIR / "dist" / "distributed.py"), "all_reduce_sum") == "outside mmalign"
+    assert (
+        _issuer_through(str(PACKAGE_DIR / "dist" / "distributed.py"), "all_reduce_sum") == "outside mmalign"
+    )
 
 
 @pytest.mark.integration
@@ -149,7 +192,10 @@ def test_a_non_log_step_makes_no_collective_beyond_the_gradients_and_the_guard(s
             assert (log1, log2) == (False, True) and not skip1 and not skip2, name
             assert calls1 == [GUARD], (name, calls1)  # no stats, no clamp collective
             assert stats1 == [], name  # nothing computed that nobody reads
-            assert calls2 == sorted([GUARD, STATS]), (name, calls2)  # the log step: one packed stats reduction
+            assert calls2 == sorted([GUARD, STATS]), (
+                name,
+                calls2,
+            )  # the log step: one packed stats reduction
             assert {"loss", "pos_rank", "top1", "logit_scale"} <= set(stats2), name
 
 
@@ -165,6 +211,7 @@ def host_reads(calls: list):
             frame = sys._getframe(1)
             calls.append((name, f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_qualname}"))
             return real[name](self, *args, **kwargs)
+
         return read
 
     for n in names:
@@ -179,9 +226,9 @@ def host_reads(calls: list):
 def _one_rank_worker(rank, world, seed):
     """One process, fp32: a non-log step's collectives and host reads at each configured stage."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
     from mmalign.run.train import _Parts, _Tally, _train_step
 
     class Runlog:
@@ -189,14 +236,35 @@ def _one_rank_worker(rank, world, seed):
             pass
 
     counter, results = Collectives(), {}
-    for stage, extra in ((0, ()), (1, ()), (2, ()), (1, ("train.grad_cache_chunk_size=4",)),
-                         (0, ("train.grad_cache_chunk_size=4",)), (1, ("train.grad_clip=1.0",)),
-                         (0, ("train.grad_clip=1.0",))):
+    for stage, extra in (
+        (0, ()),
+        (1, ()),
+        (2, ()),
+        (1, ("train.grad_cache_chunk_size=4",)),
+        (0, ("train.grad_cache_chunk_size=4",)),
+        (1, ("train.grad_clip=1.0",)),
+        (0, ("train.grad_clip=1.0",)),
+    ):
         cfg = engine_cfg(stage, "train.log_every=2", *extra)
         torch.manual_seed(seed)
         engine = Engine(build_model(cfg.model), cfg)
-        parts = _Parts(cfg, None, torch.device("cpu"), 1, 1.0, 1.0, 0, None, None, engine, None, None,
-                       build_objective(cfg, 1), contextlib.nullcontext, None)
+        parts = _Parts(
+            cfg,
+            None,
+            torch.device("cpu"),
+            1,
+            1.0,
+            1.0,
+            0,
+            None,
+            None,
+            engine,
+            None,
+            None,
+            build_objective(cfg, 1),
+            contextlib.nullcontext,
+            None,
+        )
         batches = iter([Batch(*engine_batch(seed, 0, 1))])
         reads = []
         with counter.counting(), host_reads(reads):
@@ -220,14 +288,18 @@ def test_one_rank_zero1_and_zero2_make_no_sync_beyond_zero0s(seed):
 
 def _clamp_worker(rank, world, seed, ckpt_dir):
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine, consolidate_checkpoint
     from mmalign.dist import distributed as mdist
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine, consolidate_checkpoint
 
     counter, results = Collectives(), {}
-    for name, stage, extra in (("zero0", 0, ()), ("zero1", 1, ()), ("zero2_bf16", 2, ("deepspeed.precision=bf16",)),
-                               ("zero3", 3, ())):
+    for name, stage, extra in (
+        ("zero0", 0, ()),
+        ("zero1", 1, ()),
+        ("zero2_bf16", 2, ("deepspeed.precision=bf16",)),
+        ("zero3", 3, ()),
+    ):
         # start above ln 100; one small SGD step cannot bring it back under
         cfg = engine_cfg(stage, "model.init_logit_scale=5.0", "train.optimizer=sgd", "train.lr=1e-4", *extra)
         torch.manual_seed(seed)
@@ -242,9 +314,15 @@ def _clamp_worker(rank, world, seed, ckpt_dir):
 
         engine.clamp_logit_scale = clamp
         engine.step(Batch(*engine_batch(seed + 1, rank, world)), build_objective(cfg, world))
-        param = engine.module.logit_scale.detach().reshape(-1)[0].clone() if stage < 3 else None  # whole at 0-2
-        seen = engine.forward(*engine_batch(seed, rank, world)).logit_scale.detach().reshape(-1)[0]  # exp (ZeRO-3 gathers)
-        master = engine.full_params(master=True)["logit_scale"].reshape(-1)[0]  # the fp32 master (a collective)
+        param = (
+            engine.module.logit_scale.detach().reshape(-1)[0].clone() if stage < 3 else None
+        )  # whole at 0-2
+        seen = (
+            engine.forward(*engine_batch(seed, rank, world)).logit_scale.detach().reshape(-1)[0]
+        )  # exp (ZeRO-3 gathers)
+        master = engine.full_params(master=True)["logit_scale"].reshape(-1)[
+            0
+        ]  # the fp32 master (a collective)
         engine.save_checkpoint(ckpt_dir, name)
         mdist.barrier()
         stored = consolidate_checkpoint(ckpt_dir, name)["logit_scale"].reshape(-1)[0] if rank == 0 else None
@@ -262,8 +340,16 @@ def test_the_clamp_makes_no_collective_and_agrees_on_every_rank_and_in_checkpoin
             calls, param, seen, master, _ = results[name]
             assert calls == [], (name, rank, calls)
             if param is not None:  # the module's copy (whole below ZeRO-3)
-                assert param.dtype == want_module.dtype and torch.equal(param, want_module), (name, rank, param)
-            assert torch.equal(seen, want_module.exp()), (name, rank, seen)  # what the forward uses: exp(ln 100)
+                assert param.dtype == want_module.dtype and torch.equal(param, want_module), (
+                    name,
+                    rank,
+                    param,
+                )
+            assert torch.equal(seen, want_module.exp()), (
+                name,
+                rank,
+                seen,
+            )  # what the forward uses: exp(ln 100)
             assert torch.equal(master, ln100), (name, rank, master)
         stored = ranks[0][name][4]
         assert torch.equal(stored, ln100), (name, stored)
@@ -308,7 +394,6 @@ def _grads(fn, *tensors):
     return out, leaves
 
 
-
 def _backward_without_reads_matches(got, got_leaves, want, want_leaves) -> None:
     """``got``'s backward reads nothing back to the host; loss and leaf gradients equal the reference's."""
     with no_host_reads():
@@ -317,6 +402,7 @@ def _backward_without_reads_matches(got, got_leaves, want, want_leaves) -> None:
     torch.testing.assert_close(got, want)
     for a, b in zip(got_leaves, want_leaves):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+
 
 @pytest.mark.parametrize("select", ["all", "neg", "pos"])
 @pytest.mark.parametrize("ids", [False, True])
@@ -331,7 +417,9 @@ def test_the_tiled_lse_backward_reads_nothing_back_and_matches_the_reference(sel
     w_col = torch.linspace(-1.0, 1.0, 10, dtype=torch.float64)
 
     def tiled(r, c, s):
-        lse_r, lse_c, _, _ = tiled_lse(r, c, s, 4, want_cols=want_cols, positives=pos, track=False, select=select)
+        lse_r, lse_c, _, _ = tiled_lse(
+            r, c, s, 4, want_cols=want_cols, positives=pos, track=False, select=select
+        )
         total = (w * lse_r.masked_fill(lse_r == -math.inf, 0.0)).sum()
         return total + ((w_col * lse_c).sum() if want_cols else 0.0)
 

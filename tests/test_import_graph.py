@@ -54,7 +54,7 @@ def _targets(node: ast.AST, here: str, mods: dict[str, Path]) -> set[str]:
     else:  # ImportFrom
         if node.level:
             package = here.split(".") if mods[here].name == "__init__.py" else here.split(".")[:-1]
-            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
         else:
             base = node.module or ""
         subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
@@ -73,8 +73,9 @@ def graph() -> dict[str, set[str]]:
     edges = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        edges[name] = set().union(*(_targets(n, name, mods) for n in ast.walk(tree)
-                                    if isinstance(n, (ast.Import, ast.ImportFrom))))
+        edges[name] = set().union(
+            *(_targets(n, name, mods) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        )
     return edges
 
 
@@ -141,6 +142,13 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == {("a", "b", "c")}
     real = graph()
-    assert "mmalign.dist.distributed" in real["mmalign.run.train"]  # `from mmalign import distributed as mdist`
+    assert (
+        "mmalign.dist.distributed" in real["mmalign.run.train"]
+    )  # `from mmalign import distributed as mdist`
     assert "mmalign.models.misfit" in real["mmalign.models.timm_tower"]  # an import inside a function
-    assert layer("mmalign.cli") > layer("mmalign.run.train") > layer("mmalign.models.io") > layer("mmalign.config")
+    assert (
+        layer("mmalign.cli")
+        > layer("mmalign.run.train")
+        > layer("mmalign.models.io")
+        > layer("mmalign.config")
+    )

@@ -111,8 +111,11 @@ def _shards(folder: Path, n: int, per_shard: int) -> None:
                 png = io.BytesIO()
                 Image.new("RGB", (32, 32), (25 * (k % 10), 7 * k % 256, 90)).save(png, "PNG")
                 label = k % 10
-                for ext, data in (("png", png.getvalue()), ("txt", f"a photo of a {names[label]}.".encode()),
-                                  ("json", json.dumps({"label": label, "classname": names[label]}).encode())):
+                for ext, data in (
+                    ("png", png.getvalue()),
+                    ("txt", f"a photo of a {names[label]}.".encode()),
+                    ("json", json.dumps({"label": label, "classname": names[label]}).encode()),
+                ):
                     info = tarfile.TarInfo(f"{k:06d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
@@ -122,22 +125,43 @@ def _install(tmp: Path, *how: str) -> tuple[Path, Path]:
     """A fresh venv with mmalign from a copy of the checkout, ``pip install [how] SRC``: (venv, SRC)."""
     src = tmp / "src"  # a copy: the build writes build/ and *.egg-info next to its sources
     for name in (*SOURCES, "configs", "eval"):
-        shutil.copytree(ROOT / name, src / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     where = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    site = Path(subprocess.run([venv / "bin" / "python", "-c", where], capture_output=True, text=True, check=True,
-                               timeout=60).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [venv / "bin" / "python", "-c", where], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.strip()
+    )
     # the shared dependencies (torch, ...), after the venv's own site-packages; a .pth line
     # adds the folder to sys.path without running its .pth files (no editable-install finder)
     (site / "shared_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # --ignore-installed: never touch the mmalign the shared folder may hold
-    res = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                          "--no-build-isolation", "--ignore-installed", *how, str(src)],
-                         capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp)
+    res = subprocess.run(
+        [
+            venv / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--ignore-installed",
+            *how,
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=tmp,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return venv, src
 
@@ -157,19 +181,29 @@ def _env() -> dict:
 
 
 def _run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], capture_output=True, text=True, timeout=600,
-                          env=_env(), cwd=cwd)
+    return subprocess.run(
+        [str(venv / "bin" / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=cwd,
+    )
 
 
 @pytest.mark.integration
 def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
-    res = _run(installed, "python", "-c",
-               "import json, mmalign, data_pipelines, mmalign.resources as r, data_pipelines.sources as s; "
-               "print(json.dumps([mmalign.__file__, data_pipelines.__file__, r.names(r.RECIPES), "
-               "r.names(r.SUITES), str(s.TEMPLATE_DIR), sorted(p.name for p in s.TEMPLATE_DIR.glob('*.yaml')), "
-               "sorted(__import__('mmalign.models.presets').models.presets.PRESETS), "
-               "__import__('mmalign.models.preset_table').models.preset_table.stale()]))",
-               cwd=tmp_path)
+    res = _run(
+        installed,
+        "python",
+        "-c",
+        "import json, mmalign, data_pipelines, mmalign.resources as r, data_pipelines.sources as s; "
+        "print(json.dumps([mmalign.__file__, data_pipelines.__file__, r.names(r.RECIPES), "
+        "r.names(r.SUITES), str(s.TEMPLATE_DIR), sorted(p.name for p in s.TEMPLATE_DIR.glob('*.yaml')), "
+        "sorted(__import__('mmalign.models.presets').models.presets.PRESETS), "
+        "__import__('mmalign.models.preset_table').models.preset_table.stale()]))",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     mm, dp, recipes, suites, templates, template_files, presets, stale = json.loads(res.stdout)
     site = str(installed.resolve())
@@ -183,7 +217,9 @@ def test_installed_package_is_the_wheel_with_its_data(installed, tmp_path):
     # the presets are package data too (one YAML file each): the wheel must carry every one
     assert presets == sorted(p.stem for p in (ROOT / "mmalign" / "models" / "preset_data").glob("*.yaml"))
     assert presets
-    assert stale == []  # `mmalign models`' table of parameter counts ships with them (preset_data/params.json)
+    assert (
+        stale == []
+    )  # `mmalign models`' table of parameter counts ships with them (preset_data/params.json)
 
 
 @pytest.mark.integration
@@ -191,12 +227,20 @@ def test_installed_train_finds_a_shipped_recipe_by_name(installed, tmp_path):
     # 300 warm-up steps exceed cifar10_cpu's train.steps (200; the default is 400): the
     # recipe was found, read and validated, and nothing trained
     for config in ("cifar10_cpu", "configs/cifar10_cpu.yaml"):
-        res = _run(installed, "mmalign", "train", "--config", config, "--set", "train.warmup_steps=300", cwd=tmp_path)
+        res = _run(
+            installed, "mmalign", "train", "--config", config, "--set", "train.warmup_steps=300", cwd=tmp_path
+        )
         assert res.returncode == 2, res.stderr[-3000:]
-        assert res.stderr.strip().splitlines()[-1].endswith(
-            "config key 'train.warmup_steps' must be in [0, train.steps=200], got 300"), res.stderr
+        assert (
+            res.stderr.strip()
+            .splitlines()[-1]
+            .endswith("config key 'train.warmup_steps' must be in [0, train.steps=200], got 300")
+        ), res.stderr
     res = _run(installed, "mmalign", "train", "--config", "cifar10_gpu", cwd=tmp_path)
-    assert res.returncode == 2 and "config file not found: cifar10_gpu (shipped recipes: cifar10_cpu," in res.stderr
+    assert (
+        res.returncode == 2
+        and "config file not found: cifar10_gpu (shipped recipes: cifar10_cpu," in res.stderr
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -209,16 +253,26 @@ def test_installed_eval_finds_a_shipped_suite_and_its_data(installed, tmp_path):
 
     from mmalign.config import ModelConfig
     from mmalign.data.transforms import preprocess_cfg
-    from mmalign.models.io import save_pretrained
     from mmalign.models.arch import resolve_arch
+    from mmalign.models.io import save_pretrained
     from mmalign.models.two_tower import TwoTower
 
     torch.manual_seed(0)
     model = TwoTower(resolve_arch(ModelConfig(preset="micro")))
     save_pretrained(model, tmp_path / "model", preprocess=preprocess_cfg(model.image_size))
     _shards(tmp_path / "data" / "cifar10" / "test", n=10, per_shard=2)
-    res = _run(installed, "mmalign", "eval", "--model", "model", "--suite", "cifar10", "--output", "out.json",
-               cwd=tmp_path)
+    res = _run(
+        installed,
+        "mmalign",
+        "eval",
+        "--model",
+        "model",
+        "--suite",
+        "cifar10",
+        "--output",
+        "out.json",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (record,) = json.loads((tmp_path / "out.json").read_text())
     assert record["dataset"] == "cifar10/zeroshot" and record["n_images"] == 20
@@ -229,10 +283,18 @@ def test_installed_eval_finds_a_shipped_suite_and_its_data(installed, tmp_path):
 def test_editable_install_reads_the_checkouts_folders(tmp_path):
     venv, src = _install(tmp_path, "--editable")
     (tmp_path / "elsewhere").mkdir()
-    res = _run(venv, "python", "-c", "import mmalign.resources as r, data_pipelines.sources as s; "
-               "print(r.shipped(r.RECIPES, 'cifar10_cpu').resolve(), r.shipped(r.SUITES, 'cifar10').resolve(), "
-               "s.TEMPLATE_DIR.resolve())", cwd=tmp_path / "elsewhere")
+    res = _run(
+        venv,
+        "python",
+        "-c",
+        "import mmalign.resources as r, data_pipelines.sources as s; "
+        "print(r.shipped(r.RECIPES, 'cifar10_cpu').resolve(), r.shipped(r.SUITES, 'cifar10').resolve(), "
+        "s.TEMPLATE_DIR.resolve())",
+        cwd=tmp_path / "elsewhere",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == [str(src.resolve() / "configs" / "cifar10_cpu.yaml"),
-                                  str(src.resolve() / "eval" / "cifar10.yaml"),
-                                  str(src.resolve() / "data_pipelines" / "templates")]
+    assert res.stdout.split() == [
+        str(src.resolve() / "configs" / "cifar10_cpu.yaml"),
+        str(src.resolve() / "eval" / "cifar10.yaml"),
+        str(src.resolve() / "data_pipelines" / "templates"),
+    ]

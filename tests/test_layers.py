@@ -26,18 +26,28 @@ import pytest
 from tests.conftest import ROOT
 
 # Where the layer rules allow each guarded import (paths relative to the repository root).
-ONLY_IN = {"torch.distributed": ("mmalign/dist/distributed.py",),
-           "deepspeed": ("mmalign/run/engine.py", "mmalign/layout/ds_adapter.py")}  # the adapter: DeepSpeed's private layout
+ONLY_IN = {
+    "torch.distributed": ("mmalign/dist/distributed.py",),
+    "deepspeed": ("mmalign/run/engine.py", "mmalign/layout/ds_adapter.py"),
+}  # the adapter: DeepSpeed's private layout
 HEAVY = ("faiss", "onnx", "onnxruntime", "transformers", "matplotlib", "sklearn", "tensorboard", "datasets")
 # A heavy dependency used by more than one module, with why; every other one has at most one owner.
 SHARED_OWNERS = {
     # search reads the index files that index builds
     "faiss": {"mmalign/search/index.py", "mmalign/search/searcher.py"},
     # the Hugging Face export: the model and its tokenizer; an HF text tower's tokenizer (models/hf_text.py)
-    "transformers": {"mmalign/export/to_hf.py", "mmalign/export/hf_tokenizer.py", "mmalign/data/tokenizer.py"},
+    "transformers": {
+        "mmalign/export/to_hf.py",
+        "mmalign/export/hf_tokenizer.py",
+        "mmalign/data/tokenizer.py",
+    },
     # four unrelated tools of evaluation: digits data, linear probes, t-SNE, DataComp's macro F1
-    "sklearn": {"mmalign/evaluation/datasets.py", "mmalign/evaluation/probes.py", "mmalign/evaluation/report.py",
-                "mmalign/evaluation/datacomp.py"},
+    "sklearn": {
+        "mmalign/evaluation/datasets.py",
+        "mmalign/evaluation/probes.py",
+        "mmalign/evaluation/report.py",
+        "mmalign/evaluation/datacomp.py",
+    },
 }
 
 
@@ -66,11 +76,15 @@ def imports_of(source: str, path: str) -> list[Import]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: `from ..x import y` in package a.b -> a.x.y
-                anchor = package[:len(package) - (node.level - 1)]
+                anchor = package[: len(package) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             found.extend(Import(f"{base}.{a.name}", node.lineno, not in_function) for a in node.names)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
             if called in ("import_module", "__import__"):
@@ -103,7 +117,9 @@ def layer_violations(source: str, path: str) -> list[str]:
             if _is(imp.name, guarded) and path not in owners:
                 problems.append(f"{where}: {guarded} is imported only in {' and '.join(owners)}")
         if _is(imp.name, "data_pipelines"):
-            problems.append(f"{where}: mmalign does not import data_pipelines (data_pipelines imports mmalign)")
+            problems.append(
+                f"{where}: mmalign does not import data_pipelines (data_pipelines imports mmalign)"
+            )
         if path.startswith("mmalign/models/") and _is(imp.name, "mmalign.export"):
             problems.append(f"{where}: models do not import export (export imports models)")
         dep = heavy_dependency(imp.name)
@@ -141,7 +157,9 @@ def test_every_module_keeps_the_layer_rules():
 
 def test_each_heavy_dependency_has_its_owning_module():
     owners = heavy_owners(ROOT)
-    assert owners["matplotlib"] == {"mmalign/evaluation/report.py"} and owners["onnx"] == {"mmalign/export/to_onnx.py"}
+    assert owners["matplotlib"] == {"mmalign/evaluation/report.py"} and owners["onnx"] == {
+        "mmalign/export/to_onnx.py"
+    }
     for dep, modules in owners.items():
         if dep in SHARED_OWNERS:
             assert modules <= SHARED_OWNERS[dep], (dep, modules - SHARED_OWNERS[dep])
@@ -152,14 +170,22 @@ def test_each_heavy_dependency_has_its_owning_module():
 def test_importing_the_cli_and_the_training_loop_pulls_in_no_heavy_dependency():
     """What a command pays before it runs: nothing heavy for the CLI (not even torch), and for
     the training loop only what open_clip itself imports (it imports transformers when present)."""
-    code = ("import json, sys\n"
-            "import mmalign.cli\n"
-            "cli = sorted(m for m in sys.modules if m.split('.')[0] in {heavy})\n"
-            "import mmalign.run.train\n"
-            "train = sorted({{m.split('.')[0] for m in sys.modules}} & {heavy})\n"
-            "print(json.dumps([cli, train]))\n").format(heavy=set(HEAVY) | {"torch", "deepspeed", "data_pipelines"})
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    code = (
+        "import json, sys\n"
+        "import mmalign.cli\n"
+        "cli = sorted(m for m in sys.modules if m.split('.')[0] in {heavy})\n"
+        "import mmalign.run.train\n"
+        "train = sorted({{m.split('.')[0] for m in sys.modules}} & {heavy})\n"
+        "print(json.dumps([cli, train]))\n"
+    ).format(heavy=set(HEAVY) | {"torch", "deepspeed", "data_pipelines"})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     cli, train = json.loads(res.stdout.strip().splitlines()[-1])
     assert cli == []
@@ -169,21 +195,33 @@ def test_importing_the_cli_and_the_training_loop_pulls_in_no_heavy_dependency():
 # ------------------------------------------------------------------ the checker can fail
 
 BAD = [
-    ("import torch.distributed as dist\n", "torch.distributed is imported only in mmalign/dist/distributed.py"),
+    (
+        "import torch.distributed as dist\n",
+        "torch.distributed is imported only in mmalign/dist/distributed.py",
+    ),
     ("from torch import distributed\n", "torch.distributed is imported only"),
     ("from torch.distributed import all_reduce\n", "torch.distributed is imported only"),
     ("import torch.distributed.distributed_c10d as c10d\n", "torch.distributed is imported only"),
     ("def f():\n    import deepspeed\n", "deepspeed is imported only in mmalign/run/engine.py"),
-    ("class A:\n    def f(self):\n        from deepspeed.utils import logger\n", "deepspeed is imported only"),
+    (
+        "class A:\n    def f(self):\n        from deepspeed.utils import logger\n",
+        "deepspeed is imported only",
+    ),
     ("import importlib\nmod = importlib.import_module('deepspeed.comm')\n", "deepspeed is imported only"),
     ("def f():\n    __import__('torch.distributed')\n", "torch.distributed is imported only"),
     ("from data_pipelines import shapes\n", "does not import data_pipelines"),
     ("def f():\n    from data_pipelines.sources import image_folder\n", "does not import data_pipelines"),
     ("import faiss\n", "faiss is heavy"),
-    ("try:\n    import matplotlib.pyplot as plt\nexcept ImportError:\n    plt = None\n", "matplotlib is heavy"),
+    (
+        "try:\n    import matplotlib.pyplot as plt\nexcept ImportError:\n    plt = None\n",
+        "matplotlib is heavy",
+    ),
     ("from torch.utils.tensorboard import SummaryWriter\n", "tensorboard is heavy"),
     ("from sklearn.manifold import TSNE\n", "sklearn is heavy"),
-    ("class Probe:\n    from transformers import CLIPModel\n", "transformers is heavy"),  # a class body runs at import
+    (
+        "class Probe:\n    from transformers import CLIPModel\n",
+        "transformers is heavy",
+    ),  # a class body runs at import
 ]
 
 
@@ -201,25 +239,43 @@ def test_models_do_not_import_export():
 
 
 def test_the_checker_allows_the_owners_and_lazy_imports():
-    assert layer_violations("import torch.distributed as dist\nfrom torch import distributed\n",
-                            "mmalign/dist/distributed.py") == []
-    assert layer_violations("import deepspeed\nfrom deepspeed.utils import logger\n", "mmalign/run/engine.py") == []
-    fine = ("import torch\nimport torch.nn as nn\nfrom mmalign.evaluation import datasets\nfrom . import datasets\n"
-            "def f():\n    import faiss\n    from sklearn.manifold import TSNE\n    return torch.distributed.is_initialized()\n")
+    assert (
+        layer_violations(
+            "import torch.distributed as dist\nfrom torch import distributed\n", "mmalign/dist/distributed.py"
+        )
+        == []
+    )
+    assert (
+        layer_violations("import deepspeed\nfrom deepspeed.utils import logger\n", "mmalign/run/engine.py")
+        == []
+    )
+    fine = (
+        "import torch\nimport torch.nn as nn\nfrom mmalign.evaluation import datasets\nfrom . import datasets\n"
+        "def f():\n    import faiss\n    from sklearn.manifold import TSNE\n    return torch.distributed.is_initialized()\n"
+    )
     assert layer_violations(fine, "mmalign/evaluation/newthing.py") == []
 
 
 def test_relative_imports_resolve_to_their_package():
-    names = [i.name for i in imports_of("from . import a\nfrom ..data import b\nfrom .c import d\n",
-                                        "mmalign/evaluation/x.py")]
+    names = [
+        i.name
+        for i in imports_of(
+            "from . import a\nfrom ..data import b\nfrom .c import d\n", "mmalign/evaluation/x.py"
+        )
+    ]
     assert names == ["mmalign.evaluation.a", "mmalign.data.b", "mmalign.evaluation.c.d"]
-    assert [i.name for i in imports_of("from . import a\n", "mmalign/evaluation/__init__.py")] == ["mmalign.evaluation.a"]
+    assert [i.name for i in imports_of("from . import a\n", "mmalign/evaluation/__init__.py")] == [
+        "mmalign.evaluation.a"
+    ]
 
 
 def test_a_bad_module_in_the_package_is_found(tmp_path):
     (tmp_path / "mmalign" / "data").mkdir(parents=True)
     (tmp_path / "mmalign" / "__init__.py").write_text("")
     (tmp_path / "mmalign" / "data" / "ok.py").write_text("import torch\n")
-    (tmp_path / "mmalign" / "data" / "bad.py").write_text("def f():\n    from torch import distributed as d\n")
+    (tmp_path / "mmalign" / "data" / "bad.py").write_text(
+        "def f():\n    from torch import distributed as d\n"
+    )
     assert package_violations(tmp_path) == [
-        "mmalign/data/bad.py:2: torch.distributed: torch.distributed is imported only in mmalign/dist/distributed.py"]
+        "mmalign/data/bad.py:2: torch.distributed: torch.distributed is imported only in mmalign/dist/distributed.py"
+    ]

@@ -118,7 +118,9 @@ def test_siglip_matches_naive_reference(gen, tile, with_ids):
     x, y = unit(gen, b, d), unit(gen, b, d)
     s, bias = scalar_param(uniform(gen, 1.0, 20.0)), scalar_param(uniform(gen, -10.0, 0.0))
     ids = dup_ids(gen, b) if with_ids else None
-    got = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias)
+    got = our_grads(
+        lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias
+    )
     ref = ref_grads(lambda a, c, k, o: ref_siglip(a, c, k, o, ids), x, y, s, bias)
     for name, g, r in zip(["loss", "d_image", "d_text", "d_scale", "d_bias"], got, ref):
         # d_scale / d_bias sum O(1) sigmoid terms of both signs that can cancel to ~1e-4;
@@ -184,13 +186,16 @@ def test_worked_vector_three_candidates(tile):
     assert q.tolist() == pytest.approx([0.7153, 0.2631, 0.0216], abs=5e-5)
 
 
-@pytest.mark.parametrize("tau,loss,hard_p,hard_share,easy_share", [
-    (0.01, 0.0000, 0.000, 1.000, 0.000),
-    (0.05, 0.1359, 0.118, 0.930, 0.001),
-    (0.07, 0.2546, 0.186, 0.827, 0.006),
-    (0.10, 0.4325, 0.239, 0.680, 0.021),
-    (1.00, 1.5617, 0.190, 0.240, 0.169),
-])
+@pytest.mark.parametrize(
+    "tau,loss,hard_p,hard_share,easy_share",
+    [
+        (0.01, 0.0000, 0.000, 1.000, 0.000),
+        (0.05, 0.1359, 0.118, 0.930, 0.001),
+        (0.07, 0.2546, 0.186, 0.827, 0.006),
+        (0.10, 0.4325, 0.239, 0.680, 0.021),
+        (1.00, 1.5617, 0.190, 0.240, 0.169),
+    ],
+)
 def test_worked_vector_temperature_table(tau, loss, hard_p, hard_share, easy_share):
     sims = [0.65, 0.55, 0.40, 0.35, 0.30, 0.20]
     got_loss, q = row_probabilities(sims, tau, tile=4)
@@ -277,7 +282,9 @@ def test_tiled_equals_untiled_siglip(gen, tile, with_ids):
     s, bias = scalar_param(uniform(gen, 1.0, 30.0), (1,)), scalar_param(uniform(gen, -12.0, 0.0), (1,))
     ids = dup_ids(gen, b) if with_ids else None
     full = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids), x, y, s, bias)
-    tiled = our_grads(lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias)
+    tiled = our_grads(
+        lambda a, c, k, o: siglip_loss(a, c, k, o, positive_ids=ids, tile_size=tile), x, y, s, bias
+    )
     for name, f, t in zip(["loss", "d_image", "d_text", "d_scale", "d_bias"], full, tiled):
         # scale / bias: sums of O(1) terms that can cancel (see test_siglip_matches_naive_reference)
         assert_close_rel(t, f, name, floor=1.0 if name in ("d_scale", "d_bias") else 1e-3)
@@ -364,8 +371,9 @@ def test_siglip_monitors_match_naive(gen, tile, with_ids):
     ids = dup_ids(gen, b) if with_ids else torch.arange(b)
     x, y, logits = draw_until_no_near_ties(gen, b, d, s, ids.tolist())
     rows = naive_monitor_rows(logits + bias, ids.tolist())
-    out = objectives.loss(x, y, scalar_param(s), scalar_param(bias), name="siglip", tile=tile,
-                          ids=ids if with_ids else None)
+    out = objectives.loss(
+        x, y, scalar_param(s), scalar_param(bias), name="siglip", tile=tile, ids=ids if with_ids else None
+    )
     st = out.stats
     assert st["pos_rank"] == pytest.approx(sum(r[0] for r in rows) / b, abs=1e-6)
     assert st["top1"] == pytest.approx(sum(r[1] for r in rows) / b, abs=1e-6)
@@ -408,9 +416,20 @@ def test_build_objective_from_config(gen):
     assert isinstance(term, Contrastive) and term.kind == "infonce" and term.tile_size == "auto"
     assert term.tile_budget_mb == 256.0
     assert build_objective(load_config(None, ["loss.tile_size=0"])).terms[0].tile_size is None
-    obj = build_objective(load_config(None, ["loss.name=siglip", "model.init_logit_bias=-10", "loss.tile_size=64",
-                                             "loss.false_negative_ids=caption"]))
-    assert obj.terms[0].kind == "siglip" and obj.terms[0].tile_size == 64 and obj.positives.ids_mode == "caption"
+    obj = build_objective(
+        load_config(
+            None,
+            [
+                "loss.name=siglip",
+                "model.init_logit_bias=-10",
+                "loss.tile_size=64",
+                "loss.false_negative_ids=caption",
+            ],
+        )
+    )
+    assert (
+        obj.terms[0].kind == "siglip" and obj.terms[0].tile_size == 64 and obj.positives.ids_mode == "caption"
+    )
     obj = build_objective(load_config(None, ["loss.false_negative_ids=class_id"]))
     assert obj.positives.ids_mode == "field" and obj.batch_fields == {"ids"}
     with pytest.raises(ValueError):
@@ -418,7 +437,9 @@ def test_build_objective_from_config(gen):
     x, y = unit(gen, 4, 8), unit(gen, 4, 8)
     batch = Batch(torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.long))
     with pytest.raises(ValueError):
-        obj.loss_for(batch)(Embeddings(image=x, text=y, logit_scale=scalar_param(10.0)))  # ids required but missing
+        obj.loss_for(batch)(
+            Embeddings(image=x, text=y, logit_scale=scalar_param(10.0))
+        )  # ids required but missing
 
 
 def test_module_loss_equals_function(gen):
@@ -441,11 +462,19 @@ def _run_fresh(code: str, env: dict | None = None) -> None:
     import sys
     import textwrap
 
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+    }
     full_env.update(env or {})
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         env=full_env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -465,13 +494,24 @@ def test_distributed_helpers_are_noops_without_group():
 
 
 def test_env_parsing():
-    info = mdist.env_dist_info({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
-    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port) == \
-        (3, 8, 1, "10.0.0.1", "1234")
+    info = mdist.env_dist_info(
+        {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    )
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port) == (
+        3,
+        8,
+        1,
+        "10.0.0.1",
+        "1234",
+    )
     info = mdist.env_dist_info({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2"})
-    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.source) == \
-        (5, 6, 2, "127.0.0.1", "slurm")
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.source) == (
+        5,
+        6,
+        2,
+        "127.0.0.1",
+        "slurm",
+    )
     assert mdist.env_dist_info({}).world_size == 1
 
 

@@ -50,8 +50,11 @@ def test_tiled_loss_keeps_the_scale_in_float32_with_bf16_features(name, gen):
     xb, yb = x.bfloat16().requires_grad_(), y.bfloat16().requires_grad_()
     s = torch.tensor(SCALE, requires_grad=True)  # float32, as the model's exp(log_scale)
     bias = torch.tensor(BIAS, requires_grad=True)
-    loss = (clip_loss(xb, yb, s, tile_size=32) if name == "infonce"
-            else siglip_loss(xb, yb, s, bias, tile_size=32))
+    loss = (
+        clip_loss(xb, yb, s, tile_size=32)
+        if name == "infonce"
+        else siglip_loss(xb, yb, s, bias, tile_size=32)
+    )
     loss.backward()
     # the bf16-rounded scale gave +3e-3 (InfoNCE) / +0.12 (SigLIP) here; float32 leaves ~1e-6
     assert abs(float(loss.detach()) - float(ref)) < 2e-5

@@ -65,7 +65,9 @@ def check(gen, b, tile, with_ids, beta, prior, scale_val=None, tol=2e-5, aligned
     got = clip_loss(*leaves, positive_ids=ids, tile_size=tile, hard_negative_beta=beta, debias_prior=prior)
     got.backward()
     refs = [t.double().clone().requires_grad_() for t in (x, y, scale)]
-    ref = ref_loss(refs[0], refs[1], refs[2].reshape(()), ids if ids is not None else torch.arange(b), beta, prior)
+    ref = ref_loss(
+        refs[0], refs[1], refs[2].reshape(()), ids if ids is not None else torch.arange(b), beta, prior
+    )
     ref.backward()
     assert rel_err(got, ref) < tol, (got.item(), ref.item())
     for g, r, what in zip((l.grad for l in leaves), (r.grad for r in refs), ("dx", "dy", "dscale")):
@@ -125,6 +127,7 @@ def test_hard_weighting_raises_the_hardest_negatives_weight(gen):
 
 def test_objective_term_and_build_objective(gen):
     from mmalign.config import load_config
+
     cfg = load_config(None, ["loss.hard_negative_beta=0.5", "loss.debias_prior=0.1"])
     (term,) = build_objective(cfg).terms
     assert (term.hard_negative_beta, term.debias_prior) == (0.5, 0.1)
@@ -140,10 +143,13 @@ def test_objective_term_and_build_objective(gen):
 
 def test_config_keys_and_checks():
     from mmalign.config import ConfigError, load_config
+
     cfg = load_config(None, ["loss.hard_negative_beta=0.5", "loss.debias_prior=0.1"])
     assert (cfg.loss.hard_negative_beta, cfg.loss.debias_prior) == (0.5, 0.1)
-    for bad, key in [("loss.hard_negative_beta=-1", "loss.hard_negative_beta"),
-                     ("loss.debias_prior=1.0", "loss.debias_prior")]:
+    for bad, key in [
+        ("loss.hard_negative_beta=-1", "loss.hard_negative_beta"),
+        ("loss.debias_prior=1.0", "loss.debias_prior"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [bad])
     with pytest.raises(ConfigError, match="infonce"):

@@ -101,7 +101,9 @@ def test_mask_with_hard_negatives_and_debias(gen, tile):
                 continue
             w = torch.exp(beta * n) / torch.exp(beta * n).mean()
             ng = (w * n.exp()).sum()
-            ng = torch.maximum((ng - prior * n.numel() * p.exp().mean()) / (1 - prior), n.numel() * torch.exp(-sd))
+            ng = torch.maximum(
+                (ng - prior * n.numel() * p.exp().mean()) / (1 - prior), n.numel() * torch.exp(-sd)
+            )
             out.append(torch.log(p.exp().sum() + ng) - p.mean())
         return torch.stack(out).mean()
 
@@ -126,6 +128,7 @@ def test_module_and_checks(gen):
 
 def test_config_keys():
     from mmalign.config import ConfigError, load_config
+
     cfg = load_config(None, ["loss.positive_mask=attribute_subset", "data.id_field=subset_code"])
     assert cfg.loss.positive_mask == "attribute_subset"
     with pytest.raises(ConfigError, match="loss.positive_mask"):
@@ -136,6 +139,7 @@ def test_config_keys():
 
 def test_shapes_subset_mode(tmp_path):
     from data_pipelines import shapes
+
     shapes.generate_split(tmp_path, "train", 40, seed=5, per_shard=40, caption_mode="subset")
     metas, caps = {}, {}
     for tar in sorted((tmp_path / "train").glob("*.tar")):
@@ -174,10 +178,15 @@ def test_training_with_attribute_subset_mask(tmp_path, micro_overrides):
     from data_pipelines import shapes
     from mmalign.config import load_config
     from mmalign.run.train import train
+
     shapes.generate_split(tmp_path / "sub", "train", 64, seed=2, per_shard=64, caption_mode="subset")
     overrides = [o for o in micro_overrides if not o.startswith("data.train=")] + [
-        f"data.train={tmp_path}/sub/train/00000.tar", "loss.positive_mask=attribute_subset",
-        "data.id_field=subset_code", "train.steps=2", f"output={tmp_path}/run"]
+        f"data.train={tmp_path}/sub/train/00000.tar",
+        "loss.positive_mask=attribute_subset",
+        "data.id_field=subset_code",
+        "train.steps=2",
+        f"output={tmp_path}/run",
+    ]
     cfg = load_config(None, overrides)
     out = train(cfg, show_progress=False)
     rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

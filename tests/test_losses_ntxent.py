@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from mmalign.losses.ntxent import ntxent_loss
 
 
-
 def ref_ntxent(z1, z2, s):
     z = torch.cat([z1, z2])
     n, b = z.shape[0], z1.shape[0]
@@ -78,12 +77,15 @@ def test_image_image_term_adds_weighted_ntxent_at_fixed_temperature(gen):
     out.loss.backward()
     r = [t.detach().double().requires_grad_() for t in (x, x2, y)]
     logits = s.double() * r[0] @ r[2].T
-    clip = (torch.logsumexp(logits, 1) - logits.diagonal()).mean() / 2 + \
-           (torch.logsumexp(logits, 0) - logits.diagonal()).mean() / 2
+    clip = (torch.logsumexp(logits, 1) - logits.diagonal()).mean() / 2 + (
+        torch.logsumexp(logits, 0) - logits.diagonal()
+    ).mean() / 2
     ref = clip + w * ref_ntxent(r[0], r[1], 1 / tau)
     ref.backward()
     assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
-    for got, want in zip((x, x2, y), r):  # relative to the whole gradient: float32 rounding is per-norm, not per-entry
+    for got, want in zip(
+        (x, x2, y), r
+    ):  # relative to the whole gradient: float32 rounding is per-norm, not per-entry
         assert ((got.grad.double() - want.grad).norm() / want.grad.norm()).item() < 1e-5
     assert out.stats["image_image_loss"] == pytest.approx(ref_ntxent(*r[:2], 1 / tau).item(), rel=1e-5)
     assert out.stats["contrastive_loss"] == pytest.approx(clip.item(), rel=1e-5)
@@ -97,7 +99,7 @@ def _sharded_worker(rank, world, in_path):
     b = data["z1"].shape[0] // world
     results = {}
     for tile in (None, 3):
-        z1, z2 = (data[k][rank * b:(rank + 1) * b].clone().requires_grad_() for k in ("z1", "z2"))
+        z1, z2 = (data[k][rank * b : (rank + 1) * b].clone().requires_grad_() for k in ("z1", "z2"))
         loss = ntxent_loss(z1, z2, 10.0, tile_size=tile)
         loss.backward()
         results[tile] = (loss.detach(), z1.grad, z2.grad)
@@ -109,8 +111,10 @@ def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_pa
     from tests.conftest import run_ranks
 
     world, b = 2, 5
-    z1, z2 = (F.normalize(torch.randn(world * b, 8, generator=gen, dtype=torch.float64), dim=1).float()
-              for _ in range(2))
+    z1, z2 = (
+        F.normalize(torch.randn(world * b, 8, generator=gen, dtype=torch.float64), dim=1).float()
+        for _ in range(2)
+    )
     torch.save({"z1": z1, "z2": z2}, tmp_path / "in.pt")
     parts = run_ranks(_sharded_worker, world, str(tmp_path / "in.pt"), pooled=True)
     r1, r2 = (t.double().requires_grad_() for t in (z1, z2))
@@ -135,8 +139,10 @@ def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides
     from mmalign.config import load_config
     from mmalign.run.train import train
 
-    cfg = load_config(None, micro_overrides + ["data.views=2", "loss.image_image_weight=0.5",
-                                               "train.grad_cache_chunk_size=12"])
+    cfg = load_config(
+        None,
+        micro_overrides + ["data.views=2", "loss.image_image_weight=0.5", "train.grad_cache_chunk_size=12"],
+    )
     out = train(cfg, show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21))
@@ -148,15 +154,23 @@ def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides
     assert sum(term[-5:]) / 5 < sum(term[:5]) / 5 - 0.1, term
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["loss.image_image_weight=0.5"], "loss.image_image_weight"),  # needs data.views: 2
-    (["data.views=2", "loss.image_image_weight=-1"], "loss.image_image_weight"),
-    (["data.views=2", "loss.image_image_weight=1", "loss.image_image_temperature=0"], "loss.image_image_temperature"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["loss.image_image_weight=0.5"], "loss.image_image_weight"),  # needs data.views: 2
+        (["data.views=2", "loss.image_image_weight=-1"], "loss.image_image_weight"),
+        (
+            ["data.views=2", "loss.image_image_weight=1", "loss.image_image_temperature=0"],
+            "loss.image_image_temperature",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(overrides, key):
     from mmalign.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert key in str(err.value) and "\n" not in str(err.value)
-    assert load_config(None, ["data.views=2", "loss.image_image_weight=0.5"]).loss.image_image_temperature == 0.1
+    assert (
+        load_config(None, ["data.views=2", "loss.image_image_weight=0.5"]).loss.image_image_temperature == 0.1
+    )

@@ -59,11 +59,26 @@ def _worker(rank: int, world: int, in_path: str) -> dict:
         s = data["scale"].clone().requires_grad_()
         b = data["bias"].clone().requires_grad_()
         beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
-        out = objectives.loss(x, y, s, b if loss_name == "siglip" else None, name=loss_name, tile=tile,
-                              ids=data["ids"][sl] if with_ids else None, beta=beta, prior=prior)
+        out = objectives.loss(
+            x,
+            y,
+            s,
+            b if loss_name == "siglip" else None,
+            name=loss_name,
+            tile=tile,
+            ids=data["ids"][sl] if with_ids else None,
+            beta=beta,
+            prior=prior,
+        )
         out.loss.backward()
-        results[name] = {"loss": out.loss.detach(), "dx": x.grad, "dy": y.grad, "ds": s.grad,
-                         "db": b.grad, "stats": out.stats}
+        results[name] = {
+            "loss": out.loss.detach(),
+            "dx": x.grad,
+            "dy": y.grad,
+            "ds": s.grad,
+            "db": b.grad,
+            "stats": out.stats,
+        }
     return results
 
 
@@ -125,7 +140,7 @@ def test_sharded_gradients_equal_full_batch(tmp_path, seed):
     ranks = run_ranks(_worker, WORLD, in_path, pooled=True)
 
     distinct = torch.arange(n)
-    for name, loss_name, tile, with_ids in CASES:
+    for name, loss_name, _tile, with_ids in CASES:
         case_ids = ids if with_ids else distinct
         leaves = [t.double().clone().requires_grad_() for t in (x, y, scale, bias)]
         if name in ESTIMATOR:
@@ -153,8 +168,16 @@ def test_sharded_gradients_equal_full_batch(tmp_path, seed):
 
         # Stats are rank-averaged: both ranks report the full-batch values.
         beta, prior = ESTIMATOR.get(name, (0.0, 0.0))
-        full = objectives.loss(x, y, scale, bias if loss_name == "siglip" else None, name=loss_name,
-                               ids=ids if with_ids else None, beta=beta, prior=prior).stats
+        full = objectives.loss(
+            x,
+            y,
+            scale,
+            bias if loss_name == "siglip" else None,
+            name=loss_name,
+            ids=ids if with_ids else None,
+            beta=beta,
+            prior=prior,
+        ).stats
         for key in ("pos_rank", "top1", "hardest_neg_prob", "loss_floor", "n_candidates", "loss"):
             for r in ranks:
                 assert r[name]["stats"][key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), (name, key)

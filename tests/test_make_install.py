@@ -38,7 +38,9 @@ def test_install_announces_itself_and_shows_pips_progress(checkout):
         pytest.skip("no make on this machine")
     # as a user types it, also when this suite itself runs under `make test` (no inherited make level)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEFILES")}
-    run = subprocess.run(["make", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, env=env)
+    run = subprocess.run(
+        ["make", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, env=env
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     # before pip starts: what is installed, where, and roughly how big and how long
@@ -54,5 +56,7 @@ def test_install_announces_itself_and_shows_pips_progress(checkout):
     assert lines[-1].startswith("mmalign: installed in ") and "s; .venv takes " in lines[-1]
     assert (checkout / ".venv" / ".installed").exists()
     # a second run is a no-op (the stamp is newer than pyproject.toml)
-    again = subprocess.run(["make", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, env=env)
+    again = subprocess.run(
+        ["make", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, env=env
+    )
     assert again.returncode == 0 and "installing" not in again.stdout

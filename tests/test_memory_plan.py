@@ -26,13 +26,14 @@ GIB = 2**30
 
 
 def _cfg(*extra: str):
-    return load_config(None, ["model.preset=micro", "train.global_batch_size=16", "train.grad_cache_chunk_size=auto",
-                              *extra])
+    return load_config(
+        None, ["model.preset=micro", "train.global_batch_size=16", "train.grad_cache_chunk_size=auto", *extra]
+    )
 
 
 def _parts(cfg):
-    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.models import build_model
+    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.objective import build_objective
 
     model = build_model(cfg.model)
@@ -64,13 +65,17 @@ def _graph_saved_bytes(outputs, model) -> int:
 def test_measured_bytes_are_the_graphs_saved_tensors_and_nothing_moves(precision):
     from mmalign.run.memory_plan import probe_autocast, probe_inputs, saved_bytes
 
-    cfg = _cfg(f"train.precision={precision}", "model.preset=tiny-rn", "model.batchnorm=local")  # BatchNorm statistics
+    cfg = _cfg(
+        f"train.precision={precision}", "model.preset=tiny-rn", "model.batchnorm=local"
+    )  # BatchNorm statistics
     model, objective, tokenizer = _parts(cfg)
     model.eval()
     autocast = probe_autocast(cfg, torch.device("cpu"))
     for n in (1, 2, 3):
         inputs = probe_inputs(model, tokenizer, n, torch.device("cpu"), objective.embeddings)
-        assert inputs["texts"].shape == (n, model.context_length) and (inputs["texts"][:, -1] != 0).all()  # full
+        assert (
+            inputs["texts"].shape == (n, model.context_length) and (inputs["texts"][:, -1] != 0).all()
+        )  # full
         buffers = {k: v.clone() for k, v in model.state_dict().items()}
         rng = torch.get_rng_state()
         got = saved_bytes(model, inputs, autocast)
@@ -84,9 +89,8 @@ def test_measured_bytes_are_the_graphs_saved_tensors_and_nothing_moves(precision
 
 
 def test_per_sample_and_fixed_bytes_from_one_and_two_samples():
-    from mmalign.run.memory_plan import measure, probe_autocast, probe_inputs, saved_bytes
-
     from mmalign.models import attention_kernel
+    from mmalign.run.memory_plan import measure, probe_autocast, probe_inputs, saved_bytes
 
     cfg = _cfg("train.precision=bf16")
     model, objective, tokenizer = _parts(cfg)
@@ -96,8 +100,10 @@ def test_per_sample_and_fixed_bytes_from_one_and_two_samples():
     assert attention_kernel.get_mode() == "auto"
     per_sample, fixed = measure(model, tokenizer, cfg, cpu, objective.embeddings, autocast)
     with attention_kernel.using("math"):
-        one, two, four = (saved_bytes(model, probe_inputs(model, tokenizer, n, cpu, objective.embeddings), autocast)
-                          for n in (1, 2, 4))
+        one, two, four = (
+            saved_bytes(model, probe_inputs(model, tokenizer, n, cpu, objective.embeddings), autocast)
+            for n in (1, 2, 4)
+        )
     assert (per_sample, fixed) == (two - one, 2 * one - two)
     assert fixed > 0  # autocast's bf16 weight copies: saved once whatever the batch
     assert four == fixed + 4 * per_sample  # linear in the batch
@@ -109,8 +115,13 @@ def _plan(cfg, local, world=1):
     model, objective, tokenizer = _parts(cfg)
     cpu = torch.device("cpu")
     per_sample, fixed = measure(model, tokenizer, cfg, cpu, objective.embeddings, probe_autocast(cfg, cpu))
-    return MemoryModel(per_sample, fixed, loss_bytes(cfg, local, world),
-                       features_bytes(cfg, model.embed_dim, local, world, objective.embeddings), 0)
+    return MemoryModel(
+        per_sample,
+        fixed,
+        loss_bytes(cfg, local, world),
+        features_bytes(cfg, model.embed_dim, local, world, objective.embeddings),
+        0,
+    )
 
 
 def _resolve(cfg):
@@ -155,7 +166,9 @@ def test_the_measured_budget_is_available_ram_less_the_training_state(monkeypatc
     assert state == 4 * trainable * (1 + 2)  # fp32 gradients + AdamW's two moments, ZeRO-0
     assert memory_plan.state_bytes(model, _cfg("train.optimizer=sgd"), 0, 1) == 4 * trainable
     # ZeRO-1 on 2 ranks: + flat gradient buffers, moments and the fp32 master copy halved
-    assert memory_plan.state_bytes(model, _cfg("deepspeed.zero_stage=1"), 1, 2) == int(4 * trainable * (2 + 3 / 2))
+    assert memory_plan.state_bytes(model, _cfg("deepspeed.zero_stage=1"), 1, 2) == int(
+        4 * trainable * (2 + 3 / 2)
+    )
 
     class Memory:
         available = 40 * GIB
@@ -164,7 +177,9 @@ def test_the_measured_budget_is_available_ram_less_the_training_state(monkeypatc
     cpu = torch.device("cpu")
     assert memory_plan.budget_bytes(cfg, cpu, state, 1) == int(memory_plan.RAM_FRACTION * 40 * GIB - state)
     assert memory_plan.budget_bytes(cfg, cpu, state, 4) == int(memory_plan.RAM_FRACTION * 10 * GIB - state)
-    assert memory_plan.budget_bytes(_cfg("train.memory_budget_gb=3"), cpu, state, 4) == 3 * GIB  # given: as is
+    assert (
+        memory_plan.budget_bytes(_cfg("train.memory_budget_gb=3"), cpu, state, 4) == 3 * GIB
+    )  # given: as is
 
 
 def test_integers_stay_as_they_are_without_a_measurement(monkeypatch):
@@ -172,19 +187,23 @@ def test_integers_stay_as_they_are_without_a_measurement(monkeypatch):
 
     monkeypatch.setattr(memory_plan, "measure", lambda *a, **k: pytest.fail("measured for an integer chunk"))
     for chunk in (0, 4, 16):
-        cfg = load_config(None, ["model.preset=micro", "train.global_batch_size=16",
-                                 f"train.grad_cache_chunk_size={chunk}"])
+        cfg = load_config(
+            None, ["model.preset=micro", "train.global_batch_size=16", f"train.grad_cache_chunk_size={chunk}"]
+        )
         assert memory_plan.resolve_grad_cache_chunk(cfg, *_parts(cfg), torch.device("cpu")) == (chunk, None)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.memory_budget_gb=-1", "train.memory_budget_gb"),
-    ("train.memory_budget_gb=auto", "train.memory_budget_gb"),
-    ("train.grad_cache_chunk_size=Auto", "train.grad_cache_chunk_size"),
-    ("train.grad_cache_chunk_size=half", "train.grad_cache_chunk_size"),
-    ("train.grad_cache_chunk_size=-2", "train.grad_cache_chunk_size"),
-    ("train.grad_cache_chunk_size=17", "train.grad_cache_chunk_size"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.memory_budget_gb=-1", "train.memory_budget_gb"),
+        ("train.memory_budget_gb=auto", "train.memory_budget_gb"),
+        ("train.grad_cache_chunk_size=Auto", "train.grad_cache_chunk_size"),
+        ("train.grad_cache_chunk_size=half", "train.grad_cache_chunk_size"),
+        ("train.grad_cache_chunk_size=-2", "train.grad_cache_chunk_size"),
+        ("train.grad_cache_chunk_size=17", "train.grad_cache_chunk_size"),
+    ],
+)
 def test_bad_values_are_one_line_errors(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.global_batch_size=16", override])
@@ -196,7 +215,9 @@ def test_a_resolved_chunk_is_validated_at_the_real_world_size():
 
     cfg = _cfg("deepspeed.precision=bf16")  # ZeRO-0 cannot sum bf16 weights' chunks in fp32
     assert cfg.train.grad_cache_chunk_size == "auto"
-    assert resolved_config(cfg, 0).train.grad_cache_chunk_size == 0 and cfg.train.grad_cache_chunk_size == "auto"
+    assert (
+        resolved_config(cfg, 0).train.grad_cache_chunk_size == 0 and cfg.train.grad_cache_chunk_size == "auto"
+    )
     with pytest.raises(ConfigError, match="deepspeed.precision"):
         resolved_config(cfg, 4)
 
@@ -205,23 +226,28 @@ def _engine_worker(rank, world, seed, budgets):
     """Per rank: its own budget; the chunk auto chose, the engine's plan, and the weights after one
     step from a model that auto measured, next to one that it did not (with the integer it chose)."""
     from mmalign.data.batch import Batch
+    from mmalign.models import build_model
     from mmalign.models.tokenizers import build_tokenizer
+    from mmalign.objective import build_objective
     from mmalign.run.engine import Engine
     from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
-    from mmalign.models import build_model
-    from mmalign.objective import build_objective
-
     from tests.conftest import engine_cfg
 
     out = {}
     for name, budget in (("auto", budgets[rank]), ("int", None)):
-        cfg = engine_cfg(1, "model.patch_dropout=0.5", "train.optimizer=sgd",  # patch dropout draws random numbers
-                         "train.grad_cache_chunk_size=" + ("auto" if budget is not None else str(out.get("chunk", 0))),
-                         f"train.memory_budget_gb={(budget or 0) / GIB!r}")
+        cfg = engine_cfg(
+            1,
+            "model.patch_dropout=0.5",
+            "train.optimizer=sgd",  # patch dropout draws random numbers
+            "train.grad_cache_chunk_size=" + ("auto" if budget is not None else str(out.get("chunk", 0))),
+            f"train.memory_budget_gb={(budget or 0) / GIB!r}",
+        )
         torch.manual_seed(seed)
         model = build_model(cfg.model)
         objective = build_objective(cfg, world, model=model)
-        chunk, line = resolve_grad_cache_chunk(cfg, model, objective, build_tokenizer(model.arch), torch.device("cpu"))
+        chunk, line = resolve_grad_cache_chunk(
+            cfg, model, objective, build_tokenizer(model.arch), torch.device("cpu")
+        )
         if name == "auto":
             out["chunk"], out["line"] = chunk, line
             cfg = resolved_config(cfg, chunk)
@@ -252,8 +278,13 @@ def test_auto_plans_the_same_chunks_on_every_rank_and_steps_as_its_integer(seed)
 @pytest.mark.integration
 def test_train_with_auto_on_two_processes_logs_and_runs_the_plan(micro_overrides, tmp_path):
     out = tmp_path / "run"
-    overrides = [*micro_overrides, "train.steps=2", "eval.suite=none", "monitor.probe_size=0",
-                 "train.grad_cache_chunk_size=auto"]
+    overrides = [
+        *micro_overrides,
+        "train.steps=2",
+        "eval.suite=none",
+        "monitor.probe_size=0",
+        "train.grad_cache_chunk_size=auto",
+    ]
     cfg = load_config(str(ROOT / "configs/quickstart.yaml"), overrides)
     local = cfg.train.global_batch_size // 2
     budget = _plan(cfg, local, 2).need(5)  # chunks of at most 5 of the 16 local rows: 4 chunks of 4
@@ -262,8 +293,9 @@ def test_train_with_auto_on_two_processes_logs_and_runs_the_plan(micro_overrides
         args += ["--set", o]
     res = run_cli(*args)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert local == 16 and "train.grad_cache_chunk_size: auto -> 4 (local batch 16" in res.stdout, res.stdout[-2000:]
+    assert local == 16 and "train.grad_cache_chunk_size: auto -> 4 (local batch 16" in res.stdout, res.stdout[
+        -2000:
+    ]
     assert "micro batch 4 x accumulation 4 x world size 2" in res.stdout, res.stdout[-2000:]
     stored = (out / "config.yaml").read_text()
     assert "grad_cache_chunk_size: auto" in stored  # the run's config keeps auto (a resume re-measures)
-

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from mmalign.config import ConfigError, ModelConfig
-from mmalign.run.gradcache import chunk_sizes
 from mmalign.models import build_model
 from mmalign.models.batchnorm import BatchNorm, StepStatistics, check_batchnorm, convert_batchnorm
+from mmalign.run.gradcache import chunk_sizes
 from tests.conftest import clip_batch, naive_clip_loss, run_cli, run_ranks
 
 GLOBAL_BATCH = 12
@@ -124,8 +124,9 @@ def test_config_error_without_a_mode_under_caching_or_ranks():
     assert check_batchnorm(model, None, chunks=1, world_size=1) is None  # the quickstart: plain BatchNorm
     assert check_batchnorm(build_model(ModelConfig(preset="micro")), None, chunks=2, world_size=2) is None
     line = check_batchnorm(model, "local", chunks=3, world_size=2)
-    assert "ghost" in line and all(isinstance(m, BatchNorm) for m in model.modules()
-                                   if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    assert "ghost" in line and all(
+        isinstance(m, BatchNorm) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    )
     from mmalign.config import load_config
 
     with pytest.raises(ConfigError, match="model.batchnorm"):
@@ -134,11 +135,24 @@ def test_config_error_without_a_mode_under_caching_or_ranks():
 
 def test_cli_refuses_a_batchnorm_tower_on_two_processes_before_spawning(tmp_path):
     (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the towers
-    result = run_cli("train", "--nproc", "2", "--set", "model.preset=micro-rn", "--set", "train.global_batch_size=8",
-                     "--output", str(tmp_path / "run"), "--set", f"data.train={tmp_path / '00000.tar'}")
+    result = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--set",
+        "model.preset=micro-rn",
+        "--set",
+        "train.global_batch_size=8",
+        "--output",
+        str(tmp_path / "run"),
+        "--set",
+        f"data.train={tmp_path / '00000.tar'}",
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and "model.batchnorm" in lines[0] and "frozen | sync | local" in lines[0], result.stderr
+    assert len(lines) == 1 and "model.batchnorm" in lines[0] and "frozen | sync | local" in lines[0], (
+        result.stderr
+    )
     assert not (tmp_path / "run").exists()  # refused before any rank started
 
 
@@ -213,7 +227,9 @@ def _groups(mode: str, chunk: int, world: int) -> list[list[int]] | None:
     local = GLOBAL_BATCH // world
     sizes = chunk_sizes(local, chunk)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    per_rank = [[list(range(r * local + s, r * local + s + n)) for s, n in zip(starts, sizes)] for r in range(world)]
+    per_rank = [
+        [list(range(r * local + s, r * local + s + n)) for s, n in zip(starts, sizes)] for r in range(world)
+    ]
     if mode == "local":
         return [g for rank in per_rank for g in rank]
     return [sum((per_rank[r][c] for r in range(world)), []) for c in range(len(sizes))]
@@ -222,32 +238,55 @@ def _groups(mode: str, chunk: int, world: int) -> list[list[int]] | None:
 def _cfg(mode, stage: int, chunk: int):
     from mmalign.config import load_config
 
-    return load_config(None, [
-        "model.preset=micro-rn", f"train.global_batch_size={GLOBAL_BATCH}", "train.steps=1", "train.warmup_steps=0",
-        "train.optimizer=sgd", f"train.lr={LR}", "train.weight_decay=0.0", f"train.grad_cache_chunk_size={chunk}",
-        f"deepspeed.zero_stage={stage}", f"model.batchnorm={'null' if mode is None else mode}",
-    ])
+    return load_config(
+        None,
+        [
+            "model.preset=micro-rn",
+            f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.optimizer=sgd",
+            f"train.lr={LR}",
+            "train.weight_decay=0.0",
+            f"train.grad_cache_chunk_size={chunk}",
+            f"deepspeed.zero_stage={stage}",
+            f"model.batchnorm={'null' if mode is None else mode}",
+        ],
+    )
 
 
 # (mode, ZeRO stage, chunk size, loss made non-finite)
 CASES = {
-    1: [("frozen", 0, 6, False), ("frozen", 0, 5, False), ("frozen", 2, 5, False),
-        ("local", 0, 0, False), ("local", 0, 6, False), ("local", 0, 5, False),
-        ("local", 0, 6, True), ("local", 0, 0, True)],
-    2: [("frozen", 0, 0, False), ("frozen", 0, 3, False), ("frozen", 3, 4, False),
-        ("sync", 0, 0, False), ("sync", 0, 4, False), ("local", 0, 3, False)],
+    1: [
+        ("frozen", 0, 6, False),
+        ("frozen", 0, 5, False),
+        ("frozen", 2, 5, False),
+        ("local", 0, 0, False),
+        ("local", 0, 6, False),
+        ("local", 0, 5, False),
+        ("local", 0, 6, True),
+        ("local", 0, 0, True),
+    ],
+    2: [
+        ("frozen", 0, 0, False),
+        ("frozen", 0, 3, False),
+        ("frozen", 3, 4, False),
+        ("sync", 0, 0, False),
+        ("sync", 0, 4, False),
+        ("local", 0, 3, False),
+    ],
 }
 
 
 def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
-    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
+    from mmalign.dist import distributed as mdist
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     images, tokens = _inputs(data_seed)
     local = GLOBAL_BATCH // world
-    images, tokens = images[rank * local:(rank + 1) * local], tokens[rank * local:(rank + 1) * local]
+    images, tokens = images[rank * local : (rank + 1) * local], tokens[rank * local : (rank + 1) * local]
     results = {}
     # no mode: refused before DeepSpeed is built (caching on 1 process; 2 processes without caching)
     cfg = _cfg(None, 0, 6 if world == 1 else 0)
@@ -276,8 +315,14 @@ def _worker(rank: int, world: int, model_seed: int, data_seed: int) -> dict:
         gathered = [mdist.all_gather_nograd(buffers[n].double().reshape(1, -1)) for n in sorted(buffers)]
         same_on_ranks = all(torch.equal(g[0], g[-1]) for g in gathered)
         if rank == 0:
-            results[(mode, stage, chunk, poison)] = (engine.plan.chunks, step.skipped, captured, state, buffers,
-                                                     same_on_ranks)
+            results[(mode, stage, chunk, poison)] = (
+                engine.plan.chunks,
+                step.skipped,
+                captured,
+                state,
+                buffers,
+                same_on_ranks,
+            )
     return results
 
 
@@ -285,8 +330,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor))
 
 
-def _close(got: dict, ref: dict, what: str, case, tol: float = 1e-5, tensor_tol: float | None = None,
-           ref32: dict | None = None) -> None:
+def _close(
+    got: dict,
+    ref: dict,
+    what: str,
+    case,
+    tol: float = 1e-5,
+    tensor_tol: float | None = None,
+    ref32: dict | None = None,
+) -> None:
     """Over the whole set to ``tol``, and per tensor to ``tensor_tol`` (default ``tol``)
     relative to max(its norm, 1e-4 x the set's): some gradients are float noise around an
     exact zero (the attention pool's key bias: softmax ignores a shift shared by all keys).

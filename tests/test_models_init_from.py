@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmalign.config import Config, ConfigError, ModelConfig, resolve, validate
-from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import preprocess_cfg
 from mmalign.export import export
 from mmalign.models import TwoTower, build_model, check_buildable
 from mmalign.models.init_from import differences
-from mmalign.models.load import load
 from mmalign.models.io import save_pretrained
+from mmalign.models.load import load
 from mmalign.models.presets import PRESETS
+from mmalign.models.tokenizers import build_tokenizer
 
 CAPTIONS = ["a small red circle in the top left corner", "blue square", "there is a green star", "x"]
 
@@ -64,16 +64,31 @@ def _open_clip_train_checkpoint(src, path):
     arch = load(src / "run").model.arch
     clip = open_clip.model.CLIP(arch["embed_dim"], arch["vision_cfg"], arch["text_cfg"], quick_gelu=False)
     state = load_file(str(src / "oc" / "open_clip_model.safetensors"))
-    plain = {(k[len("text."):] if k.startswith("text.") else k): v for k, v in state.items()}
+    plain = {(k[len("text.") :] if k.startswith("text.") else k): v for k, v in state.items()}
     clip.load_state_dict(plain, strict=True)  # open_clip's own names: the layout is real
-    torch.save({"epoch": 2, "name": "run", "state_dict": {"module." + k: v for k, v in clip.state_dict().items()},
-                "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}}, path)
+    torch.save(
+        {
+            "epoch": 2,
+            "name": "run",
+            "state_dict": {"module." + k: v for k, v in clip.state_dict().items()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+        },
+        path,
+    )
     return clip.eval()
 
 
-@pytest.mark.parametrize("source,preset,tol", [
-    ("run", None, 1e-5), ("run/final", "micro", 1e-5), ("oc", None, 1e-5),
-    ("oc/open_clip_model.safetensors", "micro", 1e-5), ("train.pt", "micro", 1e-5), ("hf", None, 1e-4)])
+@pytest.mark.parametrize(
+    "source,preset,tol",
+    [
+        ("run", None, 1e-5),
+        ("run/final", "micro", 1e-5),
+        ("oc", None, 1e-5),
+        ("oc/open_clip_model.safetensors", "micro", 1e-5),
+        ("train.pt", "micro", 1e-5),
+        ("hf", None, 1e-4),
+    ],
+)
 def test_init_from_each_source_reproduces_the_source_embeddings(src, source, preset, tol):
     reference = load(src / "run").model
     if source == "train.pt" and not (src / source).exists():
@@ -99,7 +114,9 @@ def test_open_clip_train_checkpoint_matches_open_clip_itself(src, tmp_path):
 
     with torch.no_grad():
         want_image = clip.encode_image(images, normalize=True)
-        want_text = clip.encode_text(open_clip.get_tokenizer("ViT-B-32", context_length=16)(CAPTIONS), normalize=True)
+        want_text = clip.encode_text(
+            open_clip.get_tokenizer("ViT-B-32", context_length=16)(CAPTIONS), normalize=True
+        )
     assert (image - want_image).abs().max().item() <= 1e-5
     assert (text - want_text).abs().max().item() <= 1e-5
 
@@ -147,8 +164,9 @@ def test_strict_false_logs_the_misfit_and_loads_the_rest(src, tmp_path, caplog):
     assert torch.equal(got["visual.ln_post.bias"], fresh.state_dict()["visual.ln_post.bias"])  # left at init
 
 
-@pytest.mark.parametrize("key,tower,other", [("pretrained_image", "visual.", "text."),
-                                              ("pretrained_text", "text.", "visual.")])
+@pytest.mark.parametrize(
+    "key,tower,other", [("pretrained_image", "visual.", "text."), ("pretrained_text", "text.", "visual.")]
+)
 def test_one_tower_loads_only_that_tower(src, key, tower, other):
     source = load(src / "run").model.state_dict()
     torch.manual_seed(7)
@@ -175,7 +193,9 @@ def test_load_happens_before_locking(src):
 
 @pytest.mark.parametrize("source", ["run", "oc", "hf"])
 def test_a_disagreeing_preset_is_refused(src, source):
-    with pytest.raises(ConfigError, match=r"^config key 'model.preset': 'tiny' differs from the architecture") as e:
+    with pytest.raises(
+        ConfigError, match=r"^config key 'model.preset': 'tiny' differs from the architecture"
+    ) as e:
         build_model(_cfg(pretrained=str(src / source), preset="tiny"))
     assert "\n" not in str(e.value)
 
@@ -193,13 +213,17 @@ def test_config_time_errors_name_the_key(src, tmp_path):
         _cfg(pretrained=str(src / "run"), pretrained_image=str(src / "oc"))
     assert _cfg().preset == "tiny" and _cfg(pretrained=str(src / "run")).preset is None
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="config key 'model.pretrained': .* is no open_clip checkpoint file"):
+    with pytest.raises(
+        ConfigError, match="config key 'model.pretrained': .* is no open_clip checkpoint file"
+    ):
         build_model(_cfg(pretrained=str(tmp_path / "empty")))
 
 
 def test_a_pickle_with_code_is_refused_not_run(src, tmp_path):
-    torch.save({"state_dict": {"visual.proj": torch.zeros(2)}, "where": pathlib.PurePosixPath("/x")},
-               tmp_path / "planted.pt")
+    torch.save(
+        {"state_dict": {"visual.proj": torch.zeros(2)}, "where": pathlib.PurePosixPath("/x")},
+        tmp_path / "planted.pt",
+    )
     with pytest.raises(ConfigError, match="is not a plain weights file"):
         build_model(_cfg(pretrained=str(tmp_path / "planted.pt"), preset="micro"))
 
@@ -211,9 +235,19 @@ def test_a_run_starts_from_an_open_clip_export_with_the_preset_omitted(src, micr
     from mmalign.run.train import train
 
     overrides = [o for o in micro_overrides if not o.startswith("model.preset")]
-    cfg = load_config(None, overrides + [f"model.pretrained={src / 'oc'}", "model.lock_image=true",
-                                         "train.steps=2", "train.warmup_steps=0", "monitor.probe_size=0",
-                                         "train.checkpoint_every=0", "train.eval_every=0"])
+    cfg = load_config(
+        None,
+        overrides
+        + [
+            f"model.pretrained={src / 'oc'}",
+            "model.lock_image=true",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "monitor.probe_size=0",
+            "train.checkpoint_every=0",
+            "train.eval_every=0",
+        ],
+    )
     assert cfg.model.preset is None
     out = train(cfg, show_progress=False)
     final, source = load(out).model, load(src / "run").model

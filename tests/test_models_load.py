@@ -38,13 +38,28 @@ def run(shapes_dir, tmp_path_factory):
     from mmalign.run.train import train
 
     out = tmp_path_factory.mktemp("load") / "run"
-    train(load_config(None, [
-        "model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-        f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-        "train.global_batch_size=8", "train.steps=2", "train.warmup_steps=1", "train.lr=0.01",
-        "train.checkpoint_every=2", "monitor.probe_size=0", "deepspeed.zero_stage=1", "eval.suite=none",
-        f"output={out}",
-    ]), show_progress=False)
+    train(
+        load_config(
+            None,
+            [
+                "model.preset=micro",
+                f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+                f"data.val={shapes_dir}/val/00000.tar",
+                "data.workers=0",
+                "data.shuffle_buffer=50",
+                "train.global_batch_size=8",
+                "train.steps=2",
+                "train.warmup_steps=1",
+                "train.lr=0.01",
+                "train.checkpoint_every=2",
+                "monitor.probe_size=0",
+                "deepspeed.zero_stage=1",
+                "eval.suite=none",
+                f"output={out}",
+            ],
+        ),
+        show_progress=False,
+    )
     return out
 
 
@@ -53,7 +68,9 @@ def reference(run):
     """The final weights in a micro TwoTower built here (the loader is not involved)."""
     model = TwoTower(copy.deepcopy(PRESETS["micro"]))
     model.load_state_dict(load_file(str(run / "final" / "model.safetensors")))
-    assert not torch.equal(model.state_dict()["visual.proj"], TwoTower(PRESETS["micro"]).state_dict()["visual.proj"])
+    assert not torch.equal(
+        model.state_dict()["visual.proj"], TwoTower(PRESETS["micro"]).state_dict()["visual.proj"]
+    )
     # no_grad as the loaded bundle's encoders (torch's attention takes another kernel with grad)
     return torch.no_grad()(model.eval().encode_image), torch.no_grad()(model.encode_text), model.state_dict()
 
@@ -114,7 +131,9 @@ def test_cli_eval_of_a_step_checkpoint_equals_eval_of_the_exported_weights(run, 
     from_step = run / f"eval_cli_shapes_{STEP}.json"  # beside the run, not inside the checkpoint
     assert from_step.is_file() and not list(step.glob("eval_cli_*"))
     exported = tmp_path / "exported"
-    assert main(["eval", "--model", str(run), "--suite", "shapes", "--limit", "40", "--out", str(exported)]) == 0
+    assert (
+        main(["eval", "--model", str(run), "--suite", "shapes", "--limit", "40", "--out", str(exported)]) == 0
+    )
     a, b = _metrics(from_step), _metrics(exported)
     assert a == b and len(a) == 3 and all(m for _, m in a)
 
@@ -134,12 +153,16 @@ def test_cli_embed_index_search_serve_and_mine_from_a_step_checkpoint(run, shape
         assert a.shape[0] >= 120 and np.array_equal(a, b)
     assert main(["index", "--emb", str(tmp_path / "e_step"), "--out", str(tmp_path / "idx")]) == 0
     capsys.readouterr()
-    assert main(["search", "--index", str(tmp_path / "idx"), "--model", str(step), "--text", "a red circle"]) == 0
+    assert (
+        main(["search", "--index", str(tmp_path / "idx"), "--model", str(step), "--text", "a red circle"])
+        == 0
+    )
     assert capsys.readouterr().out.strip()
     searcher = Searcher(tmp_path / "idx", step)  # what `mmalign serve` builds
     make_server(searcher, port=0).server_close()
-    assert np.array_equal(searcher.encode_text(["a red circle"]),
-                          Searcher(tmp_path / "idx", run).encode_text(["a red circle"]))
+    assert np.array_equal(
+        searcher.encode_text(["a red circle"]), Searcher(tmp_path / "idx", run).encode_text(["a red circle"])
+    )
     a = mine(val, step, tmp_path / "m_step", k=2, progress=False)
     b = mine(val, run / "final", tmp_path / "m_final", k=2, progress=False)
     own = ("model", "out", "seconds")
@@ -167,13 +190,17 @@ def test_editing_the_run_config_does_not_change_how_a_step_is_rebuilt(edit, run,
     with caplog.at_level(logging.WARNING):
         loaded = mmalign.load(step)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert loaded.config["arch"]["embed_dim"] == 32 and loaded.config["train_config"]["model"]["preset"] == "micro"
+    assert (
+        loaded.config["arch"]["embed_dim"] == 32
+        and loaded.config["train_config"]["model"]["preset"] == "micro"
+    )
     images, _ = _inputs(loaded.tokenizer)
     assert torch.equal(loaded.encode_image(images), reference[0](images))
 
 
-def test_an_old_step_without_its_config_falls_back_to_the_run_config_with_one_warning(run, reference, tmp_path,
-                                                                                       caplog):
+def test_an_old_step_without_its_config_falls_back_to_the_run_config_with_one_warning(
+    run, reference, tmp_path, caplog
+):
     copied, step = _copy_run(run, tmp_path)
     (step / "config.yaml").unlink()  # a checkpoint from before checkpoints stored their config
     with caplog.at_level(logging.WARNING):
@@ -196,18 +223,25 @@ def test_bad_paths_are_one_line_usage_errors(run, tmp_path, capsys):
     shutil.rmtree(unfinished / "final")
     no_engine = tmp_path / "r" / "checkpoints" / STEP
     no_engine.mkdir(parents=True)
-    cases = {tmp_path / "missing": "does not exist", empty: "no mmalign model",
-             unfinished: f"no final/ yet; its newest checkpoint is {unfinished / 'checkpoints' / STEP}",
-             no_engine: "no mmalign model"}
+    cases = {
+        tmp_path / "missing": "does not exist",
+        empty: "no mmalign model",
+        unfinished: f"no final/ yet; its newest checkpoint is {unfinished / 'checkpoints' / STEP}",
+        no_engine: "no mmalign model",
+    }
     for path, why in cases.items():
         with pytest.raises(UsageError) as err:
             mmalign.load(path)
         assert why in str(err.value) and "\n" not in str(err.value), str(err.value)
-        for command in (["eval", "--model", str(path), "--suite", "shapes"],
-                        ["embed", "--model", str(path), "--data", str(empty), "--out", str(tmp_path / "e")]):
+        for command in (
+            ["eval", "--model", str(path), "--suite", "shapes"],
+            ["embed", "--model", str(path), "--data", str(empty), "--out", str(tmp_path / "e")],
+        ):
             assert main(command) == 2
             err_line = capsys.readouterr().err.strip()
-            assert err_line.startswith("mmalign: error:") and "\n" not in err_line and why in err_line, err_line
+            assert err_line.startswith("mmalign: error:") and "\n" not in err_line and why in err_line, (
+                err_line
+            )
 
 
 def test_old_names_still_work(run):
@@ -215,4 +249,8 @@ def test_old_names_still_work(run):
 
     assert isinstance(load(run), Loaded)
     model, transform, tokenizer = clip_benchmark_loader(pretrained=str(run / "checkpoints" / STEP))
-    assert model.embed_dim == 32 and tokenizer(["a"]).shape[0] == 1 and math.isfinite(float(model.logit_scale.detach()))
+    assert (
+        model.embed_dim == 32
+        and tokenizer(["a"]).shape[0] == 1
+        and math.isfinite(float(model.logit_scale.detach()))
+    )

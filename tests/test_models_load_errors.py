@@ -48,9 +48,14 @@ def _damage(kind: str, good, tmp_path):
     return d
 
 
-KINDS = {"truncated_weights": "not a readable safetensors file", "not_safetensors": "not a readable safetensors file",
-         "invalid_json": "is not valid JSON", "list_json": "must hold a JSON object, got list",
-         "missing_arch": "no usable 'arch'", "shape_mismatch": "does not fit its model_config.json: shape of"}
+KINDS = {
+    "truncated_weights": "not a readable safetensors file",
+    "not_safetensors": "not a readable safetensors file",
+    "invalid_json": "is not valid JSON",
+    "list_json": "must hold a JSON object, got list",
+    "missing_arch": "no usable 'arch'",
+    "shape_mismatch": "does not fit its model_config.json: shape of",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -70,14 +75,24 @@ def test_the_good_folder_loads(good_folder):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind, command", [("truncated_weights", "eval"), ("list_json", "export"),
-                                           ("shape_mismatch", "eval"), ("missing_arch", "export")])
+@pytest.mark.parametrize(
+    "kind, command",
+    [
+        ("truncated_weights", "eval"),
+        ("list_json", "export"),
+        ("shape_mismatch", "eval"),
+        ("missing_arch", "export"),
+    ],
+)
 def test_cli_eval_and_export_exit_2_in_one_line(kind, command, good_folder, tmp_path, capsys):
     from mmalign.cli import main
 
     d = _damage(kind, good_folder, tmp_path)
-    args = (["eval", "--model", str(d), "--out", str(tmp_path / "e.json")] if command == "eval" else
-            ["export", "--model", str(d), "--format", "open_clip", "--out", str(tmp_path / "x")])
+    args = (
+        ["eval", "--model", str(d), "--out", str(tmp_path / "e.json")]
+        if command == "eval"
+        else ["export", "--model", str(d), "--format", "open_clip", "--out", str(tmp_path / "x")]
+    )
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("mmalign: error:") and KINDS[kind] in err, err

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from PIL import Image
 
-import mmalign
 from tests.searchdata import save_random_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign.run import checkpoint
 from mmalign.cli import main
 from mmalign.config import ConfigError, load_config, save_config
-from mmalign.errors import UsageError
 from mmalign.data.transforms import preprocess_cfg
+from mmalign.errors import UsageError
 from mmalign.models import TwoTower
 from mmalign.models.io import save_pretrained
 from mmalign.models.load import load
 from mmalign.models.presets import PRESETS
+from mmalign.run import checkpoint
 
 
 class _Payload:
@@ -63,7 +63,9 @@ def test_model_folder_with_planted_engine_uses_the_safetensors(tmp_path, capsys)
 
     loaded = load(folder)
     assert loaded.kind == "model" and not marker.exists()
-    assert main(["export", "--model", str(folder), "--format", "open_clip", "--out", str(tmp_path / "oc")]) == 0
+    assert (
+        main(["export", "--model", str(folder), "--format", "open_clip", "--out", str(tmp_path / "oc")]) == 0
+    )
     assert not marker.exists()
     exported = load_file(str(tmp_path / "oc" / "open_clip_model.safetensors"))
     assert torch.equal(exported["visual.proj"], model.state_dict()["visual.proj"])
@@ -78,15 +80,22 @@ def _fake_run(root: Path) -> Path:
     return step
 
 
-@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt",  # ZeRO-0: our own torch.load
-                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"])  # ZeRO 1-3: zero_to_fp32's
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "mp_rank_00_model_states.pt",  # ZeRO-0: our own torch.load
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ],
+)  # ZeRO 1-3: zero_to_fp32's
 def test_planted_pickle_in_a_step_checkpoint_is_a_one_line_error(tmp_path, capsys, planted):
     marker = tmp_path / "MARKER"
     step = _fake_run(tmp_path / "run")
     if planted.endswith("optim_states.pt"):
         # a weights-only-loadable model-states file, so zero_to_fp32 goes on to the optimizer file
-        torch.save({"module": {}, "buffer_names": [], "param_shapes": [{}], "shared_params": {},
-                    "ds_version": "0"}, step / "engine" / "mp_rank_00_model_states.pt")
+        torch.save(
+            {"module": {}, "buffer_names": [], "param_shapes": [{}], "shared_params": {}, "ds_version": "0"},
+            step / "engine" / "mp_rank_00_model_states.pt",
+        )
     plant(step / "engine" / planted, marker)
     assert main(["export", "--model", str(step), "--format", "open_clip", "--out", str(tmp_path / "oc")]) == 2
     err = _one_line_error(capsys)
@@ -121,5 +130,7 @@ def test_latest_names_only_a_sibling_step(tmp_path):
     (run / "checkpoints" / "latest").write_text("step_00000002\n")
     assert checkpoint.resolve(run, "latest") == step
     assert checkpoint.resolve(run, str(step)) == step
-    with pytest.raises(ConfigError, match="RUN/checkpoints/step_N"):  # an explicit path must look like one too
+    with pytest.raises(
+        ConfigError, match="RUN/checkpoints/step_N"
+    ):  # an explicit path must look like one too
         checkpoint.resolve(run, str(elsewhere))

@@ -9,7 +9,14 @@ import pytest
 from mmalign.models import preset_table
 from tests.conftest import cli_main
 
-SPREAD = ["micro", "tiny-rn", "RN50", "ViT-B-32", "ViT-B-16-SigLIP", "convnext_base"]  # ViT, ResNet, HF text, timm
+SPREAD = [
+    "micro",
+    "tiny-rn",
+    "RN50",
+    "ViT-B-32",
+    "ViT-B-16-SigLIP",
+    "convnext_base",
+]  # ViT, ResNet, HF text, timm
 
 
 def test_the_preset_list_is_open_clips_registry_read_without_importing_it():
@@ -34,7 +41,9 @@ def test_a_row_is_what_building_the_preset_counts(name):
 
     row = preset_table.read_table()[name]
     try:
-        model = check_buildable(ModelConfig(preset=name))  # the meta-device model: its parameters, counted here
+        model = check_buildable(
+            ModelConfig(preset=name)
+        )  # the meta-device model: its parameters, counted here
     except ConfigError:
         assert not row["offline"] and row["params"] is None
         return
@@ -60,5 +69,7 @@ def test_a_changed_preset_is_built_and_announced(monkeypatch):
     res = cli_main("models")
     assert res.returncode == 0 and built == ["micro"]
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("mmalign: counting the parameters of 1 preset(s) not in the shipped table (micro)")
+    assert lines[0].startswith(
+        "mmalign: counting the parameters of 1 preset(s) not in the shipped table (micro)"
+    )
     assert [ln.split()[0] for ln in lines[2:4]] == ["micro", "tiny"]

@@ -51,8 +51,11 @@ def test_every_trainable_parameter_gets_a_nonzero_gradient():
     out = model(images, tokens)
     loss = clip_loss(out.image, out.text, out.logit_scale)
     loss.backward()
-    missing = [n for n, p in model.named_parameters()
-               if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
+    missing = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)
+    ]
     assert missing == []
 
 
@@ -93,7 +96,10 @@ def test_train_flops_count_a_locked_tower_forward_only(lock):
     images, tokens = torch.zeros(1, 3, size, size), torch.ones(1, length, dtype=torch.long)
     tokens[:, 0], tokens[:, -1] = 49406, 49407  # no padding: nothing is trimmed
     tower = {}
-    for name, run in (("image", lambda: model.encode_image(images)), ("text", lambda: model.encode_text(tokens))):
+    for name, run in (
+        ("image", lambda: model.encode_image(images)),
+        ("text", lambda: model.encode_text(tokens)),
+    ):
         counter = flop_counter()
         with counter:
             run()

@@ -16,11 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mmalign.run import runlog
 from mmalign.config import ModelConfig, load_config
 from mmalign.models import build_model
-from mmalign.run.monitors import (describe_peak, flop_counter, forward_flops_per_sample, matmul_dtype, peak_tflops,
-                              train_flops_per_sample)
+from mmalign.run import runlog
+from mmalign.run.monitors import (
+    describe_peak,
+    flop_counter,
+    forward_flops_per_sample,
+    matmul_dtype,
+    peak_tflops,
+    train_flops_per_sample,
+)
 
 BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]  # the two CPU backends the towers may run on
 
@@ -32,15 +38,15 @@ def _blocks(layers: int, tokens: int, width: int, mlp_ratio: int = 4) -> int:
     """Forward FLOPs of ``layers`` pre-norm transformer blocks on ``tokens`` tokens: per token the
     qkv (3 d^2), out (d^2) and MLP (2 x ratio d^2) projections; per block Q K^T and A V
     (2 x N^2 d: dense, a causal mask still computes every score)."""
-    per_token = (3 + 1 + 2 * mlp_ratio) * width ** 2
-    return 2 * layers * (tokens * per_token + 2 * tokens ** 2 * width)
+    per_token = (3 + 1 + 2 * mlp_ratio) * width**2
+    return 2 * layers * (tokens * per_token + 2 * tokens**2 * width)
 
 
 def _vit(image: int, patch: int, width: int, layers: int, embed: int) -> int:
     """An open_clip ViT for one image: the patch convolution (3 p^2 -> d per patch), the blocks on
     the patches and the class token, the projection of the pooled class token (d -> embed)."""
     patches = (image // patch) ** 2
-    return 2 * patches * width * 3 * patch ** 2 + _blocks(layers, patches + 1, width) + 2 * width * embed
+    return 2 * patches * width * 3 * patch**2 + _blocks(layers, patches + 1, width) + 2 * width * embed
 
 
 def _text(context: int, width: int, layers: int, embed: int) -> int:
@@ -82,8 +88,10 @@ def test_vit_b16_step_counts_the_analytic_123_gflop(vit_b16):
     assert vision == pytest.approx(VIT_B16, rel=5e-3)
     assert text == pytest.approx(TEXT_B16, rel=5e-3)  # all 77 tokens, not the 2 the probe once kept
     step = train_flops_per_sample(model, model.image_size, model.context_length)
-    print(f"ViT-B-16: counted {step / 1e9:.2f} GFLOP/sample (vision fwd {vision / 1e9:.2f}, text fwd "
-          f"{text / 1e9:.2f}); analytic {3 * (VIT_B16 + TEXT_B16) / 1e9:.2f}")
+    print(
+        f"ViT-B-16: counted {step / 1e9:.2f} GFLOP/sample (vision fwd {vision / 1e9:.2f}, text fwd "
+        f"{text / 1e9:.2f}); analytic {3 * (VIT_B16 + TEXT_B16) / 1e9:.2f}"
+    )
     assert step == pytest.approx(3 * (VIT_B16 + TEXT_B16), rel=5e-3)
 
 
@@ -170,15 +178,22 @@ def _cfg(*overrides: str):
     return load_config(None, ["model.preset=micro", *overrides])
 
 
-@pytest.mark.parametrize("overrides, device, want", [
-    (["train.precision=bf16"], "cuda", "bf16"),
-    (["train.precision=bf16"], "cpu", "bf16"),
-    (["train.precision=fp16", "deepspeed.precision=fp16"], "cuda", "fp16"),
-    ([], "cuda", "tf32"),  # fp32 tensors, train.tf32 on by default: TF32 tensor cores
-    (["train.tf32=false"], "cuda", "fp32"),
-    ([], "cpu", "fp32"),  # train.tf32 does nothing on a CPU
-    (["deepspeed.precision=bf16", "deepspeed.zero_stage=1"], "cuda", "bf16"),  # bf16 weights: bf16 matmuls
-])
+@pytest.mark.parametrize(
+    "overrides, device, want",
+    [
+        (["train.precision=bf16"], "cuda", "bf16"),
+        (["train.precision=bf16"], "cpu", "bf16"),
+        (["train.precision=fp16", "deepspeed.precision=fp16"], "cuda", "fp16"),
+        ([], "cuda", "tf32"),  # fp32 tensors, train.tf32 on by default: TF32 tensor cores
+        (["train.tf32=false"], "cuda", "fp32"),
+        ([], "cpu", "fp32"),  # train.tf32 does nothing on a CPU
+        (
+            ["deepspeed.precision=bf16", "deepspeed.zero_stage=1"],
+            "cuda",
+            "bf16",
+        ),  # bf16 weights: bf16 matmuls
+    ],
+)
 def test_the_run_dtype_comes_from_its_config(overrides, device, want):
     assert matmul_dtype(_cfg(*overrides), torch.device(device)) == want
 
@@ -186,21 +201,26 @@ def test_the_run_dtype_comes_from_its_config(overrides, device, want):
 @pytest.fixture
 def gpu_named(monkeypatch):
     """A stand-in CUDA device name (the test runs on a CPU)."""
+
     def name(value: str) -> torch.device:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args, **kwargs: value)
         return torch.device("cuda", 0)
+
     return name
 
 
-@pytest.mark.parametrize("name, peaks", [
-    ("NVIDIA H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0}),
-    ("NVIDIA H100 80GB HBM3", {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0}),
-    ("NVIDIA H100 PCIe", {"bf16": 756.5, "tf32": 378.0, "fp32": 51.0}),  # not the SXM part's figures
-    ("NVIDIA A100-SXM4-80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("NVIDIA A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),  # not matched by "A100"
-    ("Tesla V100-SXM2-16GB", {"bf16": None, "fp16": 125.0, "tf32": 15.7, "fp32": 15.7}),  # no bf16 units
-    ("Some Future GPU", {"bf16": None, "fp32": None}),
-])
+@pytest.mark.parametrize(
+    "name, peaks",
+    [
+        ("NVIDIA H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 67.0}),
+        ("NVIDIA H100 80GB HBM3", {"bf16": 989.0, "tf32": 494.7, "fp32": 67.0}),
+        ("NVIDIA H100 PCIe", {"bf16": 756.5, "tf32": 378.0, "fp32": 51.0}),  # not the SXM part's figures
+        ("NVIDIA A100-SXM4-80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+        ("NVIDIA A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),  # not matched by "A100"
+        ("Tesla V100-SXM2-16GB", {"bf16": None, "fp16": 125.0, "tf32": 15.7, "fp32": 15.7}),  # no bf16 units
+        ("Some Future GPU", {"bf16": None, "fp32": None}),
+    ],
+)
 def test_the_peak_is_the_datasheet_figure_of_the_dtype(gpu_named, name, peaks):
     device = gpu_named(name)
     for dtype, want in peaks.items():
@@ -239,8 +259,17 @@ def test_the_readable_line_shows_the_rate():
 def test_a_cpu_run_logs_gflops_of_the_full_count_and_no_mfu(micro_overrides):
     from mmalign.run.train import train
 
-    cfg = load_config(None, micro_overrides + ["train.steps=2", "train.warmup_steps=0", "train.log_every=1",
-                                               "monitor.probe_size=0", "eval.suite=none"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + [
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "train.log_every=1",
+            "monitor.probe_size=0",
+            "eval.suite=none",
+        ],
+    )
     assert cfg.train.trim_text_padding  # the loop trims the shapes captions; the count does not
     out = train(cfg, show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -248,7 +277,9 @@ def test_a_cpu_run_logs_gflops_of_the_full_count_and_no_mfu(micro_overrides):
         assert "mfu" not in r
         assert r["gflops"] == pytest.approx(r["tflops"] * 1e3, rel=1e-9)
         # per sample: the analytic micro step at the full 16 tokens (the count ran on the device, untrimmed)
-        assert r["tflops"] * 1e12 / r["samples_per_s"] == pytest.approx(3 * (VIT_MICRO + TEXT_MICRO), rel=1e-6)
+        assert r["tflops"] * 1e12 / r["samples_per_s"] == pytest.approx(
+            3 * (VIT_MICRO + TEXT_MICRO), rel=1e-6
+        )
     log = (out / "train.log").read_text()
     assert "no peak FLOP/s for a CPU (matmuls in fp32): logging achieved GFLOP/s, no MFU" in log
     steps = [line for line in log.splitlines() if "step 2/2" in line]

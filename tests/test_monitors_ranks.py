@@ -29,7 +29,12 @@ def _reduce_worker(rank, world):
 def test_global_log_values_mean_the_loss_and_sum_waits_and_skips():
     got = run_ranks(_reduce_worker, WORLD, pooled=True)[0]
     # losses 1 and 3 -> mean 2; waits 0.5 + 1.5; skips {decode: 1 + 3, too_small: 0 + 2}
-    assert got == {"loss": 2.0, "data_wait_s": 2.0, "skipped_samples/decode": 4, "skipped_samples/too_small": 2}
+    assert got == {
+        "loss": 2.0,
+        "data_wait_s": 2.0,
+        "skipped_samples/decode": 4,
+        "skipped_samples/too_small": 2,
+    }
 
 
 def test_global_log_values_in_one_process_are_the_local_values():
@@ -120,11 +125,21 @@ def _train_worker(rank, world, overrides, out):
 def two_rank_run(shapes_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_rank")
     ov = [
-        "model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-        f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-        "train.global_batch_size=16", "train.steps=6", "train.warmup_steps=2", "train.lr=0.002",
-        "train.log_every=1", "train.checkpoint_every=3", "train.keep_checkpoints=5",
-        "model.vision.patch_dropout=0.5", "monitor.peak_tflops=0.001", f"output={out / 'run'}",
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=6",
+        "train.warmup_steps=2",
+        "train.lr=0.002",
+        "train.log_every=1",
+        "train.checkpoint_every=3",
+        "train.keep_checkpoints=5",
+        "model.vision.patch_dropout=0.5",
+        "monitor.peak_tflops=0.001",
+        f"output={out / 'run'}",
     ]
     # fresh ranks: train() makes and ends its own group, as under a launcher (run_ranks' doc)
     run_ranks(_train_worker, WORLD, ov, str(out), group=False)
@@ -163,4 +178,6 @@ def test_two_rank_resume_with_dropout_is_bit_exact(two_rank_run):
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
     losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert losses == [json.loads(line)["loss"] for line in (out / "straight_metrics.jsonl").read_text().splitlines()]
+    assert losses == [
+        json.loads(line)["loss"] for line in (out / "straight_metrics.jsonl").read_text().splitlines()
+    ]

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from mmalign.config import ConfigError, load_config, validate
+from mmalign.config.loss_rules import PARTS
 from mmalign.data.batch import Batch
 from mmalign.losses import caption_ids
 from mmalign.losses.metadata import encode_subset_code
 from mmalign.models import build_model
 from mmalign.models.embeddings import Embeddings
 from mmalign.objective import build_objective
-from mmalign.config.loss_rules import PARTS
 from tests.conftest import unit  # noqa: F401  (the `gen` fixture lives there too)
 
 B, K, Q = 6, 2, 5
@@ -35,10 +35,14 @@ def _inputs(gen, dim):
     ment = torch.rand(B, 3, generator=gen) < 0.5
     codes = torch.tensor([encode_subset_code(vals[i].tolist(), ment[i].tolist()) for i in range(B)])
     neg_mask = torch.rand(B, K, generator=gen) < 0.6
-    feats = {"image": unit(gen, B, dim), "text": unit(gen, B, dim), "image2": unit(gen, B, dim),
-             "neg_text": unit(gen, B * K, dim).reshape(B, K, dim),
-             "logit_scale": torch.tensor([3.0 + 7 * torch.rand(1, generator=gen).item()]),
-             "logit_bias": torch.tensor([-2.0 * torch.rand(1, generator=gen).item()])}
+    feats = {
+        "image": unit(gen, B, dim),
+        "text": unit(gen, B, dim),
+        "image2": unit(gen, B, dim),
+        "neg_text": unit(gen, B * K, dim).reshape(B, K, dim),
+        "logit_scale": torch.tensor([3.0 + 7 * torch.rand(1, generator=gen).item()]),
+        "logit_bias": torch.tensor([-2.0 * torch.rand(1, generator=gen).item()]),
+    }
     queue_captions = [POOL[int(i)] for i in torch.randint(0, len(POOL), (Q,), generator=gen)]
     queue = (unit(gen, Q, dim), unit(gen, Q, dim), queue_captions)
     return captions, codes, (vals, ment), neg_mask, feats, queue
@@ -65,8 +69,10 @@ def _reference(on, cfg, captions, subsets, neg_mask, f, queue):
     same = [[_norm(captions[i]) == _norm(captions[j]) for j in range(B)] for i in range(B)]
     if "mask" in on:  # image i has every attribute caption j mentions
         vals, ment = subsets
-        pos = [[all(not ment[j, k] or vals[i, k] == vals[j, k] for k in range(3)) for j in range(B)]
-               for i in range(B)]
+        pos = [
+            [all(not ment[j, k] or vals[i, k] == vals[j, k] for k in range(3)) for j in range(B)]
+            for i in range(B)
+        ]
     elif "ids" in on:
         pos = same
     else:
@@ -91,8 +97,9 @@ def _reference(on, cfg, captions, subsets, neg_mask, f, queue):
             if "mined" in on:
                 extra_i += [s * x[i] @ f["neg_text"][i, m] for m in range(K) if neg_mask[i, m]]
             i2t = i2t + _ref_row([s * x[i] @ y[j] for j in range(B)], pos[i], extra_i, s, beta, prior)
-            t2i = t2i + _ref_row([s * y[i] @ x[j] for j in range(B)], [pos[j][i] for j in range(B)], extra_t,
-                                 s, beta, prior)
+            t2i = t2i + _ref_row(
+                [s * y[i] @ x[j] for j in range(B)], [pos[j][i] for j in range(B)], extra_t, s, beta, prior
+            )
         loss = 0.5 * (i2t / B + t2i / B)
     if "views" in on:  # + weight x NT-Xent of the two views at 1 / temperature
         z = torch.cat([x, f["image2"]])
@@ -130,13 +137,25 @@ def test_every_pair_composes_or_is_refused_by_one_rule(gen, a, b):
     on = {a, b}
     need = objective.embeddings
     leaves = {k: v.clone().requires_grad_() for k, v in feats.items() if k in need}
-    batch = Batch(torch.zeros(B, 1), torch.zeros(B, 1, dtype=torch.long), captions=captions, ids=codes,
-                  neg_mask=neg_mask)
+    batch = Batch(
+        torch.zeros(B, 1),
+        torch.zeros(B, 1, dtype=torch.long),
+        captions=captions,
+        ids=codes,
+        neg_mask=neg_mask,
+    )
     out = objective.loss_for(objective.select(batch))(Embeddings(**leaves))
     out.loss.backward()
     refs = {k: v.double().clone().requires_grad_() for k, v in feats.items() if k in need}
-    want = _reference(on, cfg, captions, subsets, neg_mask, {**{k: v.double() for k, v in feats.items()}, **refs},
-                      tuple(t.double() if torch.is_tensor(t) else t for t in queue))
+    want = _reference(
+        on,
+        cfg,
+        captions,
+        subsets,
+        neg_mask,
+        {**{k: v.double() for k, v in feats.items()}, **refs},
+        tuple(t.double() if torch.is_tensor(t) else t for t in queue),
+    )
     want.backward()
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5), (a, b)
     for k in leaves:
@@ -159,8 +178,17 @@ def test_one_process_rule_and_part_table():
 def test_the_objective_feeds_the_model_only_what_its_terms_read():
     cfg = load_config(None, BASE + ["data.views=2"])  # a second view made, but no image-image term
     objective = build_objective(cfg)
-    batch = Batch(torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.long), images2=torch.zeros(2, 1),
-                  neg_tokens=torch.zeros(2, 1, 1, dtype=torch.long))
+    batch = Batch(
+        torch.zeros(2, 1),
+        torch.zeros(2, 1, dtype=torch.long),
+        images2=torch.zeros(2, 1),
+        neg_tokens=torch.zeros(2, 1, 1, dtype=torch.long),
+    )
     assert set(objective.select(batch).model_inputs()) == {"images", "texts"}
     cfg = load_config(None, BASE + ["data.views=2", "loss.image_image_weight=0.5", "data.hard_negatives=1"])
-    assert set(build_objective(cfg).select(batch).model_inputs()) == {"images", "texts", "images2", "neg_texts"}
+    assert set(build_objective(cfg).select(batch).model_inputs()) == {
+        "images",
+        "texts",
+        "images2",
+        "neg_texts",
+    }

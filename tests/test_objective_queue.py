@@ -56,6 +56,7 @@ def naive_rows(rows, cols, qcols, s, ids, qids, exclude=True):
 
 def naive_loss(x, y, s, qx, qy, ids=None, qids=None, exclude=True):
     """x, y (N, D) the global batch; qx, qy (Q, D) the queue; ids (N,) / qids (Q,) or None."""
+
     def direction(rows, cols, qcols):
         total = 0.0
         for logits, is_pos in naive_rows(rows, cols, qcols, s, ids, qids, exclude):
@@ -79,8 +80,11 @@ def naive_stats(x, y, s, qx, qy, ids=None, qids=None):
             ranks.append(1 + sum(int(l > pos_max) for l in negs))
             top1.append(float(pos_max > neg_max))
             probs.append(torch.exp(neg_max - lse).item())
-    return {"pos_rank": sum(ranks) / len(ranks), "top1": sum(top1) / len(top1),
-            "hardest_neg_prob": sum(probs) / len(probs)}
+    return {
+        "pos_rank": sum(ranks) / len(ranks),
+        "top1": sum(top1) / len(top1),
+        "hardest_neg_prob": sum(probs) / len(probs),
+    }
 
 
 def draw(gen, b=6, q=7, d=8, with_ids=True):
@@ -140,7 +144,9 @@ def test_unfilled_slots_are_never_candidates(gen):
     q.text.fill_(float("nan"))
     q.enqueue(qx[:3], qy[:3], qids[:3])
     got = queue_clip_loss(x, y, s, q.entries(), positive_ids=ids)
-    ref = naive_loss(x.double(), y.double(), s.double().reshape(()), qx[:3].double(), qy[:3].double(), ids, qids[:3])
+    ref = naive_loss(
+        x.double(), y.double(), s.double().reshape(()), qx[:3].double(), qy[:3].double(), ids, qids[:3]
+    )
     assert torch.isfinite(got) and rel_err(got, ref) < TOL
 
 
@@ -169,8 +175,11 @@ class TinyTowers(nn.Module):
         self.logit_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, images, tokens):
-        return Embeddings(image=F.normalize(self.visual(images), dim=-1), text=F.normalize(self.text(tokens), dim=-1),
-                          logit_scale=self.logit_scale.exp())
+        return Embeddings(
+            image=F.normalize(self.visual(images), dim=-1),
+            text=F.normalize(self.text(tokens), dim=-1),
+            logit_scale=self.logit_scale.exp(),
+        )
 
 
 def _perturb(model, gen):
@@ -195,8 +204,9 @@ def test_ema_update_follows_the_formula_and_leaves_the_online_model_alone(gen):
         mq.update(dict(online.named_parameters()), dict(online.named_buffers()))
         for name, p in online.named_parameters():
             flat_ema, flat_on = ema[name].reshape(-1), p.detach().double().reshape(-1)
-            ema[name] = torch.stack([0.9 * flat_ema[i] + 0.1 * flat_on[i]
-                                     for i in range(flat_ema.numel())]).reshape(p.shape)
+            ema[name] = torch.stack(
+                [0.9 * flat_ema[i] + 0.1 * flat_on[i] for i in range(flat_ema.numel())]
+            ).reshape(p.shape)
             got = dict(mq.model.named_parameters())[name]
             assert rel_err(got, ema[name]) < 1e-6, name
         for name, buf in online.named_buffers():
@@ -260,8 +270,9 @@ def test_loss_matches_naive_reference(gen, tile, with_ids, how):
     plain = clip_loss(x.double(), y.double(), s.double(), positive_ids=ids)
     assert rel_err(got, plain) > 100 * TOL
     if with_ids:
-        unexcluded = naive_loss(x.double(), y.double(), s.double().reshape(()), qx.double(), qy.double(), ids, qids,
-                                exclude=False)
+        unexcluded = naive_loss(
+            x.double(), y.double(), s.double().reshape(()), qx.double(), qy.double(), ids, qids, exclude=False
+        )
         assert rel_err(got, unexcluded) > 100 * TOL
 
 
@@ -284,8 +295,9 @@ def test_rows_whose_every_queued_entry_is_excluded(gen, tile):
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_monitors_cover_batch_and_queue(gen, tile, with_ids):
     x, y, s, qx, qy, ids, qids = draw(gen, with_ids=with_ids)
-    stats = objectives.loss(x, y, s, tile=tile, ids=ids if with_ids else None,
-                            queue=QueueEntries(qx, qy, qids)).stats
+    stats = objectives.loss(
+        x, y, s, tile=tile, ids=ids if with_ids else None, queue=QueueEntries(qx, qy, qids)
+    ).stats
     want = naive_stats(x.double(), y.double(), s.double().reshape(()), qx.double(), qy.double(), ids, qids)
     for key, value in want.items():
         assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -323,15 +335,21 @@ def test_bad_combinations_are_refused(gen):
 # ----------------------------------------------------------------- the config
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["loss.queue_size=-1"], "loss.queue_size"),
-    (["loss.momentum=1.0"], "loss.momentum"),
-    (["loss.momentum=-0.1"], "loss.momentum"),
-    (["loss.queue_size=64", "loss.name=siglip", "model.init_logit_bias=-10"], "loss.queue_size"),
-    (["loss.queue_size=64", "loss.hard_negative_beta=0.5"], "loss.queue_size"),
-    (["loss.queue_size=64", "loss.debias_prior=0.1"], "loss.queue_size"),
-    (["loss.queue_size=64", "loss.positive_mask=attribute_subset", "data.id_field=subset_code"], "loss.queue_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["loss.queue_size=-1"], "loss.queue_size"),
+        (["loss.momentum=1.0"], "loss.momentum"),
+        (["loss.momentum=-0.1"], "loss.momentum"),
+        (["loss.queue_size=64", "loss.name=siglip", "model.init_logit_bias=-10"], "loss.queue_size"),
+        (["loss.queue_size=64", "loss.hard_negative_beta=0.5"], "loss.queue_size"),
+        (["loss.queue_size=64", "loss.debias_prior=0.1"], "loss.queue_size"),
+        (
+            ["loss.queue_size=64", "loss.positive_mask=attribute_subset", "data.id_field=subset_code"],
+            "loss.queue_size",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -339,12 +357,29 @@ def test_config_errors_name_the_key(overrides, key):
 
 
 def test_config_defaults_and_cli_exit_2(tmp_path):
-    cfg = load_config(None, ["loss.queue_size=4096", "loss.momentum=0.99", "loss.tile_size=512",
-                             "loss.false_negative_ids=caption", "deepspeed.zero_stage=3"])
+    cfg = load_config(
+        None,
+        [
+            "loss.queue_size=4096",
+            "loss.momentum=0.99",
+            "loss.tile_size=512",
+            "loss.false_negative_ids=caption",
+            "deepspeed.zero_stage=3",
+        ],
+    )
     assert (cfg.loss.queue_size, cfg.loss.momentum) == (4096, 0.99)
     assert load_config().loss.queue_size == 0  # off by default
-    res = run_cli("train", "--set", "loss.queue_size=8", "--set", "loss.name=siglip", "--set",
-                  "model.init_logit_bias=-10", "--output", str(tmp_path / "x"))
+    res = run_cli(
+        "train",
+        "--set",
+        "loss.queue_size=8",
+        "--set",
+        "loss.name=siglip",
+        "--set",
+        "model.init_logit_bias=-10",
+        "--output",
+        str(tmp_path / "x"),
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "loss.queue_size" in lines[0], res.stderr[-2000:]
 
@@ -360,8 +395,13 @@ def test_resume_with_a_queue_equals_the_straight_run(micro_overrides, tmp_path):
     from mmalign.run.train import train
 
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        "train.steps=6", "train.checkpoint_every=3", "monitor.probe_size=0", "loss.queue_size=80",
-        "loss.momentum=0.9", "loss.false_negative_ids=caption"]
+        "train.steps=6",
+        "train.checkpoint_every=3",
+        "monitor.probe_size=0",
+        "loss.queue_size=80",
+        "loss.momentum=0.9",
+        "loss.false_negative_ids=caption",
+    ]
     straight = train(load_config(None, ov + [f"output={tmp_path / 'straight'}"]), show_progress=False)
     records = _metrics(straight)
     # global batch 32, queue 80: 32, 64, then 80 entries after steps 1, 2, 3; the loss sees the earlier ones
@@ -403,14 +443,26 @@ def test_gradient_caching_with_a_queue_equals_one_pass(micro_overrides, tmp_path
     from mmalign.run.train import train
 
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        "train.steps=3", "train.optimizer=sgd", "train.warmup_steps=0", "monitor.probe_size=0",
-        "loss.queue_size=40", "train.checkpoint_every=3"]
-    outs = [train(load_config(None, ov + [f"output={tmp_path / name}", f"train.grad_cache_chunk_size={chunk}"]),
-                  show_progress=False) for name, chunk in (("one", 0), ("cached", 10))]
+        "train.steps=3",
+        "train.optimizer=sgd",
+        "train.warmup_steps=0",
+        "monitor.probe_size=0",
+        "loss.queue_size=40",
+        "train.checkpoint_every=3",
+    ]
+    outs = [
+        train(
+            load_config(None, ov + [f"output={tmp_path / name}", f"train.grad_cache_chunk_size={chunk}"]),
+            show_progress=False,
+        )
+        for name, chunk in (("one", 0), ("cached", 10))
+    ]
     a, b = (load_file(str(o / "final" / "model.safetensors")) for o in outs)
     for k in a:
         assert rel_err(b[k], a[k], floor=1e-12) <= 1e-5, k
-    qa, qb = (torch.load(o / "checkpoints" / "step_00000003" / "momentum.pt", weights_only=True) for o in outs)
+    qa, qb = (
+        torch.load(o / "checkpoints" / "step_00000003" / "momentum.pt", weights_only=True) for o in outs
+    )
     torch.testing.assert_close(qb["queue"]["image"], qa["queue"]["image"], rtol=0, atol=1e-5)
     assert [r["n_candidates"] for r in _metrics(outs[1])] == [32, 64, 72]
 
@@ -421,9 +473,15 @@ def test_two_process_run_zero3_cached_resumes_exactly(micro_overrides, tmp_path)
     """The whole loop on 2 ranks (ZeRO-3, gradient caching, caption ids): resuming from the
     step-2 checkpoint reaches the straight run's weights and queue."""
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=2", "monitor.probe_size=0",
-        "loss.queue_size=48", "loss.false_negative_ids=caption", "deepspeed.zero_stage=3",
-        "train.grad_cache_chunk_size=6"]
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.checkpoint_every=2",
+        "monitor.probe_size=0",
+        "loss.queue_size=48",
+        "loss.false_negative_ids=caption",
+        "deepspeed.zero_stage=3",
+        "train.grad_cache_chunk_size=6",
+    ]
 
     def cli(out, *extra):
         args = ["train", "--nproc", "2", "--output", str(out), *extra]
@@ -441,8 +499,10 @@ def test_two_process_run_zero3_cached_resumes_exactly(micro_overrides, tmp_path)
     b = load_file(str(resumed / "final" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
-    qa, qb = (torch.load(o / "checkpoints" / "step_00000004" / "momentum.pt", weights_only=True)
-              for o in (straight, resumed))
+    qa, qb = (
+        torch.load(o / "checkpoints" / "step_00000004" / "momentum.pt", weights_only=True)
+        for o in (straight, resumed)
+    )
     for key in ("image", "text", "ids"):
         torch.testing.assert_close(qb["queue"][key], qa["queue"][key], rtol=0, atol=1e-6, msg=key)
 
@@ -454,8 +514,8 @@ SHARDED_CASES = [("paired", 0, False), ("ids", 0, True), ("ids_tiled", 3, True)]
 
 
 def _rank_worker(rank, world, in_path):
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
+    from mmalign.run.engine import Engine
 
     data = torch.load(in_path)
     sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
@@ -469,7 +529,13 @@ def _rank_worker(rank, world, in_path):
         queue = QueueEntries(data["qx"], data["qy"], data["qids"] if with_ids else None)
         out = objectives.loss(x, y, s, tile=tile, ids=data["ids"][sl] if with_ids else None, queue=queue)
         out.loss.backward()
-        results[name] = {"loss": out.loss.detach(), "dx": x.grad, "dy": y.grad, "ds": s.grad, "stats": out.stats}
+        results[name] = {
+            "loss": out.loss.detach(),
+            "dx": x.grad,
+            "dy": y.grad,
+            "ds": s.grad,
+            "stats": out.stats,
+        }
 
     # 2. the momentum queue under the engine, ZeRO 0 / 2 / 3: EMA of the full weights,
     #    each rank pushes its local batch, the queues come out identical
@@ -489,8 +555,12 @@ def _rank_worker(rank, world, in_path):
             mq.update(engine.full_params(), dict(engine.module.named_buffers()))
             mq.push(images, tokens, ids)
             master = engine.consolidated_state_dict()  # the fp32 master weights (a collective)
-            record.append({"master": master, "ema": {k: v.detach().cpu().clone()
-                                                     for k, v in mq.model.named_parameters()}})
+            record.append(
+                {
+                    "master": master,
+                    "ema": {k: v.detach().cpu().clone() for k, v in mq.model.named_parameters()},
+                }
+            )
         results[f"zero{stage}"] = {"init": init, "steps": record, "queue": mq.queue.state_dict()}
     return results
 
@@ -507,14 +577,18 @@ def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path, seed)
     qids[0] = ids[-1]  # an excluded entry for rows on both ranks
     scale = torch.tensor([2.0 + 18.0 * torch.rand((), generator=g).item()])
     in_path = tmp_path / "inputs.pt"
-    torch.save({"x": x, "y": y, "qx": qx, "qy": qy, "ids": ids, "qids": qids, "scale": scale,
-                "seed": seed % 10**6}, in_path)
+    torch.save(
+        {"x": x, "y": y, "qx": qx, "qy": qy, "ids": ids, "qids": qids, "scale": scale, "seed": seed % 10**6},
+        in_path,
+    )
     ranks = run_ranks(_rank_worker, WORLD, str(in_path), pooled=True)
 
-    for name, tile, with_ids in SHARDED_CASES:
+    for name, _tile, with_ids in SHARDED_CASES:
         case_ids, case_qids = (ids, qids) if with_ids else (None, None)
         leaves = [t.double().clone().requires_grad_() for t in (x, y, scale)]
-        ref = naive_loss(leaves[0], leaves[1], leaves[2].reshape(()), qx.double(), qy.double(), case_ids, case_qids)
+        ref = naive_loss(
+            leaves[0], leaves[1], leaves[2].reshape(()), qx.double(), qy.double(), case_ids, case_qids
+        )
         ref.backward()
         got = sum(r[name]["loss"] for r in ranks) / WORLD
         assert rel_err(got, ref) < TOL, name
@@ -523,8 +597,9 @@ def test_two_ranks_sharded_loss_identical_queues_and_zero_stages(tmp_path, seed)
             assert rel_err(res[name]["dx"] / WORLD, leaves[0].grad[sl]) < TOL, (name, k, "dx")
             assert rel_err(res[name]["dy"] / WORLD, leaves[1].grad[sl]) < TOL, (name, k, "dy")
         assert rel_err(sum(r[name]["ds"] for r in ranks) / WORLD, leaves[2].grad) < TOL, (name, "dscale")
-        want = naive_stats(x.double(), y.double(), scale.double().reshape(()), qx.double(), qy.double(),
-                           case_ids, case_qids)
+        want = naive_stats(
+            x.double(), y.double(), scale.double().reshape(()), qx.double(), qy.double(), case_ids, case_qids
+        )
         for r in ranks:  # rank-averaged monitors are the global ones
             for key, value in want.items():
                 assert r[name]["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)

@@ -33,8 +33,14 @@ def test_which_configs_run_zero0_on_one_process():
         got, line = _stage(f"deepspeed.zero_stage={stage}")
         assert got == 0 and f"deepspeed.zero_stage={stage}" in line and "ZeRO-0" in line and "\n" not in line
         # communication knobs are moot on one rank
-        assert _stage(f"deepspeed.zero_stage={stage}", "deepspeed.extra.zero_optimization.overlap_comm=true",
-                      "deepspeed.extra.zero_optimization.reduce_bucket_size=1000")[0] == 0
+        assert (
+            _stage(
+                f"deepspeed.zero_stage={stage}",
+                "deepspeed.extra.zero_optimization.overlap_comm=true",
+                "deepspeed.extra.zero_optimization.reduce_bucket_size=1000",
+            )[0]
+            == 0
+        )
     kept = [
         ("deepspeed.zero_stage=0",),
         ("deepspeed.zero_stage=3",),  # parameter partitioning (with offload) may be what the user wants
@@ -52,8 +58,14 @@ def test_which_configs_run_zero0_on_one_process():
 def test_the_deepspeed_config_at_zero0_keeps_no_zero_knobs():
     from mmalign.run.engine import ds_config, plan_batch
 
-    cfg = load_config(None, ["train.global_batch_size=8", "deepspeed.zero_stage=2",
-                             "deepspeed.extra.zero_optimization.overlap_comm=true"])
+    cfg = load_config(
+        None,
+        [
+            "train.global_batch_size=8",
+            "deepspeed.zero_stage=2",
+            "deepspeed.extra.zero_optimization.overlap_comm=true",
+        ],
+    )
     as_configured = ds_config(cfg, plan_batch(cfg, 1))["zero_optimization"]
     assert as_configured == {"stage": 2, "overlap_comm": True}
     assert ds_config(cfg, plan_batch(cfg, 1), stage=0)["zero_optimization"] == {"stage": 0}
@@ -77,10 +89,10 @@ def _train(cfg, seed: int, forced: bool) -> dict:
     chosen for one rank). The stage run, the gradients of each step and the weights after."""
     import logging
 
-    from mmalign.run import engine as engine_module
     from mmalign.data.batch import Batch
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run import engine as engine_module
 
     real = engine_module.effective_stage
     if forced:
@@ -100,10 +112,17 @@ def _train(cfg, seed: int, forced: bool) -> dict:
     objective = build_objective(cfg)
     grads = []
     for k in range(STEPS):
-        engine.step(Batch(*engine_batch(seed + 1 + k, 0, 1)), objective,
-                    before_update=lambda: grads.append(engine.full_grads()))
-    return {"stage": (engine.stage, engine.ds.zero_optimization_stage()), "grads": grads,
-            "params": engine.consolidated_state_dict(), "lines": lines}
+        engine.step(
+            Batch(*engine_batch(seed + 1 + k, 0, 1)),
+            objective,
+            before_update=lambda: grads.append(engine.full_grads()),
+        )
+    return {
+        "stage": (engine.stage, engine.ds.zero_optimization_stage()),
+        "grads": grads,
+        "params": engine.consolidated_state_dict(),
+        "lines": lines,
+    }
 
 
 def _reference_adamw(cfg, seed: int) -> dict:
@@ -113,7 +132,9 @@ def _reference_adamw(cfg, seed: int) -> dict:
     torch.manual_seed(seed)
     model = build_model(cfg.model)
     t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=0.0, fused=True
+    )
     grads = []
     for k in range(STEPS):  # warmup 1 of 4 steps: the lr stays t.lr for the first two
         opt.zero_grad()
@@ -132,7 +153,9 @@ def _same_step_worker(rank: int, world: int, seed: int) -> dict:
         for name, extra in CASES.items():
             cfg = engine_cfg(stage, *extra)
             out[stage, name] = (_train(cfg, seed, forced=False), _train(cfg, seed, forced=True))
-    cfg = engine_cfg(1, "train.optimizer=adamw", "train.weight_decay=0.0", "train.eps=1e-2")  # no noise-sized steps
+    cfg = engine_cfg(
+        1, "train.optimizer=adamw", "train.weight_decay=0.0", "train.eps=1e-2"
+    )  # no noise-sized steps
     out["reference"] = (_train(cfg, seed, forced=False), _reference_adamw(cfg, seed))
     return out
 
@@ -154,8 +177,11 @@ def test_one_process_zero1_and_zero2_step_as_deepspeeds_zero_and_as_plain_torch(
     got, ref = out["reference"]
     # the second step's gradients are taken at weights that differ at float32 rounding already, which a
     # small-norm gradient (a bias) magnifies in relative terms: 1e-4 there, 1e-5 elsewhere
-    for g, w, tol in ((got["grads"][0], ref["grads"][0], 1e-5), (got["grads"][1], ref["grads"][1], 1e-4),
-                      (got["params"], ref["params"], 1e-5)):
+    for g, w, tol in (
+        (got["grads"][0], ref["grads"][0], 1e-5),
+        (got["grads"][1], ref["grads"][1], 1e-4),
+        (got["params"], ref["params"], 1e-5),
+    ):
         rel, where = max_rel_error(g, w)
         assert rel <= tol, (where, rel, tol)
 
@@ -170,21 +196,26 @@ def _state_by_name(engine) -> dict:
     """The ZeRO-0 engine's optimizer state per parameter name (tensors only)."""
     params = dict(engine.named_parameters())
     by_id = {id(p): n for n, p in params.items()}
-    return {by_id[id(p)]: {k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
-            for p, s in engine.base_optimizer.state.items()}
+    return {
+        by_id[id(p)]: {k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+        for p, s in engine.base_optimizer.state.items()
+    }
 
 
 def _resume_worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -> dict:
-    from mmalign.dist import distributed as mdist
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine, consolidate_checkpoint
+    from mmalign.dist import distributed as mdist
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine, consolidate_checkpoint
 
     seed, results = 7, {}
     for stage, optimizer in RESUME_CASES:
-        extra = (("train.momentum=0.9", "train.lr=0.05") if optimizer == "sgd"
-                 else ("train.grad_clip=0.5", "train.eps=1e-2"))  # eps: no noise-sized Adam steps
+        extra = (
+            ("train.momentum=0.9", "train.lr=0.05")
+            if optimizer == "sgd"
+            else ("train.grad_clip=0.5", "train.eps=1e-2")
+        )  # eps: no noise-sized Adam steps
         cfg = engine_cfg(stage, f"train.optimizer={optimizer}", "train.weight_decay=0.1", *extra)
         objective = build_objective(cfg)
         here = f"{ckpt_dir}/w{world}_z{stage}"
@@ -214,13 +245,16 @@ def _resume_worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from:
             if world == 1:  # ZeRO-0 loaded from ZeRO partitions: the moments, as the 2 ranks held them
                 keys = sorted({k for s in _state_by_name(engine).values() for k in s})
                 results[stage, "loaded_state"] = _state_by_name(engine)
-                results[stage, "source_state"] = {k: consolidate_checkpoint(there, "ckpt", state_key=k) for k in keys}
+                results[stage, "source_state"] = {
+                    k: consolidate_checkpoint(there, "ckpt", state_key=k) for k in keys
+                }
             else:  # ZeRO partitions loaded from ZeRO-0: saved again, consolidated as DeepSpeed stores them
                 engine.save_checkpoint(f"{ckpt_dir}/again_z{stage}", "ckpt")
                 mdist.barrier()
                 keys = ["momentum_buffer"] if optimizer == "sgd" else ["exp_avg", "exp_avg_sq"]
-                results[stage, "resaved_state"] = {k: consolidate_checkpoint(f"{ckpt_dir}/again_z{stage}", "ckpt",
-                                                                             state_key=k) for k in keys}
+                results[stage, "resaved_state"] = {
+                    k: consolidate_checkpoint(f"{ckpt_dir}/again_z{stage}", "ckpt", state_key=k) for k in keys
+                }
             step(engine, RESUME_STEPS - 1)
             results[stage, "resumed_lr"] = engine.lr
             results[stage, "resumed"] = engine.consolidated_state_dict()
@@ -244,10 +278,12 @@ def test_one_process_zero0_checkpoints_resume_on_two_ranks_and_back(tmp_path):
             assert got[stage, "resumed_lr"] == pytest.approx(want[stage, "lr"], rel=1e-12), (stage, how)
         # the optimizer state carried over bit for bit, both ways
         loaded, source = one_from_two[stage, "loaded_state"], one_from_two[stage, "source_state"]
-        assert loaded and all(torch.equal(loaded[n][k], source[k][n].view_as(loaded[n][k]))
-                              for n in loaded for k in loaded[n]), (stage, "2 -> 1")
+        assert loaded and all(
+            torch.equal(loaded[n][k], source[k][n].view_as(loaded[n][k])) for n in loaded for k in loaded[n]
+        ), (stage, "2 -> 1")
         saved, resaved = one[stage, "saved_state"], two_from_one[stage, "resaved_state"]
-        assert saved and all(torch.equal(resaved[k][n].view_as(saved[n][k]), saved[n][k])
-                             for n in saved for k in saved[n]), (stage, "1 -> 2")
+        assert saved and all(
+            torch.equal(resaved[k][n].view_as(saved[n][k]), saved[n][k]) for n in saved for k in saved[n]
+        ), (stage, "1 -> 2")
         same, _ = max_rel_error(one[stage, "uninterrupted"], two[stage, "uninterrupted"])
         assert same <= 1e-5  # the premise: with the same global batch, 1 and 2 ranks train the same weights

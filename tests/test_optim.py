@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -38,7 +37,9 @@ def test_lamb_step_matches_the_formula():
     torch.testing.assert_close(p.detach(), w0 - 0.01 * trust * update)
 
 
-@pytest.mark.parametrize("name, cls", [("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD), ("lamb", Lamb)])
+@pytest.mark.parametrize(
+    "name, cls", [("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD), ("lamb", Lamb)]
+)
 def test_build_optimizer_keeps_groups(name, cls):
     cfg = load_config(None, [f"train.optimizer={name}", "train.lr=0.02", "train.weight_decay=0.3"])
     opt = build_optimizer(param_groups(build_model(ModelConfig(preset="micro")), 0.3), cfg.train)
@@ -82,13 +83,17 @@ def test_segmented_lamb_equals_per_tensor_lamb():
     import threading
 
     torch.manual_seed(0)
-    shapes, decay = [(5, 3), (7,), (4, 4), (3,)], [0.1, 0.1, 0.0, 0.0]
+    shapes = [(5, 3), (7,), (4, 4), (3,)]
     weights = [torch.randn(s) for s in shapes]
     weights[3].zero_()  # a zero-init tensor: trust ratio 1
     grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
     plain = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Lamb([{"params": plain[:2], "weight_decay": 0.1}, {"params": plain[2:], "weight_decay": 0.0}],
-               lr=0.05, betas=(0.9, 0.99), eps=1e-6)
+    opt = Lamb(
+        [{"params": plain[:2], "weight_decay": 0.1}, {"params": plain[2:], "weight_decay": 0.0}],
+        lr=0.05,
+        betas=(0.9, 0.99),
+        eps=1e-6,
+    )
     for step in grads:
         for p, g in zip(plain, step):
             p.grad = g.clone()
@@ -109,16 +114,25 @@ def test_segmented_lamb_equals_per_tensor_lamb():
             total = box[0] + box[1]
             barrier.wait()
             return t.copy_(total)
+
         return f
 
     results = {}
 
     def rank_run(rank):
         w_flat = [flat(weights[:2], 24), flat(weights[2:], 20)]
-        parts = [torch.nn.Parameter(w.narrow(0, 12 * rank, 12).clone()) if i == 0 else
-                 torch.nn.Parameter(w.narrow(0, 10 * rank, 10).clone()) for i, w in enumerate(w_flat)]
-        seg = Lamb([{"params": [parts[0]], "weight_decay": 0.1}, {"params": [parts[1]], "weight_decay": 0.0}],
-                   lr=0.05, betas=(0.9, 0.99), eps=1e-6)
+        parts = [
+            torch.nn.Parameter(w.narrow(0, 12 * rank, 12).clone())
+            if i == 0
+            else torch.nn.Parameter(w.narrow(0, 10 * rank, 10).clone())
+            for i, w in enumerate(w_flat)
+        ]
+        seg = Lamb(
+            [{"params": [parts[0]], "weight_decay": 0.1}, {"params": [parts[1]], "weight_decay": 0.0}],
+            lr=0.05,
+            betas=(0.9, 0.99),
+            eps=1e-6,
+        )
         seg.set_partition_layout(list(zip(parts, layouts[rank])), len(shapes), reduce_sum(rank))
         for step in grads:
             g_flat = [flat(step[:2], 24), flat(step[2:], 20)]
@@ -165,25 +179,33 @@ def _lr_of(groups: list[dict], model: torch.nn.Module) -> dict[str, tuple[float,
 def test_layer_decay_groups_on_the_tiny_vit():
     from mmalign.run.optim import train_param_groups
 
-    cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.lr_text={LR_TEXT}",
-                             f"train.layer_decay={DECAY}", "train.weight_decay=0.2"])
+    cfg = load_config(
+        None,
+        [
+            f"train.lr={LR}",
+            f"train.lr_image={LR_IMAGE}",
+            f"train.lr_text={LR_TEXT}",
+            f"train.layer_decay={DECAY}",
+            "train.weight_decay=0.2",
+        ],
+    )
     model = build_model(ModelConfig(preset="tiny"))  # 4 blocks per tower: layers 0 (stem) .. 5 (head)
     got = _lr_of(train_param_groups(model, cfg.train), model)
     # (lr, weight decay) written out from the rule: tower lr x decay^(5 - layer)
     want = {
-        "visual.conv1.weight": (LR_IMAGE * DECAY ** 5, 0.2),  # patch embedding: layer 0
-        "visual.positional_embedding": (LR_IMAGE * DECAY ** 5, 0.2),
-        "visual.class_embedding": (LR_IMAGE * DECAY ** 5, 0.0),
-        "visual.ln_pre.weight": (LR_IMAGE * DECAY ** 5, 0.0),
-        "visual.transformer.resblocks.0.attn.in_proj_weight": (LR_IMAGE * DECAY ** 4, 0.2),  # first block
-        "visual.transformer.resblocks.0.attn.in_proj_bias": (LR_IMAGE * DECAY ** 4, 0.0),
+        "visual.conv1.weight": (LR_IMAGE * DECAY**5, 0.2),  # patch embedding: layer 0
+        "visual.positional_embedding": (LR_IMAGE * DECAY**5, 0.2),
+        "visual.class_embedding": (LR_IMAGE * DECAY**5, 0.0),
+        "visual.ln_pre.weight": (LR_IMAGE * DECAY**5, 0.0),
+        "visual.transformer.resblocks.0.attn.in_proj_weight": (LR_IMAGE * DECAY**4, 0.2),  # first block
+        "visual.transformer.resblocks.0.attn.in_proj_bias": (LR_IMAGE * DECAY**4, 0.0),
         "visual.transformer.resblocks.3.mlp.c_fc.weight": (LR_IMAGE * DECAY, 0.2),  # last block
         "visual.transformer.resblocks.3.ln_2.weight": (LR_IMAGE * DECAY, 0.0),
         "visual.ln_post.bias": (LR_IMAGE, 0.0),  # head: layer 5
         "visual.proj": (LR_IMAGE, 0.2),
-        "text.token_embedding.weight": (LR_TEXT * DECAY ** 5, 0.2),
-        "text.positional_embedding": (LR_TEXT * DECAY ** 5, 0.2),
-        "text.transformer.resblocks.0.mlp.c_proj.weight": (LR_TEXT * DECAY ** 4, 0.2),
+        "text.token_embedding.weight": (LR_TEXT * DECAY**5, 0.2),
+        "text.positional_embedding": (LR_TEXT * DECAY**5, 0.2),
+        "text.transformer.resblocks.0.mlp.c_proj.weight": (LR_TEXT * DECAY**4, 0.2),
         "text.transformer.resblocks.3.attn.out_proj.weight": (LR_TEXT * DECAY, 0.2),
         "text.ln_final.weight": (LR_TEXT, 0.0),
         "text.text_projection": (LR_TEXT, 0.2),
@@ -196,7 +218,7 @@ def test_layer_decay_groups_on_the_tiny_vit():
     for name, (lr, _) in got.items():
         if name.startswith(("visual.", "text.")):
             base = LR_IMAGE if name.startswith("visual.") else LR_TEXT
-            assert any(lr == pytest.approx(base * DECAY ** k, rel=1e-12) for k in range(6)), (name, lr)
+            assert any(lr == pytest.approx(base * DECAY**k, rel=1e-12) for k in range(6)), (name, lr)
     # the temperature and SigLIP bias stay at train.lr under per-tower lrs
     siglip = build_model(ModelConfig(preset="micro", init_logit_bias=-10.0))
     assert _lr_of(train_param_groups(siglip, cfg.train), siglip)["logit_bias"] == (LR, 0.0)
@@ -223,8 +245,16 @@ def test_defaults_keep_two_groups_at_train_lr():
 def test_schedule_keeps_the_group_ratios():
     from mmalign.run.optim import train_param_groups, warmup_cosine
 
-    cfg = load_config(None, [f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.layer_decay={DECAY}",
-                             "train.steps=10", "train.warmup_steps=3"])
+    cfg = load_config(
+        None,
+        [
+            f"train.lr={LR}",
+            f"train.lr_image={LR_IMAGE}",
+            f"train.layer_decay={DECAY}",
+            "train.steps=10",
+            "train.warmup_steps=3",
+        ],
+    )
     model = build_model(ModelConfig(preset="micro"))
     opt = build_optimizer(train_param_groups(model, cfg.train), cfg.train)
     base = [g["lr"] for g in opt.param_groups]
@@ -238,10 +268,15 @@ def test_schedule_keeps_the_group_ratios():
         sched.step()
 
 
-@pytest.mark.parametrize("override, match", [
-    ("train.lr_image=0", "train.lr_image"), ("train.lr_text=-1e-3", "train.lr_text"),
-    ("train.layer_decay=0", "train.layer_decay"), ("train.layer_decay=1.5", "train.layer_decay"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.lr_image=0", "train.lr_image"),
+        ("train.lr_text=-1e-3", "train.lr_text"),
+        ("train.layer_decay=0", "train.layer_decay"),
+        ("train.layer_decay=1.5", "train.layer_decay"),
+    ],
+)
 def test_lr_keys_are_validated(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
@@ -256,24 +291,39 @@ def test_layer_decay_needs_transformer_towers():
     # without decay the ResNet tower gets its own lr as any tower
     cfg = load_config(None, ["train.lr_image=0.01"])
     model = build_model(ModelConfig(preset="micro-rn"))
-    assert {lr for n, (lr, _) in _lr_of(train_param_groups(model, cfg.train), model).items()
-            if n.startswith("visual.")} == {0.01}
+    assert {
+        lr
+        for n, (lr, _) in _lr_of(train_param_groups(model, cfg.train), model).items()
+        if n.startswith("visual.")
+    } == {0.01}
 
 
 def _group_lr_worker(rank: int, world: int, seed: int) -> dict:
     """Two SGD steps at ZeRO 0 and 2 with per-tower lrs and layer decay: the group lrs DeepSpeed's
     optimiser holds, and each parameter's first update divided by its gradient (= its lr)."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
     from tests.conftest import clip_batch
 
     out = {}
     for stage in (0, 2):
-        cfg = load_config(None, [
-            "model.preset=micro", "train.global_batch_size=4", "train.steps=4", "train.warmup_steps=0",
-            "train.optimizer=sgd", f"train.lr={LR}", f"train.lr_image={LR_IMAGE}", f"train.lr_text={LR_TEXT}",
-            f"train.layer_decay={DECAY}", "train.weight_decay=0.0", f"deepspeed.zero_stage={stage}"])
+        cfg = load_config(
+            None,
+            [
+                "model.preset=micro",
+                "train.global_batch_size=4",
+                "train.steps=4",
+                "train.warmup_steps=0",
+                "train.optimizer=sgd",
+                f"train.lr={LR}",
+                f"train.lr_image={LR_IMAGE}",
+                f"train.lr_text={LR_TEXT}",
+                f"train.layer_decay={DECAY}",
+                "train.weight_decay=0.0",
+                f"deepspeed.zero_stage={stage}",
+            ],
+        )
         torch.manual_seed(seed)
         engine = Engine(build_model(cfg.model), cfg)
         before = {n: p.detach().clone() for n, p in engine.consolidated_state_dict().items()}
@@ -281,13 +331,21 @@ def _group_lr_worker(rank: int, world: int, seed: int) -> dict:
         for step in range(2):
             images, tokens = clip_batch(4, seed + step)
             captured = {}
-            engine.step(Batch(images, tokens), build_objective(cfg),
-                        before_update=lambda: captured.update(engine.full_grads()))
+            engine.step(
+                Batch(images, tokens),
+                build_objective(cfg),
+                before_update=lambda: captured.update(engine.full_grads()),
+            )
             if step == 0:
                 grads = captured
                 after = engine.consolidated_state_dict()
-            lrs.append(([g["lr"] for g in engine.base_optimizer.param_groups],
-                        [g["lr"] for g in engine.ds.optimizer.param_groups], engine.lr))
+            lrs.append(
+                (
+                    [g["lr"] for g in engine.base_optimizer.param_groups],
+                    [g["lr"] for g in engine.ds.optimizer.param_groups],
+                    engine.lr,
+                )
+            )
         out[stage] = (before, after, grads, lrs)
     return out
 
@@ -336,15 +394,18 @@ def test_adamw_is_fused_and_steps_as_the_per_tensor_loop(seed):
     from mmalign.config import load_config
     from mmalign.run.optim import train_param_groups
 
-    t = load_config(None, ["model.preset=micro", "train.optimizer=adamw", "train.lr=0.01",
-                           "train.weight_decay=0.1"]).train
+    t = load_config(
+        None, ["model.preset=micro", "train.optimizer=adamw", "train.lr=0.01", "train.weight_decay=0.1"]
+    ).train
     torch.manual_seed(seed)
     a = build_model(ModelConfig(preset="micro"))
     b = build_model(ModelConfig(preset="micro"))
     b.load_state_dict(a.state_dict())
     fused = build_optimizer(train_param_groups(a, t), t)
     assert fused.defaults["fused"] is True
-    loop = torch.optim.AdamW(train_param_groups(b, t), lr=t.lr, betas=tuple(t.betas), eps=t.eps, foreach=False)
+    loop = torch.optim.AdamW(
+        train_param_groups(b, t), lr=t.lr, betas=tuple(t.betas), eps=t.eps, foreach=False
+    )
     g = torch.Generator().manual_seed(seed)
     for _ in range(3):  # the same gradients for both (from a forward, Adam would amplify rounding
         for pa, pb in zip(a.parameters(), b.parameters()):  # noise in near-zero gradients)
@@ -354,4 +415,3 @@ def test_adamw_is_fused_and_steps_as_the_per_tensor_loop(seed):
         loop.step()
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert (p - q).abs().max() <= 1e-6, (n, float((p - q).abs().max()))
-

@@ -37,11 +37,18 @@ def _worker(rank: int, world: int, cases: tuple, seed: int, ckpt: str = "") -> d
     try:
         results = {}
         for stage, precision in cases:
-            cfg = engine_cfg(stage, "train.optimizer=lamb", "train.lr=0.02", "train.weight_decay=0.1", "train.eps=1e-2",
-                             f"deepspeed.precision={precision}")
+            cfg = engine_cfg(
+                stage,
+                "train.optimizer=lamb",
+                "train.lr=0.02",
+                "train.weight_decay=0.1",
+                "train.eps=1e-2",
+                f"deepspeed.precision={precision}",
+            )
             torch.manual_seed(seed)
             engine = Engine(build_model(cfg.model), cfg)
             objective = build_objective(cfg)
+
             def step(e, k):
                 e.step(Batch(*engine_batch(seed + 1 + k, rank, world)), objective)
 
@@ -66,7 +73,14 @@ def test_lamb_under_zero_equals_lamb_on_whole_tensors(tmp_path):
     assert ENGINE_BATCH % 2 == 0
     seed = 7
     ref = run_ranks(_worker, 1, ((0, "fp32"), (1, "bf16")), seed, pooled=True)[0]
-    got = run_ranks(_worker, 2, ((1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")), seed, str(tmp_path / "ckpt"), pooled=True)[0]
+    got = run_ranks(
+        _worker,
+        2,
+        ((1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")),
+        seed,
+        str(tmp_path / "ckpt"),
+        pooled=True,
+    )[0]
     for stage in (1, 2, 3):
         rel, name = max_rel_error(got[stage, "fp32"], ref[0, "fp32"])
         assert rel <= 1e-5, (stage, name, rel)

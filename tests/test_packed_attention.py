@@ -53,13 +53,18 @@ def test_packed_self_attention_equals_multihead_attention_with_gradients(mask, s
 def test_off_path_calls_fall_back_to_torch(seed):
     ref, packed = _pair(seed)
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(3, 7, 48, dtype=torch.float64, generator=g), torch.randn(3, 5, 48, dtype=torch.float64, generator=g)
+    x, y = (
+        torch.randn(3, 7, 48, dtype=torch.float64, generator=g),
+        torch.randn(3, 5, 48, dtype=torch.float64, generator=g),
+    )
     pad = torch.zeros(3, 7, dtype=torch.bool)
     pad[0, 5:] = True
-    for args, kw in [((x, y, y), {}),  # cross-attention
-                     ((x, x, x), {"key_padding_mask": pad, "need_weights": False}),
-                     ((x, x, x), {"need_weights": True}),  # the weights are returned
-                     ((x, x, x), {"attn_mask": torch.ones(7, 7, dtype=torch.bool).triu(1)})]:  # bool mask
+    for args, kw in [
+        ((x, y, y), {}),  # cross-attention
+        ((x, x, x), {"key_padding_mask": pad, "need_weights": False}),
+        ((x, x, x), {"need_weights": True}),  # the weights are returned
+        ((x, x, x), {"attn_mask": torch.ones(7, 7, dtype=torch.bool).triu(1)}),
+    ]:  # bool mask
         want, got = ref(*args, **kw), packed(*args, **kw)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
         assert (got[1] is None) == (want[1] is None)

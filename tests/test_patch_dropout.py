@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from mmalign.config import ConfigError, ModelConfig, load_config
-from mmalign.run.gradcache import split_batch
 from mmalign.models import build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
+from mmalign.run.gradcache import split_batch
 from mmalign.run.monitors import forward_flops_per_sample
-
 from tests.conftest import chunkwise_clip_loss, clip_batch
 
 DROP = 0.5
@@ -33,20 +32,28 @@ def _model(seed: int, drop: float = DROP):
 def _token_counts(model) -> list:
     """(training?, sequence length) of every input of the image transformer (after the dropout)."""
     seen = []
-    model.visual.transformer.register_forward_pre_hook(lambda m, args: seen.append((m.training, args[0].shape[1])))
+    model.visual.transformer.register_forward_pre_hook(
+        lambda m, args: seen.append((m.training, args[0].shape[1]))
+    )
     return seen
 
 
 # ------------------------------------------------------------------ config
 
-@pytest.mark.parametrize("overrides, key", [
-    (["model.patch_dropout=1.0"], "model.patch_dropout"),
-    (["model.patch_dropout=-0.1"], "model.patch_dropout"),
-    (["train.unmasked_steps=2"], "train.unmasked_steps"),  # without patch dropout
-    (["model.patch_dropout=0.5", "train.steps=3", "train.warmup_steps=0", "train.unmasked_steps=4"],
-     "train.unmasked_steps"),
-    (["model.patch_dropout=0.5", "model.vision.patch_dropout=0.25"], "model.patch_dropout"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.patch_dropout=1.0"], "model.patch_dropout"),
+        (["model.patch_dropout=-0.1"], "model.patch_dropout"),
+        (["train.unmasked_steps=2"], "train.unmasked_steps"),  # without patch dropout
+        (
+            ["model.patch_dropout=0.5", "train.steps=3", "train.warmup_steps=0", "train.unmasked_steps=4"],
+            "train.unmasked_steps",
+        ),
+        (["model.patch_dropout=0.5", "model.vision.patch_dropout=0.25"], "model.patch_dropout"),
+    ],
+)
 def test_bad_keys_are_one_line_config_errors(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_config(None, ["model.preset=micro", *overrides])
@@ -68,6 +75,7 @@ def test_the_tower_key_is_mirrored_and_the_saved_arch_carries_no_dropout():
 
 
 # ------------------------------------------------------------------ masks: train, eval, ranks, schedule
+
 
 def test_training_keeps_the_fraction_and_evaluation_keeps_every_patch(seed):
     model = _model(seed)
@@ -100,8 +108,16 @@ def test_masks_differ_per_rank_seed_and_repeat_under_the_same_seed(seed):
 
 
 def test_the_last_unmasked_steps_come_from_the_step_alone():
-    cfg = load_config(None, ["model.preset=micro", "model.patch_dropout=0.5", "train.steps=10",
-                             "train.warmup_steps=0", "train.unmasked_steps=3"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=micro",
+            "model.patch_dropout=0.5",
+            "train.steps=10",
+            "train.warmup_steps=0",
+            "train.unmasked_steps=3",
+        ],
+    )
     assert [patch_dropout_at(cfg, s) for s in range(1, 11)] == [0.5] * 7 + [0.0] * 3
     cfg.train.unmasked_steps = 0
     assert patch_dropout_at(cfg, 10) == 0.5
@@ -109,12 +125,13 @@ def test_the_last_unmasked_steps_come_from_the_step_alone():
 
 # ------------------------------------------------------------------ FLOPs
 
+
 def _naive_vit_flops(tokens: int, width: int = 32, patch: int = 4, patches: int = 16, embed: int = 32) -> int:
     """micro's image tower (1 block, MLP ratio 4) for one image, as 2 x multiply-adds: the patch
     convolution (all patches), per token qkv + out + 2 MLP matrices (2 x 12 d^2), attention's
     QK^T and AV (4 N^2 d), the projection of the class token."""
     conv = 2 * patches * width * 3 * patch * patch
-    block = 24 * tokens * width ** 2 + 4 * tokens ** 2 * width
+    block = 24 * tokens * width**2 + 4 * tokens**2 * width
     return conv + block + 2 * width * embed
 
 
@@ -126,11 +143,12 @@ def test_forward_flops_count_only_the_kept_tokens(seed):
     assert masked == _naive_vit_flops(KEPT)
     assert full == _naive_vit_flops(FULL)
     # the block's matrices are linear in the kept tokens, attention quadratic (4 N^2 d, width 32)
-    linear = [f - _naive_vit_flops(0) - 4 * n ** 2 * 32 for f, n in ((masked, KEPT), (full, FULL))]
+    linear = [f - _naive_vit_flops(0) - 4 * n**2 * 32 for f, n in ((masked, KEPT), (full, FULL))]
     assert linear[0] / linear[1] == pytest.approx(KEPT / FULL)
 
 
 # ------------------------------------------------------------------ the engine's cached step
+
 
 def _chunkwise_reference(seed: int, mask_seed: int, chunks):
     """The chunks forwarded once each with grad, in the same RNG sequence (the masks the cache
@@ -144,22 +162,36 @@ def _chunkwise_reference(seed: int, mask_seed: int, chunks):
 
 def _engine_worker(rank: int, world: int, seed: int) -> dict:
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     out = {}
     for chunk in (3, 0):  # 4 cached chunks; one pass
-        cfg = load_config(None, [
-            "model.preset=micro", f"model.patch_dropout={DROP}", "train.global_batch_size=10", "train.steps=3",
-            "train.warmup_steps=0", "train.optimizer=sgd", "train.lr=0.5", "train.weight_decay=0.0",
-            f"train.grad_cache_chunk_size={chunk}", "deepspeed.zero_stage=0"])
+        cfg = load_config(
+            None,
+            [
+                "model.preset=micro",
+                f"model.patch_dropout={DROP}",
+                "train.global_batch_size=10",
+                "train.steps=3",
+                "train.warmup_steps=0",
+                "train.optimizer=sgd",
+                "train.lr=0.5",
+                "train.weight_decay=0.0",
+                f"train.grad_cache_chunk_size={chunk}",
+                "deepspeed.zero_stage=0",
+            ],
+        )
         model = _model(seed)
         seen = _token_counts(model)
         engine = Engine(model, cfg)
         captured = {}
         torch.manual_seed(seed + 1)
-        engine.step(Batch(*_batch(10, seed + 1)), build_objective(cfg),
-                    before_update=lambda: captured.update(engine.full_grads()))
+        engine.step(
+            Batch(*_batch(10, seed + 1)),
+            build_objective(cfg),
+            before_update=lambda: captured.update(engine.full_grads()),
+        )
         out[chunk] = (captured, engine.plan.chunks, seen)
     return out
 
@@ -186,7 +218,10 @@ def test_engine_cached_step_equals_the_one_pass_with_the_same_masks(seed):
 
 # ------------------------------------------------------------------ the loop
 
-def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unmasked(micro_overrides, monkeypatch):
+
+def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unmasked(
+    micro_overrides, monkeypatch
+):
     """Kept tokens counted with a hook on the image transformer's input, per forward."""
     import mmalign.run.train as train_module
     from mmalign.models.load import load
@@ -201,9 +236,18 @@ def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unm
 
     monkeypatch.setattr(train_module, "build_model", build_with_hook)
     monkeypatch.setattr(in_run_eval, "build_model", build_with_hook)  # the evaluation's own model
-    cfg = load_config(None, micro_overrides + ["train.steps=4", "train.warmup_steps=0", "train.log_every=2",
-                                               "train.checkpoint_every=3",
-                                               f"model.patch_dropout={DROP}", "train.unmasked_steps=2"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + [
+            "train.steps=4",
+            "train.warmup_steps=0",
+            "train.log_every=2",
+            "train.checkpoint_every=3",
+            f"model.patch_dropout={DROP}",
+            "train.unmasked_steps=2",
+        ],
+    )
     out = train_module.train(cfg, show_progress=False)
     counts = seen[0]
     trained = [length for training, length in counts if training]
@@ -216,8 +260,9 @@ def test_a_run_masks_until_the_last_unmasked_steps_and_evaluates_and_exports_unm
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_sample = {r["step"]: r["tflops"] * 1e12 / r["samples_per_s"] for r in records if "tflops" in r}
     # fwd + bwd = 3 x the forward: the window of the unmasked steps 3-4 counts the dropped tokens too
-    assert per_sample[4] - per_sample[2] == pytest.approx(3 * (_naive_vit_flops(FULL) - _naive_vit_flops(KEPT)),
-                                                          rel=1e-6)
+    assert per_sample[4] - per_sample[2] == pytest.approx(
+        3 * (_naive_vit_flops(FULL) - _naive_vit_flops(KEPT)), rel=1e-6
+    )
     loaded = load(out / "final")
     exported = _token_counts(loaded.model)
     with torch.no_grad():

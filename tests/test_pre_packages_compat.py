@@ -46,7 +46,10 @@ def test_a_run_its_checkpoint_and_its_export_from_before_the_move_load(old_run):
     assert step.keys() == final.keys() and all(torch.equal(step[k], final[k]) for k in final)
     # the open_clip export: open_clip's own names, the same numbers
     exported = load_file(str(old_run / "export_oc" / "open_clip_model.safetensors"))
-    assert json.loads((old_run / "export_oc" / "open_clip_config.json").read_text())["model_cfg"]["embed_dim"] == 32
+    assert (
+        json.loads((old_run / "export_oc" / "open_clip_config.json").read_text())["model_cfg"]["embed_dim"]
+        == 32
+    )
     ours = {k: v for k, v in final.items() if k in exported}
     # (logit_scale is [1] here, a scalar in open_clip: compared by value)
     assert len(ours) > 0.9 * len(exported)

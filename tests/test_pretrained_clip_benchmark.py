@@ -22,8 +22,9 @@ import torch
 pytest.importorskip("clip_benchmark", reason="clip_benchmark is a test extra: pip install -e '.[test]'")
 pytest.importorskip("requests", reason="clip_benchmark's CLI imports requests: pip install -e '.[test]'")
 
-import mmalign  # noqa: E402
 from clip_benchmark.metrics import zeroshot_classification as cb_zs  # noqa: E402
+
+import mmalign  # noqa: E402
 from mmalign import pretrained  # noqa: E402
 from mmalign.cli import main  # noqa: E402
 from mmalign.data.transforms import preprocess_cfg  # noqa: E402
@@ -74,7 +75,9 @@ def test_readme_snippet_retrieval_equals_a_reference(snippet_run):
     with tarfile.open(tmp / "wds_flickr8k" / "test" / "0.tar") as tar:
         from PIL import Image
 
-        images = [Image.open(io.BytesIO(tar.extractfile(f"s{i:05d}.png").read())).convert("RGB") for i in range(N)]
+        images = [
+            Image.open(io.BytesIO(tar.extractfile(f"s{i:05d}.png").read())).convert("RGB") for i in range(N)
+        ]
     img = ours.encode_image(torch.stack([ours.preprocess(x) for x in images])).double()  # (N, D)
     flat = [c for caps in captions for c in caps]
     owner = torch.tensor([i for i, caps in enumerate(captions) for _ in caps])  # (T,)
@@ -82,8 +85,12 @@ def test_readme_snippet_retrieval_equals_a_reference(snippet_run):
     sims = txt @ img.T  # (T, N)
     for k in (1, 5, 10):
         t2i = (sims.topk(k, dim=1).indices == owner[:, None]).any(1).double().mean()
-        i2t = np.mean([bool(set(sims.T[i].topk(k).indices.tolist()) & set((owner == i).nonzero().flatten().tolist()))
-                       for i in range(N)])
+        i2t = np.mean(
+            [
+                bool(set(sims.T[i].topk(k).indices.tolist()) & set((owner == i).nonzero().flatten().tolist()))
+                for i in range(N)
+            ]
+        )
         assert abs(record["metrics"][f"image_retrieval_recall@{k}"] - float(t2i)) <= 1e-6
         assert abs(record["metrics"][f"text_retrieval_recall@{k}"] - float(i2t)) <= 1e-6
     assert 0 < record["metrics"]["text_retrieval_recall@10"] < 1  # neither trivially 0 nor 1
@@ -94,7 +101,10 @@ def test_readme_snippet_classification_equals_mmalign_eval(snippet_run, tmp_path
     theirs = json.loads((run / "cb_cifar10_zeroshot_classification.json").read_text())
     assert theirs["task"] == "zeroshot_classification" and theirs["dataset"] == "wds/cifar10"
     out = tmp_path / "ours.json"
-    assert main(["eval", "--model", str(run), "--cb-dataset", str(tmp / "wds_cifar10"), "--output", str(out)]) == 0
+    assert (
+        main(["eval", "--model", str(run), "--cb-dataset", str(tmp / "wds_cifar10"), "--output", str(out)])
+        == 0
+    )
     mine = json.loads(out.read_text())
     assert list(mine["metrics"]) == list(theirs["metrics"]) == ["acc1", "acc5", "mean_per_class_recall"]
     for key, value in theirs["metrics"].items():
@@ -102,8 +112,10 @@ def test_readme_snippet_classification_equals_mmalign_eval(snippet_run, tmp_path
     assert 0 < theirs["metrics"]["acc5"] < 1
 
 
-@pytest.mark.skipif(tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4),
-                    reason="the breakage the shim answers is numpy >= 2.4's")
+@pytest.mark.skipif(
+    tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4),
+    reason="the breakage the shim answers is numpy >= 2.4's",
+)
 def test_the_installed_accuracy_is_the_one_the_shim_answers(monkeypatch):
     import importlib.metadata
 
@@ -131,7 +143,9 @@ def test_patch_replaces_only_a_failing_accuracy_once_with_the_same_values(monkey
     monkeypatch.setattr(cb_zs, "accuracy", failing)
     assert pretrained.patch_clip_benchmark() is True
     shim = cb_zs.accuracy
-    assert shim is not failing and pretrained.patch_clip_benchmark() is True and cb_zs.accuracy is shim  # once
+    assert (
+        shim is not failing and pretrained.patch_clip_benchmark() is True and cb_zs.accuracy is shim
+    )  # once
 
     # top-k accuracy by definition (a naive loop over rows) and plain floats
     g = torch.Generator().manual_seed(0)

@@ -70,7 +70,9 @@ def test_a_bar_only_on_a_terminal_of_known_nonzero_width():
         assert progress.terminal_columns(zero) == 0 and not progress.use_bar(zero)
         assert not progress.use_bar(no_cols)
         assert progress.terminal_columns(sized) == 80 and progress.use_bar(sized)
-    assert progress.terminal_columns(_NoFileno()) is None and not progress.use_bar(_NoFileno())  # unknown width
+    assert progress.terminal_columns(_NoFileno()) is None and not progress.use_bar(
+        _NoFileno()
+    )  # unknown width
     assert not progress.use_bar(io.StringIO())  # a pipe or a file
 
 
@@ -78,7 +80,12 @@ def test_loops_print_lines_with_a_total_and_an_eta_on_a_zero_size_terminal(monke
     with sized_pty(0, 0) as (master, zero):
         monkeypatch.setattr(sys, "stderr", zero)  # where tqdm would draw
         out = io.StringIO()
-        assert list(track(range(4), "eval x: embedding", total=4, unit="images", every_s=0.0, out=out)) == [0, 1, 2, 3]
+        assert list(track(range(4), "eval x: embedding", total=4, unit="images", every_s=0.0, out=out)) == [
+            0,
+            1,
+            2,
+            3,
+        ]
         lines = out.getvalue().splitlines()
         assert lines[0].startswith("mmalign: eval x: embedding: 1 of 4 images") and "ETA" in lines[0], lines
         assert lines[-1].startswith("mmalign: eval x: embedding: 4 of 4 images") and "done in" in lines[-1]
@@ -91,7 +98,14 @@ def test_loops_print_lines_with_a_total_and_an_eta_on_a_zero_size_terminal(monke
 
 
 def _record(step: int) -> dict:
-    return {"step": step, "loss": 2.5, "lr": 1e-3, "logit_scale": 14.0, "samples_per_s": 64.0, "skipped_steps": 0}
+    return {
+        "step": step,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "logit_scale": 14.0,
+        "samples_per_s": 64.0,
+        "skipped_steps": 0,
+    }
 
 
 @pytest.mark.parametrize("cols", [0, 80], ids=["zero-size", "sized"])
@@ -132,18 +146,29 @@ def test_a_run_on_a_zero_size_terminal_shows_its_steps_towers_and_headline(micro
     """The repro of ``script -q -c "mmalign train ..." /dev/null``: stdout and stderr a 0 x 0 pty.
     The step lines appear (point 8), then the locked image tower with its counts (10) and at the
     end the headline results with the path of eval.json (9)."""
-    from mmalign.run import trainable
-    from mmalign.evaluation import headline
     from mmalign.config import load_config
+    from mmalign.evaluation import headline
     from mmalign.models import build_model
+    from mmalign.run import trainable
 
-    overrides = micro_overrides + ["train.steps=6", "train.log_every=2", "monitor.probe_size=0", "model.lock_image=true"]
+    overrides = micro_overrides + [
+        "train.steps=6",
+        "train.log_every=2",
+        "monitor.probe_size=0",
+        "model.lock_image=true",
+    ]
     cmd = [sys.executable, "-m", "mmalign.cli", "train"] + [a for o in overrides for a in ("--set", o)]
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=slave,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         os.close(slave)
         slave = -1
         try:
@@ -158,7 +183,11 @@ def test_a_run_on_a_zero_size_terminal_shows_its_steps_towers_and_headline(micro
             os.close(slave)
         os.close(master)
     lines = out.splitlines()
-    assert [line.split("/")[0] for line in lines if line.startswith("step ")] == ["step 2", "step 4", "step 6"], out
+    assert [line.split("/")[0] for line in lines if line.startswith("step ")] == [
+        "step 2",
+        "step 4",
+        "step 6",
+    ], out
 
     # point 10: the counts, computed here from the model the config builds
     cfg = load_config(None, overrides)
@@ -171,8 +200,11 @@ def test_a_run_on_a_zero_size_terminal_shows_its_steps_towers_and_headline(micro
     run = Path(cfg.output)
     assert want.removeprefix("mmalign: ") in (run / "train.log").read_text()
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert (first["params_trainable"], first["params_frozen"], first["image_tower"]) == (n_trainable, n_frozen,
-                                                                                        "locked")
+    assert (first["params_trainable"], first["params_frozen"], first["image_tower"]) == (
+        n_trainable,
+        n_frozen,
+        "locked",
+    )
     assert trainable.param_counts(model, cfg.model)["text_tower"] == first["text_tower"] == "trainable"
 
     # point 9: the last lines before the CLI's own are the headline of eval.json, with its path
@@ -180,10 +212,13 @@ def test_a_run_on_a_zero_size_terminal_shows_its_steps_towers_and_headline(micro
     start = lines.index(f"mmalign: results ({run / 'eval.json'}):")
     shape = next(r for r in records if r["dataset"] == "shapes/shape")["metrics"]
     recall = next(r for r in records if r["dataset"] == "shapes/retrieval")["metrics"]
-    assert lines[start + 1] == (f"mmalign:   shapes/shape: zero-shot top-1 {100 * shape['acc1']:.1f}%, "
-                                f"top-5 {100 * shape['acc5']:.1f}%; chance top-1 {100 * shape['chance_acc1']:.1f}%")
+    assert lines[start + 1] == (
+        f"mmalign:   shapes/shape: zero-shot top-1 {100 * shape['acc1']:.1f}%, "
+        f"top-5 {100 * shape['acc5']:.1f}%; chance top-1 {100 * shape['chance_acc1']:.1f}%"
+    )
     r = {k: f"{100 * recall[f'image_retrieval_recall@{k}']:.1f}%" for k in (1, 5, 10)}
     assert f"text->image R@1 {r[1]}, R@5 {r[5]}, R@10 {r[10]}" in out
     assert [line for line in lines[start:] if line.startswith("mmalign:   ")] == [
-        f"mmalign: {line}" for line in headline.lines(records, run / "eval.json")[1:]]
+        f"mmalign: {line}" for line in headline.lines(records, run / "eval.json")[1:]
+    ]
     assert lines[-1].startswith(f"run written to {run}")

@@ -18,7 +18,9 @@ from PIL import Image
 from mmalign import progress
 from mmalign.data.imagefolder import Item
 
-LINE = re.compile(r"mmalign: (?P<desc>.+): (?P<n>\d+) of (?P<total>\d+) (?P<unit>\w+) \(.*/s\), ETA \d+:\d\d:\d\d")
+LINE = re.compile(
+    r"mmalign: (?P<desc>.+): (?P<n>\d+) of (?P<total>\d+) (?P<unit>\w+) \(.*/s\), ETA \d+:\d\d:\d\d"
+)
 
 
 def _every_item(monkeypatch, module) -> None:
@@ -73,18 +75,27 @@ def test_the_evaluation_counter_total_comes_from_sizes_json(shapes_dir, tmp_path
 
 def test_the_evaluation_counter_shows_the_total_and_an_eta(shapes_dir, monkeypatch, capsys):
     from mmalign.config import ModelConfig
-    from mmalign.models.tokenizers import build_tokenizer
     from mmalign.data.transforms import eval_transform
     from mmalign.evaluation import suite as suite_mod
     from mmalign.models import build_model
+    from mmalign.models.tokenizers import build_tokenizer
 
     model = build_model(ModelConfig(preset="micro"))
-    suite = {"name": "tiny", "dataset": str(shapes_dir / "val" / "00000.tar"),
-             "tasks": [{"name": "retrieval", "type": "retrieval", "ks": [1]}]}
+    suite = {
+        "name": "tiny",
+        "dataset": str(shapes_dir / "val" / "00000.tar"),
+        "tasks": [{"name": "retrieval", "type": "retrieval", "ks": [1]}],
+    }
     _every_item(monkeypatch, suite_mod)
     with torch.no_grad():
-        suite_mod.run_suite(model, eval_transform(model.image_size), build_tokenizer(model.arch), suite,
-                            batch_size=64, progress=True)
+        suite_mod.run_suite(
+            model,
+            eval_transform(model.image_size),
+            build_tokenizer(model.arch),
+            suite,
+            batch_size=64,
+            progress=True,
+        )
     counted = _counted(capsys.readouterr().out)
     assert counted and counted[0] == (1, 120) and all(total == 120 for _, total in counted), counted
 
@@ -135,12 +146,15 @@ def test_every_shard_source_states_its_count(tmp_path, seed):
     assert operator.length_hint(items) == n_cat + n_dog - 1 and len(list(items)) == n_cat + n_dog - 1
 
     files = sorted((tmp_path / "folder").rglob("*.png"))
-    pd.DataFrame({"image": [str(f) for f in files], "caption": ["x"] * len(files)}).to_csv(tmp_path / "t.csv", index=False)
+    pd.DataFrame({"image": [str(f) for f in files], "caption": ["x"] * len(files)}).to_csv(
+        tmp_path / "t.csv", index=False
+    )
     rows = sources.table(tmp_path / "t.csv")
     assert operator.length_hint(rows) == len(files) == len(list(rows))
 
-    datasets.Dataset.from_dict({"image": [str(f) for f in files], "caption": ["x"] * len(files)}).save_to_disk(
-        str(tmp_path / "ds"))
+    datasets.Dataset.from_dict(
+        {"image": [str(f) for f in files], "caption": ["x"] * len(files)}
+    ).save_to_disk(str(tmp_path / "ds"))
     ds = sources.hf_dataset(tmp_path / "ds")
     assert operator.length_hint(ds) == len(files) == len(list(ds))
 

@@ -29,8 +29,15 @@ def _train(micro_overrides, out, nproc, extra, resume=None):
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume", str(resume)]
-    for o in [*micro_overrides, f"train.steps={STEPS}", f"train.checkpoint_every={SAVED}", "eval.suite=none",
-              "monitor.log_sample_keys=true", "monitor.probe_size=0", *extra]:
+    for o in [
+        *micro_overrides,
+        f"train.steps={STEPS}",
+        f"train.checkpoint_every={SAVED}",
+        "eval.suite=none",
+        "monitor.log_sample_keys=true",
+        "monitor.probe_size=0",
+        *extra,
+    ]:
         args += ["--set", o]
     # one rank runs in this process; --nproc N runs where its ranks print, a process of its own
     # whose pipes carry their lines
@@ -55,8 +62,10 @@ def _keys(files, steps):
 
 # 1 -> 2 is `slow` (make test-all): the engine test covers both directions at every stage and
 # tests/test_data_resharding.py the resampled restart; make test keeps 2 -> 1, the lost-node case.
-@pytest.mark.parametrize("before,after,stage,mode", [(2, 1, 2, "epoch"),
-                                                     pytest.param(1, 2, 3, "resampled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "before,after,stage,mode",
+    [(2, 1, 2, "epoch"), pytest.param(1, 2, 3, "resampled", marks=pytest.mark.slow)],
+)
 def test_resume_on_another_world_size(micro_overrides, tmp_path, before, after, stage, mode):
     out = tmp_path / "run"
     extra = [f"deepspeed.zero_stage={stage}", f"data.mode={mode}"]
@@ -78,5 +87,8 @@ def test_resume_on_another_world_size(micro_overrides, tmp_path, before, after, 
     # tests/test_same_model_any_cluster.py for why its weights are compared by update norm)
     resumed = _losses(out)
     for step in range(SAVED + 1, STEPS + 1):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=RESUMED_LOSS_RTOL), \
-            (step, resumed[step], uninterrupted[step])
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=RESUMED_LOSS_RTOL), (
+            step,
+            resumed[step],
+            uninterrupted[step],
+        )

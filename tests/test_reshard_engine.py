@@ -27,9 +27,9 @@ def _worker(rank: int, world: int, ckpt_dir: str, train: bool, load_from: int) -
     """Per case: with ``train``, train STEPS steps saving after STEPS-1 (the reference); when
     ``load_from`` names another world size, resume that world's checkpoint and take the last step."""
     from mmalign.data.batch import Batch
-    from mmalign.run.engine import Engine
     from mmalign.models import build_model
     from mmalign.objective import build_objective
+    from mmalign.run.engine import Engine
 
     seed, results = 11, {}
     for stage, optimizer in CASES:

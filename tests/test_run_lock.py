@@ -39,12 +39,29 @@ def _sets(overrides: list[str]) -> list[str]:
 def test_a_second_launch_of_a_running_train_is_refused_and_a_resume_works_after_it(micro_overrides, tmp_path):
     out = tmp_path / "run"
     base = [o for o in micro_overrides if not o.startswith(("output=", "train.steps="))] + [
-        "eval.suite=none", "monitor.probe_size=0", "monitor.tensorboard=false"]
+        "eval.suite=none",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+    ]
     log = tmp_path / "first.txt"
     with log.open("w") as sink:
-        first = subprocess.Popen([sys.executable, "-m", "mmalign.cli", "train", "--output", str(out), "--resume",
-                                  "latest", *_sets(base + ["train.steps=100000"])], stdout=sink,
-                                 stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        first = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mmalign.cli",
+                "train",
+                "--output",
+                str(out),
+                "--resume",
+                "latest",
+                *_sets(base + ["train.steps=100000"]),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + LIMIT_S
         while "\nstep " not in log.read_text() and first.poll() is None and time.monotonic() < deadline:
@@ -70,9 +87,19 @@ def test_a_second_embed_into_the_same_out_is_refused(tmp_path):
     out, model = tmp_path / "emb", tmp_path / "not_a_model"
     model.mkdir()  # a path that exists: the lock is what refuses, not the model check before it
     # the first embed: what cmd_embed holds while it writes (a real embed needs a trained model)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mmalign import dirlock; "
-                               "dirlock.hold(sys.argv[1], 'mmalign embed'); print('held', flush=True); "
-                               "time.sleep(120)", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mmalign import dirlock; "
+            "dirlock.hold(sys.argv[1], 'mmalign embed'); print('held', flush=True); "
+            "time.sleep(120)",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         res = cli_main("embed", "--model", model, "--data", tmp_path / "no_data", "--out", out)
@@ -95,13 +122,16 @@ def test_the_lock_file_is_not_run_content(tmp_path):
             check_fresh_start(out, None, False)
 
 
-@pytest.mark.parametrize("env, takes", [
-    ({}, True),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, True),
-    ({"RANK": "1", "WORLD_SIZE": "2"}, False),  # torchrun's other ranks: rank 0 holds it for the run
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, True),
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, False),
-])
+@pytest.mark.parametrize(
+    "env, takes",
+    [
+        ({}, True),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, True),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, False),  # torchrun's other ranks: rank 0 holds it for the run
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, True),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, False),
+    ],
+)
 def test_only_rank_0_of_an_outside_launcher_takes_the_lock(tmp_path, env, takes):
     out = tmp_path / "run"
     with output_lock(out, "mmalign train", take=_launch_rank(env) == 0) as lock:

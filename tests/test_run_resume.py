@@ -21,10 +21,21 @@ from tests.conftest import cli_main
 
 
 def _sets(shapes_dir) -> list[str]:
-    return ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=2",
-            "train.log_every=1", "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=none"]
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.checkpoint_every=2",
+        "train.log_every=1",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+    ]
 
 
 def _args(sets) -> list[str]:
@@ -50,13 +61,22 @@ def _copy(saved, tmp_path) -> Path:
 
 NEWEST = "checkpoints/step_00000004"
 DAMAGE = {  # what a kill, a full disk or a hand edit leaves; the older step_00000002 is intact
-    "garbage_loader_json": (lambda out: (out / NEWEST / "loader_rank0.json").write_text("garbage{"),
-                            "loader_rank0.json is not valid JSON"),
-    "loader_json_a_list": (lambda out: (out / NEWEST / "loader_rank0.json").write_text("[1, 2]"),
-                           "loader_rank0.json is not a data loader state"),
-    "loader_json_another_object": (lambda out: (out / NEWEST / "loader_rank0.json").write_text('{"foo": 1}'),
-                                   "loader_rank0.json is not a data loader state"),
-    "missing_loader_json": (lambda out: (out / NEWEST / "loader_rank0.json").unlink(), "no loader_rank0.json"),
+    "garbage_loader_json": (
+        lambda out: (out / NEWEST / "loader_rank0.json").write_text("garbage{"),
+        "loader_rank0.json is not valid JSON",
+    ),
+    "loader_json_a_list": (
+        lambda out: (out / NEWEST / "loader_rank0.json").write_text("[1, 2]"),
+        "loader_rank0.json is not a data loader state",
+    ),
+    "loader_json_another_object": (
+        lambda out: (out / NEWEST / "loader_rank0.json").write_text('{"foo": 1}'),
+        "loader_rank0.json is not a data loader state",
+    ),
+    "missing_loader_json": (
+        lambda out: (out / NEWEST / "loader_rank0.json").unlink(),
+        "no loader_rank0.json",
+    ),
 }
 
 
@@ -69,8 +89,9 @@ def test_a_newest_checkpoint_without_its_data_position_falls_back(saved, tmp_pat
     res = cli_main("train", "--output", out, "--resume", "latest", *_args(saved[1]))
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if "cannot be loaded" in ln]
-    assert lines == [f"mmalign: checkpoint step_00000004 cannot be loaded ({reason}); falling back to "
-                     f"step_00000002"], res.stdout[-2000:]
+    assert lines == [
+        f"mmalign: checkpoint step_00000004 cannot be loaded ({reason}); falling back to step_00000002"
+    ], res.stdout[-2000:]
     assert "at step 2" in res.stdout and (out / "final" / "model.safetensors").is_file()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # steps 3 and 4 again, once each
@@ -96,8 +117,11 @@ def test_candidates_of_an_empty_latest_are_every_checkpoint_newest_first(tmp_pat
         (base / f"step_{step:08d}").mkdir(parents=True)
     (base / "step_00000012.tmp").mkdir()  # a save in progress: never a candidate
     (base / "latest").write_text("")
-    assert [p.name for p in checkpoint.candidates(tmp_path, "latest")] == ["step_00000010", "step_00000004",
-                                                                          "step_00000002"]
+    assert [p.name for p in checkpoint.candidates(tmp_path, "latest")] == [
+        "step_00000010",
+        "step_00000004",
+        "step_00000002",
+    ]
     assert rundir.empty_pointer(tmp_path, "latest") and not rundir.empty_pointer(tmp_path, None)
     (base / "latest").write_text("step_00000004")
     assert [p.name for p in checkpoint.candidates(tmp_path, "latest")] == ["step_00000004", "step_00000002"]
@@ -132,9 +156,12 @@ def test_a_changed_key_on_an_nproc_2_resume_is_one_line_before_any_rank(saved, t
         raise AssertionError("ranks were spawned before the changed key was refused")
 
     monkeypatch.setattr(mmalign.dist.launch, "launch_local", no_ranks)
-    res = cli_main("train", "--nproc", "2", "--output", out, "--resume", "latest",
-                   *_args(saved[1] + ["train.lr=0.01"]))
+    res = cli_main(
+        "train", "--nproc", "2", "--output", out, "--resume", "latest", *_args(saved[1] + ["train.lr=0.01"])
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
-    assert lines[0].startswith("mmalign: error: --resume: the config differs from the one step_00000004 was "
-                               "trained with in keys that change the run: train.lr: 0.001 -> 0.01"), lines
+    assert lines[0].startswith(
+        "mmalign: error: --resume: the config differs from the one step_00000004 was "
+        "trained with in keys that change the run: train.lr: 0.001 -> 0.01"
+    ), lines

@@ -23,10 +23,20 @@ from tests.conftest import cli_main
 
 
 def _sets(shapes_dir, *extra: str) -> list[str]:
-    return ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", "train.steps=3", "train.warmup_steps=1", "train.log_every=1",
-            "monitor.probe_size=0", "eval.suite=none", *extra]
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=3",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        "monitor.probe_size=0",
+        "eval.suite=none",
+        *extra,
+    ]
 
 
 def _train(out, sets, *flags):
@@ -35,8 +45,9 @@ def _train(out, sets, *flags):
 
 def _one_line(res, code: int, prefix: str) -> str:
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == code and "Traceback" not in res.stderr and "Logging error" not in res.stderr, \
+    assert res.returncode == code and "Traceback" not in res.stderr and "Logging error" not in res.stderr, (
         res.stderr[-3000:]
+    )
     assert lines and lines[-1].startswith(prefix), lines[-5:]
     assert not [ln for ln in lines[:-1] if ln.startswith("mmalign: ") and "warning" not in ln], lines
     return lines[-1]
@@ -52,8 +63,11 @@ def tmpfs(tmp_path):
         mnt.mkdir()
         if os.geteuid() != 0:
             pytest.skip("a tmpfs needs root (mount); the injected tests cover the same paths")
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0:
             pytest.skip(f"mount -t tmpfs is not permitted here ({res.stderr.strip()[:120]})")
         mounted.append(mnt)
@@ -89,8 +103,10 @@ def test_a_full_disk_while_writing_final_is_one_line_exit_1(shapes_dir, tmpfs):
     res = _train(out, sets)
     line = _one_line(res, 1, f"mmalign: stopped: cannot write the final weights or evaluation in {out}: ")
     assert ": no space left on device; " in line and " free on that filesystem" in line, line
-    assert line.endswith("no checkpoint of this run is saved: free some space, then start it again (the partial "
-                         "final/ was removed)"), line
+    assert line.endswith(
+        "no checkpoint of this run is saved: free some space, then start it again (the partial "
+        "final/ was removed)"
+    ), line
     assert not (out / "final").exists()  # a cut final/ would pass for a finished run (and refuse the rerun)
     subprocess.run(["mount", "-o", "remount,size=32m", str(mnt)], check=True)  # space is freed
     again = _train(out, sets, "--resume", "latest")
@@ -98,7 +114,9 @@ def test_a_full_disk_while_writing_final_is_one_line_exit_1(shapes_dir, tmpfs):
 
 
 @pytest.mark.integration
-def test_a_full_disk_while_writing_metrics_is_one_line_naming_the_checkpoint(shapes_dir, tmp_path, monkeypatch):
+def test_a_full_disk_while_writing_metrics_is_one_line_naming_the_checkpoint(
+    shapes_dir, tmp_path, monkeypatch
+):
     from mmalign.run.runlog import RunLog
 
     real_open = RunLog._open
@@ -125,36 +143,50 @@ def test_a_full_disk_while_writing_metrics_is_one_line_naming_the_checkpoint(sha
     monkeypatch.setattr(RunLog, "_open", full_after_step_2)
     out = tmp_path / "run"
     res = _train(out, _sets(shapes_dir, "train.checkpoint_every=2", "monitor.tensorboard=false"))
-    line = _one_line(res, 1, f"mmalign: stopped: cannot write the run's logs in {out} (metrics.jsonl, TensorBoard): "
-                             f"no space left on device; ")
+    line = _one_line(
+        res,
+        1,
+        f"mmalign: stopped: cannot write the run's logs in {out} (metrics.jsonl, TensorBoard): "
+        f"no space left on device; ",
+    )
     assert " free on that filesystem" in line, line
-    assert line.endswith("the last checkpoint, step_00000002, is intact: free some space, then continue with "
-                         "--resume latest"), line
+    assert line.endswith(
+        "the last checkpoint, step_00000002, is intact: free some space, then continue with --resume latest"
+    ), line
     monkeypatch.undo()  # space is back: the resume continues from step 2
-    again = _train(out, _sets(shapes_dir, "train.checkpoint_every=2", "monitor.tensorboard=false"), "--resume",
-                   "latest")
+    again = _train(
+        out, _sets(shapes_dir, "train.checkpoint_every=2", "monitor.tensorboard=false"), "--resume", "latest"
+    )
     assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-2000:]
 
 
 @pytest.mark.integration
-def test_a_train_log_that_cannot_be_written_is_one_warning_and_the_run_goes_on(shapes_dir, tmp_path, monkeypatch):
+def test_a_train_log_that_cannot_be_written_is_one_warning_and_the_run_goes_on(
+    shapes_dir, tmp_path, monkeypatch
+):
     import mmalign.run.train as train_mod
 
     real_setup = train_mod.setup_logging
 
     def setup_on_a_full_disk(out):
         real_setup(out)
-        handler = next(h for h in train_mod.logging.getLogger("mmalign").handlers
-                       if isinstance(h, train_mod.logging.FileHandler))
+        handler = next(
+            h
+            for h in train_mod.logging.getLogger("mmalign").handlers
+            if isinstance(h, train_mod.logging.FileHandler)
+        )
         handler.stream = _FullFile(handler.stream)
 
     monkeypatch.setattr(train_mod, "setup_logging", setup_on_a_full_disk)
     res = _train(tmp_path / "run", _sets(shapes_dir, "monitor.tensorboard=false"))
-    assert res.returncode == 0 and "Logging error" not in res.stderr and "Traceback" not in res.stderr, \
+    assert res.returncode == 0 and "Logging error" not in res.stderr and "Traceback" not in res.stderr, (
         res.stderr[-3000:]
+    )
     warned = [ln for ln in res.stderr.splitlines() if "is no longer written" in ln]
-    assert warned == [f"mmalign: warning: {tmp_path / 'run' / 'train.log'} is no longer written (cannot write "
-                      f"{tmp_path / 'run' / 'train.log'}: no space left on device)"], res.stderr[-2000:]
+    assert warned == [
+        f"mmalign: warning: {tmp_path / 'run' / 'train.log'} is no longer written (cannot write "
+        f"{tmp_path / 'run' / 'train.log'}: no space left on device)"
+    ], res.stderr[-2000:]
 
 
 @pytest.mark.integration
@@ -181,7 +213,9 @@ def test_check_writable_names_the_folder_that_refuses(tmp_path, monkeypatch):
     refused = {out / "checkpoints"}  # a read-only mount of its own
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) not in refused and real_access(p, mode))
-    with pytest.raises(ConfigError, match=f"{out / 'checkpoints'} is (on a read-only filesystem|not writable)"):
+    with pytest.raises(
+        ConfigError, match=f"{out / 'checkpoints'} is (on a read-only filesystem|not writable)"
+    ):
         rundir.check_writable(out)
     refused = {tmp_path}  # not made yet: the folder it would be made in
     with pytest.raises(ConfigError, match=f"{tmp_path} is "):

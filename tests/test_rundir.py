@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign.run import checkpoint
 from mmalign.config import ConfigError, load_config
+from mmalign.run import checkpoint
 from tests.conftest import cli_main
 
 pytestmark = pytest.mark.integration
@@ -30,8 +30,18 @@ pytestmark = pytest.mark.integration
 
 def _cfg(overrides, out: Path, *extra: str):
     base = [o for o in overrides if not o.startswith("output=")]
-    return load_config(None, base + ["train.steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=3",
-                                     "monitor.probe_size=0", f"output={out}", *extra])
+    return load_config(
+        None,
+        base
+        + [
+            "train.steps=6",
+            "train.checkpoint_every=2",
+            "train.keep_checkpoints=3",
+            "monitor.probe_size=0",
+            f"output={out}",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +50,17 @@ def finished(tmp_path_factory, shapes_dir):
     from mmalign.run.train import train
 
     out = tmp_path_factory.mktemp("finished") / "run"
-    overrides = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-                 f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-                 "train.global_batch_size=32", "train.warmup_steps=2", "train.lr=0.002", "train.log_every=1"]
+    overrides = [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=32",
+        "train.warmup_steps=2",
+        "train.lr=0.002",
+        "train.log_every=1",
+    ]
     train(_cfg(overrides, out), show_progress=False)
     return out, overrides
 
@@ -90,14 +108,20 @@ def test_checkpoints_store_their_config_and_a_changed_run_cannot_resume(finished
     stored = rundir.stored_config(out / "checkpoints" / "step_00000004")
     assert stored["train"]["lr"] == 0.002 and stored["model"]["preset"] == "micro"
     assert (out / "checkpoints" / "step_00000004" / "config.yaml").read_text().startswith("# config hash ")
-    for change, key in (("train.lr=0.01", "train.lr"), ("train.global_batch_size=16", "train.global_batch_size"),
-                        ("loss.name=siglip", "loss.name")):
+    for change, key in (
+        ("train.lr=0.01", "train.lr"),
+        ("train.global_batch_size=16", "train.global_batch_size"),
+        ("loss.name=siglip", "loss.name"),
+    ):
         with pytest.raises(ConfigError) as err:
             train(_cfg(overrides, out, change), show_progress=False, resume="latest")
         assert key in str(err.value) and "\n" not in str(err.value)
     # a longer run with another eval / log schedule continues the same run
-    done = train(_cfg(overrides, out, "train.steps=8", "train.eval_every=4", "train.log_every=2"),
-                 show_progress=False, resume="latest")
+    done = train(
+        _cfg(overrides, out, "train.steps=8", "train.eval_every=4", "train.log_every=2"),
+        show_progress=False,
+        resume="latest",
+    )
     steps = [json.loads(line)["step"] for line in (done / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6, 8]
 
@@ -168,9 +192,14 @@ def test_files_and_directories_are_synced_before_latest_flips(finished, tmp_path
 
     events = []
     real_fsync, real_replace = checkpoint._fsync, checkpoint.os.replace
-    monkeypatch.setattr(checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p).name)), real_fsync(p)))
-    monkeypatch.setattr(checkpoint.os, "replace",
-                        lambda a, b: (events.append(("replace", Path(a).name, Path(b).name)), real_replace(a, b)))
+    monkeypatch.setattr(
+        checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p).name)), real_fsync(p))
+    )
+    monkeypatch.setattr(
+        checkpoint.os,
+        "replace",
+        lambda a, b: (events.append(("replace", Path(a).name, Path(b).name)), real_replace(a, b)),
+    )
     out = tmp_path / "run"
     train(_cfg(finished[1], out, "train.steps=2"), show_progress=False)
     names = [e[1] for e in events]
@@ -186,8 +215,8 @@ def test_a_key_added_after_the_checkpoint_compares_as_its_default(tmp_path):
     under the default, and a non-default value of the new key is a change (unless resumable)."""
     import yaml
 
-    from mmalign.run import rundir
     from mmalign.config import load_config, to_dict
+    from mmalign.run import rundir
 
     cfg = load_config(None, ["model.preset=micro"])
     tree = to_dict(cfg)
@@ -198,4 +227,6 @@ def test_a_key_added_after_the_checkpoint_compares_as_its_default(tmp_path):
     rundir.check_resume(cfg, ckpt, 4)  # defaults: the same run
     rundir.check_resume(load_config(None, ["model.preset=micro", "train.attention_kernel=math"]), ckpt, 4)
     with pytest.raises(ConfigError, match="train.trim_text_padding: True -> False"):
-        rundir.check_resume(load_config(None, ["model.preset=micro", "train.trim_text_padding=false"]), ckpt, 4)
+        rundir.check_resume(
+            load_config(None, ["model.preset=micro", "train.trim_text_padding=false"]), ckpt, 4
+        )

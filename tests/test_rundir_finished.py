@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mmalign.run import rundir
 from mmalign.config import ConfigError, load_config, save_config
+from mmalign.run import rundir
 from tests.conftest import cli_main
 
 
@@ -83,7 +83,9 @@ def test_what_still_starts_or_resumes(tmp_path):
     # the same run killed before its first save (a requeued launch line with --resume latest);
     # another output path is a resumable change (a copied run directory)
     out = _run_dir(tmp_path, final=False, config=BASE + ["train.steps=50"])
-    rundir.check_fresh_start(out, "latest", False, load_config(None, BASE + ["train.steps=80", f"output={out}"]))
+    rundir.check_fresh_start(
+        out, "latest", False, load_config(None, BASE + ["train.steps=80", f"output={out}"])
+    )
     # a run with a checkpoint: checkpoint.resume and check_resume take it from there
     (tmp_path / "b").mkdir()
     finished = _run_dir(tmp_path / "b", final=True, config=BASE)
@@ -103,10 +105,20 @@ def finished_run(tmp_path_factory, shapes_dir):
     """A 2-step run with the default train.checkpoint_every: 0 (final/, no checkpoint)."""
     from mmalign.run.train import train
 
-    sets = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", "train.steps=2", "train.warmup_steps=1", "train.lr=0.002",
-            "monitor.probe_size=0", "monitor.tensorboard=false", "eval.suite=none"]
+    sets = [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.lr=0.002",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+    ]
     out = tmp_path_factory.mktemp("finished") / "run"
     train(load_config(None, sets + [f"output={out}"]), show_progress=False)
     return out, sets
@@ -114,15 +126,25 @@ def finished_run(tmp_path_factory, shapes_dir):
 
 def _files(out: Path) -> dict:
     # the launch's lock file (mmalign.dirlock) is not run content: every launch opens it
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != ".mmalign.lock"}
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != ".mmalign.lock"
+    }
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("change, expect, nproc", [([], "nothing to resume", 1),
-                                                   (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 1),
-                                                   (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 2)])
-def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, monkeypatch, change, expect, nproc):
+@pytest.mark.parametrize(
+    "change, expect, nproc",
+    [
+        ([], "nothing to resume", 1),
+        (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 1),
+        (["train.lr=5e-4"], "train.lr: 0.002 -> 0.0005", 2),
+    ],
+)
+def test_the_cli_refuses_to_replace_a_finished_run(
+    finished_run, tmp_path, monkeypatch, change, expect, nproc
+):
     """The issue's repro: the same command again with --resume latest (its own config, or a new lr);
     with --nproc 2 the refusal comes before any rank is spawned (one line, not one per rank)."""
     src, sets = finished_run
@@ -136,8 +158,9 @@ def test_the_cli_refuses_to_replace_a_finished_run(finished_run, tmp_path, monke
         raise AssertionError("ranks were spawned before the finished run was refused")
 
     monkeypatch.setattr(mmalign.dist.launch, "launch_local", no_ranks)
-    proc = cli_main("train", "--output", str(out), *args, "--resume", "latest",
-                    *(["--nproc", "2"] if nproc > 1 else []))
+    proc = cli_main(
+        "train", "--output", str(out), *args, "--resume", "latest", *(["--nproc", "2"] if nproc > 1 else [])
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[-1].startswith("mmalign: error: config key 'output'") and expect in lines[-1], lines
@@ -156,4 +179,6 @@ def test_overwrite_retrains_a_finished_run(finished_run, tmp_path):
     cfg = load_config(None, sets + ["train.lr=5e-4", f"output={out}"])
     train(cfg, show_progress=False, resume="latest", overwrite=True)
     assert load_config(out / "config.yaml").train.lr == 5e-4
-    assert (out / "final" / "model.safetensors").read_bytes() != (src / "final" / "model.safetensors").read_bytes()
+    assert (out / "final" / "model.safetensors").read_bytes() != (
+        src / "final" / "model.safetensors"
+    ).read_bytes()

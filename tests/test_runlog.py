@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mmalign.run import runlog
 from mmalign.config import load_config
+from mmalign.run import runlog
 from mmalign.run.runlog import RunLog
 
 
@@ -32,7 +32,14 @@ def _open_files_under(path: Path) -> list[str]:
 
 
 def _record(step: int) -> dict:
-    return {"step": step, "loss": 2.5, "lr": 1e-3, "logit_scale": 14.0, "samples_per_s": 64.0, "skipped_steps": 0}
+    return {
+        "step": step,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "logit_scale": 14.0,
+        "samples_per_s": 64.0,
+        "skipped_steps": 0,
+    }
 
 
 def _steps(path: Path) -> list[int]:
@@ -45,14 +52,19 @@ def test_records_keys_lines_alarms_and_the_resume_truncation(tmp_path, capsys, c
         for step in range(1, 5):
             log.sample_keys(step, [f"k{step}"])
             if step % 2 == 0:
-                log.record(step, _record(step), eta=3.0, alarms=["text embeddings collapsing"] if step == 4 else [])
+                log.record(
+                    step, _record(step), eta=3.0, alarms=["text embeddings collapsing"] if step == 4 else []
+                )
     assert _steps(metrics) == [2, 4] and _steps(keys) == [1, 2, 3, 4]
     assert json.loads(metrics.read_text().splitlines()[0]) == _record(2)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert printed == ["step 2/6 ( 33%)  loss 2.5000  lr 1.000e-03  scale 14.00  samples/s 64.0  ETA 0:00:03",
-                       "step 4/6 ( 67%)  loss 2.5000  lr 1.000e-03  scale 14.00  samples/s 64.0  ETA 0:00:03"]
+    assert printed == [
+        "step 2/6 ( 33%)  loss 2.5000  lr 1.000e-03  scale 14.00  samples/s 64.0  ETA 0:00:03",
+        "step 4/6 ( 67%)  loss 2.5000  lr 1.000e-03  scale 14.00  samples/s 64.0  ETA 0:00:03",
+    ]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        "COLLAPSE ALARM at step 4: text embeddings collapsing"]
+        "COLLAPSE ALARM at step 4: text embeddings collapsing"
+    ]
 
     # a kill tore the last lines; a resume from step 2 drops them and the records after step 2
     for path in (metrics, keys):
@@ -73,15 +85,19 @@ def test_records_keys_lines_alarms_and_the_resume_truncation(tmp_path, capsys, c
     assert _steps(other) == [1] and _steps(metrics) == [2, 4] and not (tmp_path / "tensorboard").exists()
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("a step failed"), SystemExit(128 + signal.SIGTERM)],
-                         ids=["exception", "sigterm"])
+@pytest.mark.parametrize(
+    "exc", [RuntimeError("a step failed"), SystemExit(128 + signal.SIGTERM)], ids=["exception", "sigterm"]
+)
 def test_every_file_is_closed_when_the_loop_raises(tmp_path, exc):
     with pytest.raises(type(exc)):
         with RunLog(tmp_path, 0, 0, 4, 1, sample_keys=True, tensorboard=True, show_progress=False) as log:
             log.sample_keys(1, ["a"])
             log.record(1, _record(1), eta=0.0)
             board = log.board
-            assert [Path(p).name for p in _open_files_under(tmp_path)] == ["metrics.jsonl", "samples_rank0.jsonl"]
+            assert [Path(p).name for p in _open_files_under(tmp_path)] == [
+                "metrics.jsonl",
+                "samples_rank0.jsonl",
+            ]
             assert board is not None and board.all_writers  # the premise: all were open
             raise exc
     assert _open_files_under(tmp_path) == []
@@ -96,7 +112,9 @@ def test_every_file_is_closed_at_the_normal_end(tmp_path):
         assert len(_open_files_under(tmp_path)) == 1  # metrics.jsonl (no sample keys asked)
         log.end_loop()  # the jsonl files close with the loop; TensorBoard stays for the final evaluation
         assert _open_files_under(tmp_path) == [] and board.all_writers
-        log.evaluation([{"dataset": "shapes/shape", "metrics": {"acc1": 0.5}}], 2, hparams={"train": {"steps": 2}})
+        log.evaluation(
+            [{"dataset": "shapes/shape", "metrics": {"acc1": 0.5}}], 2, hparams={"train": {"steps": 2}}
+        )
     assert _open_files_under(tmp_path) == [] and board.all_writers is None
 
 
@@ -120,8 +138,11 @@ def test_a_run_that_stops_mid_loop_leaves_no_file_open(micro_overrides, monkeypa
     boards = []
     make_board = runlog._tensorboard
     monkeypatch.setattr(runlog, "_tensorboard", lambda out: boards.append(make_board(out)) or boards[-1])
-    cfg = load_config(None, micro_overrides + ["train.steps=6", "monitor.probe_size=0", "monitor.log_sample_keys=true",
-                                               "eval.suite=none"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + ["train.steps=6", "monitor.probe_size=0", "monitor.log_sample_keys=true", "eval.suite=none"],
+    )
     with pytest.raises(SystemExit if how == "sigterm" else RuntimeError) as stopped:
         train_mod.train(cfg, show_progress=False)
     if how == "sigterm":
@@ -137,7 +158,12 @@ def test_the_first_record_carries_the_run_fields_given_once(tmp_path):
     record only; TensorBoard takes their numbers and skips the words."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    once = {"params_trainable": 1200, "params_frozen": 340, "image_tower": "locked", "text_tower": "trainable"}
+    once = {
+        "params_trainable": 1200,
+        "params_frozen": 340,
+        "image_tower": "locked",
+        "text_tower": "trainable",
+    }
     with RunLog(tmp_path, 0, 0, 4, 2, tensorboard=True, show_progress=False) as log:
         log.record(2, _record(2), eta=1.0, once=once)
         log.record(4, _record(4), eta=0.0, once=once)

@@ -32,6 +32,8 @@ def test_eval_metrics_and_hparams_reach_tensorboard(micro_overrides):
     assert "_hparams_/session_start_info" in plugins
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    start = plugin_data_pb2.HParamsPluginData.FromString(plugins["_hparams_/session_start_info"]).session_start_info
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        plugins["_hparams_/session_start_info"]
+    ).session_start_info
     assert start.hparams["model.preset"].string_value == "micro"
     assert start.hparams["train.steps"].number_value == 4

@@ -36,12 +36,17 @@ pytestmark = pytest.mark.integration
 
 STEPS = 3
 # every random draw a sample has: crop (scale and aspect), flip, colour jitter
-AUGMENT = ["data.augment.crop_scale=[0.5,1.0]", "data.augment.hflip=true",
-           "data.augment.color_jitter=[0.3,0.3,0.3,0.05]"]
+AUGMENT = [
+    "data.augment.crop_scale=[0.5,1.0]",
+    "data.augment.hflip=true",
+    "data.augment.color_jitter=[0.3,0.3,0.3,0.05]",
+]
 SGD = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9", "train.weight_decay=0.0"]
 WEIGHTS_RTOL = 1e-5
-PRESETS = {"micro": ["model.preset=micro"],
-           "tiny-rn": ["model.preset=tiny-rn", "model.batchnorm=frozen", "model.text.context_length=16"]}
+PRESETS = {
+    "micro": ["model.preset=micro"],
+    "tiny-rn": ["model.preset=tiny-rn", "model.batchnorm=frozen", "model.text.context_length=16"],
+}
 LAYOUTS = {  # name -> (processes, overrides)
     "1 process, cached in chunks of 8": (1, ["train.grad_cache_chunk_size=8"]),
     "2 processes": (2, []),
@@ -58,11 +63,23 @@ def train(shapes_dir, out, nproc, extra, steps=STEPS, resume=None):
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume", resume]
-    overrides = [f"data.train={shapes_dir}/train/{{00000..00001}}.tar", f"data.val={shapes_dir}/val/00000.tar",
-                 "data.workers=0", "data.shuffle_buffer=64", "train.global_batch_size=32", f"train.steps={steps}",
-                 "train.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=5",
-                 "eval.suite=none",
-                 "monitor.log_sample_keys=true", "monitor.probe_size=0", *AUGMENT, *extra]
+    overrides = [
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=64",
+        "train.global_batch_size=32",
+        f"train.steps={steps}",
+        "train.warmup_steps=0",
+        "train.log_every=1",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=5",
+        "eval.suite=none",
+        "monitor.log_sample_keys=true",
+        "monitor.probe_size=0",
+        *AUGMENT,
+        *extra,
+    ]
     for o in overrides:
         args += ["--set", o]
     res = cli_main(*args) if nproc == 1 else run_cli(*args)  # --nproc N: a process of its own
@@ -89,7 +106,9 @@ def weights(out) -> dict[str, torch.Tensor]:
 def relative_differences(a: dict, b: dict) -> dict[str, float]:
     """Per tensor, ||a - b|| / ||a|| (each tensor compared with its own norm)."""
     assert a.keys() == b.keys()
-    return {k: float((a[k].double() - b[k].double()).norm() / a[k].double().norm().clamp_min(1e-30)) for k in a}
+    return {
+        k: float((a[k].double() - b[k].double()).norm() / a[k].double().norm().clamp_min(1e-30)) for k in a
+    }
 
 
 def assert_same_run(ref, other, rtol=WEIGHTS_RTOL, what=""):
@@ -97,7 +116,9 @@ def assert_same_run(ref, other, rtol=WEIGHTS_RTOL, what=""):
     assert len(step_keys(ref)) == STEPS and all(len(v) == 32 for v in step_keys(ref).values())
     diffs = relative_differences(weights(ref), weights(other))
     worst = max(diffs, key=diffs.get)
-    print(f"\n{what}: the worst tensor, {worst}, differs by {diffs[worst]:.1e} of its norm")  # README's figures
+    print(
+        f"\n{what}: the worst tensor, {worst}, differs by {diffs[worst]:.1e} of its norm"
+    )  # README's figures
     assert diffs[worst] <= rtol, f"{what}: {worst} differs by {diffs[worst]:.2e} (relative)"
     return diffs
 
@@ -125,7 +146,9 @@ def _layout_cases():
             if layout == REFERENCE:
                 continue
             cheap = preset == "micro" and layout == "2 processes x 2 workers"
-            yield pytest.param(preset, layout, marks=() if cheap else pytest.mark.slow, id=f"{preset}-{layout}")
+            yield pytest.param(
+                preset, layout, marks=() if cheap else pytest.mark.slow, id=f"{preset}-{layout}"
+            )
 
 
 @pytest.mark.parametrize("preset,layout", list(_layout_cases()))

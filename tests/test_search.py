@@ -17,8 +17,8 @@ from PIL import Image
 import mmalign
 import mmalign.search.embed
 from mmalign.cli import main
-from mmalign.errors import UsageError
 from mmalign.data.shards import read_samples
+from mmalign.errors import UsageError
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
 from mmalign.search.index import build_index
@@ -32,8 +32,24 @@ def built(shapes_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
     model = save_random_model(root / "model", seed=21)
     val = f"{shapes_dir}/val/00000.tar"
-    assert main(["embed", "--model", model, "--data", val, "--out", str(root / "emb"), "--part-size", "50",
-                 "--batch-size", "32"]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                "--model",
+                model,
+                "--data",
+                val,
+                "--out",
+                str(root / "emb"),
+                "--part-size",
+                "50",
+                "--batch-size",
+                "32",
+            ]
+        )
+        == 0
+    )
     assert main(["index", "--emb", str(root / "emb"), "--out", str(root / "idx")]) == 0
     return {"model": model, "val": val, "emb": root / "emb", "idx": root / "idx", "root": root}
 
@@ -52,7 +68,15 @@ def test_embed_writes_row_aligned_clip_retrieval_layout(built):
         meta = pd.read_parquet(emb / f"metadata/metadata_{n}.parquet")
         assert img.dtype == txt.dtype == np.float16 and img.shape == txt.shape == (len(meta), 32)
         # clip-retrieval's four columns first; then where each sample came from and lies (shard, offset)
-        assert list(meta.columns) == ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
+        assert list(meta.columns) == [
+            "key",
+            "caption",
+            "caption_index",
+            "json",
+            "source_path",
+            "file",
+            "offset",
+        ]
         for x in (img, txt):
             assert np.allclose(np.linalg.norm(x.astype(np.float32), axis=1), 1.0, atol=2e-3)
     # rows follow the shard: one per (image, caption), in order, with the sample's json
@@ -65,8 +89,10 @@ def test_embed_writes_row_aligned_clip_retrieval_layout(built):
     loaded = mmalign.load(built["model"])
     pick = [3, 77, 119]
     ref_img = loaded.encode_image(torch.stack([loaded.preprocess(samples[i]["image"]) for i in pick])).numpy()
-    rows = [expected.index((samples[i]["key"], samples[i]["captions"][-1], len(samples[i]["captions"]) - 1))
-            for i in pick]
+    rows = [
+        expected.index((samples[i]["key"], samples[i]["captions"][-1], len(samples[i]["captions"]) - 1))
+        for i in pick
+    ]
     ref_txt = loaded.encode_text([samples[i]["captions"][-1] for i in pick]).numpy()
     assert np.abs(_stored(emb, "img")[rows].astype(np.float32) - ref_img).max() <= 2e-3
     assert np.abs(_stored(emb, "text")[rows].astype(np.float32) - ref_txt).max() <= 2e-3
@@ -90,8 +116,12 @@ def test_index_recall_equals_evaluation_suite(built):
     from mmalign.search.index import _normalised
 
     # (the index keeps the strict rule, ties to the query: the evaluation's strict ranks)
-    ranks = retrieval_ranks(torch.from_numpy(_normalised(_stored(built["emb"], "img")[img_rows])),
-                            torch.from_numpy(_normalised(_stored(built["emb"], "text"))), owner, max(ks))
+    ranks = retrieval_ranks(
+        torch.from_numpy(_normalised(_stored(built["emb"], "img")[img_rows])),
+        torch.from_numpy(_normalised(_stored(built["emb"], "text"))),
+        owner,
+        max(ks),
+    )
     assert from_index == pytest.approx(recall_from_ranks(*ranks, ks), abs=1e-6)
     # 2) the evaluation suite run on the model itself (fp32 embeddings): same Recall@k
     loaded = mmalign.load(built["model"])
@@ -103,7 +133,9 @@ def test_index_recall_equals_evaluation_suite(built):
         # The index stores fp16 (clip-retrieval's layout); rounding can flip a near-tie at the
         # cut-off, so allow one query per direction to differ from the fp32 evaluation.
         for name, n in (("image_retrieval_recall", 240), ("text_retrieval_recall", 120)):
-            assert from_index[f"{name}@{k}"] == pytest.approx(record["metrics"][f"{name}@{k}"], abs=1 / n + 1e-6)
+            assert from_index[f"{name}@{k}"] == pytest.approx(
+                record["metrics"][f"{name}@{k}"], abs=1 / n + 1e-6
+            )
 
 
 def test_search_text_and_image_queries(built, tmp_path, capsys):
@@ -116,7 +148,9 @@ def test_search_text_and_image_queries(built, tmp_path, capsys):
     brute = images @ s.encode_text([query])[0] / np.linalg.norm(images, axis=1)
     first_keys = meta["key"][meta["caption_index"] == 0].to_numpy()
     assert [h.key for h in hits] == list(first_keys[np.argsort(-brute)[:5]])
-    assert [h.rank for h in hits] == [1, 2, 3, 4, 5] and all(a.score >= b.score for a, b in zip(hits, hits[1:]))
+    assert [h.rank for h in hits] == [1, 2, 3, 4, 5] and all(
+        a.score >= b.score for a, b in zip(hits, hits[1:])
+    )
     # image query: a val image saved losslessly finds itself first
     sample = next(iter(read_samples([built["val"]])))
     path = tmp_path / "q.png"
@@ -125,7 +159,10 @@ def test_search_text_and_image_queries(built, tmp_path, capsys):
     assert top[0].key == sample["key"] and top[0].score > 0.99
     assert s.image(str(path), k=2, against="text")[0].caption in meta["caption"].tolist()
     # the CLI prints the ranked keys, captions and scores
-    assert main(["search", "--index", str(built["idx"]), "--model", built["model"], "--text", query, "-k", "3"]) == 0
+    assert (
+        main(["search", "--index", str(built["idx"]), "--model", built["model"], "--text", query, "-k", "3"])
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and lines[1].split()[2] == hits[0].key and lines[1].split()[0] == "1"
 
@@ -145,8 +182,10 @@ def test_ivfpq_past_the_exact_size(built, tmp_path):
     # approximate, but an image's own vector still finds it among the top 10 for most images
     meta = pd.read_parquet(tmp_path / "ivf" / "metadata.parquet")
     first = meta["caption_index"].to_numpy() == 0
-    found = [meta["key"][first].iloc[i] in {h.key for h in res}
-             for i, res in enumerate(s.search_vectors(_stored(built["emb"], "img")[first], k=10))]
+    found = [
+        meta["key"][first].iloc[i] in {h.key for h in res}
+        for i, res in enumerate(s.search_vectors(_stored(built["emb"], "img")[first], k=10))
+    ]
     assert np.mean(found) >= 3 * 10 / 120  # at least 3x chance (PQ on 120 near-random vectors is coarse)
 
 
@@ -156,15 +195,53 @@ def test_errors_are_one_line(built, tmp_path, capsys):
         Searcher(built["idx"], other)
     cases = [
         (["search", "--index", str(built["idx"]), "--model", other, "--text", "x"], "embedding dim 32"),
-        (["search", "--index", str(built["idx"]), "--model", str(tmp_path / "nope"), "--text", "x"], "does not exist"),
-        (["search", "--index", str(tmp_path), "--model", built["model"], "--text", "x"], "not an index directory"),
-        (["embed", "--model", str(tmp_path / "nope"), "--data", built["val"], "--out", str(tmp_path / "e")],
-         "does not exist"),
-        (["embed", "--model", built["model"], "--data", str(tmp_path / "none_{0..1}.tar"), "--out",
-          str(tmp_path / "e")], "shard not found"),
+        (
+            ["search", "--index", str(built["idx"]), "--model", str(tmp_path / "nope"), "--text", "x"],
+            "does not exist",
+        ),
+        (
+            ["search", "--index", str(tmp_path), "--model", built["model"], "--text", "x"],
+            "not an index directory",
+        ),
+        (
+            [
+                "embed",
+                "--model",
+                str(tmp_path / "nope"),
+                "--data",
+                built["val"],
+                "--out",
+                str(tmp_path / "e"),
+            ],
+            "does not exist",
+        ),
+        (
+            [
+                "embed",
+                "--model",
+                built["model"],
+                "--data",
+                str(tmp_path / "none_{0..1}.tar"),
+                "--out",
+                str(tmp_path / "e"),
+            ],
+            "shard not found",
+        ),
         (["index", "--emb", str(tmp_path), "--out", str(tmp_path / "i")], "not an embedding directory"),
-        (["search", "--index", str(built["idx"]), "--model", built["model"], "--text", "x", "--image", "y.png"],
-         "exactly one"),
+        (
+            [
+                "search",
+                "--index",
+                str(built["idx"]),
+                "--model",
+                built["model"],
+                "--text",
+                "x",
+                "--image",
+                "y.png",
+            ],
+            "exactly one",
+        ),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -218,6 +295,20 @@ def test_k_is_capped_at_the_index_size(built, capsys):
     s = Searcher(built["idx"], built["model"])
     n = s.indexes["image"].ntotal
     assert len(s.text("a red circle", k=2**40)) == n == 120
-    assert main(["search", "--index", str(built["idx"]), "--model", built["model"], "--text", "a red circle",
-                 "-k", str(2**40)]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--index",
+                str(built["idx"]),
+                "--model",
+                built["model"],
+                "--text",
+                "a red circle",
+                "-k",
+                str(2**40),
+            ]
+        )
+        == 0
+    )
     assert len(capsys.readouterr().out.strip().splitlines()) == n + 1  # a header line, then every image

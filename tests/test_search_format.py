@@ -15,9 +15,11 @@ def _starts(line: str, cells: list[str]) -> list[int]:
 
 
 def test_columns_start_at_the_same_place_on_every_line():
-    hits = [Hit(1, "k", "a cat", 0.91234, 0, "cat/0001.jpg"),
-            Hit(2, "0000012345", "a very long caption about a dog", -0.05, 1, None),
-            Hit(10, "x7", "a bird", 0.5, 2, "birds/in/a/deep/folder/0003.png")]
+    hits = [
+        Hit(1, "k", "a cat", 0.91234, 0, "cat/0001.jpg"),
+        Hit(2, "0000012345", "a very long caption about a dog", -0.05, 1, None),
+        Hit(10, "x7", "a bird", 0.5, 2, "birds/in/a/deep/folder/0003.png"),
+    ]
     lines = format_hits(hits).splitlines()
     assert lines[0].split() == ["rank", "score", "key", "source", "caption"]
     cells = [[f"{h.score:.4f}", h.key, h.source_path or "-", h.caption] for h in hits]
@@ -33,4 +35,6 @@ def test_columns_start_at_the_same_place_on_every_line():
 def test_without_sources_there_is_no_source_column():
     lines = format_hits([Hit(1, "abc", "cap", 0.1, 0), Hit(2, "a", "cap two", 0.2, 1)]).splitlines()
     assert lines[0].split() == ["rank", "score", "key", "caption"]
-    assert len({line.index("cap") for line in lines[1:]}) == 1 and lines[0].index("caption") == lines[1].index("cap")
+    assert len({line.index("cap") for line in lines[1:]}) == 1 and lines[0].index("caption") == lines[
+        1
+    ].index("cap")

@@ -72,8 +72,10 @@ def _status(url: str, data: bytes | None = None) -> int:
 def test_hits_carry_the_source_path(corpus, capsys):
     searcher = Searcher(corpus["idx"], corpus["model"])
     # the shards' own .json (read independently) ties each key to its source file
-    source_of = {s["key"]: s["json"]["source_path"] for s in read_samples(sorted(
-        str(p) for p in corpus["shards"].glob("*.tar")))}
+    source_of = {
+        s["key"]: s["json"]["source_path"]
+        for s in read_samples(sorted(str(p) for p in corpus["shards"].glob("*.tar")))
+    }
     assert sorted(source_of.values()) == sorted(corpus["colours"])
     hits = searcher.text("a photo of a cat", k=len(source_of))
     assert len(hits) == len(CLASSES) * PER_CLASS
@@ -85,8 +87,22 @@ def test_hits_carry_the_source_path(corpus, capsys):
     table = format_hits(hits)
     assert table.splitlines()[0].split() == ["rank", "score", "key", "source", "caption"]
     assert all(h.source_path in line for h, line in zip(hits, table.splitlines()[1:]))
-    assert main(["search", "--index", str(corpus["idx"]), "--model", corpus["model"], "--text", "a dog",
-                 "-k", "3"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--index",
+                str(corpus["idx"]),
+                "--model",
+                corpus["model"],
+                "--text",
+                "a dog",
+                "-k",
+                "3",
+            ]
+        )
+        == 0
+    )
     rows = capsys.readouterr().out.splitlines()[1:]
     assert len(rows) == 3 and all(row.split()[3] in corpus["colours"] for row in rows)
 
@@ -131,8 +147,19 @@ def test_image_to_text_dedupes_by_default_and_no_dedupe_keeps_copies(corpus, cap
     want = _naive(vectors, captions, query[0], 4, dedupe=True)
     assert [h.caption for h in hits] == [c for c, _ in want] and len(set(h.caption for h in hits)) == 4
     assert [h.score for h in hits] == pytest.approx([s for _, s in want], abs=1e-4)
-    args = ["search", "--index", str(corpus["idx"]), "--model", corpus["model"], "--image", str(image),
-            "--against", "text", "-k", "4"]
+    args = [
+        "search",
+        "--index",
+        str(corpus["idx"]),
+        "--model",
+        corpus["model"],
+        "--image",
+        str(image),
+        "--against",
+        "text",
+        "-k",
+        "4",
+    ]
     captions_out = []
     for extra in ([], ["--no-dedupe"]):
         assert main(args + extra) == 0
@@ -163,8 +190,20 @@ def test_an_index_from_before_source_paths_still_loads(corpus, tmp_path):
 
 
 def test_an_image_folder_embedding_knows_its_files(corpus, tmp_path):
-    assert main(["embed", "--model", corpus["model"], "--data", str(corpus["root"] / "src"),
-                 "--out", str(tmp_path / "emb")]) == 0
+    assert (
+        main(
+            [
+                "embed",
+                "--model",
+                corpus["model"],
+                "--data",
+                str(corpus["root"] / "src"),
+                "--out",
+                str(tmp_path / "emb"),
+            ]
+        )
+        == 0
+    )
     assert main(["index", "--emb", str(tmp_path / "emb"), "--out", str(tmp_path / "idx")]) == 0
     searcher = Searcher(tmp_path / "idx")
     hits = searcher.search_vectors(np.ones((1, searcher.dim), np.float32), 12, "image")[0]
@@ -244,8 +283,11 @@ def test_one_access_log_line_per_request(quiet_server):
     new = served.lines[before:]
     pattern = r"127\.0\.0\.1 (GET|POST) (\S+) (\d{3}) \d+\.\d ms"
     assert [re.fullmatch(pattern, line).group(1, 2, 3) for line in new] == [
-        ("GET", "/health", "200"), ("GET", "/nowhere", "404"), ("POST", "/search?k=1", "400"),
-        ("GET", "/health?[2J", "404")]
+        ("GET", "/health", "200"),
+        ("GET", "/nowhere", "404"),
+        ("POST", "/search?k=1", "400"),
+        ("GET", "/health?[2J", "404"),
+    ]
 
 
 def test_thumbnails_only_for_loopback_clients(corpus):
@@ -278,6 +320,13 @@ def test_serve_help_documents_the_routes(capsys):
         main(["serve", "--help"])
     out = capsys.readouterr().out
     assert done.value.code == 0
-    for needle in ("GET  /health", "POST /search", "against=image|text", "dedupe=false", "GET  /thumb",
-                   "access-log line", "(default: 127.0.0.1)"):
+    for needle in (
+        "GET  /health",
+        "POST /search",
+        "against=image|text",
+        "dedupe=false",
+        "GET  /thumb",
+        "access-log line",
+        "(default: 127.0.0.1)",
+    ):
         assert needle in out, needle

@@ -42,7 +42,9 @@ class StubSearcher:
 def server(request):
     kwargs = getattr(request, "param", {})
     searcher = StubSearcher()
-    srv = make_server(searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, "access_log": lambda line: None, **kwargs})
+    srv = make_server(
+        searcher, "127.0.0.1", 0, **{"max_pixels": 10_000, "access_log": lambda line: None, **kwargs}
+    )
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     srv.stub = searcher
@@ -86,7 +88,9 @@ def test_a_staller_does_not_delay_a_concurrent_search(server):
     finally:
         for s in stallers:
             s.close()
-    assert server.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and server.request_queue_size >= 64
+    assert (
+        server.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and server.request_queue_size >= 64
+    )
 
 
 def _status_of(reply: bytes) -> int:
@@ -197,15 +201,20 @@ def test_an_oversized_body_gets_a_413_that_the_client_reads(server):
     assert e.value.code == 413
     assert "at most 1000 bytes" in json.loads(e.value.read())["error"]
     # a client that asks before sending (curl does) hears the 413 at once, and sends nothing
-    reply = _raw(server, b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000000\r\n"
-                         b"Expect: 100-continue\r\n\r\n")
+    reply = _raw(
+        server,
+        b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000000\r\n"
+        b"Expect: 100-continue\r\n\r\n",
+    )
     assert _status_of(reply) == 413 and b"100 Continue" not in reply
     # a body within the limit is asked for ("100 Continue") and answered
     with socket.create_connection(server.server_address, timeout=5) as s:
         png = _png((20, 10))
         assert len(png) < 1000
-        s.sendall(b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
-                  b"Expect: 100-continue\r\n\r\n" % len(png))
+        s.sendall(
+            b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
+            b"Expect: 100-continue\r\n\r\n" % len(png)
+        )
         assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
         s.sendall(png)
         reply = _until_closed(s)
@@ -246,21 +255,33 @@ def test_bad_pool_settings_are_one_line(server):
 
 def test_host_header_must_be_this_server(server):
     port = server.server_address[1]
-    for host, status in ((f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("localhost", 200),
-                         (f"evil.example:{port}", 403), ("127.0.0.1.nip.io", 403), ("10.0.0.1", 403), ("", 403)):
+    for host, status in (
+        (f"127.0.0.1:{port}", 200),
+        (f"localhost:{port}", 200),
+        ("localhost", 200),
+        (f"evil.example:{port}", 403),
+        ("127.0.0.1.nip.io", 403),
+        ("10.0.0.1", 403),
+        ("", 403),
+    ):
         reply = _raw(server, f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        assert reply.startswith(f"HTTP/1.0 {status}".encode()) or reply.startswith(f"HTTP/1.1 {status}".encode()), \
-            (host, reply[:60])
+        assert reply.startswith(f"HTTP/1.0 {status}".encode()) or reply.startswith(
+            f"HTTP/1.1 {status}".encode()
+        ), (host, reply[:60])
 
 
 def test_malformed_content_length_is_a_400(server):
     for value in (b"abc", b"1e3", b"-5"):
-        reply = _raw(server, b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: " + value +
-                     b"\r\n\r\n")
+        reply = _raw(
+            server, b"POST /search?k=1 HTTP/1.1\r\nHost: localhost\r\nContent-Length: " + value + b"\r\n\r\n"
+        )
         status = reply.split(b"\r\n", 1)[0]
         assert status.split()[1] in (b"400", b"413"), reply[:80]
         assert b'"error"' in reply
-    assert b" 400 " in _raw(server, b"POST /search HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n")[:20]
+    assert (
+        b" 400 "
+        in _raw(server, b"POST /search HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n")[:20]
+    )
 
 
 def test_decoded_pixels_are_bounded(server):
@@ -291,12 +312,42 @@ def test_the_cli_passes_the_pool_flags_and_refuses_bad_ones_before_loading(monke
     (tmp_path / "m").mkdir()  # and that the model path exists
     seen = {}
     monkeypatch.setattr(serve_mod, "Searcher", lambda *a: seen.setdefault("searcher", StubSearcher()))
-    monkeypatch.setattr(serve_mod, "make_server", lambda searcher, host, port, **kw: seen.update(kw) or _Stopped())
-    assert cli.main(["serve", "--index", "i", "--model", "m", "--timeout", "3", "--workers", "2",
-                     "--max-connections", "5", "--max-per-client", "3"]) == 0
-    assert (seen["timeout"], seen["workers"], seen["max_connections"], seen["max_per_client"]) == (3.0, 2, 5, 3)
+    monkeypatch.setattr(
+        serve_mod, "make_server", lambda searcher, host, port, **kw: seen.update(kw) or _Stopped()
+    )
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--index",
+                "i",
+                "--model",
+                "m",
+                "--timeout",
+                "3",
+                "--workers",
+                "2",
+                "--max-connections",
+                "5",
+                "--max-per-client",
+                "3",
+            ]
+        )
+        == 0
+    )
+    assert (seen["timeout"], seen["workers"], seen["max_connections"], seen["max_per_client"]) == (
+        3.0,
+        2,
+        5,
+        3,
+    )
     seen.clear()
-    for flags in (["--workers", "0"], ["--timeout", "inf"], ["--max-connections", "-1"], ["--max-per-client", "0"]):
+    for flags in (
+        ["--workers", "0"],
+        ["--timeout", "inf"],
+        ["--max-connections", "-1"],
+        ["--max-per-client", "0"],
+    ):
         assert cli.main(["serve", "--index", "i", "--model", "m", *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and flags[0] in err[0], err

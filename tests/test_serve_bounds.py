@@ -49,12 +49,15 @@ def test_a_thin_image_is_a_413_from_its_header(server):
 # ---------------------------------------------------------------- framing and headers
 
 
-@pytest.mark.parametrize("headers", [
-    b"Content-Length: 4\r\nContent-Length: 4\r\n",  # even equal: two framings of one body
-    b"Content-Length: 4\r\nContent-Length: 40\r\n",
-    b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n",
-    b"Transfer-Encoding: chunked\r\n",
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: 4\r\nContent-Length: 4\r\n",  # even equal: two framings of one body
+        b"Content-Length: 4\r\nContent-Length: 40\r\n",
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+    ],
+)
 def test_ambiguous_body_framing_is_a_400(server, headers):
     lines = []
     server.access_log = lines.append
@@ -72,13 +75,18 @@ def test_ambiguous_body_framing_is_a_400(server, headers):
 
 def test_json_replies_say_nosniff(server):
     with urllib.request.urlopen(f"{server.base}/health", timeout=5) as r:
-        assert r.headers["X-Content-Type-Options"] == "nosniff" and r.headers["Content-Type"] == "application/json"
+        assert (
+            r.headers["X-Content-Type-Options"] == "nosniff"
+            and r.headers["Content-Type"] == "application/json"
+        )
     for url, code in ((f"{server.base}/nope", 404), (f"{server.base}/search?text=a&k=0", 400)):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url, timeout=5)
         assert e.value.code == code and e.value.headers["X-Content-Type-Options"] == "nosniff"
     big = _raw(server, b"POST /search HTTP/1.1\r\nHost: localhost\r\nContent-Length: 999999999\r\n\r\n")
-    assert big.startswith(b"HTTP/1.0 413 ") and b"X-Content-Type-Options: nosniff" in big.split(b"\r\n\r\n")[0]
+    assert (
+        big.startswith(b"HTTP/1.0 413 ") and b"X-Content-Type-Options: nosniff" in big.split(b"\r\n\r\n")[0]
+    )
 
 
 # ---------------------------------------------------------------- slow work and a busy queue
@@ -229,7 +237,9 @@ def test_a_churning_client_does_not_starve_another(capped):
             deadline = time.monotonic() + 5
             while sum(srv._open_from.values()) < holding and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert sum(srv._open_from.values()) >= holding  # the churner holds them (a loaded machine: waited)
+            assert (
+                sum(srv._open_from.values()) >= holding
+            )  # the churner holds them (a loaded machine: waited)
             latencies = sorted(_latencies_from(srv, source, 3))
         finally:
             stop.set()

@@ -36,10 +36,14 @@ def _embeddings(root, seed: int = 0) -> np.ndarray:
         (root / sub).mkdir(parents=True)
     np.save(root / "img_emb" / "img_emb_0.npy", rows.astype(np.float16))
     np.save(root / "text_emb" / "text_emb_0.npy", texts.astype(np.float16))
-    pd.DataFrame({"key": [f"item_{i // CAPTIONS:03d}" for i in range(len(rows))],
-                  "caption": [f"caption {i // CAPTIONS} #{i % CAPTIONS}" for i in range(len(rows))],
-                  "caption_index": [i % CAPTIONS for i in range(len(rows))],
-                  "json": ["{}"] * len(rows)}).to_parquet(root / "metadata" / "metadata_0.parquet", index=False)
+    pd.DataFrame(
+        {
+            "key": [f"item_{i // CAPTIONS:03d}" for i in range(len(rows))],
+            "caption": [f"caption {i // CAPTIONS} #{i % CAPTIONS}" for i in range(len(rows))],
+            "caption_index": [i % CAPTIONS for i in range(len(rows))],
+            "json": ["{}"] * len(rows),
+        }
+    ).to_parquet(root / "metadata" / "metadata_0.parquet", index=False)
     (root / EMBED_INFO).write_text(json.dumps({"dim": DIM, "parts": 1, "text": True, "rows": len(rows)}))
     return images
 
@@ -100,7 +104,10 @@ def test_more_like_this_by_key(corpus, served):
 
 
 def test_bad_key_queries_are_one_line_errors(served):
-    assert _get(f"{served.base}/search?key=nobody&k=5") == (404, {"error": "no indexed image has key 'nobody'"})
+    assert _get(f"{served.base}/search?key=nobody&k=5") == (
+        404,
+        {"error": "no indexed image has key 'nobody'"},
+    )
     status, body = _get(f"{served.base}/search?key=item_001&text=a+cat")
     assert status == 400 and "not both" in body["error"]
     status, body = _get(f"{served.base}/search?key=&k=5")

@@ -43,15 +43,29 @@ class Chromium:
         child_r, child_w = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (cmd_r, res_w))
         os.close(cmd_r)
         os.close(res_w)
-        args = [binary, "--headless=new", "--remote-debugging-pipe", f"--user-data-dir={profile}",
-                "--no-first-run", "--no-default-browser-check", "--disable-gpu", "--disable-extensions",
-                "--disable-dev-shm-usage", "--no-proxy-server", "--disable-background-networking", "about:blank"]
+        args = [
+            binary,
+            "--headless=new",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-gpu",
+            "--disable-extensions",
+            "--disable-dev-shm-usage",
+            "--no-proxy-server",
+            "--disable-background-networking",
+            "about:blank",
+        ]
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
-        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                   (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-                   (os.POSIX_SPAWN_DUP2, 1, 2),
-                   (os.POSIX_SPAWN_DUP2, child_r, 3), (os.POSIX_SPAWN_DUP2, child_w, 4)]
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+            (os.POSIX_SPAWN_DUP2, child_r, 3),
+            (os.POSIX_SPAWN_DUP2, child_w, 4),
+        ]
         try:
             # a process group of its own: its renderer and GPU processes are killed with it
             self.pid = os.posix_spawn(binary, args, os.environ, file_actions=actions, setpgroup=0)
@@ -78,8 +92,9 @@ class Chromium:
         message, self.buffer = self.buffer.split(b"\0", 1)
         return json.loads(message)
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None,
-             timeout: float = 15.0) -> dict:
+    def call(
+        self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 15.0
+    ) -> dict:
         self.next_id += 1
         message = {"id": self.next_id, "method": method, "params": params or {}}
         if session:
@@ -141,8 +156,10 @@ class Chromium:
 def browser(tmp_path):
     binary = _browser()
     if binary is None:
-        pytest.skip(f"no headless browser found (looked for {', '.join(BROWSERS)} on PATH); "
-                    "`apt-get install chromium` to run this test")
+        pytest.skip(
+            f"no headless browser found (looked for {', '.join(BROWSERS)} on PATH); "
+            "`apt-get install chromium` to run this test"
+        )
     chrome = Chromium(binary, tmp_path / "profile", tmp_path / "chromium.log")
     try:
         yield chrome
@@ -184,8 +201,10 @@ ROWS_LOADED = """((want) => {
 
 def _rows(browser, session, want: int | None = None, status: str = "") -> dict:
     """Wait (bounded) until ``want`` rows with loaded thumbnails show and the status line holds ``status``."""
-    expr = (f"(() => document.getElementById('status').textContent.includes({json.dumps(status)}) ? "
-            f"{ROWS_LOADED}({json.dumps(want)}) : null)()")
+    expr = (
+        f"(() => document.getElementById('status').textContent.includes({json.dumps(status)}) ? "
+        f"{ROWS_LOADED}({json.dumps(want)}) : null)()"
+    )
     return json.loads(browser.wait_for(session, expr))
 
 
@@ -194,8 +213,11 @@ def _open(browser, url: str) -> str:
     session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     browser.call("Page.enable", {}, session)
     # tall enough for 12 rows: thumbnails load lazily, and nobody scrolls here
-    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1200, "height": 2400, "deviceScaleFactor": 1,
-                                                        "mobile": False}, session)
+    browser.call(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1200, "height": 2400, "deviceScaleFactor": 1, "mobile": False},
+        session,
+    )
     browser.call("Page.navigate", {"url": url}, session)
     browser.wait_for(session, "document.readyState === 'complete' && document.body.dataset.ready === '1'")
     return session
@@ -205,8 +227,12 @@ def _same_hits(rows: list, hits: list) -> None:
     assert len(rows) == len(hits)
     for row, hit in zip(rows, hits):
         rank, _, score, caption, source, more = row["cells"]
-        assert (int(rank), caption, source, row["key"]) == (hit["rank"], hit["caption"], hit["source_path"],
-                                                            hit["key"])
+        assert (int(rank), caption, source, row["key"]) == (
+            hit["rank"],
+            hit["caption"],
+            hit["source_path"],
+            hit["key"],
+        )
         assert float(score) == pytest.approx(hit["score"], abs=1e-4)
         assert more == "more like this"
 
@@ -219,9 +245,18 @@ def test_typing_a_query_shows_result_rows_with_thumbnails(browser, served):
     browser.evaluate(session, "document.getElementById('q').focus()")
     browser.call("Input.insertText", {"text": QUERY}, session)
     for kind in ("keyDown", "keyUp"):
-        browser.call("Input.dispatchKeyEvent", {"type": kind, "key": "Enter", "code": "Enter",
-                                                "windowsVirtualKeyCode": 13, "nativeVirtualKeyCode": 13,
-                                                **({"text": "\r"} if kind == "keyDown" else {})}, session)
+        browser.call(
+            "Input.dispatchKeyEvent",
+            {
+                "type": kind,
+                "key": "Enter",
+                "code": "Enter",
+                "windowsVirtualKeyCode": 13,
+                "nativeVirtualKeyCode": 13,
+                **({"text": "\r"} if kind == "keyDown" else {}),
+            },
+            session,
+        )
     assert browser.evaluate(session, "document.getElementById('q').value") == QUERY
     shown = _rows(browser, session, status="result(s) for")
     # the rows are what the JSON endpoint answers for the same query (12 = the page's default k)
@@ -233,7 +268,9 @@ def test_typing_a_query_shows_result_rows_with_thumbnails(browser, served):
     assert browser.evaluate(session, "history.length") == entries + 1
     # the page went through the server's own endpoints: the search, and one thumbnail per row
     requested = [line.split()[2] for line in served.lines]
-    assert any(p.startswith("/search?k=12&against=image&dedupe=true&text=a+photo+of+a+cat") for p in requested)
+    assert any(
+        p.startswith("/search?k=12&against=image&dedupe=true&text=a+photo+of+a+cat") for p in requested
+    )
     assert sum(p.startswith("/thumb?row=") for p in requested) >= 12
     # thumbnails are readable: the 32 px corpus images are displayed upscaled to at least 96 px
     for width, height, natural in (row["shown"] for row in shown["rows"]):
@@ -249,11 +286,16 @@ def test_typing_a_query_shows_result_rows_with_thumbnails(browser, served):
 def test_a_url_with_a_query_shows_its_hits(browser, served):
     session = _open(browser, served.base + "/?q=a+photo+of+a+dog&k=5&mode=text&dedupe=false")
     shown = _rows(browser, session, 5, status="result(s) for")
-    _same_hits(shown["rows"], _json(f"{served.base}/search?text=a+photo+of+a+dog&k=5&against=text"
-                                    "&dedupe=false")["hits"])
+    _same_hits(
+        shown["rows"],
+        _json(f"{served.base}/search?text=a+photo+of+a+dog&k=5&against=text&dedupe=false")["hits"],
+    )
     # the form shows the URL's search
-    form = browser.evaluate(session, "JSON.stringify(['q', 'k', 'mode'].map(id => document.getElementById(id)"
-                                     ".value).concat([document.getElementById('dedupe').checked]))")
+    form = browser.evaluate(
+        session,
+        "JSON.stringify(['q', 'k', 'mode'].map(id => document.getElementById(id)"
+        ".value).concat([document.getElementById('dedupe').checked]))",
+    )
     assert json.loads(form) == ["a photo of a dog", "5", "text", False]
     assert shown["search"] == "?q=a+photo+of+a+dog&k=5&mode=text&dedupe=false"
 
@@ -264,7 +306,9 @@ def test_more_like_this_queries_by_the_hits_key_and_back_returns(browser, served
     key = first["rows"][1]["key"]
     link = f"/?key={urllib.parse.quote_plus(key)}&k=4&mode=image"
     assert first["rows"][1]["more"] == link  # a real link: it opens in a new tab too
-    browser.evaluate(session, "document.querySelectorAll('#results tr.hit')[1].querySelector('td.more a').click()")
+    browser.evaluate(
+        session, "document.querySelectorAll('#results tr.hit')[1].querySelector('td.more a').click()"
+    )
     like = _rows(browser, session, 4, status=f"like \u201c{key}\u201d")
     assert like["search"] == link[1:]
     hits = _json(f"{served.base}/search?key={urllib.parse.quote_plus(key)}&k=4")["hits"]
@@ -288,7 +332,9 @@ def test_an_image_file_chosen_in_the_form_is_the_query(browser, served, corpus):
     shown = _rows(browser, session, 3, status="like the image 0002.png")
     assert shown["rows"][0]["cells"][4] == "dog/0002.png"  # its own indexed copy is the nearest
     assert float(shown["rows"][0]["cells"][2]) == pytest.approx(1.0, abs=1e-3)
-    assert any(line.split()[1:3] == ["POST", "/search?k=3&against=image&dedupe=true"] for line in served.lines)
+    assert any(
+        line.split()[1:3] == ["POST", "/search?k=3&against=image&dedupe=true"] for line in served.lines
+    )
 
 
 def test_the_uploaded_query_image_is_shown_beside_its_results(browser, served, corpus):
@@ -302,14 +348,22 @@ def test_the_uploaded_query_image_is_shown_beside_its_results(browser, served, c
     node = browser.call("DOM.querySelector", {"nodeId": document, "selector": "#image"}, session)["nodeId"]
     browser.call("DOM.setFileInputFiles", {"files": [str(picked)], "nodeId": node}, session)
     _rows(browser, session, 3, status="like the image 0001.png")
-    shown = json.loads(browser.wait_for(session, """(() => { const img = document.getElementById('query-image');
+    shown = json.loads(
+        browser.wait_for(
+            session,
+            """(() => { const img = document.getElementById('query-image');
       const box = img.getBoundingClientRect();
       return !document.getElementById('query').hidden && img.complete && img.naturalWidth > 0 ?
         JSON.stringify({src: img.src, w: box.width, h: box.height, natural: img.naturalWidth,
-                        name: document.getElementById('query-name').textContent}) : null; })()"""))
+                        name: document.getElementById('query-name').textContent}) : null; })()""",
+        )
+    )
     assert shown["src"].startswith("blob:") and shown["name"] == "query: 0001.png"
     assert shown["w"] >= 96 and shown["h"] >= 96 and shown["natural"] == 32  # the 32 px file, upscaled
-    browser.evaluate(session, "document.getElementById('q').value = 'a photo of a dog'; "
-                              "document.getElementById('form').requestSubmit()")
+    browser.evaluate(
+        session,
+        "document.getElementById('q').value = 'a photo of a dog'; "
+        "document.getElementById('form').requestSubmit()",
+    )
     _rows(browser, session, 3, status="result(s) for")
     assert browser.evaluate(session, hidden) is True

@@ -82,10 +82,19 @@ def test_an_upload_shows_the_file_and_a_text_search_hides_it(tmp_path):
     script = re.search(r"<script>\n(.*)</script>", PAGE, re.S).group(1)
     (tmp_path / "page.js").write_text(script)
     (tmp_path / "harness.js").write_text(HARNESS)
-    res = subprocess.run([node, str(tmp_path / "harness.js"), str(tmp_path / "page.js")], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [node, str(tmp_path / "harness.js"), str(tmp_path / "page.js")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["afterUpload"] == {"hidden": False, "src": "blob:page/cat.png", "name": "query: cat.png",
-                                  "rows": 1, "status": "1 result(s) like the image cat.png"}
+    assert got["afterUpload"] == {
+        "hidden": False,
+        "src": "blob:page/cat.png",
+        "name": "query: cat.png",
+        "rows": 1,
+        "status": "1 result(s) like the image cat.png",
+    }
     assert got["afterText"] == {"hidden": True, "src": None, "revoked": ["blob:page/cat.png"]}

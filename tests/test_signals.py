@@ -16,44 +16,76 @@ import time
 
 import pytest
 
-from mmalign.run import signals
 from mmalign.config import load_config
+from mmalign.run import signals
 from tests.conftest import ROOT
 
 
 def test_the_resume_command_drops_what_would_delete_or_rewind():
     cfg = load_config(None, ["output=runs/x"])
-    argv = ["/venv/bin/mmalign", "train", "--config", "my run.yaml", "--overwrite", "--set", "train.lr=1e-3",
-            "--resume", "runs/x/checkpoints/step_00000004"]
+    argv = [
+        "/venv/bin/mmalign",
+        "train",
+        "--config",
+        "my run.yaml",
+        "--overwrite",
+        "--set",
+        "train.lr=1e-3",
+        "--resume",
+        "runs/x/checkpoints/step_00000004",
+    ]
     want = "mmalign train --config 'my run.yaml' --set train.lr=1e-3 --resume latest"
     assert signals.resume_command(argv, cfg) == want
-    assert signals.resume_command(["mmalign", "train", "--overw", "--resume=runs/x/checkpoints/step_2", "--output",
-                                   "runs/x"], cfg) == "mmalign train --output runs/x --resume latest"
+    assert (
+        signals.resume_command(
+            ["mmalign", "train", "--overw", "--resume=runs/x/checkpoints/step_2", "--output", "runs/x"], cfg
+        )
+        == "mmalign train --output runs/x --resume latest"
+    )
     # a run started from Python (a notebook, the quickstart): through the run's own config.yaml
-    assert signals.resume_command(["pytest", "-q"], cfg) == "mmalign train --config runs/x/config.yaml --resume latest"
+    assert (
+        signals.resume_command(["pytest", "-q"], cfg)
+        == "mmalign train --config runs/x/config.yaml --resume latest"
+    )
 
 
 def test_the_line_without_a_checkpoint_or_a_step(tmp_path):
     cfg = load_config(None, [f"output={tmp_path}", "train.steps=50"])
     line = signals.stop_line("SIGTERM", cfg, 7, ["mmalign", "train"])
-    assert line == ("mmalign: stopped by SIGTERM at step 7 of 50; no checkpoint saved yet (train.checkpoint_every "
-                    "is 0), so it starts again from step 0; restart with: mmalign train --resume latest")
+    assert line == (
+        "mmalign: stopped by SIGTERM at step 7 of 50; no checkpoint saved yet (train.checkpoint_every "
+        "is 0), so it starts again from step 0; restart with: mmalign train --resume latest"
+    )
     assert signals.stop_line("SIGINT", cfg, None, ["mmalign", "train"], world=4).startswith(
-        "mmalign: stopped by SIGINT before its first step; ")
-    assert signals.stop_line("SIGINT", cfg, None, ["x"], world=4).endswith("(under the launcher of its 4 ranks)")
+        "mmalign: stopped by SIGINT before its first step; "
+    )
+    assert signals.stop_line("SIGINT", cfg, None, ["x"], world=4).endswith(
+        "(under the launcher of its 4 ranks)"
+    )
     assert signals.stop_line("SIGTERM", None, None, []) == "mmalign: stopped by SIGTERM"
 
 
 def _sets(shapes_dir, *extra):
-    return ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-            f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-            "train.global_batch_size=16", "train.warmup_steps=1", "monitor.probe_size=0",
-            "monitor.tensorboard=false", "eval.suite=none", *extra]
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.warmup_steps=1",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+        *extra,
+    ]
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
-def test_a_signal_in_the_loop_says_the_step_and_the_checkpoint(shapes_dir, tmp_path, monkeypatch, capsys, how):
+def test_a_signal_in_the_loop_says_the_step_and_the_checkpoint(
+    shapes_dir, tmp_path, monkeypatch, capsys, how
+):
     """In this process: the signal arrives in step 3, after the step-2 checkpoint."""
     import mmalign.run.train as train_mod
 
@@ -79,8 +111,10 @@ def test_a_signal_in_the_loop_says_the_step_and_the_checkpoint(shapes_dir, tmp_p
         assert err.value.code == 143
     assert err.value.reported  # the CLI prints nothing more
     lines = capsys.readouterr().err.strip().splitlines()
-    want = (f"mmalign: stopped by {how} at step 3 of 6; last checkpoint {out / 'checkpoints' / 'step_00000002'}; "
-            f"resume with: mmalign train --output {out} --resume latest")
+    want = (
+        f"mmalign: stopped by {how} at step 3 of 6; last checkpoint {out / 'checkpoints' / 'step_00000002'}; "
+        f"resume with: mmalign train --output {out} --resume latest"
+    )
     assert lines[-1] == want
     assert want.removeprefix("mmalign: ") in (out / "train.log").read_text()
     assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is put back
@@ -102,7 +136,9 @@ def test_sigterm_exits_143_with_the_line_and_its_command_resumes(shapes_dir, tmp
         proc.kill()
     assert proc.returncode == 143, err[-3000:]
     line = err.strip().splitlines()[-1]
-    assert line.startswith("mmalign: stopped by SIGTERM at step ") and " of 400; last checkpoint " in line, err[-3000:]
+    assert line.startswith("mmalign: stopped by SIGTERM at step ") and " of 400; last checkpoint " in line, (
+        err[-3000:]
+    )
     assert "Traceback" not in err and "--overwrite" not in line
     last = (out / "checkpoints" / "latest").read_text()
     assert f"last checkpoint {out / 'checkpoints' / last}; resume with: mmalign train " in line
@@ -110,8 +146,13 @@ def test_sigterm_exits_143_with_the_line_and_its_command_resumes(shapes_dir, tmp
     assert command[0] == "mmalign" and command[-2:] == ["--resume", "latest"]
     # the printed command continues the run (made short: train.steps is a resumable change)
     step = int(last.split("_")[1])
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", *command[1:], "--set", f"train.steps={step + 1}"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "mmalign.cli", *command[1:], "--set", f"train.steps={step + 1}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / last} at step {step}" in res.stdout
 
@@ -146,7 +187,9 @@ def test_a_signal_during_a_save_waits_for_the_save_then_stops_the_run():
         assert finished == [True] and stopped.value.code == 143
         assert signal.getsignal(signal.SIGTERM) is signals.raise_terminated
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        with pytest.raises(KeyboardInterrupt):  # Ctrl-C alone: Python's own KeyboardInterrupt, after the block
+        with pytest.raises(
+            KeyboardInterrupt
+        ):  # Ctrl-C alone: Python's own KeyboardInterrupt, after the block
             with signals.deferred():
                 signal.raise_signal(signal.SIGINT)
         with signals.deferred():  # no signal: nothing happens

@@ -10,7 +10,6 @@ bounded.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,9 +20,11 @@ import pytest
 
 from tests.conftest import ROOT
 
-LOST = ("mmalign: error: lost contact with another rank (a host or process is gone, or the network is split; "
-        "collectives wait at most dist.timeout_s={t} s): Connection closed by peer; once every host is back, "
-        "relaunch with --resume latest")
+LOST = (
+    "mmalign: error: lost contact with another rank (a host or process is gone, or the network is split; "
+    "collectives wait at most dist.timeout_s={t} s): Connection closed by peer; once every host is back, "
+    "relaunch with --resume latest"
+)
 
 AGENT = r"""
 import os, signal, subprocess, sys, time
@@ -60,10 +61,23 @@ LIMIT_S = 60  # any run here: far above what it needs, so a hang fails instead o
 
 def _supervise(tmp_path, mode, t="1", extra=(), wait=True):
     pidfile = tmp_path / "pids"
-    cmd = [sys.executable, "-m", "mmalign.dist.supervise", *extra, "--", sys.executable, "-c", AGENT, mode,
-           LOST.format(t=t) if t else "worker: some other failure", str(pidfile)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmalign.dist.supervise",
+        *extra,
+        "--",
+        sys.executable,
+        "-c",
+        AGENT,
+        mode,
+        LOST.format(t=t) if t else "worker: some other failure",
+        str(pidfile),
+    ]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), pidfile
+        return subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ), pidfile
     start = time.monotonic()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
     return res, time.monotonic() - start, pidfile
@@ -86,8 +100,11 @@ def test_an_agent_that_ignores_sigterm_after_lost_contact_is_killed_within_the_g
     # grace 1 s (the line's dist.timeout_s) + 1 s to SIGKILL + start-up; the agent alone would run 60 s
     assert elapsed < 15, f"{elapsed:.1f} s"
     lines = _ended_line(res.stderr)
-    assert len(lines) == 1 and lines[0].startswith("mmalign: supervise: the agent (pid ") \
-        and "still running 1 s after its workers lost contact" in lines[0], res.stderr
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("mmalign: supervise: the agent (pid ")
+        and "still running 1 s after its workers lost contact" in lines[0]
+    ), res.stderr
     assert "lost contact with another rank" in res.stderr  # the worker's line passed through
     assert "agent: worker exited" in res.stdout
     agent, worker = map(int, pidfile.read_text().split())
@@ -136,16 +153,24 @@ def test_sigterm_to_the_supervisor_reaches_the_agent(tmp_path):
     assert proc.returncode == 143 and "agent: got SIGTERM" in out, out + err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    ([], "no agent command given"),
-    (["--"], "no agent command given"),
-    (["--grace", "-1", "torchrun"], "--grace must be a number of seconds >= 0"),
-    (["--kill-after", "nan", "torchrun"], "--kill-after must be a number of seconds >= 0"),
-    (["mmalign-no-such-agent-command"], "cannot run the agent command 'mmalign-no-such-agent-command'"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([], "no agent command given"),
+        (["--"], "no agent command given"),
+        (["--grace", "-1", "torchrun"], "--grace must be a number of seconds >= 0"),
+        (["--kill-after", "nan", "torchrun"], "--kill-after must be a number of seconds >= 0"),
+        (["mmalign-no-such-agent-command"], "cannot run the agent command 'mmalign-no-such-agent-command'"),
+    ],
+)
 def test_a_bad_supervisor_line_is_one_line_and_exit_2(argv, needle):
-    res = subprocess.run([sys.executable, "-m", "mmalign.dist.supervise", *argv], cwd=ROOT, capture_output=True,
-                         text=True, timeout=LIMIT_S)
+    res = subprocess.run(
+        [sys.executable, "-m", "mmalign.dist.supervise", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mmalign: error: ") and needle in lines[0], res.stderr
@@ -154,7 +179,10 @@ def test_a_bad_supervisor_line_is_one_line_and_exit_2(argv, needle):
 def test_supervise_imports_neither_torch_nor_the_training_code():
     """The supervisor starts with the agent on every node: it must not pay torch's import."""
     code = "import sys, mmalign.dist.supervise; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('mmalign.')))"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S
+    )
     # the package's own __init__ (a docstring) and the supervisor, nothing else of mmalign
-    assert res.returncode == 0 and res.stdout.strip() == "['mmalign.dist', 'mmalign.dist.supervise']", \
+    assert res.returncode == 0 and res.stdout.strip() == "['mmalign.dist', 'mmalign.dist.supervise']", (
         res.stdout + res.stderr
+    )

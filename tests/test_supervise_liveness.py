@@ -54,9 +54,24 @@ def _run_killing_the_worker(tmp_path, mode: str, *flags: str):
     """The supervised agent; its worker is SIGKILLed once it runs. Returns (exit status, stderr,
     seconds from the kill to the supervisor's end, (agent pid, worker pid))."""
     pidfile = tmp_path / "pids"
-    proc = subprocess.Popen([sys.executable, "-m", "mmalign.dist.supervise", *flags, "--", sys.executable, "-c",
-                             AGENT, mode, str(pidfile)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmalign.dist.supervise",
+            *flags,
+            "--",
+            sys.executable,
+            "-c",
+            AGENT,
+            mode,
+            str(pidfile),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + LIMIT_S
         while not (pidfile.is_file() and len(pidfile.read_text().split()) == 2):
@@ -80,14 +95,16 @@ def _run_killing_the_worker(tmp_path, mode: str, *flags: str):
 
 
 def test_an_agent_whose_worker_was_killed_silently_is_ended_within_the_idle_limit(tmp_path):
-    code, err, elapsed, (agent, worker) = _run_killing_the_worker(tmp_path, "stuck", "--idle-limit", "1",
-                                                                  "--kill-after", "1")
+    code, err, elapsed, (agent, worker) = _run_killing_the_worker(
+        tmp_path, "stuck", "--idle-limit", "1", "--kill-after", "1"
+    )
     assert code == 1, err
     # 1 s idle limit + 1 s to SIGKILL + polling; the agent alone would run 60 s
     assert elapsed < 15, f"{elapsed:.1f} s"
     lines = [line for line in err.splitlines() if "ending it" in line]
-    assert len(lines) == 1 and lines[0].startswith(f"mmalign: supervise: the agent (pid {agent}) has had no live "
-                                                   f"worker for 1 s"), err
+    assert len(lines) == 1 and lines[0].startswith(
+        f"mmalign: supervise: the agent (pid {agent}) has had no live worker for 1 s"
+    ), err
     assert "without a lost-contact line" in lines[0] and "Traceback" not in err
     assert _gone(agent) and _gone(worker)
 
@@ -98,10 +115,17 @@ def test_a_restart_within_the_idle_limit_is_left_alone(tmp_path):
 
 
 def test_the_idle_limit_is_checked_like_the_other_durations():
-    res = subprocess.run([sys.executable, "-m", "mmalign.dist.supervise", "--idle-limit", "-2", "torchrun"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S)
+    res = subprocess.run(
+        [sys.executable, "-m", "mmalign.dist.supervise", "--idle-limit", "-2", "torchrun"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and lines == ["mmalign: error: --idle-limit must be a number of seconds >= 0, not -2"]
+    assert res.returncode == 2 and lines == [
+        "mmalign: error: --idle-limit must be a number of seconds >= 0, not -2"
+    ]
 
 
 @pytest.mark.parametrize("limit", ["", "--idle-limit=600"])

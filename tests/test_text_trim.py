@@ -18,7 +18,6 @@ from mmalign.data.batch import Batch
 from mmalign.models.presets import PRESETS
 from mmalign.models.text_trim import multiple_for, trim_batch, trimmed_length
 from mmalign.models.two_tower import TwoTower
-
 from tests.conftest import clip_batch
 
 
@@ -131,14 +130,25 @@ def test_a_trimmed_run_trains_the_same_weights_as_a_full_length_run(micro_overri
     finals = {}
     try:
         for current in (True, False):
-            cfg = load_config(None, micro_overrides + [f"train.trim_text_padding={str(current).lower()}",
-                                                       "train.steps=3", "train.optimizer=sgd", "train.lr=0.5",
-                                                       "eval.suite=none", "monitor.probe_size=0",
-                                                       f"output={tmp_path / str(current)}"])
+            cfg = load_config(
+                None,
+                micro_overrides
+                + [
+                    f"train.trim_text_padding={str(current).lower()}",
+                    "train.steps=3",
+                    "train.optimizer=sgd",
+                    "train.lr=0.5",
+                    "eval.suite=none",
+                    "monitor.probe_size=0",
+                    f"output={tmp_path / str(current)}",
+                ],
+            )
             finals[current] = mmalign.load(train(cfg, show_progress=False) / "final").model.state_dict()
     finally:
         handle.remove()
-    rows = {run: {shape[-1] for shape in shapes if shape[0] == 32} for run, shapes in widths.items()}  # the batches
+    rows = {
+        run: {shape[-1] for shape in shapes if shape[0] == 32} for run, shapes in widths.items()
+    }  # the batches
     assert max(rows[True]) < 16 and rows[False] == {16}  # micro's context is 16 tokens
     for name, want in finals[False].items():
         assert torch.allclose(finals[True][name], want, rtol=0, atol=2e-5), name

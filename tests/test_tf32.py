@@ -14,13 +14,16 @@ from mmalign.run.tf32 import set_tf32
 
 
 def _new_api():
-    return SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(fp32_precision="none")),
-                           cudnn=SimpleNamespace(conv=SimpleNamespace(fp32_precision="none")))
+    return SimpleNamespace(
+        cuda=SimpleNamespace(matmul=SimpleNamespace(fp32_precision="none")),
+        cudnn=SimpleNamespace(conv=SimpleNamespace(fp32_precision="none")),
+    )
 
 
 def _legacy_api():  # torch before 2.9: allow_tf32 flags only
-    return SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=False)),
-                           cudnn=SimpleNamespace(allow_tf32=True))
+    return SimpleNamespace(
+        cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=False)), cudnn=SimpleNamespace(allow_tf32=True)
+    )
 
 
 @pytest.mark.parametrize("enabled, mode", [(True, "tf32"), (False, "ieee")])
@@ -69,7 +72,9 @@ def test_training_setup_sets_it(monkeypatch, tmp_path):
         raise Stop
 
     monkeypatch.setattr(train, "set_tf32", fake)
-    monkeypatch.setattr(train.mdist, "init_from_env", lambda **k: train.mdist.DistInfo())  # one process, no group
+    monkeypatch.setattr(
+        train.mdist, "init_from_env", lambda **k: train.mdist.DistInfo()
+    )  # one process, no group
     monkeypatch.setattr(train.mdist, "barrier", lambda: None)
     monkeypatch.setattr(train, "check_buildable", lambda m: None)
     monkeypatch.setattr(train, "check_train_shards", lambda *a: None)

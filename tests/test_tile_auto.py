@@ -63,8 +63,11 @@ def test_config_keys():
     cfg = load_config(None, [])
     assert cfg.loss.tile_size == "auto" and cfg.loss.tile_budget_mb == 256.0
     assert load_config(None, ["loss.tile_size=512"]).loss.tile_size == 512
-    for bad, key in (("loss.tile_size=-1", "loss.tile_size"), ("loss.tile_size=big", "loss.tile_size"),
-                     ("loss.tile_budget_mb=0", "loss.tile_budget_mb")):
+    for bad, key in (
+        ("loss.tile_size=-1", "loss.tile_size"),
+        ("loss.tile_size=big", "loss.tile_size"),
+        ("loss.tile_budget_mb=0", "loss.tile_budget_mb"),
+    ):
         with pytest.raises(ConfigError, match=f"config key '{key}'"):
             load_config(None, [bad])
 
@@ -96,10 +99,16 @@ def test_auto_matches_the_naive_reference(gen, monkeypatch, name, budget, tiled)
     extra = ["loss.name=siglip", "model.init_logit_bias=-10"] if name == "siglip" else []
     cfg = load_config(None, ["loss.tile_size=auto", f"loss.tile_budget_mb={budget}", *extra])
     objective = build_objective(cfg, 1)
-    calls = (_spy(monkeypatch, siglip, "tiled_sigmoid_rows", 4) if name == "siglip"
-             else _spy(monkeypatch, infonce, "tiled_lse", 3))
-    feats = {"image": unit(gen, b, d, torch.float64), "text": unit(gen, b, d, torch.float64),
-             "logit_scale": torch.tensor([14.0], dtype=torch.float64)}
+    calls = (
+        _spy(monkeypatch, siglip, "tiled_sigmoid_rows", 4)
+        if name == "siglip"
+        else _spy(monkeypatch, infonce, "tiled_lse", 3)
+    )
+    feats = {
+        "image": unit(gen, b, d, torch.float64),
+        "text": unit(gen, b, d, torch.float64),
+        "logit_scale": torch.tensor([14.0], dtype=torch.float64),
+    }
     if name == "siglip":
         feats["logit_bias"] = torch.tensor([-3.0], dtype=torch.float64)
     leaves = {k: v.clone().requires_grad_() for k, v in feats.items()}
@@ -108,8 +117,11 @@ def test_auto_matches_the_naive_reference(gen, monkeypatch, name, budget, tiled)
     out.loss.backward()
     assert calls == ([128] if tiled else []), calls  # the path auto took
     refs = {k: v.clone().requires_grad_() for k, v in feats.items()}
-    want = (_naive_siglip(refs["image"], refs["text"], refs["logit_scale"], refs["logit_bias"]) if name == "siglip"
-            else naive_clip_loss(refs["image"], refs["text"], refs["logit_scale"]))
+    want = (
+        _naive_siglip(refs["image"], refs["text"], refs["logit_scale"], refs["logit_bias"])
+        if name == "siglip"
+        else naive_clip_loss(refs["image"], refs["text"], refs["logit_scale"])
+    )
     want.backward()
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-12)
     for k in leaves:

@@ -33,8 +33,13 @@ def test_weights_from_a_local_file_equal_timms_own_load(vit_file):
     model = build_model(load_config(None, VIT + [f"model.timm_weights={vit_file}"]).model).eval()
     assert model.arch["vision_cfg"]["timm_model_pretrained"] is False  # never timm's download
     # the reference: timm's own file loading (its filter resamples the 10x10 position grid to 2x2)
-    ref = timm.create_model("test_vit", img_size=32, num_classes=0, pretrained=True,
-                            pretrained_cfg_overlay={"file": str(vit_file)}).eval()
+    ref = timm.create_model(
+        "test_vit",
+        img_size=32,
+        num_classes=0,
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(vit_file)},
+    ).eval()
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.allclose(model.visual.trunk.forward_features(x), ref.forward_features(x), atol=1e-6)
@@ -82,14 +87,19 @@ def test_train_eval_and_export(vit_file, micro_overrides, tmp_path):
         export(run, "hf", tmp_path / "hf")
     # a convolutional trunk takes any size unchanged: open_clip rebuilds it and gives our embeddings
     torch.manual_seed(0)
-    rn = build_model(load_config(None, ["model.preset=micro", "model.vision.timm_model_name=test_resnet",
-                                        "model.image_size=32"]).model).eval()
+    rn = build_model(
+        load_config(
+            None, ["model.preset=micro", "model.vision.timm_model_name=test_resnet", "model.image_size=32"]
+        ).model
+    ).eval()
     save_pretrained(rn, tmp_path / "rn", preprocess=preprocess_cfg(32))
     out = export(tmp_path / "rn", "open_clip", tmp_path / "oc_rn")
     oc = open_clip.create_model("local-dir:" + str(out)).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        assert torch.allclose(torch.nn.functional.normalize(oc.encode_image(x), dim=-1), rn.encode_image(x), atol=1e-5)
+        assert torch.allclose(
+            torch.nn.functional.normalize(oc.encode_image(x), dim=-1), rn.encode_image(x), atol=1e-5
+        )
 
 
 def test_misuse_is_one_config_error_line(vit_file, tmp_path):
@@ -100,10 +110,16 @@ def test_misuse_is_one_config_error_line(vit_file, tmp_path):
             check_buildable(load_config(None, list(overrides)).model)
         assert "\n" not in str(e.value)
 
-    refused(*VIT, "model.vision.timm_model_pretrained=true", match="timm_model_pretrained.*download.*timm_weights")
+    refused(
+        *VIT, "model.vision.timm_model_pretrained=true", match="timm_model_pretrained.*download.*timm_weights"
+    )
     refused("model.preset=micro", f"model.timm_weights={vit_file}", match="timm_weights.*timm_model_name")
     refused(*VIT, f"model.timm_weights={tmp_path / 'none.pth'}", match="timm_weights.*not a file")
-    refused("model.preset=micro", "model.vision.timm_model_name=no_such_net", match="timm has no model 'no_such_net'")
+    refused(
+        "model.preset=micro",
+        "model.vision.timm_model_name=no_such_net",
+        match="timm has no model 'no_such_net'",
+    )
     other = tmp_path / "other.pth"
     torch.save({"state_dict": {"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}}, other)
     refused(*VIT, f"model.timm_weights={other}", match="timm_weights.*does not fit.*missing")

@@ -41,8 +41,11 @@ def _one_line(msg: str, path) -> None:
 
 def test_the_loader_names_the_path_and_what_it_expected(not_models):
     for path in not_models:
-        for load in (SentencePieceTokenizer, sentencepiece_vocab_size,
-                     lambda p: build_tokenizer({"text_cfg": {"context_length": 8, "tokenizer_kwargs": {SPM_KEY: p}}})):
+        for load in (
+            SentencePieceTokenizer,
+            sentencepiece_vocab_size,
+            lambda p: build_tokenizer({"text_cfg": {"context_length": 8, "tokenizer_kwargs": {SPM_KEY: p}}}),
+        ):
             with pytest.raises(UsageError) as err:
                 load(str(path))
             _one_line(str(err.value), path)
@@ -57,7 +60,9 @@ def test_config_keys_name_the_key_before_anything_is_built(not_models):
         assert str(err.value).startswith("config key 'model.tokenizer': ")
         _one_line(str(err.value), path)
         # the tower's own tokenizer setting, as a saved arch carries it: checked by the start-up build
-        cfg = load_config(None, ["model.preset=micro", f"model.text={{tokenizer_kwargs: {{{SPM_KEY}: '{path}'}}}}"])
+        cfg = load_config(
+            None, ["model.preset=micro", f"model.text={{tokenizer_kwargs: {{{SPM_KEY}: '{path}'}}}}"]
+        )
         with pytest.raises(ConfigError) as err:
             check_buildable(cfg.model)
         assert str(err.value).startswith("config key 'model.text.tokenizer_kwargs': ")
@@ -95,8 +100,15 @@ def test_a_saved_model_whose_tokenizer_is_broken_is_one_line(tmp_path, not_model
 def test_the_cli_gives_one_line_and_exit_2(not_models, tmp_path):
     out = tmp_path / "run"
     for path in (not_models[0], not_models[1]):  # random bytes, a text file
-        res = cli_main("train", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--set",
-                       f"model.tokenizer={path}", "--output", str(out))
+        res = cli_main(
+            "train",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--set",
+            f"model.tokenizer={path}",
+            "--output",
+            str(out),
+        )
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]
         assert lines[0].startswith("mmalign: error: config key 'model.tokenizer': ") and str(path) in lines[0]

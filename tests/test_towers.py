@@ -21,8 +21,15 @@ from mmalign.export import export
 from mmalign.models import build_model
 from mmalign.models.io import save_pretrained
 from mmalign.models.presets import PRESETS, preset_arch
-from mmalign.models.towers import (Towers, TowerSpec, register_tower, registered, spec_from_cfg, tower_kind,
-                                   unregister_tower)
+from mmalign.models.towers import (
+    Towers,
+    TowerSpec,
+    register_tower,
+    registered,
+    spec_from_cfg,
+    tower_kind,
+    unregister_tower,
+)
 from mmalign.run.monitors import flop_counter
 from tests.conftest import ROOT
 
@@ -80,7 +87,11 @@ def test_every_tower_kind(kind, tmp_path):
     out = model(images=images, texts=tokens)
     assert out.image.shape == out.text.shape == (2, model.embed_dim)
     ((out.image @ out.text.T) * out.logit_scale).logsumexp(-1).sum().backward()
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.isfinite().all())]
+    missing = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and (p.grad is None or not p.grad.isfinite().all())
+    ]
     assert missing == []
     # FLOPs: the kind's own count equals torch's counter on the real module (eval: no patch dropout)
     model.eval()
@@ -143,13 +154,29 @@ def _onnx_round_trip(final, tmp_path, images, tokens, want_img, want_txt):
     assert np.abs(txt.run(None, {"tokens": tokens.numpy()})[0] - want_txt.numpy()).max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-rn", "micro", "micro-rn", "RN50", "ViT-B-32", "ViT-L-14",
-                                  "convnext_base", "EVA02-B-16", "ViT-B-16-SigLIP", "coca_ViT-B-32"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny",
+        "tiny-rn",
+        "micro",
+        "micro-rn",
+        "RN50",
+        "ViT-B-32",
+        "ViT-L-14",
+        "convnext_base",
+        "EVA02-B-16",
+        "ViT-B-16-SigLIP",
+        "coca_ViT-B-32",
+    ],
+)
 def test_specs_round_trip_saved_dicts_exactly(name):
     arch = preset_arch(name)
     back = Towers.from_arch(arch).to_arch()
     assert back == arch
-    assert list(back["vision_cfg"]) == list(arch["vision_cfg"]) and list(back["text_cfg"]) == list(arch["text_cfg"])
+    assert list(back["vision_cfg"]) == list(arch["vision_cfg"]) and list(back["text_cfg"]) == list(
+        arch["text_cfg"]
+    )
 
 
 def test_typed_fields_and_analytic_flops():
@@ -211,7 +238,9 @@ def test_presets_are_package_data():
 
     files = sorted(p.stem for p in (ROOT / "mmalign/models/preset_data").glob("*.yaml"))
     assert files == sorted(PRESETS) and {"tiny", "tiny-rn", "micro", "micro-rn"} <= set(files)
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["mmalign"]
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "mmalign"
+    ]
     assert "models/preset_data/*.yaml" in data
 
 
@@ -273,10 +302,15 @@ def test_a_toy_kind_registered_here_trains_exports_and_reloads(toy_kind, micro_o
     import onnxruntime as ort
 
     got = ort.InferenceSession(str(out / "image_encoder.onnx"), providers=["CPUExecutionProvider"])
-    assert np.abs(got.run(None, {"pixels": images.numpy()})[0] - loaded.encode_image(images).numpy()).max() <= 1e-5
+    assert (
+        np.abs(got.run(None, {"pixels": images.numpy()})[0] - loaded.encode_image(images).numpy()).max()
+        <= 1e-5
+    )
     with pytest.raises(UsageError, match="toy_pool tower kind has no open_clip export"):
         export(run, "open_clip", tmp_path / "oc")
-    assert _counted(loaded.model.visual, images[:1]) == loaded.model.towers.vision.flops(loaded.model.embed_dim)
+    assert _counted(loaded.model.visual, images[:1]) == loaded.model.towers.vision.flops(
+        loaded.model.embed_dim
+    )
 
 
 def test_a_text_kind_without_a_tokenizer_hook_fails_loudly(tmp_path):

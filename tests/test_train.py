@@ -74,7 +74,13 @@ def test_quickstart_end_to_end_short(micro_overrides, tmp_path):
         args += ["--set", o]
     res = cli_main(*args)
     assert res.returncode == 0, res.stderr[-2000:]
-    for name in ("config.yaml", "metrics.jsonl", "eval.json", "final/model.safetensors", "final/model_config.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "eval.json",
+        "final/model.safetensors",
+        "final/model_config.json",
+    ):
         assert (out / name).is_file(), name
     res = cli_main("eval", "--model", str(out), "--out", str(tmp_path / "again.json"))
     assert res.returncode == 0, res.stderr[-2000:]
@@ -83,16 +89,24 @@ def test_quickstart_end_to_end_short(micro_overrides, tmp_path):
     assert [r["dataset"] for r in first] == [r["dataset"] for r in again]
     for r1, r2 in zip(first, again):  # the reloaded final/ scores what the run scored
         for key, value in r1["metrics"].items():
-            assert (value is None and r2["metrics"][key] is None) or value == pytest.approx(r2["metrics"][key], abs=1e-6)
+            assert (value is None and r2["metrics"][key] is None) or value == pytest.approx(
+                r2["metrics"][key], abs=1e-6
+            )
 
 
 def test_the_loop_function_is_under_90_lines():
     """Issue 18: train() reads as the loop. The one function that runs the steps (a ``for step``
     loop) stays short: setup, building, resume, the step and the logging live elsewhere."""
     tree = ast.parse((ROOT / "mmalign" / "run" / "train.py").read_text())
-    loops = [fn for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
-             and any(isinstance(n, ast.For) and isinstance(n.target, ast.Name) and n.target.id == "step"
-                     for n in ast.walk(fn))]
+    loops = [
+        fn
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef)
+        and any(
+            isinstance(n, ast.For) and isinstance(n.target, ast.Name) and n.target.id == "step"
+            for n in ast.walk(fn)
+        )
+    ]
     assert [fn.name for fn in loops] == ["_train"]
     length = loops[0].end_lineno - loops[0].lineno + 1
     assert length < 90, length

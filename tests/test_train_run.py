@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmalign.run import checkpoint
 from mmalign.config import load_config
+from mmalign.run import checkpoint
 from tests.conftest import ROOT, cli_main
 
 pytestmark = pytest.mark.integration
@@ -36,8 +36,12 @@ def _cmd(out, overrides, *extra):
 @pytest.mark.slow  # make test: tests/test_data_remote.py, the same kill and resume (over HTTP, against local files)
 def test_kill_and_resume_equals_straight_run(micro_overrides, tmp_path):
     ov = [o for o in micro_overrides if not o.startswith("output=")] + [
-        "train.steps=20", "train.checkpoint_every=10", "monitor.log_sample_keys=true", "data.workers=1",
-        "monitor.probe_size=16", "train.log_every=5",
+        "train.steps=20",
+        "train.checkpoint_every=10",
+        "monitor.log_sample_keys=true",
+        "data.workers=1",
+        "monitor.probe_size=16",
+        "train.log_every=5",
     ]
     straight = tmp_path / "straight"
     res = subprocess.run(_cmd(straight, ov), capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -53,8 +57,9 @@ def test_kill_and_resume_equals_straight_run(micro_overrides, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "final").exists()
-    res = subprocess.run(_cmd(killed, ov, "--resume", "latest"), capture_output=True, text=True, cwd=ROOT,
-                         timeout=600)
+    res = subprocess.run(
+        _cmd(killed, ov, "--resume", "latest"), capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "step 10" in res.stdout
 
@@ -126,8 +131,16 @@ def test_consecutive_nan_steps_stop_the_run_and_keep_the_checkpoint(micro_overri
     import mmalign.run.train as train_mod
 
     monkeypatch.setattr(train_mod, "build_objective", _nan_after(4))
-    cfg = load_config(None, micro_overrides + ["train.steps=20", "train.checkpoint_every=2",
-                                               "train.max_consecutive_skips=3", "monitor.probe_size=0"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + [
+            "train.steps=20",
+            "train.checkpoint_every=2",
+            "train.max_consecutive_skips=3",
+            "monitor.probe_size=0",
+        ],
+    )
     with pytest.raises(train_mod.RunStopped, match="3 non-finite steps in a row at step 7"):
         train_mod.train(cfg, show_progress=False)
     last = checkpoint.resolve(cfg.output, "latest")
@@ -139,30 +152,59 @@ def test_consecutive_nan_steps_stop_the_run_and_keep_the_checkpoint(micro_overri
 
 def test_cli_reports_a_stopped_run_in_one_line(micro_overrides, tmp_path):
     out = tmp_path / "bad"
-    ov = [o for o in micro_overrides if not o.startswith("output=")] + ["train.lr=1e30", "train.steps=8",
-                                                                         "train.max_consecutive_skips=2"]
+    ov = [o for o in micro_overrides if not o.startswith("output=")] + [
+        "train.lr=1e30",
+        "train.steps=8",
+        "train.max_consecutive_skips=2",
+    ]
     # lr 1e30 makes the weights overflow after the first update: later losses are non-finite
     res = cli_main(*_cmd(out, ov)[3:])  # the arguments after `python -m mmalign.cli`, run in this process
     assert res.returncode == 1, res.stderr[-2000:]
     stopped = [line for line in res.stderr.splitlines() if line.startswith("mmalign: ")]
-    assert stopped == [stopped[0]] and stopped[0].startswith("mmalign: stopped: 2 non-finite steps in a row"), stopped
+    assert stopped == [stopped[0]] and stopped[0].startswith(
+        "mmalign: stopped: 2 non-finite steps in a row"
+    ), stopped
     assert "Traceback" not in res.stderr
 
 
 def test_monitors_and_outputs(micro_overrides):
     from mmalign.run.train import train
 
-    cfg = load_config(None, micro_overrides + ["train.steps=4", "train.log_every=2", "monitor.probe_size=32",
-                                               "train.eval_every=2", "monitor.min_effective_rank_frac=1.0"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + [
+            "train.steps=4",
+            "train.log_every=2",
+            "monitor.probe_size=32",
+            "train.eval_every=2",
+            "monitor.min_effective_rank_frac=1.0",
+        ],
+    )
     out = train(cfg, show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     r = records[-1]
-    for key in ("loss", "loss_floor", "pos_rank", "hardest_neg_prob", "top1", "logit_scale", "samples_per_s",
-                "data_wait_s", "tflops", "skipped_steps", "probe_image_std_mean", "probe_text_effective_rank",
-                "lr", "grad_norm"):
+    for key in (
+        "loss",
+        "loss_floor",
+        "pos_rank",
+        "hardest_neg_prob",
+        "top1",
+        "logit_scale",
+        "samples_per_s",
+        "data_wait_s",
+        "tflops",
+        "skipped_steps",
+        "probe_image_std_mean",
+        "probe_text_effective_rank",
+        "lr",
+        "grad_norm",
+    ):
         assert key in r, key
     assert r["loss_floor"] == pytest.approx(math.log(32))
-    assert all(math.isfinite(rec["grad_norm"]) and rec["grad_norm"] > 0 for rec in records)  # ZeRO-0, no clipping
+    assert all(
+        math.isfinite(rec["grad_norm"]) and rec["grad_norm"] > 0 for rec in records
+    )  # ZeRO-0, no clipping
     assert 1 <= r["pos_rank"] <= 32 and 0 <= r["top1"] <= 1 and r["tflops"] > 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "eval_step00000002.json").is_file() and (out / "eval.json").is_file()
@@ -174,8 +216,11 @@ def test_monitors_and_outputs(micro_overrides):
 def test_atomic_checkpoints_keep_last_k(micro_overrides, tmp_path):
     from mmalign.run.train import train
 
-    cfg = load_config(None, micro_overrides + ["train.steps=6", "train.checkpoint_every=2",
-                                               "train.keep_checkpoints=2", "monitor.probe_size=0"])
+    cfg = load_config(
+        None,
+        micro_overrides
+        + ["train.steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=2", "monitor.probe_size=0"],
+    )
     out = train(cfg, show_progress=False)
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["latest", "step_00000004", "step_00000006"]

@@ -8,23 +8,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmalign.run import trainable
 from mmalign.config import ModelConfig
 from mmalign.models import build_model
+from mmalign.run import trainable
 
 
 def _counts(module) -> tuple[int, int]:
     params = list(module.parameters())
-    return (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad))
+    return (
+        sum(p.numel() for p in params if p.requires_grad),
+        sum(p.numel() for p in params if not p.requires_grad),
+    )
 
 
-@pytest.mark.parametrize("lock, image, text", [
-    ({}, "trainable", "trainable"),
-    ({"lock_image": True}, "locked", "trainable"),
-    ({"lock_image": True, "lock_image_unlocked_groups": 1}, "partly unlocked", "trainable"),
-    ({"lock_text": True}, "trainable", "locked"),
-    ({"lock_text": True, "lock_text_unlocked_layers": 1}, "trainable", "partly unlocked"),
-], ids=["none", "image", "image-partial", "text", "text-partial"])
+@pytest.mark.parametrize(
+    "lock, image, text",
+    [
+        ({}, "trainable", "trainable"),
+        ({"lock_image": True}, "locked", "trainable"),
+        ({"lock_image": True, "lock_image_unlocked_groups": 1}, "partly unlocked", "trainable"),
+        ({"lock_text": True}, "trainable", "locked"),
+        ({"lock_text": True, "lock_text_unlocked_layers": 1}, "trainable", "partly unlocked"),
+    ],
+    ids=["none", "image", "image-partial", "text", "text-partial"],
+)
 def test_tower_states_and_counts(lock, image, text):
     cfg = ModelConfig(preset="micro", **lock)
     model = build_model(cfg)
@@ -43,8 +50,10 @@ def test_tower_states_and_counts(lock, image, text):
     expected = {
         "trainable": (f"image tower: trainable ({vt:,})", f"text tower: trainable ({tt:,})"),
         "locked": (f"image tower: locked ({vf:,} frozen)", f"text tower: locked ({tf:,} frozen)"),
-        "partly unlocked": (f"image tower: partly unlocked (last 1 layer group: {vt:,} trainable, {vf:,} frozen)",
-                            f"text tower: partly unlocked (last 1 layer: {tt:,} trainable, {tf:,} frozen)"),
+        "partly unlocked": (
+            f"image tower: partly unlocked (last 1 layer group: {vt:,} trainable, {vf:,} frozen)",
+            f"text tower: partly unlocked (last 1 layer: {tt:,} trainable, {tf:,} frozen)",
+        ),
     }
     assert expected[image][0] in line and expected[text][1] in line, line
     if "partly unlocked" in (image, text):

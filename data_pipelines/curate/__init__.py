@@ -11,10 +11,24 @@
 Arrays in, arrays out: no shard I/O, no model, no torch (numpy and faiss only).
 """
 
-from data_pipelines.curate.dedupe import (cluster_labels, exact_groups, group_report, keep_one_per_group,
-                                          semantic_groups)
+from data_pipelines.curate.dedupe import (
+    cluster_labels,
+    exact_groups,
+    group_report,
+    keep_one_per_group,
+    semantic_groups,
+)
 from data_pipelines.curate.scores import clip_scores
 from data_pipelines.curate.threshold import PoolQuantile, keep_threshold, select
 
-__all__ = ["PoolQuantile", "clip_scores", "cluster_labels", "exact_groups", "group_report",
-           "keep_one_per_group", "keep_threshold", "select", "semantic_groups"]
+__all__ = [
+    "PoolQuantile",
+    "clip_scores",
+    "cluster_labels",
+    "exact_groups",
+    "group_report",
+    "keep_one_per_group",
+    "keep_threshold",
+    "select",
+    "semantic_groups",
+]

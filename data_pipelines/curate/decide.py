@@ -29,14 +29,22 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipelines.curate.dedupe import (cluster_labels, exact_groups, group_report, keep_one_per_group,
-                                          nearest_similarity, semantic_groups)
+from data_pipelines.curate.dedupe import (
+    cluster_labels,
+    exact_groups,
+    group_report,
+    keep_one_per_group,
+    nearest_similarity,
+    semantic_groups,
+)
 from data_pipelines.curate.embed_pass import shard_files
 from data_pipelines.curate.scores import _unit_rows
 from data_pipelines.curate.threshold import keep_threshold
 
 SAMPLES_PER_CLUSTER = 5000  # the automatic k-means size: pairs compared grow with the cluster size squared
-SIMILARITY_BLOCK = 8192  # rows a block for the cosine with the kept member: 4 float64 copies of (b, D), ~128 MB at 512-d
+SIMILARITY_BLOCK = (
+    8192  # rows a block for the cosine with the kept member: 4 float64 copies of (b, D), ~128 MB at 512-d
+)
 NEAREST_SAMPLE = 20_000  # samples whose nearest neighbour the report's eps histogram shows
 TRAIN_PER_CLUSTER = 256  # k-means training rows per centroid (FAISS warns under 39)
 
@@ -91,7 +99,9 @@ class Decisions:
     keep: np.ndarray  # (N,) bool: the sample is in the output
     by_policy: dict[str, np.ndarray]  # policy name -> (N,) bool kept by that policy alone
     threshold: float | None  # the score a sample needs (max of the floor and the fraction's quantile)
-    groups: dict[str, np.ndarray]  # "exact" / "semantic" / "combined" -> (N,) group id (its kept member's index)
+    groups: dict[
+        str, np.ndarray
+    ]  # "exact" / "semantic" / "combined" -> (N,) group id (its kept member's index)
     group_field: list[str] | None  # per sample: the key its false-negative group is named by
     clusters: int | None = None
     info: dict = field(default_factory=dict)
@@ -136,8 +146,11 @@ def decide(pool: Pool, p: Policies) -> Decisions:
         if "exact" in groups:
             semantic = semantic[groups["exact"]]  # an exact copy's group is its kept copy's (no chaining)
         groups["semantic"] = semantic
-        sample = reps if m <= NEAREST_SAMPLE else np.random.default_rng(p.seed).choice(reps, NEAREST_SAMPLE,
-                                                                                         replace=False)
+        sample = (
+            reps
+            if m <= NEAREST_SAMPLE
+            else np.random.default_rng(p.seed).choice(reps, NEAREST_SAMPLE, replace=False)
+        )
         nearest = nearest_similarity(pool.image, labels, rows=sample)  # for the histogram: a sample suffices
         if "exact" in groups:  # a sample with an exact copy: that copy is its nearest (cosine 1)
             nearest[np.bincount(groups["exact"], minlength=n)[groups["exact"]] > 1] = 1.0
@@ -162,25 +175,42 @@ def decide(pool: Pool, p: Policies) -> Decisions:
                 by_policy["exact"] = groups["exact"] == index
             if "semantic" in groups:
                 rep_of = groups["exact"] if "exact" in groups else index
-                by_policy["semantic"] = groups["semantic"][rep_of] == rep_of  # its exact group's kept copy survives
+                by_policy["semantic"] = (
+                    groups["semantic"][rep_of] == rep_of
+                )  # its exact group's kept copy survives
             by_policy["dedupe"] = combined == index
         else:
             keys = pool.frame["key"].tolist()
-            group_field = [keys[g] for g in combined.tolist()]  # the member a dedupe would keep names its group
+            group_field = [
+                keys[g] for g in combined.tolist()
+            ]  # the member a dedupe would keep names its group
     keep = np.ones(n, dtype=bool)
     for name in ("clip_score", "dedupe"):
         if name in by_policy:
             keep &= by_policy[name]
-    return Decisions(keep=keep, by_policy=by_policy, threshold=threshold, groups=groups, group_field=group_field,
-                     clusters=clusters, info=info, similarity=similarity, nearest=nearest)
+    return Decisions(
+        keep=keep,
+        by_policy=by_policy,
+        threshold=threshold,
+        groups=groups,
+        group_field=group_field,
+        clusters=clusters,
+        info=info,
+        similarity=similarity,
+        nearest=nearest,
+    )
 
 
 def group_sizes(groups: np.ndarray) -> dict:
     """The duplicate groups' (more than one member) sizes: count, largest, median, and how many exceed 10."""
     _, counts = np.unique(np.asarray(groups), return_counts=True)
     multi = counts[counts > 1]
-    return {"groups": int(multi.size), "largest": int(multi.max()) if multi.size else 1,
-            "median": float(np.median(multi)) if multi.size else 0.0, "over_10": int((multi > 10).sum())}
+    return {
+        "groups": int(multi.size),
+        "largest": int(multi.max()) if multi.size else 1,
+        "median": float(np.median(multi)) if multi.size else 0.0,
+        "over_10": int((multi > 10).sum()),
+    }
 
 
 def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
@@ -203,17 +233,21 @@ def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
             semantic = "semantic" in p.dedupe
             eps = f", eps {p.dedupe_eps:g}" if semantic else ""
             fix = "lower --dedupe-eps" if semantic else "most of the pool is byte-identical copies: check it"
-            raise UsageError(f"curate: de-duplication ({','.join(p.dedupe)}{eps}) would drop {dropped} of {n} samples "
-                             f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
-                             f"{sizes['largest']} samples; nothing written: {fix}, or pass --force")
+            raise UsageError(
+                f"curate: de-duplication ({','.join(p.dedupe)}{eps}) would drop {dropped} of {n} samples "
+                f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
+                f"{sizes['largest']} samples; nothing written: {fix}, or pass --force"
+            )
     if p.clip_score_min is not None and p.keep_fraction is None:
         scores = pool.frame["clip_score"].to_numpy(np.float64)
         dropped = int((scores < p.clip_score_min).sum())
         if dropped > p.max_drop * n:
-            raise UsageError(f"curate: --clip-score-min {p.clip_score_min:g} would drop {dropped} of {n} samples "
-                             f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); the pool's median score is "
-                             f"{np.median(scores):.3f}; nothing written: lower it, use --keep-fraction, or pass "
-                             f"--force")
+            raise UsageError(
+                f"curate: --clip-score-min {p.clip_score_min:g} would drop {dropped} of {n} samples "
+                f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); the pool's median score is "
+                f"{np.median(scores):.3f}; nothing written: lower it, use --keep-fraction, or pass "
+                f"--force"
+            )
 
 
 def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:

@@ -29,11 +29,21 @@ def exact_groups(digests: Sequence[bytes | str]) -> np.ndarray:
     Digests are compared as given: a str and bytes spelling of one hash are different keys,
     so give one kind (e.g. all ``sha256().digest()``)."""
     first: dict = {}
-    return np.fromiter((first.setdefault(d, i) for i, d in enumerate(digests)), dtype=np.int64, count=len(digests))
+    return np.fromiter(
+        (first.setdefault(d, i) for i, d in enumerate(digests)), dtype=np.int64, count=len(digests)
+    )
 
 
-def cluster_labels(emb: np.ndarray, n_clusters: int, seed: int = 0, train_size: int | None = None, *,
-                   niter: int = 20, nredo: int = 1, block_size: int = 65536) -> np.ndarray:
+def cluster_labels(
+    emb: np.ndarray,
+    n_clusters: int,
+    seed: int = 0,
+    train_size: int | None = None,
+    *,
+    niter: int = 20,
+    nredo: int = 1,
+    block_size: int = 65536,
+) -> np.ndarray:
     """(N, D) -> (N,) int64 k-means cluster of each (re-normalised) row; ``n_clusters=1``: all 0.
 
     Spherical k-means (FAISS, centroids kept unit norm, so the nearest centroid is the one of
@@ -60,9 +70,9 @@ def cluster_labels(emb: np.ndarray, n_clusters: int, seed: int = 0, train_size: 
     del train
     labels = np.empty(n, dtype=np.int64)  # (N,)
     for s in range(0, n, block_size):
-        chunk = np.ascontiguousarray(_unit_rows(emb[s:s + block_size]), dtype=np.float32)  # (b, D)
+        chunk = np.ascontiguousarray(_unit_rows(emb[s : s + block_size]), dtype=np.float32)  # (b, D)
         _, nearest = km.index.search(chunk, 1)  # (b, 1): L2 on unit vectors ranks as cosine does
-        labels[s:s + block_size] = nearest[:, 0]
+        labels[s : s + block_size] = nearest[:, 0]
     return labels
 
 
@@ -78,11 +88,13 @@ def _greedy_in(x: np.ndarray, order: np.ndarray, eps: float, block_size: int) ->
     owner = np.full(m, -1, dtype=np.int64)  # (m,)
     kept = np.zeros(0, dtype=np.int64)  # local rows kept so far, in visiting order
     for s in range(0, m, block_size):
-        cand = order[s:s + block_size]  # (b,) the next candidates, best first
+        cand = order[s : s + block_size]  # (b,) the next candidates, best first
         xc = x[cand]  # (b, D)
-        match = np.full(cand.size, -1, dtype=np.int64)  # (b,) place in ``kept`` of the first kept row within eps
+        match = np.full(
+            cand.size, -1, dtype=np.int64
+        )  # (b,) place in ``kept`` of the first kept row within eps
         for t in range(0, kept.size, block_size):
-            dup = xc @ x[kept[t:t + block_size]].T > 1.0 - eps  # (b, b')
+            dup = xc @ x[kept[t : t + block_size]].T > 1.0 - eps  # (b, b')
             new = dup.any(axis=1) & (match < 0)
             match[new] = t + dup[new].argmax(axis=1)  # argmax: the first True, so the best kept row
         inner = xc @ xc.T > 1.0 - eps  # (b, b): the candidates among themselves
@@ -111,9 +123,19 @@ def _visit_order(idx: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
     return np.lexsort((idx, key))
 
 
-def semantic_groups(emb: np.ndarray, eps: float, n_clusters: int, seed: int = 0, train_size: int | None = None,
-                    *, scores: np.ndarray | None = None, labels: np.ndarray | None = None, niter: int = 20,
-                    nredo: int = 1, block_size: int = 1024) -> np.ndarray:
+def semantic_groups(
+    emb: np.ndarray,
+    eps: float,
+    n_clusters: int,
+    seed: int = 0,
+    train_size: int | None = None,
+    *,
+    scores: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    niter: int = 20,
+    nredo: int = 1,
+    block_size: int = 1024,
+) -> np.ndarray:
     """SemDeDup groups: (N, D) image embeddings -> (N,) int64 group id = the pool index of the
     group's kept member.
 
@@ -145,8 +167,9 @@ def _clusters(labels: np.ndarray) -> list[np.ndarray]:
     return np.split(order, np.flatnonzero(np.diff(labels[order])) + 1) if labels.size else []
 
 
-def nearest_similarity(emb: np.ndarray, labels: np.ndarray, rows: np.ndarray | None = None,
-                       block_size: int = 1024) -> np.ndarray:
+def nearest_similarity(
+    emb: np.ndarray, labels: np.ndarray, rows: np.ndarray | None = None, block_size: int = 1024
+) -> np.ndarray:
     """(N, D), (N,) clusters -> (N,) float64 each sample's highest cosine with another sample of
     its cluster (NaN when alone): the distribution an eps is read from. ``rows``: only these
     samples' (the others NaN), so a histogram of a large pool costs a sample's comparisons,
@@ -157,17 +180,21 @@ def nearest_similarity(emb: np.ndarray, labels: np.ndarray, rows: np.ndarray | N
     if wanted is not None:
         wanted[np.asarray(rows, dtype=np.int64)] = True
     for idx in _clusters(labels):
-        q = np.arange(idx.size) if wanted is None else np.flatnonzero(wanted[idx])  # (q,) places in the cluster
+        q = (
+            np.arange(idx.size) if wanted is None else np.flatnonzero(wanted[idx])
+        )  # (q,) places in the cluster
         if idx.size < 2 or q.size == 0:
             continue
         x = _unit_rows(emb[idx])  # (m, D)
         near = np.full(q.size, -np.inf)  # (q,)
         for s in range(0, q.size, block_size):
-            qs = q[s:s + block_size]
+            qs = q[s : s + block_size]
             for t in range(0, idx.size, block_size):
-                cos = x[qs] @ x[t:t + block_size].T  # (b, b')
-                cos[qs[:, None] == np.arange(t, min(t + block_size, idx.size))[None, :]] = -np.inf  # not itself
-                near[s:s + block_size] = np.maximum(near[s:s + block_size], cos.max(axis=1))
+                cos = x[qs] @ x[t : t + block_size].T  # (b, b')
+                cos[
+                    qs[:, None] == np.arange(t, min(t + block_size, idx.size))[None, :]
+                ] = -np.inf  # not itself
+                near[s : s + block_size] = np.maximum(near[s : s + block_size], cos.max(axis=1))
         best[idx[q]] = np.minimum(near, 1.0)  # rounding can put a copy a few ulps past 1
     return best
 
@@ -180,7 +207,9 @@ def keep_one_per_group(groups: np.ndarray, scores: np.ndarray) -> np.ndarray:
     groups = np.asarray(groups)
     scores = np.asarray(scores, dtype=np.float64)
     if groups.shape != scores.shape or groups.ndim != 1:
-        raise ValueError(f"groups and scores must be (N,) of one length, got {groups.shape} and {scores.shape}")
+        raise ValueError(
+            f"groups and scores must be (N,) of one length, got {groups.shape} and {scores.shape}"
+        )
     index = np.arange(groups.size)
     # lexsort's last key is the primary one: by group, then best score first, then index.
     order = np.lexsort((index, -scores, groups))  # (N,)
@@ -198,5 +227,8 @@ def group_report(groups: np.ndarray) -> dict:
     ``samples_in_duplicate_groups - duplicate_groups`` is what :func:`keep_one_per_group` drops."""
     _, counts = np.unique(np.asarray(groups), return_counts=True)
     multi = counts > 1
-    return {"samples": int(counts.sum()), "duplicate_groups": int(multi.sum()),
-            "samples_in_duplicate_groups": int(counts[multi].sum())}
+    return {
+        "samples": int(counts.sum()),
+        "duplicate_groups": int(multi.sum()),
+        "samples_in_duplicate_groups": int(counts[multi].sum()),
+    }

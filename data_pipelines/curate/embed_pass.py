@@ -39,14 +39,28 @@ from data_pipelines.curate.scores import clip_scores
 log = logging.getLogger("mmalign.curate")
 
 POOL = "pool"
-COLUMNS = ["key", "tar_key", "index", "offset", "clip_score", "image_emb_id", "text_emb_id", "captions", "caption",
-           "image_sha256"]
+COLUMNS = [
+    "key",
+    "tar_key",
+    "index",
+    "offset",
+    "clip_score",
+    "image_emb_id",
+    "text_emb_id",
+    "captions",
+    "caption",
+    "image_sha256",
+]
 
 
 def shard_files(out: Path, u: int) -> dict[str, Path]:
     base = out / POOL / f"{u:05d}"
-    return {"parquet": base.with_suffix(".parquet"), "image": Path(f"{base}.image.npy"),
-            "text": Path(f"{base}.text.npy"), "stats": base.with_suffix(".json")}
+    return {
+        "parquet": base.with_suffix(".parquet"),
+        "image": Path(f"{base}.image.npy"),
+        "text": Path(f"{base}.text.npy"),
+        "stats": base.with_suffix(".json"),
+    }
 
 
 def done_shards(out: Path, n: int) -> set[int]:
@@ -69,7 +83,12 @@ class ShardEmbedder:
     """Embeds one shard at a time with a loaded model (:func:`mmalign.models.load.load`)."""
 
     def __init__(self, loaded, *, batch_size: int = 64, device: str = "cpu", max_pixels: int | None = None):
-        self.loaded, self.batch_size, self.device, self.max_pixels = loaded, int(batch_size), device, max_pixels
+        self.loaded, self.batch_size, self.device, self.max_pixels = (
+            loaded,
+            int(batch_size),
+            device,
+            max_pixels,
+        )
 
     def _encode(self, images: list, captions: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
         import torch  # here, not at import: `mmalign curate` checks its paths before torch's seconds
@@ -77,23 +96,32 @@ class ShardEmbedder:
 
         model = self.loaded.model
         with torch.inference_mode():
-            pixels = torch.stack([self.loaded.preprocess(im) for im in images]).to(self.device)  # (b, 3, S, S)
+            pixels = torch.stack([self.loaded.preprocess(im) for im in images]).to(
+                self.device
+            )  # (b, 3, S, S)
             img = F.normalize(model.encode_image(pixels).float(), dim=-1)  # (b, D)
             flat = [c for caps in captions for c in caps]
-            txt = torch.cat([model.encode_text(self.loaded.tokenizer(flat[i:i + self.batch_size]).to(self.device))
-                             .float() for i in range(0, len(flat), self.batch_size)])
+            txt = torch.cat(
+                [
+                    model.encode_text(
+                        self.loaded.tokenizer(flat[i : i + self.batch_size]).to(self.device)
+                    ).float()
+                    for i in range(0, len(flat), self.batch_size)
+                ]
+            )
             return img.cpu().numpy(), F.normalize(txt, dim=-1).cpu().numpy()  # (b, D), (r, D) float32
 
     def embed(self, url: str, u: int, out: Path, progress=None) -> dict:
         """Write shard ``u``'s pass-1 files (module docstring); returns its stats."""
+        from data_pipelines.curate.fingerprint import fingerprint
         from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
         from mmalign.data.tario import CorruptTar, TruncatedTar
 
-        from data_pipelines.curate.fingerprint import fingerprint
-
         start = time.time()
         try:
-            source = fingerprint(url)  # what these embeddings are of: a rerun compares it (fingerprint.changed)
+            source = fingerprint(
+                url
+            )  # what these embeddings are of: a rerun compares it (fingerprint.changed)
         except OSError:
             source = None  # unreadable: the read below says so, and the shard ends early
         rows: list[dict] = []
@@ -136,28 +164,45 @@ class ShardEmbedder:
                     continue
                 fields.update(sample["json"])
                 image_bytes = next(raw[e] for e in ("jpg", "jpeg", "png", "webp") if e in raw)
-                row = {"key": raw["__key__"].rsplit("/", 1)[-1], "tar_key": raw["__key__"], "index": samples - 1,
-                       "offset": int(raw["__offset__"]), "image_emb_id": len(rows),
-                       "captions": len(sample["captions"]), "caption": sample["captions"][0],
-                       "image_sha256": hashlib.sha256(image_bytes).hexdigest()}
+                row = {
+                    "key": raw["__key__"].rsplit("/", 1)[-1],
+                    "tar_key": raw["__key__"],
+                    "index": samples - 1,
+                    "offset": int(raw["__offset__"]),
+                    "image_emb_id": len(rows),
+                    "captions": len(sample["captions"]),
+                    "caption": sample["captions"][0],
+                    "image_sha256": hashlib.sha256(image_bytes).hexdigest(),
+                }
                 rows.append(row)
                 pending.append((row, sample["image"].convert("RGB"), sample["captions"]))
                 if len(pending) == self.batch_size:
                     flush()
         except (TruncatedTar, CorruptTar, OSError) as e:
             ended_early = f"{type(e).__name__}: {e}"
-            log.warning("curate: shard %s ended early (%s); its %d readable samples are kept", url, ended_early,
-                        len(rows))
+            log.warning(
+                "curate: shard %s ended early (%s); its %d readable samples are kept",
+                url,
+                ended_early,
+                len(rows),
+            )
         flush()
         dim = int(self.loaded.model.embed_dim)
         score = np.concatenate(scores) if scores else np.zeros(0, np.float32)
         for row, s in zip(rows, score.tolist()):
             row["clip_score"] = s
         self._write(out, u, rows, images, texts, dim)
-        stats = {"url": url, "source": source, "samples": samples, "readable": len(rows),
-                 "skipped": dict(sorted(skipped.items())),
-                 "ended_early": ended_early, "fields": sorted(fields), "dim": dim,
-                 "seconds": round(time.time() - start, 3)}
+        stats = {
+            "url": url,
+            "source": source,
+            "samples": samples,
+            "readable": len(rows),
+            "skipped": dict(sorted(skipped.items())),
+            "ended_early": ended_early,
+            "fields": sorted(fields),
+            "dim": dim,
+            "seconds": round(time.time() - start, 3),
+        }
         _atomic(shard_files(out, u)["stats"], lambda p: p.write_text(json.dumps(stats, indent=1)))
         return stats
 
@@ -168,8 +213,14 @@ class ShardEmbedder:
         files = shard_files(out, u)
         files["parquet"].parent.mkdir(parents=True, exist_ok=True)
         frame = pd.DataFrame(rows, columns=COLUMNS)
-        for col, dtype in (("index", "int64"), ("offset", "int64"), ("image_emb_id", "int64"),
-                           ("text_emb_id", "int64"), ("captions", "int32"), ("clip_score", "float32")):
+        for col, dtype in (
+            ("index", "int64"),
+            ("offset", "int64"),
+            ("image_emb_id", "int64"),
+            ("text_emb_id", "int64"),
+            ("captions", "int32"),
+            ("clip_score", "float32"),
+        ):
             frame[col] = frame[col].astype(dtype)
 
         def stack(parts):

@@ -54,8 +54,11 @@ def _fsspec(url: str) -> dict | None:
         info = fs.info(path)
     except Exception:  # no backend, no credentials now: nothing to compare
         return None
-    found = {k: str(info[k]) for k in ("size", "ETag", "etag", "mtime", "LastModified", "last_modified", "md5Hash",
-                                       "crc32c") if info.get(k) is not None}
+    found = {
+        k: str(info[k])
+        for k in ("size", "ETag", "etag", "mtime", "LastModified", "last_modified", "md5Hash", "crc32c")
+        if info.get(k) is not None
+    }
     return found or None
 
 

@@ -31,8 +31,10 @@ from mmalign.errors import UsageError
 MANIFEST = "curate_manifest.json"
 POOL = "pool"  # embed_pass.POOL (not imported: that module imports torch)
 STAMP = "stamp.json"
-OUTPUT = re.compile(r"^(\d{5,}\.(tar|parquet)|sizes\.json|keep_keys\.txt|curate_report\.(json|html)|"
-                    r"decisions\.parquet|\.buckets)$")  # what pass 3 writes
+OUTPUT = re.compile(
+    r"^(\d{5,}\.(tar|parquet)|sizes\.json|keep_keys\.txt|curate_report\.(json|html)|"
+    r"decisions\.parquet|\.buckets)$"
+)  # what pass 3 writes
 
 
 def _read(out: Path) -> dict | None:
@@ -41,8 +43,10 @@ def _read(out: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise UsageError(f"--out: {out / MANIFEST} cannot be read ({type(e).__name__}); it lists the files curate "
-                         f"wrote there: restore it or use another --out") from None
+        raise UsageError(
+            f"--out: {out / MANIFEST} cannot be read ({type(e).__name__}); it lists the files curate "
+            f"wrote there: restore it or use another --out"
+        ) from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
         raise UsageError(f"--out: {out / MANIFEST} is not curate's manifest; use another --out")
     return manifest
@@ -62,22 +66,30 @@ def claim(out: Path, overwrite: bool) -> None:
     entries = sorted(p.name for p in out.iterdir() if p.name not in (LOCK_FILE, MANIFEST, f".{MANIFEST}.tmp"))
     own = set(manifest["files"]) if manifest else set()
     if manifest is None and entries:
-        our_pool = (out / POOL / STAMP).is_file()  # curate's embeddings (a run from before manifests, or a copy)
+        our_pool = (
+            out / POOL / STAMP
+        ).is_file()  # curate's embeddings (a run from before manifests, or a copy)
         if entries != [POOL] or not our_pool:
             if not overwrite:
                 shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
-                raise UsageError(f"--out: {out} is not empty ({shown}) and was not written by mmalign curate (no "
-                                 f"{MANIFEST}); choose a new or empty folder, or pass --overwrite to write beside "
-                                 f"those files (curate replaces none of them)")
+                raise UsageError(
+                    f"--out: {out} is not empty ({shown}) and was not written by mmalign curate (no "
+                    f"{MANIFEST}); choose a new or empty folder, or pass --overwrite to write beside "
+                    f"those files (curate replaces none of them)"
+                )
             if POOL in entries and not our_pool:
-                raise UsageError(f"--out: {out / POOL} was not written by mmalign curate (no {POOL}/{STAMP}); "
-                                 f"curate keeps its embeddings there: move it, or choose another --out")
+                raise UsageError(
+                    f"--out: {out / POOL} was not written by mmalign curate (no {POOL}/{STAMP}); "
+                    f"curate keeps its embeddings there: move it, or choose another --out"
+                )
         if our_pool:
             own.add(POOL)
     foreign = [name for name in entries if OUTPUT.match(name) and name not in own]
     if foreign:
-        raise UsageError(f"--out: {out / foreign[0]} was not written by mmalign curate, which would write a file of "
-                         f"that name ({len(foreign)} such file(s)); move them, or choose another --out")
+        raise UsageError(
+            f"--out: {out / foreign[0]} was not written by mmalign curate, which would write a file of "
+            f"that name ({len(foreign)} such file(s)); move them, or choose another --out"
+        )
     if manifest is None:
         _write(out, sorted(own | {POOL}))
 

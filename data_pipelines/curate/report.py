@@ -54,14 +54,26 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
         return {"kept": k, "fraction": round(k / n, 6) if n else 0.0}
 
     report = {
-        "pool": {"shards": len(pool.stats), "samples": sum(s["samples"] for s in pool.stats), "readable": n,
-                 "skipped": dict(sorted(skipped.items())),
-                 "shards_ended_early": sum(1 for s in pool.stats if s["ended_early"])},
+        "pool": {
+            "shards": len(pool.stats),
+            "samples": sum(s["samples"] for s in pool.stats),
+            "readable": n,
+            "skipped": dict(sorted(skipped.items())),
+            "shards_ended_early": sum(1 for s in pool.stats if s["ended_early"]),
+        },
         "policies": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(policies).items()},
-        "clip_score": ({"mean": round(float(scores.mean()), 6), "min": round(float(scores.min()), 6),
-                        "max": round(float(scores.max()), 6),
-                        "quantiles": {str(q): round(float(np.quantile(scores, q)), 6)
-                                      for q in (0.1, 0.25, 0.5, 0.7, 0.75, 0.9)}} if n else None),
+        "clip_score": (
+            {
+                "mean": round(float(scores.mean()), 6),
+                "min": round(float(scores.min()), 6),
+                "max": round(float(scores.max()), 6),
+                "quantiles": {
+                    str(q): round(float(np.quantile(scores, q)), 6) for q in (0.1, 0.25, 0.5, 0.7, 0.75, 0.9)
+                },
+            }
+            if n
+            else None
+        ),
         "threshold": decisions.threshold,
         "histogram": histogram(scores),
         "kept_by_policy": {name: kept(mask) for name, mask in decisions.by_policy.items()},
@@ -72,9 +84,11 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
     if decisions.group_field is not None:
         groups = decisions.groups["combined"]
         _, counts = np.unique(groups, return_counts=True)
-        report["false_negative_groups"] = {"field": policies.false_negative_field,
-                                           "groups_of_more_than_one": int((counts > 1).sum()),
-                                           "samples_in_them": int(counts[counts > 1].sum())}
+        report["false_negative_groups"] = {
+            "field": policies.false_negative_field,
+            "groups_of_more_than_one": int((counts > 1).sum()),
+            "samples_in_them": int(counts[counts > 1].sum()),
+        }
     return report
 
 
@@ -88,8 +102,11 @@ def _similarities(decisions) -> dict:
     if decisions.nearest is not None:
         near = decisions.nearest[~np.isnan(decisions.nearest)]
         out["nearest_similarity"] = histogram(near)
-        out["nearest_similarity_quantiles"] = ({str(q): round(float(np.quantile(near, q)), 6)
-                                                for q in (0.01, 0.05, 0.1, 0.5, 0.9, 0.99)} if near.size else {})
+        out["nearest_similarity_quantiles"] = (
+            {str(q): round(float(np.quantile(near, q)), 6) for q in (0.01, 0.05, 0.1, 0.5, 0.9, 0.99)}
+            if near.size
+            else {}
+        )
     return out
 
 
@@ -112,7 +129,9 @@ def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, st
             with open_shard(urls[u], remote) as f:
                 for raw in iter_samples(f, keep=wanted.__contains__):
                     r = wanted.get(raw.index)
-                    data = next((raw.members[e] for e in ("jpg", "jpeg", "png", "webp") if e in raw.members), None)
+                    data = next(
+                        (raw.members[e] for e in ("jpg", "jpeg", "png", "webp") if e in raw.members), None
+                    )
                     if r is None or data is None:
                         continue
                     image = Image.open(io.BytesIO(data)).convert("RGB")
@@ -134,29 +153,45 @@ def _svg_histogram(hist: dict, threshold: float | None, label: str = "threshold"
     parts = [f'<svg width="{w}" height="{h + 30}" xmlns="http://www.w3.org/2000/svg">']
     for i, c in enumerate(counts):
         bh = h * c / top
-        parts.append(f'<rect x="{i * bar:.1f}" y="{h - bh:.1f}" width="{bar - 1:.1f}" height="{bh:.1f}" '
-                     f'fill="#4a7bb7"><title>{edges[i]:.3f} to {edges[i + 1]:.3f}: {c}</title></rect>')
+        parts.append(
+            f'<rect x="{i * bar:.1f}" y="{h - bh:.1f}" width="{bar - 1:.1f}" height="{bh:.1f}" '
+            f'fill="#4a7bb7"><title>{edges[i]:.3f} to {edges[i + 1]:.3f}: {c}</title></rect>'
+        )
     lo, hi = edges[0], edges[-1]
     if threshold is not None and lo <= threshold <= hi:
         x = w * (threshold - lo) / (hi - lo)
         parts.append(f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{h}" stroke="#c0392b" stroke-width="2"/>')
-        parts.append(f'<text x="{x + 4:.1f}" y="14" font-size="12" fill="#c0392b">{label} {threshold:.3f}</text>')
+        parts.append(
+            f'<text x="{x + 4:.1f}" y="14" font-size="12" fill="#c0392b">{label} {threshold:.3f}</text>'
+        )
     parts.append(f'<text x="0" y="{h + 20}" font-size="12">{lo:.3f}</text>')
     parts.append(f'<text x="{w - 50}" y="{h + 20}" font-size="12">{hi:.3f}</text></svg>')
     return "".join(parts)
 
 
-def _card(src: str | None, caption: str, score: float, kept: bool | None = None,
-          similarity: float | None = None) -> str:
+def _card(
+    src: str | None, caption: str, score: float, kept: bool | None = None, similarity: float | None = None
+) -> str:
     style = "border:3px solid #27ae60" if kept else "border:3px solid transparent"
     image = f'<img src="{src}" style="{style}">' if src else '<div class="missing">(no image)</div>'
     sim = "" if similarity is None or kept else f"<br>cosine to kept {similarity:.4f}"
-    return (f'<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{score:.3f}</b>'
-            f'{" kept" if kept else ""}{sim}</figcaption></figure>')
+    return (
+        f"<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{score:.3f}</b>"
+        f"{' kept' if kept else ''}{sim}</figcaption></figure>"
+    )
 
 
-def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples: int = 24, groups: int = 8,
-          remote=None) -> None:
+def write(
+    out: Path,
+    urls: list[str],
+    pool,
+    decisions,
+    report: dict,
+    *,
+    examples: int = 24,
+    groups: int = 8,
+    remote=None,
+) -> None:
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2))
     frame = pool.frame
     scores = frame["clip_score"].to_numpy() if len(frame) else np.zeros(0)
@@ -173,12 +208,16 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
             members = np.flatnonzero(g == gid)
             if members.size > 1:
                 others = members[members != gid]
-                others = others[np.argsort(decisions.similarity[others], kind="stable")]  # the least similar first
+                others = others[
+                    np.argsort(decisions.similarity[others], kind="stable")
+                ]  # the least similar first
                 shown_groups.append((int(count), [int(gid)] + others[:7].tolist()))
     thumbs = _thumbs(urls, pool, dropped + [r for _, grp in shown_groups for r in grp], remote)
     captions = frame["caption"].tolist() if len(frame) else []
-    rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{v['kept']}</td><td>{100 * v['fraction']:.2f}%</td></tr>"
-                   for name, v in [*report["kept_by_policy"].items(), ("all policies", report["kept"])])
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{v['kept']}</td><td>{100 * v['fraction']:.2f}%</td></tr>"
+        for name, v in [*report["kept_by_policy"].items(), ("all policies", report["kept"])]
+    )
     body = [
         "<!doctype html><meta charset='utf-8'><title>mmalign curate report</title>",
         "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;width:110px;margin:4px;"
@@ -187,8 +226,11 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
         "<h1>mmalign curate report</h1>",
         f"<p>{report['pool']['readable']} readable samples of {report['pool']['samples']} in "
         f"{report['pool']['shards']} shards; skipped: {html.escape(json.dumps(report['pool']['skipped']))}.</p>",
-        "<h2>CLIP score histogram</h2>", _svg_histogram(report["histogram"], decisions.threshold),
-        "<h2>Kept per policy</h2><table><tr><th>policy</th><th>kept</th><th>fraction</th></tr>", rows, "</table>",
+        "<h2>CLIP score histogram</h2>",
+        _svg_histogram(report["histogram"], decisions.threshold),
+        "<h2>Kept per policy</h2><table><tr><th>policy</th><th>kept</th><th>fraction</th></tr>",
+        rows,
+        "</table>",
     ]
     if dropped:
         body.append(f"<h2>Dropped by score: the {len(dropped)} lowest</h2>")
@@ -197,10 +239,12 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
     if "duplicate_similarity" in dedupe or "nearest_similarity" in dedupe:
         eps = report["policies"].get("dedupe_eps")
         line = None if eps is None or "semantic" not in report["policies"].get("dedupe", []) else 1.0 - eps
-        body.append("<h2>Similarities (to pick eps)</h2><p>A sample is a duplicate when its cosine with a kept "
-                    "sample exceeds 1 - eps. Near-copies sit in a spike close to 1; distinct images of one "
-                    "class form the broad hump below it. Put 1 - eps in the gap between the two, above the "
-                    "hump.</p>")
+        body.append(
+            "<h2>Similarities (to pick eps)</h2><p>A sample is a duplicate when its cosine with a kept "
+            "sample exceeds 1 - eps. Near-copies sit in a spike close to 1; distinct images of one "
+            "class form the broad hump below it. Put 1 - eps in the gap between the two, above the "
+            "hump.</p>"
+        )
         if "duplicate_similarity" in dedupe:
             body.append("<h3>Each removed duplicate's cosine with its kept member</h3>")
             body.append(_svg_histogram(dedupe["duplicate_similarity"], line, "1 - eps"))
@@ -208,11 +252,17 @@ def write(out: Path, urls: list[str], pool, decisions, report: dict, *, examples
             body.append("<h3>Each sample's highest cosine with another sample of its cluster</h3>")
             body.append(_svg_histogram(dedupe["nearest_similarity"], line, "1 - eps"))
     if shown_groups:
-        body.append(f"<h2>The {len(shown_groups)} largest duplicate groups</h2><p>The kept member outlined "
-                    f"first, then the others, least similar first, with their cosine to the kept one.</p>")
+        body.append(
+            f"<h2>The {len(shown_groups)} largest duplicate groups</h2><p>The kept member outlined "
+            f"first, then the others, least similar first, with their cosine to the kept one.</p>"
+        )
         for size, grp in shown_groups:
-            cards = "".join(_card(thumbs.get(r), captions[r], float(scores[r]), r == grp[0],
-                                  float(decisions.similarity[r])) for r in grp)
+            cards = "".join(
+                _card(
+                    thumbs.get(r), captions[r], float(scores[r]), r == grp[0], float(decisions.similarity[r])
+                )
+                for r in grp
+            )
             more = f" ({size - len(grp)} more not shown)" if size > len(grp) else ""
             body.append(f"<div class='group'><p><b>group of {size}</b>{more}</p>{cards}</div>")
     (out / REPORT_HTML).write_text("\n".join(body), encoding="utf-8")

@@ -58,31 +58,40 @@ class Options:
     progress: bool = True
     examples: int = 24
     stall_timeout_s: float = 3600.0  # rank 0 waiting for other ranks' shards with no progress
-    overwrite: bool = False  # write into a non-empty --out curate did not create (replacing none of its files)
+    overwrite: bool = (
+        False  # write into a non-empty --out curate did not create (replacing none of its files)
+    )
 
 
 def check(opts: Options) -> None:
     """The argument errors that need no data (one line each)."""
     p = opts.policies
     if p.keep_fraction is not None and not (0.0 < p.keep_fraction <= 1.0):
-        raise UsageError(f"--keep-fraction must be in (0, 1] (the fraction of the pool kept), got {p.keep_fraction}")
+        raise UsageError(
+            f"--keep-fraction must be in (0, 1] (the fraction of the pool kept), got {p.keep_fraction}"
+        )
     if p.clip_score_min is not None and not -1.0 <= p.clip_score_min <= 1.0:
         raise UsageError(f"--clip-score-min is a cosine in [-1, 1], got {p.clip_score_min}")
     if not 0.0 <= p.dedupe_eps <= 2.0:
         raise UsageError(f"--dedupe-eps must be in [0, 2] (duplicates: cosine > 1 - eps), got {p.dedupe_eps}")
     if not 0.0 <= p.max_drop <= 1.0:
-        raise UsageError(f"--max-drop must be in [0, 1] (the largest fraction a policy may drop), got {p.max_drop}")
+        raise UsageError(
+            f"--max-drop must be in [0, 1] (the largest fraction a policy may drop), got {p.max_drop}"
+        )
     if p.dedupe_clusters < 0 or p.kmeans_sample < 0:
         raise UsageError("--dedupe-clusters and --kmeans-sample must be >= 0 (0 = automatic)")
     if p.false_negative_field is not None:
         if not NAME.match(p.false_negative_field):
-            raise UsageError(f"--false-negative-groups: {p.false_negative_field!r} is not a field name "
-                             f"(letters, digits, _)")
+            raise UsageError(
+                f"--false-negative-groups: {p.false_negative_field!r} is not a field name "
+                f"(letters, digits, _)"
+            )
         if p.false_negative_field == "clip_score":
             raise UsageError("--false-negative-groups: clip_score is the field curate writes the score into")
         if opts.keys_only:
-            raise UsageError("--false-negative-groups writes a field into each .json: it needs new shards, "
-                             "not --keys-only")
+            raise UsageError(
+                "--false-negative-groups writes a field into each .json: it needs new shards, not --keys-only"
+            )
     if not 0 < opts.per_shard <= 10_000:
         raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
     if opts.batch_size < 1:
@@ -96,9 +105,14 @@ def _stamp_content(opts: Options, urls: list[str]) -> dict:
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
         model = model / "final"
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    return {"model": str(model), "weights": [[str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime),
-                                              _weight_hash(p)] for p in weights],
-            "urls": urls}
+    return {
+        "model": str(model),
+        "weights": [
+            [str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime), _weight_hash(p)]
+            for p in weights
+        ],
+        "urls": urls,
+    }
 
 
 _hashed: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: the stamp is built twice a run
@@ -112,8 +126,10 @@ def _weight_hash(path: Path) -> str:
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _hashed:
         if st.st_size > 1 << 30:
-            print(f"mmalign: curate: hashing the model's {path.name} ({st.st_size / 2**30:.1f} GiB) for its stamp",
-                  flush=True)
+            print(
+                f"mmalign: curate: hashing the model's {path.name} ({st.st_size / 2**30:.1f} GiB) for its stamp",
+                flush=True,
+            )
         _hashed[key] = sha256_file(str(path))
     return _hashed[key]
 
@@ -127,9 +143,15 @@ def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
     if all(len(w) == 3 for w in have.get("weights", [])):  # a stamp from before the hash: compare what it has
         want["weights"] = [w[:3] for w in want["weights"]]
     if have != want:
-        what = "model" if have.get("model") != want["model"] or have.get("weights") != want["weights"] else "shards"
-        raise UsageError(f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
-                         f"delete {out / POOL} to embed again")
+        what = (
+            "model"
+            if have.get("model") != want["model"] or have.get("weights") != want["weights"]
+            else "shards"
+        )
+        raise UsageError(
+            f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
+            f"delete {out / POOL} to embed again"
+        )
 
 
 def _write_stamp(opts: Options, urls: list[str], out: Path) -> None:
@@ -155,8 +177,10 @@ def _peek_field(urls: list[str], field_name: str) -> None:
 
 
 def _field_exists(field_name: str, where: str) -> None:
-    raise UsageError(f"--false-negative-groups: the samples' .json already has a field {field_name!r} (in {where}); "
-                     f"choose another name")
+    raise UsageError(
+        f"--false-negative-groups: the samples' .json already has a field {field_name!r} (in {where}); "
+        f"choose another name"
+    )
 
 
 def _rank() -> tuple[int, int]:
@@ -168,7 +192,13 @@ class _Progress:
     shards' listed sizes (``sizes.json``), else from the mean shard so far."""
 
     def __init__(self, label: str, shards: int, total: int | None, enabled: bool, every_s: float = 10.0):
-        self.label, self.shards, self.total, self.enabled, self.every_s = label, shards, total, enabled, every_s
+        self.label, self.shards, self.total, self.enabled, self.every_s = (
+            label,
+            shards,
+            total,
+            enabled,
+            every_s,
+        )
         self.start = self.last = time.time()
         self.samples = self.done = 0
 
@@ -192,11 +222,15 @@ class _Progress:
         of = f" of {'~' if self.total is None else ''}{total}" if total else ""
         eta = f", ETA {duration((total - self.samples) / rate)}" if total and rate and not final else ""
         end = f", done in {duration(elapsed)}" if final else ""
-        return (f"mmalign: {self.label}: {self.samples}{of} samples, shard {self.done} of {self.shards} "
-                f"({rate:.1f} samples/s){eta}{end}")
+        return (
+            f"mmalign: {self.label}: {self.samples}{of} samples, shard {self.done} of {self.shards} "
+            f"({rate:.1f} samples/s){eta}{end}"
+        )
 
 
-def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int, on_loaded=lambda: None) -> dict:
+def embed_part(
+    opts: Options, urls: list[str], out: Path, rank: int, world: int, on_loaded=lambda: None
+) -> dict:
     """Pass 1 for this rank's shards that are not done yet; returns its counts. ``on_loaded``
     runs once the model has loaded (rank 0 stamps OUT/pool then, the others wait for it)."""
     from mmalign.data.shards import shard_total
@@ -220,8 +254,11 @@ def embed_part(opts: Options, urls: list[str], out: Path, rank: int, world: int,
         progress.shard_done()
         counts["samples"] += stats["samples"]
         if opts.progress and sum(stats["skipped"].values()):
-            print(f"mmalign: curate: {urls[u]}: {sum(stats['skipped'].values())} skipped "
-                  f"({', '.join(f'{k} {v}' for k, v in stats['skipped'].items())})", flush=True)
+            print(
+                f"mmalign: curate: {urls[u]}: {sum(stats['skipped'].values())} skipped "
+                f"({', '.join(f'{k} {v}' for k, v in stats['skipped'].items())})",
+                flush=True,
+            )
     if opts.progress:
         print(progress.line(final=True), flush=True)
     counts["seconds"] = round(time.time() - progress.start, 3)
@@ -237,8 +274,11 @@ def _changed_shards(out: Path, urls: list[str], shards) -> dict[int, str]:
     local = [urls[u] for u in done if "://" not in urls[u] and not urls[u].startswith("pipe:")]
     size = sum(os.path.getsize(u) for u in local if os.path.isfile(u))
     if size > 256 << 20:  # reading them takes a while: say so first
-        print(f"mmalign: curate: checking {len(done)} embedded shard(s) against their inputs "
-              f"(sha256 of {size / 2**30:.1f} GiB)", flush=True)
+        print(
+            f"mmalign: curate: checking {len(done)} embedded shard(s) against their inputs "
+            f"(sha256 of {size / 2**30:.1f} GiB)",
+            flush=True,
+        )
     found = {}
     for u in done:
         stored = json.loads(shard_files(out, u)["stats"].read_text()).get("source")
@@ -284,8 +324,10 @@ def _wait_for_all(out: Path, n: int, stall_timeout_s: float, stale: dict[int, in
             done, last_change = now, time.time()
         elif time.time() - last_change > stall_timeout_s:
             missing = sorted(set(range(n)) - finished())
-            raise UsageError(f"curate: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
-                             f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume")
+            raise UsageError(
+                f"curate: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
+                f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume"
+            )
 
 
 def curate(opts: Options) -> dict | None:
@@ -294,7 +336,11 @@ def curate(opts: Options) -> dict | None:
     start = time.time()
     out = Path(opts.out)
     urls = input_shards(opts.data)
-    if any(Path(u).resolve().parent == out.resolve() for u in urls if "://" not in u and not u.startswith("pipe:")):
+    if any(
+        Path(u).resolve().parent == out.resolve()
+        for u in urls
+        if "://" not in u and not u.startswith("pipe:")
+    ):
         raise UsageError(f"--out: {out} is where the input shards are; write the curated pool elsewhere")
     field_name = opts.policies.false_negative_field
     if field_name is not None:
@@ -328,8 +374,14 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
                 stale[u] = shard_files(out, u)["stats"].stat().st_mtime_ns
             except FileNotFoundError:
                 pass  # its rank removed it already: not done until it is written again
-    part = embed_part(opts, urls, out, rank, world,
-                      on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)))
+    part = embed_part(
+        opts,
+        urls,
+        out,
+        rank,
+        world,
+        on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)),
+    )
     if rank != 0:
         return None
     _wait_for_all(out, len(urls), opts.stall_timeout_s, stale)
@@ -346,23 +398,37 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     t_write = time.time()
     outdir.clear_outputs(out)  # the previous run's outputs, as its manifest lists them: nothing else
     n_out = -(-int(decisions.keep.sum()) // opts.per_shard)
-    names = [KEYS_FILE] if opts.keys_only else [f"{j:05d}.{ext}" for j in range(n_out) for ext in ("tar", "parquet")]
+    names = (
+        [KEYS_FILE]
+        if opts.keys_only
+        else [f"{j:05d}.{ext}" for j in range(n_out) for ext in ("tar", "parquet")]
+    )
     # listed before they are written: a kill mid-write leaves files the next run knows as its own
     outdir.record(out, names + ["sizes.json", REPORT_JSON, REPORT_HTML, "decisions.parquet"])
     if opts.keys_only:
         written = write_keys(out, pool, decisions.keep)
     else:
-        written = write_shards(urls, out, pool, decisions, per_shard=opts.per_shard, seed=opts.policies.seed,
-                               field=field_name)
+        written = write_shards(
+            urls, out, pool, decisions, per_shard=opts.per_shard, seed=opts.policies.seed, field=field_name
+        )
     embed_seconds = sum(s["seconds"] for s in pool.stats)
-    extra = {"model": opts.model, "data": opts.data, "out": str(out), "processes": world, "written": written,
-             "timing": {"embed_seconds_summed_over_shards": round(embed_seconds, 3),
-                        "embed_samples_per_s_per_process": round(sum(s["samples"] for s in pool.stats)
-                                                                 / embed_seconds, 2) if embed_seconds else None,
-                        "this_run_rank0_embedded_shards": part["shards"],
-                        "decide_seconds": round(t_write - t_decide, 3),
-                        "write_seconds": round(time.time() - t_write, 3),
-                        "total_seconds": round(time.time() - start, 3)}}
+    extra = {
+        "model": opts.model,
+        "data": opts.data,
+        "out": str(out),
+        "processes": world,
+        "written": written,
+        "timing": {
+            "embed_seconds_summed_over_shards": round(embed_seconds, 3),
+            "embed_samples_per_s_per_process": round(sum(s["samples"] for s in pool.stats) / embed_seconds, 2)
+            if embed_seconds
+            else None,
+            "this_run_rank0_embedded_shards": part["shards"],
+            "decide_seconds": round(t_write - t_decide, 3),
+            "write_seconds": round(time.time() - t_write, 3),
+            "total_seconds": round(time.time() - start, 3),
+        },
+    }
     report = report_mod.summary(pool, decisions, opts.policies, extra)
     report_mod.write(out, urls, pool, decisions, report, examples=opts.examples)
     _decisions_table(out, pool, decisions)

@@ -13,7 +13,9 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
     Embeddings saved by different models (or before a projection's norm) need not be unit
     norm, so the score never trusts that they are. A zero row has no direction: dividing it
     by its norm would give NaN, so it is left at zero and every cosine with it is 0."""
-    x = np.asarray(x, dtype=np.float64)  # (N, D): float64 so that the norm of a float32 row is exact to ~1e-16
+    x = np.asarray(
+        x, dtype=np.float64
+    )  # (N, D): float64 so that the norm of a float32 row is exact to ~1e-16
     norm = np.linalg.norm(x, axis=1, keepdims=True)  # (N, 1)
     return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
 
@@ -27,8 +29,10 @@ def clip_scores(image_emb: np.ndarray, text_emb: np.ndarray) -> np.ndarray:
     image_emb = np.asarray(image_emb)
     text_emb = np.asarray(text_emb)
     if image_emb.ndim != 2 or image_emb.shape != text_emb.shape:
-        raise ValueError(f"clip_scores needs two (N, D) arrays of one shape, "
-                         f"got image {image_emb.shape} and text {text_emb.shape}")
+        raise ValueError(
+            f"clip_scores needs two (N, D) arrays of one shape, "
+            f"got image {image_emb.shape} and text {text_emb.shape}"
+        )
     img = _unit_rows(image_emb)  # (N, D)
     txt = _unit_rows(text_emb)  # (N, D)
     # A row-wise dot product, not img @ txt.T: only the N matched pairs, not an (N, N) matrix.

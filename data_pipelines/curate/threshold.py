@@ -14,7 +14,9 @@ def _checked_fraction(keep_fraction) -> float:
     f = float(keep_fraction)
     # `not (0 < f <= 1)` and not `f <= 0 or f > 1`: the latter lets NaN through.
     if not (0.0 < f <= 1.0):
-        raise ValueError(f"--keep-fraction must be in (0, 1] (the fraction of the pool kept), got {keep_fraction!r}")
+        raise ValueError(
+            f"--keep-fraction must be in (0, 1] (the fraction of the pool kept), got {keep_fraction!r}"
+        )
     return f
 
 
@@ -70,8 +72,12 @@ class PoolQuantile:
         return keep_threshold(self._parts[0], keep_fraction)  # (N,) float32
 
 
-def select(scores, clip_score_min: float | None = None, keep_fraction: float | None = None,
-           threshold: float | None = None) -> np.ndarray:
+def select(
+    scores,
+    clip_score_min: float | None = None,
+    keep_fraction: float | None = None,
+    threshold: float | None = None,
+) -> np.ndarray:
     """(N,) scores -> (N,) bool mask of the samples kept.
 
     - ``clip_score_min``: keep ``score >= clip_score_min`` (an absolute CLIP-score floor).

@@ -42,9 +42,11 @@ def write_keys(out: Path, pool, keep: np.ndarray) -> dict:
     unique, counts = np.unique(keys, return_counts=True)
     if (counts > 1).any():
         twice = unique[counts > 1]
-        raise UsageError(f"--keys-only: {len(twice)} sample key(s) occur in more than one place of the pool (e.g. "
-                         f"{twice[0]!r}), so a key list cannot tell them apart; write new shards instead "
-                         f"(drop --keys-only)")
+        raise UsageError(
+            f"--keys-only: {len(twice)} sample key(s) occur in more than one place of the pool (e.g. "
+            f"{twice[0]!r}), so a key list cannot tell them apart; write new shards instead "
+            f"(drop --keys-only)"
+        )
     path = out / KEYS_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(f"{k}\n" for k in keys[keep]), encoding="utf-8")
@@ -73,8 +75,9 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shards(urls: list[str], out: Path, pool, decisions, *, per_shard: int, seed: int,
-                 field: str | None, remote=None) -> dict:
+def write_shards(
+    urls: list[str], out: Path, pool, decisions, *, per_shard: int, seed: int, field: str | None, remote=None
+) -> dict:
     """The kept samples as shuffled shards in ``out`` (module docstring); returns counts."""
     import pandas as pd
 
@@ -135,12 +138,16 @@ def write_shards(urls: list[str], out: Path, pool, decisions, *, per_shard: int,
                 for ext, data in members.items():
                     _add(tar, f"{key}.{ext}", data)
         os.replace(out / f".{name}.tar.tmp", out / f"{name}.tar")
-        table = pd.DataFrame({
-            "key": [key.rsplit("/", 1)[-1] for _, key, _ in records],
-            "clip_score": [float(scores[order[p]]) for p, _, _ in records],  # order[p]: the pool row at place p
-            "source_shard": [urls[int(shards[order[p]])] for p, _, _ in records],
-            "source_index": [int(indices[order[p]]) for p, _, _ in records],
-        })
+        table = pd.DataFrame(
+            {
+                "key": [key.rsplit("/", 1)[-1] for _, key, _ in records],
+                "clip_score": [
+                    float(scores[order[p]]) for p, _, _ in records
+                ],  # order[p]: the pool row at place p
+                "source_shard": [urls[int(shards[order[p]])] for p, _, _ in records],
+                "source_index": [int(indices[order[p]]) for p, _, _ in records],
+            }
+        )
         table.to_parquet(out / f"{name}.parquet", index=False)
         sizes[f"{name}.tar"] = len(records)
         path.unlink(missing_ok=True)

@@ -16,21 +16,51 @@ code 2.  The CLI passes the world size to :func:`load_config`, so a run validate
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from mmalign.config.checks import check_domains, check_key, fields_of
 from mmalign.config.load import build_config, parse_override
 from mmalign.config.resolve import resolve
-from mmalign.config.schema import (MAX_MEMBER_BYTES, AugmentConfig, Config, DataConfig, DeepSpeedConfig,
-                                   DistConfig, EvalConfig, LossConfig, ModelConfig, MonitorConfig, TrainConfig)
+from mmalign.config.schema import (
+    MAX_MEMBER_BYTES,
+    AugmentConfig,
+    Config,
+    DataConfig,
+    DeepSpeedConfig,
+    DistConfig,
+    EvalConfig,
+    LossConfig,
+    ModelConfig,
+    MonitorConfig,
+    TrainConfig,
+)
 from mmalign.errors import ConfigError  # re-exported: the config's own error
 
-__all__ = ["MAX_MEMBER_BYTES", "AugmentConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
-           "DistConfig", "EvalConfig", "LossConfig", "ModelConfig", "MonitorConfig", "TrainConfig",
-           "build_config", "grad_accum_dtype", "load_config", "parse_override", "resolve", "save_config",
-           "to_dict", "validate", "validate_chunk"]
+__all__ = [
+    "MAX_MEMBER_BYTES",
+    "AugmentConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "DistConfig",
+    "EvalConfig",
+    "LossConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "TrainConfig",
+    "build_config",
+    "grad_accum_dtype",
+    "load_config",
+    "parse_override",
+    "resolve",
+    "save_config",
+    "to_dict",
+    "validate",
+    "validate_chunk",
+]
 
 
 _FIELDS = {key: f for key, _, f in fields_of(Config)}
@@ -42,7 +72,9 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: list[str] | tuple = (), world_size: int = 1) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple = (), world_size: int = 1
+) -> Config:
     """Defaults <- YAML file <- overrides, then :func:`resolve` and :func:`validate` at
     ``world_size`` (the number of ranks the run trains on)."""
     cfg = build_config(path, overrides)
@@ -66,16 +98,22 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     t = cfg.train
     if t.global_batch_size % world_size:
         # rank r reads rows [r B/W, (r+1) B/W) of every global batch (mmalign/data/stream.py)
-        raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world "
-                          f"size {world_size}: {valid_world_sizes(t.global_batch_size)}")
+        raise ConfigError(
+            f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible by the world "
+            f"size {world_size}: {valid_world_sizes(t.global_batch_size)}"
+        )
     _validate_chunk_range(cfg, world_size)
     if t.compile and cfg.deepspeed.zero_stage == 3:
         # torch.compile would trace ZeRO-3's parameter-gathering hooks and see empty partitions
-        raise ConfigError("config key 'train.compile': not supported with deepspeed.zero_stage=3 (ZeRO-3's "
-                          "parameter gathering cannot be traced); use zero_stage <= 2 or train.compile: false")
+        raise ConfigError(
+            "config key 'train.compile': not supported with deepspeed.zero_stage=3 (ZeRO-3's "
+            "parameter gathering cannot be traced); use zero_stage <= 2 or train.compile: false"
+        )
     if cfg.loss.positive_mask != "none" and cfg.data.id_field is None:
-        raise ConfigError("config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
-                          "(e.g. subset_code)")
+        raise ConfigError(
+            "config key 'loss.positive_mask' needs data.id_field naming the .json subset code "
+            "(e.g. subset_code)"
+        )
     from mmalign.config import loss_rules as rules  # which loss terms combine: one table (no torch)
 
     rules.check(cfg, world_size)
@@ -83,8 +121,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if fn_ids not in ("none", "caption"):
         # an id field: the loader reads it from each sample's .json (resolve() copies it to data.id_field)
         if cfg.data.id_field is not None and cfg.data.id_field != fn_ids:
-            raise ConfigError(f"config key 'loss.false_negative_ids'={fn_ids!r} differs from data.id_field="
-                              f"{cfg.data.id_field!r}; they name the same .json field")
+            raise ConfigError(
+                f"config key 'loss.false_negative_ids'={fn_ids!r} differs from data.id_field="
+                f"{cfg.data.id_field!r}; they name the same .json field"
+            )
     if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
         raise ConfigError(f"config key 'output': {cfg.output} exists and is not a directory")
     if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
@@ -101,17 +141,24 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 def _validate_lock(m: ModelConfig) -> None:
     """LiT keys (the towers' lock() is applied by mmalign.models.build_model)."""
-    for key, lock in (("lock_image_unlocked_groups", "lock_image"), ("lock_image_freeze_bn_stats", "lock_image"),
-                      ("lock_text_unlocked_layers", "lock_text")):
+    for key, lock in (
+        ("lock_image_unlocked_groups", "lock_image"),
+        ("lock_image_freeze_bn_stats", "lock_image"),
+        ("lock_text_unlocked_layers", "lock_text"),
+    ):
         if getattr(m, key) and not getattr(m, lock):
             raise ConfigError(f"config key 'model.{key}' needs model.{lock}: true")
     if m.lock_image and m.lock_text and not (m.lock_image_unlocked_groups or m.lock_text_unlocked_layers):
-        raise ConfigError("config key 'model.lock_text': with model.lock_image both towers are fully locked and "
-                          "only the temperature would train (unlock some groups or layers of one)")
+        raise ConfigError(
+            "config key 'model.lock_text': with model.lock_image both towers are fully locked and "
+            "only the temperature would train (unlock some groups or layers of one)"
+        )
     if m.lock_image_freeze_bn_stats:
         if m.batchnorm not in (None, "frozen"):
-            raise ConfigError(f"config key 'model.lock_image_freeze_bn_stats' freezes the BatchNorm statistics, "
-                              f"model.batchnorm={m.batchnorm} updates them: set one of them")
+            raise ConfigError(
+                f"config key 'model.lock_image_freeze_bn_stats' freezes the BatchNorm statistics, "
+                f"model.batchnorm={m.batchnorm} updates them: set one of them"
+            )
 
 
 def _validate_pretrained(m: ModelConfig) -> None:
@@ -121,8 +168,10 @@ def _validate_pretrained(m: ModelConfig) -> None:
         if path is not None and not Path(path).exists():
             raise ConfigError(f"config key 'model.{key}': {path} does not exist")
     if m.pretrained is not None and (m.pretrained_image is not None or m.pretrained_text is not None):
-        raise ConfigError("config key 'model.pretrained' loads both towers; model.pretrained_image / "
-                          "model.pretrained_text load one: set one or the other")
+        raise ConfigError(
+            "config key 'model.pretrained' loads both towers; model.pretrained_image / "
+            "model.pretrained_text load one: set one or the other"
+        )
 
 
 def _validate_patch_dropout(cfg: Config) -> None:
@@ -131,8 +180,10 @@ def _validate_patch_dropout(cfg: Config) -> None:
     p = m.patch_dropout
     if "patch_dropout" in m.vision:  # the tower key works too; resolve() mirrors it in model.patch_dropout
         if p and p != m.vision["patch_dropout"]:
-            raise ConfigError(f"config key 'model.patch_dropout'={p} differs from "
-                              f"model.vision.patch_dropout={m.vision['patch_dropout']}: set one of them")
+            raise ConfigError(
+                f"config key 'model.patch_dropout'={p} differs from "
+                f"model.vision.patch_dropout={m.vision['patch_dropout']}: set one of them"
+            )
         p = m.vision["patch_dropout"]
     check_key("model.patch_dropout", p, _FIELDS["model.patch_dropout"])  # the vision key's value, unresolved
     if k and not p:
@@ -145,16 +196,20 @@ def _validate_tokenizer(cfg: Config) -> None:
     path = cfg.model.tokenizer
     if path is None:
         return
-    from mmalign.sentencepiece_file import sentencepiece_vocab_size
     from mmalign.errors import UsageError
+    from mmalign.sentencepiece_file import sentencepiece_vocab_size
 
     try:
-        needed = sentencepiece_vocab_size(path)  # one line naming the path when it is not a sentencepiece model
+        needed = sentencepiece_vocab_size(
+            path
+        )  # one line naming the path when it is not a sentencepiece model
     except UsageError as e:
         raise ConfigError(f"config key 'model.tokenizer': {e}") from None
     given = cfg.model.text.get("vocab_size")
     if isinstance(given, (int, float)) and not isinstance(given, bool) and given < needed:
-        raise ConfigError(f"config key 'model.text.vocab_size'={given} is smaller than the tokenizer's {needed} ids")
+        raise ConfigError(
+            f"config key 'model.text.vocab_size'={given} is smaller than the tokenizer's {needed} ids"
+        )
 
 
 def _validate_data(cfg: Config) -> None:
@@ -163,18 +218,24 @@ def _validate_data(cfg: Config) -> None:
     if d.train_weights is not None:
         w = d.train_weights
         if d.mode != "resampled":
-            raise ConfigError("config key 'data.train_weights' needs data.mode=resampled (epoch mode reads every sample once)")
+            raise ConfigError(
+                "config key 'data.train_weights' needs data.mode=resampled (epoch mode reads every sample once)"
+            )
         if not isinstance(d.train, list) or len(w) != len(d.train):
-            raise ConfigError(f"config key 'data.train_weights' needs one weight per entry of the data.train list, got {w}")
+            raise ConfigError(
+                f"config key 'data.train_weights' needs one weight per entry of the data.train list, got {w}"
+            )
 
 
 def _validate_extras(cfg: Config) -> None:
     """The image-image term needs its second view."""
     if cfg.loss.image_image_weight > 0 and cfg.data.views != 2:
-        raise ConfigError("config key 'loss.image_image_weight' > 0 needs data.views: 2 (a second augmented view)")
+        raise ConfigError(
+            "config key 'loss.image_image_weight' > 0 needs data.views: 2 (a second augmented view)"
+        )
 
 
-def grad_accum_dtype(cfg: Config) -> Optional[str]:
+def grad_accum_dtype(cfg: Config) -> str | None:
     """The ``data_types.grad_accum_dtype`` mmalign asks DeepSpeed for (None: DeepSpeed's default,
     the weight dtype).
 
@@ -217,19 +278,25 @@ def _accumulation_steps(cfg: Config, world_size: int) -> int:
 def _validate_precision(cfg: Config, world_size: int) -> None:
     ds, t = cfg.deepspeed, cfg.train
     if t.precision == "fp16" and ds.precision != "fp16":
-        raise ConfigError("config key 'train.precision'=fp16 needs deepspeed.precision=fp16 (DeepSpeed's loss "
-                          "scaler; fp16 gradients underflow without it): use train.precision=bf16")
+        raise ConfigError(
+            "config key 'train.precision'=fp16 needs deepspeed.precision=fp16 (DeepSpeed's loss "
+            "scaler; fp16 gradients underflow without it): use train.precision=bf16"
+        )
     steps = _accumulation_steps(cfg, world_size)
     if ds.precision in ("bf16", "fp16") and ds.zero_stage == 0 and steps > 1:
-        raise ConfigError(f"config key 'deepspeed.precision'={ds.precision} at deepspeed.zero_stage=0 would sum the "
-                          f"{steps} gradient-cache chunks in {ds.precision} (DeepSpeed accumulates in fp32 only "
-                          f"from ZeRO-1): use deepspeed.zero_stage>=1, or deepspeed.precision=fp32 with "
-                          f"train.precision=bf16 (autocast)")
+        raise ConfigError(
+            f"config key 'deepspeed.precision'={ds.precision} at deepspeed.zero_stage=0 would sum the "
+            f"{steps} gradient-cache chunks in {ds.precision} (DeepSpeed accumulates in fp32 only "
+            f"from ZeRO-1): use deepspeed.zero_stage>=1, or deepspeed.precision=fp32 with "
+            f"train.precision=bf16 (autocast)"
+        )
 
 
-_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"},
-                "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
-                "fp16": {"fp16", "float16", "half", "torch.float16"}}
+_DTYPE_NAMES = {
+    "fp32": {"fp32", "float32", "float", "torch.float32"},
+    "bf16": {"bf16", "bfloat16", "torch.bfloat16"},
+    "fp16": {"fp16", "float16", "half", "torch.float16"},
+}
 
 
 def _validate_deepspeed_extra(cfg: Config) -> None:
@@ -260,18 +327,24 @@ def _validate_deepspeed_extra(cfg: Config) -> None:
                 continue
             below = sorted({typed[name][0] for name in typed if name.startswith(path + ".")})
             if below:  # e.g. extra.bf16: true
-                raise ConfigError(f"config key 'deepspeed.extra.{path}' must be a mapping (what mmalign derives "
-                                  f"there is set by {', '.join(below)})")
+                raise ConfigError(
+                    f"config key 'deepspeed.extra.{path}' must be a mapping (what mmalign derives "
+                    f"there is set by {', '.join(below)})"
+                )
             if path not in typed:
                 continue
             use, want = typed[path]
             if path in ("data_types.grad_accum_dtype", "communication_data_type"):
                 same = isinstance(value, str) and value in _DTYPE_NAMES[want]
             else:
-                same = want is not None and isinstance(value, bool) == isinstance(want, bool) and value == want
+                same = (
+                    want is not None and isinstance(value, bool) == isinstance(want, bool) and value == want
+                )
             if not same:
-                raise ConfigError(f"config key 'deepspeed.extra.{path}'={value!r} contradicts what mmalign derives "
-                                  f"from {use}: set {use} instead")
+                raise ConfigError(
+                    f"config key 'deepspeed.extra.{path}'={value!r} contradicts what mmalign derives "
+                    f"from {use}: set {use} instead"
+                )
 
     walk(cfg.deepspeed.extra, "")
 

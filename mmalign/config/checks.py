@@ -21,8 +21,9 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from mmalign.errors import ConfigError
 
@@ -66,7 +67,7 @@ class Span:
         below = v < self.hi if self.hi_open else v <= self.hi
         return above and below
 
-    def within(self, cfg: Any) -> "Span":
+    def within(self, cfg: Any) -> Span:
         """This span with ``hi_key`` read from ``cfg`` (itself when it has none)."""
         if not self.hi_key:
             return self
@@ -75,9 +76,19 @@ class Span:
 
     def describe(self, unit: str = "") -> str:
         if self.hi == math.inf and not self.hi_key:
-            text = "any finite number" if self.lo == -math.inf else f"{'>' if self.lo_open else '>='} {self.lo:g}"
+            text = (
+                "any finite number"
+                if self.lo == -math.inf
+                else f"{'>' if self.lo_open else '>='} {self.lo:g}"
+            )
         else:
-            hi = f"{self.hi:g}" if not self.hi_key else self.hi_key if self.hi == math.inf else f"{self.hi_key}={self.hi:g}"
+            hi = (
+                f"{self.hi:g}"
+                if not self.hi_key
+                else self.hi_key
+                if self.hi == math.inf
+                else f"{self.hi_key}={self.hi:g}"
+            )
             text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {hi}{')' if self.hi_open else ']'}"
         return text + (f" {unit}" if unit else "") + (f" ({self.note})" if self.note else "")
 
@@ -94,7 +105,7 @@ class Seq:
     instead: any positive count, all in it); ``ordered``: non-decreasing ([lo, hi] ranges)."""
 
     items: tuple = ()
-    each: Optional[Span] = None
+    each: Span | None = None
     ordered: bool = False
     what: str = ""
 
@@ -102,10 +113,16 @@ class Seq:
         return self.what + (f" ({unit})" if unit else "")
 
     def check(self, key: str, value: Any, unit: str = "") -> None:
-        spans = self.items if self.each is None else (self.each,) * (len(value) if isinstance(value, list) else 0)
-        ok = (isinstance(value, list) and len(value) == len(spans) and len(spans) > 0
-              and all(s.holds(v) for s, v in zip(spans, value))
-              and (not self.ordered or all(a <= b for a, b in zip(value, value[1:]))))
+        spans = (
+            self.items if self.each is None else (self.each,) * (len(value) if isinstance(value, list) else 0)
+        )
+        ok = (
+            isinstance(value, list)
+            and len(value) == len(spans)
+            and len(spans) > 0
+            and all(s.holds(v) for s, v in zip(spans, value))
+            and (not self.ordered or all(a <= b for a, b in zip(value, value[1:])))
+        )
         if not ok:
             raise ConfigError(f"config key '{key}' must be {self.what}, got {show_value(value)}")
 
@@ -116,7 +133,7 @@ class Text:
     enum-like strings; ``path``: the file system can be asked about it."""
 
     empty_ok: bool = False
-    pattern: Optional[str] = None
+    pattern: str | None = None
     what: str = "a non-empty string"
     path: bool = False
 
@@ -147,10 +164,13 @@ def _probe_path(key: str, value: str) -> None:
     except FileNotFoundError:
         pass  # whether it must exist is the key's own business (a run dir is made, weights are not)
     except NotADirectoryError:
-        raise ConfigError(f"config key '{key}': {show_value(value)} goes through a file as if it were a "
-                          f"folder") from None
+        raise ConfigError(
+            f"config key '{key}': {show_value(value)} goes through a file as if it were a folder"
+        ) from None
     except OSError as e:
-        raise ConfigError(f"config key '{key}': {show_value(value)} is not a usable path ({e.strerror})") from None
+        raise ConfigError(
+            f"config key '{key}': {show_value(value)} is not a usable path ({e.strerror})"
+        ) from None
 
 
 class ShardSpecs:
@@ -162,8 +182,9 @@ class ShardSpecs:
     def check(self, key: str, value: Any, unit: str = "") -> None:
         specs = value if isinstance(value, list) else [value]
         if not specs or not all(isinstance(s, str) and s.strip() for s in specs):
-            raise ConfigError(f"config key '{key}' must be a shard spec or a list of shard specs, "
-                              f"got {show_value(value)}")
+            raise ConfigError(
+                f"config key '{key}' must be a shard spec or a list of shard specs, got {show_value(value)}"
+            )
 
 
 class Weights:
@@ -173,9 +194,13 @@ class Weights:
         return "non-negative numbers with a positive sum"
 
     def check(self, key: str, value: Any, unit: str = "") -> None:
-        if not (isinstance(value, list) and value and all(Span(0).holds(v) for v in value) and sum(value) > 0):
-            raise ConfigError(f"config key '{key}' must be non-negative numbers with a positive sum, "
-                              f"got {show_value(value)}")
+        if not (
+            isinstance(value, list) and value and all(Span(0).holds(v) for v in value) and sum(value) > 0
+        ):
+            raise ConfigError(
+                f"config key '{key}' must be non-negative numbers with a positive sum, "
+                f"got {show_value(value)}"
+            )
 
 
 class Entries:
@@ -251,8 +276,10 @@ def _check_tree(key: str, value: Any) -> None:
         node, depth = stack.pop()
         count += 1
         if depth > MAX_DEPTH or count > MAX_NODES:
-            raise ConfigError(f"config key '{key}' is nested deeper than {MAX_DEPTH} levels or holds more than "
-                              f"{MAX_NODES} entries (a YAML anchor that refers to itself?)")
+            raise ConfigError(
+                f"config key '{key}' is nested deeper than {MAX_DEPTH} levels or holds more than "
+                f"{MAX_NODES} entries (a YAML anchor that refers to itself?)"
+            )
         if isinstance(node, (list, dict)):
             if id(node) in seen:
                 raise ConfigError(f"config key '{key}' refers to itself (a YAML anchor inside its own value)")
@@ -309,5 +336,19 @@ def check_domains(cfg: Any) -> None:
         check_key(key, value, f, cfg)
 
 
-__all__ = ["Span", "Seq", "Text", "ShardSpecs", "Weights", "Entries", "knob", "check_domains", "check_key", "domains",
-           "fields_of", "leaves", "show_value", "within_domain"]
+__all__ = [
+    "Span",
+    "Seq",
+    "Text",
+    "ShardSpecs",
+    "Weights",
+    "Entries",
+    "knob",
+    "check_domains",
+    "check_key",
+    "domains",
+    "fields_of",
+    "leaves",
+    "show_value",
+    "within_domain",
+]

@@ -12,7 +12,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -42,10 +42,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"config key '{key}': expected {' or '.join(map(_type_name, args))}, got {show_value(value)}")
+        raise ConfigError(
+            f"config key '{key}': expected {' or '.join(map(_type_name, args))}, got {show_value(value)}"
+        )
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}': expected one of {_type_name(tp)}, got {show_value(value)}")
+            raise ConfigError(
+                f"config key '{key}': expected one of {_type_name(tp)}, got {show_value(value)}"
+            )
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -83,7 +87,11 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
             raise ConfigError(f"unknown config key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     for f in dataclasses.fields(cls):  # a key without a default (an eval.during entry's suite, every)
-        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        if (
+            f.name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
             raise ConfigError(f"config key '{prefix}{f.name}' is required")
     return cls(**kwargs)
 
@@ -122,7 +130,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def build_config(path: Optional[str | Path] = None, overrides: list[str] | tuple = ()) -> Config:
+def build_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults <- YAML file <- overrides, each value of its key's type (neither resolved nor
     validated: :func:`mmalign.config.load_config` does both)."""
     tree: dict = {}
@@ -134,7 +142,10 @@ def build_config(path: Optional[str | Path] = None, overrides: list[str] | tuple
             raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        except (ValueError, RecursionError) as e:  # an int of > 4300 digits; nesting deeper than Python's stack
+        except (
+            ValueError,
+            RecursionError,
+        ) as e:  # an int of > 4300 digits; nesting deeper than Python's stack
             raise ConfigError(f"config file {path} is not a usable config ({type(e).__name__})") from None
         if loaded is None:
             loaded = {}

@@ -13,8 +13,9 @@ for the image-image term) stay with the config's validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from mmalign.errors import ConfigError
 
@@ -44,33 +45,66 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 PARTS: tuple[Part, ...] = (
-    Part("siglip", ("loss.name",), lambda c: c.loss.name == "siglip",
-         example=("loss.name=siglip", "model.init_logit_bias=-10")),
-    Part("ids", ("loss.false_negative_ids",), lambda c: c.loss.false_negative_ids != "none",
-         example=("loss.false_negative_ids=caption",)),
-    Part("mask", ("loss.positive_mask",), lambda c: c.loss.positive_mask != "none",
-         refuses={"siglip": "metadata positives are an InfoNCE target (needs loss.name=infonce)",
-                  "ids": "the mask replaces the id positives (needs loss.false_negative_ids=none)"},
-         one_process="the (B, B) mask covers one process's batch",
-         example=("loss.positive_mask=attribute_subset", "data.id_field=subset_code")),
-    Part("hardneg", ("loss.hard_negative_beta", "loss.debias_prior"),
-         lambda c: bool(c.loss.hard_negative_beta or c.loss.debias_prior),
-         refuses={"siglip": "the estimators reweight InfoNCE's softmax (needs loss.name=infonce)"},
-         example=("loss.hard_negative_beta=0.5", "loss.debias_prior=0.1")),
+    Part(
+        "siglip",
+        ("loss.name",),
+        lambda c: c.loss.name == "siglip",
+        example=("loss.name=siglip", "model.init_logit_bias=-10"),
+    ),
+    Part(
+        "ids",
+        ("loss.false_negative_ids",),
+        lambda c: c.loss.false_negative_ids != "none",
+        example=("loss.false_negative_ids=caption",),
+    ),
+    Part(
+        "mask",
+        ("loss.positive_mask",),
+        lambda c: c.loss.positive_mask != "none",
+        refuses={
+            "siglip": "metadata positives are an InfoNCE target (needs loss.name=infonce)",
+            "ids": "the mask replaces the id positives (needs loss.false_negative_ids=none)",
+        },
+        one_process="the (B, B) mask covers one process's batch",
+        example=("loss.positive_mask=attribute_subset", "data.id_field=subset_code"),
+    ),
+    Part(
+        "hardneg",
+        ("loss.hard_negative_beta", "loss.debias_prior"),
+        lambda c: bool(c.loss.hard_negative_beta or c.loss.debias_prior),
+        refuses={"siglip": "the estimators reweight InfoNCE's softmax (needs loss.name=infonce)"},
+        example=("loss.hard_negative_beta=0.5", "loss.debias_prior=0.1"),
+    ),
     # Queued entries are negatives of the plain (multi-positive) InfoNCE only: the estimators'
     # weights / priors and a B x B metadata mask say nothing about entries of past batches.
-    Part("queue", ("loss.queue_size",), lambda c: c.loss.queue_size > 0,
-         refuses={"siglip": "queued entries are InfoNCE negatives (needs loss.name=infonce)",
-                  "hardneg": "the estimators' weights and prior say nothing about entries of past batches",
-                  "mask": "a (B, B) metadata mask says nothing about entries of past batches"},
-         example=("loss.queue_size=64",)),
-    Part("mined", ("data.hard_negatives",), lambda c: c.data.hard_negatives > 0,
-         refuses={"siglip": "mined negatives extend the plain InfoNCE (needs loss.name=infonce)",
-                  "hardneg": "mined negatives extend the plain InfoNCE, not the estimators",
-                  "queue": "mined negatives with a momentum queue are not implemented"},
-         example=("data.hard_negatives=2",)),
-    Part("views", ("loss.image_image_weight",), lambda c: c.loss.image_image_weight > 0,
-         example=("data.views=2", "loss.image_image_weight=0.5")),
+    Part(
+        "queue",
+        ("loss.queue_size",),
+        lambda c: c.loss.queue_size > 0,
+        refuses={
+            "siglip": "queued entries are InfoNCE negatives (needs loss.name=infonce)",
+            "hardneg": "the estimators' weights and prior say nothing about entries of past batches",
+            "mask": "a (B, B) metadata mask says nothing about entries of past batches",
+        },
+        example=("loss.queue_size=64",),
+    ),
+    Part(
+        "mined",
+        ("data.hard_negatives",),
+        lambda c: c.data.hard_negatives > 0,
+        refuses={
+            "siglip": "mined negatives extend the plain InfoNCE (needs loss.name=infonce)",
+            "hardneg": "mined negatives extend the plain InfoNCE, not the estimators",
+            "queue": "mined negatives with a momentum queue are not implemented",
+        },
+        example=("data.hard_negatives=2",),
+    ),
+    Part(
+        "views",
+        ("loss.image_image_weight",),
+        lambda c: c.loss.image_image_weight > 0,
+        example=("data.views=2", "loss.image_image_weight=0.5"),
+    ),
 )
 
 _BY_NAME = {p.name: p for p in PARTS}
@@ -90,11 +124,14 @@ def check(cfg: Any, world_size: int = 1) -> None:
         part = _BY_NAME[name]
         for other in on:
             if other in part.refuses:
-                raise ConfigError(f"config key {part.key_of(cfg)} {_with(_BY_NAME[other], cfg)}: "
-                                  f"{part.refuses[other]}")
+                raise ConfigError(
+                    f"config key {part.key_of(cfg)} {_with(_BY_NAME[other], cfg)}: {part.refuses[other]}"
+                )
         if part.one_process and world_size > 1:
-            raise ConfigError(f"config key {part.key_of(cfg)} needs one process ({part.one_process}), "
-                              f"got a world size of {world_size}")
+            raise ConfigError(
+                f"config key {part.key_of(cfg)} needs one process ({part.one_process}), "
+                f"got a world size of {world_size}"
+            )
 
 
 def _with(other: Part, cfg: Any) -> str:

@@ -30,7 +30,11 @@ def resolve(cfg: Config) -> Config:
 def _id_field(cfg: Config) -> None:
     """``loss.false_negative_ids: <field>``: the loader reads that .json field (data.id_field)."""
     ids = cfg.loss.false_negative_ids
-    if ids not in ("none", "caption") and cfg.data.id_field is None and within_domain(cfg, "loss.false_negative_ids"):
+    if (
+        ids not in ("none", "caption")
+        and cfg.data.id_field is None
+        and within_domain(cfg, "loss.false_negative_ids")
+    ):
         cfg.data.id_field = ids
 
 
@@ -60,8 +64,8 @@ def _tokenizer(m: ModelConfig) -> None:
     """``model.tokenizer`` -> the text tower's vocab_size (unless given) and the file it records."""
     if m.tokenizer is None or not within_domain(m, "tokenizer") or not isinstance(m.text, dict):
         return
-    from mmalign.sentencepiece_file import SPM_KEY, sentencepiece_vocab_size
     from mmalign.errors import UsageError
+    from mmalign.sentencepiece_file import SPM_KEY, sentencepiece_vocab_size
 
     try:
         needed = sentencepiece_vocab_size(m.tokenizer)

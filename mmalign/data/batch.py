@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -26,8 +25,13 @@ from mmalign.data.device import images_to
 __all__ = ["Batch", "MODEL_INPUTS"]
 
 # Batch field -> TwoTower.forward keyword
-MODEL_INPUTS = {"images": "images", "tokens": "texts", "images2": "images2", "neg_tokens": "neg_texts",
-                "seeds": "seeds"}
+MODEL_INPUTS = {
+    "images": "images",
+    "tokens": "texts",
+    "images2": "images2",
+    "neg_tokens": "neg_texts",
+    "seeds": "seeds",
+}
 _IMAGES = ("images", "images2")  # uint8 from the workers: normalised on the device
 HOST = ("seeds",)  # read on the host (each row's FLIP mask generator): never moved to the device
 
@@ -36,28 +40,33 @@ HOST = ("seeds",)  # read on the host (each row's FLIP mask generator): never mo
 class Batch:
     images: Tensor  # (B, 3, H, W) uint8 from the loader, float32 after .to()
     tokens: Tensor  # (B, L) int64
-    captions: Optional[list[str]] = None  # B strings (the sampled caption of each image)
-    keys: Optional[list[str]] = None  # B sample keys
-    epochs: Optional[Tensor] = None  # (B,) the epoch each sample belongs to
-    seeds: Optional[Tensor] = None  # (B,) int64 >= 0: each sample's seed (data/samples.sample_seed; the FLIP mask)
-    ids: Optional[Tensor] = None  # (B,) int64 from data.id_field
-    images2: Optional[Tensor] = None  # (B, 3, H, W) a second augmented view (data.views: 2)
-    neg_tokens: Optional[Tensor] = None  # (B, k, L) mined negative captions (data.hard_negatives)
-    neg_mask: Optional[Tensor] = None  # (B, k) bool: which of the k slots hold a caption
+    captions: list[str] | None = None  # B strings (the sampled caption of each image)
+    keys: list[str] | None = None  # B sample keys
+    epochs: Tensor | None = None  # (B,) the epoch each sample belongs to
+    seeds: Tensor | None = (
+        None  # (B,) int64 >= 0: each sample's seed (data/samples.sample_seed; the FLIP mask)
+    )
+    ids: Tensor | None = None  # (B,) int64 from data.id_field
+    images2: Tensor | None = None  # (B, 3, H, W) a second augmented view (data.views: 2)
+    neg_tokens: Tensor | None = None  # (B, k, L) mined negative captions (data.hard_negatives)
+    neg_mask: Tensor | None = None  # (B, k) bool: which of the k slots hold a caption
     skipped: dict[str, int] = field(default_factory=dict)  # the run's skipped samples so far, by reason
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def _per_sample(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "skipped" and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "skipped" and getattr(self, f.name) is not None
+        }
 
-    def slice(self, i: int, j: int) -> "Batch":
+    def slice(self, i: int, j: int) -> Batch:
         """Samples [i, j) (tensor views, no copies); ``skipped`` is kept."""
         return dataclasses.replace(self, **{k: v[i:j] for k, v in self._per_sample().items()})
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         """Every tensor on ``device``; uint8 images normalised there (float input only moved)."""
         moved = {}
         for k, v in self._per_sample().items():
@@ -69,14 +78,16 @@ class Batch:
 
     def model_inputs(self) -> dict[str, Tensor]:
         """``TwoTower.forward`` keywords of the present model-input fields."""
-        return {kw: getattr(self, name) for name, kw in MODEL_INPUTS.items() if getattr(self, name) is not None}
+        return {
+            kw: getattr(self, name) for name, kw in MODEL_INPUTS.items() if getattr(self, name) is not None
+        }
 
-    def without(self, *names: str) -> "Batch":
+    def without(self, *names: str) -> Batch:
         """A copy with the optional fields ``names`` set to None."""
         return dataclasses.replace(self, **{n: None for n in names})
 
     @classmethod
-    def cat(cls, parts: list["Batch"], pin_memory: bool = False) -> "Batch":
+    def cat(cls, parts: list[Batch], pin_memory: bool = False) -> Batch:
         """Collated pieces -> one batch: tensors concatenated on dim 0 (into pinned memory when
         ``pin_memory``, for asynchronous copies to a GPU), lists joined, in the order given."""
         first = parts[0]

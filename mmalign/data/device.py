@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-
 # device -> (mean, std), each (1, 3, 1, 1) float32 on it: built once per device, since building
 # them from Python floats is a blocking host-to-device copy on CUDA (a per-batch stall otherwise)
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -49,8 +49,9 @@ class Captioner:
         return [t.format(c=classname.replace("_", " ")) for t in chosen]
 
 
-def _class_items(pairs: Iterator[tuple[str, str, bytes | str]], classnames: list[str],
-                 captioner: Captioner) -> Iterator[Item]:
+def _class_items(
+    pairs: Iterator[tuple[str, str, bytes | str]], classnames: list[str], captioner: Captioner
+) -> Iterator[Item]:
     index = {c: i for i, c in enumerate(classnames)}
     for name, relpath, image in pairs:
         # source_path: where the sample came from inside the folder or tar, so a hit can be traced back
@@ -62,9 +63,14 @@ def _relpath(name: str) -> str:
     return "/".join(Path(name).parts[-2:])
 
 
-def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] | None = None,
-                 shuffle_seed: int | None = None, only: list[str] | None = None,
-                 limit: int | None = None) -> tuple[list[str], Counted]:
+def image_folder(
+    path: str | Path,
+    captioner: Captioner,
+    classnames: list[str] | None = None,
+    shuffle_seed: int | None = None,
+    only: list[str] | None = None,
+    limit: int | None = None,
+) -> tuple[list[str], Counted]:
     """``root/CLASS/*.jpg`` as a directory or a tar (``./cat/0001.jpg``).
 
     Class ids follow ``classnames`` when a template set gives them (CIFAR-10's label
@@ -83,8 +89,13 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     if path.is_dir():
         folders = sorted(p.name for p in path.iterdir() if p.is_dir())
         _check_only(path, only, folders)
-        files = [(d, f) for d in folders if only is None or d in only
-                 for f in sorted((path / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+        files = [
+            (d, f)
+            for d in folders
+            if only is None or d in only
+            for f in sorted((path / d).iterdir())
+            if f.suffix.lower() in IMAGE_SUFFIXES
+        ]
         files = _first_per_class(files, lambda df: df[0], limit)
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(files)
@@ -112,7 +123,9 @@ def image_folder(path: str | Path, captioner: Captioner, classnames: list[str] |
     names = list(classnames) if classnames else found
     unknown = sorted(set(found) - set(names))
     if unknown:
-        raise UsageError(f"image folder {path}: folders {unknown[:3]} are not in the template set's classnames")
+        raise UsageError(
+            f"image folder {path}: folders {unknown[:3]} are not in the template set's classnames"
+        )
     return names, Counted(_class_items(pairs, names, captioner), len(files))  # one item per image file
 
 
@@ -137,8 +150,12 @@ def _safe_names(path: Path, names: list[str]) -> list[str]:
 
     unsafe = [n for n in names if unsafe_name(n)]
     if unsafe:
-        print(f"mmalign: image folder {path}: skipped {len(unsafe)} member(s) with an unsafe name (outside the "
-              f"folder, e.g. {unsafe[0]!r})", file=sys.stderr, flush=True)
+        print(
+            f"mmalign: image folder {path}: skipped {len(unsafe)} member(s) with an unsafe name (outside the "
+            f"folder, e.g. {unsafe[0]!r})",
+            file=sys.stderr,
+            flush=True,
+        )
     return [n for n in names if not unsafe_name(n)]
 
 

@@ -50,7 +50,7 @@ class KeySet:
         return i < self._hashes.size and self._hashes[i] == h
 
     @classmethod
-    def read(cls, path: str | Path, what: str = "data.keep_keys") -> "KeySet":
+    def read(cls, path: str | Path, what: str = "data.keep_keys") -> KeySet:
         """One key per line (blank lines and ``#`` comments ignored); a one-line error when the
         file cannot be read, is not a regular file, is too large, has a line too long or names no key."""
         keys = cls(_keys(Path(path), what))
@@ -61,13 +61,16 @@ class KeySet:
 
 def _keys(path: Path, what: str) -> Iterator[str]:
     """The keys of ``path``, streamed within the bounds above."""
+
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"config key '{what}': {path} {why}")
 
     try:
         mode = os.stat(path).st_mode  # before open(): opening a FIFO waits for a writer
         if not stat.S_ISREG(mode):
-            raise refuse("is not a regular file (a key list is a file, as `mmalign curate --keys-only` writes it)")
+            raise refuse(
+                "is not a regular file (a key list is a file, as `mmalign curate --keys-only` writes it)"
+            )
         f = open(path, "rb")
     except OSError as e:
         raise refuse(f"cannot be read ({e.strerror or type(e).__name__})") from None
@@ -84,7 +87,9 @@ def _keys(path: Path, what: str) -> Iterator[str]:
             if total > MAX_FILE_BYTES:  # it grew while read
                 raise refuse(f"is over {MAX_FILE_BYTES} bytes; a key list is at most that")
             if len(line) > MAX_LINE_BYTES:
-                raise refuse(f"line {number} is over {MAX_LINE_BYTES} bytes; a key list has one sample key a line")
+                raise refuse(
+                    f"line {number} is over {MAX_LINE_BYTES} bytes; a key list has one sample key a line"
+                )
             try:
                 key = line.decode("utf-8").strip()
             except UnicodeDecodeError:
@@ -92,5 +97,7 @@ def _keys(path: Path, what: str) -> Iterator[str]:
             if not key or key.startswith("#"):
                 continue
             if "/" in key:
-                raise refuse(f"lists {key!r}; keys are a sample's tar key without folders (the part after the last '/')")
+                raise refuse(
+                    f"lists {key!r}; keys are a sample's tar key without folders (the part after the last '/')"
+                )
             yield key

@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmalign.config import ConfigError, DataConfig
 from mmalign.data.batch import Batch
-from mmalign.data.samples import SampleProcessor, merge
-from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.remote import RemoteOptions, kind_of
+from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shard_sizes import ShardIndex, shard_sizes
+from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.stream import EpochOrder, LaneStream, NoSamples, StreamSpec, check_resumable
 
 log = logging.getLogger("mmalign.data")
@@ -114,13 +114,21 @@ class _Lanes(IterableDataset):
         try:
             order = EpochOrder(self.spec)  # shared by this worker's lanes (one epoch's prefix sums)
             remote = any(kind_of(u) != "local" for u in self.spec.urls)
-            many = len(mine) > min(MAX_OPEN_REMOTE_LANES if remote else MAX_OPEN_LANES, open_file_budget(len(mine)))
-            streams = {lane: LaneStream(self.spec, lane, self.processor, self.states.get(lane), order,
-                                        close_between_fills=many) for lane in mine}
+            many = len(mine) > min(
+                MAX_OPEN_REMOTE_LANES if remote else MAX_OPEN_LANES, open_file_budget(len(mine))
+            )
+            streams = {
+                lane: LaneStream(
+                    self.spec, lane, self.processor, self.states.get(lane), order, close_between_fills=many
+                )
+                for lane in mine
+            }
             samples = {lane: stream.samples() for lane, stream in streams.items()}
             while True:
                 for piece in self.pieces[worker]:
-                    taken = [next(samples[lane]) for lane in piece]  # row j of the piece: its lane's next sample
+                    taken = [
+                        next(samples[lane]) for lane in piece
+                    ]  # row j of the piece: its lane's next sample
                     rows, epochs = [r for r, _ in taken], [e for _, e in taken]
                     batch = self.processor.collate(rows, epochs) if rows else None  # Batch or None
                     yield batch, {"states": {lane: streams[lane].state() for lane in piece}}
@@ -157,16 +165,29 @@ class StreamingLoader:
     continues after the last consumed batch.
     """
 
-    def __init__(self, spec: StreamSpec, processor: SampleProcessor, *, rank: int = 0, world_size: int = 1,
-                 num_workers: int = 1, prefetch_factor: int = 2, pin_memory: bool = False,
-                 worker_batch_size: int = DEFAULT_WORKER_BATCH):
+    def __init__(
+        self,
+        spec: StreamSpec,
+        processor: SampleProcessor,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 1,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
+        worker_batch_size: int = DEFAULT_WORKER_BATCH,
+    ):
         if spec.lanes % world_size:
-            raise ConfigError(f"the global batch ({spec.lanes}) must be a multiple of the world size ({world_size})")
+            raise ConfigError(
+                f"the global batch ({spec.lanes}) must be a multiple of the world size ({world_size})"
+            )
         self.spec = spec
         self.processor = processor
         self.rank = rank
         self.world_size = world_size
-        self.batch_size = spec.lanes // world_size  # this rank's rows: lanes [rank B_local, (rank + 1) B_local)
+        self.batch_size = (
+            spec.lanes // world_size
+        )  # this rank's rows: lanes [rank B_local, (rank + 1) B_local)
         self.num_workers = num_workers  # DataLoader processes; 0 = read in this process
         self.workers = max(1, num_workers)
         self.prefetch_factor = prefetch_factor  # pieces in flight per worker
@@ -184,9 +205,16 @@ class StreamingLoader:
         if self.num_workers == 0:
             source = iter(dataset)
         else:
-            source = iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                     prefetch_factor=self.prefetch_factor, persistent_workers=False,
-                                     worker_init_fn=_worker_init))
+            source = iter(
+                DataLoader(
+                    dataset,
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    prefetch_factor=self.prefetch_factor,
+                    persistent_workers=False,
+                    worker_init_fn=_worker_init,
+                )
+            )
         rounds, workers = len(self.shares[0]), self.workers
         try:
             while True:
@@ -260,12 +288,22 @@ class StreamingLoader:
             step = int(state.get("consumed", 0))
             state = from_slots([state], self.spec, step, into=self.lanes[0])
             if self.rank == 0:
-                log.warning("the checkpoint's data position predates lanes (one stream per rank and worker): the "
-                            "data order restarts at step %d (%s)", step, "shard draws start afresh"
-                            if self.spec.mode == "resampled" else "the epoch in progress starts over")
+                log.warning(
+                    "the checkpoint's data position predates lanes (one stream per rank and worker): the "
+                    "data order restarts at step %d (%s)",
+                    step,
+                    "shard draws start afresh"
+                    if self.spec.mode == "resampled"
+                    else "the epoch in progress starts over",
+                )
         elif version != STATE_VERSION:
             raise ConfigError(f"loader state version {version!r} is not {STATE_VERSION}")
-        mine = {"mode": self.spec.mode, "seed": self.spec.seed, "lanes": self.spec.lanes, "shards": self._fingerprint()}
+        mine = {
+            "mode": self.spec.mode,
+            "seed": self.spec.seed,
+            "lanes": self.spec.lanes,
+            "shards": self._fingerprint(),
+        }
         for key, value in mine.items():
             if state.get(key) != value:
                 what = "global batch (lanes)" if key == "lanes" else key
@@ -276,8 +314,10 @@ class StreamingLoader:
         lanes = {int(lane): s for lane, s in state["lane_states"].items()}
         missing = [lane for lane in self.lanes if lane not in lanes]
         if len(missing) not in (0, len(self.lanes)):
-            raise ConfigError(f"cannot resume the data stream: the checkpoint lacks lanes {missing[:4]} of rank "
-                              f"{self.rank} (a loader file of the checkpoint is missing)")
+            raise ConfigError(
+                f"cannot resume the data stream: the checkpoint lacks lanes {missing[:4]} of rank "
+                f"{self.rank} (a loader file of the checkpoint is missing)"
+            )
         mine_states = {lane: lanes[lane] for lane in self.lanes if lane in lanes}
         check_resumable(self.spec, mine_states)
         self._states = mine_states
@@ -296,10 +336,15 @@ def _keep_keys(data: DataConfig, lanes: int):
 
     keep = KeySet.read(data.keep_keys)
     if len(keep) < lanes:
-        raise ConfigError(f"config key 'data.keep_keys': {data.keep_keys} lists {len(keep)} keys, fewer than one "
-                          f"global batch ({lanes})")
-    log.info("data.keep_keys: %d sample keys from %s; other samples are skipped (counted as not_in_keep_keys)",
-             len(keep), data.keep_keys)
+        raise ConfigError(
+            f"config key 'data.keep_keys': {data.keep_keys} lists {len(keep)} keys, fewer than one "
+            f"global batch ({lanes})"
+        )
+    log.info(
+        "data.keep_keys: %d sample keys from %s; other samples are skipped (counted as not_in_keep_keys)",
+        len(keep),
+        data.keep_keys,
+    )
     return keep
 
 
@@ -367,28 +412,63 @@ def build_train_loader(
     lanes = batch_size * world_size
     index = counts if counts is not None else shard_sizes(urls, _remote_options(data), data.max_member_bytes)
     if sum(index.counts) < lanes:
-        raise ConfigError(f"config key 'data.train': {sum(index.counts)} samples in {len(urls)} shard(s), fewer than "
-                          f"one global batch ({lanes}): too few samples (each epoch must fill every row of a "
-                          f"batch once)")
+        raise ConfigError(
+            f"config key 'data.train': {sum(index.counts)} samples in {len(urls)} shard(s), fewer than "
+            f"one global batch ({lanes}): too few samples (each epoch must fill every row of a "
+            f"batch once)"
+        )
     spec = StreamSpec(
-        urls=tuple(urls), sources=tuple(sources), weights=tuple(weights), mode=data.mode, seed=seed,
-        lanes=lanes, shuffle_buffer=max(1, buffer), max_image_pixels=data.max_image_pixels,
+        urls=tuple(urls),
+        sources=tuple(sources),
+        weights=tuple(weights),
+        mode=data.mode,
+        seed=seed,
+        lanes=lanes,
+        shuffle_buffer=max(1, buffer),
+        max_image_pixels=data.max_image_pixels,
         index=index,
         max_consecutive_skips=data.max_consecutive_skips,
         max_member_bytes=data.max_member_bytes,
         remote=_remote_options(data),
         keep=_keep_keys(data, lanes),
     )
-    processor = SampleProcessor(transform, tokenizer, views=data.views, id_field=data.id_field,
-                                max_pixels=data.max_image_pixels, hard_negatives=data.hard_negatives)
+    processor = SampleProcessor(
+        transform,
+        tokenizer,
+        views=data.views,
+        id_field=data.id_field,
+        max_pixels=data.max_image_pixels,
+        hard_negatives=data.hard_negatives,
+    )
     piece = data.worker_batch_size or grad_cache_chunk or min(batch_size, DEFAULT_WORKER_BATCH)
-    loader = StreamingLoader(spec, processor, rank=rank, world_size=world_size, num_workers=num_workers,
-                             pin_memory=pin_memory, worker_batch_size=piece)
+    loader = StreamingLoader(
+        spec,
+        processor,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_batch_size=piece,
+    )
     if num_workers > batch_size:
-        log.warning("data.workers=%d for %d rows per rank: %d worker(s) have no lane to read",
-                    num_workers, batch_size, num_workers - batch_size)
-    log.info("data: %d shards in %d source(s), mode %s, %d lanes (the global batch), shuffle buffer %d per lane, "
-             "%d worker(s), views %d, %d piece(s) of <= %d rows per worker per local batch of %d", len(urls),
-             len(sources), data.mode, lanes, spec.lane_buffer, num_workers, data.views, len(loader.shares[0]),
-             max(loader.shares[0]), batch_size)
+        log.warning(
+            "data.workers=%d for %d rows per rank: %d worker(s) have no lane to read",
+            num_workers,
+            batch_size,
+            num_workers - batch_size,
+        )
+    log.info(
+        "data: %d shards in %d source(s), mode %s, %d lanes (the global batch), shuffle buffer %d per lane, "
+        "%d worker(s), views %d, %d piece(s) of <= %d rows per worker per local batch of %d",
+        len(urls),
+        len(sources),
+        data.mode,
+        lanes,
+        spec.lane_buffer,
+        num_workers,
+        data.views,
+        len(loader.shares[0]),
+        max(loader.shares[0]),
+        batch_size,
+    )
     return loader

@@ -38,13 +38,24 @@ from dataclasses import dataclass
 log = logging.getLogger("mmalign.data")
 
 CHUNK = 1 << 20  # largest single read from a remote stream
-WINDOW = 64 << 10  # the last bytes read are kept: a short seek back (the tar reader's lookahead) costs nothing
+WINDOW = (
+    64 << 10
+)  # the last bytes read are kept: a short seek back (the tar reader's lookahead) costs nothing
 SKIP = 4 << 20  # forward gaps up to this are read and dropped rather than re-requested
 MAX_BACKOFF = 60.0  # seconds; the backoff doubles up to this
 
 # Packages that provide fsspec's backends for the common schemes (named in the error when missing).
-BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-            "abfss": "adlfs", "adl": "adlfs", "hf": "huggingface_hub"}
+BACKENDS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "hf": "huggingface_hub",
+}
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ def kind_of(url: str) -> str:
 
 
 def local_path(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 def is_gzip_name(url: str) -> bool:
@@ -93,18 +104,25 @@ def check_backend(url: str, what: str) -> None:
         from fsspec.registry import known_implementations
     except ImportError:
         package = BACKENDS.get(scheme)
-        need = f"fsspec and {package} (pip install fsspec {package})" if package else "fsspec (pip install fsspec)"
+        need = (
+            f"fsspec and {package} (pip install fsspec {package})"
+            if package
+            else "fsspec (pip install fsspec)"
+        )
         raise ConfigError(f"config key '{what}': {scheme}:// shards need {need}") from None
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError:
         known = known_implementations.get(scheme, {})
         package = BACKENDS.get(scheme) or known.get("class", scheme).split(".")[0]
-        raise ConfigError(f"config key '{what}': {scheme}:// shards need the package {package} "
-                          f"(pip install {package})") from None
+        raise ConfigError(
+            f"config key '{what}': {scheme}:// shards need the package {package} (pip install {package})"
+        ) from None
     except ValueError:
-        raise ConfigError(f"config key '{what}': unknown protocol {scheme}:// in {url} "
-                          "(local paths, pipe:CMD, http(s):// or an fsspec protocol)") from None
+        raise ConfigError(
+            f"config key '{what}': unknown protocol {scheme}:// in {url} "
+            "(local paths, pipe:CMD, http(s):// or an fsspec protocol)"
+        ) from None
 
 
 _said: set[str] = set()
@@ -155,8 +173,11 @@ def _open_http(url: str, start: int, timeout: float):
         _say_once("http-range", "http(s) shards: seeking (and exact resume) by HTTP range requests")
         return _HttpStream(response), start
     if start:
-        _say_once("http-reread", "http(s) shards: the server ignores HTTP ranges, so a seek (and exact resume) "
-                                 "re-reads the shard from its start up to the offset")
+        _say_once(
+            "http-reread",
+            "http(s) shards: the server ignores HTTP ranges, so a seek (and exact resume) "
+            "re-reads the shard from its start up to the offset",
+        )
     return _HttpStream(response), 0
 
 
@@ -174,8 +195,9 @@ class _Pipe:
     def __init__(self, command: str, timeout: float):
         self.command, self.timeout = command, timeout
         # its own process group, so that closing early ends the whole pipeline, not only the shell
-        self.proc = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True
+        )
 
     def read(self, n: int) -> bytes:
         fd = self.proc.stdout.fileno()
@@ -187,7 +209,9 @@ class _Pipe:
             try:
                 code = self.proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"the command did not exit {self.timeout:g} s after its output ended") from None
+                raise TimeoutError(
+                    f"the command did not exit {self.timeout:g} s after its output ended"
+                ) from None
             if code != 0:
                 raise OSError(f"the command exited with status {code}")
         return data
@@ -211,8 +235,10 @@ def note_resume(url: str) -> None:
     (http(s) is logged by the first range request, when the server's answer says which)."""
     kind = kind_of(url)
     if kind == "pipe":
-        _say_once("pipe-reread", "pipe: shards: exact resume re-runs the command and discards its output up "
-                                 "to the saved offset")
+        _say_once(
+            "pipe-reread",
+            "pipe: shards: exact resume re-runs the command and discards its output up to the saved offset",
+        )
     elif kind == "fsspec":
         _say_once("fsspec-seek", "fsspec shards: exact resume seeks by the backend's ranged reads")
 
@@ -288,7 +314,7 @@ class RemoteFile:
             want = CHUNK if n < 0 else min(n - len(out), CHUNK)
             if self._lo <= self.pos < self._lo + len(self._win):  # served from the window
                 i = self.pos - self._lo
-                piece = self._win[i:i + want]
+                piece = self._win[i : i + want]
                 out += piece
                 self.pos += len(piece)
                 continue
@@ -326,7 +352,7 @@ class RemoteFile:
         if self.kind == "http":
             return _open_http(self.url, start, t)
         if self.kind == "pipe":
-            return _open_pipe(self.url[len("pipe:"):], start, t)
+            return _open_pipe(self.url[len("pipe:") :], start, t)
         return _open_fsspec(self.url, start, t)
 
     def _fetch(self, n: int) -> bytes:
@@ -334,7 +360,7 @@ class RemoteFile:
         self._at += len(chunk)
         self._win += chunk
         if len(self._win) > 2 * WINDOW:  # trimmed now and then, not at every small read
-            del self._win[:len(self._win) - WINDOW]
+            del self._win[: len(self._win) - WINDOW]
         self._lo = self._at - len(self._win)
         return chunk
 
@@ -370,9 +396,15 @@ class RemoteFile:
         self._drop()
         if failures >= self.options.retries:
             raise OSError(f"{type(error).__name__}: {error} (given up after {failures} retries)") from error
-        delay = min(self.options.backoff * 2 ** failures, MAX_BACKOFF)
-        log.warning("retrying %s at byte %d in %.3g s after %s: %s", self.url, self.pos, delay,
-                    type(error).__name__, error)
+        delay = min(self.options.backoff * 2**failures, MAX_BACKOFF)
+        log.warning(
+            "retrying %s at byte %d in %.3g s after %s: %s",
+            self.url,
+            self.pos,
+            delay,
+            type(error).__name__,
+            error,
+        )
         time.sleep(delay)
         return failures + 1
 

@@ -36,14 +36,33 @@ def _skipped(states: list[dict]) -> dict[str, int]:
 def from_slots(states: list[dict], spec: StreamSpec, step: int, into: int = 0) -> dict:
     """A lane state for every lane from pre-lane loader states (every old rank's, or one rank's
     own); their skip counts go to lane ``into`` (a lane of the rank that keeps them)."""
-    epoch = min((int(st.get("epoch", 0)) for state in states for st in state.get("slots", {}).values()), default=0)
-    lanes = {str(lane): {"epoch": epoch if spec.mode == "epoch" else RESTART + step, "cursor": 0, "shard": None,
-                         "emitted": step * RESTART, "skipped": {}, "buffer": []} for lane in range(spec.lanes)}
+    epoch = min(
+        (int(st.get("epoch", 0)) for state in states for st in state.get("slots", {}).values()), default=0
+    )
+    lanes = {
+        str(lane): {
+            "epoch": epoch if spec.mode == "epoch" else RESTART + step,
+            "cursor": 0,
+            "shard": None,
+            "emitted": step * RESTART,
+            "skipped": {},
+            "buffer": [],
+        }
+        for lane in range(spec.lanes)
+    }
     lanes[str(into)]["skipped"] = _skipped(states)
     first = states[0]
     # mode, seed and shards as saved: the loader refuses a resume that changes them
-    return {"version": 3, "mode": first.get("mode"), "seed": first.get("seed"), "lanes": spec.lanes,
-            "shards": first.get("shards"), "consumed": step, "lane_states": lanes, "restarted": True}
+    return {
+        "version": 3,
+        "mode": first.get("mode"),
+        "seed": first.get("seed"),
+        "lanes": spec.lanes,
+        "shards": first.get("shards"),
+        "consumed": step,
+        "lane_states": lanes,
+        "restarted": True,
+    }
 
 
 def convert(states: list[dict], spec: StreamSpec, rank: int, step: int) -> tuple[dict, str]:
@@ -52,16 +71,30 @@ def convert(states: list[dict], spec: StreamSpec, rank: int, step: int) -> tuple
     order."""
     old_world = len(states)
     if any(state.get("version") in (1, 2) for state in states):
-        return (from_slots(states, spec, step),
-                f"data order restarted at step {step}: the checkpoint's data position predates lanes "
-                f"({spec.mode} mode: " + ("shard draws start afresh)" if spec.mode == "resampled" else
-                                          "the epoch in progress starts over)"))
+        return (
+            from_slots(states, spec, step),
+            f"data order restarted at step {step}: the checkpoint's data position predates lanes "
+            f"({spec.mode} mode: "
+            + (
+                "shard draws start afresh)"
+                if spec.mode == "resampled"
+                else "the epoch in progress starts over)"
+            ),
+        )
     lanes: dict[str, dict] = {}
     for state in states:
         lanes.update(state.get("lane_states", {}))
     first = states[0]
-    merged = {**first, "rank": rank, "consumed": step, "lane_states": dict(sorted(lanes.items(), key=lambda kv: int(kv[0])))}
-    return merged, f"data order unchanged (the {len(lanes)} lanes of {old_world} old rank(s) continue where they stopped)"
+    merged = {
+        **first,
+        "rank": rank,
+        "consumed": step,
+        "lane_states": dict(sorted(lanes.items(), key=lambda kv: int(kv[0]))),
+    }
+    return (
+        merged,
+        f"data order unchanged (the {len(lanes)} lanes of {old_world} old rank(s) continue where they stopped)",
+    )
 
 
 __all__ = ["RESTART", "convert", "from_slots"]

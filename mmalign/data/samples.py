@@ -70,8 +70,16 @@ def mined_captions(meta: dict, k: int) -> list[str]:
 class SampleProcessor:
     """Raw members of one sample -> the tensors and strings of one batch row."""
 
-    def __init__(self, transform: Callable, tokenizer: Callable, *, views: int = 1,
-                 id_field: str | None = None, max_pixels: int | None = None, hard_negatives: int = 0):
+    def __init__(
+        self,
+        transform: Callable,
+        tokenizer: Callable,
+        *,
+        views: int = 1,
+        id_field: str | None = None,
+        max_pixels: int | None = None,
+        hard_negatives: int = 0,
+    ):
         self.transform = transform
         self.tokenizer = tokenizer
         self.views = views
@@ -95,8 +103,11 @@ class SampleProcessor:
             raise BadSample("missing_image")
         meta = parse_meta(members)
         captions = parse_captions(members, meta)
-        row = {"key": key.rsplit("/", 1)[-1], "seed": seed,
-               "caption": captions[draws(seed, CAPTION).randrange(len(captions))]}
+        row = {
+            "key": key.rsplit("/", 1)[-1],
+            "seed": seed,
+            "caption": captions[draws(seed, CAPTION).randrange(len(captions))],
+        }
         if self.id_field is not None:
             if self.id_field not in meta:
                 raise BadSample("missing_id", f"no field {self.id_field!r} in .json")

@@ -31,7 +31,9 @@ def mix(*parts: int) -> int:
 
 def key_hash(key: str) -> int:
     """A stable 64-bit hash of a sample key (its name as the batch carries it)."""
-    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "big")
+    return int.from_bytes(
+        hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "big"
+    )
 
 
 def sample_seed(seed: int, epoch: int, key: str) -> int:

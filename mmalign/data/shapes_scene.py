@@ -43,7 +43,12 @@ POSITIONS = {
 }
 
 # The attributes a re-render may change, each with its vocabulary.
-VOCABULARIES = {"colour": list(COLOURS), "background": list(BACKGROUNDS), "shape": SHAPES, "size": list(SIZES)}
+VOCABULARIES = {
+    "colour": list(COLOURS),
+    "background": list(BACKGROUNDS),
+    "shape": SHAPES,
+    "size": list(SIZES),
+}
 
 # Attribute order of the subset code (mmalign.losses.metadata): name -> its vocabulary.
 SUBSET_ATTRS = {
@@ -57,7 +62,9 @@ SUBSET_ATTRS = {
 
 def _polygon(kind: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
     if kind == "triangle":
-        return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
+        return [
+            (cx + r * math.cos(a), cy + r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)
+        ]
     if kind == "diamond":
         return [(cx, cy - r), (cx + 0.7 * r, cy), (cx, cy + r), (cx - 0.7 * r, cy)]
     if kind == "star":
@@ -105,4 +112,7 @@ def subset_code(attrs: dict, mentioned: list[str]) -> int:
 def is_complete(out_dir: str | Path) -> bool:
     """Whether ``out_dir`` holds a finished shapes dataset (both splits and ``dataset.json``)."""
     out = Path(out_dir)
-    return all((out / split / "sizes.json").is_file() for split in ("train", "val")) and (out / "dataset.json").is_file()
+    return (
+        all((out / split / "sizes.json").is_file() for split in ("train", "val"))
+        and (out / "dataset.json").is_file()
+    )

@@ -53,9 +53,11 @@ class _Bounded:
     def _check(self) -> None:
         at, took = self.f.tell(), time.monotonic() - self.start
         if at > MAX_COUNT_BYTES or took > MAX_COUNT_SECONDS:
-            raise _CountLimit(f"config key 'data.train': remote shard {self.url} has not ended after {at} bytes "
-                              f"and {took:.0f} s of counting its samples (at most {MAX_COUNT_BYTES} bytes, "
-                              f"{MAX_COUNT_SECONDS:g} s): an endless stream? split it or fix its server")
+            raise _CountLimit(
+                f"config key 'data.train': remote shard {self.url} has not ended after {at} bytes "
+                f"and {took:.0f} s of counting its samples (at most {MAX_COUNT_BYTES} bytes, "
+                f"{MAX_COUNT_SECONDS:g} s): an endless stream? split it or fix its server"
+            )
 
     def read(self, n: int = -1) -> bytes:
         self._check()
@@ -112,8 +114,9 @@ def _listed(url: str, cache: dict) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def count_samples(url: str, remote: RemoteOptions | None = None, max_member: int | None = None,
-                  stride: int = STRIDE) -> tuple[int, array]:
+def count_samples(
+    url: str, remote: RemoteOptions | None = None, max_member: int | None = None, stride: int = STRIDE
+) -> tuple[int, array]:
     """Complete samples in one shard, read from its headers (0 for a shard that cannot be
     opened), and the byte offsets of every ``stride``-th of them."""
     n, offsets = 0, array("q")
@@ -130,20 +133,29 @@ def count_samples(url: str, remote: RemoteOptions | None = None, max_member: int
         raise ConfigError(str(e)) from None
     except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError) as e:
         # the samples before the damage count; the lane that reads the shard's end counts the skip
-        log.warning("data: shard %s ends early after %d sample(s) (%s: %s): the rest of it is lost, "
-                    "a counted skip each time it is read", url, n, type(e).__name__, e)
+        log.warning(
+            "data: shard %s ends early after %d sample(s) (%s: %s): the rest of it is lost, "
+            "a counted skip each time it is read",
+            url,
+            n,
+            type(e).__name__,
+            e,
+        )
     return n, offsets
 
 
-def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
-                max_member: int | None = None) -> ShardIndex:
+def shard_sizes(
+    urls: list[str], remote: RemoteOptions | None = None, max_member: int | None = None
+) -> ShardIndex:
     """Samples per shard (and offsets where the headers were read), in ``urls`` order."""
     cache: dict = {}
     counts, offsets, scanned, stride = [], [], 0, None
     streamed = sum(kind_of(u) != "local" for u in urls)
     if streamed:  # this may take a while: said first
-        log.info("data: counting the samples of %d remote shard(s) from their tar headers (each is streamed once)",
-                 streamed)
+        log.info(
+            "data: counting the samples of %d remote shard(s) from their tar headers (each is streamed once)",
+            streamed,
+        )
     for url in urls:
         listed = _listed(url, cache)
         known = array("q")
@@ -151,15 +163,18 @@ def shard_sizes(urls: list[str], remote: RemoteOptions | None = None,
             if stride is None:  # from the first shard read: the data holds about len(urls) of it
                 listed, known = count_samples(url, remote, max_member, STRIDE)
                 stride = stride_for(listed * len(urls))
-                known = known[::stride // STRIDE]  # the same shard at the chosen stride: read once
+                known = known[:: stride // STRIDE]  # the same shard at the chosen stride: read once
             else:
                 listed, known = count_samples(url, remote, max_member, stride)
             scanned += 1
         counts.append(listed)
         offsets.append(known)
     if scanned:
-        log.info("data: counted the samples of %d shard(s) from their tar headers (a %s beside them skips this)",
-                 scanned, SIZES_FILE)
+        log.info(
+            "data: counted the samples of %d shard(s) from their tar headers (a %s beside them skips this)",
+            scanned,
+            SIZES_FILE,
+        )
     return ShardIndex(tuple(counts), tuple(offsets), stride or STRIDE)
 
 

@@ -21,9 +21,9 @@ from braceexpand import braceexpand
 from PIL import Image
 
 from mmalign.config import MAX_MEMBER_BYTES
+from mmalign.data.image_shape import shape_problem
 from mmalign.data.remote import RemoteOptions, check_backend, is_gzip_name, kind_of, local_path, probe
 from mmalign.data.tario import CorruptTar, TruncatedTar, iter_samples, open_shard
-from mmalign.data.image_shape import shape_problem
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,11 @@ def check_local(urls: list[str], what: str) -> None:
         raise ConfigError(f"config key '{what}': shard not found: {missing[0]}{more}")
     table = next((u for u in urls if kind_of(u) == "local" and u.lower().endswith(TABLE_EXTS)), None)
     if table is not None:  # read as a tar it would be "0 samples" after the whole start-up
-        raise ConfigError(f"config key '{what}': {table} is a table, not WebDataset shards: build shards from it "
-                          f"with `mmalign shards table --input {table} --image-col COL --caption-col COL "
-                          f"--out DIR`, then give DIR's .tar files")
+        raise ConfigError(
+            f"config key '{what}': {table} is a table, not WebDataset shards: build shards from it "
+            f"with `mmalign shards table --input {table} --image-col COL --caption-col COL "
+            f"--out DIR`, then give DIR's .tar files"
+        )
 
 
 def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) -> None:
@@ -116,13 +118,19 @@ def check_urls(urls: list[str], what: str, remote: RemoteOptions | None = None) 
         check_backend(url, what)
     sample = _spread(remote_urls, REMOTE_SAMPLE)
     if sample:
-        log.info("%s: probing %d of %d remote shard(s) (each read has data.remote_timeout, then retries)", what,
-                 len(sample), len(remote_urls))  # a dead server takes that long: said first
+        log.info(
+            "%s: probing %d of %d remote shard(s) (each read has data.remote_timeout, then retries)",
+            what,
+            len(sample),
+            len(remote_urls),
+        )  # a dead server takes that long: said first
         problems = _probe_all(sample, remote)
         if problems:
             url, why = problems[0]
-            raise ConfigError(f"config key '{what}': shard not readable: {url} ({why}; "
-                              f"{len(problems)} of {len(sample)} sampled remote shard(s) failed)")
+            raise ConfigError(
+                f"config key '{what}': shard not readable: {url} ({why}; "
+                f"{len(problems)} of {len(sample)} sampled remote shard(s) failed)"
+            )
     _checked.add(_digest(urls))
 
 
@@ -173,12 +181,16 @@ def check_train_shards(data, rank: int = 0, broadcast=lambda problem: problem) -
         _checked.add(_digest(urls))
     gz = next((u for urls, _ in lists for u in urls if is_gzip_name(u)), None)
     if gz is not None and rank == 0:
-        log.warning("data.train has gzip shards (%s): a checkpoint cannot resume the data stream inside "
-                    "them exactly; store shards as plain .tar", gz)
+        log.warning(
+            "data.train has gzip shards (%s): a checkpoint cannot resume the data stream inside "
+            "them exactly; store shards as plain .tar",
+            gz,
+        )
 
 
-def open_image(data: bytes, max_pixels: int | None = None,
-               prepare: Callable[[Image.Image], object] | None = None) -> Image.Image:
+def open_image(
+    data: bytes, max_pixels: int | None = None, prepare: Callable[[Image.Image], object] | None = None
+) -> Image.Image:
     """Bytes -> a loaded PIL image, or BadSample (corrupt_image / decompression_bomb / extreme_aspect).
 
     The pixel count and the aspect ratio are checked from the header before any pixel is
@@ -248,7 +260,9 @@ def decode_sample(raw: dict, max_pixels: int | None = None) -> dict:
     if raw.get("__unsafe__"):
         raise BadSample("unsafe_name", f"{raw['__key__']!r} would extract outside its folder")
     if raw.get("__oversized__"):
-        raise BadSample("member_too_large", ", ".join(f".{e} {n} bytes" for e, n in raw["__oversized__"].items()))
+        raise BadSample(
+            "member_too_large", ", ".join(f".{e} {n} bytes" for e, n in raw["__oversized__"].items())
+        )
     image_bytes = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
     if image_bytes is None:
         raise BadSample("missing_image")
@@ -271,11 +285,18 @@ def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[d
             extra = {"__oversized__": sample.oversized} if sample.oversized else {}
             if sample.unsafe:
                 extra["__unsafe__"] = True  # decode_sample's unsafe_name skip
-            yield {"__key__": sample.key, "__url__": path, "__offset__": sample.offset, **sample.members, **extra}
+            yield {
+                "__key__": sample.key,
+                "__url__": path,
+                "__offset__": sample.offset,
+                **sample.members,
+                **extra,
+            }
 
 
-def read_samples(urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set | None = None,
-                 locate: bool = False) -> Iterator[dict]:
+def read_samples(
+    urls: list[str], max_member: int = MAX_MEMBER_BYTES, keep: set | None = None, locate: bool = False
+) -> Iterator[dict]:
     """Every decodable sample of ``urls`` in order (evaluation sets); bad ones are logged and skipped.
     With ``keep``, only the samples whose (url, key) it holds are decoded.  With ``locate``,
     each sample also carries ``shard`` (its url) and ``offset`` (its first header's byte offset)."""

@@ -47,17 +47,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mmalign.config import MAX_MEMBER_BYTES, ConfigError
+from mmalign.data.keep_keys import SKIP_REASON as KEEP_SKIP
+from mmalign.data.keep_keys import KeySet
 from mmalign.data.remote import RemoteOptions, is_gzip_name, note_resume
 from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import mix, sample_seed
 from mmalign.data.shard_sizes import ShardIndex
-from mmalign.data.keep_keys import SKIP_REASON as KEEP_SKIP, KeySet
 from mmalign.data.shards import BadSample
 from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
 
 log = logging.getLogger("mmalign.data")
 
-RESTART = 1 << 32  # resampled: a lane restarted from a pre-lane checkpoint at step t reads virtual epoch RESTART + t
+RESTART = (
+    1 << 32
+)  # resampled: a lane restarted from a pre-lane checkpoint at step t reads virtual epoch RESTART + t
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,9 @@ class StreamSpec:
     lanes: int  # the global batch: lane j feeds row j of every global batch
     shuffle_buffer: int  # samples held for shuffling, all lanes together
     max_image_pixels: int
-    index: ShardIndex = ShardIndex(())  # samples per shard, and where every stride-th starts (data/shard_sizes.py)
+    index: ShardIndex = ShardIndex(
+        ()
+    )  # samples per shard, and where every stride-th starts (data/shard_sizes.py)
     max_consecutive_skips: int = 10_000  # bad samples in a row before a lane gives up (no usable data)
     max_member_bytes: int = MAX_MEMBER_BYTES  # larger tar members are never read (member_too_large)
     remote: RemoteOptions = RemoteOptions()  # retries, backoff and timeout of remote shards
@@ -227,9 +232,11 @@ def check_resumable(spec: StreamSpec, states: dict) -> None:
             urls.append(shard["url"])
         for url in urls:
             if is_gzip_name(spec.urls[url]):
-                raise ConfigError(f"config key 'data.train': cannot resume exactly inside gzip shard "
-                                  f"{spec.urls[url]} (each re-read decompresses it from its start); "
-                                  "store shards as plain .tar to resume runs")
+                raise ConfigError(
+                    f"config key 'data.train': cannot resume exactly inside gzip shard "
+                    f"{spec.urls[url]} (each re-read decompresses it from its start); "
+                    "store shards as plain .tar to resume runs"
+                )
 
 
 class LaneStream:
@@ -239,8 +246,15 @@ class LaneStream:
     refill of its buffer (re-opened at the saved byte offset), so its open files stay few.
     """
 
-    def __init__(self, spec: StreamSpec, lane: int, processor: SampleProcessor, state: dict | None = None,
-                 order: EpochOrder | None = None, close_between_fills: bool = False):
+    def __init__(
+        self,
+        spec: StreamSpec,
+        lane: int,
+        processor: SampleProcessor,
+        state: dict | None = None,
+        order: EpochOrder | None = None,
+        close_between_fills: bool = False,
+    ):
         self.spec = spec
         self.lane = lane
         self.process = processor
@@ -276,7 +290,9 @@ class LaneStream:
         Samples of the shard this lane was reading are re-read on the file it then goes on
         reading from (they all lie before its saved offset), so that shard is opened once too.
         """
-        by_shard: dict[int, dict[tuple[int, int], list[int]]] = {}  # url -> (offset, index) -> buffer positions
+        by_shard: dict[
+            int, dict[tuple[int, int], list[int]]
+        ] = {}  # url -> (offset, index) -> buffer positions
         for position, (url, offset, index, _epoch) in enumerate(refs):
             by_shard.setdefault(int(url), {}).setdefault((int(offset), int(index)), []).append(position)
         buffer: list = [None] * len(refs)
@@ -291,8 +307,9 @@ class LaneStream:
                         buffer[position] = (raw, url, int(refs[position][3]))
             except (TruncatedTar, CorruptTar, OSError, ValueError, EOFError) as e:
                 f.close()
-                raise NoSamples(f"cannot re-read the buffered samples of {path} on resume: "
-                                f"{type(e).__name__}: {e}") from None
+                raise NoSamples(
+                    f"cannot re-read the buffered samples of {path} on resume: {type(e).__name__}: {e}"
+                ) from None
             if url == current and not self.close_between_fills:
                 self._file = f
             else:
@@ -305,7 +322,9 @@ class LaneStream:
         total = self.skipped.get(reason, 0) + count
         self.skipped[reason] = total
         if total <= 3 or total & (total - 1) == 0:  # the first few, then at powers of two
-            log.warning("skipped sample (%s, %d so far on lane %d): %s %s", reason, total, self.lane, where, detail)
+            log.warning(
+                "skipped sample (%s, %d so far on lane %d): %s %s", reason, total, self.lane, where, detail
+            )
 
     def _next_piece(self) -> bool:
         """Open the next piece; False at the end of the (virtual, when resampled) epoch."""
@@ -315,7 +334,14 @@ class LaneStream:
         url, first, stop = plan[self.cursor]
         self.cursor += 1
         offset, index = self.spec.index.start(url, first)  # seek near `first`
-        self.shard = {"url": url, "offset": offset, "index": index, "first": first, "stop": stop, "start": offset}
+        self.shard = {
+            "url": url,
+            "offset": offset,
+            "index": index,
+            "first": first,
+            "stop": stop,
+            "start": offset,
+        }
         return True
 
     def _close(self, keep_position: bool = False) -> None:
@@ -339,9 +365,13 @@ class LaneStream:
                     if self._file is None:
                         self._file = open_shard(path, self.spec.remote)
                     first, stop = sh["first"], sh["stop"]
-                    self._reader = iter_samples(self._file, sh["offset"], sh["index"],
-                                                keep=lambda i, a=first, b=stop: a <= i < b,
-                                                max_member=self.spec.max_member_bytes)
+                    self._reader = iter_samples(
+                        self._file,
+                        sh["offset"],
+                        sh["index"],
+                        keep=lambda i, a=first, b=stop: a <= i < b,
+                        max_member=self.spec.max_member_bytes,
+                    )
                 for raw in self._reader:
                     if raw.index >= sh["stop"]:
                         break  # the rest of the shard is other lanes' (or uncounted: never read)
@@ -385,10 +415,15 @@ class LaneStream:
             if not self.buffer:  # this lane's epoch is done and drained
                 empty_epochs = 0 if taken else empty_epochs + 1
                 if empty_epochs > 4 * len(self.spec.urls) + 8:
-                    why = ("all shards empty or unreadable, or no sample of them is in data.keep_keys"
-                           if self.spec.keep is not None else "all shards empty or unreadable")
-                    raise NoSamples(f"lane {self.lane} of {self.spec.lanes} found no sample in {empty_epochs} "
-                                    f"epochs: {why}")
+                    why = (
+                        "all shards empty or unreadable, or no sample of them is in data.keep_keys"
+                        if self.spec.keep is not None
+                        else "all shards empty or unreadable"
+                    )
+                    raise NoSamples(
+                        f"lane {self.lane} of {self.spec.lanes} found no sample in {empty_epochs} "
+                        f"epochs: {why}"
+                    )
                 self.epoch, self.cursor, taken = self.epoch + 1, 0, 0
                 continue
             i = mix(self.spec.seed, 0x5B0F, self.lane, self.emitted) % len(self.buffer)
@@ -397,22 +432,33 @@ class LaneStream:
             taken += 1
             self.emitted += 1
             if raw.unsafe:  # a name that would extract outside its folder: never read
-                self.skip("unsafe_name", f"{self.spec.urls[url]}:{raw.key}", "would extract outside its folder")
+                self.skip(
+                    "unsafe_name", f"{self.spec.urls[url]}:{raw.key}", "would extract outside its folder"
+                )
                 continue
             if raw.oversized:  # its big member was never read
-                self.skip("member_too_large", f"{self.spec.urls[url]}:{raw.key}",
-                          ", ".join(f".{e} {n} bytes" for e, n in raw.oversized.items()))
+                self.skip(
+                    "member_too_large",
+                    f"{self.spec.urls[url]}:{raw.key}",
+                    ", ".join(f".{e} {n} bytes" for e, n in raw.oversized.items()),
+                )
                 continue
             try:
-                row = self.process(raw.key, raw.members, sample_seed(self.spec.seed, epoch, raw.key.rsplit("/", 1)[-1]))
+                row = self.process(
+                    raw.key, raw.members, sample_seed(self.spec.seed, epoch, raw.key.rsplit("/", 1)[-1])
+                )
             except BadSample as e:
                 self.skip(e.reason, f"{self.spec.urls[url]}:{raw.key}", str(e))
                 bad_run += 1
                 if bad_run >= self.spec.max_consecutive_skips:
-                    reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
-                    raise NoSamples(f"lane {self.lane}: {bad_run} samples in a row were skipped, no usable sample "
-                                    f"(skips so far: {reasons}); check the shards or raise "
-                                    f"data.max_consecutive_skips") from None
+                    reasons = ", ".join(
+                        f"{k} {v}" for k, v in sorted(self.skipped.items(), key=lambda kv: -kv[1])
+                    )
+                    raise NoSamples(
+                        f"lane {self.lane}: {bad_run} samples in a row were skipped, no usable sample "
+                        f"(skips so far: {reasons}); check the shards or raise "
+                        f"data.max_consecutive_skips"
+                    ) from None
                 continue
             bad_run = 0
             yield row, epoch

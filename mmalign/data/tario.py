@@ -142,8 +142,9 @@ def open_shard(path: str, remote: RemoteOptions | None = None) -> BinaryIO:
     return _GzipShard(raw) if magic == b"\x1f\x8b" else raw
 
 
-def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
-                 max_member: int | None = None) -> Iterator[tuple[int, int, str, bytes | Oversized | None]]:
+def iter_members(
+    f: BinaryIO, offset: int = 0, *, want=None, max_member: int | None = None
+) -> Iterator[tuple[int, int, str, bytes | Oversized | None]]:
     """Yield ``(header_offset, next_offset, name, data)`` for regular members from ``offset``.
 
     ``want(name) -> bool`` decides whether a member's data is read (True) or skipped
@@ -157,9 +158,14 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
     while True:
         header = f.read(BLOCK)
         if len(header) == 0:
-            if getattr(f, "needs_end_marker", False):  # a remote body cut at a header boundary: no silent loss
-                raise TruncatedTar(f"archive ends at byte {pos} without its end-of-archive blocks "
-                                   "(the remote stream was cut short)", at_boundary=True)
+            if getattr(
+                f, "needs_end_marker", False
+            ):  # a remote body cut at a header boundary: no silent loss
+                raise TruncatedTar(
+                    f"archive ends at byte {pos} without its end-of-archive blocks "
+                    "(the remote stream was cut short)",
+                    at_boundary=True,
+                )
             return  # a local file without the end-of-archive blocks: lenient, like tarfile
         if len(header) < BLOCK:
             raise TruncatedTar(f"archive ends inside a header at byte {pos}")
@@ -181,7 +187,11 @@ def iter_members(f: BinaryIO, offset: int = 0, *, want=None,
             if len(payload) < size:
                 raise TruncatedTar(f"archive ends inside a long-name header at byte {data_pos}")
             payload = payload[:size]
-            long_name = payload.rstrip(b"\0").decode("utf-8", "surrogateescape") if kind == b"L" else _pax_path(payload)
+            long_name = (
+                payload.rstrip(b"\0").decode("utf-8", "surrogateescape")
+                if kind == b"L"
+                else _pax_path(payload)
+            )
             continue
         if kind not in (b"0", b"\0", b"7"):  # directories, links, global pax headers, ...
             f.seek(pos)
@@ -226,8 +236,9 @@ def split_name(name: str) -> tuple[str, str] | None:
     return name[: slash + 1 + dot].removeprefix("./"), base[dot + 1 :].lower()
 
 
-def iter_samples(f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None,
-                 max_member: int | None = None) -> Iterator[RawSample]:
+def iter_samples(
+    f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None, max_member: int | None = None
+) -> Iterator[RawSample]:
     """Group members into samples, starting at the sample whose first header is at ``offset``.
 
     ``keep(index) -> bool`` lets a reader skip whole samples without reading their
@@ -287,7 +298,9 @@ def read_sample_at(f: BinaryIO, offset: int, index: int, max_member: int | None 
     return None
 
 
-def read_samples_at(f: BinaryIO, refs: list[tuple[int, int]], max_member: int | None = None) -> Iterator[RawSample]:
+def read_samples_at(
+    f: BinaryIO, refs: list[tuple[int, int]], max_member: int | None = None
+) -> Iterator[RawSample]:
     """The samples at ``refs`` ((offset, index) pairs of one shard), in offset order, in one forward pass.
 
     Re-filling a shuffle buffer on resume: the shard is opened and read once, the samples
@@ -303,12 +316,16 @@ def read_samples_at(f: BinaryIO, refs: list[tuple[int, int]], max_member: int | 
         if sample.index not in need:
             continue
         if sample.offset != wanted[sample.index]:
-            raise CorruptTar(f"sample {sample.index} starts at byte {sample.offset}, not {wanted[sample.index]}: "
-                             "the shard changed since the checkpoint")
+            raise CorruptTar(
+                f"sample {sample.index} starts at byte {sample.offset}, not {wanted[sample.index]}: "
+                "the shard changed since the checkpoint"
+            )
         need.discard(sample.index)
         yield sample
         if not need:
             return
     if need:
-        raise CorruptTar(f"{len(need)} sample(s) from index {min(need)} are missing: the shard changed since "
-                         "the checkpoint")
+        raise CorruptTar(
+            f"{len(need)} sample(s) from index {min(need)} are missing: the shard changed since "
+            "the checkpoint"
+        )

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mmalign.sentencepiece_file import (SPM_KEY, open_sentencepiece,  # noqa: F401 (re-exported)
-                                        sentencepiece_vocab_size)
+from mmalign.sentencepiece_file import SPM_KEY, open_sentencepiece, sentencepiece_vocab_size  # noqa: F401 (re-exported)
 
 
 def clean_caption(text: str) -> str:
@@ -85,14 +84,17 @@ class HFTextTokenizer:
         self.folder = str(folder)
         self.context_length = int(context_length)
         if not Path(self.folder).is_dir():
-            raise UsageError(f"tokenizer {self.folder}: not a folder (expected a Hugging Face tokenizer folder, "
-                             f"as AutoTokenizer.save_pretrained writes)")
+            raise UsageError(
+                f"tokenizer {self.folder}: not a folder (expected a Hugging Face tokenizer folder, "
+                f"as AutoTokenizer.save_pretrained writes)"
+            )
         try:
             self._tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
         except Exception as e:  # transformers raises OSError / ValueError / its own types for a broken folder
-            raise UsageError(f"tokenizer {self.folder}: no Hugging Face tokenizer loads from it (expected the files "
-                             f"AutoTokenizer.save_pretrained writes; {type(e).__name__}: {first_line(e)[:160]})"
-                             ) from None
+            raise UsageError(
+                f"tokenizer {self.folder}: no Hugging Face tokenizer loads from it (expected the files "
+                f"AutoTokenizer.save_pretrained writes; {type(e).__name__}: {first_line(e)[:160]})"
+            ) from None
         self.vocab_size = len(self._tok)
         self.pad_token_id = self._tok.pad_token_id
 
@@ -106,8 +108,13 @@ class HFTextTokenizer:
         if isinstance(texts, str):
             texts = [texts]
         length = context_length or self.context_length
-        out = self._tok([clean_whitespace(t) for t in texts], padding="max_length", truncation=True,
-                        max_length=length, return_tensors="pt")
+        out = self._tok(
+            [clean_whitespace(t) for t in texts],
+            padding="max_length",
+            truncation=True,
+            max_length=length,
+            return_tensors="pt",
+        )
         return out["input_ids"].long()  # (N, L)
 
 

@@ -107,7 +107,8 @@ def eval_transform(image_size: int, *, draft: bool = False) -> T.Compose:
     (``Image.open``) decode at reduced scale: faster, close but not equal; off by default so that
     evaluation stays exactly clip_benchmark's."""
     return T.Compose(
-        [_check_shape] + ([_EvalDraft(image_size)] if draft else [])
+        [_check_shape]
+        + ([_EvalDraft(image_size)] if draft else [])
         + [
             T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
             T.CenterCrop(image_size),
@@ -118,7 +119,9 @@ def eval_transform(image_size: int, *, draft: bool = False) -> T.Compose:
     )
 
 
-def crop_box(width: int, height: int, scale: tuple, ratio: tuple, rng: random.Random) -> tuple[int, int, int, int]:
+def crop_box(
+    width: int, height: int, scale: tuple, ratio: tuple, rng: random.Random
+) -> tuple[int, int, int, int]:
     """A random crop (top, left, h, w) covering ``scale`` of the area at an aspect in ``ratio``.
 
     Ten tries at a uniformly drawn area and log-uniform aspect; if none fits, the
@@ -146,8 +149,17 @@ def crop_box(width: int, height: int, scale: tuple, ratio: tuple, rng: random.Ra
 def min_crop_side(width: int, height: int, scale: tuple, ratio: tuple) -> float:
     """A lower bound on either side of any box :func:`crop_box` can return for this image."""
     least = scale[0] * width * height
-    return min(math.sqrt(least * ratio[0]), math.sqrt(least / ratio[1]),  # the ten tries
-               width, height, width / ratio[0], height * ratio[1]) - 1  # the fallback; -1: rounding
+    return (
+        min(
+            math.sqrt(least * ratio[0]),
+            math.sqrt(least / ratio[1]),  # the ten tries
+            width,
+            height,
+            width / ratio[0],
+            height * ratio[1],
+        )
+        - 1
+    )  # the fallback; -1: rounding
 
 
 class TrainTransform:
@@ -182,8 +194,9 @@ class TrainTransform:
         image = image.convert("RGB")
         top, left, h, w = crop_box(width, height, tuple(a.crop_scale), tuple(a.crop_ratio), rng)
         if scale == 1:
-            image = F.resized_crop(image, top, left, h, w, [self.size, self.size],
-                                   interpolation=T.InterpolationMode.BICUBIC)
+            image = F.resized_crop(
+                image, top, left, h, w, [self.size, self.size], interpolation=T.InterpolationMode.BICUBIC
+            )
         else:
             box = (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
             image = image.resize((self.size, self.size), Image.Resampling.BICUBIC, box=box)
@@ -222,18 +235,26 @@ def describe(augment: AugmentConfig, views: int = 1) -> str:
     """One log line that states the declared invariances."""
     a = augment
     lo, hi = a.crop_scale
-    parts = [f"random-resized-crop scale [{lo}, {hi}] ratio [{a.crop_ratio[0]:.3g}, {a.crop_ratio[1]:.3g}] "
-             "(invariant to framing)"]
+    parts = [
+        f"random-resized-crop scale [{lo}, {hi}] ratio [{a.crop_ratio[0]:.3g}, {a.crop_ratio[1]:.3g}] "
+        "(invariant to framing)"
+    ]
     parts.append("horizontal flip (invariant to left/right)" if a.hflip else "no flip (left/right matters)")
     if any(a.color_jitter) and a.color_jitter_prob > 0:
         b, c, s, h = a.color_jitter
-        parts.append(f"colour jitter p={a.color_jitter_prob} brightness {b} contrast {c} saturation {s} hue {h} "
-                     "(invariant to lighting and hue)")
+        parts.append(
+            f"colour jitter p={a.color_jitter_prob} brightness {b} contrast {c} saturation {s} hue {h} "
+            "(invariant to lighting and hue)"
+        )
     else:
         parts.append("no colour jitter (colours matter)")
-    parts.append(f"grayscale p={a.grayscale_prob} (invariant to colour)" if a.grayscale_prob else "no grayscale")
+    parts.append(
+        f"grayscale p={a.grayscale_prob} (invariant to colour)" if a.grayscale_prob else "no grayscale"
+    )
     if a.blur_prob:
-        parts.append(f"gaussian blur p={a.blur_prob} sigma [{a.blur_sigma[0]}, {a.blur_sigma[1]}] (invariant to focus)")
+        parts.append(
+            f"gaussian blur p={a.blur_prob} sigma [{a.blur_sigma[0]}, {a.blur_sigma[1]}] (invariant to focus)"
+        )
     else:
         parts.append("no blur")
     if views == 2:

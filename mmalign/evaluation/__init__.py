@@ -6,5 +6,14 @@ from mmalign.evaluation.retrieval import recall_at_k
 from mmalign.evaluation.suite import load_suite, run_suite, summary_rows, write_results
 from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
 
-__all__ = ["build_classifier", "cb_record", "cb_suite", "load_suite", "recall_at_k", "run_suite", "summary_rows",
-           "write_results", "zero_shot_metrics"]
+__all__ = [
+    "build_classifier",
+    "cb_record",
+    "cb_suite",
+    "load_suite",
+    "recall_at_k",
+    "run_suite",
+    "summary_rows",
+    "write_results",
+    "zero_shot_metrics",
+]

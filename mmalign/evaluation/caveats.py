@@ -10,8 +10,10 @@ where no suite is known, when they repeat: :func:`looks_templated`.
 
 from __future__ import annotations
 
-TEMPLATE_CAVEAT = ("retrieval not meaningful: the captions are class templates, so each caption matches every "
-                   "image of its class equally well; Recall@k measures class separation, not caption matching")
+TEMPLATE_CAVEAT = (
+    "retrieval not meaningful: the captions are class templates, so each caption matches every "
+    "image of its class equally well; Recall@k measures class separation, not caption matching"
+)
 # CIFAR-10 with 18 templates: 180 distinct captions over 10,000 images; real or generated
 # captions (the shapes val split: 1,177 distinct over 1,000 images) repeat far less
 DISTINCT_PER_IMAGE = 0.25
@@ -26,5 +28,8 @@ def looks_templated(captions: list[str], n_images: int) -> bool:
 
 def note_lines(records: list[dict]) -> list[str]:
     """``note: TASK: caveat`` for each retrieval record marked ``template_captions``."""
-    return [f"note: {r.get('dataset', '?')}: {TEMPLATE_CAVEAT}" for r in records
-            if r.get("task") == "zeroshot_retrieval" and r.get("template_captions")]
+    return [
+        f"note: {r.get('dataset', '?')}: {TEMPLATE_CAVEAT}"
+        for r in records
+        if r.get("task") == "zeroshot_retrieval" and r.get("template_captions")
+    ]

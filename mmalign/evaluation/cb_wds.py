@@ -69,7 +69,7 @@ def is_cb(name) -> bool:
 def dataset_name(root: str | Path) -> str:
     """clip_benchmark's dataset name for a folder: ``wds/`` + the folder name without ``wds_``."""
     name = Path(root).resolve().name
-    return "wds/" + (name[len("wds_"):] if name.startswith("wds_") else name)
+    return "wds/" + (name[len("wds_") :] if name.startswith("wds_") else name)
 
 
 def _lines(path: Path) -> list[str]:
@@ -94,8 +94,10 @@ def inspect(root: str | Path, split: str = "test") -> Layout:
     split_dir = root / split
     if not split_dir.is_dir():
         found = sorted(p.name for p in root.iterdir() if (p / "nshards.txt").is_file())
-        raise UsageError(f"{where}: split folder {split}/ not found "
-                         f"(splits here: {', '.join(found) or 'none'}; choose one with --cb-split)")
+        raise UsageError(
+            f"{where}: split folder {split}/ not found "
+            f"(splits here: {', '.join(found) or 'none'}; choose one with --cb-split)"
+        )
     count_file = split_dir / "nshards.txt"
     if not count_file.is_file():
         raise UsageError(f"{where}: {split}/nshards.txt not found (it holds the number of shards)")
@@ -121,21 +123,26 @@ def inspect(root: str | Path, split: str = "test") -> Layout:
     if type_file.is_file():
         declared = type_file.read_text().strip().lower()
         if declared not in ("retrieval", "classification"):
-            raise UsageError(f"{where}: {TYPE_FILE} says {declared!r}; only retrieval and classification "
-                             f"datasets are supported")
+            raise UsageError(
+                f"{where}: {TYPE_FILE} says {declared!r}; only retrieval and classification "
+                f"datasets are supported"
+            )
         task = declared
     else:  # clip_benchmark assumes classification; we look at what the samples carry
         first = _first_sample(urls[0], where)
         task = "classification" if "cls" in first else "retrieval" if "txt" in first else None
         if task is None:
-            raise UsageError(f"{where}: sample {first['__key__']!r} of {split}/0.tar has neither .cls (a label) "
-                             f"nor .txt (captions), and there is no {TYPE_FILE}: unknown layout")
+            raise UsageError(
+                f"{where}: sample {first['__key__']!r} of {split}/0.tar has neither .cls (a label) "
+                f"nor .txt (captions), and there is no {TYPE_FILE}: unknown layout"
+            )
     classnames = templates = None
     if task == "classification":
         for name in (CLASSNAMES, TEMPLATES):
             if not (root / name).is_file():
-                raise UsageError(f"{where}: {name} not found (a classification dataset needs {CLASSNAMES} "
-                                 f"and {TEMPLATES})")
+                raise UsageError(
+                    f"{where}: {name} not found (a classification dataset needs {CLASSNAMES} and {TEMPLATES})"
+                )
         classnames, templates = _lines(root / CLASSNAMES), _lines(root / TEMPLATES)
         if not classnames or not any(templates):
             raise UsageError(f"{where}: {CLASSNAMES if not classnames else TEMPLATES} is empty")
@@ -156,12 +163,23 @@ def cb_suite(root: str | Path, split: str = "test", name: str | None = None) -> 
     suite_name = "wds_" + name.split("/", 1)[-1].replace("/", "-")
     dataset = {"type": "cb_wds", "urls": layout.urls, "task": layout.task, "root": str(layout.root)}
     if layout.task == "classification":
-        task = {"type": "zeroshot", "name": "zeroshot", "record_dataset": name, "label_field": "label",
-                "label_index": True, "classnames": layout.classnames, "templates": layout.templates}
+        task = {
+            "type": "zeroshot",
+            "name": "zeroshot",
+            "record_dataset": name,
+            "label_field": "label",
+            "label_index": True,
+            "classnames": layout.classnames,
+            "templates": layout.templates,
+        }
     else:
         task = {"type": "retrieval", "name": "retrieval", "record_dataset": name, "ks": list(RECALL_K)}
-    return {"name": suite_name, "dataset": dataset, "tasks": [task],
-            "cb": {"dataset": name, "task": CB_TASKS[layout.task], "split": split}}
+    return {
+        "name": suite_name,
+        "dataset": dataset,
+        "tasks": [task],
+        "cb": {"dataset": name, "task": CB_TASKS[layout.task], "split": split},
+    }
 
 
 def _label(raw: dict, url: str) -> int:
@@ -169,8 +187,9 @@ def _label(raw: dict, url: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise UsageError(f"shard {url}: sample {raw['__key__']!r}: .cls holds {text[:20]!r}, "
-                         f"not a label index") from None
+        raise UsageError(
+            f"shard {url}: sample {raw['__key__']!r}: .cls holds {text[:20]!r}, not a label index"
+        ) from None
 
 
 def _group_metadata(raw: dict, url: str) -> list | None:
@@ -242,7 +261,12 @@ def iter_samples(spec: dict, keep: set | None = None) -> Iterator[dict]:
             image = open_image(data)
         except BadSample as e:
             raise UsageError(f"shard {url}: sample {raw['__key__']!r}: image does not decode ({e})") from None
-        yield {"key": Path(raw["__key__"]).name, "image": image.convert("RGB"), "captions": captions, "json": meta}
+        yield {
+            "key": Path(raw["__key__"]).name,
+            "image": image.convert("RGB"),
+            "captions": captions,
+            "json": meta,
+        }
 
 
 def cb_record(record: dict, suite: dict, model: str = "mmalign", pretrained: str | None = None) -> dict:
@@ -255,11 +279,19 @@ def cb_record(record: dict, suite: dict, model: str = "mmalign", pretrained: str
     """
     got = record["metrics"]
     if record["task"] == "zeroshot_classification":
-        metrics = {k: math.nan if got.get(k) is None else got[k] for k in ("acc1", "acc5", "mean_per_class_recall")}
+        metrics = {
+            k: math.nan if got.get(k) is None else got[k] for k in ("acc1", "acc5", "mean_per_class_recall")
+        }
     else:
         metrics = {}
         for k in suite["tasks"][0].get("ks", RECALL_K):
             for side in ("image", "text"):
                 metrics[f"{side}_retrieval_recall@{k}"] = got[f"{side}_retrieval_recall@{k}"]
-    return {"dataset": suite["cb"]["dataset"], "model": model, "pretrained": pretrained, "task": record["task"],
-            "metrics": metrics, "language": "en"}
+    return {
+        "dataset": suite["cb"]["dataset"],
+        "model": model,
+        "pretrained": pretrained,
+        "task": record["task"],
+        "metrics": metrics,
+        "language": "en",
+    }

@@ -33,8 +33,8 @@ import torch
 from PIL import Image, ImageOps
 
 from mmalign.config import ConfigError
-from mmalign.errors import UsageError
 from mmalign.data.shapes_scene import VOCABULARIES, draw
+from mmalign.errors import UsageError
 from mmalign.evaluation.features import embed_images
 
 KINDS = ("hflip", "crop", "rerender")
@@ -57,10 +57,18 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
     """(original images, edited images, edited metadata) for one edit spec."""
     kind = edit["name"]
     if kind == "hflip":
-        return [s["image"] for s in samples], [ImageOps.mirror(s["image"]) for s in samples], [s["json"] for s in samples]
+        return (
+            [s["image"] for s in samples],
+            [ImageOps.mirror(s["image"]) for s in samples],
+            [s["json"] for s in samples],
+        )
     if kind == "crop":
         scale = float(edit.get("scale", 0.9))
-        return [s["image"] for s in samples], [_crop(s["image"], scale) for s in samples], [s["json"] for s in samples]
+        return (
+            [s["image"] for s in samples],
+            [_crop(s["image"], scale) for s in samples],
+            [s["json"] for s in samples],
+        )
     if kind == "rerender":
         field = edit.get("field", "colour")
         vocab = _shapes_vocab(field)
@@ -69,7 +77,9 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
         for s in samples:
             attrs = dict(s["json"], jitter=[0.0, 0.0])  # jitter is not stored: re-render both sides
             if field not in attrs or "grid" not in attrs:
-                raise UsageError(f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none")
+                raise UsageError(
+                    f"counterfactual rerender needs shapes attributes in .json; sample {s['key']} has none"
+                )
             new = dict(attrs, **{field: rng.choice([v for v in vocab if v != attrs[field]])})
             originals.append(draw(attrs, s["image"].width))
             edited.append(draw(new, s["image"].width))
@@ -84,8 +94,16 @@ def _labels(metas: list[dict], field: str, classnames: list[str]) -> torch.Tenso
 
 
 @torch.no_grad()
-def run_counterfactuals(model, preprocess, samples: list[dict], edits: list[dict], classifiers: dict,
-                        batch_size: int = 256, device: str = "cpu", seed: int = 0) -> tuple[dict, dict]:
+def run_counterfactuals(
+    model,
+    preprocess,
+    samples: list[dict],
+    edits: list[dict],
+    classifiers: dict,
+    batch_size: int = 256,
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[dict, dict]:
     """``classifiers``: task name -> {"weights" (D, C), "label_field", "classnames"}.
 
     Returns (flat metrics ``{edit}_cosine_mean``, ``{edit}_{task}_flip_rate``, ...,

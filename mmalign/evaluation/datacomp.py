@@ -78,7 +78,9 @@ TASKS = (
 RETRIEVAL = {
     "retrieval/flickr30k": ("flickr30k", "nlphuji/flickr30k, all 31,014 images"),
     "retrieval/mscoco_2014_5k_test_image_text_retrieval": (
-        "mscoco_captions", "nlphuji/mscoco_2014_5k_test_image_text_retrieval"),
+        "mscoco_captions",
+        "nlphuji/mscoco_2014_5k_test_image_text_retrieval",
+    ),
 }
 UNSUPPORTED = {"misc/winogavil": "read from Hugging Face (nlphuji/winogavil), no clip_benchmark dataset"}
 NOT_SCORED = {"fairness/fairface", "fairness/utkface"}  # DataComp's average leaves them out
@@ -92,7 +94,7 @@ def cb_name(key: str) -> str:
     """The clip_benchmark dataset DataComp reads for ``key`` (without ``wds/``)."""
     if key in RETRIEVAL:
         return RETRIEVAL[key][0]
-    return key[len("fairness/"):] if key.startswith("fairness/") else key
+    return key[len("fairness/") :] if key.startswith("fairness/") else key
 
 
 def folders(key: str) -> list[str]:
@@ -123,8 +125,9 @@ def worst_group(hits: torch.Tensor, groups: torch.Tensor) -> float:
     return min(hits[groups == g].float().mean().item() for g in groups.unique())
 
 
-def prediction_metric(metric: str, logits: torch.Tensor, labels: torch.Tensor,
-                      metas: list[dict]) -> tuple[str, float | None, str]:
+def prediction_metric(
+    metric: str, logits: torch.Tensor, labels: torch.Tensor, metas: list[dict]
+) -> tuple[str, float | None, str]:
     """(metric reported, value, note) for a main metric of :data:`PREDICTION_METRICS`.
 
     ``logits`` (N, C), ``labels`` (N,); the groups are ``metas[i]["npy"][0]``.  When a
@@ -138,7 +141,10 @@ def prediction_metric(metric: str, logits: torch.Tensor, labels: torch.Tensor,
     top = logits.topk(k, dim=1).indices  # (N, k)
     hits = (top == labels[:, None]).any(dim=1)  # (N,)
     if not metas or any(not m.get("npy") for m in metas):
-        return (fallback, hits.float().mean().item(),
-                f"DataComp's {metric} needs each sample's .npy group ids, which this data lacks: {fallback} instead")
+        return (
+            fallback,
+            hits.float().mean().item(),
+            f"DataComp's {metric} needs each sample's .npy group ids, which this data lacks: {fallback} instead",
+        )
     groups = torch.tensor([int(m["npy"][0]) for m in metas])  # (N,)
     return metric, worst_group(hits, groups), ""

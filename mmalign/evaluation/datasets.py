@@ -35,9 +35,18 @@ from collections.abc import Iterator
 from PIL import Image
 
 from mmalign.config import ConfigError
+from mmalign.data.shards import (
+    BadSample,
+    CorruptTar,
+    TruncatedTar,
+    check_urls,
+    expand_urls,
+    iter_tar_groups,
+    open_image,
+    parse_meta,
+    read_samples,
+)
 from mmalign.errors import UsageError
-from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, check_urls, expand_urls, \
-    iter_tar_groups, open_image, parse_meta, read_samples
 
 log = logging.getLogger(__name__)
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -59,16 +68,22 @@ def dataset_spec(suite: dict, data: str | None = None, *, user_data: str | None 
     spec = dict(spec)
     kind = spec.get("type")
     if kind not in ("shards", "digits", "imagefolder", "cb_wds"):
-        raise ConfigError(f"suite {suite.get('name')!r}: dataset type {kind!r} is not shards, digits or imagefolder")
+        raise ConfigError(
+            f"suite {suite.get('name')!r}: dataset type {kind!r} is not shards, digits or imagefolder"
+        )
     if kind == "cb_wds":  # its folder names its shards; the run's data.val is not it
         if user_data is not None:
-            raise UsageError("--data: a clip_benchmark dataset reads its own shards; give its folder "
-                             "with --cb-dataset DIR (or --suite cb:DIR) and drop --data")
+            raise UsageError(
+                "--data: a clip_benchmark dataset reads its own shards; give its folder "
+                "with --cb-dataset DIR (or --suite cb:DIR) and drop --data"
+            )
         return spec
     if user_data is not None:
         if kind == "digits":
-            raise UsageError(f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
-                              f"drop --data or pick a shards / imagefolder suite")
+            raise UsageError(
+                f"--data: suite {suite.get('name')!r} reads sklearn's digits, not files; "
+                f"drop --data or pick a shards / imagefolder suite"
+            )
         spec["path" if kind == "imagefolder" else "urls"] = user_data
     elif kind == "shards" and data is not None:
         spec["urls"] = data
@@ -88,8 +103,9 @@ def iter_dataset(spec: dict) -> Iterator[dict]:
         if per_class is not None:  # the draw is from what per_class leaves
             keys = _first_per_class(keys, int(per_class))
         keep = draw_stratified([(k, s) for k, s, _ in keys], int(limit), int(spec.get("seed", 0)))
-    source = {"shards": _shards, "digits": _digits, "imagefolder": _imagefolder,
-              "cb_wds": _cb_wds}[spec["type"]](spec, keep)
+    source = {"shards": _shards, "digits": _digits, "imagefolder": _imagefolder, "cb_wds": _cb_wds}[
+        spec["type"]
+    ](spec, keep)
     seen: dict = {}
     for sample in source:
         if per_class is not None and keep is None:
@@ -199,8 +215,12 @@ def _digits(spec: dict, keep: set | None = None) -> Iterator[dict]:
         grey = Image.fromarray((255 - pixels * (255 / 16)).astype("uint8"), mode="L")
         image = grey.resize((size, size), Image.Resampling.BILINEAR).convert("RGB")
         name = DIGIT_NAMES[int(label)]
-        yield {"key": f"digits_{i:04d}", "image": image, "captions": _captions(spec, name),
-               "json": {"label": int(label), "classname": name}}
+        yield {
+            "key": f"digits_{i:04d}",
+            "image": image,
+            "captions": _captions(spec, name),
+            "json": {"label": int(label), "classname": name},
+        }
 
 
 def _folder_items(spec: dict):
@@ -221,5 +241,9 @@ def _imagefolder(spec: dict, keep: set | None = None) -> Iterator[dict]:
         except BadSample as e:
             log.warning("skipping image %d of %s: %s", i, spec["path"], e)
             continue
-        yield {"key": f"{item.meta['classname']}_{i:06d}", "image": image.convert("RGB"),
-               "captions": item.captions, "json": dict(item.meta)}
+        yield {
+            "key": f"{item.meta['classname']}_{i:06d}",
+            "image": image.convert("RGB"),
+            "captions": item.captions,
+            "json": dict(item.meta),
+        }

@@ -84,8 +84,13 @@ def nn_diversity(x: torch.Tensor, budget_elems: int = 1 << 24) -> float:
 
 
 @torch.no_grad()
-def similarity_samples(image: torch.Tensor, text: torch.Tensor, text_to_image: torch.Tensor,
-                       n_negatives: int = 20000, generator: torch.Generator | None = None) -> dict:
+def similarity_samples(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    text_to_image: torch.Tensor,
+    n_negatives: int = 20000,
+    generator: torch.Generator | None = None,
+) -> dict:
     """Cosines of every (caption, own image) pair and of random (caption, other image) pairs.
 
     ``image`` (N, D), ``text`` (M, D), ``text_to_image`` (M,).  Returns
@@ -117,12 +122,22 @@ def positive_negative_auc(positive: torch.Tensor, negative: torch.Tensor) -> flo
 
 def _summary(x: torch.Tensor) -> dict:
     q = torch.quantile(x.double(), torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64))
-    return {"mean": float(x.mean()), "std": float(x.std()) if len(x) > 1 else 0.0,
-            "p05": float(q[0]), "p50": float(q[1]), "p95": float(q[2])}
+    return {
+        "mean": float(x.mean()),
+        "std": float(x.std()) if len(x) > 1 else 0.0,
+        "p05": float(q[0]),
+        "p50": float(q[1]),
+        "p95": float(q[2]),
+    }
 
 
-def embedding_diagnostics(image: torch.Tensor, text: torch.Tensor, text_to_image: torch.Tensor,
-                          max_samples: int = 2048, seed: int = 0) -> dict:
+def embedding_diagnostics(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    text_to_image: torch.Tensor,
+    max_samples: int = 2048,
+    seed: int = 0,
+) -> dict:
     """Every diagnostic above on one set of paired embeddings, as a flat dict of floats.
 
     Alignment pairs each caption with its own image.  Uniformity is per modality on a

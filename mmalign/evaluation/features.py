@@ -38,8 +38,10 @@ def projection_removed(visual: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Inside the block ``visual(x)`` returns pooled features; yields the (P, D) projection."""
     proj = getattr(visual, "proj", None)
     if not isinstance(proj, torch.Tensor):
-        raise ConfigError(f"pre_projection features need a vision tower with a 'proj' matrix "
-                          f"(open_clip VisionTransformer); {type(visual).__name__} has none")
+        raise ConfigError(
+            f"pre_projection features need a vision tower with a 'proj' matrix "
+            f"(open_clip VisionTransformer); {type(visual).__name__} has none"
+        )
     visual.proj = None  # open_clip's forward skips the projection when proj is None
     try:
         yield proj
@@ -63,8 +65,14 @@ def encode_images(model, images: torch.Tensor, pre_projection: bool = False) -> 
 
 
 @torch.no_grad()
-def embed_images(model, preprocess, images: Iterable, batch_size: int = 256, device: str = "cpu",
-                 pre_projection: bool = False) -> dict:
+def embed_images(
+    model,
+    preprocess,
+    images: Iterable,
+    batch_size: int = 256,
+    device: str = "cpu",
+    pre_projection: bool = False,
+) -> dict:
     """PIL images -> {"joint": (N, D)[, "pre_projection": (N, P)]}.
 
     Reading, decoding and preprocessing run in a background thread, one batch ahead of the
@@ -144,7 +152,9 @@ def text_encoder(model, device: str = "cpu"):
     return encode
 
 
-def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 256, device: str = "cpu") -> torch.Tensor:
+def embed_texts(
+    model, tokenizer, texts: list[str], batch_size: int = 256, device: str = "cpu"
+) -> torch.Tensor:
     """Captions -> (M, D) normalised joint-space text embeddings (M may be 0)."""
     encode = text_encoder(model, device)
     feats = [encode(tokenizer(texts[s : s + batch_size])) for s in range(0, len(texts), batch_size)]
@@ -154,8 +164,16 @@ def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 256, devic
 
 
 @torch.no_grad()
-def embed_dataset(model, preprocess, tokenizer, samples: Iterable[dict], batch_size: int = 256,
-                  device: str = "cpu", pre_projection: bool = False, captions: bool = True) -> dict:
+def embed_dataset(
+    model,
+    preprocess,
+    tokenizer,
+    samples: Iterable[dict],
+    batch_size: int = 256,
+    device: str = "cpu",
+    pre_projection: bool = False,
+    captions: bool = True,
+) -> dict:
     """Images and every caption of ``samples`` -> normalised embeddings and metadata.
 
     ``captions=False`` embeds no caption (text features (0, D), no owners): zero-shot and

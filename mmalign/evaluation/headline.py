@@ -26,11 +26,18 @@ def rows(records: list[dict]) -> list[tuple[str, str, float | None]]:
     for r in records:
         metrics, name = r.get("metrics") or {}, r.get("dataset", "?")
         if r.get("task") == "zeroshot_classification":
-            labels = (("acc1", "zero-shot top-1"), ("acc5", "zero-shot top-5"), ("chance_acc1", "chance top-1"))
+            labels = (
+                ("acc1", "zero-shot top-1"),
+                ("acc5", "zero-shot top-5"),
+                ("chance_acc1", "chance top-1"),
+            )
             out += [(name, label, metrics[key]) for key, label in labels if key in metrics]
         elif r.get("task") == "zeroshot_retrieval":
-            found = sorted((m.group(1) != "image", int(m.group(2)), m.group(1), key) for key in metrics
-                           if (m := _RECALL.fullmatch(key)))  # text->image first, then by k
+            found = sorted(
+                (m.group(1) != "image", int(m.group(2)), m.group(1), key)
+                for key in metrics
+                if (m := _RECALL.fullmatch(key))
+            )  # text->image first, then by k
             out += [(name, f"{_DIRECTION[side]} R@{k}", metrics[key]) for _, k, side, key in found]
     return out
 

@@ -13,7 +13,9 @@ from mmalign.evaluation.suite import label_field
 
 def limited_dataset(dataset, limit: int, stratify: str = "label") -> dict:
     """A suite's dataset entry with ``limit`` set (a shard-spec string becomes a mapping)."""
-    spec = {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
+    spec = (
+        {"type": "shards", "urls": dataset} if dataset is None or isinstance(dataset, str) else dict(dataset)
+    )
     return {"stratify": stratify, **spec, "limit": limit}
 
 

@@ -58,8 +58,18 @@ def _scores(clf, x: torch.Tensor, n_classes: int) -> torch.Tensor:
     return out
 
 
-def linear_probe(train_x, train_y, val_x, val_y, test_x, test_y, n_classes: int,
-                 cs: Sequence[float] = DEFAULT_CS, seed: int = 0, say=None) -> dict:
+def linear_probe(
+    train_x,
+    train_y,
+    val_x,
+    val_y,
+    test_x,
+    test_y,
+    n_classes: int,
+    cs: Sequence[float] = DEFAULT_CS,
+    seed: int = 0,
+    say=None,
+) -> dict:
     """Sweep ``cs`` on (train, val), refit the best on train+val, report test metrics.
     ``say(line)``, when given, hears of each fit (they can take minutes)."""
     sweep = {}
@@ -73,15 +83,18 @@ def linear_probe(train_x, train_y, val_x, val_y, test_x, test_y, n_classes: int,
             clf = _logreg(c, seed).fit(train_x.numpy(), train_y.numpy())
             sweep[float(c)] = float((clf.predict(val_x.numpy()) == val_y.numpy()).mean())
         best = max(sweep, key=lambda c: (sweep[c], -c))  # ties: the stronger regularisation
-        clf = _logreg(best, seed).fit(torch.cat([train_x, val_x]).numpy(), torch.cat([train_y, val_y]).numpy())
+        clf = _logreg(best, seed).fit(
+            torch.cat([train_x, val_x]).numpy(), torch.cat([train_y, val_y]).numpy()
+        )
     metrics = classification_metrics(_scores(clf, test_x, n_classes), test_y)
     metrics["best_C"] = best
     metrics["val_acc1_by_C"] = {str(c): a for c, a in sweep.items()}
     return metrics
 
 
-def knn_scores(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, k: int,
-               n_classes: int) -> torch.Tensor:
+def knn_scores(
+    train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, k: int, n_classes: int
+) -> torch.Tensor:
     """(N_test, C) votes of the k nearest training features, plus their summed similarity / (k+1)
     as a tie-break below one vote."""
     sims = test_x @ train_x.T  # (Nt, Ntr)
@@ -93,8 +106,9 @@ def knn_scores(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tenso
     return votes + strength / (k + 1)  # |strength| <= k, so this never outweighs a vote
 
 
-def few_shot(train_x, train_y, test_x, test_y, n_classes: int, shots: int, episodes: int = 5,
-             seed: int = 0) -> dict:
+def few_shot(
+    train_x, train_y, test_x, test_y, n_classes: int, shots: int, episodes: int = 5, seed: int = 0
+) -> dict:
     """Nearest-prototype accuracy with ``shots`` examples per class, mean and std over episodes."""
     g = torch.Generator().manual_seed(seed)
     accs, recalls = [], []
@@ -113,8 +127,13 @@ def few_shot(train_x, train_y, test_x, test_y, n_classes: int, shots: int, episo
         m = classification_metrics(scores, test_y)
         accs.append(m["acc1"])
         recalls.append(m["mean_per_class_recall"])
-    return {"acc1": float(np.mean(accs)), "acc1_std": float(np.std(accs)),
-            "mean_per_class_recall": float(np.mean(recalls)), "shots": shots, "episodes": episodes}
+    return {
+        "acc1": float(np.mean(accs)),
+        "acc1_std": float(np.std(accs)),
+        "mean_per_class_recall": float(np.mean(recalls)),
+        "shots": shots,
+        "episodes": episodes,
+    }
 
 
 def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, task: dict, say=None) -> dict:
@@ -126,9 +145,14 @@ def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, tas
     """
     seed = int(task.get("seed", 0))
     test_idx, val_idx, train_idx = split_indices(
-        len(labels), [task.get("test_fraction", 0.3), task.get("val_fraction", 0.2)], seed)
+        len(labels), [task.get("test_fraction", 0.3), task.get("val_fraction", 0.2)], seed
+    )
     x = F.normalize(features.float(), dim=-1)
-    tr, va, te = (x[train_idx], labels[train_idx]), (x[val_idx], labels[val_idx]), (x[test_idx], labels[test_idx])
+    tr, va, te = (
+        (x[train_idx], labels[train_idx]),
+        (x[val_idx], labels[val_idx]),
+        (x[test_idx], labels[test_idx]),
+    )
     methods = task.get("methods", ["linear", "knn", "fewshot"])
     metrics: dict = {"n_train": len(train_idx), "n_val": len(val_idx), "n_test": len(test_idx)}
     if "linear" in methods:
@@ -147,5 +171,7 @@ def run_probes(features: torch.Tensor, labels: torch.Tensor, n_classes: int, tas
             say("few-shot probes")
         for shots in task.get("shots", [1, 5]):
             m = few_shot(pool_x, pool_y, *te, n_classes, int(shots), int(task.get("episodes", 5)), seed)
-            metrics.update({f"fewshot{shots}_{name}": m[name] for name in ("acc1", "acc1_std", "mean_per_class_recall")})
+            metrics.update(
+                {f"fewshot{shots}_{name}": m[name] for name in ("acc1", "acc1_std", "mean_per_class_recall")}
+            )
     return metrics

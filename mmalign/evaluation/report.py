@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from mmalign.evaluation import headline
+from mmalign.evaluation.caveats import TEMPLATE_CAVEAT
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-from mmalign.evaluation.diagnostics import embedding_diagnostics, similarity_samples, positive_negative_auc
+from mmalign.evaluation.diagnostics import embedding_diagnostics, positive_negative_auc, similarity_samples
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.retrieval import retrieval_ranks
-from mmalign.evaluation.caveats import TEMPLATE_CAVEAT
 from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite
 from mmalign.progress import track
 
@@ -88,8 +88,9 @@ def plot_curves(rows: list[dict], out: Path) -> Path | None:
         return None
     cols = 2
     plt = _pyplot()
-    fig, axes = plt.subplots((len(panels) + 1) // cols, cols, figsize=(11, 2.8 * ((len(panels) + 1) // cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        (len(panels) + 1) // cols, cols, figsize=(11, 2.8 * ((len(panels) + 1) // cols)), squeeze=False
+    )
     for ax, (title, keys, dashed) in zip(axes.flat, panels):
         for key, style in [(k, "-") for k in keys] + [(k, "--") for k in dashed]:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -102,7 +103,7 @@ def plot_curves(rows: list[dict], out: Path) -> Path | None:
         ax.grid(alpha=0.3)
         if len(keys) + len(dashed) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -117,8 +118,10 @@ def plot_similarity(sims: dict, out: Path) -> Path:
     bins = np.linspace(lo, hi, 60)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for values, colour, label in ((neg, "tab:blue", f"non-matching pairs (n={len(neg)})"),
-                                  (pos, "tab:orange", f"caption with its own image (n={len(pos)})")):
+    for values, colour, label in (
+        (neg, "tab:blue", f"non-matching pairs (n={len(neg)})"),
+        (pos, "tab:orange", f"caption with its own image (n={len(pos)})"),
+    ):
         # outlined, lightly filled: where the two masses overlap both stay readable
         ax.hist(values, bins=bins, density=True, histtype="stepfilled", alpha=0.25, color=colour)
         ax.hist(values, bins=bins, density=True, histtype="step", linewidth=1.5, color=colour, label=label)
@@ -137,8 +140,9 @@ def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, 
     from sklearn.manifold import TSNE
 
     n = features.shape[0]
-    xy = TSNE(n_components=2, perplexity=float(min(30, max(2, (n - 1) // 3))), init="pca",
-              random_state=seed).fit_transform(features.numpy())  # (N, 2)
+    xy = TSNE(
+        n_components=2, perplexity=float(min(30, max(2, (n - 1) // 3))), init="pca", random_state=seed
+    ).fit_transform(features.numpy())  # (N, 2)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 6))
     classes = sorted(set(labels))
@@ -149,7 +153,9 @@ def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, 
     ax.set_title(title)
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.legend(fontsize=7, markerscale=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never hides points
+    ax.legend(
+        fontsize=7, markerscale=2, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    )  # outside: never hides points
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -176,7 +182,9 @@ def plot_recall(t2i: torch.Tensor, i2t: torch.Tensor, n_images: int, n_captions:
 
 
 def _table(rows: list[tuple]) -> str:
-    cells = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
+    cells = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
     return f"<table>{cells}</table>"
 
 
@@ -216,8 +224,9 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0,
-               progress: bool = False) -> tuple[dict, dict]:
+def _embed_run(
+    run: Path, suite_name: str | None, data: str | None, limit: int, seed: int = 0, progress: bool = False
+) -> tuple[dict, dict]:
     from mmalign.errors import UsageError
     from mmalign.models.load import load
 
@@ -228,9 +237,15 @@ def _embed_run(run: Path, suite_name: str | None, data: str | None, limit: int, 
     train_cfg = loaded.config.get("train_config", {})
     suite = load_suite(suite_name or train_cfg.get("eval", {}).get("suite", "shapes"))
     # a seeded draw stratified by label, not the first N (class-sorted shards would give one class)
-    spec = dict(dataset_spec(suite, train_cfg.get("data", {}).get("val") or None, user_data=data), limit=limit, seed=seed,
-                stratify=label_field(suite))
-    samples = track(iter_dataset(spec), "report: embedding the sample", total=limit, unit="images", enabled=progress)
+    spec = dict(
+        dataset_spec(suite, train_cfg.get("data", {}).get("val") or None, user_data=data),
+        limit=limit,
+        seed=seed,
+        stratify=label_field(suite),
+    )
+    samples = track(
+        iter_dataset(spec), "report: embedding the sample", total=limit, unit="images", enabled=progress
+    )
     emb = embed_dataset(loaded.model, loaded.preprocess, loaded.tokenizer, samples)
     return emb, suite
 
@@ -243,7 +258,9 @@ def eval_files(run: Path) -> list[Path]:
 def cli_eval_files(run: Path) -> list[Path]:
     """What ``mmalign eval`` wrote beside the run's own: ``eval_cli_*.json`` in the run directory
     (a run, or one of its step checkpoints, evaluated) and in ``final/`` (``--model RUN/final``)."""
-    return [p for folder in (run, run / "final") for p in sorted(folder.glob("eval_cli_*.json")) if p.is_file()]
+    return [
+        p for folder in (run, run / "final") for p in sorted(folder.glob("eval_cli_*.json")) if p.is_file()
+    ]
 
 
 def run_time(run: Path) -> str | None:
@@ -300,9 +317,11 @@ def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
         mix = ", ".join(f"{k} {v}" for k, v in sorted(labels.items(), key=lambda kv: -kv[1])[:12])
         rows.append((f"classes ({field})", f"{len(labels)}: {mix}{' ...' if len(labels) > 12 else ''}"))
         if len(labels) == 1:
-            warnings.append(f"the embedded sample holds one class ({field} = {next(iter(labels))}): the figures "
-                            "describe that class only. Shards written in class order (--no-shuffle) or a dataset "
-                            "without that class mix give this; check the data summary.")
+            warnings.append(
+                f"the embedded sample holds one class ({field} = {next(iter(labels))}): the figures "
+                "describe that class only. Shards written in class order (--no-shuffle) or a dataset "
+                "without that class mix give this; check the data summary."
+            )
     return rows, warnings
 
 
@@ -325,20 +344,32 @@ def headline_section(run: Path) -> str:
     return f"<h2>Headline results</h2>{where}{table}"
 
 
-def write_report(run: str | Path, output: str | Path | None = None, *, suite: str | None = None,
-                 data: str | None = None, limit: int = 1000, seed: int = 0, progress: bool = False) -> Path:
+def write_report(
+    run: str | Path,
+    output: str | Path | None = None,
+    *,
+    suite: str | None = None,
+    data: str | None = None,
+    limit: int = 1000,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
     """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path.
     ``progress``: show the embedding pass (a bar on a terminal, else lines)."""
     run = Path(run)
     out = Path(output) if output else run / "report"
     out.mkdir(parents=True, exist_ok=True)
-    body = [f"<h1>mmalign run report</h1><p>run <code>{html.escape(str(run))}</code>, "
-            f"written {time.strftime('%Y-%m-%d %H:%M')}</p>", headline_section(run)]
+    body = [
+        f"<h1>mmalign run report</h1><p>run <code>{html.escape(str(run))}</code>, "
+        f"written {time.strftime('%Y-%m-%d %H:%M')}</p>",
+        headline_section(run),
+    ]
 
     rows = read_metrics(run / "metrics.jsonl")
     if plot_curves(rows, out / "curves.png"):
-        body.append(f"<h2>Training curves</h2><p>{len(rows)} logged steps of metrics.jsonl</p>"
-                    "<img src='curves.png'>")
+        body.append(
+            f"<h2>Training curves</h2><p>{len(rows)} logged steps of metrics.jsonl</p><img src='curves.png'>"
+        )
     else:
         body.append("<h2>Training curves</h2><p>no metrics.jsonl with known keys in the run</p>")
 
@@ -346,7 +377,10 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
     duration = run_time(run)
     body.append("<h2>Run</h2>" + _table([("run time", duration or "unknown (no timestamped train.log)")]))
     data_cfg = config.get("data", {}) if isinstance(config.get("data"), dict) else {}
-    data_rows = [("data.train", _fmt_spec(data_cfg.get("train"))), ("data.val", _fmt_spec(data_cfg.get("val")))]
+    data_rows = [
+        ("data.train", _fmt_spec(data_cfg.get("train"))),
+        ("data.val", _fmt_spec(data_cfg.get("val"))),
+    ]
     try:
         emb, suite_def = _embed_run(run, suite, data, limit, seed, progress)
     except (FileNotFoundError, OSError) as e:  # no final/ yet, or no evaluation data
@@ -360,16 +394,22 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
         body.append("<h2>Data</h2>" + _table(data_rows + [(f"embedded sample: {k}", v) for k, v in rows_]))
         body += [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in warnings]
         templates = captions_are_templates(suite_def)
-        body.append(f"<h2>Embeddings</h2><p>suite <code>{html.escape(suite_def['name'])}</code>: "
-                    f"{len(img)} images (a seeded random draw of at most {limit}, stratified by "
-                    f"<code>{html.escape(field)}</code>), {len(txt)} captions; joint-space embeddings after the "
-                    "projection heads</p>")
+        body.append(
+            f"<h2>Embeddings</h2><p>suite <code>{html.escape(suite_def['name'])}</code>: "
+            f"{len(img)} images (a seeded random draw of at most {limit}, stratified by "
+            f"<code>{html.escape(field)}</code>), {len(txt)} captions; joint-space embeddings after the "
+            "projection heads</p>"
+        )
         if templates and len(txt):
-            body.append(f"<p class='warn'>{html.escape(TEMPLATE_CAVEAT)} (so do the similarity histogram and "
-                        "the diagnostics below).</p>")
+            body.append(
+                f"<p class='warn'>{html.escape(TEMPLATE_CAVEAT)} (so do the similarity histogram and "
+                "the diagnostics below).</p>"
+            )
         if len(txt):
-            plot_similarity(similarity_samples(img, txt, owner, generator=torch.Generator().manual_seed(0)),
-                            out / "similarity.png")
+            plot_similarity(
+                similarity_samples(img, txt, owner, generator=torch.Generator().manual_seed(0)),
+                out / "similarity.png",
+            )
             t2i, i2t = retrieval_ranks(img, txt, owner, MAX_RECALL_K)
             plot_recall(t2i, i2t, len(img), len(txt), out / "recall.png")
             body.append("<img src='similarity.png'><img src='recall.png'>")
@@ -378,7 +418,9 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
         task = next((t for t in suite_def["tasks"] if t["type"] == "zeroshot"), None)
         if task is not None and len(img) >= 5:
             labels = [str(m.get(task["label_field"])) for m in emb["metas"]]
-            plot_tsne(img, labels, f"t-SNE of image embeddings, coloured by {task['label_field']}", out / "tsne.png")
+            plot_tsne(
+                img, labels, f"t-SNE of image embeddings, coloured by {task['label_field']}", out / "tsne.png"
+            )
             body.append("<img src='tsne.png'>")
 
     files, cli_files = eval_files(run), cli_eval_files(run)
@@ -388,21 +430,33 @@ def write_report(run: str | Path, output: str | Path | None = None, *, suite: st
         name = html.escape(str(path.relative_to(run))) + (" (mmalign eval)" if path in cli_files else "")
         try:
             records = json.loads(path.read_text())
-            records = [records] if isinstance(records, dict) else records  # a clip_benchmark record: one object
-            rows_ = [(r["dataset"], k, v) for r in records for k, v in r["metrics"].items()
-                     if isinstance(v, (int, float)) or v is None]
+            records = (
+                [records] if isinstance(records, dict) else records
+            )  # a clip_benchmark record: one object
+            rows_ = [
+                (r["dataset"], k, v)
+                for r in records
+                for k, v in r["metrics"].items()
+                if isinstance(v, (int, float)) or v is None
+            ]
         except (json.JSONDecodeError, OSError, TypeError, KeyError, AttributeError) as e:
             body.append(f"<h2>{name}</h2><p>unreadable: {html.escape(str(e))}</p>")
             continue
         body.append(f"<h2>{name}</h2>" + _table([("task", "metric", "value")] + rows_))
     if (run / "config.yaml").is_file():
-        body.append("<h2>Resolved config (config.yaml)</h2><pre>"
-                    f"{html.escape((run / 'config.yaml').read_text())}</pre>")
-    style = ("<style>body{font-family:sans-serif;max-width:1150px;margin:auto}img{max-width:100%;margin:6px 0}"
-             "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}"
-             ".warn{background:#fff3cd;border:1px solid #e0b000;padding:6px 10px}"
-             "pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto}</style>")
+        body.append(
+            "<h2>Resolved config (config.yaml)</h2><pre>"
+            f"{html.escape((run / 'config.yaml').read_text())}</pre>"
+        )
+    style = (
+        "<style>body{font-family:sans-serif;max-width:1150px;margin:auto}img{max-width:100%;margin:6px 0}"
+        "table{border-collapse:collapse}td{border:1px solid #ccc;padding:2px 8px;font-size:13px}"
+        ".warn{background:#fff3cd;border:1px solid #e0b000;padding:6px 10px}"
+        "pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto}</style>"
+    )
     page = out / "index.html"
-    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>mmalign report</title>{style}</head>"
-                    f"<body>{''.join(body)}</body></html>")
+    page.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>mmalign report</title>{style}</head>"
+        f"<body>{''.join(body)}</body></html>"
+    )
     return page

@@ -50,8 +50,14 @@ def _block_rows(n_candidates: int, budget_elems: int = 1 << 24) -> int:
 
 
 @torch.no_grad()
-def _scan(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor, kmax: int,
-          budget_elems: int, ks: Sequence[int] = ()) -> tuple:
+def _scan(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    text_to_image: torch.Tensor,
+    kmax: int,
+    budget_elems: int,
+    ks: Sequence[int] = (),
+) -> tuple:
     """One pass over caption blocks: strict ranks (t2i (M,), i2t (N,)), capped at ``kmax``;
     for each k in ``ks`` the clip_benchmark verdicts {k: (rows (r,), hits (r,))} of the
     captions whose own image ties a wrong one (decided by topk on their block row); and
@@ -82,17 +88,24 @@ def _scan(image_features: torch.Tensor, text_features: torch.Tensor, text_to_ima
     i2t_rank = (top_rows > best_own[:, None]).sum(dim=1).clamp(max=k_txt)  # (N,) = min(k, true rank)
     # best_own's value occurs once in the top for a lone own caption; more often, it ties another caption
     i2t_tied = ((top_rows == best_own[:, None]).sum(dim=1) > 1) & (i2t_rank < k_txt)
-    fixes = {k: (torch.cat([r for r, _ in v]), torch.cat([h for _, h in v])) if v else None
-             for k, v in t2i_tied.items()}
+    fixes = {
+        k: (torch.cat([r for r, _ in v]), torch.cat([h for _, h in v])) if v else None
+        for k, v in t2i_tied.items()
+    }
     return t2i_rank, i2t_rank, fixes, i2t_tied
 
 
-def _blocks(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor,
-            budget_elems: int):
+def _blocks(
+    image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor, budget_elems: int
+):
     """(start, owners (b,), scores (b, N)) per block of captions, always the same blocks."""
     step = _block_rows(image_features.shape[0], budget_elems)
     for start in range(0, text_features.shape[0], step):
-        yield start, text_to_image[start : start + step], text_features[start : start + step] @ image_features.T
+        yield (
+            start,
+            text_to_image[start : start + step],
+            text_features[start : start + step] @ image_features.T,
+        )
 
 
 def _topk_hits(rows: torch.Tensor, right: torch.Tensor, ks: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -107,8 +120,14 @@ def _topk_hits(rows: torch.Tensor, right: torch.Tensor, ks: Sequence[int]) -> di
     return out
 
 
-def _tied_images_hits(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor,
-                      images: torch.Tensor, ks: Sequence[int], budget_elems: int) -> dict[int, torch.Tensor]:
+def _tied_images_hits(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    text_to_image: torch.Tensor,
+    images: torch.Tensor,
+    ks: Sequence[int],
+    budget_elems: int,
+) -> dict[int, torch.Tensor]:
     """clip_benchmark's image->text verdicts for ``images`` (T,): their full columns, rebuilt
     from the same caption blocks as the main pass, ``budget_elems // M`` images at a time."""
     n_txt = text_features.shape[0]
@@ -139,8 +158,9 @@ def retrieval_ranks(
     A rank r means r wrong candidates score strictly higher (ties go to the query);
     ``min(kmax, candidates)`` means "that many or more" (enough to decide every k <= kmax).
     """
-    t2i, i2t, _, _ = _scan(image_features.float(), text_features.float(), text_to_image.long(),
-                           max(1, int(kmax)), budget_elems)
+    t2i, i2t, _, _ = _scan(
+        image_features.float(), text_features.float(), text_to_image.long(), max(1, int(kmax)), budget_elems
+    )
     return t2i, i2t
 
 

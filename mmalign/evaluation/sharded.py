@@ -40,8 +40,18 @@ WAIT_FACTOR = 3.0
 _last_tasks_s: dict[tuple, float] = {}  # rank 0: its task phase at the previous evaluation of each suite
 
 
-def _embed_mine(model, preprocess, tokenizer, samples, rank: int, world: int, batch_size: int, device: str,
-                pre_projection: bool, captions: bool) -> dict:
+def _embed_mine(
+    model,
+    preprocess,
+    tokenizer,
+    samples,
+    rank: int,
+    world: int,
+    batch_size: int,
+    device: str,
+    pre_projection: bool,
+    captions: bool,
+) -> dict:
     """This rank's share (every ``world``-th sample from ``rank``); empty results when it has none."""
     count = 0
 
@@ -53,14 +63,22 @@ def _embed_mine(model, preprocess, tokenizer, samples, rank: int, world: int, ba
                 yield sample
 
     try:
-        return embed_dataset(model, preprocess, tokenizer, mine(), batch_size, device, pre_projection, captions)
+        return embed_dataset(
+            model, preprocess, tokenizer, mine(), batch_size, device, pre_projection, captions
+        )
     except UserError:  # embed_dataset found no sample (or refused the features) on this rank
         if count:
             raise
         # no sample on this rank (fewer samples than ranks); all ranks empty is reported by interleave
         dim = int(getattr(model, "embed_dim", 0))
-        return {"image_features": torch.zeros(0, dim), "text_features": torch.zeros(0, dim),
-                "text_to_image": torch.zeros(0, dtype=torch.long), "captions": [], "metas": [], "keys": []}
+        return {
+            "image_features": torch.zeros(0, dim),
+            "text_features": torch.zeros(0, dim),
+            "text_to_image": torch.zeros(0, dtype=torch.long),
+            "captions": [],
+            "metas": [],
+            "keys": [],
+        }
 
 
 def interleave(parts: list[dict]) -> dict:
@@ -81,18 +99,30 @@ def interleave(parts: list[dict]) -> dict:
             if key in out and len(p["keys"]):
                 out[key][r::world] = p[key]
     # captions in image order, each image's own in their order: (global image, rank, local row)
-    rows = sorted((int(j) * world + r, r, i) for r, p in enumerate(parts) for i, j in enumerate(p["text_to_image"]))
+    rows = sorted(
+        (int(j) * world + r, r, i) for r, p in enumerate(parts) for i, j in enumerate(p["text_to_image"])
+    )
     dim = parts[0]["text_features"].shape[1]
-    out["text_features"] = (torch.stack([parts[r]["text_features"][i] for _, r, i in rows]) if rows
-                            else torch.zeros(0, dim))  # (M, D)
+    out["text_features"] = (
+        torch.stack([parts[r]["text_features"][i] for _, r, i in rows]) if rows else torch.zeros(0, dim)
+    )  # (M, D)
     out["text_to_image"] = torch.tensor([g for g, _, _ in rows], dtype=torch.long)  # (M,)
     out["captions"] = [parts[r]["captions"][i] for _, r, i in rows]
     return out
 
 
 @torch.no_grad()
-def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-                  device: str = "cpu", progress: bool = False) -> tuple[dict, float]:
+def embed_sharded(
+    model,
+    preprocess,
+    tokenizer,
+    suite: dict,
+    data: str | None = None,
+    *,
+    batch_size: int = 256,
+    device: str = "cpu",
+    progress: bool = False,
+) -> tuple[dict, float]:
     """Collective: the suite dataset's embeddings on every rank, each rank computing 1/W of
     them; and the longest rank's embedding time in seconds.  ``progress``: rank 0 shows
     the pass over the dataset (every rank reads all of it and embeds its share)."""
@@ -103,10 +133,16 @@ def embed_sharded(model, preprocess, tokenizer, suite: dict, data: str | None = 
     start = time.time()
     try:
         spec = dataset_spec(suite, data)
-        samples = track(iter_dataset(spec), f"eval {suite['name']}: embedding", unit="images",
-                        total=embedding_total(spec), enabled=progress and rank == 0)
-        local = _embed_mine(model, preprocess, tokenizer, samples, rank, world, batch_size, device, pre_projection,
-                            captions)
+        samples = track(
+            iter_dataset(spec),
+            f"eval {suite['name']}: embedding",
+            unit="images",
+            total=embedding_total(spec),
+            enabled=progress and rank == 0,
+        )
+        local = _embed_mine(
+            model, preprocess, tokenizer, samples, rank, world, batch_size, device, pre_projection, captions
+        )
     finally:
         model.train(was_training)
     gathered = mdist.all_gather_object({"emb": local, "seconds": time.time() - start})
@@ -138,27 +174,63 @@ def build_classifiers(model, tokenizer, suite: dict, device: str = "cpu") -> dic
     return out
 
 
-def evaluate(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-             device: str = "cpu", model_name: str = "mmalign", progress: bool = False) -> list[dict]:
+def evaluate(
+    model,
+    preprocess,
+    tokenizer,
+    suite: dict,
+    data: str | None = None,
+    *,
+    batch_size: int = 256,
+    device: str = "cpu",
+    model_name: str = "mmalign",
+    progress: bool = False,
+) -> list[dict]:
     """Collective: the suite's records on rank 0 (an empty list elsewhere); see the module doc."""
     rank, world = mdist.get_rank(), mdist.get_world_size()
     mdist.prepare_slow_barrier()
     last = mdist.broadcast_object(_last_tasks_s.get(_phase_key(suite)))  # rank 0's measurement, on every rank
-    emb, embed_s = embed_sharded(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
-                                 progress=progress)
+    emb, embed_s = embed_sharded(
+        model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device, progress=progress
+    )
     classifiers = build_classifiers(model, tokenizer, suite, device)
     expected = last if last is not None else embed_s * world
     wait_s = max(MIN_WAIT_S, WAIT_FACTOR * expected)
     records: list[dict] = []
     if rank == 0:
         if world > 1:
-            what = "the last task phase" if last is not None else "the estimated task phase (embedding x world size)"
-            log.info("evaluation %s: embedding sharded over %d ranks took %.1f s; ranks 1-%d wait for rank 0's "
-                     "tasks with a %.0f s timeout (%.0f x %s, %.1f s; at least %.0f s)", suite["name"], world, embed_s,
-                     world - 1, wait_s, WAIT_FACTOR, what, expected, MIN_WAIT_S)
+            what = (
+                "the last task phase"
+                if last is not None
+                else "the estimated task phase (embedding x world size)"
+            )
+            log.info(
+                "evaluation %s: embedding sharded over %d ranks took %.1f s; ranks 1-%d wait for rank 0's "
+                "tasks with a %.0f s timeout (%.0f x %s, %.1f s; at least %.0f s)",
+                suite["name"],
+                world,
+                embed_s,
+                world - 1,
+                wait_s,
+                WAIT_FACTOR,
+                what,
+                expected,
+                MIN_WAIT_S,
+            )
         start = time.time()
-        records = run_suite(model, preprocess, tokenizer, suite, data, batch_size=batch_size, device=device,
-                            model_name=model_name, progress=progress, embedded=emb, built=classifiers)
+        records = run_suite(
+            model,
+            preprocess,
+            tokenizer,
+            suite,
+            data,
+            batch_size=batch_size,
+            device=device,
+            model_name=model_name,
+            progress=progress,
+            embedded=emb,
+            built=classifiers,
+        )
         took = _last_tasks_s[_phase_key(suite)] = time.time() - start
         log.info("evaluation %s: rank 0's tasks took %.1f s", suite["name"], took)
     mdist.slow_barrier(wait_s)

@@ -18,8 +18,9 @@ import torch
 from mmalign.errors import UsageError
 
 
-def class_subset(labels: torch.Tensor, classnames: Sequence[str], classes: Sequence[str],
-                 task: str = "zeroshot") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def class_subset(
+    labels: torch.Tensor, classnames: Sequence[str], classes: Sequence[str], task: str = "zeroshot"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``labels`` (N,) indices into ``classnames`` -> (rows (N',), cols (K,), labels (N',) in 0..K-1).
 
     ``rows``: the images of ``classes``; ``cols``: their columns of a (N, C) score matrix
@@ -28,7 +29,9 @@ def class_subset(labels: torch.Tensor, classnames: Sequence[str], classes: Seque
     index = {name: i for i, name in enumerate(classnames)}
     unknown = [c for c in classes if c not in index]
     if unknown or len(set(classes)) != len(classes) or not classes:
-        raise UsageError(f"task {task!r}: key 'classes' must list distinct names of its classnames, got {list(classes)}")
+        raise UsageError(
+            f"task {task!r}: key 'classes' must list distinct names of its classnames, got {list(classes)}"
+        )
     cols = torch.tensor([index[c] for c in classes])  # (K,)
     remap = torch.full((len(classnames),), -1, dtype=torch.long)
     remap[cols] = torch.arange(len(cols))

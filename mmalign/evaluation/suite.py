@@ -77,14 +77,16 @@ def load_suite(name_or_path: str, cb_split: str = "test") -> dict:
     from mmalign.evaluation.cb_wds import PREFIX, cb_suite, is_cb
 
     if is_cb(name_or_path):
-        return cb_suite(name_or_path[len(PREFIX):], cb_split)
+        return cb_suite(name_or_path[len(PREFIX) :], cb_split)
     path = Path(name_or_path)
     shipped = not path.is_file()
     if shipped:
         path = resources.shipped(resources.SUITES, str(name_or_path))
     if path is None:
         known = resources.names(resources.SUITES)
-        raise ConfigError(f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})")
+        raise ConfigError(
+            f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})"
+        )
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as e:
@@ -116,8 +118,10 @@ def _check_counterfactual_tasks(suite: dict, path: Path) -> None:
         if task["type"] == "counterfactual":
             missing = [n for n in task.get("tasks", []) if n not in seen]
             if missing:
-                raise UsageError(f"suite {path}: task {task['name']!r}: key 'tasks' names {missing}, "
-                                 f"which are not zeroshot tasks listed before it")
+                raise UsageError(
+                    f"suite {path}: task {task['name']!r}: key 'tasks' names {missing}, "
+                    f"which are not zeroshot tasks listed before it"
+                )
         elif task["type"] == "zeroshot":
             seen.append(task["name"])
 
@@ -178,24 +182,32 @@ def check_suite_data(suite: dict, data: str | None = None, *, user_data: str | N
     elif spec["type"] == "imagefolder" and not Path(str(spec.get("path", ""))).exists():
         if user_data is not None:
             raise ConfigError(f"--data: image folder {user_data!r} not found")
-        raise ConfigError(f"config key 'eval.suite': suite {suite.get('name')!r}: image folder "
-                          f"{spec.get('path')!r} not found (relative paths resolve against the suite file's "
-                          f"folder, then the working directory; --data replaces it)")
+        raise ConfigError(
+            f"config key 'eval.suite': suite {suite.get('name')!r}: image folder "
+            f"{spec.get('path')!r} not found (relative paths resolve against the suite file's "
+            f"folder, then the working directory; --data replaces it)"
+        )
     return spec
 
 
 def _labels(metas: list[dict], task: dict) -> torch.Tensor:
     field, names = task["label_field"], task["classnames"]
     if task.get("label_index"):  # the field holds the class's index in classnames (clip_benchmark's .cls)
-        bad = [m.get(field) for m in metas if not isinstance(m.get(field), int) or not 0 <= m[field] < len(names)]
+        bad = [
+            m.get(field) for m in metas if not isinstance(m.get(field), int) or not 0 <= m[field] < len(names)
+        ]
         if bad:
-            raise UsageError(f"task {task['name']!r}: label {bad[0]!r} is not a class index "
-                             f"(0..{len(names) - 1}: {len(names)} class names)")
+            raise UsageError(
+                f"task {task['name']!r}: label {bad[0]!r} is not a class index "
+                f"(0..{len(names) - 1}: {len(names)} class names)"
+            )
         return torch.tensor([m[field] for m in metas], dtype=torch.long)
     index = {n: i for i, n in enumerate(names)}
     unknown = {str(m.get(field)) for m in metas if m.get(field) not in index}
     if unknown:
-        raise ConfigError(f"task {task['name']!r}: {field!r} values {sorted(unknown)[:3]} are not in its classnames")
+        raise ConfigError(
+            f"task {task['name']!r}: {field!r} values {sorted(unknown)[:3]} are not in its classnames"
+        )
     return torch.tensor([index[m[field]] for m in metas])
 
 
@@ -210,8 +222,10 @@ def _clean(value):
 
 def embedding_needs(tasks: list[dict]) -> tuple[bool, bool]:
     """(pre-projection features, the dataset's captions): what the suite's tasks read."""
-    return (any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks),
-            any(t["type"] in CAPTION_TASKS for t in tasks))
+    return (
+        any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks),
+        any(t["type"] in CAPTION_TASKS for t in tasks),
+    )
 
 
 def embedding_total(spec: dict) -> int | None:
@@ -230,21 +244,48 @@ def embedding_total(spec: dict) -> int | None:
     return known if limit is None else min(known, limit)
 
 
-def embed_suite(model, preprocess, tokenizer, suite: dict, spec: dict, *, batch_size: int = 256,
-                device: str = "cpu", progress: bool = False, label: str | None = None) -> dict:
+def embed_suite(
+    model,
+    preprocess,
+    tokenizer,
+    suite: dict,
+    spec: dict,
+    *,
+    batch_size: int = 256,
+    device: str = "cpu",
+    progress: bool = False,
+    label: str | None = None,
+) -> dict:
     """The embeddings of ``spec`` (the suite's resolved dataset) that the suite's tasks read
     (:func:`embedding_needs`), the pass shown as ``label`` (default ``eval NAME``)."""
     pre_projection, captions = embedding_needs(suite["tasks"])
-    samples = track(iter_dataset(spec), f"{label or 'eval ' + suite['name']}: embedding", unit="images",
-                    total=embedding_total(spec), enabled=progress)
-    return embed_dataset(model, preprocess, tokenizer, samples, batch_size, device, pre_projection,
-                         captions=captions)
+    samples = track(
+        iter_dataset(spec),
+        f"{label or 'eval ' + suite['name']}: embedding",
+        unit="images",
+        total=embedding_total(spec),
+        enabled=progress,
+    )
+    return embed_dataset(
+        model, preprocess, tokenizer, samples, batch_size, device, pre_projection, captions=captions
+    )
 
 
-def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None, *, batch_size: int = 256,
-              device: str = "cpu", model_name: str = "mmalign", progress: bool = False,
-              user_data: str | None = None, embedded: dict | None = None,
-              built: dict | None = None) -> list[dict]:
+def run_suite(
+    model,
+    preprocess,
+    tokenizer,
+    suite: dict,
+    data: str | None = None,
+    *,
+    batch_size: int = 256,
+    device: str = "cpu",
+    model_name: str = "mmalign",
+    progress: bool = False,
+    user_data: str | None = None,
+    embedded: dict | None = None,
+    built: dict | None = None,
+) -> list[dict]:
     """Evaluate every task of ``suite``; one clip_benchmark-style record per task.
 
     ``data`` (a shard spec) replaces the suite's shard dataset, e.g. the run's data.val;
@@ -264,8 +305,20 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
     was_training = model.training
     model.eval()
     try:
-        emb = embedded if embedded is not None else embed_suite(
-            model, preprocess, tokenizer, suite, spec, batch_size=batch_size, device=device, progress=progress)
+        emb = (
+            embedded
+            if embedded is not None
+            else embed_suite(
+                model,
+                preprocess,
+                tokenizer,
+                suite,
+                spec,
+                batch_size=batch_size,
+                device=device,
+                progress=progress,
+            )
+        )
         encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
         classifiers = {}  # zeroshot task name -> what counterfactuals need
         records = []
@@ -277,11 +330,16 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
                 weights = (built or {}).get(task["name"])  # (D, C)
                 if weights is None:
                     weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])
-                classifiers[task["name"]] = {"weights": weights, "label_field": task["label_field"],
-                                             "classnames": task["classnames"]}
+                classifiers[task["name"]] = {
+                    "weights": weights,
+                    "label_field": task["label_field"],
+                    "classnames": task["classnames"],
+                }
                 feats, metas = emb["image_features"], emb["metas"]
                 if task.get("classes"):  # held-out classes: their images, their columns
-                    rows, cols, labels = class_subset(labels, task["classnames"], task["classes"], task["name"])
+                    rows, cols, labels = class_subset(
+                        labels, task["classnames"], task["classes"], task["name"]
+                    )
                     feats, metas, weights = feats[rows], [metas[i] for i in rows], weights[:, cols]
                     extra["n_images"] = len(rows)
                 metrics = zero_shot_metrics(feats, weights, labels)
@@ -292,52 +350,76 @@ def run_suite(model, preprocess, tokenizer, suite: dict, data: str | None = None
             elif task["type"] == "retrieval":
                 if len(emb["text_to_image"]) == 0:
                     raise ConfigError(f"task {task['name']!r}: the dataset has no captions to retrieve")
-                metrics = recall_at_k(emb["image_features"], emb["text_features"], emb["text_to_image"],
-                                      ks=task.get("ks", [1, 5, 10]))
-                if captions_are_templates(suite) or looks_templated(emb.get("captions", []), len(emb["keys"])):
+                metrics = recall_at_k(
+                    emb["image_features"],
+                    emb["text_features"],
+                    emb["text_to_image"],
+                    ks=task.get("ks", [1, 5, 10]),
+                )
+                if captions_are_templates(suite) or looks_templated(
+                    emb.get("captions", []), len(emb["keys"])
+                ):
                     extra["template_captions"] = True  # printed with TEMPLATE_CAVEAT wherever R@k is
             elif task["type"] == "probe":
                 kind = task.get("features", "joint")
                 feats = emb["image_pre_projection"] if kind == "pre_projection" else emb["image_features"]
-                metrics = probes.run_probes(feats, _labels(emb["metas"], task), len(task["classnames"]), task,
-                                            say=say)
+                metrics = probes.run_probes(
+                    feats, _labels(emb["metas"], task), len(task["classnames"]), task, say=say
+                )
                 metrics["chance_acc1"] = 1.0 / len(task["classnames"])
                 extra["features"] = kind
                 extra["features_description"] = FEATURE_KINDS[kind]
             elif task["type"] == "diagnostics":
-                metrics = diagnostics.embedding_diagnostics(emb["image_features"], emb["text_features"],
-                                                            emb["text_to_image"], seed=int(task.get("seed", 0)))
+                metrics = diagnostics.embedding_diagnostics(
+                    emb["image_features"],
+                    emb["text_features"],
+                    emb["text_to_image"],
+                    seed=int(task.get("seed", 0)),
+                )
             else:
-                metrics, extra["expected"] = _counterfactuals(model, preprocess, spec, task, classifiers,
-                                                              batch_size, device)
-            records.append({
-                # a cb:DIR suite's task names its record as clip_benchmark does (wds/NAME)
-                "dataset": task.get("record_dataset") or f"{suite['name']}/{task['name']}",
-                "model": model_name,
-                "pretrained": None,
-                "task": TASK_KINDS[task["type"]],
-                "metrics": _clean(metrics),
-                "language": "en",
-                "n_images": len(emb["keys"]),
-                "n_captions": len(emb["text_to_image"]),
-                **_clean(extra),
-            })
+                metrics, extra["expected"] = _counterfactuals(
+                    model, preprocess, spec, task, classifiers, batch_size, device
+                )
+            records.append(
+                {
+                    # a cb:DIR suite's task names its record as clip_benchmark does (wds/NAME)
+                    "dataset": task.get("record_dataset") or f"{suite['name']}/{task['name']}",
+                    "model": model_name,
+                    "pretrained": None,
+                    "task": TASK_KINDS[task["type"]],
+                    "metrics": _clean(metrics),
+                    "language": "en",
+                    "n_images": len(emb["keys"]),
+                    "n_captions": len(emb["text_to_image"]),
+                    **_clean(extra),
+                }
+            )
         return records
     finally:
         model.train(was_training)
 
 
-def _counterfactuals(model, preprocess, spec: dict, task: dict, classifiers: dict, batch_size: int,
-                     device: str) -> tuple[dict, dict]:
+def _counterfactuals(
+    model, preprocess, spec: dict, task: dict, classifiers: dict, batch_size: int, device: str
+) -> tuple[dict, dict]:
     names = task.get("tasks", list(classifiers))
     missing = [n for n in names if n not in classifiers]
     if missing:
-        raise ConfigError(f"task {task['name']!r}: counterfactual tasks {missing} must be zeroshot tasks listed before it")
+        raise ConfigError(
+            f"task {task['name']!r}: counterfactual tasks {missing} must be zeroshot tasks listed before it"
+        )
     limit = int(task.get("limit", 256))
     samples = list(iter_dataset(dict(spec, limit=min(limit, int(spec.get("limit") or limit)))))
-    return counterfactual.run_counterfactuals(model, preprocess, samples, task["edits"],
-                                              {n: classifiers[n] for n in names}, batch_size, device,
-                                              int(task.get("seed", 0)))
+    return counterfactual.run_counterfactuals(
+        model,
+        preprocess,
+        samples,
+        task["edits"],
+        {n: classifiers[n] for n in names},
+        batch_size,
+        device,
+        int(task.get("seed", 0)),
+    )
 
 
 def write_results(records: list[dict], path: str | Path) -> Path:
@@ -363,8 +445,14 @@ def summary_rows(records: list[dict]) -> list[tuple[str, str, float]]:
         elif r["task"] == "linear_probe":  # linear, kNN, few-shot and chance top-1
             rows += [(f"{name} ({r['features']})", k, v) for k, v in m.items() if k.endswith("_acc1")]
         elif r["task"] == "embedding_diagnostics":
-            for k in ("alignment", "uniformity_image", "effective_rank_image", "modality_gap",
-                      "nn_diversity_image", "positive_negative_auc"):
+            for k in (
+                "alignment",
+                "uniformity_image",
+                "effective_rank_image",
+                "modality_gap",
+                "nn_diversity_image",
+                "positive_negative_auc",
+            ):
                 rows.append((name, k, m.get(k)))
         else:
             rows += [(name, k, v) for k, v in m.items() if k.endswith(("_cosine_mean", "_flip_rate"))]

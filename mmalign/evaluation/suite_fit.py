@@ -15,16 +15,27 @@ from __future__ import annotations
 from mmalign import resources
 from mmalign.config import ConfigError
 from mmalign.data.remote import kind_of
-from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, expand_urls, iter_tar_groups, \
-    parse_captions, parse_meta
+from mmalign.data.shards import (
+    BadSample,
+    CorruptTar,
+    TruncatedTar,
+    expand_urls,
+    iter_tar_groups,
+    parse_captions,
+    parse_meta,
+)
 
 PROBE_SAMPLES = 32  # enough to see a field's absence and a foreign class name; costs no image decode
-REMOTE_PROBE_S = 15.0  # a remote shard's probe: what arrived by then is the probe (a slow server never blocks)
+REMOTE_PROBE_S = (
+    15.0  # a remote shard's probe: what arrived by then is the probe (a slow server never blocks)
+)
 LABEL_TASKS = ("zeroshot", "probe")
 CAPTION_TASKS = ("retrieval", "diagnostics")
 
 
-def probe_samples(urls: str | list[str], n: int = PROBE_SAMPLES, remote_s: float = REMOTE_PROBE_S) -> list[dict]:
+def probe_samples(
+    urls: str | list[str], n: int = PROBE_SAMPLES, remote_s: float = REMOTE_PROBE_S
+) -> list[dict]:
     """``{"json": dict, "captions": bool}`` of the first ``n`` samples of the first shard. A
     remote shard (HTTP, fsspec, ``pipe:``) is read in a thread for at most ``remote_s`` seconds,
     with a line first: the samples that arrived by then are the probe (none: nothing to check)."""
@@ -37,8 +48,11 @@ def probe_samples(urls: str | list[str], n: int = PROBE_SAMPLES, remote_s: float
     import threading
 
     if os.environ.get("RANK", "0") == "0":  # the other ranks probe the same shard quietly
-        print(f"mmalign: probing the first {n} samples of {expanded[0]} for the suite's fields "
-              f"(at most {remote_s:g} s) ...", flush=True)
+        print(
+            f"mmalign: probing the first {n} samples of {expanded[0]} for the suite's fields "
+            f"(at most {remote_s:g} s) ...",
+            flush=True,
+        )
     found: list[dict] = []
     reader = threading.Thread(target=_probe_quietly, args=(expanded[0], n, found), daemon=True)
     reader.start()
@@ -82,8 +96,10 @@ def task_mismatch(task: dict, probed: list[dict]) -> str | None:
         values = [p["json"].get(field) for p in probed]
         if all(v is None for v in values):
             have = sorted({k for p in probed for k in p["json"]})
-            return (f"needs the .json field {field!r}, which the samples lack "
-                    f"(their .json has: {', '.join(have) if have else 'nothing'})")
+            return (
+                f"needs the .json field {field!r}, which the samples lack "
+                f"(their .json has: {', '.join(have) if have else 'nothing'})"
+            )
         if task.get("label_index"):
             bad = [v for v in values if not isinstance(v, int) or not 0 <= v < len(names)]
             if bad:
@@ -128,8 +144,14 @@ def fitting_suites(probed: list[dict], exclude: str | None = None) -> list[str]:
     return labelled + captions_only
 
 
-def check_suite_fields(suite: dict, spec: dict, where: str, key: str = "eval.suite", flag: str | None = None,
-                       nothing: str | None = None) -> None:
+def check_suite_fields(
+    suite: dict,
+    spec: dict,
+    where: str,
+    key: str = "eval.suite",
+    flag: str | None = None,
+    nothing: str | None = None,
+) -> None:
     """A one-line ConfigError when a task of ``suite`` cannot read ``spec``'s shards (probed).
     ``where`` names the data (``data.val``); ``flag`` is how a fitting suite is given (default
     ``--set KEY=``), ``nothing`` how to evaluate nothing (default that flag with ``none``)."""
@@ -144,10 +166,14 @@ def check_suite_fields(suite: dict, spec: dict, where: str, key: str = "eval.sui
     nothing = nothing or f"{flag}none evaluates nothing"
     fits = fitting_suites(probed, exclude=suite.get("name"))
     if fits:
-        hint = f"{flag}{fits[0]} fits the data" + (f" (as do {', '.join(fits[1:3])})" if fits[1:] else "") + \
-            f"; {nothing}"
+        hint = (
+            f"{flag}{fits[0]} fits the data"
+            + (f" (as do {', '.join(fits[1:3])})" if fits[1:] else "")
+            + f"; {nothing}"
+        )
     else:
-        hint = f"no shipped suite fits the data ({nothing}, or write a suite YAML whose fields the samples have)"
+        hint = (
+            f"no shipped suite fits the data ({nothing}, or write a suite YAML whose fields the samples have)"
+        )
     named = f"{key}: " if key.startswith("--") else f"config key '{key}': "
-    raise ConfigError(f"{named}suite {suite.get('name')!r} does not fit {where}: "
-                      f"task {task!r} {why}; {hint}")
+    raise ConfigError(f"{named}suite {suite.get('name')!r} does not fit {where}: task {task!r} {why}; {hint}")

@@ -17,7 +17,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Union
 
 from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
@@ -36,16 +36,16 @@ class ZeroShotTask:
     label_field: str  # the .json field holding the class name
     classnames: list[str]
     templates: list[str]  # prompts with {c}
-    slices: Optional[list[str]] = None  # .json fields to break the accuracy down by (default none)
+    slices: list[str] | None = None  # .json fields to break the accuracy down by (default none)
     # score only the images of these classes, among these classes (held-out classes; default all)
-    classes: Optional[list[str]] = None
+    classes: list[str] | None = None
 
 
 @dataclass
 class RetrievalTask:
     kind: ClassVar[str] = "retrieval"
     name: str
-    ks: Optional[list[int]] = None  # default [1, 5, 10]
+    ks: list[int] | None = None  # default [1, 5, 10]
 
 
 @dataclass
@@ -56,22 +56,22 @@ class ProbeTask:
     name: str
     label_field: str
     classnames: list[str]
-    features: Optional[FEATURES] = None  # default joint
-    methods: Optional[list[PROBE_METHODS]] = None  # default all three
-    Cs: Optional[list[float]] = None  # the linear probe's C grid
-    knn_k: Optional[list[int]] = None  # default [1, 5, 20]
-    shots: Optional[list[int]] = None  # default [1, 5]
-    episodes: Optional[int] = None  # default 5
-    seed: Optional[int] = None  # default 0
-    test_fraction: Optional[float] = None  # default 0.3
-    val_fraction: Optional[float] = None  # default 0.2
+    features: FEATURES | None = None  # default joint
+    methods: list[PROBE_METHODS] | None = None  # default all three
+    Cs: list[float] | None = None  # the linear probe's C grid
+    knn_k: list[int] | None = None  # default [1, 5, 20]
+    shots: list[int] | None = None  # default [1, 5]
+    episodes: int | None = None  # default 5
+    seed: int | None = None  # default 0
+    test_fraction: float | None = None  # default 0.3
+    val_fraction: float | None = None  # default 0.2
 
 
 @dataclass
 class DiagnosticsTask:
     kind: ClassVar[str] = "diagnostics"
     name: str
-    seed: Optional[int] = None  # default 0
+    seed: int | None = None  # default 0
 
 
 @dataclass
@@ -79,9 +79,9 @@ class Edit:
     """One counterfactual edit (:mod:`mmalign.evaluation.counterfactual`)."""
 
     name: Literal["hflip", "crop", "rerender"]
-    scale: Optional[float] = None  # crop: default 0.9
-    field: Optional[str] = None  # rerender: the attribute changed, default colour
-    label: Optional[str] = None  # the metric prefix, default the edit's name
+    scale: float | None = None  # crop: default 0.9
+    field: str | None = None  # rerender: the attribute changed, default colour
+    label: str | None = None  # the metric prefix, default the edit's name
 
 
 @dataclass
@@ -89,12 +89,14 @@ class CounterfactualTask:
     kind: ClassVar[str] = "counterfactual"
     name: str
     edits: list[Edit]
-    tasks: Optional[list[str]] = None  # zero-shot tasks listed before this one (default all of them)
-    limit: Optional[int] = None  # images, default 256
-    seed: Optional[int] = None  # default 0
+    tasks: list[str] | None = None  # zero-shot tasks listed before this one (default all of them)
+    limit: int | None = None  # images, default 256
+    seed: int | None = None  # default 0
 
 
-TASKS = {cls.kind: cls for cls in (ZeroShotTask, RetrievalTask, ProbeTask, DiagnosticsTask, CounterfactualTask)}
+TASKS = {
+    cls.kind: cls for cls in (ZeroShotTask, RetrievalTask, ProbeTask, DiagnosticsTask, CounterfactualTask)
+}
 
 
 # --------------------------------------------------------------- datasets
@@ -104,34 +106,34 @@ TASKS = {cls.kind: cls for cls in (ZeroShotTask, RetrievalTask, ProbeTask, Diagn
 @dataclass
 class ShardsDataset:
     kind: ClassVar[str] = "shards"
-    urls: Optional[Union[str, list]] = None  # a shard spec; --data or the run's data.val may give it instead
-    limit: Optional[int] = None
-    seed: Optional[int] = None
-    stratify: Optional[str] = None
-    per_class: Optional[int] = None
+    urls: str | list | None = None  # a shard spec; --data or the run's data.val may give it instead
+    limit: int | None = None
+    seed: int | None = None
+    stratify: str | None = None
+    per_class: int | None = None
 
 
 @dataclass
 class DigitsDataset:
     kind: ClassVar[str] = "digits"
-    size: Optional[int] = None  # pixels, default 32
-    caption_templates: Optional[list[str]] = None
-    limit: Optional[int] = None
-    seed: Optional[int] = None
-    stratify: Optional[str] = None
-    per_class: Optional[int] = None
+    size: int | None = None  # pixels, default 32
+    caption_templates: list[str] | None = None
+    limit: int | None = None
+    seed: int | None = None
+    stratify: str | None = None
+    per_class: int | None = None
 
 
 @dataclass
 class ImageFolderDataset:
     kind: ClassVar[str] = "imagefolder"
-    path: Optional[Union[str, list]] = None  # a directory or a tar of class folders; --data may give it
-    classnames: Optional[list[str]] = None
-    caption_templates: Optional[list[str]] = None
-    per_class: Optional[int] = None
-    limit: Optional[int] = None
-    seed: Optional[int] = None
-    stratify: Optional[str] = None
+    path: str | list | None = None  # a directory or a tar of class folders; --data may give it
+    classnames: list[str] | None = None
+    caption_templates: list[str] | None = None
+    per_class: int | None = None
+    limit: int | None = None
+    seed: int | None = None
+    stratify: str | None = None
 
 
 DATASETS = {cls.kind: cls for cls in (ShardsDataset, DigitsDataset, ImageFolderDataset)}
@@ -145,8 +147,8 @@ class Suite:
     name: str
     tasks: list = field(default_factory=list)  # task dataclasses, in order
     dataset: Any = None  # a shard spec (str or list) or a dataset dataclass; --data may give it
-    template_captions: Optional[bool] = None  # the dataset's captions are class templates (default false)
-    extends: Optional[str] = None  # a suite whose dataset and tasks come first
+    template_captions: bool | None = None  # the dataset's captions are class templates (default false)
+    extends: str | None = None  # a suite whose dataset and tasks come first
 
     def to_dict(self) -> dict:
         """The suite as the mapping evaluation reads: the file's keys, each task with its ``type``."""
@@ -159,11 +161,17 @@ class Suite:
 
 def _given(obj) -> dict:
     """The fields of a dataclass that were given (not None), nested dataclasses as mappings."""
+
     def plain(v):
         if dataclasses.is_dataclass(v):
             return _given(v)
         return [plain(x) for x in v] if isinstance(v, list) else v
-    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None}
+
+    return {
+        f.name: plain(getattr(obj, f.name))
+        for f in dataclasses.fields(obj)
+        if getattr(obj, f.name) is not None
+    }
 
 
 # ---------------------------------------------------------------- parsing
@@ -198,7 +206,9 @@ def _task(data: Any, index: int, where: str):
     if kind == "zeroshot" and task.classes is not None:
         classes = task.classes
         if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(task.classnames):
-            raise UsageError(f"{label}: key 'classes' must list distinct names of its classnames, got {classes!r}")
+            raise UsageError(
+                f"{label}: key 'classes' must list distinct names of its classnames, got {classes!r}"
+            )
     return task
 
 
@@ -208,12 +218,15 @@ def _dataset(data: Any, where: str):
             raise UsageError(f"{where}: key 'dataset' expects a shard spec or a list of them, got {data!r}")
         return data
     if not isinstance(data, dict):
-        raise UsageError(f"{where}: key 'dataset' expects a shard spec or a mapping with a type, got {data!r}")
+        raise UsageError(
+            f"{where}: key 'dataset' expects a shard spec or a mapping with a type, got {data!r}"
+        )
     kind = data.get("type")
     if kind not in DATASETS:
         raise UsageError(f"{where}: dataset key 'type' must be one of {', '.join(DATASETS)}, got {kind!r}")
-    dataset = _build(DATASETS[kind], {k: v for k, v in data.items() if k != "type"}, f"{where}: dataset",
-                     skip=("type",))
+    dataset = _build(
+        DATASETS[kind], {k: v for k, v in data.items() if k != "type"}, f"{where}: dataset", skip=("type",)
+    )
     if getattr(dataset, "caption_templates", None) is not None:
         check_templates(dataset.caption_templates, f"{where}: dataset key 'caption_templates'")
     return dataset
@@ -226,8 +239,11 @@ def _build(cls: type, data: dict, where: str, skip: tuple = ()):
         if key not in fields:
             valid = sorted(set(fields) | set(skip))
             raise UsageError(f"{where}: unknown key {key!r} (valid: {', '.join(valid)})")
-    required = [n for n, f in fields.items() if n not in skip and f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING]
+    required = [
+        n
+        for n, f in fields.items()
+        if n not in skip and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     for name in required:
         if name not in data:
             raise UsageError(f"{where}: missing required key {name!r}")
@@ -236,8 +252,10 @@ def _build(cls: type, data: dict, where: str, skip: tuple = ()):
         if hints[key] == list[Edit]:  # the one nested schema
             if not isinstance(value, list) or not value:
                 raise UsageError(f"{where}: key {key!r} expects a non-empty list of edits, got {value!r}")
-            kwargs[key] = [_build(Edit, e, f"{where}: edit {i + 1}") if isinstance(e, dict) else _bad(where, key, e)
-                           for i, e in enumerate(value)]
+            kwargs[key] = [
+                _build(Edit, e, f"{where}: edit {i + 1}") if isinstance(e, dict) else _bad(where, key, e)
+                for i, e in enumerate(value)
+            ]
         elif not _fits(value, hints[key]):
             raise UsageError(f"{where}: key {key!r} expects {_type_name(hints[key])}, got {value!r}")
         else:

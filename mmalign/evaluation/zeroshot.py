@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from mmalign.data.templates import check_templates
 
-
 PROMPT_BATCH = 1024  # prompts per tokenizer-and-encoder call: whole classes share a call (the encoder may split it further)
 
 
@@ -42,15 +41,22 @@ def build_classifier(
 def prompt_texts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
     """The C x T prompts, class-major: prompt ``c T + t`` is template t over class c."""
     if not classnames or not templates:
-        raise ValueError(f"a zero-shot classifier needs class names and templates, got {len(classnames)} "
-                         f"and {len(templates)}")
+        raise ValueError(
+            f"a zero-shot classifier needs class names and templates, got {len(classnames)} "
+            f"and {len(templates)}"
+        )
     check_templates(list(templates), "zero-shot templates")  # one line naming the template, not a KeyError
     return [tpl.format(c=name) for name in classnames for tpl in templates]
 
 
 @torch.no_grad()
-def encode_prompts(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenizer: Callable, texts: Sequence[str],
-                   rows: Sequence[int], batch_size: int = PROMPT_BATCH) -> torch.Tensor:
+def encode_prompts(
+    encode_text: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: Callable,
+    texts: Sequence[str],
+    rows: Sequence[int],
+    batch_size: int = PROMPT_BATCH,
+) -> torch.Tensor:
     """The normalised embeddings (len(rows), D) of ``texts[rows]``, in the order of ``rows``.
 
     Encoded ``batch_size`` at a time in order of token count, so a batch holds prompts of about
@@ -67,7 +73,7 @@ def encode_prompts(encode_text: Callable[[torch.Tensor], torch.Tensor], tokenize
         order = torch.arange(len(rows))
     out = None
     for s in range(0, len(rows), batch_size):
-        pick = order[s:s + batch_size]
+        pick = order[s : s + batch_size]
         part = F.normalize(encode_text(tokens[pick]).float(), dim=-1)  # (b, D)
         if out is None:
             out = torch.empty(len(rows), part.shape[1])

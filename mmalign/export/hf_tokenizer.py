@@ -42,8 +42,9 @@ def write_clip_tokenizer(tokenizer, out: Path, context_length: int) -> None:
     merges = [" ".join(pair) for pair, _ in sorted(tokenizer.bpe_ranks.items(), key=lambda kv: kv[1])]
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    hf_tok = CLIPTokenizer(vocab=str(out / "vocab.json"), merges=str(out / "merges.txt"),
-                           model_max_length=int(context_length))
+    hf_tok = CLIPTokenizer(
+        vocab=str(out / "vocab.json"), merges=str(out / "merges.txt"), model_max_length=int(context_length)
+    )
     hf_tok.save_pretrained(str(out))  # tokenizer_config.json, tokenizer.json
     _special_tokens_map(out, "<|startoftext|>", "<|endoftext|>", "<|endoftext|>", "<|endoftext|>")
 
@@ -64,9 +65,15 @@ def write_sentencepiece_tokenizer(model_file: Path, out: Path, context_length: i
     else:  # bpe
         spm_vocab = {p.piece: i for i, p in enumerate(pieces)}
         vocab = {PAD: 0, **{piece: i + 1 for piece, i in spm_vocab.items()}, SOT: n + 1, EOT: n + 2}
-        model = models.BPE(vocab, generate_merges(spm_vocab), unk_token=unk, fuse_unk=True, byte_fallback=False)
+        model = models.BPE(
+            vocab, generate_merges(spm_vocab), unk_token=unk, fuse_unk=True, byte_fallback=False
+        )
     tok = Tokenizer(model)
-    steps = [normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip(), normalizers.Lowercase()]  # clean_caption
+    steps = [
+        normalizers.Replace(Regex(r"\s+"), " "),
+        normalizers.Strip(),
+        normalizers.Lowercase(),
+    ]  # clean_caption
     if proto.normalizer_spec.precompiled_charsmap:
         steps.append(normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap))
     steps.append(normalizers.Replace(Regex(" {2,}"), " "))  # sentencepiece drops repeated spaces
@@ -74,9 +81,16 @@ def write_sentencepiece_tokenizer(model_file: Path, out: Path, context_length: i
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tok.add_special_tokens([SOT, EOT, PAD])
-    tok.post_processor = processors.TemplateProcessing(single=f"{SOT} $A {EOT}",
-                                                       special_tokens=[(SOT, n + 1), (EOT, n + 2)])
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SOT, eos_token=EOT, pad_token=PAD,
-                                    unk_token=unk, model_max_length=int(context_length))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SOT} $A {EOT}", special_tokens=[(SOT, n + 1), (EOT, n + 2)]
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SOT,
+        eos_token=EOT,
+        pad_token=PAD,
+        unk_token=unk,
+        model_max_length=int(context_length),
+    )
     hf_tok.save_pretrained(str(out))
     _special_tokens_map(out, SOT, EOT, unk, PAD)

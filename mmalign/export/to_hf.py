@@ -46,23 +46,48 @@ log = logging.getLogger("mmalign.export")
 
 # Settings with no CLIPModel counterpart: key -> the only value(s) we can export.
 _VISION_FIXED = {
-    "ls_init_value": (None,), "attentional_pool": (False,), "no_ln_pre": (False,), "pool_type": ("tok",),
-    "act_kwargs": (None, {}), "norm_kwargs": (None, {}), "block_type": (None, "default"), "qk_norm": (False,),
-    "scaled_cosine_attn": (False,), "scale_heads": (False,), "scale_attn_inner": (False,), "scale_attn": (False,),
-    "scale_fc": (False,), "timm_model_name": (None, ""), "pos_embed_type": ("learnable", "sin_cos_2d"),
+    "ls_init_value": (None,),
+    "attentional_pool": (False,),
+    "no_ln_pre": (False,),
+    "pool_type": ("tok",),
+    "act_kwargs": (None, {}),
+    "norm_kwargs": (None, {}),
+    "block_type": (None, "default"),
+    "qk_norm": (False,),
+    "scaled_cosine_attn": (False,),
+    "scale_heads": (False,),
+    "scale_attn_inner": (False,),
+    "scale_attn": (False,),
+    "scale_fc": (False,),
+    "timm_model_name": (None, ""),
+    "pos_embed_type": ("learnable", "sin_cos_2d"),
 }
 _TEXT_FIXED = {
-    "ls_init_value": (None,), "embed_cls": (False,), "no_causal_mask": (False,), "pool_type": ("argmax", "eos"),
-    "proj_bias": (False,), "proj_type": ("linear",), "act_kwargs": (None, {}), "norm_kwargs": (None, {}),
-    "block_type": (None, "default"), "qk_norm": (False,), "scaled_cosine_attn": (False,), "scale_heads": (False,),
-    "scale_attn_inner": (False,), "scale_attn": (False,), "scale_fc": (False,), "hf_model_name": (None, ""),
+    "ls_init_value": (None,),
+    "embed_cls": (False,),
+    "no_causal_mask": (False,),
+    "pool_type": ("argmax", "eos"),
+    "proj_bias": (False,),
+    "proj_type": ("linear",),
+    "act_kwargs": (None, {}),
+    "norm_kwargs": (None, {}),
+    "block_type": (None, "default"),
+    "qk_norm": (False,),
+    "scaled_cosine_attn": (False,),
+    "scale_heads": (False,),
+    "scale_attn_inner": (False,),
+    "scale_attn": (False,),
+    "scale_fc": (False,),
+    "hf_model_name": (None, ""),
 }
 
 
 def _square(value, what: str) -> int:
     if isinstance(value, (list, tuple)):
         if len(set(value)) != 1:
-            raise UsageError(f"--format hf: vision_cfg.{what}={list(value)} is not square; HF CLIP needs square")
+            raise UsageError(
+                f"--format hf: vision_cfg.{what}={list(value)} is not square; HF CLIP needs square"
+            )
         value = value[0]
     return int(value)
 
@@ -70,8 +95,10 @@ def _square(value, what: str) -> int:
 def _check(cfg: dict, fixed: dict, tower: str) -> None:
     for key, allowed in fixed.items():
         if key in cfg and cfg[key] not in allowed:
-            raise UsageError(f"--format hf: {tower}.{key}={cfg[key]!r} has no transformers CLIPModel equivalent "
-                             f"(export with --format open_clip or onnx instead)")
+            raise UsageError(
+                f"--format hf: {tower}.{key}={cfg[key]!r} has no transformers CLIPModel equivalent "
+                f"(export with --format open_clip or onnx instead)"
+            )
 
 
 def _intermediate(width: int, mlp_ratio: float, tower: str) -> int:
@@ -89,8 +116,10 @@ def hf_config(source: Loaded):
     for spec, what in ((towers.vision, "image"), (towers.text, "text")):
         if not spec.hf_clip:
             named = f" ({'vision' if what == 'image' else 'text'}_cfg.{spec.marker})" if spec.marker else ""
-            raise UsageError(f"--format hf: the {spec.kind} {what} tower kind{named} has no HF CLIPModel export "
-                             f"(open_clip's ViT and text transformer only)")
+            raise UsageError(
+                f"--format hf: the {spec.kind} {what} tower kind{named} has no HF CLIPModel export "
+                f"(open_clip's ViT and text transformer only)"
+            )
     v, t = towers.vision.to_cfg(), towers.text.to_cfg()
     arch = {"embed_dim": towers.embed_dim, "quick_gelu": towers.quick_gelu}
     _check(v, _VISION_FIXED, "vision_cfg")
@@ -99,26 +128,47 @@ def hf_config(source: Loaded):
     v_width, t_width = int(v.get("width", 768)), int(t.get("width", 512))
     head_width = int(v.get("head_width", 64))
     if v_width % head_width:
-        raise UsageError(f"--format hf: vision_cfg.width={v_width} is not a multiple of head_width={head_width}")
-    image_size, patch = _square(v.get("image_size", 224), "image_size"), _square(v.get("patch_size", 16), "patch_size")
+        raise UsageError(
+            f"--format hf: vision_cfg.width={v_width} is not a multiple of head_width={head_width}"
+        )
+    image_size, patch = (
+        _square(v.get("image_size", 224), "image_size"),
+        _square(v.get("patch_size", 16), "patch_size"),
+    )
     tok = source.tokenizer
     eot = int(t["eos_id"]) if t.get("pool_type") == "eos" else int(tok.eot_token_id)
     text_config = {
-        "vocab_size": int(t.get("vocab_size", 49408)), "hidden_size": t_width,
+        "vocab_size": int(t.get("vocab_size", 49408)),
+        "hidden_size": t_width,
         "intermediate_size": _intermediate(t_width, t.get("mlp_ratio", 4.0), "text_cfg"),
-        "num_hidden_layers": int(t.get("layers", 12)), "num_attention_heads": int(t.get("heads", 8)),
-        "max_position_embeddings": int(t.get("context_length", 77)), "hidden_act": act, "layer_norm_eps": 1e-5,
+        "num_hidden_layers": int(t.get("layers", 12)),
+        "num_attention_heads": int(t.get("heads", 8)),
+        "max_position_embeddings": int(t.get("context_length", 77)),
+        "hidden_act": act,
+        "layer_norm_eps": 1e-5,
         "projection_dim": int(arch["embed_dim"]),
-        "pad_token_id": 0, "bos_token_id": int(tok.sot_token_id), "eos_token_id": eot,
+        "pad_token_id": 0,
+        "bos_token_id": int(tok.sot_token_id),
+        "eos_token_id": eot,
     }
     vision_config = {
-        "hidden_size": v_width, "intermediate_size": _intermediate(v_width, v.get("mlp_ratio", 4.0), "vision_cfg"),
-        "num_hidden_layers": int(v.get("layers", 12)), "num_attention_heads": v_width // head_width,
-        "image_size": image_size, "patch_size": patch, "num_channels": 3, "hidden_act": act,
-        "layer_norm_eps": 1e-5, "projection_dim": int(arch["embed_dim"]),
+        "hidden_size": v_width,
+        "intermediate_size": _intermediate(v_width, v.get("mlp_ratio", 4.0), "vision_cfg"),
+        "num_hidden_layers": int(v.get("layers", 12)),
+        "num_attention_heads": v_width // head_width,
+        "image_size": image_size,
+        "patch_size": patch,
+        "num_channels": 3,
+        "hidden_act": act,
+        "layer_norm_eps": 1e-5,
+        "projection_dim": int(arch["embed_dim"]),
     }
-    return CLIPConfig(text_config=text_config, vision_config=vision_config, projection_dim=int(arch["embed_dim"]),
-                      logit_scale_init_value=float(source.model.logit_scale.detach().reshape(-1)[0]))
+    return CLIPConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        projection_dim=int(arch["embed_dim"]),
+        logit_scale_init_value=float(source.model.logit_scale.detach().reshape(-1)[0]),
+    )
 
 
 def _blocks(src: dict, prefix: str, dst_prefix: str, layers: int, out: dict, used: set) -> None:
@@ -134,7 +184,9 @@ def _blocks(src: dict, prefix: str, dst_prefix: str, layers: int, out: dict, use
                 used.add(f"{s}{ours}.{p}")
 
 
-def hf_state_dict(src: dict[str, torch.Tensor], vision_layers: int, text_layers: int) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    src: dict[str, torch.Tensor], vision_layers: int, text_layers: int
+) -> dict[str, torch.Tensor]:
     """open_clip-named TwoTower weights -> CLIPModel names; errors on any weight left unmapped."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -153,13 +205,22 @@ def hf_state_dict(src: dict[str, torch.Tensor], vision_layers: int, text_layers:
 
 def image_processor_config(preprocess: dict) -> dict:
     """CLIPImageProcessor settings equal to our eval transform (shortest-side bicubic resize, centre crop)."""
-    size = int(preprocess["size"] if not isinstance(preprocess["size"], (list, tuple)) else preprocess["size"][0])
+    size = int(
+        preprocess["size"] if not isinstance(preprocess["size"], (list, tuple)) else preprocess["size"][0]
+    )
     return {
-        "image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
-        "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,  # PIL bicubic
-        "do_center_crop": True, "crop_size": {"height": size, "width": size},
-        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": list(preprocess["mean"]), "image_std": list(preprocess["std"]),
+        "image_processor_type": "CLIPImageProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"shortest_edge": size},
+        "resample": 3,  # PIL bicubic
+        "do_center_crop": True,
+        "crop_size": {"height": size, "width": size},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(preprocess["mean"]),
+        "image_std": list(preprocess["std"]),
     }
 
 
@@ -167,15 +228,22 @@ def export_hf(source: Loaded, out: Path) -> Path:
     from transformers import CLIPModel
 
     config = hf_config(source)
-    state = hf_state_dict(source.model.state_dict(), config.vision_config.num_hidden_layers,
-                          config.text_config.num_hidden_layers)
+    state = hf_state_dict(
+        source.model.state_dict(),
+        config.vision_config.num_hidden_layers,
+        config.text_config.num_hidden_layers,
+    )
     if source.model.logit_bias is not None:
-        log.warning("CLIPModel has no logit bias; the SigLIP bias is not exported (embeddings are unaffected)")
+        log.warning(
+            "CLIPModel has no logit bias; the SigLIP bias is not exported (embeddings are unaffected)"
+        )
     model = CLIPModel(config)
     model.load_state_dict(state, strict=True)  # every CLIPModel weight must come from ours
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(source.preprocess_cfg), indent=2))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(image_processor_config(source.preprocess_cfg), indent=2)
+    )
     context = config.text_config.max_position_embeddings
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")  # for mmalign's own tokenizer

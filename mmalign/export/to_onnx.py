@@ -58,8 +58,13 @@ def _export(module: nn.Module, example: torch.Tensor, path: Path, input_name: st
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # tracer warnings about python control flow on shapes
             torch.onnx.export(
-                module, (example,), str(path), dynamo=False, opset_version=OPSET,
-                input_names=[input_name], output_names=["embedding"],
+                module,
+                (example,),
+                str(path),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=[input_name],
+                output_names=["embedding"],
                 dynamic_axes={input_name: {0: "batch"}, "embedding": {0: "batch"}},
                 do_constant_folding=True,
             )
@@ -86,10 +91,18 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     for graph in (IMAGE_GRAPH, TEXT_GRAPH):
         onnx.checker.check_model(str(out / graph))
     config = {
-        "image_encoder": {"file": IMAGE_GRAPH, "input": "pixels", "shape": ["batch", 3, size, size],
-                          "dtype": "float32"},
-        "text_encoder": {"file": TEXT_GRAPH, "input": "tokens", "shape": ["batch", model.context_length],
-                         "dtype": "int64"},
+        "image_encoder": {
+            "file": IMAGE_GRAPH,
+            "input": "pixels",
+            "shape": ["batch", 3, size, size],
+            "dtype": "float32",
+        },
+        "text_encoder": {
+            "file": TEXT_GRAPH,
+            "input": "tokens",
+            "shape": ["batch", model.context_length],
+            "dtype": "int64",
+        },
         "output": {"name": "embedding", "shape": ["batch", model.embed_dim], "normalised": True},
         "opset": OPSET,
         "logit_scale": float(model.logit_scale.detach().exp().reshape(-1)[0]),
@@ -98,7 +111,9 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     }
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
-    if callable(getattr(towers.text, "export_files", None)):  # an HF text tower: its tokenizer files beside the graphs
+    if callable(
+        getattr(towers.text, "export_files", None)
+    ):  # an HF text tower: its tokenizer files beside the graphs
         towers.text.export_files(out / config["tokenizer"]["folder"])
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out

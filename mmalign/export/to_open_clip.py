@@ -42,8 +42,11 @@ def model_cfg(source: Loaded, text_changes: dict | None = None) -> dict:
     model = source.model
     towers = model.towers
     # each tower kind writes its own config (a kind open_clip cannot build refuses, one line)
-    cfg = {"embed_dim": towers.embed_dim, "vision_cfg": copy.deepcopy(towers.vision.open_clip_cfg()),
-           "text_cfg": copy.deepcopy(towers.text.open_clip_cfg()) | (text_changes or {})}
+    cfg = {
+        "embed_dim": towers.embed_dim,
+        "vision_cfg": copy.deepcopy(towers.vision.open_clip_cfg()),
+        "text_cfg": copy.deepcopy(towers.text.open_clip_cfg()) | (text_changes or {}),
+    }
     if towers.quick_gelu is not None:
         cfg["quick_gelu"] = towers.quick_gelu
     cfg["custom_text"] = True
@@ -76,11 +79,17 @@ def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Pa
     config = {"model_cfg": model_cfg(source, changes), "preprocess_cfg": dict(source.preprocess_cfg)}
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
-        config["mmalign_tokenizer"] = {"type": "sentencepiece", "file": "tokenizer.model",
-                                       "context_length": source.model.context_length}
-        log.warning("open_clip.get_tokenizer('local-dir:%s') returns CLIP BPE, not this model's sentencepiece "
-                    "tokenizer (tokenizer.model, copied beside the weights); tokenize with "
-                    "mmalign.data.tokenizer.SentencePieceTokenizer", out)
+        config["mmalign_tokenizer"] = {
+            "type": "sentencepiece",
+            "file": "tokenizer.model",
+            "context_length": source.model.context_length,
+        }
+        log.warning(
+            "open_clip.get_tokenizer('local-dir:%s') returns CLIP BPE, not this model's sentencepiece "
+            "tokenizer (tokenizer.model, copied beside the weights); tokenize with "
+            "mmalign.data.tokenizer.SentencePieceTokenizer",
+            out,
+        )
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out
 
@@ -93,6 +102,9 @@ def _hf_text(text, out: Path, final: Path) -> dict:
     (moved elsewhere, pass ``text_cfg`` with the new path, or edit ``open_clip_config.json``).
     ``hf_model_pretrained`` is false: the trained weights are in the checkpoint."""
     text.export_files(out)
-    log.warning("open_clip_config.json names this folder by its absolute path %s (open_clip builds the HF text "
-                "tower from hf_model_name); if the folder moves, update text_cfg.hf_model_name", final)
+    log.warning(
+        "open_clip_config.json names this folder by its absolute path %s (open_clip builds the HF text "
+        "tower from hf_model_name); if the folder moves, update text_cfg.hf_model_name",
+        final,
+    )
     return {"hf_model_name": str(final), "hf_tokenizer_name": str(final), "hf_model_pretrained": False}

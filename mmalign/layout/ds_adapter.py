@@ -69,9 +69,11 @@ def version_line(installed: str) -> str | None:
     """The warning for an installed DeepSpeed other than :data:`WRITTEN_AGAINST`; None for that one."""
     if installed == WRITTEN_AGAINST:
         return None
-    return (f"mmalign: warning: DeepSpeed {installed} is installed, mmalign's adapter of DeepSpeed's private "
-            f"layout (mmalign/layout/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
-            f"tests/test_ds_adapter.py checks it against this version")
+    return (
+        f"mmalign: warning: DeepSpeed {installed} is installed, mmalign's adapter of DeepSpeed's private "
+        f"layout (mmalign/layout/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
+        f"tests/test_ds_adapter.py checks it against this version"
+    )
 
 
 def check_version(installed: str) -> str | None:
@@ -161,8 +163,9 @@ class Fragment:
     length: int  # its element count (0: this rank holds none of it)
 
 
-def fragments(ds_engine, module: torch.nn.Module, stage: int,
-              base_optimizer: torch.optim.Optimizer, rank: int) -> list[Fragment]:
+def fragments(
+    ds_engine, module: torch.nn.Module, stage: int, base_optimizer: torch.optim.Optimizer, rank: int
+) -> list[Fragment]:
     """This rank's piece of every trainable parameter of ``module`` (none at ZeRO-0). The
     partitions' elements in no fragment are padding."""
     parts, out = partitions(ds_engine, stage, base_optimizer), []
@@ -179,8 +182,12 @@ def fragments(ds_engine, module: torch.nn.Module, stage: int,
             continue
         fragment, hp, lp = mapping.hp_fragment, mapping.hp_fragment_address, mapping.lp_fragment_address
         # the partition whose storage holds the fragment, at the fragment's address
-        owner = [t for t in parts if t.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr()
-                 and fragment.data_ptr() == t.data_ptr() + hp.start * t.element_size()]
+        owner = [
+            t
+            for t in parts
+            if t.untyped_storage().data_ptr() == fragment.untyped_storage().data_ptr()
+            and fragment.data_ptr() == t.data_ptr() + hp.start * t.element_size()
+        ]
         if len(owner) != 1:
             raise RuntimeError(f"ZeRO-{stage}: cannot place parameter {name} in a flat partition")
         out.append(Fragment(index, name, p, owner[0], int(hp.start), int(lp.start), int(hp.numel)))
@@ -196,7 +203,10 @@ def weights_only_resume(ds_engine):
     def load(path, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
-    with shadowed(ds_engine.checkpoint_engine, "load", load), torch.serialization.safe_globals(safe_globals()):
+    with (
+        shadowed(ds_engine.checkpoint_engine, "load", load),
+        torch.serialization.safe_globals(safe_globals()),
+    ):
         yield
 
 
@@ -271,10 +281,14 @@ class _WeightsOnlyTorch:
         loaded = torch.load(f, *args, **kwargs)
         osd = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
         if self.state_key is not None and isinstance(osd, dict):
-            key = "single_partition_of_fp32_groups" if "single_partition_of_fp32_groups" in osd else "fp32_flat_groups"
+            key = (
+                "single_partition_of_fp32_groups"
+                if "single_partition_of_fp32_groups" in osd
+                else "fp32_flat_groups"
+            )
             base = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
             state = base["state"]
-            osd[key] = [state[i][self.state_key][:len(part)] for i, part in zip(sorted(state), osd[key])]
+            osd[key] = [state[i][self.state_key][: len(part)] for i, part in zip(sorted(state), osd[key])]
         return loaded
 
 
@@ -285,7 +299,9 @@ def _no_bar(iterable, *args, **kwargs):
     return iterable
 
 
-def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | None = None) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(
+    directory: str | Path, tag: str, state_key: str | None = None
+) -> dict[str, torch.Tensor]:
     """One fp32 state dict from a DeepSpeed checkpoint directory (any ZeRO stage); with
     ``state_key`` (ZeRO >= 1), that optimizer state per parameter instead of the weights.
 
@@ -300,17 +316,24 @@ def consolidate_checkpoint(directory: str | Path, tag: str, state_key: str | Non
         raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
     with torch.serialization.safe_globals(safe_globals()):
         if not list(path.glob("*optim_states.pt")):  # ZeRO-0: the module state is stored whole
-            if state_key is not None:  # its optimizer state is per parameter: mmalign.run.reshard.zero0_moments
-                raise ValueError(f"consolidate_checkpoint: {path} is a ZeRO-0 checkpoint; state_key is for "
-                                 f"ZeRO >= 1 partitions")
+            if (
+                state_key is not None
+            ):  # its optimizer state is per parameter: mmalign.run.reshard.zero0_moments
+                raise ValueError(
+                    f"consolidate_checkpoint: {path} is a ZeRO-0 checkpoint; state_key is for "
+                    f"ZeRO >= 1 partitions"
+                )
             model_file = next(iter(sorted(path.glob("mp_rank_*_model_states.pt"))), None)
             if model_file is None:
                 raise FileNotFoundError(f"no model states in {path}")
             state = torch.load(model_file, map_location="cpu", weights_only=True)["module"]
         else:
             # and no progress bars on stderr (an export or a server start is one line)
-            with _zero_to_fp32_lock, shadowed(zero_to_fp32, "torch", _WeightsOnlyTorch(state_key)), \
-                    shadowed(zero_to_fp32, "tqdm", _no_bar):
+            with (
+                _zero_to_fp32_lock,
+                shadowed(zero_to_fp32, "torch", _WeightsOnlyTorch(state_key)),
+                shadowed(zero_to_fp32, "tqdm", _no_bar),
+            ):
                 state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
             if state_key is None:  # locked (frozen) weights: ZeRO-1 keeps them in the module state only
                 for model_file in sorted(path.glob("*model_states.pt"))[:1]:

@@ -57,14 +57,22 @@ __all__ = ["masked_lse", "positive_counts", "estimator_loss", "hardneg_local"]
 _NEG_INF = float("-inf")
 
 
-def masked_lse(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives, select: str,
-               tile_size: int | None, want_cols: bool) -> tuple[Tensor, Tensor]:
+def masked_lse(
+    rows: Tensor,
+    cols: Tensor,
+    scale: Tensor,
+    pos: Positives,
+    select: str,
+    tile_size: int | None,
+    want_cols: bool,
+) -> tuple[Tensor, Tensor]:
     """Row (M,) and optional column (N,) LSEs of ``scale * rows @ cols.T`` over
     the negatives (``select="neg"``) or positives (``"pos"``) only; -inf for
     an empty set (with zero gradient)."""
     if tile_size:
-        lse_r, lse_c, _, _ = tiled_lse(rows, cols, scale, tile_size, want_cols=want_cols, positives=pos,
-                                       track=False, select=select)
+        lse_r, lse_c, _, _ = tiled_lse(
+            rows, cols, scale, tile_size, want_cols=want_cols, positives=pos, track=False, select=select
+        )
         return lse_r, lse_c
     logits = scale.reshape(()) * rows @ cols.T  # (M, N), untiled
     mask = pos.full_mask(*logits.shape, logits.device)  # (M, N) positives
@@ -74,7 +82,9 @@ def masked_lse(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives, select
         has = (~ex).any(dim=1)  # (rows,)
         # Fully excluded rows: fill 0 instead of -inf so logsumexp's backward is not nan.
         filled = lg.masked_fill(ex, _NEG_INF).masked_fill(~has[:, None], 0.0)
-        return torch.where(has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=lg.dtype))
+        return torch.where(
+            has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=lg.dtype)
+        )
 
     lse_r = one(logits, excl)
     lse_c = one(logits.T, excl.T) if want_cols else logits.new_empty(0)
@@ -94,8 +104,17 @@ def positive_counts(pos: Positives, m: int, n: int, device: torch.device) -> Ten
     return torch.where(found, counts[group], 0).to(torch.float64)
 
 
-def estimator_loss(lse_pos: Tensor, mean_pos: Tensor, lse_a: Tensor, lse_b: Tensor | None, n_pos: Tensor,
-                   n_neg: Tensor, scale: Tensor, beta: float, prior: float) -> Tensor:
+def estimator_loss(
+    lse_pos: Tensor,
+    mean_pos: Tensor,
+    lse_a: Tensor,
+    lse_b: Tensor | None,
+    n_pos: Tensor,
+    n_neg: Tensor,
+    scale: Tensor,
+    beta: float,
+    prior: float,
+) -> Tensor:
     """(M,) per-row loss of the module docstring from its LSE ingredients.
 
     lse_pos: LSE_{P(i)} l; mean_pos: mean_{P(i)} l; lse_a: LSE_{N(i)} (1+beta) l;
@@ -109,7 +128,9 @@ def estimator_loss(lse_pos: Tensor, mean_pos: Tensor, lse_a: Tensor, lse_b: Tens
     if lse_b is None:
         log_r = a  # LSE_N(0 * l) = log M_i
     else:
-        log_r = log_m.where(has, torch.zeros_like(log_m)) + a - torch.where(has, lse_b, torch.zeros_like(lse_b))
+        log_r = (
+            log_m.where(has, torch.zeros_like(log_m)) + a - torch.where(has, lse_b, torch.zeros_like(lse_b))
+        )
     log_r = torch.where(has, log_r, torch.full_like(log_r, _NEG_INF))
     if prior > 0:
         log_epos = lse_pos - torch.log(n_pos).to(dt)  # log e+_i
@@ -125,8 +146,15 @@ def estimator_loss(lse_pos: Tensor, mean_pos: Tensor, lse_a: Tensor, lse_b: Tens
     return torch.logaddexp(lse_pos, log_ng) - mean_pos
 
 
-def _direction(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives, tile_size: int | None,
-               beta: float, prior: float) -> Tensor:
+def _direction(
+    rows: Tensor,
+    cols: Tensor,
+    scale: Tensor,
+    pos: Positives,
+    tile_size: int | None,
+    beta: float,
+    prior: float,
+) -> Tensor:
     """(M,) per-row loss of ``rows`` against candidates ``cols`` (one direction)."""
     m, n = rows.shape[0], cols.shape[0]
     n_pos = positive_counts(pos, m, n, rows.device)
@@ -141,8 +169,18 @@ def _direction(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives, tile_s
     return estimator_loss(lse_pos, mean_pos, lse_a, lse_b, n_pos, n_neg, scale, beta, prior)
 
 
-def hardneg_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor,
-                  pos: Positives, *, tile_size: int | None, beta: float, prior: float) -> Tensor:
+def hardneg_local(
+    image: Tensor,
+    text: Tensor,
+    image_all: Tensor,
+    text_all: Tensor,
+    logit_scale: Tensor,
+    pos: Positives,
+    *,
+    tile_size: int | None,
+    beta: float,
+    prior: float,
+) -> Tensor:
     """Symmetric hard-negative / debiased InfoNCE of local rows (B, D) against
     all candidates (N, D); ``pos`` locates row i's positives among them. The
     mean over ranks of the returned loss is the global loss (as in

@@ -32,15 +32,23 @@ import torch
 from torch import Tensor
 
 from .hardneg import hardneg_local
-from .tracks import full_matrix_tracks
 from .positives import Positives, positive_logit
 from .tiled import tiled_lse
+from .tracks import full_matrix_tracks
 
 __all__ = ["clip_loss", "infonce_local"]
 
 
-def _row_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int | None, *, want_cols: bool,
-             positives: Positives, track: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _row_lse(
+    rows: Tensor,
+    cols: Tensor,
+    scale: Tensor,
+    tile_size: int | None,
+    *,
+    want_cols: bool,
+    positives: Positives,
+    track: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Row (and optionally column) LSEs of ``scale * rows @ cols.T`` + tracks."""
     if tile_size:
         return tiled_lse(rows, cols, scale, tile_size, want_cols=want_cols, positives=positives, track=track)
@@ -56,8 +64,16 @@ def _row_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int | None, *
     return lse_r, lse_c, tr_r, tr_c
 
 
-def both_directions_lse(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, scale: Tensor,
-                        pos: Positives, tile_size: int | None, track: bool):
+def both_directions_lse(
+    image: Tensor,
+    text: Tensor,
+    image_all: Tensor,
+    text_all: Tensor,
+    scale: Tensor,
+    pos: Positives,
+    tile_size: int | None,
+    track: bool,
+):
     """Row LSEs of local image rows over all texts and local text rows over all images.
 
     Returns (lse_i (B,), lse_t (B,), track_i, track_t, positives of the text rows). One
@@ -65,18 +81,35 @@ def both_directions_lse(image: Tensor, text: Tensor, image_all: Tensor, text_all
     row and column LSEs of one B x B matrix; sharded, each direction is its own pass.
     """
     if image_all is image and text_all is text:
-        lse_i, lse_t, tr_i, tr_t = _row_lse(image, text, scale, tile_size, want_cols=True, positives=pos, track=track)
+        lse_i, lse_t, tr_i, tr_t = _row_lse(
+            image, text, scale, tile_size, want_cols=True, positives=pos, track=track
+        )
         return lse_i, lse_t, tr_i, tr_t, pos.transposed()
-    lse_i, _, tr_i, _ = _row_lse(image, text_all, scale, tile_size, want_cols=False, positives=pos, track=track)
-    lse_t, _, tr_t, _ = _row_lse(text, image_all, scale, tile_size, want_cols=False, positives=pos, track=track)
+    lse_i, _, tr_i, _ = _row_lse(
+        image, text_all, scale, tile_size, want_cols=False, positives=pos, track=track
+    )
+    lse_t, _, tr_t, _ = _row_lse(
+        text, image_all, scale, tile_size, want_cols=False, positives=pos, track=track
+    )
     return lse_i, lse_t, tr_i, tr_t, pos  # local text rows vs all images: same ids, same offset
 
 
-def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor, *,
-                  ids: Tensor | None = None, ids_all: Tensor | None = None, offset: int = 0,
-                  tile_size: int | None = None, track: bool = False,
-                  hard_negative_beta: float = 0.0, debias_prior: float = 0.0,
-                  pair_mask: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def infonce_local(
+    image: Tensor,
+    text: Tensor,
+    image_all: Tensor,
+    text_all: Tensor,
+    logit_scale: Tensor,
+    *,
+    ids: Tensor | None = None,
+    ids_all: Tensor | None = None,
+    offset: int = 0,
+    tile_size: int | None = None,
+    track: bool = False,
+    hard_negative_beta: float = 0.0,
+    debias_prior: float = 0.0,
+    pair_mask: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """InfoNCE of local rows against all candidates.
 
     image, text: (B, D) local rows; image_all, text_all: (N, D) candidates, in
@@ -94,26 +127,50 @@ def infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tens
     else:
         pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
     if hard_negative_beta or debias_prior:
-        loss = hardneg_local(image, text, image_all, text_all, logit_scale, pos, tile_size=tile_size,
-                             beta=float(hard_negative_beta), prior=float(debias_prior))
+        loss = hardneg_local(
+            image,
+            text,
+            image_all,
+            text_all,
+            logit_scale,
+            pos,
+            tile_size=tile_size,
+            beta=float(hard_negative_beta),
+            prior=float(debias_prior),
+        )
         if not track:
             return loss, [], []
         with torch.no_grad():
-            _, tracks, lses = infonce_local(image, text, image_all, text_all, logit_scale, ids=ids,
-                                            ids_all=ids_all, offset=offset, tile_size=tile_size, track=True,
-                                            pair_mask=pair_mask)
+            _, tracks, lses = infonce_local(
+                image,
+                text,
+                image_all,
+                text_all,
+                logit_scale,
+                ids=ids,
+                ids_all=ids_all,
+                offset=offset,
+                tile_size=tile_size,
+                track=True,
+                pair_mask=pair_mask,
+            )
         return loss, tracks, lses
-    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(image, text, image_all, text_all, logit_scale, pos,
-                                                          tile_size, track)
+    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(
+        image, text, image_all, text_all, logit_scale, pos, tile_size, track
+    )
     loss_i2t = lse_i - positive_logit(image, text_all, logit_scale, pos)  # (B,)
     loss_t2i = lse_t - positive_logit(text, image_all, logit_scale, pos_t)  # (B,)
     loss = 0.5 * (loss_i2t.mean() + loss_t2i.mean())
     return loss, [tr_i, tr_t], [lse_i, lse_t]
 
 
-def _check(image: Tensor, text: Tensor, positive_ids: Tensor | None, positive_mask: Tensor | None = None) -> None:
+def _check(
+    image: Tensor, text: Tensor, positive_ids: Tensor | None, positive_mask: Tensor | None = None
+) -> None:
     if image.ndim != 2 or image.shape != text.shape:
-        raise ValueError(f"expected two (B, D) feature tensors, got {tuple(image.shape)} and {tuple(text.shape)}")
+        raise ValueError(
+            f"expected two (B, D) feature tensors, got {tuple(image.shape)} and {tuple(text.shape)}"
+        )
     if positive_mask is not None:
         b = image.shape[0]
         if positive_ids is not None:
@@ -126,10 +183,17 @@ def _check(image: Tensor, text: Tensor, positive_ids: Tensor | None, positive_ma
         raise ValueError(f"positive_ids must be ({image.shape[0]},), got {tuple(positive_ids.shape)}")
 
 
-def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, *,
-              positive_ids: Tensor | None = None, tile_size: int | None = None,
-              hard_negative_beta: float = 0.0, debias_prior: float = 0.0,
-              positive_mask: Tensor | None = None) -> Tensor:
+def clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    *,
+    positive_ids: Tensor | None = None,
+    tile_size: int | None = None,
+    hard_negative_beta: float = 0.0,
+    debias_prior: float = 0.0,
+    positive_mask: Tensor | None = None,
+) -> Tensor:
     """Symmetric InfoNCE: mean of image->text and text->image cross-entropy.
 
     Args:
@@ -155,8 +219,17 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
     """
     _check(image_features, text_features, positive_ids, positive_mask)
     ids = None if positive_ids is None else positive_ids.to(image_features.device)
-    loss, _, _ = infonce_local(image_features, text_features, image_features, text_features, logit_scale,
-                               ids=ids, ids_all=ids, tile_size=tile_size,
-                               hard_negative_beta=hard_negative_beta, debias_prior=debias_prior,
-                               pair_mask=None if positive_mask is None else positive_mask.to(image_features.device))
+    loss, _, _ = infonce_local(
+        image_features,
+        text_features,
+        image_features,
+        text_features,
+        logit_scale,
+        ids=ids,
+        ids_all=ids,
+        tile_size=tile_size,
+        hard_negative_beta=hard_negative_beta,
+        debias_prior=debias_prior,
+        pair_mask=None if positive_mask is None else positive_mask.to(image_features.device),
+    )
     return loss

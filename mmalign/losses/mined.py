@@ -42,19 +42,24 @@ _NEG_INF = float("-inf")
 def mined_lse(image: Tensor, neg_text: Tensor, neg_mask: Tensor, scale: Tensor) -> Tensor:
     """(B,) ``LSE_{m valid} scale * image_i . neg_text_im``; -inf (zero gradient) for rows without any."""
     if neg_text.ndim != 3 or neg_text.shape[0] != image.shape[0] or neg_text.shape[2] != image.shape[1]:
-        raise ValueError(f"neg_text_features must be (B, k, D) for image features {tuple(image.shape)}, "
-                         f"got {tuple(neg_text.shape)}")
+        raise ValueError(
+            f"neg_text_features must be (B, k, D) for image features {tuple(image.shape)}, "
+            f"got {tuple(neg_text.shape)}"
+        )
     if neg_mask.shape != neg_text.shape[:2] or neg_mask.dtype != torch.bool:
         raise ValueError(f"neg_mask must be a {tuple(neg_text.shape[:2])} bool tensor")
     logits = scale.reshape(()) * torch.einsum("bd,bkd->bk", image, neg_text)  # (B, k)
     has = neg_mask.any(dim=1)  # (B,)
     # Rows without a valid negative: fill 0 instead of -inf so logsumexp's backward is not nan.
     filled = logits.masked_fill(~neg_mask, _NEG_INF).masked_fill(~has[:, None], 0.0)
-    return torch.where(has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=logits.dtype))
+    return torch.where(
+        has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=logits.dtype)
+    )
 
 
-def mined_negatives_term(image: Tensor, neg_text: Tensor, neg_mask: Tensor | None, scale: Tensor,
-                         lse_i2t: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def mined_negatives_term(
+    image: Tensor, neg_text: Tensor, neg_mask: Tensor | None, scale: Tensor, lse_i2t: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The addition to the symmetric InfoNCE (module docstring) and its monitors.
 
     image: (B, D) local image rows; neg_text: (B, k, D); neg_mask: (B, k) bool
@@ -71,6 +76,8 @@ def mined_negatives_term(image: Tensor, neg_text: Tensor, neg_mask: Tensor | Non
     gap = lse_neg - lse_i2t  # (B,), -inf for rows without negatives
     term = 0.5 * F.softplus(gap).mean()
     with torch.no_grad():
-        stats = {"mined_neg_prob": torch.sigmoid(gap.detach().float()).mean(),
-                 "mined_neg_valid": neg_mask.float().mean()}
+        stats = {
+            "mined_neg_prob": torch.sigmoid(gap.detach().float()).mean(),
+            "mined_neg_valid": neg_mask.float().mean(),
+        }
     return term, stats

@@ -44,7 +44,9 @@ from .positives import Positives
 __all__ = ["ntxent_loss"]
 
 
-def ntxent_loss(view1: Tensor, view2: Tensor, scale: float | Tensor = 10.0, *, tile_size: int | None = None) -> Tensor:
+def ntxent_loss(
+    view1: Tensor, view2: Tensor, scale: float | Tensor = 10.0, *, tile_size: int | None = None
+) -> Tensor:
     """Symmetric NT-Xent of two (B, D) L2-normalised views; ``scale`` = 1/tau.
 
     In a process group of W > 1 ranks the candidates are every rank's views

@@ -62,7 +62,7 @@ class Positives:
     def paired(self) -> bool:
         return self.row_ids is None and self.pair_mask is None
 
-    def transposed(self) -> "Positives":
+    def transposed(self) -> Positives:
         """Positives of the candidate->row direction (square case, offset 0)."""
         if self.pair_mask is not None:
             return Positives(0, pair_mask=self.pair_mask.T)
@@ -71,8 +71,9 @@ class Positives:
             return self
         return Positives(0, self.col_ids, self.row_ids)
 
-    def mask(self, i0: int, i1: int, j0: int, j1: int, device: torch.device,
-             skip_empty: bool = True) -> Tensor | None:
+    def mask(
+        self, i0: int, i1: int, j0: int, j1: int, device: torch.device, skip_empty: bool = True
+    ) -> Tensor | None:
         """Bool (i1-i0, j1-j0) mask of a tile, or None if the tile has no positive.
 
         Ids and masks: with ``skip_empty`` False an empty tile's all-False mask is returned
@@ -107,7 +108,7 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
     """
     m = rows.shape[0]
     if pos.paired:
-        target = cols[pos.offset: pos.offset + m]  # (M, D)
+        target = cols[pos.offset : pos.offset + m]  # (M, D)
     elif pos.pair_mask is not None:
         w = pos.pair_mask.to(cols.dtype)  # (M, N)
         counts = w.sum(dim=1, keepdim=True)  # (M, 1)

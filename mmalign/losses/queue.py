@@ -64,8 +64,15 @@ class QueueEntries:
         return int(self.image.shape[0])
 
 
-def _queue_lse(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | None, queue_ids: Tensor | None,
-               tile_size: int | None, pos_max: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def _queue_lse(
+    rows: Tensor,
+    queue: Tensor,
+    scale: Tensor,
+    row_ids: Tensor | None,
+    queue_ids: Tensor | None,
+    tile_size: int | None,
+    pos_max: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
     """(M,) LSE of ``scale * rows @ queue.T`` over the non-excluded entries (-inf if none),
     and the (3, M) monitor tracks of the queue part when ``pos_max`` (the rows' best
     positive logit) is given: hardest queued negative, -, count above the positive."""
@@ -73,10 +80,23 @@ def _queue_lse(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | Non
     use_ids = row_ids is not None and queue_ids is not None
     if tile_size:
         pos = Positives(0, row_ids, queue_ids) if use_ids else Positives(0)
-        lse, _, _, _ = tiled_lse(rows, queue, scale, tile_size, want_cols=False, positives=pos, track=False,
-                                 select="neg" if use_ids else "all")
-        tracks = None if pos_max is None else _tiled_tracks(rows, queue, scale, row_ids if use_ids else None,
-                                                            queue_ids, tile_size, pos_max)
+        lse, _, _, _ = tiled_lse(
+            rows,
+            queue,
+            scale,
+            tile_size,
+            want_cols=False,
+            positives=pos,
+            track=False,
+            select="neg" if use_ids else "all",
+        )
+        tracks = (
+            None
+            if pos_max is None
+            else _tiled_tracks(
+                rows, queue, scale, row_ids if use_ids else None, queue_ids, tile_size, pos_max
+            )
+        )
         return lse, tracks
     logits = scale.reshape(()) * rows @ queue.T  # (M, Q)
     if not use_ids:
@@ -87,7 +107,9 @@ def _queue_lse(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | Non
         has = (~excl).any(dim=1)  # (M,)
         # A row with every entry excluded: fill 0, not -inf, so logsumexp's backward is not nan.
         filled = logits.masked_fill(excl, _NEG_INF).masked_fill(~has[:, None], 0.0)
-        lse = torch.where(has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=logits.dtype))
+        lse = torch.where(
+            has, torch.logsumexp(filled, dim=1), torch.full_like(has, _NEG_INF, dtype=logits.dtype)
+        )
     tracks = None
     if pos_max is not None:
         with torch.no_grad():
@@ -101,13 +123,21 @@ def _queue_lse(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | Non
 @torch.no_grad()
 def _tracks_of(neg: Tensor, pos_max: Tensor) -> Tensor:
     """(3, M): per-row max of ``neg`` (excluded = -inf), unused, count of entries above pos_max."""
-    return torch.stack([neg.amax(dim=1), torch.full_like(pos_max, _NEG_INF),
-                        (neg > pos_max[:, None]).sum(dim=1).float()])
+    return torch.stack(
+        [neg.amax(dim=1), torch.full_like(pos_max, _NEG_INF), (neg > pos_max[:, None]).sum(dim=1).float()]
+    )
 
 
 @torch.no_grad()
-def _tiled_tracks(rows: Tensor, queue: Tensor, scale: Tensor, row_ids: Tensor | None, queue_ids: Tensor | None,
-                  t: int, pos_max: Tensor) -> Tensor:
+def _tiled_tracks(
+    rows: Tensor,
+    queue: Tensor,
+    scale: Tensor,
+    row_ids: Tensor | None,
+    queue_ids: Tensor | None,
+    t: int,
+    pos_max: Tensor,
+) -> Tensor:
     """The queue tracks in t x t tiles (one extra no-grad pass; the tiled LSE keeps none)."""
     out = torch.empty(3, rows.shape[0], device=rows.device)
     s = scale_of(scale, rows.dtype)  # float32 for half rows, as in the tiled LSE
@@ -131,10 +161,20 @@ def _merge_tracks(batch: Tensor, queue: Tensor) -> Tensor:
     return torch.stack([torch.maximum(batch[0], queue[0]), batch[1], batch[2] + queue[2]])
 
 
-def queue_infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all: Tensor, logit_scale: Tensor,
-                        queue: QueueEntries, *, ids: Tensor | None = None, ids_all: Tensor | None = None,
-                        offset: int = 0, tile_size: int | None = None,
-                        track: bool = False) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def queue_infonce_local(
+    image: Tensor,
+    text: Tensor,
+    image_all: Tensor,
+    text_all: Tensor,
+    logit_scale: Tensor,
+    queue: QueueEntries,
+    *,
+    ids: Tensor | None = None,
+    ids_all: Tensor | None = None,
+    offset: int = 0,
+    tile_size: int | None = None,
+    track: bool = False,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """InfoNCE of local rows against all in-batch candidates plus the queue.
 
     image, text: (B, D) local rows; image_all, text_all: (N, D) in-batch
@@ -145,19 +185,32 @@ def queue_infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all
     the tracks and LSEs over batch + queue candidates.
     """
     if queue.image.shape != queue.text.shape or queue.image.shape[1:] != image.shape[1:]:
-        raise ValueError(f"queue entries must be (Q, {image.shape[1]}), got {tuple(queue.image.shape)} and "
-                         f"{tuple(queue.text.shape)}")
+        raise ValueError(
+            f"queue entries must be (Q, {image.shape[1]}), got {tuple(queue.image.shape)} and "
+            f"{tuple(queue.text.shape)}"
+        )
     if queue.size == 0:  # an empty queue (the first step): the plain loss, bit for bit
-        return infonce_local(image, text, image_all, text_all, logit_scale, ids=ids, ids_all=ids_all,
-                             offset=offset, tile_size=tile_size, track=track)
+        return infonce_local(
+            image,
+            text,
+            image_all,
+            text_all,
+            logit_scale,
+            ids=ids,
+            ids_all=ids_all,
+            offset=offset,
+            tile_size=tile_size,
+            track=track,
+        )
     qids = queue.ids if ids is not None else None
     if ids is not None and qids is None:
         raise ValueError("positive ids are in use: the queue must hold ids too")
     if qids is not None:
         qids = qids.to(image.device)
     pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
-    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(image, text, image_all, text_all, logit_scale, pos,
-                                                          tile_size, track)
+    lse_i, lse_t, tr_i, tr_t, pos_t = both_directions_lse(
+        image, text, image_all, text_all, logit_scale, pos, tile_size, track
+    )
     # image rows get queued texts, text rows queued images
     q_i, qtr_i = _queue_lse(image, queue.text, logit_scale, ids, qids, tile_size, tr_i[1] if track else None)
     q_t, qtr_t = _queue_lse(text, queue.image, logit_scale, ids, qids, tile_size, tr_t[1] if track else None)
@@ -170,8 +223,15 @@ def queue_infonce_local(image: Tensor, text: Tensor, image_all: Tensor, text_all
     return loss, tracks, [lse_i, lse_t]
 
 
-def queue_clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, queue: QueueEntries, *,
-                    positive_ids: Tensor | None = None, tile_size: int | None = None) -> Tensor:
+def queue_clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    queue: QueueEntries,
+    *,
+    positive_ids: Tensor | None = None,
+    tile_size: int | None = None,
+) -> Tensor:
     """One-process symmetric InfoNCE with the queue's entries as extra negatives.
 
     image_features, text_features: (B, D) L2-normalised; logit_scale: the
@@ -179,9 +239,20 @@ def queue_clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: 
     ``positive_ids`` is given); tile_size as in :func:`.infonce.clip_loss`.
     """
     if image_features.ndim != 2 or image_features.shape != text_features.shape:
-        raise ValueError(f"expected two (B, D) feature tensors, got {tuple(image_features.shape)} and "
-                         f"{tuple(text_features.shape)}")
+        raise ValueError(
+            f"expected two (B, D) feature tensors, got {tuple(image_features.shape)} and "
+            f"{tuple(text_features.shape)}"
+        )
     ids = None if positive_ids is None else positive_ids.to(image_features.device)
-    loss, _, _ = queue_infonce_local(image_features, text_features, image_features, text_features, logit_scale,
-                                     queue, ids=ids, ids_all=ids, tile_size=tile_size)
+    loss, _, _ = queue_infonce_local(
+        image_features,
+        text_features,
+        image_features,
+        text_features,
+        logit_scale,
+        queue,
+        ids=ids,
+        ids_all=ids,
+        tile_size=tile_size,
+    )
     return loss

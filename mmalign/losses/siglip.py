@@ -13,25 +13,34 @@ instead passes texts around a ring; the sum it computes is the same.)
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .tracks import full_matrix_tracks
 from .positives import Positives
 from .tiled_sigmoid import tiled_sigmoid_rows
+from .tracks import full_matrix_tracks
 
 __all__ = ["siglip_loss", "siglip_local"]
 
 
-def siglip_local(image: Tensor, text_all: Tensor, logit_scale: Tensor, logit_bias: Tensor, *,
-                 ids: Tensor | None = None, ids_all: Tensor | None = None, offset: int = 0,
-                 tile_size: int | None = None, track: bool = False) -> tuple[Tensor, Tensor]:
+def siglip_local(
+    image: Tensor,
+    text_all: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor,
+    *,
+    ids: Tensor | None = None,
+    ids_all: Tensor | None = None,
+    offset: int = 0,
+    tile_size: int | None = None,
+    track: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Local image rows (B, D) vs all texts (N, D); returns (loss, (3, B) tracks)."""
     pos = Positives(offset) if ids is None else Positives(offset, ids, ids_all)
     if tile_size:
-        row_loss, tracks = tiled_sigmoid_rows(image, text_all, logit_scale, logit_bias, tile_size,
-                                              positives=pos, track=track)
+        row_loss, tracks = tiled_sigmoid_rows(
+            image, text_all, logit_scale, logit_bias, tile_size, positives=pos, track=track
+        )
     else:
         logits = logit_scale.reshape(()) * image @ text_all.T + logit_bias.reshape(())  # (B, N)
         mask = pos.full_mask(*logits.shape, logits.device)
@@ -41,8 +50,15 @@ def siglip_local(image: Tensor, text_all: Tensor, logit_scale: Tensor, logit_bia
     return row_loss.sum() / image.shape[0], tracks
 
 
-def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, logit_bias: Tensor, *,
-                positive_ids: Tensor | None = None, tile_size: int | None = None) -> Tensor:
+def siglip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor,
+    *,
+    positive_ids: Tensor | None = None,
+    tile_size: int | None = None,
+) -> Tensor:
     """SigLIP loss ``-sum_ij log sigmoid(z_ij (scale x_i . y_j + b)) / B``.
 
     Args:
@@ -55,6 +71,7 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tens
     if image_features.ndim != 2 or image_features.shape != text_features.shape:
         raise ValueError("expected two (B, D) feature tensors of the same shape")
     ids = None if positive_ids is None else positive_ids.to(image_features.device)
-    loss, _ = siglip_local(image_features, text_features, logit_scale, logit_bias,
-                           ids=ids, ids_all=ids, tile_size=tile_size)
+    loss, _ = siglip_local(
+        image_features, text_features, logit_scale, logit_bias, ids=ids, ids_all=ids, tile_size=tile_size
+    )
     return loss

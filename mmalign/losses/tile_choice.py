@@ -31,8 +31,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["AUTO", "DEFAULT_BUDGET_MB", "MIN_TILE", "SAVED_MATRICES", "untiled_bytes", "tiled_bytes",
-           "choose_tile", "resolve_tile"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_BUDGET_MB",
+    "MIN_TILE",
+    "SAVED_MATRICES",
+    "untiled_bytes",
+    "tiled_bytes",
+    "choose_tile",
+    "resolve_tile",
+]
 
 AUTO = "auto"
 # Fits next to a ViT-B/L's activations on a 40-80 GB GPU and keeps the untiled path for every
@@ -60,8 +68,9 @@ def tiled_bytes(t: int, dtype: torch.dtype = torch.float32) -> int:
     return _TILED_BUFFERS * t * t * _compute_itemsize(dtype)
 
 
-def choose_tile(kernel: str, m: int, n: int, dtype: torch.dtype = torch.float32,
-                budget_mb: float = DEFAULT_BUDGET_MB) -> int | None:
+def choose_tile(
+    kernel: str, m: int, n: int, dtype: torch.dtype = torch.float32, budget_mb: float = DEFAULT_BUDGET_MB
+) -> int | None:
     """None (untiled) while :func:`untiled_bytes` fits ``budget_mb`` MiB, else the largest
     power-of-two tile edge (at least :data:`MIN_TILE`) whose :func:`tiled_bytes` fits."""
     if budget_mb <= 0:
@@ -75,8 +84,14 @@ def choose_tile(kernel: str, m: int, n: int, dtype: torch.dtype = torch.float32,
     return t
 
 
-def resolve_tile(tile_size: int | str | None, kernel: str, m: int, n: int, dtype: torch.dtype,
-                 budget_mb: float = DEFAULT_BUDGET_MB) -> int | None:
+def resolve_tile(
+    tile_size: int | str | None,
+    kernel: str,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    budget_mb: float = DEFAULT_BUDGET_MB,
+) -> int | None:
     """The tile edge a kernel call uses: ``auto`` -> :func:`choose_tile`; 0 / None -> None
     (untiled); an integer -> itself."""
     if tile_size == AUTO:

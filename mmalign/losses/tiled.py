@@ -32,11 +32,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .tracks import RankTracker, track_tile
 from .positives import Positives
+from .tracks import RankTracker, track_tile
 
-__all__ = ["tiled_lse", "tile_ranges", "compute_dtype", "count_pass", "Workspace", "tile_logits", "add_mm",
-           "scale_of", "fold_scale", "scaled_tile"]
+__all__ = [
+    "tiled_lse",
+    "tile_ranges",
+    "compute_dtype",
+    "count_pass",
+    "Workspace",
+    "tile_logits",
+    "add_mm",
+    "scale_of",
+    "fold_scale",
+    "scaled_tile",
+]
 
 
 def tile_ranges(n: int, t: int) -> list[tuple[int, int]]:
@@ -68,8 +78,15 @@ def scaled_tile(rows_s: Tensor, cols: Tensor, s: Tensor, out: Tensor) -> Tensor:
     return tile if rows_s.dtype == s.dtype else tile.mul_(s)
 
 
-def _merge_lse(run_max: Tensor, run_sum: Tensor, tile: Tensor, tile_max: Tensor, buf: Tensor, dim: int,
-               masked: bool = False) -> None:
+def _merge_lse(
+    run_max: Tensor,
+    run_sum: Tensor,
+    tile: Tensor,
+    tile_max: Tensor,
+    buf: Tensor,
+    dim: int,
+    masked: bool = False,
+) -> None:
     """Online LSE update reducing ``dim`` of ``tile``: (run_max, run_sum) <- merged.
 
     ``sum exp(l - M_new) = run_sum * exp(M_old - M_new) + sum_tile exp(l - M_new)``.
@@ -125,8 +142,17 @@ def _fold_weight(lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 class _TiledLSE(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
-    def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, t: int, want_cols: bool,
-                pos: Positives, track: bool, select: str = "all"):
+    def forward(
+        ctx,
+        rows: Tensor,
+        cols: Tensor,
+        scale: Tensor,
+        t: int,
+        want_cols: bool,
+        pos: Positives,
+        track: bool,
+        select: str = "all",
+    ):
         m, n = rows.shape[0], cols.shape[0]
         dev, cdt = rows.device, compute_dtype(rows.dtype)
         masked = select != "all"
@@ -139,7 +165,7 @@ class _TiledLSE(torch.autograd.Function):
         known_r = known_c = None
         if track and pos.paired:
             # Paired rows know their positive logit up front: count in this pass.
-            known_r = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]).to(cdt) * s
+            known_r = torch.linalg.vecdot(rows, cols[pos.offset : pos.offset + m]).to(cdt) * s
             known_c = known_r if want_cols else None
         trk_r = RankTracker(m, dev, known_r) if track else None
         trk_c = RankTracker(n, dev, known_c) if track and want_cols else None
@@ -160,8 +186,18 @@ class _TiledLSE(torch.autograd.Function):
                     t_cmax = tile.amax(dim=0)
                     _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0, masked=masked)
                 if track:
-                    track_tile(tile, pos.mask(i0, i1, j0, j1, dev), trk_r, i0, i1, t_rmax,
-                               trk_c, j0, j1, t_cmax if want_cols else None)
+                    track_tile(
+                        tile,
+                        pos.mask(i0, i1, j0, j1, dev),
+                        trk_r,
+                        i0,
+                        i1,
+                        t_rmax,
+                        trk_c,
+                        j0,
+                        j1,
+                        t_cmax if want_cols else None,
+                    )
 
         if track and not pos.paired:
             # Id mode: the best positive is only known now; count in a 2nd pass.
@@ -237,8 +273,9 @@ def _select_tile(pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int
     return None
 
 
-def _apply_select(tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int,
-                  skip_empty: bool = True) -> None:
+def _apply_select(
+    tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int, skip_empty: bool = True
+) -> None:
     """Set the logits that ``select`` excludes to -inf, in place (``skip_empty``: see
     :meth:`Positives.mask`)."""
     mask = pos.mask(i0, i1, j0, j1, tile.device, skip_empty=skip_empty)  # (ti, tj) positives or None
@@ -252,8 +289,17 @@ def _apply_select(tile: Tensor, pos: Positives, select: str, i0: int, i1: int, j
 
 
 @torch.no_grad()
-def count_pass(rows: Tensor, s: Tensor, cols: Tensor, pos: Positives, t: int, trk_r: RankTracker,
-               trk_c: RankTracker | None, ws: Workspace, bias: Tensor | None = None) -> None:
+def count_pass(
+    rows: Tensor,
+    s: Tensor,
+    cols: Tensor,
+    pos: Positives,
+    t: int,
+    trk_r: RankTracker,
+    trk_c: RankTracker | None,
+    ws: Workspace,
+    bias: Tensor | None = None,
+) -> None:
     """Second no_grad pass (id mode): count negatives above the best positive."""
     for i0, i1 in tile_ranges(rows.shape[0], t):
         rows_s = fold_scale(rows[i0:i1], s)
@@ -269,8 +315,17 @@ def count_pass(rows: Tensor, s: Tensor, cols: Tensor, pos: Positives, t: int, tr
                 trk_c.count(tile.T, j0, j1)
 
 
-def tiled_lse(rows: Tensor, cols: Tensor, scale: Tensor, tile_size: int, *, want_cols: bool,
-              positives: Positives, track: bool, select: str = "all") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def tiled_lse(
+    rows: Tensor,
+    cols: Tensor,
+    scale: Tensor,
+    tile_size: int,
+    *,
+    want_cols: bool,
+    positives: Positives,
+    track: bool,
+    select: str = "all",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Row LSEs (M,) of ``scale * rows @ cols.T`` and, if ``want_cols``, column
     LSEs (N,); plus (3, M) / (3, N) monitor tracks when ``track``.
 

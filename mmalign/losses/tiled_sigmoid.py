@@ -19,9 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .tracks import RankTracker, track_tile
 from .positives import Positives
-from .tiled import Workspace, add_mm, compute_dtype, count_pass, fold_scale, scale_of, scaled_tile, tile_ranges
+from .tiled import (
+    Workspace,
+    add_mm,
+    compute_dtype,
+    count_pass,
+    fold_scale,
+    scale_of,
+    scaled_tile,
+    tile_ranges,
+)
+from .tracks import RankTracker, track_tile
 
 __all__ = ["tiled_sigmoid_rows"]
 
@@ -29,8 +38,9 @@ __all__ = ["tiled_sigmoid_rows"]
 class _TiledSigmoid(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
-    def forward(ctx, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, t: int,
-                pos: Positives, track: bool):
+    def forward(
+        ctx, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, t: int, pos: Positives, track: bool
+    ):
         m, dev, dt = rows.shape[0], rows.device, rows.dtype
         cdt = compute_dtype(dt)
         s = scale_of(scale, dt)  # float32 for half features, like the bias
@@ -38,7 +48,7 @@ class _TiledSigmoid(torch.autograd.Function):
         row_loss = torch.zeros(m, dtype=cdt, device=dev)  # (M,)
         known = None
         if track and pos.paired:
-            known = torch.linalg.vecdot(rows, cols[pos.offset: pos.offset + m]).to(cdt) * s + b
+            known = torch.linalg.vecdot(rows, cols[pos.offset : pos.offset + m]).to(cdt) * s + b
         trk = RankTracker(m, dev, known) if track else None
         ws = Workspace(min(t, max(m, cols.shape[0])), cdt, dev, n=1)
         for i0, i1 in tile_ranges(m, t):
@@ -90,12 +100,27 @@ class _TiledSigmoid(torch.autograd.Function):
             d_rows[i0:i1] = (acc * s).to(dt)
             d_scale += (rows[i0:i1].to(cdt) * acc).sum()
         d_cols = d_cols.mul_(s).to(dt)
-        return (d_rows, d_cols, d_scale.reshape(scale.shape).to(scale.dtype),
-                d_bias.reshape(bias.shape).to(bias.dtype), None, None, None)
+        return (
+            d_rows,
+            d_cols,
+            d_scale.reshape(scale.shape).to(scale.dtype),
+            d_bias.reshape(bias.shape).to(bias.dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def tiled_sigmoid_rows(rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, tile_size: int, *,
-                       positives: Positives, track: bool) -> tuple[Tensor, Tensor]:
+def tiled_sigmoid_rows(
+    rows: Tensor,
+    cols: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    tile_size: int,
+    *,
+    positives: Positives,
+    track: bool,
+) -> tuple[Tensor, Tensor]:
     """Per-row SigLIP losses (M,) ``sum_j -log sigmoid(z_ij l_ij)`` and the
     (3, M) monitor tracks; differentiable in rows, cols, scale and bias."""
     if tile_size <= 0:

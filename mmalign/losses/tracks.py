@@ -38,7 +38,11 @@ class RankTracker:
 
     def __init__(self, n: int, device: torch.device, known_pos: Tensor | None = None):
         self.neg_max = torch.full((n,), NEG_INF, device=device)
-        self.pos_max = known_pos.detach().float().clone() if known_pos is not None else torch.full((n,), NEG_INF, device=device)
+        self.pos_max = (
+            known_pos.detach().float().clone()
+            if known_pos is not None
+            else torch.full((n,), NEG_INF, device=device)
+        )
         self.n_above = torch.zeros(n, device=device)
         self.counting = known_pos is not None
 
@@ -62,8 +66,18 @@ class RankTracker:
 
 
 @torch.no_grad()
-def track_tile(tile: Tensor, mask: Tensor | None, rows: RankTracker, i0: int, i1: int, row_max: Tensor,
-               cols: RankTracker | None = None, j0: int = 0, j1: int = 0, col_max: Tensor | None = None) -> None:
+def track_tile(
+    tile: Tensor,
+    mask: Tensor | None,
+    rows: RankTracker,
+    i0: int,
+    i1: int,
+    row_max: Tensor,
+    cols: RankTracker | None = None,
+    j0: int = 0,
+    j1: int = 0,
+    col_max: Tensor | None = None,
+) -> None:
     """Fold one (ti, tj) logit tile into the row (and column) trackers.
 
     ``row_max`` / ``col_max`` are the tile maxima already computed for the

@@ -50,7 +50,9 @@ def build_model(cfg: ModelConfig) -> TwoTower:
     )
     if cfg.batchnorm is not None and has_batchnorm(model):
         convert_batchnorm(model, cfg.batchnorm)
-    elif cfg.lock_image_freeze_bn_stats and has_batchnorm(model.visual):  # config validation sets batchnorm too
+    elif cfg.lock_image_freeze_bn_stats and has_batchnorm(
+        model.visual
+    ):  # config validation sets batchnorm too
         convert_batchnorm(model.visual, "frozen")
     if cfg.timm_weights is not None:  # a timm trunk's own checkpoint (models/timm_tower.py)
         load_timm_weights(model.visual, cfg.timm_weights)
@@ -81,9 +83,10 @@ def check_buildable(cfg: ModelConfig) -> TwoTower:
     except ConfigError:
         raise
     except Exception as e:  # whatever open_clip's constructors raise on a bad value
-        raise ConfigError(f"config key 'model': the towers of preset {cfg.preset!r} cannot be built with "
-                          f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first_line(e)}"
-                          ) from None
+        raise ConfigError(
+            f"config key 'model': the towers of preset {cfg.preset!r} cannot be built with "
+            f"model.vision={cfg.vision} model.text={cfg.text}: {type(e).__name__}: {first_line(e)}"
+        ) from None
     _check_tokenizer(cfg, model.arch)
     return model
 
@@ -92,9 +95,8 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
     """A tokenizer file or folder the architecture names (``model.text.tokenizer_kwargs``, one a
     ``model.pretrained`` folder ships) loads now: a file that is no tokenizer is one line here,
     not a traceback when training builds it.  The default CLIP BPE ships with open_clip."""
-    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.errors import ConfigError, UsageError
-
+    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.models.towers import Towers
 
     spec = Towers.from_arch(arch).text
@@ -102,9 +104,18 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
         raise ConfigError(f"config key 'model.text': the {spec.kind} text tower kind has no tokenizer() hook")
     if tokenizer_file(arch) is None and not getattr(spec, "folder", None):
         return
-    own = [k for k in ("tokenizer_kwargs", "hf_tokenizer_name", "hf_model_name", "hf_local_dir") if k in cfg.text]
-    key = (f"model.text.{own[0]}" if own else "model.tokenizer" if cfg.tokenizer is not None
-           else "model.pretrained" if cfg.pretrained is not None else "model.preset")
+    own = [
+        k for k in ("tokenizer_kwargs", "hf_tokenizer_name", "hf_model_name", "hf_local_dir") if k in cfg.text
+    ]
+    key = (
+        f"model.text.{own[0]}"
+        if own
+        else "model.tokenizer"
+        if cfg.tokenizer is not None
+        else "model.pretrained"
+        if cfg.pretrained is not None
+        else "model.preset"
+    )
     try:
         build_tokenizer(arch)
     except UsageError as e:

@@ -20,8 +20,12 @@ from mmalign.models.presets import preset_arch
 from mmalign.models.timm_tower import check_timm_cfg
 
 # the sources model.pretrained* may name (models/init_from.py reads their weights)
-FILE, OPEN_CLIP_DIR, HF_DIR, MMALIGN = "open_clip file", "open_clip local-dir folder", "HF CLIPModel folder", \
-    "mmalign model"
+FILE, OPEN_CLIP_DIR, HF_DIR, MMALIGN = (
+    "open_clip file",
+    "open_clip local-dir folder",
+    "HF CLIPModel folder",
+    "mmalign model",
+)
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # an open_clip local-dir folder's architecture
 HF_CONFIG = "config.json"  # a transformers CLIPModel folder's
 
@@ -67,8 +71,10 @@ def kind_of(path: Path, key: str) -> str:
     except UsageError as e:
         if (path / HF_CONFIG).is_file():
             return HF_DIR
-        raise ConfigError(f"config key '{key}': {path} is no open_clip checkpoint file, open_clip local-dir folder "
-                          f"({OPEN_CLIP_CONFIG}), HF CLIPModel folder ({HF_CONFIG}) or mmalign model ({e})") from None
+        raise ConfigError(
+            f"config key '{key}': {path} is no open_clip checkpoint file, open_clip local-dir folder "
+            f"({OPEN_CLIP_CONFIG}), HF CLIPModel folder ({HF_CONFIG}) or mmalign model ({e})"
+        ) from None
 
 
 # ---------------------------------------------------------------- what a source carries
@@ -98,25 +104,37 @@ def _with_tokenizer(arch: dict, spm: Path | None) -> dict:
 def _hf_arch(config: dict, folder: Path, key: str) -> dict:
     """A CLIPModel config.json -> our architecture (the inverse of export/to_hf.hf_config)."""
     if config.get("model_type") != "clip":
-        raise ConfigError(f"config key '{key}': {folder / HF_CONFIG} is model_type {config.get('model_type')!r}, "
-                          f"not a CLIPModel ('clip')")
+        raise ConfigError(
+            f"config key '{key}': {folder / HF_CONFIG} is model_type {config.get('model_type')!r}, "
+            f"not a CLIPModel ('clip')"
+        )
     v, t = config.get("vision_config") or {}, config.get("text_config") or {}
     try:
         v_width, t_width = int(v["hidden_size"]), int(t["hidden_size"])
         arch = {
             "embed_dim": int(config.get("projection_dim", v.get("projection_dim", 512))),
             "quick_gelu": v.get("hidden_act", "quick_gelu") == "quick_gelu",
-            "vision_cfg": {"image_size": int(v["image_size"]), "patch_size": int(v["patch_size"]),
-                           "width": v_width, "layers": int(v["num_hidden_layers"]),
-                           "head_width": v_width // int(v["num_attention_heads"]),
-                           "mlp_ratio": int(v["intermediate_size"]) / v_width},
-            "text_cfg": {"context_length": int(t["max_position_embeddings"]), "vocab_size": int(t["vocab_size"]),
-                         "width": t_width, "heads": int(t["num_attention_heads"]),
-                         "layers": int(t["num_hidden_layers"]), "mlp_ratio": int(t["intermediate_size"]) / t_width},
+            "vision_cfg": {
+                "image_size": int(v["image_size"]),
+                "patch_size": int(v["patch_size"]),
+                "width": v_width,
+                "layers": int(v["num_hidden_layers"]),
+                "head_width": v_width // int(v["num_attention_heads"]),
+                "mlp_ratio": int(v["intermediate_size"]) / v_width,
+            },
+            "text_cfg": {
+                "context_length": int(t["max_position_embeddings"]),
+                "vocab_size": int(t["vocab_size"]),
+                "width": t_width,
+                "heads": int(t["num_attention_heads"]),
+                "layers": int(t["num_hidden_layers"]),
+                "mlp_ratio": int(t["intermediate_size"]) / t_width,
+            },
         }
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ConfigError(f"config key '{key}': {folder / HF_CONFIG} lacks a usable CLIP setting "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"config key '{key}': {folder / HF_CONFIG} lacks a usable CLIP setting ({type(e).__name__}: {e})"
+        ) from None
     return _with_tokenizer(arch, folder / "tokenizer.model")  # our export copies a sentencepiece model there
 
 
@@ -129,9 +147,13 @@ def source_arch(path: Path, key: str) -> dict | None:
         data = _read_json(path / OPEN_CLIP_CONFIG, key)
         cfg = data.get("model_cfg", data)
         if not all(k in cfg for k in ("embed_dim", "vision_cfg", "text_cfg")):
-            raise ConfigError(f"config key '{key}': {path / OPEN_CLIP_CONFIG} has no model_cfg with embed_dim, "
-                              f"vision_cfg, text_cfg")
-        arch = copy.deepcopy({k: cfg[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu") if k in cfg})
+            raise ConfigError(
+                f"config key '{key}': {path / OPEN_CLIP_CONFIG} has no model_cfg with embed_dim, "
+                f"vision_cfg, text_cfg"
+            )
+        arch = copy.deepcopy(
+            {k: cfg[k] for k in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu") if k in cfg}
+        )
         spm = (data.get("mmalign_tokenizer") or {}).get("file")  # export/to_open_clip.py records it there
         return _with_tokenizer(arch, path / spm if spm else None)
     if kind == HF_DIR:
@@ -141,10 +163,10 @@ def source_arch(path: Path, key: str) -> dict | None:
 
 def _mmalign_arch(path: Path, key: str) -> dict:
     from mmalign.config import load_config
-    from mmalign.models.tokenizers import tokenizer_file
     from mmalign.models.hf_text import absolutize
     from mmalign.models.io import CONFIG
     from mmalign.models.locate import MODEL, checkpoint_config, locate
+    from mmalign.models.tokenizers import tokenizer_file
 
     kind, folder = locate(path)
     if kind == MODEL:
@@ -158,8 +180,11 @@ def _mmalign_arch(path: Path, key: str) -> dict:
 
 
 def _default(f):
-    return f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
-                                                       else None)
+    return (
+        f.default
+        if f.default is not MISSING
+        else (f.default_factory() if f.default_factory is not MISSING else None)
+    )
 
 
 def differences(a: dict, b: dict, parts: tuple[str, ...] = ("vision_cfg", "text_cfg")) -> list[str]:
@@ -169,11 +194,16 @@ def differences(a: dict, b: dict, parts: tuple[str, ...] = ("vision_cfg", "text_
     def norm(value):
         return tuple(norm(x) for x in value) if isinstance(value, (list, tuple)) else value
 
-    out = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ("embed_dim", "quick_gelu")
-           if norm(bool(a.get(k)) if k == "quick_gelu" else a.get(k))
-           != norm(bool(b.get(k)) if k == "quick_gelu" else b.get(k))]
+    out = [
+        f"{k}: {a.get(k)!r} vs {b.get(k)!r}"
+        for k in ("embed_dim", "quick_gelu")
+        if norm(bool(a.get(k)) if k == "quick_gelu" else a.get(k))
+        != norm(bool(b.get(k)) if k == "quick_gelu" else b.get(k))
+    ]
     for part in parts:
-        defaults = {f.name: _default(f) for f in fields(CLIPVisionCfg if part == "vision_cfg" else CLIPTextCfg)}
+        defaults = {
+            f.name: _default(f) for f in fields(CLIPVisionCfg if part == "vision_cfg" else CLIPTextCfg)
+        }
         for k in sorted((set(a[part]) | set(b[part])) - {"tokenizer_kwargs"}):
             va, vb = a[part].get(k, defaults.get(k)), b[part].get(k, defaults.get(k))
             if norm(va) != norm(vb):
@@ -196,10 +226,12 @@ def pretrained_arch(cfg: ModelConfig) -> dict | None:
     described = resolve_arch(replace(cfg, pretrained=None))
     differ = differences(described, arch)
     if differ:
-        raise ConfigError(f"config key 'model.preset': {cfg.preset!r} differs from the architecture of "
-                          f"model.pretrained {cfg.pretrained} ({'; '.join(differ[:3])}"
-                          f"{f'; +{len(differ) - 3} more' if len(differ) > 3 else ''}): omit model.preset or make "
-                          f"it (with its model.* overrides) agree")
+        raise ConfigError(
+            f"config key 'model.preset': {cfg.preset!r} differs from the architecture of "
+            f"model.pretrained {cfg.pretrained} ({'; '.join(differ[:3])}"
+            f"{f'; +{len(differ) - 3} more' if len(differ) > 3 else ''}): omit model.preset or make "
+            f"it (with its model.* overrides) agree"
+        )
     return arch
 
 

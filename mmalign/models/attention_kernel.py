@@ -29,7 +29,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,17 +69,22 @@ def clear_cache() -> None:
 def _run(kind: str, q, k, v, attn_mask, dropout_p: float, is_causal: bool) -> torch.Tensor:
     """SDPA with the candidate ``kind`` ('default' = torch's choice)."""
     if kind == "default":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+        )
     if kind == "flash_fp32":
         # below autocast: CPU autocast would cast the fp32 inputs straight back to bf16
         with torch.autocast(q.device.type, enabled=False), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             mask = None if attn_mask is None else attn_mask.float()
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                 dropout_p=dropout_p, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
+            )
         return out.to(q.dtype)
     backend = SDPBackend.FLASH_ATTENTION if kind == "flash" else SDPBackend.MATH
     with sdpa_kernel([backend]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+        )
 
 
 def _pow2(n: int) -> int:
@@ -90,8 +95,17 @@ def _key(q, k, attn_mask, is_causal: bool) -> tuple:
     # shape class: batch and sequence lengths rounded up to powers of two (the text trim varies
     # the length from batch to batch; one measurement serves the whole class)
     b, h, n, d = q.shape
-    return (q.device.type, q.dtype, _pow2(b), h, _pow2(n), _pow2(k.shape[-2]), d, is_causal,
-            attn_mask is not None)
+    return (
+        q.device.type,
+        q.dtype,
+        _pow2(b),
+        h,
+        _pow2(n),
+        _pow2(k.shape[-2]),
+        d,
+        is_causal,
+        attn_mask is not None,
+    )
 
 
 def _same(t):
@@ -112,8 +126,11 @@ def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[st
     times = {}
     # identity saved-tensor hooks on top of the stack: an outer hook (a memory probe counting the
     # activations a step saves) does not see the measurement's tensors
-    hide = (torch.autograd.graph.saved_tensors_hooks(_same, _same) if torch._C._autograd._saved_tensors_hooks_is_enabled()
-            else contextlib.nullcontext())
+    hide = (
+        torch.autograd.graph.saved_tensors_hooks(_same, _same)
+        if torch._C._autograd._saved_tensors_hooks_is_enabled()
+        else contextlib.nullcontext()
+    )
     with hide, torch.enable_grad() if grad else torch.no_grad():
         for kind in CANDIDATES:
             qs, ks, vs = rand(q), rand(k), rand(v)
@@ -129,8 +146,7 @@ def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[st
     return times
 
 
-def choose(q, k, v, attn_mask=None, is_causal: bool = False,
-           timer: Optional[Callable[..., dict]] = None) -> str:
+def choose(q, k, v, attn_mask=None, is_causal: bool = False, timer: Callable[..., dict] | None = None) -> str:
     """The kernel for this call: a candidate name, or 'default' (torch's choice).
 
     One choice per shape class whether or not the call records gradients: gradient caching
@@ -157,13 +173,25 @@ def choose(q, k, v, attn_mask=None, is_causal: bool = False,
     best = min(times, key=times.get)
     with _lock:
         _cache[key] = best
-    log.info("attention kernel for %s %s%s: %s (fwd+bwd %s)", tuple(q.shape), str(q.dtype).replace("torch.", ""),
-             ", causal" if is_causal else "", best, ", ".join(f"{k_} {t * 1e3:.2f} ms" for k_, t in times.items()))
+    log.info(
+        "attention kernel for %s %s%s: %s (fwd+bwd %s)",
+        tuple(q.shape),
+        str(q.dtype).replace("torch.", ""),
+        ", causal" if is_causal else "",
+        best,
+        ", ".join(f"{k_} {t * 1e3:.2f} ms" for k_, t in times.items()),
+    )
     return best
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on (B, H, N, d) inputs through the kernel :func:`choose`
     picks. Returns (B, H, N, d) in the inputs' dtype."""
     return _run(choose(q, k, v, attn_mask, is_causal), q, k, v, attn_mask, dropout_p, is_causal)

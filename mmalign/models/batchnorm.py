@@ -45,15 +45,15 @@ The layer keeps torch's parameter and buffer names, so state dicts, exports and
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mmalign.dist import distributed as mdist
 from mmalign.config import ConfigError
+from mmalign.dist import distributed as mdist
 
 MODES = ("frozen", "sync", "local")
 
@@ -70,12 +70,14 @@ class BatchNorm(_BatchNorm):
             raise ValueError(f"BatchNorm mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.input_dims = tuple(input_dims)  # what the replaced torch class accepted
-        self._records: Optional[list] = None  # None = outside an engine step
+        self._records: list | None = None  # None = outside an engine step
         self._replaying = False
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() not in self.input_dims:
-            raise ValueError(f"expected a {' or '.join(f'{d}D' for d in self.input_dims)} input, got {input.dim()}D")
+            raise ValueError(
+                f"expected a {' or '.join(f'{d}D' for d in self.input_dims)} input, got {input.dim()}D"
+            )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode={self.mode}"
@@ -83,7 +85,9 @@ class BatchNorm(_BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         if self.mode == "frozen":
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return F.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
         if not self.training or self._records is None:
             return super().forward(x)  # eval, or outside an engine step: exactly torch's
         if not self._replaying:
@@ -116,8 +120,8 @@ class BatchNorm(_BatchNorm):
         out = torch.zeros(1 + 2 * self.num_features, dtype=torch.float64, device=self.running_mean.device)
         for n, mean, var in self._records or []:
             out[0] += n
-            out[1:1 + self.num_features] += n * mean
-            out[1 + self.num_features:] += n * (var + mean * mean)
+            out[1 : 1 + self.num_features] += n * mean
+            out[1 + self.num_features :] += n * (var + mean * mean)
         return out
 
     @torch.no_grad()
@@ -128,8 +132,8 @@ class BatchNorm(_BatchNorm):
         if n == 0:
             return
         c = self.num_features
-        mean = sums[1:1 + c] / n  # (C,) float64
-        var = (sums[1 + c:] / n - mean * mean).clamp_min(0.0)  # (C,) biased
+        mean = sums[1 : 1 + c] / n  # (C,) float64
+        var = (sums[1 + c :] / n - mean * mean).clamp_min(0.0)  # (C,) biased
         unbiased = var * (n / (n - 1)) if n > 1 else var
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else float(self.momentum)
@@ -148,16 +152,16 @@ def _moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
 class StepStatistics:
     """The engine's hold on every :class:`BatchNorm` of a model for one step::
 
-        with StepStatistics(model) as bn:
-            ... first pass; re-forwards inside ``with bn.replay():`` ...
-            if not skipped:
-                bn.commit()  # every rank, after the update
+    with StepStatistics(model) as bn:
+        ... first pass; re-forwards inside ``with bn.replay():`` ...
+        if not skipped:
+            bn.commit()  # every rank, after the update
     """
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, BatchNorm)]
 
-    def __enter__(self) -> "StepStatistics":
+    def __enter__(self) -> StepStatistics:
         for layer in self.layers:
             layer._records, layer._replaying = [], False
         return self
@@ -189,7 +193,7 @@ class StepStatistics:
         offset = 0
         for layer in recording:
             size = 1 + 2 * layer.num_features
-            layer._update_running(sums[offset:offset + size])
+            layer._update_running(sums[offset : offset + size])
             offset += size
             layer._records = []
 
@@ -221,21 +225,35 @@ def convert_batchnorm(model: nn.Module, mode: str) -> int:
 
 def _converted(old: _BatchNorm, mode: str, name: str) -> BatchNorm:
     if not old.track_running_stats:
-        raise ConfigError(f"config key 'model.batchnorm': layer {name!r} keeps no running statistics "
-                          f"(track_running_stats=False), which {mode!r} needs")
+        raise ConfigError(
+            f"config key 'model.batchnorm': layer {name!r} keeps no running statistics "
+            f"(track_running_stats=False), which {mode!r} needs"
+        )
     dims = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}.get(type(old), (2, 3, 4, 5))
-    new = BatchNorm(old.num_features, mode, dims, eps=old.eps, momentum=old.momentum, affine=False,
-                    track_running_stats=True, device=old.running_mean.device, dtype=old.running_mean.dtype)
+    new = BatchNorm(
+        old.num_features,
+        mode,
+        dims,
+        eps=old.eps,
+        momentum=old.momentum,
+        affine=False,
+        track_running_stats=True,
+        device=old.running_mean.device,
+        dtype=old.running_mean.dtype,
+    )
     # share, not copy: the same Parameter objects (requires_grad, optimiser membership) and buffers
     new.weight, new.bias = old.weight, old.bias
     new.affine = old.affine
-    new.running_mean, new.running_var, new.num_batches_tracked = (old.running_mean, old.running_var,
-                                                                  old.num_batches_tracked)
+    new.running_mean, new.running_var, new.num_batches_tracked = (
+        old.running_mean,
+        old.running_var,
+        old.num_batches_tracked,
+    )
     new.train(old.training)
     return new
 
 
-def check_batchnorm(model: nn.Module, mode: Optional[str], *, chunks: int, world_size: int) -> Optional[str]:
+def check_batchnorm(model: nn.Module, mode: str | None, *, chunks: int, world_size: int) -> str | None:
     """The engine's gate, before DeepSpeed is built: a model with BatchNorm under gradient
     caching or several ranks needs an explicit ``model.batchnorm`` (one-line ConfigError);
     with one, unconverted layers are converted.  Returns the line to log, if any."""
@@ -244,20 +262,35 @@ def check_batchnorm(model: nn.Module, mode: Optional[str], *, chunks: int, world
     if mode is None:
         if chunks > 1 or world_size > 1:
             rows = " of ".join(w for w, on in (("one chunk", chunks > 1), ("one rank", world_size > 1)) if on)
-            where = " and ".join(w for w, on in (("gradient caching", chunks > 1),
-                                                 (f"{world_size} processes", world_size > 1)) if on)
-            raise ConfigError(f"config key 'model.batchnorm' must be set (frozen | sync | local): the model has "
-                              f"BatchNorm layers, and under {where} each forward would normalise with the "
-                              f"statistics of {rows} (the gradient is then not the full batch's)")
+            where = " and ".join(
+                w
+                for w, on in (("gradient caching", chunks > 1), (f"{world_size} processes", world_size > 1))
+                if on
+            )
+            raise ConfigError(
+                f"config key 'model.batchnorm' must be set (frozen | sync | local): the model has "
+                f"BatchNorm layers, and under {where} each forward would normalise with the "
+                f"statistics of {rows} (the gradient is then not the full batch's)"
+            )
         return None
     n = convert_batchnorm(model, mode)
-    return f"model.batchnorm={mode}: {n} BatchNorm layers " + {
-        "frozen": "normalise with their running statistics, never updated (eval-mode maths); gradients are exact",
-        "local": (f"normalise each forward with its own rows' statistics (one of {chunks} chunks per step, on one of "
-                  f"{world_size} ranks: 'ghost' batch norm, not the full batch's); running statistics take one "
-                  f"update per step from the whole global batch"),
-        "sync": ("normalise with the statistics of the same chunk of every rank" +
-                 (f" (still per chunk under gradient caching: {chunks} chunks per step)" if chunks > 1 else
-                  " (the full global batch: no caching)") +
-                 "; running statistics take one update per step from the whole global batch"),
-    }[mode]
+    return (
+        f"model.batchnorm={mode}: {n} BatchNorm layers "
+        + {
+            "frozen": "normalise with their running statistics, never updated (eval-mode maths); gradients are exact",
+            "local": (
+                f"normalise each forward with its own rows' statistics (one of {chunks} chunks per step, on one of "
+                f"{world_size} ranks: 'ghost' batch norm, not the full batch's); running statistics take one "
+                f"update per step from the whole global batch"
+            ),
+            "sync": (
+                "normalise with the statistics of the same chunk of every rank"
+                + (
+                    f" (still per chunk under gradient caching: {chunks} chunks per step)"
+                    if chunks > 1
+                    else " (the full global batch: no caching)"
+                )
+                + "; running statistics take one update per step from the whole global batch"
+            ),
+        }[mode]
+    )

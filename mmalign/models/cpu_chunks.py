@@ -55,4 +55,4 @@ def in_pieces(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, size:
     """``fn(x)`` computed ``size`` rows at a time (at once when ``size`` is None or covers x)."""
     if size is None or len(x) <= size:
         return fn(x)
-    return torch.cat([fn(x[s:s + size]) for s in range(0, len(x), size)])
+    return torch.cat([fn(x[s : s + size]) for s in range(0, len(x), size)])

@@ -13,8 +13,8 @@ refused (``TypeError``), not silently dropped.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from torch import Tensor
 
@@ -41,12 +41,12 @@ class Embeddings:
     Features are L2-normalised joint-space vectors (after each tower's projection).
     """
 
-    image: Optional[Tensor] = per_sample("(B, D) features of the images")
-    text: Optional[Tensor] = per_sample("(B, D) features of the captions")
-    image2: Optional[Tensor] = per_sample("(B, D) features of the second augmented view")
-    neg_text: Optional[Tensor] = per_sample("(B, k, D) features of the k mined negative captions")
-    logit_scale: Optional[Tensor] = per_step("(1,) the exponentiated temperature scale")
-    logit_bias: Optional[Tensor] = per_step("(1,) the SigLIP bias")
+    image: Tensor | None = per_sample("(B, D) features of the images")
+    text: Tensor | None = per_sample("(B, D) features of the captions")
+    image2: Tensor | None = per_sample("(B, D) features of the second augmented view")
+    neg_text: Tensor | None = per_sample("(B, k, D) features of the k mined negative captions")
+    logit_scale: Tensor | None = per_step("(1,) the exponentiated temperature scale")
+    logit_bias: Tensor | None = per_step("(1,) the SigLIP bias")
 
     @classmethod
     def kinds(cls) -> dict[str, str]:
@@ -55,20 +55,25 @@ class Embeddings:
         for f in dataclasses.fields(cls):
             kind = f.metadata.get("kind")
             if kind not in (PER_SAMPLE, PER_STEP):
-                raise TypeError(f"{cls.__name__}.{f.name} needs per_sample() or per_step() as its field "
-                                f"(the gradient cache must know how to split it)")
+                raise TypeError(
+                    f"{cls.__name__}.{f.name} needs per_sample() or per_step() as its field "
+                    f"(the gradient cache must know how to split it)"
+                )
             out[f.name] = kind
         return out
 
     def tensors(self, kind: str | None = None) -> dict[str, Tensor]:
         """The present (not None) fields, optionally only those of ``kind``, in field order."""
-        return {name: getattr(self, name) for name, k in self.kinds().items()
-                if getattr(self, name) is not None and (kind is None or k == kind)}
+        return {
+            name: getattr(self, name)
+            for name, k in self.kinds().items()
+            if getattr(self, name) is not None and (kind is None or k == kind)
+        }
 
-    def replace(self, **changes) -> "Embeddings":
+    def replace(self, **changes) -> Embeddings:
         """A copy of the same class with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
 
-    def map(self, fn: Callable[[Tensor], Tensor]) -> "Embeddings":
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Embeddings:
         """``fn`` applied to every present field (e.g. ``.float()`` after autocast)."""
         return self.replace(**{k: fn(v) for k, v in self.tensors().items()})

@@ -19,14 +19,12 @@ module is added after the towers are built.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 from open_clip.transformer import PatchDropout, VisionTransformer
 from torch import nn
 
 from mmalign.errors import ConfigError
-
 
 VIEW2 = 0x5DEECE66D  # a second view's rows draw from their seed xor this (another mask than the first view's)
 
@@ -37,7 +35,7 @@ class SeededPatchDropout(PatchDropout):
 
     def __init__(self, prob: float):
         super().__init__(prob, exclude_first_token=True)
-        self.row_seeds: Optional[list[int]] = None  # set around an image encode (:func:`seeded`)
+        self.row_seeds: list[int] | None = None  # set around an image encode (:func:`seeded`)
 
     # Not traced by torch.compile: the seeds are new host values every step (a traced read of them
     # would recompile each step), and the scores come from host-side generators.
@@ -49,20 +47,23 @@ class SeededPatchDropout(PatchDropout):
             raise ValueError(f"patch dropout: {len(self.row_seeds)} seeds for {x.shape[0]} rows")
         cls_tokens, patches = x[:, :1], x[:, 1:]  # (B, 1, W), (B, P, W)
         n = patches.shape[1]
-        index = kept_patches(tuple(self.row_seeds), n, max(1, int(n * (1 - self.prob)))).to(x.device)  # (B, K)
+        index = kept_patches(tuple(self.row_seeds), n, max(1, int(n * (1 - self.prob)))).to(
+            x.device
+        )  # (B, K)
         kept = patches.gather(1, index[..., None].expand(-1, -1, patches.shape[-1]))  # (B, K, W)
         return torch.cat([cls_tokens, kept], dim=1)  # (B, 1 + K, W)
 
 
 def kept_patches(seeds: tuple[int, ...], patches: int, keep: int) -> torch.Tensor:
     """Per row, the ``keep`` patch indices with the highest scores its seed draws: (B, K) on the CPU."""
-    scores = torch.stack([torch.rand(patches, generator=torch.Generator().manual_seed(int(s)))
-                          for s in seeds])  # (B, P)
+    scores = torch.stack(
+        [torch.rand(patches, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    )  # (B, P)
     return scores.topk(keep, dim=-1).indices
 
 
 @contextlib.contextmanager
-def seeded(tower: nn.Module, seeds: Optional[list[int]]):
+def seeded(tower: nn.Module, seeds: list[int] | None):
     """Every SeededPatchDropout of ``tower`` draws row i's mask from ``seeds[i]`` inside."""
     modules = [m for m in tower.modules() if isinstance(m, SeededPatchDropout)]
     for m in modules:
@@ -79,8 +80,10 @@ def add_patch_dropout(model: nn.Module, prob: float) -> None:
     tower (ResNet, timm) is a one-line ConfigError: it has no patch tokens to drop here."""
     visual = model.visual
     if not isinstance(visual, VisionTransformer):
-        raise ConfigError(f"config key 'model.patch_dropout': needs an open_clip ViT image tower, "
-                          f"the {type(visual).__name__} tower has no patch tokens to drop")
+        raise ConfigError(
+            f"config key 'model.patch_dropout': needs an open_clip ViT image tower, "
+            f"the {type(visual).__name__} tower has no patch tokens to drop"
+        )
     visual.patch_dropout = SeededPatchDropout(prob)  # the class token is always kept
 
 

@@ -37,9 +37,11 @@ def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None
 
 
 ATTENTION_FLOP_FORMULAS = {
-    op: formula for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
-                                      ("_scaled_dot_product_flash_attention_for_cpu_backward",
-                                       _attention_backward_flops))
+    op: formula
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops),
+    )
     if (op := getattr(_aten, name, None)) is not None
 }
 

@@ -24,14 +24,28 @@ from mmalign.models.arch import FILE, HF_CONFIG, HF_DIR, OPEN_CLIP_DIR, _hf_arch
 from mmalign.models.keymaps import BLOCK_KEYS, IN_PROJ, QKV, SCALARS, SCALE, TOP_KEYS, TOWERS, block_prefixes
 
 # open_clip's own search order for a local-dir folder's weights (safetensors first)
-OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
-                     "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth", "model.safetensors",
-                     "pytorch_model.bin")
+OPEN_CLIP_WEIGHTS = (
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "open_clip_pytorch_model.pth",
+    "model.safetensors",
+    "pytorch_model.bin",
+)
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-HF_BUFFERS = ("vision_model.embeddings.position_ids", "text_model.embeddings.position_ids")  # aranges, not weights
+HF_BUFFERS = (
+    "vision_model.embeddings.position_ids",
+    "text_model.embeddings.position_ids",
+)  # aranges, not weights
 # open_clip's plain CLIP: the text tower's modules at the top level (CustomTextCLIP: under text.)
-CLIP_TEXT_MODULES = ("token_embedding", "positional_embedding", "transformer", "ln_final", "text_projection",
-                     "attn_mask")
+CLIP_TEXT_MODULES = (
+    "token_embedding",
+    "positional_embedding",
+    "transformer",
+    "ln_final",
+    "text_projection",
+    "attn_mask",
+)
 
 
 # ---------------------------------------------------------------- weights
@@ -60,14 +74,16 @@ def _read_weights(file: Path, key: str, meta: bool = False) -> dict:
                 state = torch.load(str(file), map_location="cpu", weights_only=True)  # legacy format: no mmap
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise ConfigError(f"config key '{key}': {file} is not a plain weights file ({type(e).__name__}: {first}); "
-                          f"not loaded") from None
+        raise ConfigError(
+            f"config key '{key}': {file} is not a plain weights file ({type(e).__name__}: {first}); "
+            f"not loaded"
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # open_clip_train: {"epoch", "name", "state_dict", "optimizer", ...}
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"config key '{key}': {file} holds no state dict of tensors")
     if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}  # saved from a DDP-wrapped model
+        state = {k[len("module.") :]: v for k, v in state.items()}  # saved from a DDP-wrapped model
     return {k: v.to("meta") for k, v in state.items()} if meta else state
 
 
@@ -130,6 +146,9 @@ def read_foreign(path: Path, key: str, meta: bool = False) -> dict | None:
         return from_open_clip(_read_weights(_first(path, OPEN_CLIP_WEIGHTS, key, kind), key, meta))
     if kind == HF_DIR:
         arch = _hf_arch(_read_json(path / HF_CONFIG, key), path, key)
-        return from_hf(_read_weights(_first(path, HF_WEIGHTS, key, kind), key, meta), arch["vision_cfg"]["layers"],
-                       arch["text_cfg"]["layers"])
+        return from_hf(
+            _read_weights(_first(path, HF_WEIGHTS, key, kind), key, meta),
+            arch["vision_cfg"]["layers"],
+            arch["text_cfg"]["layers"],
+        )
     return None

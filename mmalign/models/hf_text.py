@@ -28,10 +28,21 @@ from mmalign.errors import ConfigError
 
 LOCAL_DIR = "hf_local_dir"  # the user's key in model.text
 SAVED_DIR = "hf_text"  # the copy beside a saved model's weights
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 # files a transformers tokenizer may be saved as (any one makes a tokenizer)
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json")
 DEFAULT_CONTEXT = 77  # open_clip's, when neither model.text.context_length nor a smaller model limit is given
 
@@ -53,35 +64,51 @@ def apply_local_dir(text_cfg: dict, preset: str | None) -> dict:
         name = text_cfg.get("hf_model_name") or text_cfg.get("hf_tokenizer_name")
         if name and Path(name).is_dir():  # an arch already resolved (a saved model's, made absolute)
             return text_cfg
-        raise ConfigError(f"config key 'model.preset': {preset!r} uses a Hugging Face text tower by hub name "
-                          f"({name!r}), not supported offline: save it on a connected machine and set "
-                          f"model.text.{LOCAL_DIR} to that folder")
+        raise ConfigError(
+            f"config key 'model.preset': {preset!r} uses a Hugging Face text tower by hub name "
+            f"({name!r}), not supported offline: save it on a connected machine and set "
+            f"model.text.{LOCAL_DIR} to that folder"
+        )
     path = Path(folder).expanduser()
     key = f"config key 'model.text.{LOCAL_DIR}'"
     if not path.is_dir():
         raise ConfigError(f"{key}: {folder} is not a folder")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{key}: {folder} has no config.json (save it with AutoModel/AutoConfig.save_pretrained)")
+        raise ConfigError(
+            f"{key}: {folder} has no config.json (save it with AutoModel/AutoConfig.save_pretrained)"
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(f"{key}: {folder} has no tokenizer ({' / '.join(TOKENIZER_FILES[:3])}; save it with "
-                          f"AutoTokenizer.save_pretrained into the same folder)")
+        raise ConfigError(
+            f"{key}: {folder} has no tokenizer ({' / '.join(TOKENIZER_FILES[:3])}; save it with "
+            f"AutoTokenizer.save_pretrained into the same folder)"
+        )
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: {path / 'config.json'} is not valid JSON ({str(e).splitlines()[0]})") from None
+        raise ConfigError(
+            f"{key}: {path / 'config.json'} is not valid JSON ({str(e).splitlines()[0]})"
+        ) from None
     from open_clip.hf_configs import arch_dict
 
     if config.get("model_type") not in arch_dict:
-        raise ConfigError(f"{key}: model_type {config.get('model_type')!r} of {folder} is not one open_clip's "
-                          f"HFTextEncoder knows ({', '.join(sorted(arch_dict))})")
+        raise ConfigError(
+            f"{key}: model_type {config.get('model_type')!r} of {folder} is not one open_clip's "
+            f"HFTextEncoder knows ({', '.join(sorted(arch_dict))})"
+        )
     limit = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT)
     length = int(text_cfg.get("context_length") or min(DEFAULT_CONTEXT, limit))
     if length > limit:
-        raise ConfigError(f"config key 'model.text.context_length'={length} exceeds the max_position_embeddings "
-                          f"({limit}) of {folder}")
+        raise ConfigError(
+            f"config key 'model.text.context_length'={length} exceeds the max_position_embeddings "
+            f"({limit}) of {folder}"
+        )
     absolute = str(path.resolve())
-    text_cfg.update(hf_model_name=absolute, hf_tokenizer_name=absolute, context_length=length,
-                    hf_model_pretrained=any((path / f).is_file() for f in WEIGHT_FILES))
+    text_cfg.update(
+        hf_model_name=absolute,
+        hf_tokenizer_name=absolute,
+        context_length=length,
+        hf_model_pretrained=any((path / f).is_file() for f in WEIGHT_FILES),
+    )
     text_cfg["vocab_size"] = int(config.get("vocab_size", 0))  # the model's own (for the tokenizer check)
     return text_cfg
 
@@ -94,12 +121,15 @@ def check_tokenizer(text_cfg: dict) -> None:
     try:
         tok = HFTextTokenizer(text_cfg["hf_tokenizer_name"], int(text_cfg["context_length"]))
     except Exception as e:  # transformers raises OSError / ValueError / its own types for a broken folder
-        raise ConfigError(f"{key}: its tokenizer cannot be loaded ({type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})") from None
+        raise ConfigError(
+            f"{key}: its tokenizer cannot be loaded ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})"
+        ) from None
     vocab = int(text_cfg.get("vocab_size") or 0)
     if tok.vocab_size > vocab:
-        raise ConfigError(f"{key}: its tokenizer has {tok.vocab_size} ids, more than the model config's "
-                          f"vocab_size {vocab}")
+        raise ConfigError(
+            f"{key}: its tokenizer has {tok.vocab_size} ids, more than the model config's vocab_size {vocab}"
+        )
 
 
 def absolutize(arch: dict, base_dir: str | Path | None) -> dict:
@@ -132,9 +162,21 @@ def record_for_save(arch: dict, out: Path) -> tuple[dict, dict]:
     copy_config_and_tokenizer(text["hf_model_name"], out / SAVED_DIR)
     arch = copy.deepcopy(arch)
     arch["text_cfg"].update(hf_model_name=SAVED_DIR, hf_tokenizer_name=SAVED_DIR, hf_model_pretrained=False)
-    return arch, {"type": "hf", "folder": SAVED_DIR, "context_length": int(text["context_length"]),
-                  "vocab_size": int(text.get("vocab_size") or 0)}
+    return arch, {
+        "type": "hf",
+        "folder": SAVED_DIR,
+        "context_length": int(text["context_length"]),
+        "vocab_size": int(text.get("vocab_size") or 0),
+    }
 
 
-__all__ = ["LOCAL_DIR", "SAVED_DIR", "absolutize", "apply_local_dir", "check_tokenizer", "copy_config_and_tokenizer",
-           "is_hf_text", "record_for_save"]
+__all__ = [
+    "LOCAL_DIR",
+    "SAVED_DIR",
+    "absolutize",
+    "apply_local_dir",
+    "check_tokenizer",
+    "copy_config_and_tokenizer",
+    "is_hf_text",
+    "record_for_save",
+]

@@ -35,7 +35,14 @@ import torch
 from mmalign.config import ConfigError, ModelConfig
 from mmalign.models.arch import differences, pretrained_arch, source_arch  # noqa: F401 (pretrained_arch: re-exported)
 from mmalign.models.foreign_weights import (  # noqa: F401 (re-exported: their old home)
-    CLIP_TEXT_MODULES, HF_BUFFERS, HF_WEIGHTS, OPEN_CLIP_WEIGHTS, _read_weights, from_hf, from_open_clip, read_foreign,
+    CLIP_TEXT_MODULES,
+    HF_BUFFERS,
+    HF_WEIGHTS,
+    OPEN_CLIP_WEIGHTS,
+    _read_weights,
+    from_hf,
+    from_open_clip,
+    read_foreign,
 )
 
 log = logging.getLogger(__name__)
@@ -86,20 +93,28 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
             arch = source_arch(path, key)
             differ = [] if arch is None else differences(model.arch, arch, (TOWER_CFG[tower],))
             if differ:
-                raise ConfigError(f"config key '{key}': the {tower} tower of {path} differs from the model's "
-                                  f"({'; '.join(differ[:3])})")
+                raise ConfigError(
+                    f"config key '{key}': the {tower} tower of {path} differs from the model's "
+                    f"({'; '.join(differ[:3])})"
+                )
             state = {k: v for k, v in state.items() if k.startswith(tower + ".")}
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
         if wrong:
             k = wrong[0]
-            raise ConfigError(f"config key '{key}': {path} has {k} of shape {tuple(state[k].shape)}, the model needs "
-                              f"{tuple(own[k].shape)}" + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-        report = "; ".join(([f"missing {_few(missing)}"] if missing else [])
-                           + ([f"unexpected {_few(unexpected)}"] if unexpected else []))
+            raise ConfigError(
+                f"config key '{key}': {path} has {k} of shape {tuple(state[k].shape)}, the model needs "
+                f"{tuple(own[k].shape)}" + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else "")
+            )
+        report = "; ".join(
+            ([f"missing {_few(missing)}"] if missing else [])
+            + ([f"unexpected {_few(unexpected)}"] if unexpected else [])
+        )
         if report and cfg.pretrained_strict:
-            raise ConfigError(f"config key '{key}': {path} does not fit the model: {report} "
-                              f"(model.pretrained_strict: false loads the rest)")
+            raise ConfigError(
+                f"config key '{key}': {path} does not fit the model: {report} "
+                f"(model.pretrained_strict: false loads the rest)"
+            )
         if meta:
             continue
         if report:
@@ -110,5 +125,12 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
         log.info("%s: %d weights from %s", key, len(set(own) & set(state)), path)
 
 
-__all__ = ["differences", "from_hf", "from_open_clip", "load_pretrained_weights", "pretrained_arch", "read_state",
-           "source_arch"]
+__all__ = [
+    "differences",
+    "from_hf",
+    "from_open_clip",
+    "load_pretrained_weights",
+    "pretrained_arch",
+    "read_state",
+    "source_arch",
+]

@@ -23,8 +23,14 @@ CONFIG = "model_config.json"
 TOKENIZER = "tokenizer.model"  # a sentencepiece tokenizer, when the model uses one
 
 
-def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, extra: dict | None = None,
-                    state_dict: dict | None = None) -> Path:
+def save_pretrained(
+    model: TwoTower,
+    out_dir: str | Path,
+    *,
+    preprocess: dict,
+    extra: dict | None = None,
+    state_dict: dict | None = None,
+) -> Path:
     """Write the model; ``state_dict`` overrides the module's own (e.g. consolidated ZeRO shards)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -36,7 +42,9 @@ def save_pretrained(model: TwoTower, out_dir: str | Path, *, preprocess: dict, e
     arch, tokenizer = _record_tokenizer(model, out)
     config = {
         "arch": arch,
-        "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0]),
+        "init_logit_bias": None
+        if model.logit_bias is None
+        else float(model.logit_bias.detach().reshape(-1)[0]),
         "max_logit_scale": model.max_logit_scale,
         "preprocess_cfg": preprocess,
         "tokenizer": tokenizer,
@@ -53,7 +61,9 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     from mmalign.data.tokenizer import SPM_KEY
     from mmalign.models.tokenizers import tokenizer_file
 
-    if callable(getattr(model.towers.text, "export_files", None)):  # an HF text tower: config + tokenizer in hf_text/
+    if callable(
+        getattr(model.towers.text, "export_files", None)
+    ):  # an HF text tower: config + tokenizer in hf_text/
         from mmalign.models.hf_text import record_for_save
 
         return record_for_save(model.arch, out)
@@ -65,8 +75,12 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
         shutil.copyfile(source, target)
     arch = copy.deepcopy(model.arch)
     arch["text_cfg"]["tokenizer_kwargs"] = {SPM_KEY: TOKENIZER}  # relative to the model folder
-    return arch, {"type": "sentencepiece", "file": TOKENIZER, "context_length": model.context_length,
-                  "vocab_size": int(arch["text_cfg"]["vocab_size"])}
+    return arch, {
+        "type": "sentencepiece",
+        "file": TOKENIZER,
+        "context_length": model.context_length,
+        "vocab_size": int(arch["text_cfg"]["vocab_size"]),
+    }
 
 
 def respect_umask(*paths: str | Path) -> None:
@@ -128,13 +142,16 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
             max_logit_scale=config.get("max_logit_scale", 100.0),
         )
     except Exception as e:  # open_clip's constructors on a bad arch
-        raise UsageError(f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: "
-                         f"{first_line(e)}") from None
+        raise UsageError(
+            f"model folder {d}: its 'arch' cannot be built: {type(e).__name__}: {first_line(e)}"
+        ) from None
     try:
         state = load_file(str(d / WEIGHTS), device=map_location)
     except Exception as e:  # safetensors raises its own error types for truncated / foreign files
-        raise UsageError(f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
-                         f"({type(e).__name__}: {first_line(e)})") from None
+        raise UsageError(
+            f"model folder {d}: {WEIGHTS} is not a readable safetensors file "
+            f"({type(e).__name__}: {first_line(e)})"
+        ) from None
     problem = misfit(model.state_dict(), state)
     if problem:
         raise UsageError(f"model folder {d}: {WEIGHTS} does not fit its {CONFIG}: {problem}")
@@ -143,4 +160,12 @@ def load_pretrained(path: str | Path, map_location: str = "cpu") -> tuple[TwoTow
     return model, config
 
 
-__all__ = ["CONFIG", "WEIGHTS", "load_pretrained", "misfit", "resolve_model_dir", "respect_umask", "save_pretrained"]
+__all__ = [
+    "CONFIG",
+    "WEIGHTS",
+    "load_pretrained",
+    "misfit",
+    "resolve_model_dir",
+    "respect_umask",
+    "save_pretrained",
+]

@@ -29,8 +29,13 @@ TOP_KEYS: tuple[tuple[str, str, bool], ...] = (
 TOWERS = (("visual", "vision_model"), ("text", "text_model"))  # our prefix, HF's
 # per transformer block i: ours under ``{tower}.transformer.resblocks.{i}.``, HF's under
 # ``{hf}.encoder.layers.{i}.``, each with .weight and .bias
-BLOCK_KEYS = (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"),
-              ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
+BLOCK_KEYS = (
+    ("attn.out_proj", "self_attn.out_proj"),
+    ("ln_1", "layer_norm1"),
+    ("ln_2", "layer_norm2"),
+    ("mlp.c_fc", "mlp.fc1"),
+    ("mlp.c_proj", "mlp.fc2"),
+)
 IN_PROJ = "attn.in_proj"  # ours (3W, W) / (3W,), chunked in QKV order into HF's separate projections
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 SCALE = "logit_scale"  # HF keeps log(scale) 0-dim, we keep it in shape [1]

@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -45,7 +45,6 @@ from mmalign.models.two_tower import TwoTower
 log = logging.getLogger(__name__)
 
 EXPORT = "export"  # Loaded.kind of an open_clip / HF folder
-
 
 
 @dataclass
@@ -94,8 +93,8 @@ class Loaded:
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final``,
     ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``."""
-    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
     from mmalign.models.io import load_pretrained
+    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
 
     kind, folder = (EXPORT, Path(path)) if _export_kind(Path(path)) else locate(path)
     if kind == EXPORT:
@@ -158,11 +157,16 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
         bias = state.get("logit_bias")
         model = TwoTower(arch, init_logit_bias=None if bias is None else float(bias.reshape(-1)[0]))
     except ConfigError as e:
-        why = first_line(e).removeprefix("config key 'model.pretrained': ").removeprefix("config key '--model': ")
+        why = (
+            first_line(e)
+            .removeprefix("config key 'model.pretrained': ")
+            .removeprefix("config key '--model': ")
+        )
         raise UsageError(f"export folder {folder}: {why}") from None
     except Exception as e:  # open_clip's constructors on a bad tower setting
-        raise UsageError(f"export folder {folder}: its towers cannot be built: {type(e).__name__}: {first_line(e)}") \
-            from None
+        raise UsageError(
+            f"export folder {folder}: its towers cannot be built: {type(e).__name__}: {first_line(e)}"
+        ) from None
     problem = misfit(model.state_dict(), state)
     if problem:
         raise UsageError(f"export folder {folder}: its weights do not fit its own config: {problem}")
@@ -172,13 +176,27 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
     if (folder / OPEN_CLIP_CONFIG).is_file():  # its own size; our eval transform keeps OpenAI's mean and std
         shipped = json.loads((folder / OPEN_CLIP_CONFIG).read_text()).get("preprocess_cfg") or {}
         pre.update({k: v for k, v in shipped.items() if k == "size"})
-        other = [k for k in ("mean", "std") if k in shipped and [round(float(x), 4) for x in shipped[k]]
-                 != [round(float(x), 4) for x in pre[k]]]
+        other = [
+            k
+            for k in ("mean", "std")
+            if k in shipped
+            and [round(float(x), 4) for x in shipped[k]] != [round(float(x), 4) for x in pre[k]]
+        ]
         if other:
-            log.warning("export folder %s asks for its own image %s; mmalign's eval transform uses OpenAI's "
-                        "(embeddings differ slightly from open_clip's own preprocessing)", folder, " and ".join(other))
-    config = {"arch": model.arch, "max_logit_scale": model.max_logit_scale, "preprocess_cfg": pre,
-              "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0])}
+            log.warning(
+                "export folder %s asks for its own image %s; mmalign's eval transform uses OpenAI's "
+                "(embeddings differ slightly from open_clip's own preprocessing)",
+                folder,
+                " and ".join(other),
+            )
+    config = {
+        "arch": model.arch,
+        "max_logit_scale": model.max_logit_scale,
+        "preprocess_cfg": pre,
+        "init_logit_bias": None
+        if model.logit_bias is None
+        else float(model.logit_bias.detach().reshape(-1)[0]),
+    }
     return model, config
 
 
@@ -205,13 +223,21 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         arch = resolve_arch(cfg.model)
         # plain torch BatchNorm whatever model.batchnorm says, as final/ is loaded (the
         # modes differ in train mode only)
-        model = TwoTower(arch, init_logit_scale=cfg.model.init_logit_scale, init_logit_bias=cfg.model.init_logit_bias,
-                         max_logit_scale=cfg.model.max_logit_scale)
+        model = TwoTower(
+            arch,
+            init_logit_scale=cfg.model.init_logit_scale,
+            init_logit_bias=cfg.model.init_logit_bias,
+            max_logit_scale=cfg.model.max_logit_scale,
+        )
     except ConfigError as e:
-        raise UsageError(f"step checkpoint {step_dir}: its config {config_file} cannot be used ({e})") from None
+        raise UsageError(
+            f"step checkpoint {step_dir}: its config {config_file} cannot be used ({e})"
+        ) from None
     except Exception as e:  # open_clip's constructors on a bad tower setting
-        raise UsageError(f"step checkpoint {step_dir}: the towers of {config_file} cannot be built: "
-                         f"{type(e).__name__}: {first_line(e)}") from None
+        raise UsageError(
+            f"step checkpoint {step_dir}: the towers of {config_file} cannot be built: "
+            f"{type(e).__name__}: {first_line(e)}"
+        ) from None
     try:
         state = consolidate_checkpoint(step_dir, ENGINE_TAG)
     except FileNotFoundError as e:
@@ -220,9 +246,12 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         # weights_only refuses anything but tensors and plain containers (a planted or
         # foreign pickle); a cut file fails as RuntimeError/EOFError.
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        why = f"it would import {refused.group(1)}" if refused else f"{type(e).__name__}: {first_line(e)[:160]}"
-        raise UsageError(f"step checkpoint {step_dir} holds a file that is not a plain weights file "
-                         f"({why}); not loaded") from None
+        why = (
+            f"it would import {refused.group(1)}" if refused else f"{type(e).__name__}: {first_line(e)[:160]}"
+        )
+        raise UsageError(
+            f"step checkpoint {step_dir} holds a file that is not a plain weights file ({why}); not loaded"
+        ) from None
     problem = misfit(model.state_dict(), state)
     if problem:
         raise UsageError(f"step checkpoint {step_dir}: its weights do not fit {config_file}: {problem}")
@@ -231,7 +260,9 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     model.load_state_dict(state, strict=True)
     config = {
         "arch": model.arch,
-        "init_logit_bias": None if model.logit_bias is None else float(model.logit_bias.detach().reshape(-1)[0]),
+        "init_logit_bias": None
+        if model.logit_bias is None
+        else float(model.logit_bias.detach().reshape(-1)[0]),
         "max_logit_scale": model.max_logit_scale,
         "preprocess_cfg": preprocess_cfg(model.image_size),
         "train_config": to_dict(cfg),
@@ -239,4 +270,13 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
     return model, config
 
 
-__all__ = ["CHECKPOINT", "EXPORT", "MODEL", "Loaded", "checkpoint_config", "is_step_checkpoint", "load", "locate"]
+__all__ = [
+    "CHECKPOINT",
+    "EXPORT",
+    "MODEL",
+    "Loaded",
+    "checkpoint_config",
+    "is_step_checkpoint",
+    "load",
+    "locate",
+]

@@ -59,10 +59,16 @@ def checkpoint_config(step_dir: Path) -> Path:
         return own
     run_config = step_dir.resolve().parent.parent / CONFIG_FILE
     if not run_config.is_file():
-        raise UsageError(f"step checkpoint {step_dir} has no {CONFIG_FILE} of its own, nor the run at {run_config}")
-    log.warning("step checkpoint %s has no %s of its own (written before checkpoints stored their config); "
-                "rebuilding it from %s, which may have been edited since the checkpoint", step_dir, CONFIG_FILE,
-                run_config)
+        raise UsageError(
+            f"step checkpoint {step_dir} has no {CONFIG_FILE} of its own, nor the run at {run_config}"
+        )
+    log.warning(
+        "step checkpoint %s has no %s of its own (written before checkpoints stored their config); "
+        "rebuilding it from %s, which may have been edited since the checkpoint",
+        step_dir,
+        CONFIG_FILE,
+        run_config,
+    )
     return run_config
 
 

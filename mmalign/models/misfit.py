@@ -19,9 +19,13 @@ def misfit(own: dict, state: dict) -> str | None:
     def few(keys):
         return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
 
-    parts = ([f"missing {few(missing)}"] if missing else []) + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+    parts = ([f"missing {few(missing)}"] if missing else []) + (
+        [f"unexpected {few(unexpected)}"] if unexpected else []
+    )
     if wrong:
         k = wrong[0]
-        parts.append(f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
-                     + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+        parts.append(
+            f"shape of {k} is {tuple(state[k].shape)}, the arch needs {tuple(own[k].shape)}"
+            + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else "")
+        )
     return "; ".join(parts)

@@ -24,8 +24,6 @@ tower whose only mask is its causal one) passes ``is_causal=True`` instead of th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,19 +37,42 @@ class PackedSelfAttention(nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with a direct batch-first self-attention path (module doc)."""
 
     def _packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> bool:
-        return (self.batch_first and self._qkv_same_embed_dim and self.bias_k is None and not self.add_zero_attn
-                and query is key and key is value and query.dim() == 3 and key_padding_mask is None
-                and not need_weights and not is_causal
-                and (attn_mask is None or (attn_mask.dim() == 2 and attn_mask.is_floating_point())))
+        return (
+            self.batch_first
+            and self._qkv_same_embed_dim
+            and self.bias_k is None
+            and not self.add_zero_attn
+            and query is key
+            and key is value
+            and query.dim() == 3
+            and key_padding_mask is None
+            and not need_weights
+            and not is_causal
+            and (attn_mask is None or (attn_mask.dim() == 2 and attn_mask.is_floating_point()))
+        )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
-                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ):
         if not self._packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
-            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
-                                   is_causal=is_causal)
+            return super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
         b, n, e = query.shape
         h = self.num_heads
         qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3E)
@@ -61,8 +82,9 @@ class PackedSelfAttention(nn.MultiheadAttention):
             attn_mask, causal = None, True  # mark_causal: this (N, N) mask is the causal one
         elif attn_mask is not None:
             attn_mask = attn_mask.to(q.dtype)  # (N, N) additive, as nn.MultiheadAttention reads a float mask
-        out = attention_kernel.attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                         dropout_p=self.dropout if self.training else 0.0)  # (B, H, N, E/H)
+        out = attention_kernel.attention(
+            q, k, v, attn_mask=attn_mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, N, E/H)
         out = out.transpose(1, 2).reshape(b, n, e)  # (B, N, E)
         return F.linear(out, self.out_proj.weight, self.out_proj.bias), None
 
@@ -87,8 +109,14 @@ def mark_causal(text: nn.Module) -> int:
     from open_clip.transformer import TextTransformer
 
     mask = getattr(text, "attn_mask", None)
-    if (not isinstance(text, TextTransformer) or mask is None or getattr(text, "cls_emb", None) is not None
-            or getattr(text, "use_pad_mask", False) or mask.dim() != 2 or mask.is_meta):
+    if (
+        not isinstance(text, TextTransformer)
+        or mask is None
+        or getattr(text, "cls_emb", None) is not None
+        or getattr(text, "use_pad_mask", False)
+        or mask.dim() != 2
+        or mask.is_meta
+    ):
         return 0
     n = mask.shape[0]
     upper = torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)

@@ -58,8 +58,10 @@ def _open_clip_configs() -> dict[str, dict]:
 def architectures() -> dict[str, dict]:
     """Every preset's architecture dict, in ``presets.available()``'s order."""
     own = _own_presets()
-    return {**{name: own[name] for name in sorted(own)},
-            **{k: v for k, v in _open_clip_configs().items() if k not in own}}
+    return {
+        **{name: own[name] for name in sorted(own)},
+        **{k: v for k, v in _open_clip_configs().items() if k not in own},
+    }
 
 
 def fingerprint(arch: dict) -> str:
@@ -78,8 +80,11 @@ def read_table() -> dict[str, dict]:
 def stale(names: list[str] | None = None) -> list[str]:
     """The presets (of ``names``, default all) whose row is missing or counted from another arch."""
     archs, table = architectures(), read_table()
-    return [n for n in (archs if names is None else names)
-            if n not in table or table[n]["fingerprint"] != fingerprint(archs[n])]
+    return [
+        n
+        for n in (archs if names is None else names)
+        if n not in table or table[n]["fingerprint"] != fingerprint(archs[n])
+    ]
 
 
 def build_row(name: str) -> dict:
@@ -93,8 +98,12 @@ def build_row(name: str) -> dict:
     except ConfigError as e:
         why = "needs a Hugging Face text tower" if "Hugging Face" in str(e) else str(e).split(": ", 1)[-1]
         return {"offline": False, "params": None, "image_size": None, "why": why[:100]}
-    return {"offline": True, "params": sum(p.numel() for p in model.parameters()),
-            "image_size": model.image_size, "why": None}
+    return {
+        "offline": True,
+        "params": sum(p.numel() for p in model.parameters()),
+        "image_size": model.image_size,
+        "why": None,
+    }
 
 
 def describe(include_unavailable: bool = False, names: list[str] | None = None) -> Iterator[dict]:

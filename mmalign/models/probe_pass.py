@@ -11,7 +11,7 @@ model's device continue as if nothing had drawn from them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

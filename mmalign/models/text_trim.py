@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import math
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -42,9 +42,13 @@ def trimmable(text: nn.Module) -> bool:
     pooled at the EOT token or the first token."""
     from open_clip.transformer import TextTransformer
 
-    return (isinstance(text, TextTransformer) and getattr(text, "attn_mask", None) is not None
-            and getattr(text, "cls_emb", None) is None and not getattr(text, "use_pad_mask", False)
-            and getattr(text, "pool_type", None) in _EXACT_POOLS)
+    return (
+        isinstance(text, TextTransformer)
+        and getattr(text, "attn_mask", None) is not None
+        and getattr(text, "cls_emb", None) is None
+        and not getattr(text, "use_pad_mask", False)
+        and getattr(text, "pool_type", None) in _EXACT_POOLS
+    )
 
 
 def multiple_for(device: torch.device | str) -> int:
@@ -68,7 +72,7 @@ def trimmed_length(tokens: torch.Tensor, pad_id: int = 0, multiple: int = 1) -> 
 
 def trim_tokens(tokens: torch.Tensor, pad_id: int = 0, multiple: int = 1) -> torch.Tensor:
     """``tokens`` (..., L) without its trailing all-pad columns (a view)."""
-    return tokens[..., :trimmed_length(tokens, pad_id, multiple)]
+    return tokens[..., : trimmed_length(tokens, pad_id, multiple)]
 
 
 @contextlib.contextmanager
@@ -93,7 +97,9 @@ def trim_batch(batch, pad_id: int = 0, multiple: int = 1):
     """A :class:`~mmalign.data.batch.Batch` whose ``tokens`` (B, L) and ``neg_tokens``
     (B, k, L) share the shortest length keeping every real id of either (the model encodes
     them as one concatenation). Host tensors: no device read."""
-    fields = {name: getattr(batch, name) for name in ("tokens", "neg_tokens") if getattr(batch, name) is not None}
+    fields = {
+        name: getattr(batch, name) for name in ("tokens", "neg_tokens") if getattr(batch, name) is not None
+    }
     length = max(trimmed_length(t, pad_id, multiple) for t in fields.values())
     if length == batch.tokens.shape[-1]:
         return batch

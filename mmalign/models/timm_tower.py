@@ -46,11 +46,15 @@ def check_timm_cfg(vision_cfg: dict, weights: str | None) -> dict:
 
     name = vision_cfg["timm_model_name"]
     if not timm.is_model(name):
-        raise ConfigError(f"config key 'model.vision.timm_model_name': timm has no model {name!r} "
-                          f"(timm.list_models() names them)")
+        raise ConfigError(
+            f"config key 'model.vision.timm_model_name': timm has no model {name!r} "
+            f"(timm.list_models() names them)"
+        )
     if vision_cfg.get("timm_model_pretrained") and weights is None:
-        raise ConfigError("config key 'model.vision.timm_model_pretrained': true would download the weights; "
-                          "set model.timm_weights to a local timm checkpoint file instead (or false: random init)")
+        raise ConfigError(
+            "config key 'model.vision.timm_model_pretrained': true would download the weights; "
+            "set model.timm_weights to a local timm checkpoint file instead (or false: random init)"
+        )
     if weights is not None and not Path(weights).is_file():
         raise ConfigError(f"{KEY}: {weights} is not a file")
     vision_cfg["timm_model_pretrained"] = False  # the file is loaded by load_timm_weights
@@ -82,7 +86,7 @@ def _read(path: Path) -> dict:
             break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{KEY}: {path} holds no state dict of tensors")
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
+    return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in state.items()}
 
 
 def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
@@ -93,15 +97,18 @@ def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
     except ConfigError:
         raise
     except Exception as e:  # safetensors / torch.load errors on a foreign or cut file, a refused pickle
-        raise ConfigError(f"{KEY}: {path} is not a readable weights file ({type(e).__name__}: "
-                          f"{first_line(e)[:160]})") from None
+        raise ConfigError(
+            f"{KEY}: {path} is not a readable weights file ({type(e).__name__}: {first_line(e)[:160]})"
+        ) from None
     filter_fn = getattr(sys.modules.get(type(trunk).__module__), "checkpoint_filter_fn", None)
     if filter_fn is not None:  # timm's per-family remapping (pos-embed resampling, old layouts)
         try:
             state = filter_fn(state, trunk)
         except Exception as e:
-            raise ConfigError(f"{KEY}: timm's checkpoint filter for {type(trunk).__name__} refused {path} "
-                              f"({type(e).__name__}: {first_line(e)[:160]})") from None
+            raise ConfigError(
+                f"{KEY}: timm's checkpoint filter for {type(trunk).__name__} refused {path} "
+                f"({type(e).__name__}: {first_line(e)[:160]})"
+            ) from None
     own = trunk.state_dict()
     classifier = trunk.pretrained_cfg.get("classifier") or ()
     for name in (classifier,) if isinstance(classifier, str) else classifier:
@@ -112,8 +119,10 @@ def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
 
     problem = misfit(own, state)
     if problem:
-        raise ConfigError(f"{KEY}: {path} does not fit timm's {visual.trunk.__class__.__name__} "
-                          f"({getattr(trunk, 'default_cfg', {}).get('architecture', '?')}): {problem}")
+        raise ConfigError(
+            f"{KEY}: {path} does not fit timm's {visual.trunk.__class__.__name__} "
+            f"({getattr(trunk, 'default_cfg', {}).get('architecture', '?')}): {problem}"
+        )
     if any(p.is_meta for p in trunk.parameters()):  # check_buildable's meta model: checked only
         return
     with torch.no_grad():
@@ -132,13 +141,18 @@ def open_clip_refusal(towers, state: dict) -> str | None:
 
     with torch.device("meta"):
         plain = _build_vision_tower(arch["embed_dim"], {**arch["vision_cfg"], "timm_model_pretrained": False})
-    wrong = [k for k, v in plain.state_dict().items() if f"visual.{k}" in state
-             and tuple(state[f"visual.{k}"].shape) != tuple(v.shape)]
+    wrong = [
+        k
+        for k, v in plain.state_dict().items()
+        if f"visual.{k}" in state and tuple(state[f"visual.{k}"].shape) != tuple(v.shape)
+    ]
     if not wrong:
         return None
-    return (f"--format open_clip: the timm trunk {arch['vision_cfg']['timm_model_name']} was resized to image_size "
-            f"{arch['vision_cfg'].get('image_size')} ({wrong[0]} changed shape), which open_clip's TimmModel "
-            f"cannot build; export with --format onnx, or train at the trunk's default size")
+    return (
+        f"--format open_clip: the timm trunk {arch['vision_cfg']['timm_model_name']} was resized to image_size "
+        f"{arch['vision_cfg'].get('image_size')} ({wrong[0]} changed shape), which open_clip's TimmModel "
+        f"cannot build; export with --format onnx, or train at the trunk's default size"
+    )
 
 
 __all__ = ["check_timm_cfg", "fit_input_size", "is_timm", "load_timm_weights", "open_clip_refusal"]

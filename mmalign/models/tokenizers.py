@@ -12,7 +12,7 @@ from pathlib import Path
 
 def text_spec(arch):
     """The typed text tower of an architecture dict (or a spec / a model's ``towers`` as is)."""
-    from mmalign.models.towers import TowerSpec, Towers, spec_from_cfg
+    from mmalign.models.towers import Towers, TowerSpec, spec_from_cfg
 
     if isinstance(arch, Towers):
         return arch.text

@@ -8,7 +8,6 @@ the logit scale (and optional SigLIP bias) for the loss to use.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,6 @@ from mmalign.models.flip import VIEW2, seeded, set_patch_dropout
 from mmalign.models.packed_attention import mark_causal, pack_self_attention
 from mmalign.models.text_trim import short_context, trim_tokens, trimmable
 from mmalign.models.towers import Towers
-
 
 # which forward keywords feed a tower, and which Embeddings fields it produces
 TOWER_INPUTS = {"visual": ("images", "images2", "seeds"), "text": ("texts", "neg_texts")}
@@ -40,7 +38,7 @@ class TwoTower(nn.Module):
         self,
         arch: dict,
         init_logit_scale: float = math.log(1 / 0.07),
-        init_logit_bias: Optional[float] = None,
+        init_logit_bias: float | None = None,
         max_logit_scale: float = 100.0,
     ):
         super().__init__()
@@ -55,7 +53,9 @@ class TwoTower(nn.Module):
         pack_self_attention(self)
         mark_causal(self.text)  # its blocks pass is_causal=True, not the additive mask (same function)
         self.logit_scale = nn.Parameter(torch.full([1], float(init_logit_scale)))
-        self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
+        self.logit_bias = (
+            None if init_logit_bias is None else nn.Parameter(torch.full([1], float(init_logit_bias)))
+        )
         # models/text_trim.py: a causal, EOT-pooled text tower ignores trailing pad columns, so
         # encode_text cuts them from CPU token tensors (exact); train.trim_text_padding: false
         # turns it off (the loop then passes full-length tokens too).
@@ -92,8 +92,11 @@ class TwoTower(nn.Module):
 
     def fully_locked(self) -> tuple[str, ...]:
         """The towers (``visual``, ``text``) none of whose weights takes a gradient."""
-        return tuple(name for name in TOWER_FIELDS
-                     if not any(p.requires_grad for p in getattr(self, name).parameters()))
+        return tuple(
+            name
+            for name in TOWER_FIELDS
+            if not any(p.requires_grad for p in getattr(self, name).parameters())
+        )
 
     def without_locked(self, inputs: dict, first: Embeddings) -> tuple[dict, dict]:
         """For a re-forward of the same rows: ``inputs`` (forward keywords) less those of the
@@ -103,7 +106,9 @@ class TwoTower(nn.Module):
         for tower in self.fully_locked():
             for key in TOWER_INPUTS[tower]:
                 inputs.pop(key, None)
-            reused.update({f: getattr(first, f) for f in TOWER_FIELDS[tower] if getattr(first, f) is not None})
+            reused.update(
+                {f: getattr(first, f) for f in TOWER_FIELDS[tower] if getattr(first, f) is not None}
+            )
         return inputs, reused
 
     def _tower_order(self) -> tuple[str, ...]:
@@ -126,9 +131,14 @@ class TwoTower(nn.Module):
                 features = self.text(tokens)  # (B, D)
         return F.normalize(features, dim=-1) if normalize else features
 
-    def forward(self, images: Optional[torch.Tensor] = None, texts: Optional[torch.Tensor] = None,
-                images2: Optional[torch.Tensor] = None, neg_texts: Optional[torch.Tensor] = None,
-                seeds: Optional[torch.Tensor] = None) -> Embeddings:
+    def forward(
+        self,
+        images: torch.Tensor | None = None,
+        texts: torch.Tensor | None = None,
+        images2: torch.Tensor | None = None,
+        neg_texts: torch.Tensor | None = None,
+        seeds: torch.Tensor | None = None,
+    ) -> Embeddings:
         """Features of whatever is given, as :class:`~mmalign.models.embeddings.Embeddings`.
 
         ``images2`` (B, 3, H, W), a second augmented view of ``images``, adds
@@ -150,8 +160,9 @@ class TwoTower(nn.Module):
                 self._text_fields(out, texts, neg_texts)
         return out
 
-    def _image_fields(self, out: Embeddings, images: torch.Tensor, images2: Optional[torch.Tensor],
-                      seeds: Optional[torch.Tensor]) -> None:
+    def _image_fields(
+        self, out: Embeddings, images: torch.Tensor, images2: torch.Tensor | None, seeds: torch.Tensor | None
+    ) -> None:
         rows = None if seeds is None else [int(s) for s in seeds.tolist()]  # a CPU tensor: no device sync
         if images2 is None:
             with seeded(self.visual, rows):
@@ -161,14 +172,14 @@ class TwoTower(nn.Module):
                 both = self.encode_image(torch.cat([images, images2]))  # (2B, D)
             out.image, out.image2 = both.split([images.shape[0], images2.shape[0]])
 
-    def _text_fields(self, out: Embeddings, texts: torch.Tensor, neg_texts: Optional[torch.Tensor]) -> None:
+    def _text_fields(self, out: Embeddings, texts: torch.Tensor, neg_texts: torch.Tensor | None) -> None:
         if neg_texts is None:
             out.text = self.encode_text(texts)  # (B, D)
         else:
             b, k, length = neg_texts.shape
             both = self.encode_text(torch.cat([texts, neg_texts.reshape(b * k, length)]))  # (B + B k, D)
             out.text = both[: texts.shape[0]]  # (B, D)
-            out.neg_text = both[texts.shape[0]:].reshape(b, k, -1)  # (B, k, D)
+            out.neg_text = both[texts.shape[0] :].reshape(b, k, -1)  # (B, k, D)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Activation checkpointing through each tower's own ``set_grad_checkpointing``
@@ -181,11 +192,17 @@ class TwoTower(nn.Module):
             setter = getattr(tower, "set_grad_checkpointing", None)
             if setter is not None:
                 setter(enable)
-            flags = [getattr(m, attr) for m in tower.modules()
-                     for attr in ("grad_checkpointing", "gradient_checkpointing") if hasattr(m, attr)]
+            flags = [
+                getattr(m, attr)
+                for m in tower.modules()
+                for attr in ("grad_checkpointing", "gradient_checkpointing")
+                if hasattr(m, attr)
+            ]
             if enable and not any(f is True for f in flags):
-                raise ConfigError(f"config key 'train.grad_checkpointing': the {'image' if name == 'visual' else 'text'}"
-                                  f" tower ({type(tower).__name__}) does not support activation checkpointing")
+                raise ConfigError(
+                    f"config key 'train.grad_checkpointing': the {'image' if name == 'visual' else 'text'}"
+                    f" tower ({type(tower).__name__}) does not support activation checkpointing"
+                )
 
     def set_patch_dropout(self, prob: float) -> int:
         """FLIP (models/flip.py): the drop fraction of the image tower's patch dropout (0 = every

@@ -17,11 +17,20 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Objective": "objective", "build_objective": "objective",
-    "LossOutput": "base", "Term": "base", "TermOutput": "base", "StepContext": "base",
-    "Contrastive": "contrastive", "PositiveSource": "contrastive", "LOSS_NAMES": "contrastive",
-    "QueueNegatives": "queue", "MomentumQueue": "queue", "FeatureQueue": "queue",
-    "MinedNegatives": "extras", "ImageImage": "extras",
+    "Objective": "objective",
+    "build_objective": "objective",
+    "LossOutput": "base",
+    "Term": "base",
+    "TermOutput": "base",
+    "StepContext": "base",
+    "Contrastive": "contrastive",
+    "PositiveSource": "contrastive",
+    "LOSS_NAMES": "contrastive",
+    "QueueNegatives": "queue",
+    "MomentumQueue": "queue",
+    "FeatureQueue": "queue",
+    "MinedNegatives": "extras",
+    "ImageImage": "extras",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,12 +15,12 @@ accum_freq).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from torch import Tensor
 
-from mmalign.dist import distributed as mdist
 from mmalign.data.batch import Batch
+from mmalign.dist import distributed as mdist
 from mmalign.models.embeddings import Embeddings
 
 __all__ = ["LossOutput", "Term", "TermOutput", "StepContext"]
@@ -38,7 +38,7 @@ class TermOutput:
     queue, whose entries join the contrastive softmax) and its stats (0-dim tensors, per rank;
     the objective averages them over ranks in one all_reduce)."""
 
-    loss: Optional[Tensor] = None
+    loss: Tensor | None = None
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -56,13 +56,13 @@ class Term:
     name: ClassVar[str] = ""
     embeddings: tuple[str, ...] = ()
     batch_fields: tuple[str, ...] = ()
-    stat: Optional[str] = None
+    stat: str | None = None
     weight: float = 1.0
 
-    def __call__(self, ctx: "StepContext") -> TermOutput:
+    def __call__(self, ctx: StepContext) -> TermOutput:
         raise NotImplementedError
 
-    def after_update(self, ctx: "UpdateContext") -> None:
+    def after_update(self, ctx: UpdateContext) -> None:
         """Called once after each optimiser update that was not skipped (e.g. the queue's EMA)."""
 
 
@@ -74,7 +74,7 @@ class UpdateContext:
     params: Any  # () -> {name: full tensor}
     buffers: Any  # () -> {name: tensor}
     batch: Batch
-    ids: Optional[Tensor]
+    ids: Tensor | None
     chunk: int = 0
     autocast: Any = None
 
@@ -83,17 +83,16 @@ class StepContext:
     """One loss evaluation's inputs, shared by the terms: the (leaf) embeddings, the batch,
     the positives, and each feature gathered across ranks at most once."""
 
-    def __init__(self, emb: Embeddings, batch: Batch, ids: Optional[Tensor], mask: Optional[Tensor],
-                 track: bool):
+    def __init__(self, emb: Embeddings, batch: Batch, ids: Tensor | None, mask: Tensor | None, track: bool):
         self.emb, self.batch, self.track = emb, batch, track
         self.world, self.rank = mdist.get_world_size(), mdist.get_rank()
         device = emb.image.device
         self.ids = None if ids is None else ids.to(device)  # (B,) local positive ids
         self.mask = None if mask is None else mask.to(device)  # (B, B) metadata positives
-        self._ids_all: Optional[Tensor] = None
+        self._ids_all: Tensor | None = None
         self._gathered: dict[str, Tensor] = {}
         self.queue = None  # QueueEntries joining the contrastive softmax (set by the queue term)
-        self.lse_i2t: Optional[Tensor] = None  # (B,) the contrastive image->text row LSE, with graph
+        self.lse_i2t: Tensor | None = None  # (B,) the contrastive image->text row LSE, with graph
 
     @property
     def offset(self) -> int:
@@ -107,7 +106,7 @@ class StepContext:
         return self._gathered[name]
 
     @property
-    def ids_all(self) -> Optional[Tensor]:
+    def ids_all(self) -> Tensor | None:
         """(W*B,) every rank's positive ids (no grad); gathered once."""
         if self.ids is not None and self._ids_all is None:
             self._ids_all = mdist.all_gather_nograd(self.ids)

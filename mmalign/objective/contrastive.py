@@ -12,7 +12,6 @@ loss of a model that cannot tell candidates apart), ``n_candidates``, ``logit_sc
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -48,10 +47,11 @@ class PositiveSource:
 
     @property
     def batch_fields(self) -> tuple[str, ...]:
-        return (("captions",) if self.ids_mode == "caption" else ("ids",) if self.ids_mode == "field" else ()) + \
-            (("ids",) if self.mask_mode != "none" else ())
+        return (
+            ("captions",) if self.ids_mode == "caption" else ("ids",) if self.ids_mode == "field" else ()
+        ) + (("ids",) if self.mask_mode != "none" else ())
 
-    def ids(self, batch: Batch) -> Optional[Tensor]:
+    def ids(self, batch: Batch) -> Tensor | None:
         """(B,) int64 positive ids, or None."""
         if self.ids_mode == "caption":
             return caption_ids(batch.captions)
@@ -61,7 +61,7 @@ class PositiveSource:
             return batch.ids
         return None
 
-    def mask(self, batch: Batch) -> Optional[Tensor]:
+    def mask(self, batch: Batch) -> Tensor | None:
         """(B, B) bool metadata positives (image i vs caption j), or None."""
         return None if self.mask_mode == "none" else subset_mask(batch.ids)  # ids are subset codes
 
@@ -85,22 +85,32 @@ class Contrastive(Term):
 
     name = "contrastive"
 
-    def __init__(self, name: str = "infonce", tile_size: int | str | None = 0, hard_negative_beta: float = 0.0,
-                 debias_prior: float = 0.0, tile_budget_mb: float = DEFAULT_BUDGET_MB):
+    def __init__(
+        self,
+        name: str = "infonce",
+        tile_size: int | str | None = 0,
+        hard_negative_beta: float = 0.0,
+        debias_prior: float = 0.0,
+        tile_budget_mb: float = DEFAULT_BUDGET_MB,
+    ):
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r}; expected one of {LOSS_NAMES}")
         if tile_size != AUTO and tile_size is not None and (isinstance(tile_size, str) or tile_size < 0):
             raise ValueError(f"tile_size must be >= 0 or {AUTO!r}, got {tile_size!r}")
         if hard_negative_beta < 0 or not 0 <= debias_prior < 1:
-            raise ValueError(f"need hard_negative_beta >= 0 and 0 <= debias_prior < 1, got "
-                             f"{hard_negative_beta}, {debias_prior}")
+            raise ValueError(
+                f"need hard_negative_beta >= 0 and 0 <= debias_prior < 1, got "
+                f"{hard_negative_beta}, {debias_prior}"
+            )
         self.kind, self.tile_size, self.tile_budget_mb = name, tile_size or None, float(tile_budget_mb)
         self.hard_negative_beta, self.debias_prior = float(hard_negative_beta), float(debias_prior)
         self.embeddings = ("image", "text", "logit_scale") + (("logit_bias",) if name == "siglip" else ())
 
     def __repr__(self) -> str:
-        return (f"Contrastive({self.kind}, tile_size={self.tile_size!r}, hard_negative_beta={self.hard_negative_beta}, "
-                f"debias_prior={self.debias_prior})")
+        return (
+            f"Contrastive({self.kind}, tile_size={self.tile_size!r}, hard_negative_beta={self.hard_negative_beta}, "
+            f"debias_prior={self.debias_prior})"
+        )
 
     def __call__(self, ctx: StepContext) -> TermOutput:
         emb = ctx.emb
@@ -108,7 +118,9 @@ class Contrastive(Term):
         if image.ndim != 2 or image.shape != text.shape:
             raise ValueError("expected two (B, D) feature tensors of the same shape")
         if ctx.mask is not None:
-            if self.kind != "infonce" or ctx.world > 1:  # the kernels cannot honour it (config/loss_rules.py refuses the config)
+            if (
+                self.kind != "infonce" or ctx.world > 1
+            ):  # the kernels cannot honour it (config/loss_rules.py refuses the config)
                 raise ValueError("positive_mask is supported for infonce in one process only")
             b = image.shape[0]
             if ctx.mask.shape != (b, b) or not bool(ctx.mask.diagonal().all()):
@@ -122,8 +134,17 @@ class Contrastive(Term):
                 raise ValueError("siglip needs logit_bias")
             text_all = ctx.gathered("text")  # images stay local
             tile = self.tile_for("siglip", image, text_all.shape[0])
-            loss, tracks = siglip_local(image, text_all, scale, emb.logit_bias, ids=ids, ids_all=ids_all,
-                                        offset=ctx.offset, tile_size=tile, track=ctx.track)
+            loss, tracks = siglip_local(
+                image,
+                text_all,
+                scale,
+                emb.logit_bias,
+                ids=ids,
+                ids_all=ids_all,
+                offset=ctx.offset,
+                tile_size=tile,
+                track=ctx.track,
+            )
             stats = siglip_stats(tracks, text_all.shape[0], scale, emb.logit_bias) if ctx.track else {}
             return TermOutput(loss, stats)
         image_all, text_all = ctx.gathered("image"), ctx.gathered("text")  # (W*B, D)
@@ -132,24 +153,49 @@ class Contrastive(Term):
             raise ValueError("queue entries need the plain infonce (no estimator, no positive_mask)")
         if queue is not None:  # in-batch candidates + queued negatives
             tile = self.tile_for("queue", image, text_all.shape[0] + queue.size)
-            loss, tracks, lses = queue_infonce_local(image, text, image_all, text_all, scale, queue, ids=ids,
-                                                     ids_all=ids_all, offset=ctx.offset, tile_size=tile,
-                                                     track=ctx.track)
+            loss, tracks, lses = queue_infonce_local(
+                image,
+                text,
+                image_all,
+                text_all,
+                scale,
+                queue,
+                ids=ids,
+                ids_all=ids_all,
+                offset=ctx.offset,
+                tile_size=tile,
+                track=ctx.track,
+            )
         else:
-            kernel = ("hardneg" if self.hard_negative_beta or self.debias_prior else
-                      "infonce_sharded" if ctx.world > 1 else "infonce")
+            kernel = (
+                "hardneg"
+                if self.hard_negative_beta or self.debias_prior
+                else "infonce_sharded"
+                if ctx.world > 1
+                else "infonce"
+            )
             tile = self.tile_for(kernel, image, text_all.shape[0])
-            loss, tracks, lses = infonce_local(image, text, image_all, text_all, scale, ids=ids, ids_all=ids_all,
-                                               offset=ctx.offset, tile_size=tile, track=ctx.track,
-                                               hard_negative_beta=self.hard_negative_beta,
-                                               debias_prior=self.debias_prior, pair_mask=ctx.mask)
+            loss, tracks, lses = infonce_local(
+                image,
+                text,
+                image_all,
+                text_all,
+                scale,
+                ids=ids,
+                ids_all=ids_all,
+                offset=ctx.offset,
+                tile_size=tile,
+                track=ctx.track,
+                hard_negative_beta=self.hard_negative_beta,
+                debias_prior=self.debias_prior,
+                pair_mask=ctx.mask,
+            )
         # the estimators' LSEs (if any) are monitors without grad: only the plain row LSE can be extended
         plain = not (self.hard_negative_beta or self.debias_prior)
         ctx.lse_i2t = lses[0] if lses and plain else None
         n_cand = text_all.shape[0] + (queue.size if queue is not None else 0)
         stats = infonce_stats(tracks, lses, n_cand, scale) if ctx.track else {}
         return TermOutput(loss, stats)
-
 
     def tile_for(self, kernel: str, rows: Tensor, n_cols: int) -> int | None:
         """The tile edge of this call (None: untiled); ``auto`` decides from the shapes, equal on
@@ -166,10 +212,12 @@ def _rank_stats(tracks: Tensor) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def infonce_stats(tracks: list[Tensor], lses: list[Tensor], n_candidates: int, scale: Tensor) -> dict[str, Tensor]:
+def infonce_stats(
+    tracks: list[Tensor], lses: list[Tensor], n_candidates: int, scale: Tensor
+) -> dict[str, Tensor]:
     """Stats over all rows of all directions (i2t and t2i rows pooled)."""
     tr = torch.cat(tracks, dim=1)  # (3, rows)
-    lse = torch.cat([l.detach().float() for l in lses])  # (rows,)
+    lse = torch.cat([x.detach().float() for x in lses])  # (rows,)
     out = _rank_stats(tr)
     out["hardest_neg_prob"] = torch.exp(tr[0] - lse).mean()
     out["loss_floor"] = torch.tensor(math.log(n_candidates))

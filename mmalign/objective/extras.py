@@ -27,8 +27,9 @@ class MinedNegatives(Term):
     def __call__(self, ctx: StepContext) -> TermOutput:
         if ctx.lse_i2t is None:
             raise ValueError("mined negatives need the plain infonce term before them")
-        term, stats = mined_negatives_term(ctx.emb.image, ctx.emb.neg_text, ctx.batch.neg_mask,
-                                           ctx.emb.logit_scale, ctx.lse_i2t)
+        term, stats = mined_negatives_term(
+            ctx.emb.image, ctx.emb.neg_text, ctx.batch.neg_mask, ctx.emb.logit_scale, ctx.lse_i2t
+        )
         return TermOutput(term, stats if ctx.track else {})
 
 
@@ -40,8 +41,13 @@ class ImageImage(Term):
     batch_fields = ("images2",)
     stat = "image_image_loss"
 
-    def __init__(self, weight: float, temperature: float = 0.1, tile_size: int | str | None = 0,
-                 tile_budget_mb: float = DEFAULT_BUDGET_MB):
+    def __init__(
+        self,
+        weight: float,
+        temperature: float = 0.1,
+        tile_size: int | str | None = 0,
+        tile_budget_mb: float = DEFAULT_BUDGET_MB,
+    ):
         if weight <= 0 or temperature <= 0:
             raise ValueError(f"need weight > 0 and temperature > 0, got {weight}, {temperature}")
         self.weight, self.scale, self.tile_size = float(weight), 1.0 / float(temperature), tile_size or None
@@ -54,6 +60,8 @@ class ImageImage(Term):
         if ctx.emb.image2 is None:
             raise ValueError("the image-image term needs image2 features (data.views: 2)")
         rows = 2 * ctx.emb.image.shape[0]  # both views are anchors, against every rank's
-        tile = resolve_tile(self.tile_size, "ntxent", rows, ctx.world * rows, ctx.emb.image.dtype, self.tile_budget_mb)
+        tile = resolve_tile(
+            self.tile_size, "ntxent", rows, ctx.world * rows, ctx.emb.image.dtype, self.tile_budget_mb
+        )
         term = ntxent_loss(ctx.emb.image, ctx.emb.image2, self.scale, tile_size=tile)
         return TermOutput(term, {self.stat: term.detach().float().reshape(())} if ctx.track else {})

@@ -14,15 +14,16 @@ term's own ``stat``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from mmalign.dist import distributed as mdist
+from mmalign.config import loss_rules as rules
 from mmalign.data.batch import MODEL_INPUTS, Batch
+from mmalign.dist import distributed as mdist
 from mmalign.models.embeddings import Embeddings
 
-from mmalign.config import loss_rules as rules
 from .base import LossOutput, StepContext, Term, UpdateContext
 from .contrastive import Contrastive, PositiveSource
 from .extras import ImageImage, MinedNegatives
@@ -46,8 +47,14 @@ class Objective:
         reduce_stats: average the stats over ranks (one small all_reduce).
     """
 
-    def __init__(self, terms: list[Term], positives: Optional[PositiveSource] = None, *,
-                 compute_stats: bool = True, reduce_stats: bool = True):
+    def __init__(
+        self,
+        terms: list[Term],
+        positives: PositiveSource | None = None,
+        *,
+        compute_stats: bool = True,
+        reduce_stats: bool = True,
+    ):
         if not terms:
             raise ValueError("an objective needs at least one term")
         self.terms = list(terms)
@@ -75,11 +82,11 @@ class Objective:
         unused = [k for k in _OPTIONAL_INPUTS if k not in self.batch_fields and getattr(batch, k) is not None]
         return batch.without(*unused) if unused else batch
 
-    def positive_ids(self, batch: Batch) -> Optional[torch.Tensor]:
+    def positive_ids(self, batch: Batch) -> torch.Tensor | None:
         return self.positives.ids(batch)
 
     @property
-    def queue(self) -> Optional[MomentumQueue]:
+    def queue(self) -> MomentumQueue | None:
         """The MoCo queue state, if a queue term is present (checkpointed as ``momentum``)."""
         for term in self.terms:
             if isinstance(term, QueueNegatives):
@@ -88,12 +95,12 @@ class Objective:
 
     # ------------------------------------------------------------ the loss
 
-    def loss_for(self, batch: Batch, stats: Optional[bool] = None) -> Callable[[Embeddings], LossOutput]:
+    def loss_for(self, batch: Batch, stats: bool | None = None) -> Callable[[Embeddings], LossOutput]:
         """``emb -> LossOutput`` for this batch (what ``Engine.step`` calls); ``stats``: see
         :meth:`__call__`."""
         return lambda emb: self(emb, batch, stats)
 
-    def __call__(self, emb: Embeddings, batch: Batch, stats: Optional[bool] = None) -> LossOutput:
+    def __call__(self, emb: Embeddings, batch: Batch, stats: bool | None = None) -> LossOutput:
         """The step's loss; with ``stats`` (default ``compute_stats``) also its stats, averaged
         over ranks. The training loop asks for them at log steps only: off, no rank tracks are
         kept and no all_reduce or host read is made (``LossOutput.stats`` is empty)."""
@@ -114,7 +121,9 @@ class Objective:
         loss = main
         for term, value in weighted:
             loss = loss + term.weight * value
-        return LossOutput(loss=loss, stats=self._finish_stats(values, main, [t for t, _ in weighted]) if track else {})
+        return LossOutput(
+            loss=loss, stats=self._finish_stats(values, main, [t for t, _ in weighted]) if track else {}
+        )
 
     def _finish_stats(self, stats: dict[str, torch.Tensor], main: torch.Tensor, weighted: list[Term]) -> dict:
         if not stats:
@@ -132,8 +141,15 @@ class Objective:
 
     # ------------------------------------------------------------ after the update
 
-    def after_update(self, params: Callable[[], dict], buffers: Callable[[], dict], batch: Batch, *,
-                     chunk: int = 0, autocast: Any = None) -> None:
+    def after_update(
+        self,
+        params: Callable[[], dict],
+        buffers: Callable[[], dict],
+        batch: Batch,
+        *,
+        chunk: int = 0,
+        autocast: Any = None,
+    ) -> None:
         """Let the terms with training state follow an update that was made (not skipped):
         the queue's EMA and enqueue (collectives: every rank calls it)."""
         stateful = [t for t in self.terms if type(t).after_update is not Term.after_update]
@@ -144,8 +160,9 @@ class Objective:
             term.after_update(ctx)
 
 
-def build_objective(cfg: Any, world_size: int = 1, model: Optional[torch.nn.Module] = None,
-                    device: torch.device | str = "cpu") -> Objective:
+def build_objective(
+    cfg: Any, world_size: int = 1, model: torch.nn.Module | None = None, device: torch.device | str = "cpu"
+) -> Objective:
     """The run's objective from its config (``loss.*``, ``data.hard_negatives``, ``data.id_field``).
 
     ``model``: the initial model, copied into the queue's momentum encoder when
@@ -155,19 +172,38 @@ def build_objective(cfg: Any, world_size: int = 1, model: Optional[torch.nn.Modu
     rules.check(cfg, world_size)
     loss = cfg.loss
     fn_ids = str(loss.false_negative_ids or "none")
-    positives = PositiveSource(ids="none" if fn_ids == "none" else "caption" if fn_ids == "caption" else "field",
-                               mask=str(loss.positive_mask or "none"))
+    positives = PositiveSource(
+        ids="none" if fn_ids == "none" else "caption" if fn_ids == "caption" else "field",
+        mask=str(loss.positive_mask or "none"),
+    )
     terms: list[Term] = []
     if loss.queue_size > 0:
         if model is None:
-            raise ValueError("loss.queue_size > 0: build_objective needs the initial model for the EMA encoder")
-        terms.append(QueueNegatives(MomentumQueue(copy.deepcopy(model), loss.queue_size, loss.momentum,
-                                                  with_ids=fn_ids != "none", device=device)))
-    terms.append(Contrastive(loss.name, loss.tile_size, loss.hard_negative_beta, loss.debias_prior,
-                             loss.tile_budget_mb))
+            raise ValueError(
+                "loss.queue_size > 0: build_objective needs the initial model for the EMA encoder"
+            )
+        terms.append(
+            QueueNegatives(
+                MomentumQueue(
+                    copy.deepcopy(model),
+                    loss.queue_size,
+                    loss.momentum,
+                    with_ids=fn_ids != "none",
+                    device=device,
+                )
+            )
+        )
+    terms.append(
+        Contrastive(
+            loss.name, loss.tile_size, loss.hard_negative_beta, loss.debias_prior, loss.tile_budget_mb
+        )
+    )
     if cfg.data.hard_negatives > 0:
         terms.append(MinedNegatives())
     if loss.image_image_weight > 0:
-        terms.append(ImageImage(loss.image_image_weight, loss.image_image_temperature, loss.tile_size,
-                                loss.tile_budget_mb))
+        terms.append(
+            ImageImage(
+                loss.image_image_weight, loss.image_image_temperature, loss.tile_size, loss.tile_budget_mb
+            )
+        )
     return Objective(terms, positives)

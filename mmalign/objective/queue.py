@@ -30,7 +30,7 @@ batch, encoded by the updated EMA, is enqueued. Both pieces are saved in checkpo
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -51,8 +51,15 @@ class FeatureQueue:
     the live entries are slots [0, fill)).
     """
 
-    def __init__(self, size: int, dim: int, *, with_ids: bool, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        size: int,
+        dim: int,
+        *,
+        with_ids: bool,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if size <= 0 or dim <= 0:
             raise ValueError(f"queue size and dim must be > 0, got {size}, {dim}")
         self.size, self.dim, self.with_ids = int(size), int(dim), bool(with_ids)
@@ -66,12 +73,14 @@ class FeatureQueue:
     def enqueue(self, image: Tensor, text: Tensor, ids: Tensor | None = None) -> None:
         """Append n rows in order, overwriting the oldest; with n > Q only the newest Q are kept."""
         if image.ndim != 2 or image.shape != text.shape or image.shape[1] != self.dim:
-            raise ValueError(f"expected two (n, {self.dim}) tensors, got {tuple(image.shape)} and {tuple(text.shape)}")
+            raise ValueError(
+                f"expected two (n, {self.dim}) tensors, got {tuple(image.shape)} and {tuple(text.shape)}"
+            )
         if (ids is not None) != self.with_ids or (ids is not None and ids.shape != image.shape[:1]):
             raise ValueError(f"this queue {'needs' if self.with_ids else 'takes no'} (n,) ids")
         if image.shape[0] > self.size:  # the older rows would be overwritten within this call
-            image, text = image[-self.size:], text[-self.size:]
-            ids = None if ids is None else ids[-self.size:]
+            image, text = image[-self.size :], text[-self.size :]
+            ids = None if ids is None else ids[-self.size :]
         n = image.shape[0]
         slots = (self.ptr + torch.arange(n, device=self.image.device)) % self.size  # (n,) wraps around
         self.image[slots] = image.detach().to(self.image)
@@ -90,21 +99,33 @@ class FeatureQueue:
         """The live entries oldest first (copies; for inspection and tests)."""
         if self.fill < self.size:
             live = self.entries()
-            return QueueEntries(live.image.clone(), live.text.clone(), None if live.ids is None else live.ids.clone())
+            return QueueEntries(
+                live.image.clone(), live.text.clone(), None if live.ids is None else live.ids.clone()
+            )
         order = (self.ptr + torch.arange(self.size, device=self.image.device)) % self.size
-        return QueueEntries(self.image[order], self.text[order], None if self.ids is None else self.ids[order])
+        return QueueEntries(
+            self.image[order], self.text[order], None if self.ids is None else self.ids[order]
+        )
 
     def state_dict(self) -> dict:
-        state = {"size": self.size, "dim": self.dim, "ptr": self.ptr, "fill": self.fill,
-                 "image": self.image.detach().cpu().clone(), "text": self.text.detach().cpu().clone()}
+        state = {
+            "size": self.size,
+            "dim": self.dim,
+            "ptr": self.ptr,
+            "fill": self.fill,
+            "image": self.image.detach().cpu().clone(),
+            "text": self.text.detach().cpu().clone(),
+        }
         if self.ids is not None:
             state["ids"] = self.ids.cpu().clone()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         if (state["size"], state["dim"], "ids" in state) != (self.size, self.dim, self.with_ids):
-            raise ValueError(f"queue state of size {state['size']}, dim {state['dim']}, ids {'ids' in state} does "
-                             f"not fit this queue (size {self.size}, dim {self.dim}, ids {self.with_ids})")
+            raise ValueError(
+                f"queue state of size {state['size']}, dim {state['dim']}, ids {'ids' in state} does "
+                f"not fit this queue (size {self.size}, dim {self.dim}, ids {self.with_ids})"
+            )
         self.image.copy_(state["image"])
         self.text.copy_(state["text"])
         if self.ids is not None:
@@ -124,13 +145,20 @@ class MomentumQueue:
         with_ids: keep a positive id per entry (runs with false_negative_ids).
     """
 
-    def __init__(self, model: nn.Module, size: int, momentum: float, *, with_ids: bool,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        model: nn.Module,
+        size: int,
+        momentum: float,
+        *,
+        with_ids: bool,
+        device: torch.device | str = "cpu",
+    ):
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.model = model.to(device).eval().requires_grad_(False)
         self.momentum = float(momentum)
-        dim = int(getattr(model, "embed_dim"))
+        dim = int(model.embed_dim)
         self.queue = FeatureQueue(size, dim, with_ids=with_ids, device=device)
 
     @torch.no_grad()
@@ -144,8 +172,10 @@ class MomentumQueue:
         own = dict(self.model.named_parameters())
         if own.keys() != params.keys():
             missing, extra = sorted(own.keys() - params.keys()), sorted(params.keys() - own.keys())
-            raise KeyError(f"online parameters do not match the momentum encoder: missing {missing[:3]}, "
-                           f"extra {extra[:3]}")
+            raise KeyError(
+                f"online parameters do not match the momentum encoder: missing {missing[:3]}, "
+                f"extra {extra[:3]}"
+            )
         m = self.momentum
         for name, ema in own.items():
             ema.mul_(m).add_(params[name].detach().to(ema), alpha=1.0 - m)
@@ -155,22 +185,28 @@ class MomentumQueue:
                     buf.copy_(buffers[name])
 
     @torch.no_grad()
-    def encode(self, images: Tensor, tokens: Tensor, chunk: int = 0,
-               autocast: Callable[[], contextlib.AbstractContextManager] | None = None) -> tuple[Tensor, Tensor]:
+    def encode(
+        self,
+        images: Tensor,
+        tokens: Tensor,
+        chunk: int = 0,
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(B, D) float32 image and text embeddings of the momentum encoder, ``chunk`` rows per forward."""
         autocast = autocast or contextlib.nullcontext
         step = chunk if chunk > 0 else images.shape[0]
         image_parts, text_parts = [], []
         for i in range(0, images.shape[0], step):
             with autocast():
-                out = self.model(images[i:i + step], tokens[i:i + step])
+                out = self.model(images[i : i + step], tokens[i : i + step])
             image_parts.append(out.image.float())
             text_parts.append(out.text.float())
         return torch.cat(image_parts), torch.cat(text_parts)
 
     @torch.no_grad()
-    def push(self, images: Tensor, tokens: Tensor, ids: Tensor | None = None, *, chunk: int = 0,
-             autocast=None) -> None:
+    def push(
+        self, images: Tensor, tokens: Tensor, ids: Tensor | None = None, *, chunk: int = 0, autocast=None
+    ) -> None:
         """Encode this rank's batch, gather every rank's, enqueue the global batch (collective).
 
         ``ids`` (B,): this rank's positive ids, iff the queue keeps ids."""
@@ -189,8 +225,11 @@ class MomentumQueue:
 
     def state_dict(self) -> dict:
         """Weights-only-loadable state: EMA weights and buffers, queue contents, pointer and fill."""
-        return {"momentum": self.momentum, "queue": self.queue.state_dict(),
-                "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}}
+        return {
+            "momentum": self.momentum,
+            "queue": self.queue.state_dict(),
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         self.queue.load_state_dict(state["queue"])

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
+from mmalign.config import ConfigError
 from mmalign.dist import distributed as mdist
+from mmalign.errors import first_line
+from mmalign.layout.run_dir import ENGINE_TAG, ROOT, is_step_name  # noqa: F401 (re-exported)
 from mmalign.run import diskspace, reshard, rundir
 from mmalign.run.rng_state import rng_state, set_rng_state  # noqa: F401 (re-exported: the loop saves them)
+
 # torch-free, in rundir: the launcher checks a resume before it starts any rank
 from mmalign.run.rundir import candidates, empty_pointer, step_of  # noqa: F401 (re-exported)
-from mmalign.config import ConfigError
-from mmalign.errors import first_line
-
-from mmalign.layout.run_dir import ENGINE_TAG, ROOT, is_step_name  # noqa: F401 (re-exported)
 
 
 def root(out: str | Path) -> Path:
@@ -77,17 +77,26 @@ def _prune(base: Path, written: Path, keep: int) -> None:
     if keep <= 0:
         return
     step = step_of(written)
-    older = sorted((p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name) and p != written),
-                   key=step_of)
+    older = sorted(
+        (p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name) and p != written), key=step_of
+    )
     stale = [p for p in older if step_of(p) > step]
-    kept_older = [p for p in older if step_of(p) < step][-(keep - 1):] if keep > 1 else []
+    kept_older = [p for p in older if step_of(p) < step][-(keep - 1) :] if keep > 1 else []
     for old in older:
         if old in stale or old not in kept_older:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save(engine, out: str | Path, step: int, trainer_state: dict, loader_state: dict, keep: int,
-         shared: dict[str, dict] | None = None, config=None) -> Path:
+def save(
+    engine,
+    out: str | Path,
+    step: int,
+    trainer_state: dict,
+    loader_state: dict,
+    keep: int,
+    shared: dict[str, dict] | None = None,
+    config=None,
+) -> Path:
     """Collective: every rank calls it; returns the final directory.
 
     ``shared`` maps a name to state that is identical on every rank (e.g. the
@@ -144,8 +153,15 @@ def _last_saved(base: Path) -> Path | None:
     return found if found is not None and found.is_dir() else None
 
 
-def _write_rank_files(tmp: Path, rank: int, step: int, trainer_state: dict, loader_state: dict,
-                      shared: dict[str, dict] | None, config) -> None:
+def _write_rank_files(
+    tmp: Path,
+    rank: int,
+    step: int,
+    trainer_state: dict,
+    loader_state: dict,
+    shared: dict[str, dict] | None,
+    config,
+) -> None:
     diskspace.save_torch({"step": step, **trainer_state}, tmp / f"trainer_rank{rank}.pt")
     (tmp / f"loader_rank{rank}.json").write_text(json.dumps(loader_state))
     if rank == 0:
@@ -197,10 +213,18 @@ def _fail_together(failures: list[BaseException], base: Path, tmp: Path, final: 
     raise diskspace.CheckpointWriteError(
         f"cannot write checkpoint {final}: {reason}; "
         f"{'?' if free is None else diskspace.size_text(free)} free on that filesystem"
-        + (f" (the last checkpoint took {diskspace.size_text(diskspace.tree_bytes(previous))})" if previous else "")
+        + (
+            f" (the last checkpoint took {diskspace.size_text(diskspace.tree_bytes(previous))})"
+            if previous
+            else ""
+        )
         + "; the partial save was removed, "
-        + (f"{base / 'latest'} still names {previous.name}: free some space, then continue with --resume latest"
-           if previous else "no checkpoint of this run is saved yet: free some space, then start again")) from None
+        + (
+            f"{base / 'latest'} still names {previous.name}: free some space, then continue with --resume latest"
+            if previous
+            else "no checkpoint of this run is saved yet: free some space, then start again"
+        )
+    ) from None
 
 
 def resolve(out: str | Path, resume: str | None) -> Path | None:
@@ -261,7 +285,9 @@ def _agree(reason: str | None) -> str | None:
     return reasons[0] if reasons else None
 
 
-def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> tuple[Path, dict, dict] | None:
+def resume(
+    engine, out: str | Path, resume: str | None, cfg=None, say=print
+) -> tuple[Path, dict, dict] | None:
     """Collective: load the newest loadable checkpoint; (path, trainer state, loader state),
     or None when there is nothing to resume yet.
 
@@ -273,8 +299,10 @@ def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> 
     paths = candidates(out, resume)
     rank = mdist.get_rank()
     if rank == 0 and paths and empty_pointer(out, resume):
-        say(f"mmalign: {root(out) / 'latest'} names no checkpoint (empty or unreadable); trying the newest, "
-            f"{paths[0].name}")
+        say(
+            f"mmalign: {root(out) / 'latest'} names no checkpoint (empty or unreadable); trying the newest, "
+            f"{paths[0].name}"
+        )
     for i, path in enumerate(paths):
         reason = _agree(damaged(path, rank))
         if reason is None:
@@ -293,11 +321,15 @@ def resume(engine, out: str | Path, resume: str | None, cfg=None, say=print) -> 
                 return path, trainer, loader
         nxt = paths[i + 1].name if i + 1 < len(paths) else None
         if rank == 0:
-            say(f"mmalign: checkpoint {path.name} cannot be loaded ({reason}); "
-                + (f"falling back to {nxt}" if nxt else "no older checkpoint is left"))
+            say(
+                f"mmalign: checkpoint {path.name} cannot be loaded ({reason}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint is left")
+            )
     if paths:
-        raise ConfigError(f"--resume: no loadable checkpoint in {paths[0].parent} (tried {len(paths)}, newest "
-                          f"{paths[0].name})")
+        raise ConfigError(
+            f"--resume: no loadable checkpoint in {paths[0].parent} (tried {len(paths)}, newest "
+            f"{paths[0].name})"
+        )
     return None
 
 

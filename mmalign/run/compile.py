@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import nn
 
 from mmalign.errors import ConfigError
@@ -40,8 +39,10 @@ def compile_towers(model: nn.Module, backend: str = "inductor") -> None:
     try:
         torch._dynamo.lookup_backend(backend)  # an unknown name fails now, not at the first step
     except torch._dynamo.exc.InvalidBackend:
-        raise ConfigError(f"config key 'train.compile_backend': unknown torch.compile backend {backend!r} "
-                          f"(try inductor, aot_eager or eager)") from None
+        raise ConfigError(
+            f"config key 'train.compile_backend': unknown torch.compile backend {backend!r} "
+            f"(try inductor, aot_eager or eager)"
+        ) from None
     for name in TOWERS:
         tower = getattr(model, name, None)
         if tower is not None:
@@ -67,6 +68,8 @@ def compile_failures(enabled: bool):
     except _failures() as e:
         cause = getattr(e, "inner_exception", None) or e
         first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
-        raise ConfigError(f"config key 'train.compile': torch.compile of the towers failed "
-                          f"({type(cause).__name__}: {first[:200]}); set train.compile: false to train "
-                          f"without it") from None
+        raise ConfigError(
+            f"config key 'train.compile': torch.compile of the towers failed "
+            f"({type(cause).__name__}: {first[:200]}); set train.compile: false to train "
+            f"without it"
+        ) from None

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from mmalign.errors import RunStopped, UserError
-
 from mmalign.layout import ds_adapter
 
 log = logging.getLogger("mmalign.run.train")
@@ -142,8 +141,10 @@ class SpaceWatch:
         if base in self._warned or not need or free is None or free >= need:
             return None
         self._warned.add(base)
-        line = (f"mmalign: warning: {size_text(free)} free on the filesystem of {base}, and the last checkpoint "
-                f"({last.name}) took {size_text(need)}: the save of step {step} will probably not fit")
+        line = (
+            f"mmalign: warning: {size_text(free)} free on the filesystem of {base}, and the last checkpoint "
+            f"({last.name}) took {size_text(need)}: the save of step {step} will probably not fit"
+        )
         print(line, flush=True)
         log.warning("%s", line)
         return line
@@ -156,9 +157,14 @@ space_watch = SpaceWatch()
 # ------------------------------------------------- the run's other writes (final/, logs, eval json)
 
 # what a writer that is not Python's own says of a full or read-only disk (safetensors' Rust writer)
-_TEXT_REASONS = (("no space left on device", "no space left on device"), ("os error 28", "no space left on device"),
-                 ("disk quota exceeded", "disk quota exceeded"), ("os error 122", "disk quota exceeded"),
-                 ("read-only file system", "read-only file system"), ("os error 30", "read-only file system"))
+_TEXT_REASONS = (
+    ("no space left on device", "no space left on device"),
+    ("os error 28", "no space left on device"),
+    ("disk quota exceeded", "disk quota exceeded"),
+    ("os error 122", "disk quota exceeded"),
+    ("read-only file system", "read-only file system"),
+    ("os error 30", "read-only file system"),
+)
 _STOPPING = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
@@ -189,17 +195,25 @@ def run_write_error(error: BaseException, out: Path, what: str | None = None) ->
     reason, filename = found
     target = filename or what or f"a file of the run in {out}"
     free = free_bytes(Path(filename).parent if filename else out)
-    space = "" if reason == "read-only file system" else \
-        f"; {'?' if free is None else size_text(free)} free on that filesystem"
+    space = (
+        ""
+        if reason == "read-only file system"
+        else f"; {'?' if free is None else size_text(free)} free on that filesystem"
+    )
     latest = out / "checkpoints" / "latest"
     try:
         named = latest.read_text().strip() if latest.is_file() else ""
     except (OSError, UnicodeDecodeError):
         named = ""
     fix = "make the folder writable" if reason == "read-only file system" else "free some space"
-    return RunWriteError(f"cannot write {target}: {reason}{space}; "
-                         + (f"the last checkpoint, {named}, is intact: {fix}, then continue with --resume latest"
-                            if named else f"no checkpoint of this run is saved: {fix}, then start it again"))
+    return RunWriteError(
+        f"cannot write {target}: {reason}{space}; "
+        + (
+            f"the last checkpoint, {named}, is intact: {fix}, then continue with --resume latest"
+            if named
+            else f"no checkpoint of this run is saved: {fix}, then start it again"
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -213,7 +227,11 @@ def stop_on_refused_write(out: Path, what: str | None = None):
     except Exception as e:
         # a file's close while a stop unwinds (the same full disk again): the first line stands
         earlier = next((c for c in _chain(e) if isinstance(c, RunStopped)), None)
-        stop = earlier if earlier is not None and run_write_error(e, Path(out)) else run_write_error(e, Path(out), what)
+        stop = (
+            earlier
+            if earlier is not None and run_write_error(e, Path(out))
+            else run_write_error(e, Path(out), what)
+        )
         if stop is None:
             raise
         raise stop from None

@@ -22,7 +22,6 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -37,13 +36,15 @@ from deepspeed.utils import (  # noqa: E402
     safe_set_local_fp32_param,
 )
 
-from mmalign.dist import distributed as mdist  # noqa: E402
-from mmalign.layout import ds_adapter  # noqa: E402
-from mmalign.run import reshard  # noqa: E402
-from mmalign.run.compile import compile_failures, compile_towers  # noqa: E402
 from mmalign.config import Config  # noqa: E402
 from mmalign.data.batch import Batch  # noqa: E402
+from mmalign.dist import distributed as mdist  # noqa: E402
+from mmalign.layout import ds_adapter  # noqa: E402
 from mmalign.layout.ds_adapter import consolidate_checkpoint  # noqa: E402,F401 (re-exported: tests)
+from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
+from mmalign.models.embeddings import Embeddings  # noqa: E402
+from mmalign.run import reshard  # noqa: E402
+from mmalign.run.compile import compile_failures, compile_towers  # noqa: E402
 from mmalign.run.engine_config import BatchPlan, ds_config, plan_batch  # noqa: E402,F401 (re-exported)
 from mmalign.run.engine_forward import (  # noqa: E402,F401 (autocast_for re-exported)
     InnerAutocast,
@@ -52,8 +53,6 @@ from mmalign.run.engine_forward import (  # noqa: E402,F401 (autocast_for re-exp
     module_device,
 )
 from mmalign.run.gradcache import grad_cache_step  # noqa: E402
-from mmalign.models.batchnorm import StepStatistics, check_batchnorm  # noqa: E402
-from mmalign.models.embeddings import Embeddings  # noqa: E402
 from mmalign.run.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
 from mmalign.run.zero_stage import effective_stage  # noqa: E402
 
@@ -86,8 +85,9 @@ class Engine:
         self.plan = plan_batch(cfg, self.world_size)
         self.max_log_scale = math.log(cfg.model.max_logit_scale)
         # BatchNorm towers: an explicit mode under caching / several ranks (ConfigError before DeepSpeed)
-        bn_line = check_batchnorm(model, cfg.model.batchnorm, chunks=self.plan.accumulation,
-                                  world_size=self.world_size)
+        bn_line = check_batchnorm(
+            model, cfg.model.batchnorm, chunks=self.plan.accumulation, world_size=self.world_size
+        )
         if bn_line is not None:
             log.info("%s", bn_line)
         t = cfg.train
@@ -102,7 +102,9 @@ class Engine:
         names = {id(p): n for n, p in model.named_parameters()}
         self.param_group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         optimizer = build_optimizer(groups, t)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, t.warmup_steps, t.steps)
+        )
         self._output_type = dict_at_the_deepspeed_boundary(model)  # before DeepSpeed's own hooks
         # the stage DeepSpeed runs at: ZeRO-0 for ZeRO-1/2 on one fp32 rank (mmalign.run.zero_stage);
         # every stage-dependent path below (LAMB's layout, the clamp, full_params, resharding) reads it
@@ -115,7 +117,10 @@ class Engine:
         ds_adapter.check_version(deepspeed.__version__)
         with ds_adapter.without_shm_comm_op():
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(self.ds_config),
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=copy.deepcopy(self.ds_config),
                 dist_init_required=False,
             )
         self.module = self.ds.module
@@ -151,8 +156,9 @@ class Engine:
 
     # -------------------------------------------------------------- stepping
 
-    def forward(self, images: Optional[torch.Tensor], tokens: Optional[torch.Tensor], autocast=None,
-                **extra: torch.Tensor) -> Embeddings:
+    def forward(
+        self, images: torch.Tensor | None, tokens: torch.Tensor | None, autocast=None, **extra: torch.Tensor
+    ) -> Embeddings:
         """The model's Embeddings; ``extra``: further model inputs by keyword (``images2``, ``neg_texts``).
         A None input skips its tower.
 
@@ -166,7 +172,7 @@ class Engine:
             out = self.ds(images, tokens, **extra)  # the fields as a dict (dict_at_the_deepspeed_boundary)
         return self._output_type[0](**out) if isinstance(out, dict) else out
 
-    def encode(self, batch: Batch, autocast=None, first: Optional[Embeddings] = None) -> Embeddings:
+    def encode(self, batch: Batch, autocast=None, first: Embeddings | None = None) -> Embeddings:
         """float32 Embeddings of ``batch``'s model inputs (:meth:`Batch.model_inputs`), the towers
         under ``autocast`` (None: train.precision's; see :meth:`forward`).
 
@@ -220,10 +226,16 @@ class Engine:
                 bounds = [0, *itertools.accumulate(self.plan.chunks)]
                 chunks = [batch.slice(i, j) for i, j in zip(bounds, bounds[1:])]
                 cached = grad_cache_step(
-                    encode, chunks, loss_fn, self._backward,
-                    after_chunk=update, guard=self._all_finite, replay=bn.replay,
+                    encode,
+                    chunks,
+                    loss_fn,
+                    self._backward,
+                    after_chunk=update,
+                    guard=self._all_finite,
+                    replay=bn.replay,
                     # a fully locked tower: forwarded once per chunk, its first-pass outputs reused
-                    reencode=(lambda chunk, first: self.encode(chunk, autocast, first)) if self._fully_locked()
+                    reencode=(lambda chunk, first: self.encode(chunk, autocast, first))
+                    if self._fully_locked()
                     else None,
                 )
                 result, skipped = cached.result, cached.skipped
@@ -241,7 +253,9 @@ class Engine:
         # through the (DeepSpeed-hooked) model; the towers then get one engine backward.
         leaves = {k: getattr(out, k).detach().requires_grad_(True) for k in keys}
         result = loss_fn(out.replace(**leaves))
-        grads = dict(zip(keys, torch.autograd.grad(result.loss, [leaves[k] for k in keys], allow_unused=True)))
+        grads = dict(
+            zip(keys, torch.autograd.grad(result.loss, [leaves[k] for k in keys], allow_unused=True))
+        )
         if not self._all_finite(result.loss, grads):
             return result, True
         surrogate = sum((getattr(out, k) * g).sum() for k, g in grads.items() if g is not None)
@@ -256,7 +270,9 @@ class Engine:
         one host read per step: the step's control flow needs the answer, nothing else does."""
         checks = [torch.isfinite(loss.detach()).all()]
         checks += [torch.isfinite(g).all() for g in grads.values() if g is not None]
-        bad = torch.stack(checks).logical_not().sum().to(torch.float32).reshape(1)  # (1,) on the loss's device
+        bad = (
+            torch.stack(checks).logical_not().sum().to(torch.float32).reshape(1)
+        )  # (1,) on the loss's device
         return bool(mdist.all_reduce_sum(bad).item() == 0)
 
     @torch.no_grad()
@@ -334,7 +350,9 @@ class Engine:
         if self.stage >= 1 or any(engine_dir.glob("*optim_states.pt")):
             states = ds_adapter.safe_load(reshard.model_states_file(engine_dir))
             if reshard.needs_conversion(states, self.stage, self.world_size):
-                reshard.load_resharded(self, Path(directory), tag, consolidate_checkpoint, ds_adapter.safe_load)
+                reshard.load_resharded(
+                    self, Path(directory), tag, consolidate_checkpoint, ds_adapter.safe_load
+                )
                 return {}
         with ds_adapter.weights_only_resume(self.ds):
             _, client_state = self.ds.load_checkpoint(str(directory), tag=tag)
@@ -399,4 +417,3 @@ class Engine:
     def set_step_counters(self, global_steps: int, global_samples: int, skipped_steps: int) -> None:
         """DeepSpeed's own step counters, as restored from a checkpoint's model-states file."""
         ds_adapter.set_step_counters(self.ds, global_steps, global_samples, skipped_steps)
-

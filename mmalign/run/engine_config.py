@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -37,24 +36,32 @@ class BatchPlan:
         return len(self.chunks)
 
     def describe(self) -> str:
-        return (f"global batch {self.global_batch} = micro batch {self.micro_batch} x accumulation "
-                f"{self.accumulation} x world size {self.world_size}"
-                + ("" if self.local_batch % self.micro_batch == 0 else f" (last chunk {self.chunks[-1]})"))
+        return (
+            f"global batch {self.global_batch} = micro batch {self.micro_batch} x accumulation "
+            f"{self.accumulation} x world size {self.world_size}"
+            + ("" if self.local_batch % self.micro_batch == 0 else f" (last chunk {self.chunks[-1]})")
+        )
 
 
 def plan_batch(cfg: Config, world_size: int) -> BatchPlan:
     t = cfg.train
     if t.global_batch_size % world_size:
-        raise ConfigError(f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible "
-                          f"by the world size {world_size}: {valid_world_sizes(t.global_batch_size)}")
+        raise ConfigError(
+            f"config key 'train.global_batch_size'={t.global_batch_size} is not divisible "
+            f"by the world size {world_size}: {valid_world_sizes(t.global_batch_size)}"
+        )
     if not isinstance(t.grad_cache_chunk_size, int):  # auto: a memory measurement, made before the engine
-        raise ValueError("train.grad_cache_chunk_size: auto is resolved before the engine is built "
-                         "(mmalign.run.memory_plan.resolve_grad_cache_chunk), not by plan_batch")
+        raise ValueError(
+            "train.grad_cache_chunk_size: auto is resolved before the engine is built "
+            "(mmalign.run.memory_plan.resolve_grad_cache_chunk), not by plan_batch"
+        )
     local = t.global_batch_size // world_size
-    return BatchPlan(t.global_batch_size, world_size, local, tuple(chunk_sizes(local, t.grad_cache_chunk_size)))
+    return BatchPlan(
+        t.global_batch_size, world_size, local, tuple(chunk_sizes(local, t.grad_cache_chunk_size))
+    )
 
 
-def ds_config(cfg: Config, plan: BatchPlan, stage: Optional[int] = None) -> dict:
+def ds_config(cfg: Config, plan: BatchPlan, stage: int | None = None) -> dict:
     """Our config -> DeepSpeed's (the single source of the batch arithmetic).
 
     ``stage``: the ZeRO stage to run (:func:`mmalign.run.zero_stage.effective_stage`); None =
@@ -109,4 +116,3 @@ def _merged(base: dict, extra: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-

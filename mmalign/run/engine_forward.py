@@ -87,7 +87,6 @@ def dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:
     return kind
 
 
-
 class _null_context:
     def __enter__(self):
         return None

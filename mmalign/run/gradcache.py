@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any
 
 import torch
 
 from mmalign.models.embeddings import PER_SAMPLE, PER_STEP, Embeddings
-
 
 
 @dataclass
@@ -70,11 +70,13 @@ class RngState:
     that device alone, and touching every visible device would create a context on each."""
 
     cpu: torch.Tensor
-    cuda: Optional[torch.Tensor]
+    cuda: torch.Tensor | None
 
     @classmethod
-    def capture(cls) -> "RngState":
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    def capture(cls) -> RngState:
+        cuda = (
+            torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         return cls(torch.get_rng_state(), cuda)
 
     def restore(self) -> None:
@@ -108,10 +110,10 @@ def grad_cache_step(
     chunks: Sequence[Any],
     loss_fn: Callable[[Embeddings], Any],
     backward: Callable[[torch.Tensor], None],
-    after_chunk: Optional[Callable[[int, bool], None]] = None,
-    guard: Optional[Callable[[torch.Tensor, dict], bool]] = None,
-    replay: Optional[Callable[[], ContextManager]] = None,
-    reencode: Optional[Callable[[Any, Embeddings], Embeddings]] = None,
+    after_chunk: Callable[[int, bool], None] | None = None,
+    guard: Callable[[torch.Tensor, dict], bool] | None = None,
+    replay: Callable[[], AbstractContextManager] | None = None,
+    reencode: Callable[[Any, Embeddings], Embeddings] | None = None,
 ) -> CachedStep:
     """One optimisation step's gradients, accumulated chunk by chunk.
 
@@ -142,7 +144,7 @@ def grad_cache_step(
     # 1. no-grad forward of every chunk but the last, remembering the RNG state each
     #    started from; the last keeps its graph (it is back-propagated from it in 3)
     states: list[RngState] = []
-    reps: list[Optional[Embeddings]] = []
+    reps: list[Embeddings | None] = []
     last = len(chunks) - 1
     for i, chunk in enumerate(chunks):
         states.append(RngState.capture())
@@ -179,8 +181,9 @@ def grad_cache_step(
                 out = encode(chunks[i]) if reencode is None else reencode(chunks[i], reps[i])
             reps[i] = None  # its first-pass outputs are not needed any more
         # outputs without a graph (a locked tower's) have nothing to back-propagate into
-        surrogate = sum((getattr(out, k) * g[i]).sum() for k, g in sample_grads.items()
-                        if getattr(out, k).requires_grad)
+        surrogate = sum(
+            (getattr(out, k) * g[i]).sum() for k, g in sample_grads.items() if getattr(out, k).requires_grad
+        )
         if i == last:  # the per-step outputs take their gradient exactly once
             for key in per_step:
                 if grads.get(key) is not None:

@@ -57,7 +57,9 @@ def resolve_suite(cfg: Config) -> dict | None:
         return None
     suite = load_suite(cfg.eval.suite)
     spec = check_suite_data(suite, cfg.data.val or None)
-    check_suite_fields(suite, spec, "data.val" if cfg.data.val else "its own dataset")  # a probe of a few samples
+    check_suite_fields(
+        suite, spec, "data.val" if cfg.data.val else "its own dataset"
+    )  # a probe of a few samples
     return suite
 
 
@@ -65,6 +67,7 @@ def resolve_suite(cfg: Config) -> dict | None:
 class Periodic:
     """One entry of the schedule: ``suite`` (loaded; with a limit, its dataset a draw of that
     many images) every ``every`` steps; ``jsonl``: its evaluations are metrics.jsonl records."""
+
     name: str  # the suite's name, which its log names carry
     suite: dict
     every: int
@@ -78,6 +81,7 @@ class Periodic:
 @dataclass(frozen=True)
 class EvalPlan:
     """What a run evaluates: ``periodic`` entries in the loop, ``final`` suites at the end."""
+
     periodic: tuple[Periodic, ...] = ()
     final: tuple[dict, ...] = ()
 
@@ -97,8 +101,10 @@ class EvalPlan:
         """``, evaluating A every 2 step(s), ..., evaluating on suites A, B at the end`` (or no evaluation)."""
         if not self.final:
             return ", no evaluation"
-        return "".join(f", evaluating {p.describe()}" for p in self.periodic) + \
-            f", evaluating on {self.final_names()} at the end"
+        return (
+            "".join(f", evaluating {p.describe()}" for p in self.periodic)
+            + f", evaluating on {self.final_names()} at the end"
+        )
 
 
 def plan_evaluations(cfg: Config, suite: dict | None) -> EvalPlan:
@@ -115,12 +121,16 @@ def plan_evaluations(cfg: Config, suite: dict | None) -> EvalPlan:
         for p in periodic:
             if p.name == name:
                 other = "train.eval_every (eval.suite)" if not p.jsonl else "an earlier eval.during entry"
-                raise ConfigError(f"config key '{key}': suite {name!r} is already evaluated during training by "
-                                  f"{other}: one schedule per suite (its log names are eval/{name}/...)")
+                raise ConfigError(
+                    f"config key '{key}': suite {name!r} is already evaluated during training by "
+                    f"{other}: one schedule per suite (its log names are eval/{name}/...)"
+                )
         same = [s for s in final if s["name"] == name]
         if same and same[0] != whole:
-            raise ConfigError(f"config key '{key}': {entry.suite!r} and eval.suite={cfg.eval.suite!r} are two "
-                              f"suites of one name, {name!r}: their log names (eval/{name}/...) would mix")
+            raise ConfigError(
+                f"config key '{key}': {entry.suite!r} and eval.suite={cfg.eval.suite!r} are two "
+                f"suites of one name, {name!r}: their log names (eval/{name}/...) would mix"
+            )
         if not same:
             final.append(whole)
         run = limited_suite(whole, entry.limit) if entry.limit else whole
@@ -136,8 +146,14 @@ def _entry_suite(name: str, key: str, val: str | None) -> dict:
     try:
         suite = load_suite(name)
         spec = check_suite_data(suite, val)
-        check_suite_fields(suite, spec, "data.val" if val else "its own dataset", key="eval.suite",
-                           flag="suite ", nothing="drop the entry to evaluate nothing")
+        check_suite_fields(
+            suite,
+            spec,
+            "data.val" if val else "its own dataset",
+            key="eval.suite",
+            flag="suite ",
+            nothing="drop the entry to evaluate nothing",
+        )
     except ConfigError as e:
         raise ConfigError(str(e).replace("config key 'eval.suite'", f"config key '{key}'")) from None
     return suite
@@ -166,14 +182,23 @@ def model_name(cfg: Config) -> str:
 def probe(engine, probe: tuple, device: torch.device, autocast) -> dict:
     """Collapse indicators on the fixed probe batch (every rank runs the forward: ZeRO-3 gathers)."""
     engine.eval_mode()
-    out = engine.forward(probe[0].to(device), probe[1].to(device), autocast=autocast)  # inside DeepSpeed's call
+    out = engine.forward(
+        probe[0].to(device), probe[1].to(device), autocast=autocast
+    )  # inside DeepSpeed's call
     engine.train_mode()
     return probe_stats(out.image.float().cpu(), out.text.float().cpu())
 
 
-def evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.device,
-                     final: Path | None = None, suites: list[dict] | tuple = (),
-                     show_progress: bool = False) -> dict[str, list[dict]]:
+def evaluate_engine(
+    engine,
+    cfg: Config,
+    tokenizer,
+    path: Path,
+    device: torch.device,
+    final: Path | None = None,
+    suites: list[dict] | tuple = (),
+    show_progress: bool = False,
+) -> dict[str, list[dict]]:
     """Consolidate the weights (collective), then rank 0 saves ``final``, and every rank
     evaluates each of ``suites`` in turn (none: no evaluation), the embedding sharded, rank 0
     the tasks. Returns suite name -> its records on rank 0 (empty lists elsewhere); rank 0
@@ -185,15 +210,24 @@ def evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.de
         model = build_model(cfg.model)
     model.load_state_dict(state)
     if main and final is not None:
-        save_pretrained(model, final, preprocess=preprocess_cfg(model.image_size),
-                        extra={"train_config": to_dict(cfg)})
+        save_pretrained(
+            model, final, preprocess=preprocess_cfg(model.image_size), extra={"train_config": to_dict(cfg)}
+        )
         log.info("saved %s", final)
     if suites:
         model = model.to(device)
     for suite in suites:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
-        results[suite["name"]] = sharded.evaluate(model, eval_transform(model.image_size), tokenizer, suite,
-                                                  cfg.data.val, batch_size=cfg.eval.batch_size, device=str(device),
-                                                  model_name=model_name(cfg), progress=show_progress and main)
+        results[suite["name"]] = sharded.evaluate(
+            model,
+            eval_transform(model.image_size),
+            tokenizer,
+            suite,
+            cfg.data.val,
+            batch_size=cfg.eval.batch_size,
+            device=str(device),
+            model_name=model_name(cfg),
+            progress=show_progress and main,
+        )
     if main and suites:
         write_results([r for records in results.values() for r in records], path)
         log.info("evaluation written to %s", path)
@@ -201,28 +235,60 @@ def evaluate_engine(engine, cfg: Config, tokenizer, path: Path, device: torch.de
     return results
 
 
-def evaluate_due(plan: EvalPlan, step: int, engine, cfg: Config, tokenizer, out: Path, device: torch.device,
-                 runlog, show_progress: bool = False) -> None:
+def evaluate_due(
+    plan: EvalPlan,
+    step: int,
+    engine,
+    cfg: Config,
+    tokenizer,
+    out: Path,
+    device: torch.device,
+    runlog,
+    show_progress: bool = False,
+) -> None:
     """The loop's evaluation after ``step``: the entries of ``plan`` due then (a collective when
     any is), into ``eval_stepN.json``, TensorBoard and (eval.during's) metrics.jsonl."""
     due = plan.due(step, cfg.train.steps)
     if not due:
         return
-    results = evaluate_engine(engine, cfg, tokenizer, out / f"eval_step{step:08d}.json", device,
-                              suites=[p.suite for p in due], show_progress=show_progress)
+    results = evaluate_engine(
+        engine,
+        cfg,
+        tokenizer,
+        out / f"eval_step{step:08d}.json",
+        device,
+        suites=[p.suite for p in due],
+        show_progress=show_progress,
+    )
     runlog.evaluation([r for records in results.values() for r in records], step)
     for p in due:
         if p.jsonl:
             runlog.eval_record(step, p.name, results[p.name])
 
 
-def evaluate_final(plan: EvalPlan, engine, cfg: Config, tokenizer, out: Path, device: torch.device, runlog,
-                   show_progress: bool = False) -> list[dict]:
+def evaluate_final(
+    plan: EvalPlan,
+    engine,
+    cfg: Config,
+    tokenizer,
+    out: Path,
+    device: torch.device,
+    runlog,
+    show_progress: bool = False,
+) -> list[dict]:
     """After the loop: ``final/`` saved, then every final suite whole, into ``eval.json``,
     TensorBoard (with the run's hyper-parameters against these metrics) and, for the
     eval.during suites, metrics.jsonl. Returns the records (rank 0; empty elsewhere)."""
-    results = evaluate_engine(engine, cfg, tokenizer, out / "eval.json", device, final=out / "final",
-                              suites=plan.final, show_progress=show_progress)
+    results = evaluate_engine(
+        engine,
+        cfg,
+        tokenizer,
+        out / "eval.json",
+        device,
+        final=out / "final",
+        suites=plan.final,
+        show_progress=show_progress,
+    )
     records = [r for found in results.values() for r in found]
     step = cfg.train.steps
     runlog.evaluation(records, step, hparams=to_dict(cfg))

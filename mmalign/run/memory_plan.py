@@ -118,7 +118,10 @@ def _checkpointed_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     module whose ``grad_checkpointing`` (open_clip) / ``gradient_checkpointing`` (HF) is on."""
     blocks = []
     for m in model.modules():
-        if getattr(m, "grad_checkpointing", False) is True or getattr(m, "gradient_checkpointing", False) is True:
+        if (
+            getattr(m, "grad_checkpointing", False) is True
+            or getattr(m, "gradient_checkpointing", False) is True
+        ):
             for child in m.modules():
                 if isinstance(child, torch.nn.ModuleList):
                     blocks.extend(child)
@@ -175,8 +178,14 @@ def measure(model, tokenizer, cfg, device: torch.device, fields, autocast) -> tu
         restore = cfg.model.patch_dropout
     try:
         with _upper_bound_attention(device, autocast):
-            one, two = (saved_bytes(model, probe_inputs(model, tokenizer, n, device, fields, cfg.data.hard_negatives),
-                                    autocast) for n in (1, 2))
+            one, two = (
+                saved_bytes(
+                    model,
+                    probe_inputs(model, tokenizer, n, device, fields, cfg.data.hard_negatives),
+                    autocast,
+                )
+                for n in (1, 2)
+            )
     finally:
         if restore is not None:
             model.set_patch_dropout(restore)
@@ -192,8 +201,10 @@ def _upper_bound_attention(device: torch.device, autocast):
     from mmalign.models import attention_kernel
 
     with autocast():
-        low = torch.get_autocast_dtype(device.type) in (torch.bfloat16, torch.float16) and \
-            torch.is_autocast_enabled(device.type)
+        low = torch.get_autocast_dtype(device.type) in (
+            torch.bfloat16,
+            torch.float16,
+        ) and torch.is_autocast_enabled(device.type)
     if device.type == "cpu" and low and attention_kernel.get_mode() == "auto":
         return attention_kernel.using("math")
     return contextlib.nullcontext()
@@ -225,7 +236,11 @@ def features_bytes(cfg, embed_dim: int, local: int, world: int, fields) -> int:
     """Every per-sample output field of the local batch and of its gathered copy (and the momentum
     queue's), each with its cached gradient, float32 (k columns for k mined negative captions)."""
     rows = local + local * world + cfg.loss.queue_size
-    widths = [cfg.data.hard_negatives if f == "neg_text" else 1 for f in fields if f not in ("logit_scale", "logit_bias")]
+    widths = [
+        cfg.data.hard_negatives if f == "neg_text" else 1
+        for f in fields
+        if f not in ("logit_scale", "logit_bias")
+    ]
     return 2 * sum(widths) * rows * embed_dim * 4
 
 
@@ -258,7 +273,9 @@ def budget_bytes(cfg, device: torch.device, state: int, host_processes: int) -> 
 # ------------------------------------------------------------------ the resolution
 
 
-def resolve_grad_cache_chunk(cfg, model, objective, tokenizer, device: torch.device) -> tuple[int, str | None]:
+def resolve_grad_cache_chunk(
+    cfg, model, objective, tokenizer, device: torch.device
+) -> tuple[int, str | None]:
     """Collective for ``auto`` (every rank): (the chunk the run uses, 0 = off; the line to log, or
     None when ``train.grad_cache_chunk_size`` is an integer, returned unchanged)."""
     chunk = cfg.train.grad_cache_chunk_size
@@ -274,22 +291,32 @@ def resolve_grad_cache_chunk(cfg, model, objective, tokenizer, device: torch.dev
     host = socket.gethostname()
     hosts = mdist.all_gather_object(host)
     budget = budget_bytes(cfg, device, state_bytes(model, cfg, stage, world), hosts.count(host))
-    plan = MemoryModel(per_sample, fixed, loss_bytes(cfg, local, world),
-                       features_bytes(cfg, model.embed_dim, local, world, fields), budget)
+    plan = MemoryModel(
+        per_sample,
+        fixed,
+        loss_bytes(cfg, local, world),
+        features_bytes(cfg, model.embed_dim, local, world, fields),
+        budget,
+    )
     mine = choose_chunk(local, plan)
     chosen = mdist.all_gather_object(mine)
     if min(chosen) < 0:  # on every rank, after the gather: no rank is left waiting in a collective
-        raise ConfigError(f"config key 'train.memory_budget_gb': train.grad_cache_chunk_size: auto needs "
-                          f"{_gib(plan.need(1))} for one sample (activations {_gib(per_sample)}/sample + "
-                          f"{_gib(fixed + plan.loss + plan.features)} fixed, loss and features) but "
-                          f"{'a rank has' if world > 1 else 'the budget is'} {_gib(budget)}: set an integer "
-                          f"chunk, a larger budget or a smaller train.global_batch_size")
+        raise ConfigError(
+            f"config key 'train.memory_budget_gb': train.grad_cache_chunk_size: auto needs "
+            f"{_gib(plan.need(1))} for one sample (activations {_gib(per_sample)}/sample + "
+            f"{_gib(fixed + plan.loss + plan.features)} fixed, loss and features) but "
+            f"{'a rank has' if world > 1 else 'the budget is'} {_gib(budget)}: set an integer "
+            f"chunk, a larger budget or a smaller train.global_batch_size"
+        )
     smallest = min(c or local for c in chosen)
     result = 0 if smallest >= local else smallest
-    line = (f"train.grad_cache_chunk_size: auto -> {'off' if result == 0 else result} (local batch {local} needs "
-            f"{_gib(plan.need(local))}: activations {_gib(per_sample)}/sample + {_gib(fixed)}, loss {_gib(plan.loss)}, "
-            f"features {_gib(plan.features)}; budget {_gib(budget)}"
-            + (f" on this rank, the smallest chunk over {world} ranks" if world > 1 else "") + ")")
+    line = (
+        f"train.grad_cache_chunk_size: auto -> {'off' if result == 0 else result} (local batch {local} needs "
+        f"{_gib(plan.need(local))}: activations {_gib(per_sample)}/sample + {_gib(fixed)}, loss {_gib(plan.loss)}, "
+        f"features {_gib(plan.features)}; budget {_gib(budget)}"
+        + (f" on this rank, the smallest chunk over {world} ranks" if world > 1 else "")
+        + ")"
+    )
     return result, line
 
 
@@ -318,4 +345,3 @@ def probe_autocast(cfg, device: torch.device):
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.3g} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
-

@@ -46,10 +46,17 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 
+
 @torch.no_grad()
-def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
-                             second_view: bool = False, negatives: int = 0,
-                             towers: tuple[str, ...] = ("visual", "text")) -> float:
+def forward_flops_per_sample(
+    model: torch.nn.Module,
+    image_size: int,
+    context_length: int,
+    *,
+    second_view: bool = False,
+    negatives: int = 0,
+    towers: tuple[str, ...] = ("visual", "text"),
+) -> float:
     """FLOPs of one training-mode forward pass of ``towers`` (both by default) for a single
     sample (on the model's device, float32), including its second image view and its
     ``negatives`` mined captions when the run embeds them.
@@ -89,8 +96,14 @@ def forward_flops_per_sample(model: torch.nn.Module, image_size: int, context_le
     return float(counter.get_total_flops()) / n
 
 
-def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, *,
-                           second_view: bool = False, negatives: int = 0) -> float:
+def train_flops_per_sample(
+    model: torch.nn.Module,
+    image_size: int,
+    context_length: int,
+    *,
+    second_view: bool = False,
+    negatives: int = 0,
+) -> float:
     """FLOPs of one training step for a single sample: forward and backward (about twice the
     forward: gradients of inputs and of weights) of each tower that trains, the forward alone of
     a fully locked one (LiT: no gradient flows into it, so it has no backward at all).  A partly
@@ -98,10 +111,13 @@ def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_leng
     over-counts it, never under-counts).  Text at the full ``context_length``
     (:func:`forward_flops_per_sample`); ViT-B-16 at 224 px and 77 tokens: ~123 GFLOP."""
     locked = set(model.fully_locked()) if hasattr(model, "fully_locked") else set()
-    return sum((1 if tower in locked else 3)
-               * forward_flops_per_sample(model, image_size, context_length, second_view=second_view,
-                                          negatives=negatives, towers=(tower,))
-               for tower in ("visual", "text"))
+    return sum(
+        (1 if tower in locked else 3)
+        * forward_flops_per_sample(
+            model, image_size, context_length, second_view=second_view, negatives=negatives, towers=(tower,)
+        )
+        for tower in ("visual", "text")
+    )
 
 
 def matmul_dtype(cfg, device: torch.device | str) -> str:
@@ -146,8 +162,10 @@ def describe_peak(device: torch.device | str, configured: float, dtype: str) -> 
     if configured > 0:
         return f"MFU over monitor.peak_tflops = {peak:g} TFLOP/s per device (matmuls in {dtype})"
     if peak is not None:
-        return (f"MFU over the {_known_gpu(device)[0]} dense {dtype} peak, {peak:g} TFLOP/s per device "
-                f"(monitor.peak_tflops overrides)")
+        return (
+            f"MFU over the {_known_gpu(device)[0]} dense {dtype} peak, {peak:g} TFLOP/s per device "
+            f"(monitor.peak_tflops overrides)"
+        )
     if device.type == "cpu":
         return f"no peak FLOP/s for a CPU (matmuls in {dtype}): logging achieved GFLOP/s, no MFU"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -168,15 +186,22 @@ def global_log_values(loss: torch.Tensor, data_wait_s: float, skipped: dict[str,
     ranks; ``skipped`` (samples skipped so far by reason; ranks may know different
     reasons) -> ``skipped_samples/<reason>``, summed over ranks.
     """
-    packed = torch.stack([loss.detach().reshape(()).double(),
-                          torch.tensor(float(data_wait_s), dtype=torch.float64, device=loss.device)])
+    packed = torch.stack(
+        [
+            loss.detach().reshape(()).double(),
+            torch.tensor(float(data_wait_s), dtype=torch.float64, device=loss.device),
+        ]
+    )
     mdist.all_reduce_sum(packed)
     total: dict[str, int] = {}
     for counts in mdist.all_gather_object(dict(skipped)):
         for reason, count in counts.items():
             total[reason] = total.get(reason, 0) + int(count)
-    return {"loss": float(packed[0]) / mdist.get_world_size(), "data_wait_s": float(packed[1]),
-            **{f"skipped_samples/{k}": total[k] for k in sorted(total)}}
+    return {
+        "loss": float(packed[0]) / mdist.get_world_size(),
+        "data_wait_s": float(packed[1]),
+        **{f"skipped_samples/{k}": total[k] for k in sorted(total)},
+    }
 
 
 @torch.no_grad()
@@ -202,5 +227,7 @@ def collapse_alarms(stats: dict[str, float], dim: int, min_std: float, min_rank_
         if std < min_std:
             alarms.append(f"{name} embeddings collapsing: mean per-dimension std {std:.4f} < {min_std}")
         if rank < min_rank_frac * dim:
-            alarms.append(f"{name} embeddings collapsing: effective rank {rank:.1f} < {min_rank_frac:g} x {dim}")
+            alarms.append(
+                f"{name} embeddings collapsing: effective rank {rank:.1f} < {min_rank_frac:g} x {dim}"
+            )
     return alarms

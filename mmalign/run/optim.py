@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mmalign.config import TrainConfig
 from mmalign.errors import ConfigError
 
-
 # Parameters of a tower's stem: layer 0 of layer-wise decay (relative to the tower module).
-_EMBEDDING_PREFIXES = ("conv1.", "class_embedding", "positional_embedding", "ln_pre.", "token_embedding.", "cls_emb")
+_EMBEDDING_PREFIXES = (
+    "conv1.",
+    "class_embedding",
+    "positional_embedding",
+    "ln_pre.",
+    "token_embedding.",
+    "cls_emb",
+)
 _BLOCK = re.compile(r"^transformer\.resblocks\.(\d+)\.")
 
 
@@ -43,8 +49,10 @@ def _tower_layers(tower: torch.nn.Module, key: str) -> tuple[Callable[[str], int
     (the layer numbering of BEiT / EVA's layer-wise decay)."""
     blocks = getattr(getattr(tower, "transformer", None), "resblocks", None)
     if not isinstance(blocks, torch.nn.ModuleList):
-        raise ConfigError(f"config key '{key}': layer-wise decay needs open_clip transformer towers; "
-                          f"the {type(tower).__name__} tower has no transformer.resblocks (use {key}: 1.0)")
+        raise ConfigError(
+            f"config key '{key}': layer-wise decay needs open_clip transformer towers; "
+            f"the {type(tower).__name__} tower has no transformer.resblocks (use {key}: 1.0)"
+        )
     depth = len(blocks) + 1
 
     def layer(name: str) -> int:
@@ -56,9 +64,14 @@ def _tower_layers(tower: torch.nn.Module, key: str) -> tuple[Callable[[str], int
     return layer, depth
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None,
-                 lr_image: float | None = None, lr_text: float | None = None,
-                 layer_decay: float = 1.0) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    lr: float | None = None,
+    lr_image: float | None = None,
+    lr_text: float | None = None,
+    layer_decay: float = 1.0,
+) -> list[dict]:
     """Optimiser parameter groups: one per (learning rate, weight decay or not) pair, the
     decayed groups first.
 
@@ -95,13 +108,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
             if name.startswith(prefix):
                 group_lr = base
                 if layer is not None and base is not None:
-                    group_lr = base * layer_decay ** (depth - layer(name[len(prefix):]))
+                    group_lr = base * layer_decay ** (depth - layer(name[len(prefix) :]))
                 break
         # keyed by the flag, not the value: with weight_decay 0 the two kinds stay two groups,
         # as they always were (a checkpoint's optimiser state has one entry per group)
         groups.setdefault((group_lr, _no_weight_decay(name, p)), []).append(p)
     out = []
-    for (group_lr, exempt), params in sorted(groups.items(), key=lambda kv: kv[0][1]):  # stable: decayed first
+    for (group_lr, exempt), params in sorted(
+        groups.items(), key=lambda kv: kv[0][1]
+    ):  # stable: decayed first
         group = {"params": params, "weight_decay": 0.0 if exempt else weight_decay}
         if group_lr is not None:
             group["lr"] = group_lr
@@ -111,8 +126,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
 
 def train_param_groups(model: torch.nn.Module, t: TrainConfig) -> list[dict]:
     """:func:`param_groups` from the ``train.*`` keys (weight_decay, lr, lr_image, lr_text, layer_decay)."""
-    return param_groups(model, t.weight_decay, lr=t.lr, lr_image=t.lr_image, lr_text=t.lr_text,
-                        layer_decay=t.layer_decay)
+    return param_groups(
+        model, t.weight_decay, lr=t.lr, lr_image=t.lr_image, lr_text=t.lr_text, layer_decay=t.layer_decay
+    )
 
 
 Segment = tuple[int, int, int]  # (tensor index, offset in the flat partition, length)
@@ -125,14 +141,20 @@ def _sum_sq(x: torch.Tensor) -> torch.Tensor:
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0
+    ):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._layout: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
         self._n_tensors = 0
         self._reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def set_partition_layout(self, layout: Sequence[tuple[torch.Tensor, Sequence[Segment]]], n_tensors: int,
-                             reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def set_partition_layout(
+        self,
+        layout: Sequence[tuple[torch.Tensor, Sequence[Segment]]],
+        n_tensors: int,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         """Declare flat partitions: ``layout`` pairs each partition tensor this optimiser
         will be stepped with (the very object) with the segments of the model's tensors
         inside it on this rank; indices are in [0, n_tensors) and agree across ranks.
@@ -191,13 +213,17 @@ class Lamb(torch.optim.Optimizer):
     def _step_segments(self, flat: list) -> None:
         """Per-tensor trust ratios from the segments of every rank, then the updates."""
         device = next(iter(self._layout.values()))[0].device
-        sq = torch.zeros(2, self._n_tensors + 1, dtype=torch.float32, device=device)  # (||w||^2, ||u||^2) per tensor
+        sq = torch.zeros(
+            2, self._n_tensors + 1, dtype=torch.float32, device=device
+        )  # (||w||^2, ||u||^2) per tensor
         for p, update, segments, _ in flat:
             if not segments:
                 continue
             index = torch.tensor([s[0] for s in segments], device=device)
             for row, source in enumerate((p, update)):
-                sums = torch.stack([_sum_sq(source.narrow(0, offset, length)) for _, offset, length in segments])
+                sums = torch.stack(
+                    [_sum_sq(source.narrow(0, offset, length)) for _, offset, length in segments]
+                )
                 sq[row].index_add_(0, index, sums.float())
         self._reduce_sum(sq)  # every rank, even with nothing here: the call is collective
         trust = self._trust(sq[0].sqrt(), sq[1].sqrt())
@@ -216,7 +242,8 @@ class Lamb(torch.optim.Optimizer):
                 ids.append(self._n_tensors)
                 lengths.append(p.numel() - at)
             scale = trust[torch.tensor(ids, device=device)].repeat_interleave(
-                torch.tensor(lengths, device=device), output_size=p.numel())  # (numel,)
+                torch.tensor(lengths, device=device), output_size=p.numel()
+            )  # (numel,)
             p.add_(update * scale.to(update.dtype), alpha=-lr)
 
 

@@ -81,8 +81,9 @@ def needs_conversion(model_states: dict, stage: int, world_size: int) -> bool:
     return stage >= 1 and saved_world_size(model_states) != world_size  # partitions cut for another world
 
 
-def zero0_moments(optimizer_state: dict, group_names: list[list[str]],
-                  shapes: dict[str, torch.Size]) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+def zero0_moments(
+    optimizer_state: dict, group_names: list[list[str]], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """A ZeRO-0 checkpoint's torch optimizer state_dict -> ({state key: {parameter name: full
     tensor}}, the scalar state of its first entry, e.g. ``step``).
 
@@ -93,13 +94,25 @@ def zero0_moments(optimizer_state: dict, group_names: list[list[str]],
     if not isinstance(groups, list) or not isinstance(state, dict):
         raise RuntimeError("resharding: the ZeRO-0 checkpoint holds no torch optimizer state_dict")
     if [len(g["params"]) for g in groups] != [len(names) for names in group_names]:
-        raise RuntimeError(f"resharding: the ZeRO-0 checkpoint's optimizer groups hold "
-                           f"{[len(g['params']) for g in groups]} tensors, this model's "
-                           f"{[len(names) for names in group_names]}")
-    entries = [(name, state[index]) for g, names in zip(groups, group_names)
-               for index, name in zip(g["params"], names) if state.get(index)]
-    keys = sorted({k for name, entry in entries for k, v in entry.items()
-                   if torch.is_tensor(v) and shapes[name].numel() > 1 and v.shape == shapes[name]})
+        raise RuntimeError(
+            f"resharding: the ZeRO-0 checkpoint's optimizer groups hold "
+            f"{[len(g['params']) for g in groups]} tensors, this model's "
+            f"{[len(names) for names in group_names]}"
+        )
+    entries = [
+        (name, state[index])
+        for g, names in zip(groups, group_names)
+        for index, name in zip(g["params"], names)
+        if state.get(index)
+    ]
+    keys = sorted(
+        {
+            k
+            for name, entry in entries
+            for k, v in entry.items()
+            if torch.is_tensor(v) and shapes[name].numel() > 1 and v.shape == shapes[name]
+        }
+    )
     moments = {k: {name: entry[k] for name, entry in entries if k in entry} for k in keys}
     scalars = {k: v for k, v in entries[0][1].items() if k not in keys} if entries else {}
     return moments, scalars
@@ -143,7 +156,7 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
         name, p, partition, offset, start, length = f.name, f.param, f.partition, f.offset, f.start, f.length
         if length <= 0:
             continue
-        flat = weights[name].reshape(-1)[start:start + length]
+        flat = weights[name].reshape(-1)[start : start + length]
         partition.narrow(0, offset, length).copy_(flat)
         slot = state[partition]
         if not slot:
@@ -152,7 +165,7 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
             if key not in slot:
                 slot[key] = torch.zeros_like(partition)
             if name in full:  # a ZeRO-0 source has no state for a parameter that never had a gradient
-                slot[key].narrow(0, offset, length).copy_(full[name].reshape(-1)[start:start + length])
+                slot[key].narrow(0, offset, length).copy_(full[name].reshape(-1)[start : start + length])
         if engine.stage == 3:
             ds_adapter.local_partition(p).data.narrow(0, 0, length).copy_(flat)
     if engine.stage < 3:  # the module holds the full (fp32 or bf16) weights
@@ -167,9 +180,11 @@ def load_resharded(engine, directory: Path, tag: str, consolidate, read) -> None
     engine.scheduler.load_state_dict(states["lr_scheduler"])
     for group, lr in zip(engine.base_optimizer.param_groups, engine.scheduler.get_last_lr()):
         group["lr"] = lr
-    engine.set_step_counters(states["global_steps"],
-                             states.get("global_samples", states["global_steps"] * engine.plan.global_batch),
-                             states["skipped_steps"])
+    engine.set_step_counters(
+        states["global_steps"],
+        states.get("global_samples", states["global_steps"] * engine.plan.global_batch),
+        states["skipped_steps"],
+    )
 
 
 def _load_whole_optimizer(engine, moments: dict[str, dict[str, torch.Tensor]], scalars: dict) -> None:
@@ -182,9 +197,16 @@ def _load_whole_optimizer(engine, moments: dict[str, dict[str, torch.Tensor]], s
     state = {}
     for group, names in zip(current["param_groups"], engine.param_group_names):
         for index, name in zip(group["params"], names):
-            entry = {k: full[name].reshape(params[name].shape).clone() for k, full in moments.items() if name in full}
+            entry = {
+                k: full[name].reshape(params[name].shape).clone()
+                for k, full in moments.items()
+                if name in full
+            }
             if entry or (scalars and not moments):
-                state[index] = {**{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}, **entry}
+                state[index] = {
+                    **{k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()},
+                    **entry,
+                }
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
@@ -221,7 +243,9 @@ def trainer_and_loader(path: Path, saved_world: int) -> tuple[dict, dict]:
     return trainer, {"resharded_from": loaders}
 
 
-def adopt(trainer: dict, loader_state: dict, spec, seed: int, step: int, rank: int) -> tuple[dict, dict, str | None]:
+def adopt(
+    trainer: dict, loader_state: dict, spec, seed: int, step: int, rank: int
+) -> tuple[dict, dict, str | None]:
     """For a resume on another world size: this rank's RNG from (seed, step, rank) and its
     loader state converted to the new slot layout, plus the line to log; otherwise the
     states unchanged and None."""
@@ -233,5 +257,11 @@ def adopt(trainer: dict, loader_state: dict, spec, seed: int, step: int, rank: i
     trainer = {**trainer, "rng": fresh_rng_state(seed, step, rank)}
     loader_state, how = convert(loader_state["resharded_from"], spec, rank, step)
     world = mdist.get_world_size()
-    return trainer, loader_state, (f"resumed a {saved_world}-rank checkpoint on {world} rank(s): weights and optimizer "
-                                   f"state carried over (re-partitioned for ZeRO); {how}")
+    return (
+        trainer,
+        loader_state,
+        (
+            f"resumed a {saved_world}-rank checkpoint on {world} rank(s): weights and optimizer "
+            f"state carried over (re-partitioned for ZeRO); {how}"
+        ),
+    )

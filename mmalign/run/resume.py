@@ -13,10 +13,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmalign.run import checkpoint, reshard
-from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError
+from mmalign.dist import distributed as mdist
 from mmalign.errors import first_line
+from mmalign.run import checkpoint, reshard
 from mmalign.run.runlog import say
 
 # the run's lines: train.log names them mmalign.run.train, whichever module of the run writes them
@@ -36,8 +36,9 @@ def resume_run(engine, loader, queue, out: str | Path, resume: str | None, cfg: 
     rank's RNG; a fresh start (``resume`` None, or no checkpoint yet) restores nothing."""
     rank = mdist.get_rank()
     main = rank == 0
-    found = checkpoint.resume(engine, out, resume, cfg, say=lambda line: (print(line, flush=True),
-                                                                        log.warning("%s", line)))
+    found = checkpoint.resume(
+        engine, out, resume, cfg, say=lambda line: (print(line, flush=True), log.warning("%s", line))
+    )
     if found is None:
         if resume and main:
             print(f"mmalign: no checkpoint in {out} yet, starting from step 0", flush=True)
@@ -61,10 +62,13 @@ def load_queue(queue, ckpt: Path) -> None:
     """Restore the EMA weights and the queue (rank 0's file, read by every rank); one-line errors."""
     state = checkpoint.load_shared(ckpt, "momentum")
     if state is None:
-        raise ConfigError(f"config key 'loss.queue_size': {ckpt} holds no momentum queue (written by a run "
-                          f"without one)")
+        raise ConfigError(
+            f"config key 'loss.queue_size': {ckpt} holds no momentum queue (written by a run without one)"
+        )
     try:
         queue.load_state_dict(state)
     except (ValueError, RuntimeError, KeyError) as e:
-        raise ConfigError(f"config key 'loss.queue_size': the checkpoint's momentum queue does not fit: "
-                          f"{first_line(e) or type(e).__name__}") from None
+        raise ConfigError(
+            f"config key 'loss.queue_size': the checkpoint's momentum queue does not fit: "
+            f"{first_line(e) or type(e).__name__}"
+        ) from None

@@ -38,30 +38,62 @@ import yaml
 
 from mmalign.config import Config, ConfigError, to_dict
 from mmalign.dirlock import LOCK_FILE  # the launch's own lock (mmalign.dirlock): not run content
-from mmalign.layout.run_dir import CONFIG_FILE  # noqa: F401 (re-exported)
-from mmalign.layout.run_dir import ENGINE_TAG, ROOT, is_step_name
+from mmalign.layout.run_dir import (
+    CONFIG_FILE,  # noqa: F401 (re-exported)
+    ENGINE_TAG,
+    ROOT,
+    is_step_name,
+)
 
 # What a run writes; --overwrite removes these and nothing else (a directory may hold the
 # user's own files too).
 NONCE_PREFIX = ".mmalign-shared-check-"  # check_shared's file (removed at once; one a kill left is ignored)
-RUN_ARTEFACTS = ("checkpoints", "final", "tensorboard", "report", "config.yaml", "train.log", "metrics.jsonl",
-                 "eval.json", "eval_step*.json", "samples_rank*.jsonl", NONCE_PREFIX + "*")
+RUN_ARTEFACTS = (
+    "checkpoints",
+    "final",
+    "tensorboard",
+    "report",
+    "config.yaml",
+    "train.log",
+    "metrics.jsonl",
+    "eval.json",
+    "eval_step*.json",
+    "samples_rank*.jsonl",
+    NONCE_PREFIX + "*",
+)
 
 # Keys a resumed run may change: how long it runs, when it evaluates / logs / saves, where
 # its files go, how many threads and how it watches itself. Everything else shapes the
 # optimisation or the data order, and a change would splice two experiments into one run.
-RESUMABLE_CHANGES = ("output", "train.steps", "train.eval_every", "train.log_every", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.max_consecutive_skips", "train.threads", "eval.", "monitor.",
-                     "data.val", "data.max_consecutive_skips", "dist.",
-                     # how the step is computed, not what it computes: the cache chunk the memory
-                     # budget picks (caching is exact) and the attention kernel (the same function)
-                     "train.memory_budget_gb", "train.attention_kernel")
+RESUMABLE_CHANGES = (
+    "output",
+    "train.steps",
+    "train.eval_every",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.max_consecutive_skips",
+    "train.threads",
+    "eval.",
+    "monitor.",
+    "data.val",
+    "data.max_consecutive_skips",
+    "dist.",
+    # how the step is computed, not what it computes: the cache chunk the memory
+    # budget picks (caching is exact) and the attention kernel (the same function)
+    "train.memory_budget_gb",
+    "train.attention_kernel",
+)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and value and prefix + key not in ("model.vision", "model.text", "deepspeed.extra"):
+        if (
+            isinstance(value, dict)
+            and value
+            and prefix + key not in ("model.vision", "model.text", "deepspeed.extra")
+        ):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value
@@ -93,9 +125,11 @@ def check_writable(out: Path) -> None:
         except OSError:
             read_only = False
         why = "on a read-only filesystem" if read_only else "not writable by this user"
-        raise ConfigError(f"config key 'output': {folder} is {why}; a run (a resume too) writes its checkpoints, "
-                          f"logs and final/ there: copy the run to a writable folder and resume it there, or "
-                          f"use another output directory")
+        raise ConfigError(
+            f"config key 'output': {folder} is {why}; a run (a resume too) writes its checkpoints, "
+            f"logs and final/ there: copy the run to a writable folder and resume it there, or "
+            f"use another output directory"
+        )
 
 
 def check_fresh_start(out: Path, resume: str | None, overwrite: bool, cfg: Config | None = None) -> None:
@@ -110,11 +144,15 @@ def check_fresh_start(out: Path, resume: str | None, overwrite: bool, cfg: Confi
         if resume == "latest" and cfg is not None:
             check_something_to_resume(out, cfg)
         return
-    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX) and p.name != LOCK_FILE)
+    entries = sorted(
+        p.name for p in out.iterdir() if not p.name.startswith(NONCE_PREFIX) and p.name != LOCK_FILE
+    )
     if entries:
         shown = ", ".join(entries[:4]) + (f" (+{len(entries) - 4} more)" if len(entries) > 4 else "")
-        raise ConfigError(f"config key 'output': {out} is not empty ({shown}); continue that run with "
-                          f"--resume latest, or start over with --overwrite (removes its run files)")
+        raise ConfigError(
+            f"config key 'output': {out} is not empty ({shown}); continue that run with "
+            f"--resume latest, or start over with --overwrite (removes its run files)"
+        )
 
 
 def check_something_to_resume(out: Path, cfg: Config) -> None:
@@ -139,21 +177,33 @@ def check_something_to_resume(out: Path, cfg: Config) -> None:
         try:
             stored = yaml.safe_load(run_config.read_text())
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
-            raise ConfigError(f"config key 'output': {run_config} cannot be read ({type(e).__name__}) and {out} "
-                              f"holds no checkpoint to resume from; start over with --overwrite") from None
+            raise ConfigError(
+                f"config key 'output': {run_config} cannot be read ({type(e).__name__}) and {out} "
+                f"holds no checkpoint to resume from; start over with --overwrite"
+            ) from None
         if not isinstance(stored, dict):
-            raise ConfigError(f"config key 'output': {run_config} is not an mmalign config and {out} holds no "
-                              f"checkpoint to resume from; start over with --overwrite")
+            raise ConfigError(
+                f"config key 'output': {run_config} is not an mmalign config and {out} holds no "
+                f"checkpoint to resume from; start over with --overwrite"
+            )
         changed = _shown(*_changes(stored, cfg))
     if finished:
-        raise ConfigError(f"config key 'output': {out} holds a finished run (final/) and no checkpoint to resume from"
-                          + (f"; this config differs from its config.yaml in keys that change the run: {changed}"
-                             if changed else "") + "; nothing to resume: retrain it with --overwrite (removes its "
-                          "run files), or use another output directory")
+        raise ConfigError(
+            f"config key 'output': {out} holds a finished run (final/) and no checkpoint to resume from"
+            + (
+                f"; this config differs from its config.yaml in keys that change the run: {changed}"
+                if changed
+                else ""
+            )
+            + "; nothing to resume: retrain it with --overwrite (removes its "
+            "run files), or use another output directory"
+        )
     if changed:
-        raise ConfigError(f"config key 'output': {out} holds a run of another config ({changed}) that saved no "
-                          f"checkpoint; nothing to resume: start over with --overwrite (removes its run files), "
-                          f"or use another output directory")
+        raise ConfigError(
+            f"config key 'output': {out} holds a run of another config ({changed}) that saved no "
+            f"checkpoint; nothing to resume: start over with --overwrite (removes its run files), "
+            f"or use another output directory"
+        )
 
 
 def clear(out: Path) -> list[str]:
@@ -196,11 +246,16 @@ def _changes(stored: dict, cfg: Config) -> tuple[list[str], dict, dict]:
     # absolute): with the same model.tokenizer it differs only where the run directory was
     # moved or resumed from another folder, which does not change the run
     if old.get("model.tokenizer") == new.get("model.tokenizer"):
-        old["model.text"], new["model.text"] = (_without_derived_path(old.get("model.text")),
-                                                _without_derived_path(new.get("model.text")))
-    differing = [k for k in sorted(set(old) | set(new))
-                 if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
-                                                        for r in RESUMABLE_CHANGES)]
+        old["model.text"], new["model.text"] = (
+            _without_derived_path(old.get("model.text")),
+            _without_derived_path(new.get("model.text")),
+        )
+    differing = [
+        k
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+        and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_CHANGES)
+    ]
     return differing, old, new
 
 
@@ -225,12 +280,16 @@ def check_resume(cfg: Config, checkpoint: Path, step: int | None = None) -> None
         return
     shown = _shown(*_changes(stored, cfg))
     if shown:
-        raise ConfigError(f"--resume: the config differs from the one {checkpoint.name} was trained with in keys "
-                          f"that change the run: {shown}; resume with the run's own config, or start a new "
-                          f"run in another output directory")
+        raise ConfigError(
+            f"--resume: the config differs from the one {checkpoint.name} was trained with in keys "
+            f"that change the run: {shown}; resume with the run's own config, or start a new "
+            f"run in another output directory"
+        )
     if step is not None and cfg.train.steps < step:
-        raise ConfigError(f"config key 'train.steps'={cfg.train.steps} is below the checkpoint's step {step} "
-                          f"({checkpoint.name})")
+        raise ConfigError(
+            f"config key 'train.steps'={cfg.train.steps} is below the checkpoint's step {step} "
+            f"({checkpoint.name})"
+        )
 
 
 def _sees(file: Path, text: str, tries: int = 10, pause_s: float = 0.5) -> bool:
@@ -275,9 +334,11 @@ def check_shared(out: Path) -> None:
     blind = [(r, host) for r, host in enumerate(verdicts) if host is not None]
     if blind:
         shown = ", ".join(f"rank {r} on {host}" for r, host in blind[:4]) + (" ..." if len(blind) > 4 else "")
-        raise ConfigError(f"config key 'output': {out} is not shared between the ranks ({shown} cannot see rank 0's "
-                          f"files there); the output directory must be on a filesystem every node mounts at "
-                          f"the same path")
+        raise ConfigError(
+            f"config key 'output': {out} is not shared between the ranks ({shown} cannot see rank 0's "
+            f"files there); the output directory must be on a filesystem every node mounts at "
+            f"the same path"
+        )
 
 
 def step_of(path: Path) -> int:
@@ -313,14 +374,16 @@ def candidates(out: str | Path, resume: str | None) -> list[Path]:
         name = _pointer_text(out)
         if name is None:
             return []
-        steps = sorted((p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name)), key=step_of,
-                       reverse=True)
+        steps = sorted(
+            (p for p in base.glob("step_*") if p.is_dir() and is_step_name(p.name)), key=step_of, reverse=True
+        )
         if name == "":
             return steps
         # only a sibling step_N: the pointer is a file anyone may edit, never a path to follow
         if not is_step_name(name):
-            raise ConfigError(f"--resume latest: {base / 'latest'} names {name[:80]!r}, not a step_N checkpoint of "
-                              f"this run")
+            raise ConfigError(
+                f"--resume latest: {base / 'latest'} names {name[:80]!r}, not a step_N checkpoint of this run"
+            )
         newest = base / name
         return [newest, *(p for p in steps if step_of(p) < step_of(newest))]
     path = Path(resume)

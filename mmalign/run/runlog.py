@@ -60,9 +60,19 @@ class RunLog:
     sample keys (``sample_keys``). ``show_progress``: a bar on a terminal, else plain lines.
     """
 
-    def __init__(self, out: str | Path, rank: int, start: int, steps: int, log_every: int, *,
-                 sample_keys: bool = False, tensorboard: bool = False, show_progress: bool = True,
-                 clock=time.time):
+    def __init__(
+        self,
+        out: str | Path,
+        rank: int,
+        start: int,
+        steps: int,
+        log_every: int,
+        *,
+        sample_keys: bool = False,
+        tensorboard: bool = False,
+        show_progress: bool = True,
+        clock=time.time,
+    ):
         self.out, self.start, self.steps, self.log_every = Path(out), start, steps, log_every
         self.clock = clock  # seconds; a test passes a fake one
         self.main = rank == 0
@@ -105,8 +115,9 @@ class RunLog:
             self.keys_file = self.keys_path.open("a")
         if self.tensorboard:
             self.board = _tensorboard(self.out)
-        self.bar = tqdm(total=self.steps, initial=self.start, desc="train", disable=not self.use_bar,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.steps, initial=self.start, desc="train", disable=not self.use_bar, dynamic_ncols=True
+        )
         self.loop_start = self.clock()
 
     def end_loop(self) -> None:
@@ -154,17 +165,20 @@ class RunLog:
             return None
         per_step = (now - self.warm_at) / timed
         eta = per_step * (self.steps - step)
-        if (self.main and not self.estimated
-                and (step % self.log_every == 0 or now - self.loop_start >= 10)):
+        if self.main and not self.estimated and (step % self.log_every == 0 or now - self.loop_start >= 10):
             self.estimated = True
             warm = self.warm_at - self.loop_start
-            say(f"first {done} step(s): {per_step:.2f} s/step after {WARMUP_STEPS} warm-up step(s) of "
+            say(
+                f"first {done} step(s): {per_step:.2f} s/step after {WARMUP_STEPS} warm-up step(s) of "
                 f"{progress.duration(warm)}, estimated training time "
                 f"{progress.duration(warm + per_step * (self.steps - self.start - WARMUP_STEPS))} "
-                f"(ETA {progress.duration(eta)})")
+                f"(ETA {progress.duration(eta)})"
+            )
         return eta
 
-    def record(self, step: int, record: dict, eta: float | None, alarms: list[str] = (), once: dict | None = None) -> None:
+    def record(
+        self, step: int, record: dict, eta: float | None, alarms: list[str] = (), once: dict | None = None
+    ) -> None:
         """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
         readable line in train.log (and on stdout off a terminal, or the bar's postfix).
         ``once``: fields that only the first record of this log carries (e.g. the parameter
@@ -187,8 +201,11 @@ class RunLog:
         log.info("%s", line)  # readable; the full record is in metrics.jsonl
         if self.lines:
             print(line, flush=True)
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record.get('logit_scale', 0):.1f}",
-                             sps=f"{record['samples_per_s']:.0f}")
+        self.bar.set_postfix(
+            loss=f"{record['loss']:.3f}",
+            scale=f"{record.get('logit_scale', 0):.1f}",
+            sps=f"{record['samples_per_s']:.0f}",
+        )
 
     def advance(self) -> None:
         self.bar.update(1)
@@ -213,8 +230,11 @@ class RunLog:
         else:
             with (self.out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        top1 = [f"{r['dataset']} top-1 {100 * r['metrics']['acc1']:.1f}%" for r in records
-                if isinstance((r.get("metrics") or {}).get("acc1"), (int, float))]
+        top1 = [
+            f"{r['dataset']} top-1 {100 * r['metrics']['acc1']:.1f}%"
+            for r in records
+            if isinstance((r.get("metrics") or {}).get("acc1"), (int, float))
+        ]
         line = f"step {step}: eval {suite} on {images} images" + (f": {', '.join(top1)}" if top1 else "")
         log.info("%s", line)
         if self.lines:
@@ -254,14 +274,18 @@ def _tensorboard(out: Path):
 def eval_scalars(records: list[dict]) -> dict[str, float]:
     """An evaluation's numeric metrics by their one name, ``eval/<suite>/<task>/<metric>``
     (a record's ``dataset`` is ``<suite>/<task>``): TensorBoard's tags and metrics.jsonl's keys."""
-    return {f"eval/{r['dataset']}/{k}": float(v) for r in records for k, v in r["metrics"].items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"eval/{r['dataset']}/{k}": float(v)
+        for r in records
+        for k, v in r["metrics"].items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def _board_eval(board, records: list[dict], step: int, hparams: dict | None = None) -> None:
     """``eval/<suite>/<task>/<metric>`` scalars; with ``hparams``, TensorBoard's HPARAMS entry
     (the flattened config against the final metrics, tagged ``hparam/...``)."""
-    metrics = {tag[len("eval/"):]: v for tag, v in eval_scalars(records).items()}
+    metrics = {tag[len("eval/") :]: v for tag, v in eval_scalars(records).items()}
     for k, v in metrics.items():
         board.add_scalar(f"eval/{k}", v, step)
     if hparams is not None:
@@ -273,4 +297,6 @@ def _board_eval(board, records: list[dict], step: int, hparams: dict | None = No
                     todo.append((f"{prefix}{k}.", v))
                 else:  # HPARAMS takes numbers, strings and bools only
                     flat[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
-        board.add_hparams(flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step)
+        board.add_hparams(
+            flat, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".", global_step=step
+        )

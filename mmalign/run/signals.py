@@ -55,8 +55,10 @@ def deferred():
         yield
         return
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         yield
     finally:
@@ -87,8 +89,9 @@ def resume_command(argv: list[str], cfg) -> str:
     / ``--resume PATH``; for a run started from Python, the same through its ``config.yaml``."""
     args = list(argv[1:])
     if not args or args[0] != "train":
-        return shlex.join(["mmalign", "train", "--config", str(Path(cfg.output) / "config.yaml"),
-                           "--resume", "latest"])
+        return shlex.join(
+            ["mmalign", "train", "--config", str(Path(cfg.output) / "config.yaml"), "--resume", "latest"]
+        )
     kept, skip = [], 0
     for arg in args:
         name, given = arg.partition("=")[0], "=" in arg
@@ -105,8 +108,8 @@ def resume_command(argv: list[str], cfg) -> str:
 
 def stop_line(signame: str, cfg, step: int | None, argv: list[str], world: int = 1) -> str:
     """The one line for a run that ``signame`` stopped (``cfg`` None: nothing is known of it)."""
-    from mmalign.run import checkpoint
     from mmalign.errors import UserError
+    from mmalign.run import checkpoint
 
     if cfg is None:
         return f"mmalign: stopped by {signame}"
@@ -118,11 +121,16 @@ def stop_line(signame: str, cfg, step: int | None, argv: list[str], world: int =
     if last is not None:
         saved = f"last checkpoint {last}"
     else:
-        saved = "no checkpoint saved yet" + (" (train.checkpoint_every is 0)" if not cfg.train.checkpoint_every
-                                             else "") + ", so it starts again from step 0"
+        saved = (
+            "no checkpoint saved yet"
+            + (" (train.checkpoint_every is 0)" if not cfg.train.checkpoint_every else "")
+            + ", so it starts again from step 0"
+        )
     launcher = f" (under the launcher of its {world} ranks)" if world > 1 else ""
     verb = "resume" if last is not None else "restart"
-    return f"mmalign: stopped by {signame} {where}; {saved}; {verb} with: {resume_command(argv, cfg)}{launcher}"
+    return (
+        f"mmalign: stopped by {signame} {where}; {saved}; {verb} with: {resume_command(argv, cfg)}{launcher}"
+    )
 
 
 def report(error: BaseException, rank: int, world: int, argv: list[str] | None = None) -> None:

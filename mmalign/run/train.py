@@ -22,32 +22,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmalign.run import checkpoint, diskspace, rundir, trainable
 from mmalign import progress
-from mmalign.dist import distributed as mdist
 from mmalign.config import Config, ConfigError, save_config
-from mmalign.errors import RunStopped  # re-exported: the loop raises it
 from mmalign.data.loader import build_train_loader, train_counts
 from mmalign.data.shards import check_train_shards, expand_urls
-from mmalign.models.tokenizers import build_tokenizer
 from mmalign.data.transforms import describe, train_transform
+from mmalign.dist import distributed as mdist
+from mmalign.errors import RunStopped  # re-exported: the loop raises it
 from mmalign.evaluation import headline
-from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
-from mmalign.models import TwoTower, build_model, check_buildable
+from mmalign.models import TwoTower, attention_kernel, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
+from mmalign.models.tokenizers import build_tokenizer
 from mmalign.objective import MomentumQueue, build_objective
-from mmalign.run.monitors import (collapse_alarms, describe_peak, global_log_values, matmul_dtype, mfu, peak_tflops,
-                                  train_flops_per_sample)
-from mmalign.run.resume import resume_run
+from mmalign.run import checkpoint, diskspace, rundir, trainable
 from mmalign.run import signals as stop_signals
-from mmalign.run.runlog import RunLog, say
-from mmalign.models import attention_kernel
-from mmalign.run.tf32 import set_tf32
-from mmalign.run.in_run_eval import EvalPlan, evaluate_due, evaluate_final, plan_evaluations
+from mmalign.run.in_run_eval import (
+    EvalPlan,
+    evaluate_due,
+    evaluate_final,
+    plan_evaluations,
+    probe_batch,
+    resolve_suite,
+)
 from mmalign.run.in_run_eval import model_name as _model_name
 from mmalign.run.in_run_eval import probe as _probe
-from mmalign.run.in_run_eval import probe_batch, resolve_suite
+from mmalign.run.memory_plan import resolve_grad_cache_chunk, resolved_config
+from mmalign.run.monitors import (
+    collapse_alarms,
+    describe_peak,
+    global_log_values,
+    matmul_dtype,
+    mfu,
+    peak_tflops,
+    train_flops_per_sample,
+)
+from mmalign.run.resume import resume_run
+from mmalign.run.runlog import RunLog, say
+from mmalign.run.tf32 import set_tf32
 
 log = logging.getLogger("mmalign.run.train")
 
@@ -81,13 +93,20 @@ class _LogFile(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
-        stop = diskspace.run_write_error(error, Path(self.baseFilename).parent, self.baseFilename) if error else None
+        stop = (
+            diskspace.run_write_error(error, Path(self.baseFilename).parent, self.baseFilename)
+            if error
+            else None
+        )
         if stop is None:
             super().handleError(record)
             return
         self.failed = True
-        print(f"mmalign: warning: {self.baseFilename} is no longer written ({str(stop).split(';')[0]})",
-              file=sys.stderr, flush=True)
+        print(
+            f"mmalign: warning: {self.baseFilename} is no longer written ({str(stop).split(';')[0]})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def setup_logging(out: Path) -> None:
@@ -124,7 +143,9 @@ def _exit_on_sigterm():
             signal.signal(signal.SIGTERM, previous)
 
 
-def train(cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False) -> Path:
+def train(
+    cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False
+) -> Path:
     """Run ``cfg`` to completion (or resume it); returns the output directory.
 
     Without ``resume`` the output directory must be empty or absent, or ``overwrite``
@@ -138,6 +159,7 @@ def train(cfg: Config, show_progress: bool = True, resume: str | None = None, ov
 @dataclass
 class _Parts:
     """What the loop runs on, built once by :func:`_build`."""
+
     cfg: Config
     out: Path
     device: torch.device
@@ -154,12 +176,15 @@ class _Parts:
     autocast: object  # () -> the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device in the run's matmul dtype, for MFU; None = no MFU
     text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
-    params: dict | None = None  # parameter counts and tower states (mmalign.run.trainable), for the first record
+    params: dict | None = (
+        None  # parameter counts and tower states (mmalign.run.trainable), for the first record
+    )
 
 
 @dataclass
 class _Tally:
     """What the loop counts from step to step."""
+
     skipped_steps: int = 0  # non-finite steps skipped in the whole run
     consecutive: int = 0  # ... in a row, up to this step
     window_start: float = 0.0  # since the last record: wall time, samples (all ranks), data wait (this rank)
@@ -179,10 +204,21 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
 
     # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
     if main:
-        say(f"training {t.steps - start} step(s)" + (f" (steps {start + 1}..{t.steps})" if start else "")
-            + evals.describe())
-    with RunLog(out, rank, start, t.steps, t.log_every, sample_keys=mon.log_sample_keys,
-                tensorboard=mon.tensorboard, show_progress=show_progress) as runlog:
+        say(
+            f"training {t.steps - start} step(s)"
+            + (f" (steps {start + 1}..{t.steps})" if start else "")
+            + evals.describe()
+        )
+    with RunLog(
+        out,
+        rank,
+        start,
+        t.steps,
+        t.log_every,
+        sample_keys=mon.log_sample_keys,
+        tensorboard=mon.tensorboard,
+        show_progress=show_progress,
+    ) as runlog:
         batches = iter(p.loader)
         tally.window_start = time.time()
         p.engine.train_mode()
@@ -192,25 +228,46 @@ def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool
             if logs_at(t, step):
                 _log_step(p, step, batch, result, tally, runlog, eta)
             # the suites due now (eval.during's entries, train.eval_every's), each on its own steps
-            evaluate_due(evals, step, p.engine, cfg, p.tokenizer, out, device, runlog,
-                         show_progress=show_progress and not runlog.use_bar)
-            if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:  # no saves mid-streak
+            evaluate_due(
+                evals,
+                step,
+                p.engine,
+                cfg,
+                p.tokenizer,
+                out,
+                device,
+                runlog,
+                show_progress=show_progress and not runlog.use_bar,
+            )
+            if (
+                t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0
+            ):  # no saves mid-streak
                 shared = {"momentum": p.queue.state_dict()} if p.queue is not None and main else None
                 with stop_signals.deferred():  # a signal waits for the save: never a torn checkpoint
-                    checkpoint.save(p.engine, out, step, {"rng": checkpoint.rng_state(),
-                                                          "skipped_steps": tally.skipped_steps},
-                                    p.loader.state_dict(), t.keep_checkpoints, shared=shared, config=cfg)
+                    checkpoint.save(
+                        p.engine,
+                        out,
+                        step,
+                        {"rng": checkpoint.rng_state(), "skipped_steps": tally.skipped_steps},
+                        p.loader.state_dict(),
+                        t.keep_checkpoints,
+                        shared=shared,
+                        config=cfg,
+                    )
             runlog.advance()
         runlog.end_loop()
 
         if main:
-            say(f"trained {t.steps - start} step(s) in {progress.duration(runlog.elapsed())}; saving final/"
-                + (f", then evaluating on {evals.final_names()}" if evals.final else ""))
+            say(
+                f"trained {t.steps - start} step(s) in {progress.duration(runlog.elapsed())}; saving final/"
+                + (f", then evaluating on {evals.final_names()}" if evals.final else "")
+            )
         # save consolidated fp32 weights (a collective under ZeRO-3), then evaluate them on every final suite
         try:
             with diskspace.stop_on_refused_write(out, f"the final weights or evaluation in {out}"):
-                records = evaluate_final(evals, p.engine, cfg, p.tokenizer, out, device, runlog,
-                                         show_progress=show_progress)
+                records = evaluate_final(
+                    evals, p.engine, cfg, p.tokenizer, out, device, runlog, show_progress=show_progress
+                )
         except diskspace.RunWriteError as e:
             if main and _drop_partial_final(out / "final"):
                 raise diskspace.RunWriteError(f"{e} (the partial final/ was removed)") from None
@@ -252,7 +309,9 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, Eval
     check_train_shards(cfg.data, rank, mdist.broadcast_object)  # rank 0 looks, every rank learns the result
     # a typo in eval.suite or eval.during fails now, not after training
     evals = plan_evaluations(cfg, resolve_suite(cfg))
-    rundir.check_fresh_start(out, resume, overwrite, cfg)  # with cfg: a finished run is not restarted by --resume
+    rundir.check_fresh_start(
+        out, resume, overwrite, cfg
+    )  # with cfg: a finished run is not restarted by --resume
     rundir.check_newest(out, resume, cfg)  # a changed key that changes the run: one line
     mdist.barrier()  # every rank has looked before rank 0 writes
     if main:
@@ -298,22 +357,36 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     model = model.to(device)
     # exact trailing-padding trim (models/text_trim.py): on the host, before each batch's copy
     model.trim_text = t.trim_text_padding
-    text_trim = (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
-    flops_kw = {"second_view": "image2" in objective.embeddings,
-                "negatives": cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0}
+    text_trim = (
+        (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
+    )
+    flops_kw = {
+        "second_view": "image2" in objective.embeddings,
+        "negatives": cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0,
+    }
     # fwd + bwd, train mode, on the device (its attention kernels), text at the full context length
     # (the count turns the trim off): patch dropout (FLIP) counts only the kept tokens; its unmasked
     # steps all of them
-    model_flops = model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length,
-                                                                **flops_kw)
+    model_flops = model_flops_unmasked = train_flops_per_sample(
+        model, model.image_size, model.context_length, **flops_kw
+    )
     if cfg.model.patch_dropout:
         model.set_patch_dropout(0.0)
-        model_flops_unmasked = train_flops_per_sample(model, model.image_size, model.context_length, **flops_kw)
+        model_flops_unmasked = train_flops_per_sample(
+            model, model.image_size, model.context_length, **flops_kw
+        )
         model.set_patch_dropout(cfg.model.patch_dropout)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters, embed_dim %d, %.4g GFLOP/sample (fwd+bwd)", _model_name(cfg),
-             n_params / 1e6, model.embed_dim, model_flops / 1e9)
-    params = trainable.param_counts(model, cfg.model)  # LiT: which towers learn; before ZeRO-3 partitions them
+    log.info(
+        "model %s: %.2fM parameters, embed_dim %d, %.4g GFLOP/sample (fwd+bwd)",
+        _model_name(cfg),
+        n_params / 1e6,
+        model.embed_dim,
+        model_flops / 1e9,
+    )
+    params = trainable.param_counts(
+        model, cfg.model
+    )  # LiT: which towers learn; before ZeRO-3 partitions them
     if main:
         say(trainable.describe(params))
     tokenizer = build_tokenizer(model.arch)
@@ -327,13 +400,20 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
 
     # engine (DeepSpeed: optimiser, schedule, ZeRO stage, gradient caching plan)
     if main:
-        say(f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
-            f"{world} process{'es' if world > 1 else ''})")
+        say(
+            f"starting DeepSpeed (ZeRO stage {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision} weights, "
+            f"{world} process{'es' if world > 1 else ''})"
+        )
     engine = Engine(model, run_cfg)
     if main:
-        say(f"{engine.plan.describe()}, ZeRO stage {engine.stage}"
-            + (f" (deepspeed.zero_stage={cfg.deepspeed.zero_stage}: nothing to partition on one process)"
-               if engine.stage != cfg.deepspeed.zero_stage else ""))
+        say(
+            f"{engine.plan.describe()}, ZeRO stage {engine.stage}"
+            + (
+                f" (deepspeed.zero_stage={cfg.deepspeed.zero_stage}: nothing to partition on one process)"
+                if engine.stage != cfg.deepspeed.zero_stage
+                else ""
+            )
+        )
     # Per-rank randomness from here on (tower dropout), as open_clip does: the model's init above
     # is identical on every rank; a resume restores each rank's own RNG state.  Everything a
     # sample draws (augmentation, caption, FLIP mask) is keyed by the sample instead (issue 30).
@@ -344,16 +424,26 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
 
     # data
     if main:
-        say(f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
-            + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else ""))
+        say(
+            f"opening data: {len(expand_urls(cfg.data.train))} training shard(s), {cfg.data.workers} worker(s)"
+            + (", reading the probe batch" if cfg.monitor.probe_size > 0 and cfg.data.val else "")
+        )
     # the global sample order is built from the shards' sample counts: rank 0 counts, every rank learns
     counts = mdist.broadcast_object(train_counts(cfg.data) if main else None)
-    loader = build_train_loader(cfg.data, train_transform(model.image_size, cfg.data.augment), tokenizer,
-                                engine.plan.local_batch, seed=cfg.seed, rank=rank, world_size=world, counts=counts,
-                                # the configured chunk, not auto's choice: the workers' pieces (and
-                                # so the loader's resumable state) follow the config alone
-                                grad_cache_chunk=t.grad_cache_chunk_size if isinstance(t.grad_cache_chunk_size, int)
-                                else 0, pin_memory=device.type == "cuda")
+    loader = build_train_loader(
+        cfg.data,
+        train_transform(model.image_size, cfg.data.augment),
+        tokenizer,
+        engine.plan.local_batch,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        counts=counts,
+        # the configured chunk, not auto's choice: the workers' pieces (and
+        # so the loader's resumable state) follow the config alone
+        grad_cache_chunk=t.grad_cache_chunk_size if isinstance(t.grad_cache_chunk_size, int) else 0,
+        pin_memory=device.type == "cuda",
+    )
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)
     flops_dtype = matmul_dtype(cfg, device)  # MFU over the peak of the dtype the matmuls actually run in
@@ -361,8 +451,25 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     log.info("%s", describe_peak(device, mon.peak_tflops, flops_dtype))
     # train.precision's autocast: the engine's own (entered inside DeepSpeed's call), also for the
     # momentum queue's EMA encoder, which runs outside the engine
-    return _Parts(cfg, out, device, world, model_flops, model_flops_unmasked, model.embed_dim, tokenizer, queue,
-                  engine, loader, probe, objective, engine.autocast, peak, text_trim, params)
+    return _Parts(
+        cfg,
+        out,
+        device,
+        world,
+        model_flops,
+        model_flops_unmasked,
+        model.embed_dim,
+        tokenizer,
+        queue,
+        engine,
+        loader,
+        probe,
+        objective,
+        engine.autocast,
+        peak,
+        text_trim,
+        params,
+    )
 
 
 def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) -> tuple:
@@ -377,13 +484,20 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
         batch = trim_batch(batch, *p.text_trim)
     batch = batch.to(p.device)  # uint8 images -> normalised
     runlog.sample_keys(step, batch.keys)
-    masking = patch_dropout_at(p.cfg, step)  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
+    masking = patch_dropout_at(
+        p.cfg, step
+    )  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
     engine.module.set_patch_dropout(masking)
     # the loss's stats and rank tracks (an all_reduce and a host read) only where they are logged
     result = engine.step(batch, objective.loss_for(batch, stats=logs_at(p.cfg.train, step)), p.autocast)
     if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
-        objective.after_update(engine.full_params, lambda: dict(engine.named_buffers()), batch,
-                               chunk=engine.plan.micro_batch, autocast=p.autocast)
+        objective.after_update(
+            engine.full_params,
+            lambda: dict(engine.named_buffers()),
+            batch,
+            chunk=engine.plan.micro_batch,
+            autocast=p.autocast,
+        )
     tally.window_samples += len(batch) * p.world
     tally.window_flops += len(batch) * p.world * (p.model_flops if masking else p.model_flops_unmasked)
     if result.skipped:
@@ -392,8 +506,10 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
         log.warning("step %d skipped: non-finite loss or gradient (%d in a row)", step, tally.consecutive)
         if tally.consecutive >= p.cfg.train.max_consecutive_skips:
             last = checkpoint.resolve(p.out, "latest")
-            raise RunStopped(f"{tally.consecutive} non-finite steps in a row at step {step}; stopping. "
-                             f"Last good checkpoint: {last or 'none (nothing saved yet)'}")
+            raise RunStopped(
+                f"{tally.consecutive} non-finite steps in a row at step {step}; stopping. "
+                f"Last good checkpoint: {last or 'none (nothing saved yet)'}"
+            )
     else:
         tally.consecutive = 0
     return batch, result
@@ -434,7 +550,9 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
         record.update(_probe(engine, p.probe, p.device, p.autocast))
     # A random tower's outputs are anisotropic; judge collapse once warmup is over.
     watch = runlog.main and p.probe is not None and step > t.warmup_steps
-    alarms = collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
+    alarms = (
+        collapse_alarms(record, p.embed_dim, mon.min_dim_std, mon.min_effective_rank_frac) if watch else []
+    )
     with diskspace.stop_on_refused_write(p.out, f"the run's logs in {p.out} (metrics.jsonl, TensorBoard)"):
         runlog.record(step, record, eta, alarms, once=p.params)  # the first record also holds the counts
     tally.window_start, tally.window_samples, tally.window_flops, tally.data_wait = time.time(), 0, 0.0, 0.0

@@ -18,8 +18,10 @@ from torch import nn
 from mmalign.config import ModelConfig
 
 # (name in the line and the record, TwoTower attribute, config key of the partial unlock, its unit)
-TOWERS = (("image", "visual", "lock_image_unlocked_groups", "layer group"),
-          ("text", "text", "lock_text_unlocked_layers", "layer"))
+TOWERS = (
+    ("image", "visual", "lock_image_unlocked_groups", "layer group"),
+    ("text", "text", "lock_text_unlocked_layers", "layer"),
+)
 
 
 def _split(module: nn.Module) -> tuple[int, int]:
@@ -59,7 +61,11 @@ def describe(counts: dict) -> str:
     frozen), text tower: trainable (1,200)``; a partly unlocked tower names its unlocked groups."""
     towers = []
     for name, _, _, unit in TOWERS:
-        state, t, f = counts[f"{name}_tower"], counts[f"{name}_params_trainable"], counts[f"{name}_params_frozen"]
+        state, t, f = (
+            counts[f"{name}_tower"],
+            counts[f"{name}_params_trainable"],
+            counts[f"{name}_params_frozen"],
+        )
         if state == "locked":
             detail = f"{f:,} frozen"
         elif state == "trainable":
@@ -68,8 +74,10 @@ def describe(counts: dict) -> str:
             n = counts.get(f"{name}_unlocked", 0)
             detail = f"last {n} {unit}{'s' if n != 1 else ''}: {t:,} trainable, {f:,} frozen"
         towers.append(f"{name} tower: {state} ({detail})")
-    return (f"parameters: {counts['params_trainable']:,} trainable, {counts['params_frozen']:,} frozen; "
-            + ", ".join(towers))
+    return (
+        f"parameters: {counts['params_trainable']:,} trainable, {counts['params_frozen']:,} frozen; "
+        + ", ".join(towers)
+    )
 
 
 def dropout_line(model: nn.Module) -> str | None:
@@ -80,7 +88,8 @@ def dropout_line(model: nn.Module) -> str | None:
     rates = sorted({round(m.p, 6) for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
     if not rates:
         return None
-    return (f"tower dropout (p = {', '.join(map(str, rates))}) draws from each rank's generator: the same config "
-            f"on another number of ranks trains with other dropout masks (the data order, augmentation and FLIP "
-            f"masks do not change)")
-
+    return (
+        f"tower dropout (p = {', '.join(map(str, rates))}) draws from each rank's generator: the same config "
+        f"on another number of ranks trains with other dropout masks (the data order, augmentation and FLIP "
+        f"masks do not change)"
+    )

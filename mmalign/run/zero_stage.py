@@ -34,11 +34,22 @@ from __future__ import annotations
 
 # ZeRO keys that only tune how partitions are communicated or bucketed: on one rank, at
 # stage 0, there is nothing for them to act on, so they do not keep the configured stage.
-MOOT_ON_ONE_RANK = frozenset({
-    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
-    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "round_robin_gradients",
-    "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-})
+MOOT_ON_ONE_RANK = frozenset(
+    {
+        "stage",
+        "contiguous_gradients",
+        "reduce_scatter",
+        "reduce_bucket_size",
+        "use_multi_rank_bucket_allreduce",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "overlap_comm",
+        "round_robin_gradients",
+        "ignore_unused_parameters",
+        "elastic_checkpoint",
+        "load_from_fp32_weights",
+    }
+)
 
 
 def effective_stage(cfg, world_size: int) -> tuple[int, str | None]:
@@ -49,9 +60,13 @@ def effective_stage(cfg, world_size: int) -> tuple[int, str | None]:
     if world_size != 1 or stage not in (1, 2) or ds.precision != "fp32":
         return stage, None
     zero_extra = ds.extra.get("zero_optimization", {})
-    kept = sorted(k for k in (zero_extra if isinstance(zero_extra, dict) else {}) if k not in MOOT_ON_ONE_RANK)
+    kept = sorted(
+        k for k in (zero_extra if isinstance(zero_extra, dict) else {}) if k not in MOOT_ON_ONE_RANK
+    )
     if kept:  # e.g. offload_optimizer: ZeRO's own machinery, asked for by name
         return stage, None
-    return 0, (f"deepspeed.zero_stage={stage} on one process with fp32 weights: running DeepSpeed at ZeRO-0 "
-               f"(one rank has nothing to partition; the same update without ZeRO's bucket copies, second "
-               f"fp32 weight copy and float64 norms); checkpoints still resume at ZeRO-{stage} on more ranks")
+    return 0, (
+        f"deepspeed.zero_stage={stage} on one process with fp32 weights: running DeepSpeed at ZeRO-0 "
+        f"(one rank has nothing to partition; the same update without ZeRO's bucket copies, second "
+        f"fp32 weight copy and float64 norms); checkpoints still resume at ZeRO-{stage} on more ranks"
+    )

@@ -78,9 +78,15 @@ def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
             log.warning("skipping unreadable image %s: %s", path, e)
             continue
         source = meta.get("source_path")
-        yield {"key": key, "image": image, "captions": captions, "json": meta,
-               "source_path": source if isinstance(source, str) else path.relative_to(root).as_posix(),
-               "file": str(path.resolve()), "offset": -1}
+        yield {
+            "key": key,
+            "image": image,
+            "captions": captions,
+            "json": meta,
+            "source_path": source if isinstance(source, str) else path.relative_to(root).as_posix(),
+            "file": str(path.resolve()),
+            "offset": -1,
+        }
 
 
 def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
@@ -107,7 +113,11 @@ def _located(samples: Iterator[dict]) -> Iterator[dict]:
     """Shard samples -> with ``source_path`` (from their ``.json``) and ``file`` (the shard, absolute)."""
     for s in samples:
         shard, source = s.pop("shard"), s["json"].get("source_path")
-        yield {**s, "source_path": source if isinstance(source, str) else None, "file": str(Path(shard).resolve())}
+        yield {
+            **s,
+            "source_path": source if isinstance(source, str) else None,
+            "file": str(Path(shard).resolve()),
+        }
 
 
 # ----------------------------------------------------------------- writing
@@ -161,7 +171,9 @@ class _PartWriter:
 
 
 @torch.no_grad()
-def _encode_batch(model, samples: list[dict], preprocess, tokenizer, with_text: bool, device: str, batch_size: int):
+def _encode_batch(
+    model, samples: list[dict], preprocess, tokenizer, with_text: bool, device: str, batch_size: int
+):
     images = torch.stack([preprocess(s["image"]) for s in samples]).to(device)  # (b, 3, S, S)
     img = F.normalize(model.encode_image(images).float(), dim=-1).cpu()  # (b, D)
     owner = [i for i, s in enumerate(samples) for _ in s["captions"]]  # row -> sample in batch
@@ -169,17 +181,37 @@ def _encode_batch(model, samples: list[dict], preprocess, tokenizer, with_text: 
     rows_txt = None
     if with_text:
         captions = [c for s in samples for c in s["captions"]]
-        chunks = [model.encode_text(tokenizer(captions[i : i + batch_size]).to(device)).float()
-                  for i in range(0, len(captions), batch_size)]
+        chunks = [
+            model.encode_text(tokenizer(captions[i : i + batch_size]).to(device)).float()
+            for i in range(0, len(captions), batch_size)
+        ]
         rows_txt = F.normalize(torch.cat(chunks), dim=-1).cpu().half().numpy()  # (r, D)
-    meta = [{"key": s["key"], "caption": c, "caption_index": j, "json": json.dumps(s["json"], sort_keys=True),
-             "source_path": s["source_path"], "file": s["file"], "offset": s["offset"]}
-            for s in samples for j, c in enumerate(s["captions"])]
+    meta = [
+        {
+            "key": s["key"],
+            "caption": c,
+            "caption_index": j,
+            "json": json.dumps(s["json"], sort_keys=True),
+            "source_path": s["source_path"],
+            "file": s["file"],
+            "offset": s["offset"],
+        }
+        for s in samples
+        for j, c in enumerate(s["captions"])
+    ]
     return rows_img, rows_txt, meta
 
 
-def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_size: int = 64,
-          part_size: int = 100_000, device: str = "cpu", progress: bool = True) -> dict:
+def embed(
+    model_dir: str | Path,
+    data: str | Path,
+    out: str | Path,
+    *,
+    batch_size: int = 64,
+    part_size: int = 100_000,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict:
     """Embed every sample of ``data`` with the model in ``model_dir``; returns ``embed.json``'s content."""
     from mmalign.models.load import load
 
@@ -198,7 +230,9 @@ def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_siz
     for sample in samples:
         batch.append(sample)
         if len(batch) == batch_size:
-            writer.add(*_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size))
+            writer.add(
+                *_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size)
+            )
             images += len(batch)
             batch = []
     if batch:
@@ -208,9 +242,16 @@ def embed(model_dir: str | Path, data: str | Path, out: str | Path, *, batch_siz
     if images == 0:
         raise UsageError(f"--data: {data} holds no readable samples")
     info = {
-        "model": str(model_dir), "dim": model.embed_dim, "rows": writer.rows, "images": images,
-        "parts": writer.parts, "part_size": int(part_size), "dtype": "float16", "normalised": True,
-        "text": with_text, "layout": "one row per (image, caption); caption_index 0 = an image's first row",
+        "model": str(model_dir),
+        "dim": model.embed_dim,
+        "rows": writer.rows,
+        "images": images,
+        "parts": writer.parts,
+        "part_size": int(part_size),
+        "dtype": "float16",
+        "normalised": True,
+        "text": with_text,
+        "layout": "one row per (image, caption); caption_index 0 = an image's first row",
     }
     (out / EMBED_INFO).write_text(json.dumps(info, indent=2))
     return info

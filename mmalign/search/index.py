@@ -43,7 +43,9 @@ def read_embeddings_info(emb_dir: str | Path) -> dict:
     emb_dir = Path(emb_dir)
     info_file = emb_dir / EMBED_INFO
     if not info_file.is_file():
-        raise UsageError(f"--emb: {emb_dir} is not an embedding directory (no {EMBED_INFO}; run `mmalign embed`)")
+        raise UsageError(
+            f"--emb: {emb_dir} is not an embedding directory (no {EMBED_INFO}; run `mmalign embed`)"
+        )
     return json.loads(info_file.read_text())
 
 
@@ -63,8 +65,9 @@ def _normalised(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(norms, 1e-12)
 
 
-def ivf_params(count: int, dim: int, nlist: int | None, pq_m: int | None, nbits: int | None,
-               train_rows: int) -> dict:
+def ivf_params(
+    count: int, dim: int, nlist: int | None, pq_m: int | None, nbits: int | None, train_rows: int
+) -> dict:
     """Defaults: nlist ~ 4 sqrt(n) (with >= 39 training points per list, FAISS's own
     minimum), PQ with about dim/4 sub-quantizers (a divisor of dim), 8 bits or fewer
     when the training sample cannot fill 2^nbits centroids."""
@@ -76,14 +79,26 @@ def ivf_params(count: int, dim: int, nlist: int | None, pq_m: int | None, nbits:
         raise UsageError(f"--pq-m={pq_m} must divide the embedding dim {dim}")
     if nbits is None:
         nbits = max(1, min(8, int(math.log2(max(2, train_rows)))))
-    if train_rows < nlist or train_rows < 2 ** nbits:
-        raise UsageError(f"IVF-PQ needs at least max(nlist={nlist}, 2^nbits={2 ** nbits}) training vectors, "
-                          f"have {train_rows}")
+    if train_rows < nlist or train_rows < 2**nbits:
+        raise UsageError(
+            f"IVF-PQ needs at least max(nlist={nlist}, 2^nbits={2**nbits}) training vectors, "
+            f"have {train_rows}"
+        )
     return {"nlist": int(nlist), "m": int(pq_m), "nbits": int(nbits)}
 
 
-def _build_one(parts: list[Path], rows: list[np.ndarray], dim: int, *, exact_max: int, nlist, pq_m, nbits,
-               nprobe: int, train_max: int = 100_000):
+def _build_one(
+    parts: list[Path],
+    rows: list[np.ndarray],
+    dim: int,
+    *,
+    exact_max: int,
+    nlist,
+    pq_m,
+    nbits,
+    nprobe: int,
+    train_max: int = 100_000,
+):
     """One index over the selected rows of each part file; returns (index, params)."""
     import faiss
 
@@ -104,15 +119,29 @@ def _build_one(parts: list[Path], rows: list[np.ndarray], dim: int, *, exact_max
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         index.train(train)
         index.nprobe = min(int(nprobe), p["nlist"])
-        params = {"kind": "ivfpq", "factory": factory, **p, "nprobe": int(index.nprobe), "train_rows": len(train)}
+        params = {
+            "kind": "ivfpq",
+            "factory": factory,
+            **p,
+            "nprobe": int(index.nprobe),
+            "train_rows": len(train),
+        }
     for f, r in zip(parts, rows):
         if len(r):
             index.add(_normalised(np.load(f, mmap_mode="r")[r]))
     return index, {**params, "count": count}
 
 
-def build_index(emb_dir: str | Path, out: str | Path, *, exact_max: int = 100_000, nlist: int | None = None,
-                pq_m: int | None = None, nbits: int | None = None, nprobe: int = 16) -> dict:
+def build_index(
+    emb_dir: str | Path,
+    out: str | Path,
+    *,
+    exact_max: int = 100_000,
+    nlist: int | None = None,
+    pq_m: int | None = None,
+    nbits: int | None = None,
+    nprobe: int = 16,
+) -> dict:
     """Build ``image.index`` (and ``text.index``) from ``emb_dir``; returns ``index.json``'s content."""
     import faiss
 
@@ -131,8 +160,13 @@ def build_index(emb_dir: str | Path, out: str | Path, *, exact_max: int = 100_00
     if "text" in kinds:
         selected["text"] = [np.arange(b - a) for a, b in zip(offsets[:-1], offsets[1:])]
     out.mkdir(parents=True, exist_ok=True)
-    record = {"dim": dim, "metric": "inner_product", "emb_dir": str(emb_dir.resolve()),
-              "model": info.get("model"), "rows": int(len(meta))}
+    record = {
+        "dim": dim,
+        "metric": "inner_product",
+        "emb_dir": str(emb_dir.resolve()),
+        "model": info.get("model"),
+        "rows": int(len(meta)),
+    }
     for kind, name in (("img", "image"), ("text", "text")):
         if kind not in kinds:
             continue
@@ -140,8 +174,16 @@ def build_index(emb_dir: str | Path, out: str | Path, *, exact_max: int = 100_00
             shape = np.load(f, mmap_mode="r").shape
             if len(shape) != 2 or shape[1] != dim:
                 raise UsageError(f"--emb: {f} has shape {shape}, expected (rows, {dim})")
-        index, params = _build_one(files[kind], selected[kind], dim, exact_max=exact_max, nlist=nlist,
-                                   pq_m=pq_m, nbits=nbits, nprobe=nprobe)
+        index, params = _build_one(
+            files[kind],
+            selected[kind],
+            dim,
+            exact_max=exact_max,
+            nlist=nlist,
+            pq_m=pq_m,
+            nbits=nbits,
+            nprobe=nprobe,
+        )
         faiss.write_index(index, str(out / f"{name}.index"))
         rows = np.concatenate([s + a for s, a in zip(selected[kind], offsets[:-1])]).astype(np.int64)
         np.save(out / f"{name}_rows.npy", rows)  # index position -> metadata row

@@ -54,7 +54,9 @@ class ImageUnavailable(LookupError):
 
 def _read_index_dir(index_dir: Path) -> dict:
     if not (index_dir / INDEX_INFO).is_file():
-        raise UsageError(f"--index: {index_dir} is not an index directory (no {INDEX_INFO}; run `mmalign index`)")
+        raise UsageError(
+            f"--index: {index_dir} is not an index directory (no {INDEX_INFO}; run `mmalign index`)"
+        )
     return json.loads((index_dir / INDEX_INFO).read_text())
 
 
@@ -76,8 +78,9 @@ class Searcher:
                 if "nprobe" in self.info[name]:  # IVF: the probe count is a search-time setting
                     faiss.extract_index_ivf(self.indexes[name]).nprobe = int(self.info[name]["nprobe"])
                 if self.indexes[name].d != self.dim:
-                    raise UsageError(f"--index: {name}.index has dim {self.indexes[name].d}, "
-                                      f"index.json says {self.dim}")
+                    raise UsageError(
+                        f"--index: {name}.index has dim {self.indexes[name].d}, index.json says {self.dim}"
+                    )
         self.meta = pd.read_parquet(self.index_dir / METADATA)
         self.device = device
         self.max_pixels = MAX_QUERY_PIXELS
@@ -88,8 +91,10 @@ class Searcher:
             self.source = load(model_dir, device=device)
             model_dim = self.source.model.embed_dim
             if model_dim != self.dim:
-                raise UsageError(f"--index: {self.index_dir} was built with embedding dim {self.dim}, but the model "
-                                  f"{model_dir} embeds to dim {model_dim}; rebuild the index with this model")
+                raise UsageError(
+                    f"--index: {self.index_dir} was built with embedding dim {self.dim}, but the model "
+                    f"{model_dir} embeds to dim {model_dim}; rebuild the index with this model"
+                )
             self.preprocess = self.source.preprocess
 
     # ------------------------------------------------------------ encoding
@@ -128,15 +133,20 @@ class Searcher:
 
     # ------------------------------------------------------------- search
 
-    def search_vectors(self, vectors: np.ndarray, k: int = 10, against: str = "image",
-                       dedupe: bool = True) -> list[list[Hit]]:
+    def search_vectors(
+        self, vectors: np.ndarray, k: int = 10, against: str = "image", dedupe: bool = True
+    ) -> list[list[Hit]]:
         """(n, D) query vectors -> for each, the top-``k`` hits of the ``against`` index
         (against ``text`` with ``dedupe``: the top ``k`` distinct captions)."""
         if against not in self.indexes:
-            raise UsageError(f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})")
+            raise UsageError(
+                f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})"
+            )
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[1] != self.dim:
-            raise UsageError(f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}")
+            raise UsageError(
+                f"query vectors of shape {tuple(vectors.shape)} do not match the index dim {self.dim}"
+            )
         if k <= 0:
             raise UsageError(f"-k must be positive, got {k}")
         index, k = self.indexes[against], int(k)
@@ -164,8 +174,16 @@ class Searcher:
                 if caption in seen:
                     continue  # a lower-scoring copy: results come best first
                 seen.add(caption)
-            hits.append(Hit(len(hits) + 1, str(self.meta.at[row, "key"]), caption, float(score), row,
-                            self.source_path(row)))
+            hits.append(
+                Hit(
+                    len(hits) + 1,
+                    str(self.meta.at[row, "key"]),
+                    caption,
+                    float(score),
+                    row,
+                    self.source_path(row),
+                )
+            )
             if len(hits) == k:
                 break
         return hits
@@ -198,9 +216,15 @@ class Searcher:
         if not 0 <= row < len(self.meta):
             raise UsageError(f"row must be in [0, {len(self.meta)})")
         if "file" not in self.meta.columns:
-            raise ImageUnavailable("this index records no image locations (built before they were kept: "
-                                   "re-run `mmalign embed` and `mmalign index`)")
-        file, offset, key = str(self.meta.at[row, "file"]), int(self.meta.at[row, "offset"]), self.meta.at[row, "key"]
+            raise ImageUnavailable(
+                "this index records no image locations (built before they were kept: "
+                "re-run `mmalign embed` and `mmalign index`)"
+            )
+        file, offset, key = (
+            str(self.meta.at[row, "file"]),
+            int(self.meta.at[row, "offset"]),
+            self.meta.at[row, "key"],
+        )
         try:
             if offset < 0:  # an image folder's file
                 if Path(file).stat().st_size > max_bytes:
@@ -211,7 +235,9 @@ class Searcher:
         except (OSError, TruncatedTar, CorruptTar) as e:
             raise ImageUnavailable(f"row {row}: cannot read {Path(file).name} ({e})") from None
         if sample is None or Path(sample.key).name != key:  # the shard was rewritten since indexing
-            raise ImageUnavailable(f"row {row}: sample {key!r} is no longer at its place in {Path(file).name}")
+            raise ImageUnavailable(
+                f"row {row}: sample {key!r} is no longer at its place in {Path(file).name}"
+            )
         if any(e in sample.oversized for e in IMAGE_EXTS):
             raise ImageUnavailable(f"row {row}: the image is over {max_bytes} bytes")
         data = next((sample.members[e] for e in IMAGE_EXTS if e in sample.members), None)
@@ -225,8 +251,12 @@ def format_hits(hits: list[Hit]) -> str:
     unpadded); the source column appears when any hit knows its source path."""
     sources = any(h.source_path for h in hits)
     header = ["rank", "score", "key"] + (["source"] if sources else []) + ["caption"]
-    rows = [[str(h.rank), f"{h.score:.4f}", str(h.key)] + ([h.source_path or "-"] if sources else []) + [h.caption]
-            for h in hits]
+    rows = [
+        [str(h.rank), f"{h.score:.4f}", str(h.key)]
+        + ([h.source_path or "-"] if sources else [])
+        + [h.caption]
+        for h in hits
+    ]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header) - 1)]
     numbers = 2  # rank and score: right-aligned
 
@@ -261,16 +291,30 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
     emb = Path(s.info["emb_dir"])
     image_of_row = np.cumsum(s.meta["caption_index"].to_numpy() == 0) - 1  # (rows,) image id of each row
     kmax = max(ks) + slack
-    text_vecs = np.concatenate([np.load(f) for f in sorted((emb / "text_emb").glob("text_emb_*.npy"),
-                                                          key=lambda p: int(p.stem.rsplit("_", 1)[1]))])
-    img_vecs = np.concatenate([np.load(f) for f in sorted((emb / "img_emb").glob("img_emb_*.npy"),
-                                                         key=lambda p: int(p.stem.rsplit("_", 1)[1]))])
+    text_vecs = np.concatenate(
+        [
+            np.load(f)
+            for f in sorted(
+                (emb / "text_emb").glob("text_emb_*.npy"), key=lambda p: int(p.stem.rsplit("_", 1)[1])
+            )
+        ]
+    )
+    img_vecs = np.concatenate(
+        [
+            np.load(f)
+            for f in sorted(
+                (emb / "img_emb").glob("img_emb_*.npy"), key=lambda p: int(p.stem.rsplit("_", 1)[1])
+            )
+        ]
+    )
     from mmalign.search.index import _normalised
 
     metrics = {}
     # text -> image: each caption row queries the image index; image -> text: each image the text index
-    for query, target, vecs, name in (("text", "image", text_vecs, "image_retrieval_recall"),
-                                      ("image", "text", img_vecs, "text_retrieval_recall")):
+    for query, target, vecs, name in (
+        ("text", "image", text_vecs, "image_retrieval_recall"),
+        ("image", "text", img_vecs, "text_retrieval_recall"),
+    ):
         index = s.indexes[target]
         scores, ids = index.search(_normalised(vecs[s.rows[query]]), min(kmax, index.ntotal))  # (n, K)
         valid = ids >= 0  # IVF may return fewer than K results

@@ -63,7 +63,7 @@ def _host_name(header: str) -> str:
     """``Host`` header -> the name without port or IPv6 brackets, lower case."""
     host = header.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -110,8 +110,10 @@ class _Handler(PooledRequestHandler):
         ms = 1000 * (time.monotonic() - start)
         # a reply that could not be written is said so: the status is what was meant, not what was seen
         note = f" (reply not delivered: {self._undelivered})" if self._undelivered else ""
-        self.access_log(f"{self.client_address[0]} {printable(self.command or '-')} "
-                        f"{printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms{note}")
+        self.access_log(
+            f"{self.client_address[0]} {printable(self.command or '-')} "
+            f"{printable(self.path or '-')} {self._status or '-'} {ms:.1f} ms{note}"
+        )
 
     def send_response(self, code, message=None):
         self._status = code
@@ -129,8 +131,12 @@ class _Handler(PooledRequestHandler):
         self.wfile.write(body)
 
     def _reply(self, status: int, payload: dict) -> None:
-        self._send(status, "application/json", json.dumps(payload).encode("utf-8"),
-                   {"X-Content-Type-Options": "nosniff"})
+        self._send(
+            status,
+            "application/json",
+            json.dumps(payload).encode("utf-8"),
+            {"X-Content-Type-Options": "nosniff"},
+        )
 
     def _params(self) -> tuple[str, dict]:
         parts = urlsplit(self.path)
@@ -170,10 +176,16 @@ class _Handler(PooledRequestHandler):
                 self._reply(e.status, {"error": str(e)})
             except UserError as e:
                 self._reply(400, {"error": str(e)})
-        except (TimeoutError, ConnectionError) as e:  # a client that stalled or left (mid-body, or before the reply)
+        except (
+            TimeoutError,
+            ConnectionError,
+        ) as e:  # a client that stalled or left (mid-body, or before the reply)
             self.close_connection = True
-            self._undelivered = ("the client did not read it in time" if isinstance(e, TimeoutError)
-                                 else f"the client left ({type(e).__name__})")
+            self._undelivered = (
+                "the client did not read it in time"
+                if isinstance(e, TimeoutError)
+                else f"the client left ({type(e).__name__})"
+            )
 
     def do_GET(self):
         self._handle(self._get)
@@ -186,13 +198,21 @@ class _Handler(PooledRequestHandler):
         if path in ("/", "/index.html"):
             # the page's script and style are inline; nothing else may load (no CDN, no frames); blob:
             # images are the user's own uploaded query file, shown beside its results
-            return self._send(200, "text/html; charset=utf-8", PAGE.encode("utf-8"), {
-                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                                           "style-src 'unsafe-inline'; img-src 'self' blob:; connect-src 'self'; "
-                                           "frame-ancestors 'none'",
-                "X-Content-Type-Options": "nosniff"})
+            return self._send(
+                200,
+                "text/html; charset=utf-8",
+                PAGE.encode("utf-8"),
+                {
+                    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                    "style-src 'unsafe-inline'; img-src 'self' blob:; connect-src 'self'; "
+                    "frame-ancestors 'none'",
+                    "X-Content-Type-Options": "nosniff",
+                },
+            )
         if path == "/health":
-            return self._reply(200, {"ok": True, "dim": self.searcher.dim, "indexes": sorted(self.searcher.indexes)})
+            return self._reply(
+                200, {"ok": True, "dim": self.searcher.dim, "indexes": sorted(self.searcher.indexes)}
+            )
         if path == "/thumb":
             return self._thumb(params)
         if path != "/search":
@@ -209,7 +229,7 @@ class _Handler(PooledRequestHandler):
         return self._reply(200, {"query": text, "hits": [asdict(h) for h in hits]})
 
     def _by_key(self, params: dict) -> None:
-        """"More like this": the indexed item's own image vector is the query (no model needed)."""
+        """ "More like this": the indexed item's own image vector is the query (no model needed)."""
         key = params["key"]
         if not key or len(key) > self.max_text:
             raise UsageError(f"key must be 1..{self.max_text} characters")
@@ -287,16 +307,30 @@ class _Handler(PooledRequestHandler):
 
 def check_pool(timeout: float, workers: int, max_connections: int, max_per_client: int = 1) -> None:
     if workers < 1 or max_connections < 1 or not 0 < timeout < float("inf"):
-        raise UsageError(f"serve: --workers ({workers}) and --max-connections ({max_connections}) must be >= 1 "
-                         f"and --timeout ({timeout}) a finite number > 0")
+        raise UsageError(
+            f"serve: --workers ({workers}) and --max-connections ({max_connections}) must be >= 1 "
+            f"and --timeout ({timeout}) a finite number > 0"
+        )
     if max_per_client < 1:
         raise UsageError(f"serve: --max-per-client ({max_per_client}) must be >= 1")
 
 
-def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *, max_k: int = 100,
-                max_text: int = 1000, max_body: int = 8 << 20, max_pixels: int = MAX_QUERY_PIXELS,
-                max_thumb: int = 256, timeout: float = 10.0, workers: int = 8, max_connections: int = 256,
-                max_per_client: int = 32, access_log: Callable[[str], None] | None = None) -> PooledHTTPServer:
+def make_server(
+    searcher: Searcher,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    *,
+    max_k: int = 100,
+    max_text: int = 1000,
+    max_body: int = 8 << 20,
+    max_pixels: int = MAX_QUERY_PIXELS,
+    max_thumb: int = 256,
+    timeout: float = 10.0,
+    workers: int = 8,
+    max_connections: int = 256,
+    max_per_client: int = 32,
+    access_log: Callable[[str], None] | None = None,
+) -> PooledHTTPServer:
     """An HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
     ``timeout``: the seconds a request has to arrive whole, to wait for a worker, and its reply
     to be written; ``workers``: the threads that answer requests; ``max_connections``: open at
@@ -310,26 +344,66 @@ def make_server(searcher: Searcher, host: str = "127.0.0.1", port: int = 8765, *
         with log_lock:  # whole lines from concurrent threads
             write(line)
 
-    handler = type("Handler", (_Handler,), {
-        "searcher": searcher, "lock": threading.Lock(), "max_k": int(max_k), "max_text": int(max_text),
-        "max_body": int(max_body), "max_pixels": int(max_pixels), "max_thumb": int(max_thumb),
-        "access_log": staticmethod(log_line)})
+    handler = type(
+        "Handler",
+        (_Handler,),
+        {
+            "searcher": searcher,
+            "lock": threading.Lock(),
+            "max_k": int(max_k),
+            "max_text": int(max_text),
+            "max_body": int(max_body),
+            "max_pixels": int(max_pixels),
+            "max_thumb": int(max_thumb),
+            "access_log": staticmethod(log_line),
+        },
+    )
     try:
-        return PooledHTTPServer((host, int(port)), handler, workers=workers, max_connections=max_connections,
-                                timeout=timeout, max_body=max_body, max_per_client=max_per_client,
-                                access_log=log_line)
+        return PooledHTTPServer(
+            (host, int(port)),
+            handler,
+            workers=workers,
+            max_connections=max_connections,
+            timeout=timeout,
+            max_body=max_body,
+            max_per_client=max_per_client,
+            access_log=log_line,
+        )
     except (OSError, OverflowError) as e:
         why = getattr(e, "strerror", None) or e
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
-def serve(index_dir, model_dir, host: str = "127.0.0.1", port: int = 8765, max_k: int = 100, *,
-          timeout: float = 10.0, workers: int = 8, max_connections: int = 256, max_per_client: int = 32) -> None:
-    check_pool(timeout, workers, max_connections, max_per_client)  # before the model loads: a bad flag fails at once
-    server = make_server(Searcher(index_dir, model_dir), host, port, max_k=max_k, timeout=timeout, workers=workers,
-                         max_connections=max_connections, max_per_client=max_per_client)
+def serve(
+    index_dir,
+    model_dir,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    max_k: int = 100,
+    *,
+    timeout: float = 10.0,
+    workers: int = 8,
+    max_connections: int = 256,
+    max_per_client: int = 32,
+) -> None:
+    check_pool(
+        timeout, workers, max_connections, max_per_client
+    )  # before the model loads: a bad flag fails at once
+    server = make_server(
+        Searcher(index_dir, model_dir),
+        host,
+        port,
+        max_k=max_k,
+        timeout=timeout,
+        workers=workers,
+        max_connections=max_connections,
+        max_per_client=max_per_client,
+    )
     base = f"http://{host}:{server.server_address[1]}"
-    print(f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)", flush=True)
+    print(
+        f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     finally:

@@ -96,9 +96,10 @@ def _body_length(head: bytes) -> int:
 
 def _reply_bytes(status: int, message: str) -> bytes:
     body = json.dumps({"error": message}).encode("utf-8")
-    return (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-            f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            ).encode("ascii") + body
+    return (
+        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+        f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode("ascii") + body
 
 
 def _request_line(data: bytes) -> tuple[str, str]:
@@ -109,8 +110,19 @@ def _request_line(data: bytes) -> tuple[str, str]:
 class _Conn:
     """One client connection, owned by the loop thread (a worker only borrows its socket)."""
 
-    __slots__ = ("sock", "address", "buf", "scanned", "head_end", "length", "deadline", "started", "state",
-                 "drained", "request")
+    __slots__ = (
+        "sock",
+        "address",
+        "buf",
+        "scanned",
+        "head_end",
+        "length",
+        "deadline",
+        "started",
+        "state",
+        "drained",
+        "request",
+    )
 
     def __init__(self, sock: socket.socket, address, now: float, timeout: float):
         self.sock, self.address = sock, address
@@ -171,9 +183,18 @@ class PooledHTTPServer(HTTPServer):
 
     request_queue_size = 128  # listen() backlog (socketserver's default is 5)
 
-    def __init__(self, address, handler, *, workers: int = 8, max_connections: int = 256,
-                 timeout: float = 10.0, max_body: int = 8 << 20, max_per_client: int = 32,
-                 access_log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        address,
+        handler,
+        *,
+        workers: int = 8,
+        max_connections: int = 256,
+        timeout: float = 10.0,
+        max_body: int = 8 << 20,
+        max_per_client: int = 32,
+        access_log: Callable[[str], None] | None = None,
+    ):
         super().__init__(address, handler)  # binds and listens
         self.workers, self.max_connections = int(workers), int(max_connections)
         self.max_per_client = int(max_per_client)
@@ -194,8 +215,10 @@ class PooledHTTPServer(HTTPServer):
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._stopped.clear()
-        pool = [threading.Thread(target=self._work, name=f"serve-worker-{i}", daemon=True)
-                for i in range(self.workers)]
+        pool = [
+            threading.Thread(target=self._work, name=f"serve-worker-{i}", daemon=True)
+            for i in range(self.workers)
+        ]
         for thread in pool:
             thread.start()
         sel = selectors.DefaultSelector()
@@ -209,8 +232,11 @@ class PooledHTTPServer(HTTPServer):
                 # at the cap, new connections wait in the listen backlog: no thread, no buffer
                 if accepting != (len(conns) < self.max_connections and now >= self._accept_after):
                     accepting = not accepting
-                    (sel.register(self.socket, selectors.EVENT_READ, "listen") if accepting
-                     else sel.unregister(self.socket))
+                    (
+                        sel.register(self.socket, selectors.EVENT_READ, "listen")
+                        if accepting
+                        else sel.unregister(self.socket)
+                    )
                 waits = [c.deadline - now for c in conns if c.state != "busy"] + [self._accept_after - now]
                 for key, _ in sel.select(max(0.0, min(poll_interval, *waits))):
                     if key.data == "wake":
@@ -261,8 +287,11 @@ class PooledHTTPServer(HTTPServer):
     def _turn_away(self, sock: socket.socket, client: str) -> None:
         """A 429 and a close, at once: this address already holds ``max_per_client`` connections."""
         try:
-            sock.send(_reply_bytes(429, f"over {self.max_per_client} open connections from {client}; "
-                                        "close one and retry"))
+            sock.send(
+                _reply_bytes(
+                    429, f"over {self.max_per_client} open connections from {client}; close one and retry"
+                )
+            )
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
@@ -270,8 +299,10 @@ class PooledHTTPServer(HTTPServer):
         self._turned_away += 1
         n = self._turned_away
         if n & (n - 1) == 0:  # the first, then at powers of two: a churning client cannot flood the log
-            self.access_log(f"{printable(client)} - - 429 0.0 ms (over {self.max_per_client} open connections "
-                            f"from one address; {n} turned away so far)")
+            self.access_log(
+                f"{printable(client)} - - 429 0.0 ms (over {self.max_per_client} open connections "
+                f"from one address; {n} turned away so far)"
+            )
 
     def _readable(self, sel, conns: set, conn: _Conn) -> None:
         try:
@@ -299,21 +330,33 @@ class PooledHTTPServer(HTTPServer):
                 if found is not None or len(conn.buf) > MAX_HEAD:
                     self._refuse(sel, conns, conn, 431, f"the request head is over {MAX_HEAD} bytes")
                 return
-            conn.head_end, head = found.end(), bytes(conn.buf[:found.end()])
+            conn.head_end, head = found.end(), bytes(conn.buf[: found.end()])
             ambiguous = _framing_problem(head)
             if ambiguous is not None:
                 return self._refuse(sel, conns, conn, 400, ambiguous)
             conn.length = _body_length(head)
             if conn.length > self.max_body:
-                return self._refuse(sel, conns, conn, 413, f"the body must be at most {self.max_body} bytes, "
-                                                           f"this one is {conn.length}")
+                return self._refuse(
+                    sel,
+                    conns,
+                    conn,
+                    413,
+                    f"the body must be at most {self.max_body} bytes, this one is {conn.length}",
+                )
             expect = _header(head, b"expect")
-            if len(conn.buf) < conn.head_end + conn.length and expect is not None \
-                    and expect.lower() == b"100-continue":
-                self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")  # the client waits for it to send the body
+            if (
+                len(conn.buf) < conn.head_end + conn.length
+                and expect is not None
+                and expect.lower() == b"100-continue"
+            ):
+                self._send_now(
+                    conn, b"HTTP/1.1 100 Continue\r\n\r\n"
+                )  # the client waits for it to send the body
         if len(conn.buf) < conn.head_end + conn.length:
             return
-        request = bytes(conn.buf[:conn.head_end + conn.length])  # anything after it: one request per connection
+        request = bytes(
+            conn.buf[: conn.head_end + conn.length]
+        )  # anything after it: one request per connection
         conn.state, conn.buf, conn.request = "queued", bytearray(), request
         conn.deadline = time.monotonic() + self.request_timeout  # to be taken by a worker, else a 503
         sel.unregister(conn.sock)
@@ -325,7 +368,9 @@ class PooledHTTPServer(HTTPServer):
             if conn.state == "queued":
                 self._too_busy(sel, conns, conn)
             elif conn.state == "read" and conn.buf:
-                self._refuse(sel, conns, conn, 408, f"the request did not arrive within {self.request_timeout:g} s")
+                self._refuse(
+                    sel, conns, conn, 408, f"the request did not arrive within {self.request_timeout:g} s"
+                )
             else:
                 self._close(sel, conns, conn)  # idle, or done draining
 
@@ -350,8 +395,14 @@ class PooledHTTPServer(HTTPServer):
                 return  # a worker took it just now
             conn.state = "expired"
         waited = time.monotonic() - conn.deadline + self.request_timeout
-        self._send_now(conn, _reply_bytes(503, f"the server is busy: the request waited {waited:.1f} s for a worker "
-                                               f"(at most {self.request_timeout:g} s) and was not run; retry later"))
+        self._send_now(
+            conn,
+            _reply_bytes(
+                503,
+                f"the server is busy: the request waited {waited:.1f} s for a worker "
+                f"(at most {self.request_timeout:g} s) and was not run; retry later",
+            ),
+        )
         method, path = _request_line(conn.request)
         self._log(conn, method, path, 503)
         try:

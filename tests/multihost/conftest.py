@@ -52,12 +52,26 @@ def train_argv(shapes_dir):
     with ``--resume latest`` as the README's launch lines carry it."""
 
     def argv(out, *overrides: str) -> list[str]:
-        sets = ["model.preset=micro", f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-                f"data.val={shapes_dir}/val/00000.tar", "data.workers=0", "data.shuffle_buffer=50",
-                "train.global_batch_size=16", "train.steps=12", "train.warmup_steps=2", "train.lr=0.002",
-                "train.log_every=1", "train.checkpoint_every=4", "deepspeed.zero_stage=2",
-                "train.grad_cache_chunk_size=4", "monitor.log_sample_keys=true", "monitor.probe_size=0",
-                "monitor.tensorboard=false", "eval.suite=none", *overrides]
+        sets = [
+            "model.preset=micro",
+            f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+            f"data.val={shapes_dir}/val/00000.tar",
+            "data.workers=0",
+            "data.shuffle_buffer=50",
+            "train.global_batch_size=16",
+            "train.steps=12",
+            "train.warmup_steps=2",
+            "train.lr=0.002",
+            "train.log_every=1",
+            "train.checkpoint_every=4",
+            "deepspeed.zero_stage=2",
+            "train.grad_cache_chunk_size=4",
+            "monitor.log_sample_keys=true",
+            "monitor.probe_size=0",
+            "monitor.tensorboard=false",
+            "eval.suite=none",
+            *overrides,
+        ]
         out = ["train", "--output", str(out), "--resume", "latest"]
         for s in sets:
             out += ["--set", s]
@@ -70,7 +84,12 @@ def train_argv(shapes_dir):
 def reference(netns_ok, tmp_path_factory, train_argv):
     """The same run as ``mmalign train --nproc 2`` on one host (its run directory)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    res = subprocess.run([sys.executable, "-m", "mmalign.cli", *train_argv(out), "--nproc", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    res = subprocess.run(
+        [sys.executable, "-m", "mmalign.cli", *train_argv(out), "--nproc", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_LIMIT_S,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return out

@@ -49,7 +49,9 @@ class Hosts:
     def __init__(self, workdir: Path):
         self.workdir = workdir
         tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"  # unique per test run: runs may overlap
-        self.hosts = {n: Host(n, f"mmh{tag}{n}", f"veth{n}", f"{SUBNET}.{i}") for i, n in ((1, "a"), (2, "b"))}
+        self.hosts = {
+            n: Host(n, f"mmh{tag}{n}", f"veth{n}", f"{SUBNET}.{i}") for i, n in ((1, "a"), (2, "b"))
+        }
         self._created: list[str] = []
         self._logs: dict[int, Path] = {}
 
@@ -58,7 +60,7 @@ class Hosts:
 
     # ------------------------------------------------------------ set-up / tear-down
 
-    def open(self) -> "Hosts":
+    def open(self) -> Hosts:
         a, b = self.hosts["a"], self.hosts["b"]
         for h in (a, b):
             try:
@@ -66,10 +68,25 @@ class Hosts:
             except (FileNotFoundError, subprocess.TimeoutExpired) as e:
                 raise Skip(f"`ip netns add` is not available here ({e})") from None
             if res.returncode != 0:
-                raise Skip(f"`ip netns add` is refused here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
+                raise Skip(
+                    f"`ip netns add` is refused here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}"
+                )
             self._created.append(h.netns)
         # the pair is created directly inside the namespaces: it never exists in the machine's own
-        _ip("link", "add", a.iface, "netns", a.netns, "type", "veth", "peer", "name", b.iface, "netns", b.netns)
+        _ip(
+            "link",
+            "add",
+            a.iface,
+            "netns",
+            a.netns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            b.iface,
+            "netns",
+            b.netns,
+        )
         for h in (a, b):
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface)
             _ip("-n", h.netns, "link", "set", "lo", "up")
@@ -116,20 +133,37 @@ class Hosts:
 
     # ------------------------------------------------------------ processes
 
-    def start(self, host: str, cmd: list[str], env: dict[str, str] | None = None, log: str | None = None,
-              wrap: list[str] | None = None) -> subprocess.Popen:
+    def start(
+        self,
+        host: str,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        log: str | None = None,
+        wrap: list[str] | None = None,
+    ) -> subprocess.Popen:
         """Run ``cmd`` inside ``host``'s namespace (cwd: the repository), output to a log file.
         ``wrap`` goes between ``ip netns exec NS`` and ``cmd`` (e.g. ``unshare -m ...``)."""
         h = self.hosts[host]
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": h.iface,
-                    **(env or {})}
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": h.iface,
+            **(env or {}),
+        }
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             if key not in (env or {}):
                 full_env.pop(key, None)
         path = self.workdir / (log or f"{host}-{len(h.procs)}.log")
         with path.open("w") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", h.netns, *(wrap or []), *cmd], env=full_env, cwd=ROOT,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", h.netns, *(wrap or []), *cmd],
+                env=full_env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         h.procs.append(proc)
         self._logs[proc.pid] = path
         return proc
@@ -137,20 +171,51 @@ class Hosts:
     def log(self, proc: subprocess.Popen) -> str:
         return self._logs[proc.pid].read_text(errors="replace")
 
-    def torchrun(self, host: str, port: int, run_id: str, argv: list[str], max_restarts: int = 0,
-                 env: dict[str, str] | None = None, log: str | None = None, wrap: list[str] | None = None,
-                 ) -> subprocess.Popen:
+    def torchrun(
+        self,
+        host: str,
+        port: int,
+        run_id: str,
+        argv: list[str],
+        max_restarts: int = 0,
+        env: dict[str, str] | None = None,
+        log: str | None = None,
+        wrap: list[str] | None = None,
+    ) -> subprocess.Popen:
         """One torchrun agent on ``host`` (one rank), c10d rendezvous hosted by host a, under
         ``python -m mmalign.dist.supervise`` as the README launches it (the returned process is the
         supervisor; the agent is its child)."""
         h, a = self.hosts[host], self.hosts["a"]
-        cmd = [sys.executable, "-m", "mmalign.dist.supervise",
-               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.addr}:{port}", "--rdzv-id", run_id,
-               # both namespaces share one hostname: say which agent owns the store
-               "--rdzv-conf", f"is_host={'true' if host == 'a' else 'false'},join_timeout=120",
-               "--local-addr", h.addr, "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
-               "-m", "mmalign.cli", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mmalign.dist.supervise",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{a.addr}:{port}",
+            "--rdzv-id",
+            run_id,
+            # both namespaces share one hostname: say which agent owns the store
+            "--rdzv-conf",
+            f"is_host={'true' if host == 'a' else 'false'},join_timeout=120",
+            "--local-addr",
+            h.addr,
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.5",
+            "-m",
+            "mmalign.cli",
+            *argv,
+        ]
         return self.start(host, cmd, env=env, log=log, wrap=wrap)
 
     def pids(self, host: str) -> list[int]:
@@ -196,8 +261,10 @@ class Hosts:
                 if b"mmalign.cli" in argv and b"torch.distributed.run" not in argv:
                     return pid
             if agent.poll() is not None:
-                raise AssertionError(f"the agent exited ({agent.returncode}) before starting a worker:\n"
-                                     + self.log(agent)[-3000:])
+                raise AssertionError(
+                    f"the agent exited ({agent.returncode}) before starting a worker:\n"
+                    + self.log(agent)[-3000:]
+                )
             time.sleep(0.05)
         raise AssertionError("no worker appeared in time")
 

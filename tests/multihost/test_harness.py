@@ -51,7 +51,9 @@ def test_hosts_talk_over_the_veth_only(hosts):
     assert f"{SUBNET}." not in own and f"{SUBNET}." not in routes
     # and each host has no default route: nothing it sends can leave the pair
     for h in (a, b):
-        table = subprocess.run(["ip", "-n", h.netns, "route"], capture_output=True, text=True, timeout=20).stdout
+        table = subprocess.run(
+            ["ip", "-n", h.netns, "route"], capture_output=True, text=True, timeout=20
+        ).stdout
         assert "default" not in table and f"{SUBNET}.0/24" in table
 
 

@@ -39,8 +39,10 @@ PORT = 29400  # the c10d rendezvous, on hostA's veth address (exists only inside
 SHORT_TIMEOUT_S = 14  # dist.timeout_s of the loss / partition cases: above the ranks' start-up skew here
 
 
-needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None,
-                                   reason="needs util-linux's unshare and mount (private mount namespaces)")
+needs_unshare = pytest.mark.skipif(
+    shutil.which("unshare") is None or shutil.which("mount") is None,
+    reason="needs util-linux's unshare and mount (private mount namespaces)",
+)
 
 
 def _pair(hosts, argv, run_id, port=PORT, max_restarts=0, wrap_b=None):
@@ -60,8 +62,11 @@ def _finish(hosts, procs, limit=RUN_LIMIT_S) -> None:
 
 def _first_checkpoint(out, procs) -> None:
     latest = out / "checkpoints" / "latest"
-    wait_for(lambda: latest.is_file() or any(p.poll() is not None for p in procs), RUN_LIMIT_S,
-             what="the first checkpoint")
+    wait_for(
+        lambda: latest.is_file() or any(p.poll() is not None for p in procs),
+        RUN_LIMIT_S,
+        what="the first checkpoint",
+    )
     assert latest.is_file(), "a host exited before the first checkpoint"
 
 
@@ -118,7 +123,9 @@ def test_killed_worker_restarts_and_resumes(hosts, reference, train_argv, tmp_pa
     os.kill(worker, signal.SIGKILL)  # hostB's rank, mid-run (raises if the run had already ended)
     _finish(hosts, (a, b))
     log = hosts.log(a)
-    assert "no checkpoint in" in log and "resumed from" in log, log[-4000:]  # two attempts, the second resumed
+    assert "no checkpoint in" in log and "resumed from" in log, log[
+        -4000:
+    ]  # two attempts, the second resumed
     assert_same_run(out, reference)  # metrics.jsonl: steps 1..12, each once
 
 
@@ -155,7 +162,9 @@ def test_a_lasting_partition_ends_each_hosts_job_then_the_run_resumes(hosts, ref
     limit = 2 * SHORT_TIMEOUT_S + 25
     codes = wait_all([a, b], limit + 60)
     elapsed = time.time() - split
-    assert None not in codes and 0 not in codes, f"exit codes {codes} after {elapsed:.0f} s\n{_logs(hosts, (a, b))}"
+    assert None not in codes and 0 not in codes, (
+        f"exit codes {codes} after {elapsed:.0f} s\n{_logs(hosts, (a, b))}"
+    )
     assert elapsed <= limit, f"{elapsed:.0f} s\n{_logs(hosts, (a, b))}"
     for proc in (a, b):
         log = hosts.log(proc)
@@ -177,13 +186,33 @@ def test_slurm_without_torchrun(hosts, reference, train_argv, tmp_path):
     """srun's variables and no MASTER_ADDR: every task dials the node list's first host."""
     names = tmp_path / "hosts"  # the job's host names, seen only inside each task's mount namespace
     names.write_text(f"127.0.0.1 localhost\n{hosts['a'].addr} mmnode01\n{hosts['b'].addr} mmnode02\n")
-    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'mount --bind {names} /etc/hosts && exec "$@"',
-            "sh"]
+    wrap = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount --bind {names} /etc/hosts && exec "$@"',
+        "sh",
+    ]
     out = tmp_path / "run"
-    env = {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "mmnode[01-02]", "SLURM_JOB_ID": "4242"}
-    procs = [hosts.start(host, [sys.executable, "-m", "mmalign.cli", *train_argv(out)],
-                         env={**env, "SLURM_PROCID": str(rank)}, wrap=wrap, log=f"slurm-{host}.log")
-             for rank, host in enumerate("ab")]
+    env = {
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "mmnode[01-02]",
+        "SLURM_JOB_ID": "4242",
+    }
+    procs = [
+        hosts.start(
+            host,
+            [sys.executable, "-m", "mmalign.cli", *train_argv(out)],
+            env={**env, "SLURM_PROCID": str(rank)},
+            wrap=wrap,
+            log=f"slurm-{host}.log",
+        )
+        for rank, host in enumerate("ab")
+    ]
     _finish(hosts, procs)
     assert "rendezvous at mmnode01:16242 (first host of SLURM_JOB_NODELIST)" in hosts.log(procs[0])
     assert_same_run(out, reference)
@@ -194,14 +223,26 @@ def test_node_local_output_is_refused(hosts, train_argv, tmp_path):
     """hostB sees a private tmpfs at the run path: every rank stops at start-up with one line."""
     out = tmp_path / "run"
     out.mkdir()
-    wrap_b = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-              f'mount -t tmpfs mmalign-node-local {out} && exec "$@"', "sh"]
+    wrap_b = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs mmalign-node-local {out} && exec "$@"',
+        "sh",
+    ]
     a, b = _pair(hosts, train_argv(out), "local", wrap_b=wrap_b)
     codes = wait_all([a, b], RUN_LIMIT_S)
     assert None not in codes and 0 not in codes, f"exit codes {codes}\n{_logs(hosts, (a, b))}"
     for proc in (a, b):
         lines = _error_lines(hosts.log(proc))
-        assert len(lines) == 1 and "config key 'output'" in lines[0] and "is not shared" in lines[0] \
-            and "rank 1" in lines[0], hosts.log(proc)[-4000:]
+        assert (
+            len(lines) == 1
+            and "config key 'output'" in lines[0]
+            and "is not shared" in lines[0]
+            and "rank 1" in lines[0]
+        ), hosts.log(proc)[-4000:]
         _no_mmalign_traceback(hosts.log(proc))
     assert not (out / "checkpoints").exists()

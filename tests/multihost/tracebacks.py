@@ -30,5 +30,8 @@ def package_path(filename: str) -> PurePath | None:
 
 def own_frames(log: str) -> list[str]:
     """The ``File "...", line N`` lines of ``log`` that point into the package."""
-    return [line for line in log.splitlines()
-            if (m := _FILE_LINE.match(line)) is not None and package_path(m.group(1)) is not None]
+    return [
+        line
+        for line in log.splitlines()
+        if (m := _FILE_LINE.match(line)) is not None and package_path(m.group(1)) is not None
+    ]

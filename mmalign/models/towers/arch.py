@@ -23,14 +23,24 @@ class Towers:
     rest: dict = field(default_factory=dict)  # other top-level keys, passed through
 
     @classmethod
-    def from_arch(cls, arch: dict) -> "Towers":
-        rest = {k: v for k, v in arch.items() if k not in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu")}
-        return cls(embed_dim=int(arch["embed_dim"]), vision=spec_from_cfg("vision", dict(arch.get("vision_cfg", {}))),
-                   text=spec_from_cfg("text", dict(arch.get("text_cfg", {}))), quick_gelu=arch.get("quick_gelu"),
-                   rest=rest)
+    def from_arch(cls, arch: dict) -> Towers:
+        rest = {
+            k: v for k, v in arch.items() if k not in ("embed_dim", "vision_cfg", "text_cfg", "quick_gelu")
+        }
+        return cls(
+            embed_dim=int(arch["embed_dim"]),
+            vision=spec_from_cfg("vision", dict(arch.get("vision_cfg", {}))),
+            text=spec_from_cfg("text", dict(arch.get("text_cfg", {}))),
+            quick_gelu=arch.get("quick_gelu"),
+            rest=rest,
+        )
 
     def to_arch(self) -> dict:
-        arch = {"embed_dim": self.embed_dim, "vision_cfg": self.vision.to_cfg(), "text_cfg": self.text.to_cfg()}
+        arch = {
+            "embed_dim": self.embed_dim,
+            "vision_cfg": self.vision.to_cfg(),
+            "text_cfg": self.text.to_cfg(),
+        }
         if self.quick_gelu is not None:
             arch["quick_gelu"] = self.quick_gelu
         return arch | self.rest

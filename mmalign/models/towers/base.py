@@ -71,15 +71,18 @@ class TowerSpec:
         return True
 
     @classmethod
-    def from_cfg(cls, cfg: dict) -> "TowerSpec":
+    def from_cfg(cls, cfg: dict) -> TowerSpec:
         typed = set(cls.typed_keys())
         values = {k: _plain(v) for k, v in cfg.items() if k in typed}
         extra = {k: v for k, v in cfg.items() if k not in typed}
         return cls(**values, extra=extra, given=tuple(cfg))
 
     def to_cfg(self) -> dict:
-        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                    for f in dataclasses.fields(self) if f.name in self.typed_keys()}
+        defaults = {
+            f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(self)
+            if f.name in self.typed_keys()
+        }
         values = {k: getattr(self, k) for k in self.typed_keys()}
         out = {}
         for key in self.given:  # the source's order first
@@ -93,7 +96,7 @@ class TowerSpec:
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
-    def replace(self, **changes) -> "TowerSpec":
+    def replace(self, **changes) -> TowerSpec:
         """A copy with typed fields or extra keys changed."""
         typed = set(self.typed_keys())
         extra = {**self.extra, **{k: v for k, v in changes.items() if k not in typed}}
@@ -111,8 +114,9 @@ class TowerSpec:
         try:
             self._lock(module, unlocked)
         except AssertionError as e:  # open_clip's ModifiedResNet: partial locking unsupported
-            raise ConfigError(f"config key '{key}': {type(module).__name__}.lock refused "
-                              f"{unlocked} unlocked groups: {e}") from None
+            raise ConfigError(
+                f"config key '{key}': {type(module).__name__}.lock refused {unlocked} unlocked groups: {e}"
+            ) from None
 
     def _lock(self, module: nn.Module, unlocked: int) -> None:
         if self.side == "vision":
@@ -196,5 +200,14 @@ def build_tower(spec: TowerSpec, embed_dim: int, quick_gelu: bool = False) -> nn
     return spec.build(int(embed_dim), bool(quick_gelu))
 
 
-__all__ = ["Tower", "TowerSpec", "build_tower", "register_tower", "registered", "spec_class", "spec_from_cfg",
-           "tower_kind", "unregister_tower"]
+__all__ = [
+    "Tower",
+    "TowerSpec",
+    "build_tower",
+    "register_tower",
+    "registered",
+    "spec_class",
+    "spec_from_cfg",
+    "tower_kind",
+    "unregister_tower",
+]

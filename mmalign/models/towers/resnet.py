@@ -56,11 +56,15 @@ class ResNetSpec(TowerSpec):
         res //= 2  # the stem's average pool
         inplanes = w
         for stage, blocks in enumerate(self.layers):
-            planes, stride = w * 2 ** stage, 1 if stage == 0 else 2
+            planes, stride = w * 2**stage, 1 if stage == 0 else 2
             for block in range(blocks):
                 s = stride if block == 0 else 1
                 out = res // s
-                macs += conv(inplanes, planes, 1, res) + conv(planes, planes, 3, res) + conv(planes, 4 * planes, 1, out)
+                macs += (
+                    conv(inplanes, planes, 1, res)
+                    + conv(planes, planes, 3, res)
+                    + conv(planes, 4 * planes, 1, out)
+                )
                 if s > 1 or inplanes != 4 * planes:
                     macs += conv(inplanes, 4 * planes, 1, out)  # the downsample branch
                 inplanes, res = 4 * planes, out

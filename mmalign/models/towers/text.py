@@ -63,7 +63,9 @@ class TextSpec(TowerSpec):
 
     def onnx_tokenizer(self, tokenizer_file: str | None) -> dict:
         """The ``tokenizer`` entry of ``onnx_config.json`` (the file is copied beside the graphs)."""
-        kind = {"type": "sentencepiece", "file": "tokenizer.model"} if tokenizer_file else {"type": "clip_bpe"}
+        kind = (
+            {"type": "sentencepiece", "file": "tokenizer.model"} if tokenizer_file else {"type": "clip_bpe"}
+        )
         return kind | {"context_length": self.context_length}
 
     def onnx_input(self, batch: int, tokenizer=None):
@@ -71,5 +73,7 @@ class TextSpec(TowerSpec):
 
     def flops(self, embed_dim: int) -> int:
         tokens = self.context_length
-        return transformer_flops(tokens, self.width, self.layers, int(self.width * self.mlp_ratio)) \
-            + 2 * self.width * embed_dim  # the pooled token's projection
+        return (
+            transformer_flops(tokens, self.width, self.layers, int(self.width * self.mlp_ratio))
+            + 2 * self.width * embed_dim
+        )  # the pooled token's projection

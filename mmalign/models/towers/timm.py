@@ -41,7 +41,11 @@ class TimmSpec(TowerSpec):
         from timm.models import group_parameters
 
         trunk = module.trunk
-        return len(group_parameters(trunk, trunk.group_matcher(coarse=True))) if hasattr(trunk, "group_matcher") else 0
+        return (
+            len(group_parameters(trunk, trunk.group_matcher(coarse=True)))
+            if hasattr(trunk, "group_matcher")
+            else 0
+        )
 
     def open_clip_cfg(self) -> dict:
         return self.to_cfg()

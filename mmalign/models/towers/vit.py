@@ -12,8 +12,12 @@ from mmalign.models.towers.base import TowerSpec, register_tower
 def transformer_flops(tokens: int, width: int, layers: int, mlp_width: int) -> int:
     """Forward FLOPs of ``layers`` pre-norm blocks over ``tokens`` tokens: the qkv and output
     projections, Q K^T and P V (every score, masked or not), and the two MLP matmuls."""
-    per_block = tokens * width * 3 * width + 2 * tokens * tokens * width + tokens * width * width \
+    per_block = (
+        tokens * width * 3 * width
+        + 2 * tokens * tokens * width
+        + tokens * width * width
         + 2 * tokens * width * mlp_width
+    )
     return 2 * layers * per_block
 
 
@@ -62,4 +66,6 @@ class ViTSpec(TowerSpec):
         tokens = patches + 1  # the class token
         stem = 2 * patches * 3 * ph * pw * self.width  # the patch-embedding convolution
         head = 2 * self.width * embed_dim  # the class token's projection
-        return stem + transformer_flops(tokens, self.width, self.layers, int(self.width * self.mlp_ratio)) + head
+        return (
+            stem + transformer_flops(tokens, self.width, self.layers, int(self.width * self.mlp_ratio)) + head
+        )
