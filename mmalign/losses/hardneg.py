@@ -75,7 +75,7 @@ def masked_lse(
         )
         return lse_r, lse_c
     logits = scale.reshape(()) * rows @ cols.T  # (M, N), untiled
-    mask = pos.full_mask(*logits.shape, logits.device)  # (M, N) positives
+    mask = pos.full_mask(logits.shape[0], logits.shape[1], logits.device)  # (M, N) positives
     excl = mask if select == "neg" else ~mask
 
     def one(lg: Tensor, ex: Tensor) -> Tensor:  # LSE along dim 1
@@ -97,6 +97,7 @@ def positive_counts(pos: Positives, m: int, n: int, device: torch.device) -> Ten
         return torch.ones(m, dtype=torch.float64, device=device)
     if pos.pair_mask is not None:
         return pos.pair_mask.sum(dim=1).to(device=device, dtype=torch.float64)
+    assert pos.row_ids is not None and pos.col_ids is not None  # not paired, no mask
     uniq, inv = torch.unique(pos.col_ids, return_inverse=True)
     counts = torch.bincount(inv, minlength=uniq.shape[0])  # (G,)
     group = torch.searchsorted(uniq, pos.row_ids).clamp(max=uniq.shape[0] - 1)  # (M,)

@@ -57,7 +57,7 @@ def _row_lse(
     lse_c = torch.logsumexp(logits, dim=0) if want_cols else logits.new_empty(0)
     tr_r = tr_c = logits.new_empty(0)
     if track:
-        mask = positives.full_mask(*logits.shape, logits.device)
+        mask = positives.full_mask(logits.shape[0], logits.shape[1], logits.device)
         tr_r = full_matrix_tracks(logits, mask)
         if want_cols:
             tr_c = full_matrix_tracks(logits.T, mask.T)
@@ -73,7 +73,7 @@ def both_directions_lse(
     pos: Positives,
     tile_size: int | None,
     track: bool,
-):
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Positives]:
     """Row LSEs of local image rows over all texts and local text rows over all images.
 
     Returns (lse_i (B,), lse_t (B,), track_i, track_t, positives of the text rows). One

@@ -63,5 +63,5 @@ def ntxent_loss(
     self_cols = Positives(mdist.get_rank() * z.shape[0])
     lse, _ = masked_lse(z, cols, s, self_cols, "neg", tile_size, want_cols=False)  # (2B,)
     partner = torch.cat([view2, view1])  # (2B, D): row a's other view
-    pos = s * torch.linalg.vecdot(z, partner)  # (2B,)
+    pos: Tensor = s * torch.linalg.vecdot(z, partner)  # (2B,)
     return (lse - pos).mean()

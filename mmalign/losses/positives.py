@@ -89,6 +89,7 @@ class Positives:
         if self.pair_mask is not None:
             m = self.pair_mask[i0:i1, j0:j1].to(device)
         else:
+            assert self.row_ids is not None and self.col_ids is not None  # not paired, no mask
             m = self.row_ids[i0:i1, None] == self.col_ids[None, j0:j1]
         return m if not skip_empty or bool(m.any()) else None
 
@@ -116,6 +117,7 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
             raise ValueError("every row needs at least one positive in positive_mask")
         target = (w @ cols) / counts  # (M, D) mean positive candidate
     else:
+        assert pos.row_ids is not None and pos.col_ids is not None  # not paired, no mask
         uniq, inv = torch.unique(pos.col_ids, return_inverse=True)
         sums = torch.zeros(uniq.shape[0], cols.shape[1], dtype=cols.dtype, device=cols.device)
         sums = sums.index_add(0, inv, cols)  # (G, D)
@@ -125,6 +127,6 @@ def positive_logit(rows: Tensor, cols: Tensor, scale: Tensor, pos: Positives) ->
             raise ValueError("every row id must occur among the candidate ids (its own pair)")
         target = sums[group] / counts[group, None]  # (M, D)
     # (M,), no (M, D) temporary; the scale stays at compute precision (never rounded to bf16)
-    dot = torch.linalg.vecdot(rows, target)
+    dot: Tensor = torch.linalg.vecdot(rows, target)
     cdt = torch.float32 if dot.dtype in (torch.float16, torch.bfloat16) else dot.dtype
     return scale.reshape(()).to(cdt) * dot.to(cdt)

@@ -99,7 +99,7 @@ def _queue_lse(
         )
         return lse, tracks
     logits = scale.reshape(()) * rows @ queue.T  # (M, Q)
-    if not use_ids:
+    if row_ids is None or queue_ids is None:  # not use_ids
         lse = torch.logsumexp(logits, dim=1)
         excl = None
     else:
@@ -148,7 +148,7 @@ def _tiled_tracks(
             neg = (rows_s @ queue[j0:j1].T).float()  # (ti, tj)
             if rows_s.dtype != s.dtype:
                 neg = neg * s
-            if row_ids is not None:
+            if row_ids is not None and queue_ids is not None:
                 neg = neg.masked_fill(row_ids[i0:i1, None] == queue_ids[None, j0:j1], _NEG_INF)
             parts.append(_tracks_of(neg, pos_max[i0:i1]))
         part = torch.stack(parts)  # (tiles, 3, ti): max over tiles of the max, sum of the counts
@@ -219,7 +219,11 @@ def queue_infonce_local(
     loss_i2t = lse_i - positive_logit(image, text_all, logit_scale, pos)  # (B,)
     loss_t2i = lse_t - positive_logit(text, image_all, logit_scale, pos_t)  # (B,)
     loss = 0.5 * (loss_i2t.mean() + loss_t2i.mean())
-    tracks = [_merge_tracks(tr_i, qtr_i), _merge_tracks(tr_t, qtr_t)] if track else [tr_i, tr_t]
+    tracks = (  # the queue tracks are there when track
+        [_merge_tracks(tr_i, qtr_i), _merge_tracks(tr_t, qtr_t)]
+        if qtr_i is not None and qtr_t is not None
+        else [tr_i, tr_t]
+    )
     return loss, tracks, [lse_i, lse_t]
 
 

@@ -43,7 +43,7 @@ def siglip_local(
         )
     else:
         logits = logit_scale.reshape(()) * image @ text_all.T + logit_bias.reshape(())  # (B, N)
-        mask = pos.full_mask(*logits.shape, logits.device)
+        mask = pos.full_mask(logits.shape[0], logits.shape[1], logits.device)
         signs = mask.to(logits.dtype) * 2 - 1  # z_ij
         row_loss = -F.logsigmoid(signs * logits).sum(dim=1)
         tracks = full_matrix_tracks(logits, mask) if track else logits.new_empty(0)

@@ -29,6 +29,8 @@ the forward pass (one more pass over tiles only in id mode, see RankTracker).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -141,9 +143,10 @@ def _fold_weight(lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 
 class _TiledLSE(torch.autograd.Function):
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
+    # custom_fwd: backward replays the forward's autocast state
+    @torch.amp.custom_fwd(device_type="cuda")  # type: ignore[untyped-decorator]  # unannotated in torch
     def forward(
-        ctx,
+        ctx: Any,  # torch's FunctionCtx, carrying our own attributes
         rows: Tensor,
         cols: Tensor,
         scale: Tensor,
@@ -152,7 +155,7 @@ class _TiledLSE(torch.autograd.Function):
         pos: Positives,
         track: bool,
         select: str = "all",
-    ):
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         m, n = rows.shape[0], cols.shape[0]
         dev, cdt = rows.device, compute_dtype(rows.dtype)
         masked = select != "all"
@@ -185,7 +188,7 @@ class _TiledLSE(torch.autograd.Function):
                 if want_cols:
                     t_cmax = tile.amax(dim=0)
                     _merge_lse(c_max[j0:j1], c_sum[j0:j1], tile, t_cmax, buf, dim=0, masked=masked)
-                if track:
+                if trk_r is not None:  # track
                     track_tile(
                         tile,
                         pos.mask(i0, i1, j0, j1, dev),
@@ -199,13 +202,13 @@ class _TiledLSE(torch.autograd.Function):
                         t_cmax if want_cols else None,
                     )
 
-        if track and not pos.paired:
+        if trk_r is not None and not pos.paired:  # track
             # Id mode: the best positive is only known now; count in a 2nd pass.
             count_pass(rows, s, cols, pos, t, trk_r, trk_c, ws)
 
         lse_r = r_max + torch.log(r_sum)  # (M,)
         lse_c = c_max + torch.log(c_sum) if want_cols else torch.empty(0, dtype=cdt, device=dev)
-        tr_r = trk_r.stacked() if track else torch.empty(0, device=dev)
+        tr_r = trk_r.stacked() if trk_r is not None else torch.empty(0, device=dev)
         tr_c = trk_c.stacked() if trk_c is not None else torch.empty(0, device=dev)
         ctx.save_for_backward(rows, cols, scale, lse_r, lse_c)
         ctx.t, ctx.want_cols, ctx.pos, ctx.select = t, want_cols, pos, select
@@ -213,22 +216,27 @@ class _TiledLSE(torch.autograd.Function):
         return lse_r, lse_c, tr_r, tr_c
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, g_r: Tensor | None, g_c: Tensor | None, _gtr, _gtc):
+    @torch.amp.custom_bwd(device_type="cuda")  # type: ignore[untyped-decorator]  # unannotated in torch
+    def backward(
+        ctx: Any, g_r: Tensor | None, g_c: Tensor | None, _gtr: Tensor | None, _gtc: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         rows, cols, scale, lse_r, lse_c = ctx.saved_tensors
         t, want_cols = ctx.t, ctx.want_cols
         dt, cdt = rows.dtype, lse_r.dtype
         s = scale_of(scale, dt)
         if g_r is None:
             g_r = torch.zeros_like(lse_r)
-        use_c = want_cols and g_c is not None
         shift_r, sign_r = _fold_weight(lse_r, g_r)
-        shift_c, sign_c = _fold_weight(lse_c, g_c) if use_c else (None, None)
+        shift_c: Tensor | None = None  # column weights: set when a gradient reaches the column LSEs
+        sign_c: Tensor | None = None
+        if want_cols and g_c is not None:
+            shift_c, sign_c = _fold_weight(lse_c, g_c)
+        use_c = shift_c is not None
         pos, select = ctx.pos, ctx.select
         masked = select != "all"
         if masked:  # rows with nothing selected: LSE -inf, gradient 0; avoid -inf - -inf
             shift_r = torch.where(shift_r == float("-inf"), torch.zeros_like(shift_r), shift_r)
-            if use_c:
+            if shift_c is not None:  # use_c
                 shift_c = torch.where(shift_c == float("-inf"), torch.zeros_like(shift_c), shift_c)
         d_rows = torch.empty_like(rows)
         d_cols = torch.zeros(cols.shape, dtype=cdt, device=cols.device)
@@ -249,7 +257,8 @@ class _TiledLSE(torch.autograd.Function):
                     _apply_select(tile, pos, select, i0, i1, j0, j1, skip_empty=False)
                 grad = torch.sub(tile, shift_r[i0:i1, None], out=ws.get(1, i1 - i0, j1 - j0))
                 grad.exp_()  # |g_r[i]| * softmax_row
-                if use_c:  # sign_c[j] |g_c[j]| softmax_col + sign_r[i] |g_r[i]| softmax_row
+                if shift_c is not None and sign_c is not None:  # use_c
+                    # sign_c[j] |g_c[j]| softmax_col + sign_r[i] |g_r[i]| softmax_row
                     tile.sub_(shift_c[None, j0:j1]).exp_().mul_(sign_c[None, j0:j1])
                     grad = tile.addcmul_(grad, sign_r[i0:i1, None])
                 grad = grad.to(dt)
@@ -266,7 +275,9 @@ class _TiledLSE(torch.autograd.Function):
 _SKIP = object()
 
 
-def _select_tile(pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int, device) -> object:
+def _select_tile(
+    pos: Positives, select: str, i0: int, i1: int, j0: int, j1: int, device: torch.device
+) -> object:
     """``_SKIP`` when a "pos" selection leaves the tile empty, else None."""
     if select == "pos" and pos.mask(i0, i1, j0, j1, device) is None:
         return _SKIP
@@ -283,6 +294,7 @@ def _apply_select(
         if mask is not None:
             tile.masked_fill_(mask, float("-inf"))
     elif select == "pos":
+        assert mask is not None  # callers skip a tile without positives first (_select_tile)
         tile.masked_fill_(~mask, float("-inf"))
     else:
         raise ValueError(f"select must be 'all', 'neg' or 'pos', got {select!r}")
@@ -339,4 +351,7 @@ def tiled_lse(
         raise ValueError(f"select must be 'all', 'neg' or 'pos', got {select!r}")
     if select != "all" and track:
         raise ValueError("monitor tracks are only computed for select='all'")
-    return _TiledLSE.apply(rows, cols, scale, int(tile_size), bool(want_cols), positives, bool(track), select)
+    out: tuple[Tensor, Tensor, Tensor, Tensor] = _TiledLSE.apply(
+        rows, cols, scale, int(tile_size), bool(want_cols), positives, bool(track), select
+    )
+    return out

@@ -15,6 +15,8 @@ pairs, so tiling needs no running normaliser, only per-row sums:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,10 +39,18 @@ __all__ = ["tiled_sigmoid_rows"]
 
 class _TiledSigmoid(torch.autograd.Function):
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")  # backward replays the forward's autocast state
+    # custom_fwd: backward replays the forward's autocast state
+    @torch.amp.custom_fwd(device_type="cuda")  # type: ignore[untyped-decorator]  # unannotated in torch
     def forward(
-        ctx, rows: Tensor, cols: Tensor, scale: Tensor, bias: Tensor, t: int, pos: Positives, track: bool
-    ):
+        ctx: Any,  # torch's FunctionCtx, carrying our own attributes
+        rows: Tensor,
+        cols: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        t: int,
+        pos: Positives,
+        track: bool,
+    ) -> tuple[Tensor, Tensor]:
         m, dev, dt = rows.shape[0], rows.device, rows.dtype
         cdt = compute_dtype(dt)
         s = scale_of(scale, dt)  # float32 for half features, like the bias
@@ -59,19 +69,19 @@ class _TiledSigmoid(torch.autograd.Function):
                 row_loss[i0:i1] -= F.logsigmoid(-tile).sum(dim=1)  # softplus(l), exact for large l
                 if mask is not None:
                     row_loss[i0:i1] -= (tile * mask).sum(dim=1)
-                if track:
+                if trk is not None:  # track
                     track_tile(tile, mask, trk, i0, i1, tile.amax(dim=1))
-        if track and not pos.paired:
+        if trk is not None and not pos.paired:  # track
             count_pass(rows, s, cols, pos, t, trk, None, ws, bias=b)
-        tracks = trk.stacked() if track else torch.empty(0, device=dev)
+        tracks = trk.stacked() if trk is not None else torch.empty(0, device=dev)
         ctx.save_for_backward(rows, cols, scale, bias)
         ctx.t, ctx.pos = t, pos
         ctx.mark_non_differentiable(tracks)
         return row_loss, tracks
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, g: Tensor, _gtracks):
+    @torch.amp.custom_bwd(device_type="cuda")  # type: ignore[untyped-decorator]  # unannotated in torch
+    def backward(ctx: Any, g: Tensor, _gtracks: Tensor | None) -> tuple[Tensor | None, ...]:
         rows, cols, scale, bias = ctx.saved_tensors
         t, pos = ctx.t, ctx.pos
         dt = rows.dtype
@@ -125,4 +135,7 @@ def tiled_sigmoid_rows(
     (3, M) monitor tracks; differentiable in rows, cols, scale and bias."""
     if tile_size <= 0:
         raise ValueError(f"tile_size must be positive, got {tile_size}")
-    return _TiledSigmoid.apply(rows, cols, scale, bias, int(tile_size), positives, bool(track))
+    out: tuple[Tensor, Tensor] = _TiledSigmoid.apply(
+        rows, cols, scale, bias, int(tile_size), positives, bool(track)
+    )
+    return out
