@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from data_pipelines.shard_input import input_shards
 from mmalign.config import ConfigError
+from mmalign.extras import extra, require
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.mine")
@@ -213,7 +214,8 @@ def _choose(
 
 def _select(corpus: _Corpus, k: int, max_similarity: float | None, max_relative: float | None) -> tuple:
     """Search the caption index with every image, widening the search for images that lack k."""
-    import faiss
+    with extra("search", "mmalign mine"):
+        import faiss
 
     image = np.concatenate(corpus.image).astype(np.float32)  # (S, D)
     caption = np.concatenate(corpus.caption).astype(np.float32)  # (R, D)
@@ -353,6 +355,7 @@ def mine(
         raise ConfigError(f"--max-similarity is a cosine in [-1, 1], got {max_similarity}")
     if max_relative is not None and max_relative <= 0:
         raise ConfigError(f"--max-relative must be > 0, got {max_relative}")
+    require("search", "faiss", "mmalign mine")  # before the embedding pass, not after it
     start = time.time()
     out = Path(out)
     urls = input_shards(data)

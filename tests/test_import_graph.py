@@ -21,7 +21,7 @@ PACKAGE = ROOT / "mmalign"
 
 # low to high; a module's layer is that of its first dotted part below mmalign
 LAYERS = [
-    "errors progress resources sentencepiece_file dirlock",  # no mmalign imports at all, or only each other
+    "errors extras progress resources sentencepiece_file dirlock",  # no mmalign imports at all, or only each other
     "layout",  # names in a run directory, DeepSpeed's private layout: shared by run (writes) and models (reads)
     "config",  # the typed config: schema, loading, resolving, the domain rules
     "dist",  # process groups and their collectives, clusters, the launcher and its supervisor

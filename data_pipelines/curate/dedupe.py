@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from data_pipelines.curate.scores import _unit_rows
+from mmalign.extras import extra
 
 
 def exact_groups(digests: Sequence[bytes | str]) -> np.ndarray:
@@ -63,7 +64,8 @@ def cluster_labels(
     if rows.size < n_clusters:
         raise ValueError(f"k-means needs at least n_clusters={n_clusters} training rows, got {rows.size}")
     train = np.ascontiguousarray(_unit_rows(emb[rows]), dtype=np.float32)  # (T, D): FAISS wants float32
-    import faiss  # heavy and optional: only where k-means runs
+    with extra("search", "curate's k-means"):  # heavy and optional: only where k-means runs
+        import faiss
 
     km = faiss.Kmeans(d, n_clusters, niter=niter, nredo=nredo, seed=seed, spherical=True)
     km.train(train)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from mmalign.extras import extra
+
 # (DataComp task key, name, main metric); None: DataComp scores no main metric
 TASKS = (
     ("vtab/caltech101", "Caltech-101", "mean_per_class_recall"),
@@ -114,7 +116,9 @@ def source_note(key: str) -> str:
 def f1_macro(pred: torch.Tensor, labels: torch.Tensor) -> float:
     """WILDS's ``F1(average="macro")``: sklearn's macro F1 over the classes present in ``labels``."""
     import numpy as np
-    from sklearn.metrics import f1_score
+
+    with extra("report", "DataComp's macro F1"):
+        from sklearn.metrics import f1_score
 
     y = labels.numpy()
     return float(f1_score(y, pred.numpy(), average="macro", labels=np.unique(y), zero_division=0))

@@ -47,6 +47,7 @@ from mmalign.data.shards import (
     read_samples,
 )
 from mmalign.errors import UsageError
+from mmalign.extras import extra
 
 log = logging.getLogger(__name__)
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -172,7 +173,8 @@ def _keys_strata_labels(spec: dict) -> Iterator[tuple]:
 
         yield from keys_and_labels(spec, field)
     elif spec["type"] == "digits":
-        from sklearn.datasets import load_digits
+        with extra("report", "the digits suite"):
+            from sklearn.datasets import load_digits
 
         for i, label in enumerate(load_digits().target):
             meta = {"label": int(label), "classname": DIGIT_NAMES[int(label)]}
@@ -204,7 +206,8 @@ def _captions(spec: dict, classname: str) -> list[str]:
 
 
 def _digits(spec: dict, keep: set | None = None) -> Iterator[dict]:
-    from sklearn.datasets import load_digits
+    with extra("report", "the digits suite"):
+        from sklearn.datasets import load_digits
 
     size = int(spec.get("size", 32))
     digits = load_digits()  # images (1797, 8, 8) in 0..16, targets (1797,)

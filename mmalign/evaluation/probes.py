@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mmalign.evaluation.zeroshot import classification_metrics
+from mmalign.extras import extra
 
 DEFAULT_CS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
 
@@ -45,7 +46,8 @@ def split_indices(n: int, fractions: Sequence[float], seed: int = 0) -> list[tor
 def _logreg(c: float, seed: int):
     # sklearn (and scipy under it) is imported here, not at module level: it costs ~1.5 s of
     # start-up in every training process, most of which never fits a probe
-    from sklearn.linear_model import LogisticRegression
+    with extra("report", "a linear probe"):
+        from sklearn.linear_model import LogisticRegression
 
     return LogisticRegression(C=c, max_iter=1000, random_state=seed)
 
@@ -74,7 +76,8 @@ def linear_probe(
     ``say(line)``, when given, hears of each fit (they can take minutes)."""
     sweep = {}
     with warnings.catch_warnings():
-        from sklearn.exceptions import ConvergenceWarning
+        with extra("report", "a linear probe"):
+            from sklearn.exceptions import ConvergenceWarning
 
         warnings.simplefilter("ignore", ConvergenceWarning)  # the sweep's strongest C may not converge
         for i, c in enumerate(cs):

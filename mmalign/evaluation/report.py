@@ -44,6 +44,7 @@ from mmalign.evaluation.diagnostics import embedding_diagnostics, positive_negat
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.retrieval import retrieval_ranks
 from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite
+from mmalign.extras import extra
 from mmalign.progress import track
 
 # (title, keys drawn on one axes, dashed keys on the same axes)
@@ -62,10 +63,11 @@ MAX_RECALL_K = 50
 def _pyplot():
     """matplotlib.pyplot on the file-only Agg backend; imported by the plots that need it (this
     module is the one owner of matplotlib, and importing it costs about a second)."""
-    import matplotlib
+    with extra("report", "mmalign report"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     return plt
 
@@ -136,11 +138,17 @@ def plot_similarity(sims: dict, out: Path) -> Path:
     return out
 
 
-def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, seed: int = 0) -> Path:
-    from sklearn.manifold import TSNE
+def _tsne() -> type:
+    """sklearn's TSNE (importing sklearn costs about 1.5 s)."""
+    with extra("report", "mmalign report"):
+        from sklearn.manifold import TSNE
 
+    return TSNE
+
+
+def plot_tsne(features: torch.Tensor, labels: list[str], title: str, out: Path, seed: int = 0) -> Path:
     n = features.shape[0]
-    xy = TSNE(
+    xy = _tsne()(
         n_components=2, perplexity=float(min(30, max(2, (n - 1) // 3))), init="pca", random_state=seed
     ).fit_transform(features.numpy())  # (N, 2)
     plt = _pyplot()
@@ -357,6 +365,9 @@ def write_report(
     """Write ``index.html`` and the PNGs into ``output`` (default RUN/report); returns the HTML path.
     ``progress``: show the embedding pass (a bar on a terminal, else lines)."""
     run = Path(run)
+    # the plots' libraries first: a missing [report] extra is one line before the embedding pass, not after
+    _pyplot()
+    _tsne()
     out = Path(output) if output else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     body = [

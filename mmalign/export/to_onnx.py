@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmalign.errors import UsageError
+from mmalign.extras import extra
 from mmalign.models.load import Loaded
 
 OPSET = 17  # >= 14 for the attention ops; 17 adds a native LayerNormalization
@@ -73,7 +74,8 @@ def _export(module: nn.Module, example: torch.Tensor, path: Path, input_name: st
 
 
 def export_onnx(source: Loaded, out: Path) -> Path:
-    import onnx
+    with extra("export", "mmalign export --format onnx"):
+        import onnx
 
     model = source.model.eval()
     out.mkdir(parents=True, exist_ok=True)

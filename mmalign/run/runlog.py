@@ -22,6 +22,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mmalign import progress
+from mmalign.errors import UsageError, first_line
+from mmalign.extras import extra
 
 # the run's lines: train.log names them mmalign.run.train, whichever module of the run writes them
 log = logging.getLogger("mmalign.run.train")
@@ -264,9 +266,10 @@ def _figure(value: float) -> str:
 
 def _tensorboard(out: Path):
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is a dependency; degrade rather than die mid-run
-        log.warning("tensorboard is not importable; no event files")
+        with extra("report", "monitor.tensorboard"):
+            from torch.utils.tensorboard import SummaryWriter
+    except (UsageError, ImportError) as e:  # degrade rather than die mid-run: the run itself is fine
+        log.warning("%s; no event files", first_line(e))
         return None
     return SummaryWriter(str(out / "tensorboard"))
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mmalign.errors import UsageError
+from mmalign.extras import extra
 from mmalign.search.embed import EMBED_INFO
 
 INDEX_INFO = "index.json"
@@ -100,7 +101,8 @@ def _build_one(
     train_max: int = 100_000,
 ):
     """One index over the selected rows of each part file; returns (index, params)."""
-    import faiss
+    with extra("search", "mmalign index"):
+        import faiss
 
     count = int(sum(len(r) for r in rows))
     if count <= exact_max:
@@ -143,7 +145,8 @@ def build_index(
     nprobe: int = 16,
 ) -> dict:
     """Build ``image.index`` (and ``text.index``) from ``emb_dir``; returns ``index.json``'s content."""
-    import faiss
+    with extra("search", "mmalign index"):
+        import faiss
 
     emb_dir, out = Path(emb_dir), Path(out)
     info = read_embeddings_info(emb_dir)

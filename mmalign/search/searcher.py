@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mmalign.errors import UsageError
+from mmalign.extras import extra
 from mmalign.search.index import INDEX_INFO, METADATA
 
 TARGETS = ("image", "text")
@@ -64,8 +65,10 @@ class Searcher:
     """FAISS indexes + their metadata + (optionally) the model that embeds queries."""
 
     def __init__(self, index_dir: str | Path, model_dir: str | Path | None = None, device: str = "cpu"):
-        import faiss
         import pandas as pd
+
+        with extra("search", "searching an index (mmalign search, mmalign serve)"):
+            import faiss
 
         self.index_dir = Path(index_dir)
         self.info = _read_index_dir(self.index_dir)
