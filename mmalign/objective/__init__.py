@@ -15,6 +15,7 @@ importing the package pulls in no torch.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _EXPORTS = {
     "Objective": "objective",
@@ -36,7 +37,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

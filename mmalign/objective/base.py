@@ -15,13 +15,16 @@ accum_freq).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
 from mmalign.data.batch import Batch
 from mmalign.dist import distributed as mdist
 from mmalign.models.embeddings import Embeddings
+
+if TYPE_CHECKING:  # the queue's kernel module is loaded by the term that uses it
+    from mmalign.losses.queue import QueueEntries
 
 __all__ = ["LossOutput", "Term", "TermOutput", "StepContext"]
 
@@ -86,17 +89,19 @@ class StepContext:
     def __init__(self, emb: Embeddings, batch: Batch, ids: Tensor | None, mask: Tensor | None, track: bool):
         self.emb, self.batch, self.track = emb, batch, track
         self.world, self.rank = mdist.get_world_size(), mdist.get_rank()
+        assert emb.image is not None  # every objective reads the image features
         device = emb.image.device
         self.ids = None if ids is None else ids.to(device)  # (B,) local positive ids
         self.mask = None if mask is None else mask.to(device)  # (B, B) metadata positives
         self._ids_all: Tensor | None = None
         self._gathered: dict[str, Tensor] = {}
-        self.queue = None  # QueueEntries joining the contrastive softmax (set by the queue term)
+        self.queue: QueueEntries | None = None  # joins the contrastive softmax (set by the queue term)
         self.lse_i2t: Tensor | None = None  # (B,) the contrastive image->text row LSE, with graph
 
     @property
     def offset(self) -> int:
         """Global candidate index of local row 0 (equal B per rank)."""
+        assert self.emb.image is not None  # checked in __init__
         return self.rank * self.emb.image.shape[0]
 
     def gathered(self, name: str) -> Tensor:

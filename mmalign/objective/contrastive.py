@@ -54,6 +54,7 @@ class PositiveSource:
     def ids(self, batch: Batch) -> Tensor | None:
         """(B,) int64 positive ids, or None."""
         if self.ids_mode == "caption":
+            assert batch.captions is not None  # a batch_fields entry: the loader keeps them
             return caption_ids(batch.captions)
         if self.ids_mode == "field":
             if batch.ids is None:
@@ -63,7 +64,10 @@ class PositiveSource:
 
     def mask(self, batch: Batch) -> Tensor | None:
         """(B, B) bool metadata positives (image i vs caption j), or None."""
-        return None if self.mask_mode == "none" else subset_mask(batch.ids)  # ids are subset codes
+        if self.mask_mode == "none":
+            return None
+        assert batch.ids is not None  # a batch_fields entry: the loader reads data.id_field
+        return subset_mask(batch.ids)  # ids are subset codes
 
 
 class Contrastive(Term):
@@ -115,6 +119,7 @@ class Contrastive(Term):
     def __call__(self, ctx: StepContext) -> TermOutput:
         emb = ctx.emb
         image, text, scale = emb.image, emb.text, emb.logit_scale
+        assert image is not None and text is not None and scale is not None  # self.embeddings
         if image.ndim != 2 or image.shape != text.shape:
             raise ValueError("expected two (B, D) feature tensors of the same shape")
         if ctx.mask is not None:
@@ -134,7 +139,7 @@ class Contrastive(Term):
                 raise ValueError("siglip needs logit_bias")
             text_all = ctx.gathered("text")  # images stay local
             tile = self.tile_for("siglip", image, text_all.shape[0])
-            loss, tracks = siglip_local(
+            loss, tracks_i = siglip_local(
                 image,
                 text_all,
                 scale,
@@ -145,7 +150,7 @@ class Contrastive(Term):
                 tile_size=tile,
                 track=ctx.track,
             )
-            stats = siglip_stats(tracks, text_all.shape[0], scale, emb.logit_bias) if ctx.track else {}
+            stats = siglip_stats(tracks_i, text_all.shape[0], scale, emb.logit_bias) if ctx.track else {}
             return TermOutput(loss, stats)
         image_all, text_all = ctx.gathered("image"), ctx.gathered("text")  # (W*B, D)
         queue = ctx.queue

@@ -27,9 +27,11 @@ class MinedNegatives(Term):
     def __call__(self, ctx: StepContext) -> TermOutput:
         if ctx.lse_i2t is None:
             raise ValueError("mined negatives need the plain infonce term before them")
-        term, stats = mined_negatives_term(
-            ctx.emb.image, ctx.emb.neg_text, ctx.batch.neg_mask, ctx.emb.logit_scale, ctx.lse_i2t
-        )
+        emb, neg_mask = ctx.emb, ctx.batch.neg_mask
+        # declared in embeddings / batch_fields: present with data.hard_negatives
+        assert emb.image is not None and emb.neg_text is not None and emb.logit_scale is not None
+        assert neg_mask is not None
+        term, stats = mined_negatives_term(emb.image, emb.neg_text, neg_mask, emb.logit_scale, ctx.lse_i2t)
         return TermOutput(term, stats if ctx.track else {})
 
 
@@ -59,6 +61,7 @@ class ImageImage(Term):
     def __call__(self, ctx: StepContext) -> TermOutput:
         if ctx.emb.image2 is None:
             raise ValueError("the image-image term needs image2 features (data.views: 2)")
+        assert ctx.emb.image is not None  # checked by StepContext
         rows = 2 * ctx.emb.image.shape[0]  # both views are anchors, against every rank's
         tile = resolve_tile(
             self.tile_size, "ntxent", rows, ctx.world * rows, ctx.emb.image.dtype, self.tile_budget_mb

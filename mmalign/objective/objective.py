@@ -106,7 +106,9 @@ class Objective:
         kept and no all_reduce or host read is made (``LossOutput.stats`` is empty)."""
         track = self.compute_stats if stats is None else bool(stats)
         ctx = StepContext(emb, batch, self.positives.ids(batch), self.positives.mask(batch), track)
-        main, weighted, values = None, [], {}
+        main: torch.Tensor | None = None
+        weighted: list[tuple[str, float, torch.Tensor]] = []  # (stat, weight, unweighted loss)
+        values: dict[str, torch.Tensor] = {}
         for term in self.terms:
             out = term(ctx)
             values.update(out.stats)
@@ -115,17 +117,21 @@ class Objective:
             if term.stat is None:  # part of the contrastive value
                 main = out.loss if main is None else main + out.loss
             else:
-                weighted.append((term, out.loss))
+                weighted.append((term.stat, term.weight, out.loss))
         if main is None:
             raise ValueError("an objective needs a contrastive term")
         loss = main
-        for term, value in weighted:
-            loss = loss + term.weight * value
+        for _, weight, value in weighted:
+            loss = loss + weight * value
         return LossOutput(
-            loss=loss, stats=self._finish_stats(values, main, [t for t, _ in weighted]) if track else {}
+            loss=loss,
+            stats=self._finish_stats(values, main, [(s, w) for s, w, _ in weighted]) if track else {},
         )
 
-    def _finish_stats(self, stats: dict[str, torch.Tensor], main: torch.Tensor, weighted: list[Term]) -> dict:
+    def _finish_stats(
+        self, stats: dict[str, torch.Tensor], main: torch.Tensor, weighted: list[tuple[str, float]]
+    ) -> dict[str, float]:
+        """The stats averaged over ranks; ``weighted``: (stat, weight) of the weighted terms."""
         if not stats:
             return {}
         stats = dict(stats, loss=main.detach())
@@ -136,15 +142,15 @@ class Objective:
         out = dict(zip(names, packed.tolist()))
         if weighted:  # the total from the rank-averaged parts
             out["contrastive_loss"] = out["loss"]
-            out["loss"] = out["loss"] + sum(t.weight * out[t.stat] for t in weighted)
+            out["loss"] = out["loss"] + sum(w * out[s] for s, w in weighted)
         return out
 
     # ------------------------------------------------------------ after the update
 
     def after_update(
         self,
-        params: Callable[[], dict],
-        buffers: Callable[[], dict],
+        params: Callable[[], dict[str, torch.Tensor]],
+        buffers: Callable[[], dict[str, torch.Tensor]],
         batch: Batch,
         *,
         chunk: int = 0,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +86,7 @@ class FeatureQueue:
         slots = (self.ptr + torch.arange(n, device=self.image.device)) % self.size  # (n,) wraps around
         self.image[slots] = image.detach().to(self.image)
         self.text[slots] = text.detach().to(self.text)
-        if ids is not None:
+        if ids is not None and self.ids is not None:  # with_ids (checked above)
             self.ids[slots] = ids.to(self.ids)
         self.ptr = (self.ptr + n) % self.size
         self.fill = min(self.fill + n, self.size)
@@ -107,8 +108,8 @@ class FeatureQueue:
             self.image[order], self.text[order], None if self.ids is None else self.ids[order]
         )
 
-    def state_dict(self) -> dict:
-        state = {
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
             "size": self.size,
             "dim": self.dim,
             "ptr": self.ptr,
@@ -120,7 +121,7 @@ class FeatureQueue:
             state["ids"] = self.ids.cpu().clone()
         return state
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if (state["size"], state["dim"], "ids" in state) != (self.size, self.dim, self.with_ids):
             raise ValueError(
                 f"queue state of size {state['size']}, dim {state['dim']}, ids {'ids' in state} does "
@@ -158,7 +159,7 @@ class MomentumQueue:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.model = model.to(device).eval().requires_grad_(False)
         self.momentum = float(momentum)
-        dim = int(model.embed_dim)
+        dim = int(model.embed_dim)  # type: ignore[arg-type]  # nn.Module types attributes as Tensor | Module
         self.queue = FeatureQueue(size, dim, with_ids=with_ids, device=device)
 
     @torch.no_grad()
@@ -190,7 +191,7 @@ class MomentumQueue:
         images: Tensor,
         tokens: Tensor,
         chunk: int = 0,
-        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(B, D) float32 image and text embeddings of the momentum encoder, ``chunk`` rows per forward."""
         autocast = autocast or contextlib.nullcontext
@@ -205,7 +206,13 @@ class MomentumQueue:
 
     @torch.no_grad()
     def push(
-        self, images: Tensor, tokens: Tensor, ids: Tensor | None = None, *, chunk: int = 0, autocast=None
+        self,
+        images: Tensor,
+        tokens: Tensor,
+        ids: Tensor | None = None,
+        *,
+        chunk: int = 0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         """Encode this rank's batch, gather every rank's, enqueue the global batch (collective).
 
@@ -223,7 +230,7 @@ class MomentumQueue:
     def fill(self) -> int:
         return self.queue.fill
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Weights-only-loadable state: EMA weights and buffers, queue contents, pointer and fill."""
         return {
             "momentum": self.momentum,
@@ -231,7 +238,7 @@ class MomentumQueue:
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.queue.load_state_dict(state["queue"])
         self.model.load_state_dict(state["model"])
 
