@@ -1,5 +1,5 @@
-"""The README's config table is generated from the config's field metadata
-(``python -m mmalign.config.doc``) and this file fails when it is stale."""
+"""The manual's config table (docs/configuration.md) is generated from the config's field
+metadata (``python -m mmalign.config.doc``) and this file fails when it is stale."""
 
 from __future__ import annotations
 
@@ -8,19 +8,31 @@ import pytest
 from mmalign.config import Config
 from mmalign.config import doc as config_doc
 from mmalign.config.checks import fields_of
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 
 
-def test_the_readme_table_is_the_generated_one():
-    text = README.read_text(encoding="utf-8")
+def test_the_configuration_page_table_is_the_generated_one():
+    text = PAGE.read_text(encoding="utf-8")
     assert config_doc.updated(text) == text, (
-        "the README's config table is stale: run `python -m mmalign.config.doc`"
+        "the config table of docs/configuration.md is stale: run `python -m mmalign.config.doc`"
     )
-    assert config_doc.main([str(README), "--check"]) == 0
-    # without an argument it checks the checkout's README, wherever the module sits in the package
-    assert config_doc.README.resolve() == README.resolve() and config_doc.main(["--check"]) == 0
+    assert config_doc.main([str(PAGE), "--check"]) == 0
+    # without an argument it checks the checkout's page, wherever the module sits in the package
+    assert config_doc.PAGE.resolve() == PAGE.resolve() and config_doc.main(["--check"]) == 0
+    # the table left the README: no second copy to go stale there
+    assert config_doc.BEGIN not in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_table_links_resolve_in_docs():
+    """The metadata's links name the manual's sections; in docs/ each must name a page there."""
+    import re
+
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", config_doc.table())
+    assert targets, "the metadata links to the guides"
+    missing = [t for t in targets if not (ROOT / "docs" / t).is_file()]
+    assert not missing, missing
 
 
 def test_every_key_has_one_row_with_its_domain_and_unit():
@@ -36,7 +48,7 @@ def test_every_key_has_one_row_with_its_domain_and_unit():
 
 
 def test_check_fails_on_a_stale_table_and_the_writer_fixes_only_the_table(tmp_path, capsys):
-    path = tmp_path / "README.md"
+    path = tmp_path / "configuration.md"
     stale = config_doc.table().replace(
         "| `seed` | int | `0` | >= 0 | RNG seed |", "| `seed` | int | `7` | | |"
     )
@@ -52,8 +64,8 @@ def test_check_fails_on_a_stale_table_and_the_writer_fixes_only_the_table(tmp_pa
     assert config_doc.main([str(path), "--check"]) == 0
 
 
-def test_a_readme_without_the_markers_is_one_line(tmp_path, capsys):
-    path = tmp_path / "README.md"
+def test_a_page_without_the_markers_is_one_line(tmp_path, capsys):
+    path = tmp_path / "configuration.md"
     path.write_text("# no table here\n", encoding="utf-8")
     assert config_doc.main([str(path), "--check"]) == 2
     err = capsys.readouterr().err.strip()
