@@ -1,4 +1,4 @@
-"""The README's clip_benchmark route: its snippet, run as written (paths swapped for generated
+"""The manual's clip_benchmark route (docs/evaluation.md): its snippet, run as written (paths swapped for generated
 data), runs clip_benchmark's own CLI on an mmalign model for zero-shot retrieval (numbers equal
 to Recall@k computed here from mmalign's embeddings) and zero-shot classification (numbers equal
 to ``mmalign eval --cb-dataset`` on the same folder), the latter thanks to
@@ -10,10 +10,8 @@ from __future__ import annotations
 import io
 import json
 import math
-import re
 import sys
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,21 +29,22 @@ from mmalign.data.transforms import preprocess_cfg  # noqa: E402
 from mmalign.models import TwoTower  # noqa: E402
 from mmalign.models.io import save_pretrained  # noqa: E402
 from mmalign.models.presets import PRESETS  # noqa: E402
-from tests.cb_wds_gen import write_wds  # noqa: E402
+from tests.harness.cb_wds_gen import write_wds  # noqa: E402
+from tests.harness.doc_snippets import snippet  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = "docs/evaluation.md"
+TEST = "tests/evaluation/test_pretrained_clip_benchmark.py::test_readme_snippet_retrieval_equals_a_reference"
 N = 40
 
 
 def _snippet() -> str:
-    text = README.read_text()
-    start = text.index("<!-- clip_benchmark snippet")
-    return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    """The block of docs/evaluation.md marked to run here."""
+    return snippet(PAGE, TEST)
 
 
 @pytest.fixture(scope="module")
 def snippet_run(tmp_path_factory):
-    """The README snippet run once on two generated datasets; (tmp, run dir, retrieval captions)."""
+    """The manual's snippet run once on two generated datasets; (tmp, run dir, retrieval captions)."""
     from clip_benchmark import models
 
     tmp = tmp_path_factory.mktemp("cbsnippet")
@@ -57,7 +56,7 @@ def snippet_run(tmp_path_factory):
     code = _snippet().replace("runs/exp1", str(tmp / "run")).replace("data/wds_", f"{tmp}/wds_")
     argv = sys.argv
     try:
-        exec(compile(code, "README.md", "exec"), {"__name__": "__snippet__"})
+        exec(compile(code, PAGE, "exec"), {"__name__": "__snippet__"})
     finally:
         sys.argv = argv  # the snippet sets sys.argv
         while "mmalign" in models.MODEL_TYPES:  # the snippet registers the type

@@ -1,4 +1,4 @@
-"""Launching across nodes without traps (the one-machine parts; tests/multihost/ has the two-host runs).
+"""Launching across nodes without traps (the one-machine parts; tests/dist/multihost/ has the two-host runs).
 
 - SLURM's node list (``node[01-03,07]``) gives the rendezvous address; an unparsable one is a
   one-line error, not a 30-minute hang on 127.0.0.1;
@@ -27,7 +27,7 @@ from mmalign.dist import cluster
 from mmalign.dist import distributed as mdist
 from mmalign.errors import UsageError
 from mmalign.run import checkpoint, gradcache
-from tests.conftest import ROOT, cli_main
+from tests.harness import ROOT, cli_main
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 
@@ -399,21 +399,26 @@ def test_torchrun_restart_without_resume_says_what_to_add(short_run, tmp_path, m
 
 
 def test_every_readme_launch_line_resumes():
-    """A launch line that a restart (or a relaunch after a failure) runs again must continue the run."""
+    """A launch line that a restart (or a relaunch after a failure) runs again must continue the
+    run: every shell block of the README and of the guides in docs/ (README.md, docs/*.md)."""
     import re
 
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    commands = [c.strip() for block in blocks for c in block.replace("\\\n", " ").splitlines()]
+    from tests.harness.doc_snippets import blocks, commands, pages
+
+    shell = [b for page in pages() for b in blocks(page) if b.lang in {"bash", "sh", "shell", "console"}]
+    lines = [c for b in shell for c in commands(b.code)]
     launches = [
         c
-        for c in commands
+        for c in lines
         if re.match(
-            r"(mmalign train|torchrun|srun|deepspeed|python -m mmalign\.cli train|python -m mmalign\.supervise)\b",
+            r"(mmalign train|torchrun|srun|deepspeed|python -m mmalign\.cli train"
+            r"|python -m mmalign\.(dist\.)?supervise)\b",
             c,
         )
     ]
-    assert len(launches) >= 5, launches  # the tour, --nproc, torchrun, srun, the DeepSpeed launcher
+    # the tour, --nproc, the supervised torchrun, srun, the DeepSpeed launcher
+    assert len(launches) >= 5, launches
+    assert any(c.startswith("python -m mmalign.dist.supervise torchrun") for c in launches), launches
     missing = [c for c in launches if "--resume latest" not in c]
     assert not missing, missing
     # a torchrun agent left alone after a split network never exits (issue 28): each runs supervised
