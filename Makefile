@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test test-all install clean
+.PHONY: quickstart test test-fast test-all lint docs install clean
 
 install: $(STAMP)
 
@@ -23,14 +23,31 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(BIN)/mmalign quickstart
 
-# two pytest processes over two halves of the files (tests/run_halves.py: much of the suite
-# waits on timeouts and other processes); MMALIGN_TEST_SERIAL=1 runs one
+# pytest-xdist workers; much of the suite waits on timeouts and other processes, so the workers
+# may outnumber the cores (TEST_WORKERS). Tests that share a host resource run in one xdist
+# group (tests/conftest.py). TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: $(STAMP)
-	$(BIN)/python tests/run_halves.py -m "not gpu and not slow" -q --durations=15
+	$(BIN)/python -m pytest $(XDIST) -m "not gpu and not slow" -q --durations=15
+
+# the inner loop: no integration test (multi-process, DeepSpeed, end to end)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest $(XDIST) -m "not gpu and not slow and not integration" -q
 
 # also the `slow` tests: costly ones whose property a cheaper test already checks
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu" -q
+
+# ruff (lint and format) and mypy, configured in pyproject.toml; .ci/run runs this before the tests
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# the manual as a site (mkdocs.yml); --strict fails on a broken link or a page missing from the nav
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir .site
 
 clean:
 	rm -rf runs .pytest_cache
