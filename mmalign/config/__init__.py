@@ -66,14 +66,14 @@ __all__ = [
 _FIELDS = {key: f for key, _, f in fields_of(Config)}
 
 
-def to_dict(cfg: Any) -> dict:
+def to_dict(cfg: Any) -> dict[str, Any]:
     import dataclasses
 
     return dataclasses.asdict(cfg)
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple = (), world_size: int = 1
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int = 1
 ) -> Config:
     """Defaults <- YAML file <- overrides, then :func:`resolve` and :func:`validate` at
     ``world_size`` (the number of ranks the run trains on)."""
@@ -85,9 +85,9 @@ def load_config(
 
 def valid_world_sizes(batch: int) -> str:
     """The world sizes a global batch of ``batch`` rows allows (its divisors), for a message."""
-    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+    divisors = [str(d) for d in range(1, batch + 1) if batch % d == 0]
     shown = divisors if len(divisors) <= 12 else divisors[:6] + ["..."] + divisors[-3:]
-    return f"the world sizes it allows are {', '.join(map(str, shown))}"
+    return f"the world sizes it allows are {', '.join(shown)}"
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
@@ -304,7 +304,8 @@ def _validate_deepspeed_extra(cfg: Config) -> None:
     (an equal value is allowed; the batch arithmetic is always mmalign's)."""
     ds, t = cfg.deepspeed, cfg.train
     accum = grad_accum_dtype(cfg) or ("fp32" if ds.precision == "fp32" else ds.precision)
-    typed = {  # ds config path -> (the typed key to use, its value; None = always derived)
+    # ds config path -> (the typed key to use, its value; None = always derived)
+    typed: dict[str, tuple[str, object]] = {
         "zero_optimization.stage": ("deepspeed.zero_stage", ds.zero_stage),
         "bf16.enabled": ("deepspeed.precision", ds.precision == "bf16"),
         "bfloat16.enabled": ("deepspeed.precision", ds.precision == "bf16"),
@@ -317,7 +318,7 @@ def _validate_deepspeed_extra(cfg: Config) -> None:
         "gradient_accumulation_steps": ("train.grad_cache_chunk_size", None),
     }
 
-    def walk(node: dict, prefix: str) -> None:
+    def walk(node: dict[str, Any], prefix: str) -> None:
         for key, value in node.items():
             path = prefix + str(key)
             if isinstance(value, dict):
@@ -335,7 +336,7 @@ def _validate_deepspeed_extra(cfg: Config) -> None:
                 continue
             use, want = typed[path]
             if path in ("data_types.grad_accum_dtype", "communication_data_type"):
-                same = isinstance(value, str) and value in _DTYPE_NAMES[want]
+                same = isinstance(value, str) and isinstance(want, str) and value in _DTYPE_NAMES[want]
             else:
                 same = (
                     want is not None and isinstance(value, bool) == isinstance(want, bool) and value == want

@@ -65,7 +65,7 @@ class Span:
             return False
         above = v > self.lo if self.lo_open else v >= self.lo
         below = v < self.hi if self.hi_open else v <= self.hi
-        return above and below
+        return bool(above and below)
 
     def within(self, cfg: Any) -> Span:
         """This span with ``hi_key`` read from ``cfg`` (itself when it has none)."""
@@ -104,7 +104,7 @@ class Seq:
     """A list of numbers: exactly ``len(items)`` of them, the i-th in ``items[i]`` (``each``
     instead: any positive count, all in it); ``ordered``: non-decreasing ([lo, hi] ranges)."""
 
-    items: tuple = ()
+    items: tuple[Span, ...] = ()
     each: Span | None = None
     ordered: bool = False
     what: str = ""
@@ -248,7 +248,7 @@ def leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield key, value
 
 
-def fields_of(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+def fields_of(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
     """``(dotted key, value, field)`` for every leaf of ``cfg`` (an instance, or a class: then
     the value is the field's default)."""
     for f in dataclasses.fields(cfg):
@@ -259,7 +259,7 @@ def fields_of(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasse
             yield prefix + f.name, value, f
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field[Any]) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
@@ -301,7 +301,7 @@ def _check_scalar(key: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' holds a NUL character: {show_value(value)}")
 
 
-def check_key(key: str, value: Any, f: dataclasses.Field, cfg: Any = None) -> None:
+def check_key(key: str, value: Any, f: dataclasses.Field[Any], cfg: Any = None) -> None:
     """One key within its own domain: the value's limits, then the rule in its metadata (a
     bound that is another key's value is read from ``cfg``, the whole config)."""
     if value is None:

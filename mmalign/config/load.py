@@ -12,7 +12,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -20,6 +20,11 @@ from mmalign.config.checks import show_value
 from mmalign.config.schema import Config
 from mmalign.errors import ConfigError
 from mmalign.resources import recipe_path
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 def _type_name(tp: Any) -> str:
@@ -51,7 +56,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 f"config key '{key}': expected one of {_type_name(tp)}, got {show_value(value)}"
             )
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # an annotation: a class
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': expected a mapping, got {show_value(value)}")
         return _build(tp, value, key + ".")
@@ -67,7 +72,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         str: lambda v: isinstance(v, str),
         list: lambda v: isinstance(v, list),
         dict: lambda v: isinstance(v, dict),
-    }.get(tp)
+    }.get(origin or tp)  # list[float]: the container is checked here, its items by the key's rule
     if ok is None:
         raise TypeError(f"unsupported annotation {tp!r} for {key}")
     if not ok(value):
@@ -79,7 +84,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def _build(cls: type, data: dict, prefix: str = "") -> Any:
+def _build(cls: type[_D], data: dict[str, Any], prefix: str = "") -> _D:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -96,7 +101,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """Insert ``value`` at ``a.b.c`` in a nested dict, creating mappings on the way."""
     parts = dotted.split(".")
     node = tree
@@ -130,10 +135,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def build_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+def build_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- overrides, each value of its key's type (neither resolved nor
     validated: :func:`mmalign.config.load_config` does both)."""
-    tree: dict = {}
+    tree: dict[str, Any] = {}
     if path is not None:
         path = recipe_path(path)  # a file, or a shipped recipe's name (one line when neither)
         try:

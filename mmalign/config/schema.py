@@ -51,10 +51,12 @@ class ModelConfig:
     )
     embed_dim: int | None = knob(None, rule=POSITIVE, doc="the joint embedding size (null = the preset's)")
     image_size: int | None = knob(None, rule=POSITIVE, unit="pixels", doc="overrides `vision.image_size`")
-    vision: dict = knob(
+    vision: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
         {}, doc="merged into the preset's vision tower config (e.g. `layers`, `timm_model_name`)"
     )
-    text: dict = knob({}, doc="merged into the preset's text tower config (e.g. `layers`, `hf_local_dir`)")
+    text: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
+        {}, doc="merged into the preset's text tower config (e.g. `layers`, `hf_local_dir`)"
+    )
     quick_gelu: bool = knob(False, doc="open_clip's QuickGELU activation")
     init_logit_scale: float = knob(
         math.log(1 / 0.07),
@@ -123,18 +125,18 @@ class ModelConfig:
 class AugmentConfig:
     # Augmentation declares what the model learns to ignore; the shapes captions name
     # positions and colours, so the default keeps left/right, the colours and most of the frame.
-    crop_scale: list = knob(
+    crop_scale: list[float] = knob(
         [0.85, 1.0],
         rule=Seq((Span(0, 1, lo_open=True),) * 2, ordered=True, what="[lo, hi] with 0 < lo <= hi <= 1"),
         doc="random-resized-crop area fraction",
     )
-    crop_ratio: list = knob(
+    crop_ratio: list[float] = knob(
         [0.75, 1.3333333333333333],
         rule=Seq((Span(1e-3, 1e3),) * 2, ordered=True, what=BOUNDED_PAIR),
         doc="random-resized-crop aspect ratio range",
     )
     hflip: bool = knob(False, doc="random horizontal flip")
-    color_jitter: list = knob(
+    color_jitter: list[float] = knob(
         [0.0, 0.0, 0.0, 0.0],
         rule=Seq(
             (Span(0),) * 3 + (Span(0, 0.5),),
@@ -145,7 +147,7 @@ class AugmentConfig:
     color_jitter_prob: float = knob(0.8, rule=PROB, doc="probability of the jitter (when any strength > 0)")
     grayscale_prob: float = knob(0.0, rule=PROB, doc="probability of a grayscale image")
     blur_prob: float = knob(0.0, rule=PROB, doc="probability of a gaussian blur")
-    blur_sigma: list = knob(
+    blur_sigma: list[float] = knob(
         [0.1, 2.0],
         rule=Seq((Span(1e-3, 1e3),) * 2, ordered=True, what=BOUNDED_PAIR),
         unit="pixels",
@@ -155,13 +157,15 @@ class AugmentConfig:
 
 @dataclass
 class DataConfig:
-    train: str | list = knob(
+    train: str | list[str] = knob(
         "data/shapes/train/{00000..00007}.tar",
         rule=ShardSpecs(),
         doc="WebDataset shard spec(s) in img2dataset layout (`::` joins specs); a list "
         "with `data.train_weights`: sources drawn with those weights",
     )
-    train_weights: list | None = knob(None, rule=Weights(), doc="one sampling weight per `data.train` source")
+    train_weights: list[float] | None = knob(
+        None, rule=Weights(), doc="one sampling weight per `data.train` source"
+    )
     val: str = knob(
         "data/shapes/val/00000.tar",
         rule=Text(empty_ok=True, what="a shard spec ('' = none)"),
@@ -244,7 +248,7 @@ class TrainConfig:
     lr: float = knob(1e-3, rule=RATE, doc="peak learning rate")
     warmup_steps: int = knob(20, rule=Span(0, hi_key="train.steps"), doc="linear warmup steps")
     weight_decay: float = knob(0.1, rule=Span(0), doc="decoupled weight decay")
-    betas: list = knob(
+    betas: list[float] = knob(
         [0.9, 0.98],
         rule=Seq((OPEN_PROB,) * 2, what="[beta1, beta2], each in [0, 1)"),
         doc="Adam / LAMB betas",
@@ -392,7 +396,7 @@ class DeepSpeedConfig:
     precision: Literal["fp32", "bf16", "fp16"] = knob(
         "fp32", doc="weight precision inside DeepSpeed (fp32 master weights kept by ZeRO)"
     )
-    extra: dict = knob(
+    extra: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
         {},
         doc="merged into the generated DeepSpeed config (e.g. "
         "`zero_optimization.overlap_comm`); keys mmalign derives from typed keys are refused",
