@@ -1,7 +1,7 @@
 """bf16 weights under gradient caching: chunk gradients summed in bf16 vs in fp32.
 
 One gradient-cached step with bf16 weights inside DeepSpeed (ZeRO-1) against a
-plain fp32 full-batch reference (one forward, naive CLIP loss written here, the
+plain fp32 full-batch reference (one forward, the tests' naive CLIP loss from tests/harness, the
 same bf16-rounded initial weights and images) and against the same bf16 chunk
 gradients summed exactly.  "before" is DeepSpeed 0.19.8's default (accumulate and
 reduce in the weight dtype, what mmalign used to inherit); "after" is what
@@ -14,49 +14,22 @@ mmalign now asks for (``grad_accum_dtype`` and ``communication_data_type`` fp32)
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
-import os
-import platform
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+
+from bench.harness import DOC, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## bf16 gradient accumulation (bench/bf16_accum.py)"
-
-
-def _inputs(n: int, image_size: int, context: int, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(n, 3, image_size, image_size, generator=g)
-    tokens = torch.randint(1, 49000, (n, context), generator=g)
-    tokens[:, 0] = 49406
-    ends = torch.randint(3, context - 1, (n,), generator=g)
-    for i, e in enumerate(ends):
-        tokens[i, e] = 49407
-        tokens[i, e + 1 :] = 0
-    return images, tokens
-
-
-def _naive_clip_loss(img, txt, scale):
-    import torch
-    import torch.nn.functional as F
-
-    logits = scale * img @ txt.T  # (B, B)
-    labels = torch.arange(img.shape[0], device=img.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
 def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
     """GradCache written out in bf16: no-grad chunk features, fp32 loss gradient, each
     chunk re-forwarded and back-propagated; the chunks' bf16 gradients summed in float64."""
     import torch
+
+    from tests.harness import naive_clip_loss
 
     model = copy.deepcopy(model).bfloat16()
     chunks = list(zip(images.bfloat16().split(chunk), tokens.split(chunk)))
@@ -65,7 +38,7 @@ def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
     img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
     txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
     scale = outs[0].logit_scale.float().detach().requires_grad_(True)
-    _naive_clip_loss(img, txt, scale).backward()
+    naive_clip_loss(img, txt, scale).backward()
     total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
     for k, (im, tok) in enumerate(chunks):
         model.zero_grad(set_to_none=True)
@@ -91,6 +64,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     from mmalign.models import build_model
     from mmalign.objective import build_objective
     from mmalign.run import engine as eng
+    from tests.harness import clip_batch, naive_clip_loss
 
     batch = chunk * chunks
     cfg = load_config(
@@ -113,12 +87,12 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     with torch.no_grad():  # every side starts from the very weights the bf16 engine holds
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    images, tokens = _inputs(batch, model.image_size, model.context_length, seed + 1)
+    images, tokens = clip_batch(batch, seed + 1, model.image_size, model.context_length)
     images, tokens = images.bfloat16().float().to(device), tokens.to(device)
 
     ref_model = copy.deepcopy(model)
     out = ref_model(images, tokens)  # fp32, uncached, full batch
-    _naive_clip_loss(out.image, out.text, out.logit_scale).backward()
+    naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     refs = {
         "fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
         "exact_sum": _exact_chunk_sum(model, images, tokens, chunk),
@@ -160,7 +134,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, write_doc="record the table in docs/benchmarks.md")
     ap.add_argument("--preset", default="micro")
     ap.add_argument("--chunk", type=int, default=4, help="rows per chunk")
     ap.add_argument("--chunks", type=int, default=16)
@@ -170,8 +144,6 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--write-doc", action="store_true", help="record the table in docs/benchmarks.md")
-    add_flag(ap)
     args = ap.parse_args()
 
     import torch
@@ -192,12 +164,12 @@ def main() -> None:
     watch.stop()
     if not args.write_doc:
         return
-    cmd = "python bench/bf16_accum.py " + " ".join(sys.argv[1:])
+    cmd = command()
     lines = [
         SECTION,
         "",
         f"Command: `{cmd}` · {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC · "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch threads, device {args.device}",
+        f"{cpu_line(args.threads)}, device {args.device}",
         "",
         f"One gradient-cached step, `{args.preset}` towers, {args.chunks} chunks x {args.chunk} rows, bf16 weights in "
         f"DeepSpeed ZeRO-{args.stage}, 1 rank. Relative error = ||g - g_ref|| / ||g_ref|| over all parameters as one "
@@ -227,7 +199,7 @@ def main() -> None:
         "choice), where every sum is fp32 anyway.",
     ]
     print("\n".join(lines))
-    write_section(ROOT / "docs" / "benchmarks.md", "\n".join(lines) + "\n", watch, args.allow_loaded)
+    write_section(DOC, "\n".join(lines) + "\n", watch, args.allow_loaded)
     print("wrote docs/benchmarks.md")
 
 

@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from mmalign.data.transforms import eval_transform, preprocess_cfg  # noqa: E402
-from mmalign.evaluation import load_suite, run_suite  # noqa: E402
-from mmalign.models.presets import PRESETS  # noqa: E402
-from mmalign.models.tokenizers import build_tokenizer  # noqa: E402
+from bench.harness import ROOT
+from mmalign.data.transforms import eval_transform, preprocess_cfg
+from mmalign.evaluation import load_suite, run_suite
+from mmalign.models.presets import PRESETS
+from mmalign.models.tokenizers import build_tokenizer
 
 WDS_OLD = "0.2.86"
 SIDE_DIR = ROOT / "data" / "bench_pkgs" / f"webdataset-{WDS_OLD}"

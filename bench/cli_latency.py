@@ -11,7 +11,7 @@ a fresh process, ``--repeats`` times; the table gives the median wall time again
 loading a small (micro) model with ``mmalign.load`` and for constructing a ``Searcher`` over a
 small index with that model (measured inside the process, after ``import torch``, whose median
 time is shown beside them). The model is a seeded random init: weights do not change the time.
-tests/test_cli_latency.py holds the same commands to 3x these goals and checks that none of the
+tests/cli/test_cli_latency.py holds the same commands to 3x these goals and checks that none of the
 fast ones imports torch or another heavy library.
 """
 
@@ -29,11 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 HELP_GOAL, LOAD_GOAL = 2.0, 3.0
 
@@ -112,8 +110,8 @@ def timed_inside(code: str, *args: str) -> tuple[float, float]:
 
 
 def small_corpus(work: Path) -> tuple[str, str]:
-    """A micro model and an index of a few images (tests/searchdata.py's corpus)."""
-    from tests.searchdata import build_corpus
+    """A micro model and an index of a few images (tests/harness/searchdata.py's corpus)."""
+    from tests.harness.searchdata import build_corpus
 
     if not (work / "idx" / "index.json").is_file():
         build_corpus(work)
@@ -146,15 +144,13 @@ def markdown(rows: list[tuple[str, float, str, bool]], repeats: int, cmd: str, e
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc="")
     p.add_argument("--repeats", type=int, default=5, help="runs of each command (the median is reported)")
     p.add_argument(
         "--work",
         default=str(ROOT / "data" / "bench_cli_latency"),
         help="folder for the small model and index (made once)",
     )
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     work = Path(args.work)
@@ -185,11 +181,11 @@ def main() -> None:
         f"{datetime.date.today().isoformat()} · {cpu_line()}, {os.cpu_count()} CPU cores · "
         f"torch {torch.__version__}"
     )
-    cmd = ("python bench/cli_latency.py " + " ".join(sys.argv[1:])).strip()
+    cmd = command()
     text = markdown(rows, args.repeats, cmd, env)
     print("\n" + text)
     if args.write_doc:
-        write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
+        write_section(DOC, text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

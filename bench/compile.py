@@ -13,7 +13,6 @@ less the eager first step's; the step time is the mean of ``--steps`` steps afte
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -22,11 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
+
 SECTION = "## torch.compile of the towers (bench/compile.py)"
 
 
@@ -124,7 +123,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch", type=int, default=0, help="global batch (default 64 on CPU, 256 on a GPU)")
     p.add_argument("--steps", type=int, default=5)
@@ -133,7 +132,6 @@ def main() -> None:
     p.add_argument("--backends", default="eager,inductor")
     p.add_argument("--no-doc", action="store_true")
     p.add_argument("--child", default="")
-    add_flag(p)
     args = p.parse_args()
     args.batch = args.batch or (256 if args.device == "cuda" else 64)
     if args.child:
@@ -163,7 +161,7 @@ def main() -> None:
         f"Compile time: the first step's time less eager's first step, cold inductor cache.\n\n{md}\n"
     )
     if not args.no_doc:
-        write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
+        write_section(DOC, text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

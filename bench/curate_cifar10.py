@@ -36,7 +36,6 @@ a few others.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import io
 import json
@@ -49,14 +48,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cifar10_runs import run_mmalign  # noqa: E402
-from cifar10_shards import cifar_items, shard_spec  # noqa: E402
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.cifar10_runs import run_mmalign
+from bench.cifar10_shards import cifar_items, shard_spec
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 SECTION = "## Curation on a noisy CIFAR-10 pool (bench/curate_cifar10.py)"
 ARMS = ("a", "b", "c", "d")
@@ -188,7 +185,7 @@ def build_pool(
 
 
 def build_test(src: Path, work: Path, n: int) -> str:
-    from cifar10_shards import cached_shards
+    from bench.cifar10_shards import cached_shards
 
     def items():
         out = list(cifar_items(src, 1))
@@ -387,7 +384,7 @@ def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: flo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc="")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -422,8 +419,6 @@ def main() -> None:
         "apart; clip: CLIP's loss alone, crop 0.9-1, no flip (the arms' recipe)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     q = args.quick
@@ -551,7 +546,7 @@ def main() -> None:
             )
             (work / "results_partial.json").write_text(json.dumps(runs, indent=1))
 
-    cmd = ("python bench/curate_cifar10.py " + " ".join(sys.argv[1:])).strip()
+    cmd = command()
     import torch
 
     env = (
@@ -589,7 +584,7 @@ def main() -> None:
         )
     )
     if args.write_doc:
-        write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
+        write_section(DOC, text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

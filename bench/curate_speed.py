@@ -32,12 +32,10 @@ import tarfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 SECTION = "## mmalign curate: throughput and de-duplication memory (bench/curate_speed.py)"
 
@@ -160,7 +158,7 @@ def dedupe_memory(n: int, dim: int, seed: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc="")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pool", type=int, default=1_000_000, help="synthetic pool for the memory part")
     p.add_argument("--samples", type=int, default=256, help="images per throughput run")
@@ -170,9 +168,7 @@ def main() -> None:
         default="throughput,memory",
         help="throughput and/or memory; a part not run is taken from WORK/results.json (an earlier run)",
     )
-    p.add_argument("--write-doc", action="store_true")
     p.add_argument("--_memory", type=int, help=argparse.SUPPRESS)  # the subprocess of part 2
-    add_flag(p)
     args = p.parse_args()
     if args._memory:
         print(json.dumps(dedupe_memory(args._memory, 512, 0)))
@@ -209,7 +205,7 @@ def main() -> None:
     rows, mem = saved["throughput"]["rows"], saved["memory"]["rows"]
     import torch
 
-    cmd = ("python bench/curate_speed.py " + " ".join(sys.argv[1:])).strip()
+    cmd = command()
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     bf16 = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no native bf16"
     env = (
@@ -257,7 +253,7 @@ def main() -> None:
     text = "\n".join(lines)
     print("\n" + text)
     if args.write_doc:
-        write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
+        write_section(DOC, text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

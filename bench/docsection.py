@@ -2,7 +2,8 @@
 
 A section runs from its ``## `` heading to the next ``## `` heading (or the end);
 every bench script writes its own table this way, so reruns replace rather than append.
-Bench scripts call it through bench/idle.py, which adds the load note or refuses a loaded run.
+Bench scripts call it through bench/idle.py (re-exported by bench/harness.py), which adds the
+load note or refuses a loaded run.
 """
 
 from __future__ import annotations

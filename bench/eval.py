@@ -23,13 +23,13 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import torch
 import torch.nn.functional as F
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import DOC, LoadWatch, parser, write_section
+
 KS = [1, 5, 10]
 SECTION = "## Retrieval evaluation at scale (bench/eval.py)"
 
@@ -55,7 +55,6 @@ def run_side(side: str, n_images: int, n_captions: int, dim: int, cap_gb: float)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         if side == "mmalign":
-            sys.path.insert(0, str(ROOT))
             from mmalign.evaluation.retrieval import recall_at_k
 
             metrics = recall_at_k(images, texts, owner, ks=KS)
@@ -149,11 +148,11 @@ def table(results: list[dict]) -> str:
 
 
 def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
+    write_section(DOC, text, watch, allow_loaded)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], write_doc="")
     p.add_argument("--images", type=int, default=50_000)
     p.add_argument("--captions", type=int, default=250_000)
     p.add_argument("--dim", type=int, default=256)
@@ -162,8 +161,6 @@ def main() -> int:
     )
     p.add_argument("--cap-gb", type=float, default=12.0, help="address-space cap per side (0: none)")
     p.add_argument("--sides", default="mmalign,clip_benchmark")
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

@@ -27,7 +27,6 @@ prompts is timed beside it for the ratio (``--no-cb-classifier`` skips it).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import io
 import json
@@ -40,11 +39,9 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 SECTION = "## Evaluation speed: zero-shot against clip_benchmark's CLI, classifier construction (bench/eval_speed.py)"
 N_CLASSES = 1000
@@ -318,7 +315,7 @@ def markdown(z: dict | None, c: dict | None, cmd: str, env: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc="")
     p.add_argument("--parts", default="zeroshot,classifier")
     p.add_argument(
         "--data",
@@ -331,8 +328,6 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="clip_benchmark's --num_workers (the cores here)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-cb-classifier", dest="cb_classifier", action="store_false")
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     parts = {s.strip() for s in args.parts.split(",")}
@@ -347,12 +342,12 @@ def main() -> None:
         f"{datetime.date.today().isoformat()} · {platform.machine()} ({cpu}), {os.cpu_count()} CPU cores · "
         f"torch {torch.__version__}"
     )
-    cmd = ("python bench/eval_speed.py " + " ".join(sys.argv[1:])).strip()
+    cmd = command()
     text = markdown(z, c, cmd, env)
     print("\n" + text)
     (work / "results.json").write_text(json.dumps({"zeroshot": z, "classifier": c}, indent=1))
     if args.write_doc:
-        write_section(ROOT / "docs" / "benchmarks.md", text, watch, args.allow_loaded)
+        write_section(DOC, text, watch, args.allow_loaded)
 
 
 if __name__ == "__main__":

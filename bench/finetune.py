@@ -33,7 +33,6 @@ docs/benchmarks.md (``--no-doc`` leaves it alone, ``--doc`` writes another file)
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import json
@@ -44,11 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from cifar10_shards import cached_shards, cifar_items  # noqa: E402
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.cifar10_shards import cached_shards, cifar_items
+from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
 
 SECTION = "## Fine-tuning a half-class model: full vs LiT vs frozen (bench/finetune.py)"
 SUITE = "cifar10_heldout"
@@ -237,7 +235,7 @@ def public_args(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc=None)
     p.add_argument(
         "--full",
         action="store_true",
@@ -261,11 +259,8 @@ def main() -> None:
         help="folder with CIFAR-10 train.tar and test.tar (class folders)",
     )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_finetune"), help="shards, runs, logs, cache")
-    p.add_argument(
-        "--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="the document to write the table into"
-    )
+    p.add_argument("--doc", default=str(DOC), help="the document to write the table into")
     p.add_argument("--no-doc", action="store_true", help="print the table only")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     f = args.full

@@ -26,11 +26,9 @@ a dry run is a rehearsal, not a measurement, and always writes (its table says t
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -38,15 +36,12 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## GPU check (bench/gpu_check.py)"
 
 
@@ -116,7 +111,17 @@ def _fmt(v, spec=".3g") -> str:
 
 def part_gpu_tests(dry_run: bool) -> list[tuple[str, str, str]]:
     """Run the -m gpu tests in a child process; one row with its summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/run/test_gpu.py",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
@@ -127,7 +132,7 @@ def part_gpu_tests(dry_run: bool) -> list[tuple[str, str, str]]:
     return [
         (
             "gpu tests",
-            "pytest -m gpu tests/test_gpu.py",
+            "pytest -m gpu tests/run/test_gpu.py",
             f"{summary} ({time.perf_counter() - t0:.0f} s){'' if ok else ' FAILED'}",
         )
     ]
@@ -136,7 +141,7 @@ def part_gpu_tests(dry_run: bool) -> list[tuple[str, str, str]]:
 def part_bf16_accumulation(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
     """bench/bf16_accum.py's measurement at this size: a 16-chunk cached step with bf16
     weights (ZeRO-1), DeepSpeed's defaults ("before") vs what mmalign asks for ("after")."""
-    from bf16_accum import measure
+    from bench.bf16_accum import measure
 
     chunk = sizes.batch // sizes.grad_chunks
     results = measure(sizes.preset, chunk, sizes.grad_chunks, 1, 0, device.type)
@@ -187,11 +192,11 @@ def part_loss(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
 def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, str]]:
     """Samples/s of full steps (fp32 weights, bf16 autocast, ZeRO-1, TF32 on), uncached and cached:
     bench/gpu_step.py's step, the one bench/gpu_vs_openclip.py times against open_clip."""
-    from bf16_accum import _inputs
-    from gpu_step import MmalignStep, tf32_on
+    from bench.gpu_step import MmalignStep, tf32_on
+    from tests.harness import clip_batch
 
     def inputs(n, size, context):  # this check's batch: captions of random lengths (padding trimmed)
-        return tuple(t.to(device) for t in _inputs(n, size, context, 0))
+        return tuple(t.to(device) for t in clip_batch(n, 0, size, context))
 
     rows = []
     for chunk in (0, sizes.step_chunk):
@@ -234,7 +239,7 @@ def part_throughput(sizes: Sizes, device: torch.device) -> list[tuple[str, str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full=True, write_doc=None)
     p.add_argument("--dry-run", action="store_true", help="CPU-sized rehearsal (micro preset, small sizes)")
     p.add_argument(
         "--doc",
@@ -248,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         default=["tests", "bf16", "loss", "step"],
         choices=["tests", "bf16", "loss", "step"],
     )
-    add_flag(p)
     args = p.parse_args(argv)
     watch = LoadWatch()
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -296,14 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         if cuda
         else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
     )
-    command = "python bench/gpu_check.py " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
-    )
+    cmd = command(argv, "gpu_check.py")
     body = "\n".join(
         [
             SECTION,
             "",
-            f"Command: `{command.strip()}`  ",
+            f"Command: `{cmd}`  ",
             f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}; device: {where}; "
             f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}; whole run {time.perf_counter() - started:.0f} s.",
             "",

@@ -1,7 +1,7 @@
 """The training steps the GPU benches time: one builder each, so that bench/gpu_check.py (part 4)
 and bench/gpu_vs_openclip.py measure the same mmalign step.  A helper module, not a script:
 
-    sys.path.insert(0, "bench"); from gpu_step import MmalignStep, OpenClipStep, mmalign_config
+    from bench.gpu_step import MmalignStep, OpenClipStep, mmalign_config   # from the repository root
     step = MmalignStep(mmalign_config("ViT-B-16", 256), torch.device("cuda")); step(); step.close()
     step = OpenClipStep("ViT-B-16", 256, torch.device("cuda")); step(); step.close()
 
@@ -19,13 +19,9 @@ import contextlib
 import gc
 import math
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 SOT, EOT = 49406, 49407  # open_clip's tokenizer: start / end of text
 

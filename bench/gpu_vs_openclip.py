@@ -31,11 +31,9 @@ arm FAILED.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -44,12 +42,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+import torch
 
-import torch  # noqa: E402
-from gpu_step import (  # noqa: E402
+from bench.gpu_step import (
     BETAS,
     EPS,
     LR,
@@ -60,9 +56,8 @@ from gpu_step import (  # noqa: E402
     mmalign_config,
     tf32_on,
 )
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench.harness import DOC, LoadWatch, command, parser, write_section
 
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## GPU: mmalign vs open_clip_train (bench/gpu_vs_openclip.py)"
 TOOLS = ("mmalign", "open_clip")
 MODES = ("eager", "compiled")
@@ -386,7 +381,7 @@ def comparison(arms: dict, flops: float | None, peak: float | None, cuda: bool) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full=True, write_doc=None)
     p.add_argument("--dry-run", action="store_true", help="CPU-sized rehearsal (micro towers, batch 16)")
     p.add_argument(
         "--doc",
@@ -398,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=2, help="turns per arm, alternating the tools")
     p.add_argument("--steps", type=int, default=None, help="timed steps per turn (default 10; dry run 2)")
     p.add_argument("--budget-s", type=float, default=285.0, help="skip later turns that would end past this")
-    add_flag(p)
     args = p.parse_args(argv)
     watch = LoadWatch()
     started = time.perf_counter()
@@ -442,14 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         if cuda
         else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
     )
-    command = "python bench/gpu_vs_openclip.py " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
-    )
+    cmd = command(argv, "gpu_vs_openclip.py")
     body = "\n".join(
         [
             SECTION,
             "",
-            f"Command: `{command.strip()}`  ",
+            f"Command: `{cmd}`  ",
             f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}; device: {where}; torch "
             f"{torch.__version__}, open_clip_torch {open_clip.__version__}, DeepSpeed {deepspeed.__version__}; whole run "
             f"{time.perf_counter() - started:.0f} s.  ",

@@ -12,7 +12,6 @@ swapping the machine.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -21,11 +20,11 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
+
 SECTION = "## Gradient caching (bench/gradcache.py)"
 
 
@@ -133,11 +132,11 @@ def table(rows: list[dict], base_rss: float) -> str:
 
 
 def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
+    write_section(DOC, text, watch, allow_loaded)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser(None, write_doc=None)
     p.add_argument("--child", action="store_true")
     p.add_argument("--batch", type=int)
     p.add_argument("--chunk", type=int, default=256)
@@ -148,7 +147,6 @@ def main() -> None:
     p.add_argument("--uncached-cap-gb", type=float, default=14.0)
     p.add_argument("--batches", help="comma-separated global batches (default 256,512,1024,2048,4096)")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    add_flag(p)
     args = p.parse_args()
     if args.child:
         return child(args)

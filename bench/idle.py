@@ -2,7 +2,8 @@
 
 A timing taken while other jobs compete for the cores measures the neighbours as much as the
 code, and such tables are not comparable with each other or with idle ones.  So each bench
-script that writes a section of docs/*.md does it like this:
+script that writes a section of docs/*.md does it like this (through bench/harness.py, which
+re-exports these names):
 
     watch = LoadWatch()                          # first thing: 1-minute load average now
     ...                                          # the bench; it prints its table
@@ -34,8 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import docsection  # noqa: E402
+from bench import docsection
 
 EXIT_LOADED = 3
 

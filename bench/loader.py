@@ -16,22 +16,18 @@ present (CIFAR-10 with the 18 CLIP templates), else from the synthetic shapes.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import random
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DOC = ROOT / "docs" / "benchmarks.md"
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+
 SECTION = "## Loader throughput (bench/loader.py)"
 SECTION_224 = "## Loader at 224 px against open_clip (bench/loader.py --size 224)"
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10" / "train.tar"
@@ -120,7 +116,7 @@ def write_doc(body: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full=True, write_doc="")
     p.add_argument(
         "--size",
         type=int,
@@ -133,19 +129,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="(4 at 32 px, 2 else)")
     p.add_argument("--repeats", type=int, default=2, help="runs per case, alternating; the best is reported")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     small = args.size == 32
     args.n = args.n or (10000 if small else 3000)
     args.batches = args.batches or (30 if small else 8)
     args.warmup = args.warmup if args.warmup is not None else (4 if small else 2)
-    command = "python bench/loader.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = command()
     if not small:
-        from loader_openclip import compare
+        from bench.loader_openclip import compare
 
-        body, _ = compare(args, command.strip())
+        body, _ = compare(args, cmd)
         print()
         print(body)
         if args.write_doc:
@@ -171,7 +165,7 @@ def main() -> None:
     for workers, ours, plain in rows:
         table.append(f"| {workers} | {ours:.0f} | {plain:.0f} | {ours / plain:.2f}x |")
     body = (
-        f"Command: `{command.strip()}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"Command: `{cmd}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}, webdataset {webdataset.__version__} · data: {what} · batch "
         f"{args.batch}, shuffle buffer 1000, resampled shards, best of {args.repeats} runs of {args.batches} "
         f"batches after {args.warmup} warm-up batches.\n\n"

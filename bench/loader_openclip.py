@@ -37,7 +37,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+
+from bench.harness import ROOT
+
 WORDS = (
     "a photo of the red green blue small large bright dark cat dog car tree house river sky "
     "mountain street person bird flower boat road field city beach night morning"
@@ -389,7 +392,8 @@ def compare(a, command: str) -> tuple[str, list]:
 
     import PIL
     import torch
-    from quality_cifar10 import WDS_OLD, ensure_side_webdataset
+
+    from bench.cifar10_runs import WDS_OLD, ensure_side_webdataset
 
     side_dir = ensure_side_webdataset()
     with tempfile.TemporaryDirectory() as tmp:

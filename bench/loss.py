@@ -22,14 +22,14 @@ import json
 import os
 import platform
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 # Tile edge tuned here on the 2-core CPU (docs/benchmarks.md): 1024-2048 are equally fast on a
 # quiet machine; under load every tile op pays a thread-synchronisation cost, so fewer, larger
@@ -37,8 +37,6 @@ from idle import LoadWatch, add_flag, write_section  # noqa: E402
 # tiles (4096-8192) should amortise kernel launches better; not measured here.
 TILE = 2048
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Loss memory and time (bench/loss.py)"
 MEMORY_LIMIT_GB = 20.0
 # Untiled autograd keeps about five B x B float32 buffers alive at the peak
@@ -64,7 +62,6 @@ def child(impl: str, b: int, d: int, tile: int, repeats: int, warmup: int, threa
         clip = ClipLoss()
         loss_fn = lambda: clip(x, y, scale)  # noqa: E731  (open_clip takes the exponentiated scale)
     else:
-        sys.path.insert(0, str(ROOT))
         from mmalign.losses import clip_loss
 
         t = tile if impl == "mmalign_tiled" else None
@@ -185,8 +182,7 @@ def main() -> None:
         impl, b, d, tile, repeats, warmup, threads = sys.argv[2], *map(int, sys.argv[3:9])
         print(json.dumps(child(impl, b, d, tile, repeats, warmup, threads)))
         return
-    sys.path.insert(0, str(ROOT))
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full=True, write_doc=f"write the results into {DOC.relative_to(ROOT)}")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--tile", type=int, default=TILE)
@@ -198,19 +194,17 @@ def main() -> None:
         "--sweep", type=int, nargs="*", default=[512, 1024, 2048, 4096], help="tile sizes to sweep"
     )
     p.add_argument("--sweep-b", type=int, default=16384)
-    p.add_argument("--write-doc", action="store_true", help=f"write the results into {DOC.relative_to(ROOT)}")
     p.add_argument("--note", default="", help="free text appended to the doc section")
-    add_flag(p)
     args = p.parse_args()
     args.tile_for = {}
     watch = LoadWatch()
 
-    command = "python bench/loss.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = command()
     table, _ = main_table(args)
     sweep = sweep_table(args) if args.sweep else ""
     cpus = os.cpu_count()
     header = (
-        f"Command: `{command.strip()}`  \n"
+        f"Command: `{cmd}`  \n"
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}  \n"
         f"Machine: {cpus} CPU cores ({platform.processor() or platform.machine()}), torch threads = {args.threads}; "
         f"D = {args.dim}, float32, logit scale 1/0.07.  \n"

@@ -43,38 +43,32 @@ numbers do not depend on the machine's load.
 
 from __future__ import annotations
 
-import argparse
 import io
 import random
-import shlex
-import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DOC = ROOT / "docs" / "benchmarks.md"
-SECTION = "## Sample order designs (bench/order.py)"
-LAYOUTS = ((1, 1), (8, 1), (8, 8), (64, 8))
-WORDS = "a photo of the red green blue small large cat dog car tree house river sky bird boat".split()
-
-import mmalign.data.stream as stream_mod  # noqa: E402
-from mmalign.data import tario  # noqa: E402
-from mmalign.data.loader import (  # noqa: E402
+import mmalign.data.stream as stream_mod
+from bench.harness import DOC, LoadWatch, command, parser, write_section
+from mmalign.data import tario
+from mmalign.data.loader import (
     DEFAULT_WORKER_BATCH,
     MAX_OPEN_LANES,
     lane_split,
     open_file_budget,
     worker_shares,
 )
-from mmalign.data.remote import SKIP, WINDOW  # noqa: E402
-from mmalign.data.shard_sizes import STRIDE, shard_sizes  # noqa: E402
-from mmalign.data.stream import EpochOrder, LaneStream, StreamSpec, shard_sequence  # noqa: E402
+from mmalign.data.remote import SKIP, WINDOW
+from mmalign.data.shard_sizes import STRIDE, shard_sizes
+from mmalign.data.stream import EpochOrder, LaneStream, StreamSpec, shard_sequence
+
+SECTION = "## Sample order designs (bench/order.py)"
+LAYOUTS = ((1, 1), (8, 1), (8, 8), (64, 8))
+WORDS = "a photo of the red green blue small large cat dog car tree house river sky bird boat".split()
 
 # ------------------------------------------------------------------ data
 
@@ -392,7 +386,8 @@ def reading(results: list[dict], args, shard_mib: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --allow-loaded is accepted like every doc-writing bench; these are counts, not timings, so load does not matter
+    p = parser(__doc__, full=True, write_doc="")
     p.add_argument("--shards", type=int, default=64)
     p.add_argument("--per-shard", type=int, default=200)
     p.add_argument("--batch", type=int, default=512, help="the global batch B (lanes)")
@@ -403,13 +398,9 @@ def main() -> None:
     p.add_argument(
         "--few-slots", action="store_true", help="only slot 0 and the middle slot of each layout (else all)"
     )
-    p.add_argument("--write-doc", action="store_true")
-    add_flag(
-        p
-    )  # accepted like every doc-writing bench; these are counts, not timings, so load does not matter
     args = p.parse_args()
     watch = LoadWatch()
-    command = ("python bench/order.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])).strip()
+    cmd = command()
     results, what, shard_mib = measure(args)
     # the paragraph's wording (which layout is special, and why) holds for the default sizes only
     default = all(getattr(args, k) == p.get_default(k) for k in ("shards", "per_shard", "batch", "shuffle"))
@@ -424,7 +415,7 @@ def main() -> None:
         else "every slot simulated, the mean over the slots and (in brackets) the worst slot"
     )
     body = (
-        f"Command: `{command}` · data: {what} · global batch B = {args.batch}, S = {args.shuffle} (lanes: shuffle "
+        f"Command: `{cmd}` · data: {what} · global batch B = {args.batch}, S = {args.shuffle} (lanes: shuffle "
         f"buffer, ceil(S/B) = {-(-args.shuffle // args.batch)} per lane; permutation: shuffle block), epoch mode, "
         f"one epoch, seed {args.seed}. Counts, not times: they do not depend on the machine's load.\n\n"
         f"Per slot (one rank's DataLoader worker; W ranks x K workers), {slots_said}: bytes read "

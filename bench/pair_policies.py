@@ -36,7 +36,6 @@ takes, from the training monitor, averaged over the last quarter of the logged s
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -46,10 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT, LoadWatch, parser, write_section
 
 DOC = ROOT / "docs" / "pair_policies.md"
 SECTION = "## Evidence (bench/pair_policies.py)"
@@ -220,7 +218,7 @@ def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc=None)
     p.add_argument(
         "--steps", type=int, default=150, help="shapes: training steps per run (same for every policy)"
     )
@@ -230,7 +228,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=str(ROOT / "data" / "bench_pair_policies"))
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/pair_policies.md alone")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     work = Path(args.work)

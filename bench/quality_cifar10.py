@@ -37,25 +37,21 @@ docs/benchmarks.md (through bench/idle.py: refused when the machine was loaded).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
 import os
 import platform
 import random
-import sys
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import abspeed  # noqa: E402
-from cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip  # noqa: E402
-from cifar10_shards import cached_shards, cifar_items  # noqa: E402
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+from bench import abspeed
+from bench.cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip
+from bench.cifar10_shards import cached_shards, cifar_items
+from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
 SPEED_SECTION = "## Speed against open_clip_train on CIFAR-10 (bench/quality_cifar10.py --parts speed)"
@@ -332,11 +328,11 @@ def speed_text(summary: dict, cmd: str, env: str, setup: str, batch: int, steps:
 
 
 def write_doc(text: str, watch: LoadWatch, allow_loaded: bool) -> None:
-    write_section(ROOT / "docs" / "benchmarks.md", text, watch, allow_loaded)
+    write_section(DOC, text, watch, allow_loaded)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc="write the tables into docs/benchmarks.md")
     p.add_argument(
         "--parts",
         default="equal-steps,wallclock",
@@ -392,8 +388,6 @@ def main() -> None:
         help="folder with CIFAR-10 train.tar and test.tar (class folders)",
     )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_quality_cifar10"), help="shards, runs, logs")
-    p.add_argument("--write-doc", action="store_true", help="write the tables into docs/benchmarks.md")
-    add_flag(p)
     args = p.parse_args()
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if bad := set(parts) - set(PARTS):
@@ -509,7 +503,7 @@ def main() -> None:
         )
         results.update(budget_b=rows_b, minutes=minutes)
 
-    cmd = ("python bench/quality_cifar10.py " + " ".join(sys.argv[1:])).strip()
+    cmd = command()
     env = (
         f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "

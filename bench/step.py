@@ -33,21 +33,18 @@ Two parts:
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from idle import LoadWatch, add_flag, write_section  # noqa: E402
+import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
+
+from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
 
 SECTION = "## Training step profile (bench/step.py)"
 MODES = ("mmalign fp32", "mmalign bf16", "bare fp32", "bare bf16")
@@ -475,7 +472,7 @@ def _tree_commit(tree: Path) -> str:
 def write_doc(label: str, body: str, watch: LoadWatch, allow_loaded: bool) -> None:
     """This label's subsection of the step-profile section (the other label's kept), through the
     idle guard: refused (exit 3) when the machine was loaded, unless ``allow_loaded``."""
-    doc = ROOT / "docs" / "benchmarks.md"
+    doc = DOC
     watch.stop()  # the note of this label's subsection reads the end load
     current = doc.read_text() if doc.is_file() else ""
     start = current.find(SECTION + "\n")
@@ -543,7 +540,7 @@ def _has_cpu_flag(flag: str) -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, write_doc=None)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode per round")
     p.add_argument("--rounds", type=int, default=5)
@@ -554,11 +551,10 @@ def main() -> None:
     p.add_argument("--tree", default=str(ROOT), help="the mmalign checkout to import (default: this one)")
     p.add_argument("--label", default="after", choices=["before", "after"], help="the doc table to write")
     p.add_argument("--no-doc", action="store_true")
-    add_flag(p)
     args = p.parse_args()
     watch = LoadWatch()
     tree = Path(args.tree).resolve()
-    sys.path.insert(0, str(tree))
+    _bootstrap.put_first(tree)  # mmalign from --tree, not from this checkout
     import torch
 
     import mmalign
