@@ -303,3 +303,17 @@ def test_a_script_runs_from_the_repository_root():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--write-doc" in proc.stdout and "--allow-loaded" in proc.stdout
+
+
+def test_bench_modules_import_each_other_through_the_package():
+    """``from bench.x import ...``, never ``from x import ...`` (which needs bench/ on sys.path and
+    breaks when the importer is itself imported), in function bodies too."""
+    names = {p.stem for p in BENCH.glob("*.py")} - {"_bootstrap"}
+    bare = [
+        f"bench/{path.name}:{n.lineno}"
+        for path in sorted(BENCH.glob("*.py"))
+        for n in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(n, ast.ImportFrom) and n.level == 0 and n.module in names)
+        or (isinstance(n, ast.Import) and any(a.name in names for a in n.names))
+    ]
+    assert bare == []
