@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mmalign.config.checks import (
     BOUNDED_PAIR,
@@ -51,10 +51,10 @@ class ModelConfig:
     )
     embed_dim: int | None = knob(None, rule=POSITIVE, doc="the joint embedding size (null = the preset's)")
     image_size: int | None = knob(None, rule=POSITIVE, unit="pixels", doc="overrides `vision.image_size`")
-    vision: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
+    vision: dict[str, Any] = knob(
         {}, doc="merged into the preset's vision tower config (e.g. `layers`, `timm_model_name`)"
     )
-    text: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
+    text: dict[str, Any] = knob(
         {}, doc="merged into the preset's text tower config (e.g. `layers`, `hf_local_dir`)"
     )
     quick_gelu: bool = knob(False, doc="open_clip's QuickGELU activation")
@@ -396,7 +396,7 @@ class DeepSpeedConfig:
     precision: Literal["fp32", "bf16", "fp16"] = knob(
         "fp32", doc="weight precision inside DeepSpeed (fp32 master weights kept by ZeRO)"
     )
-    extra: dict = knob(  # type: ignore[type-arg]  # bare: tests/config read the class itself
+    extra: dict[str, Any] = knob(
         {},
         doc="merged into the generated DeepSpeed config (e.g. "
         "`zero_optimization.overlap_comm`); keys mmalign derives from typed keys are refused",

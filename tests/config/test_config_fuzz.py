@@ -115,8 +115,8 @@ def kinds(tp) -> set:
         return set().union(*(kinds(a) for a in typing.get_args(tp) if a is not type(None)))
     if origin is Literal:
         return {"auto"} if typing.get_args(tp) == ("auto",) else {"literal"}
-    if origin is list:  # a list of entries (eval.during): a list to the fuzz, its entries in LISTS
-        return {list}
+    if origin in (list, dict):  # list[float], a list of entries (eval.during; in LISTS), dict[str, Any]
+        return {origin}
     return {tp}
 
 
