@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from mmalign.errors import UsageError
 
@@ -123,8 +123,10 @@ def slurm_master(env: Mapping[str, str]) -> tuple[str, str, str]:
             try:
                 return first_host(env[key]), port, f"first host of {key}"
             except ValueError as e:
-                raise UsageError(f"{key}={env[key][:120]!r} cannot be parsed as a Slurm node list ({e}); "
-                                  f"export MASTER_ADDR=<the first node's address> (and MASTER_PORT)") from None
+                raise UsageError(
+                    f"{key}={env[key][:120]!r} cannot be parsed as a Slurm node list ({e}); "
+                    f"export MASTER_ADDR=<the first node's address> (and MASTER_PORT)"
+                ) from None
     return DEFAULT_MASTER_ADDR, port, "default (no SLURM node list)"
 
 
@@ -146,9 +148,11 @@ def check_nproc(nproc: int, env: Mapping[str, str]) -> None:
     found = job_world(env) if nproc > 1 else None
     if found is not None:
         key, size = found
-        raise UsageError(f"--nproc {nproc} inside a job that already runs {size} ranks ({key}={size}): every "
-                          f"task would start its own {nproc}-rank run; drop --nproc and let the launcher "
-                          f"(srun / torchrun / deepspeed) start one process per rank")
+        raise UsageError(
+            f"--nproc {nproc} inside a job that already runs {size} ranks ({key}={size}): every "
+            f"task would start its own {nproc}-rank run; drop --nproc and let the launcher "
+            f"(srun / torchrun / deepspeed) start one process per rank"
+        )
 
 
 def restart_count(env: Mapping[str, str]) -> int:

@@ -18,9 +18,10 @@ one line for the user.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -192,7 +193,7 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-_slow_group = None
+_slow_group: dist.ProcessGroup | None = None
 
 
 def prepare_slow_barrier() -> None:
@@ -200,7 +201,7 @@ def prepare_slow_barrier() -> None:
     :func:`slow_barrier` once, before any rank goes off to work alone."""
     global _slow_group
     if get_world_size() > 1 and _slow_group is None:
-        _slow_group = dist.new_group(backend="gloo")
+        _slow_group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))  # every rank is a member
 
 
 def slow_barrier(timeout_s: float) -> None:
@@ -312,8 +313,9 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def init_from_env(backend: str | None = None, require_group: bool = False,
-                  timeout_s: float | None = None) -> DistInfo:
+def init_from_env(
+    backend: str | None = None, require_group: bool = False, timeout_s: float | None = None
+) -> DistInfo:
     """Initialise the default process group from the environment.
 
     No-op for world size 1 (unless ``require_group``: DeepSpeed needs a group even
@@ -326,8 +328,15 @@ def init_from_env(backend: str | None = None, require_group: bool = False,
     global _timeout_s
     info = env_dist_info()
     if is_initialized():
-        return DistInfo(get_rank(), get_world_size(), info.local_rank,
-                        info.master_addr, info.master_port, info.source, info.master_from)
+        return DistInfo(
+            get_rank(),
+            get_world_size(),
+            info.local_rank,
+            info.master_addr,
+            info.master_port,
+            info.source,
+            info.master_from,
+        )
     if info.world_size <= 1 and not require_group:
         return info
     cuda = torch.cuda.is_available()
@@ -352,8 +361,14 @@ def init_from_env(backend: str | None = None, require_group: bool = False,
         # (child processes must not inherit a port this process holds). DeepSpeed
         # insists on LOCAL_RANK, which alone does not make a child look distributed.
         os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
+        )
         return info
     # env:// reads MASTER_ADDR / MASTER_PORT (SLURM does not set them); DeepSpeed
     # also reads RANK / WORLD_SIZE / LOCAL_RANK, so make them explicit.
@@ -368,18 +383,39 @@ def init_from_env(backend: str | None = None, require_group: bool = False,
         # per attempt keeps the attempts apart.
         store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
         store = dist.PrefixStore(f"mmalign/attempt_{cluster.restart_count(os.environ)}/", store)
-        dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
-                                timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
         return info
-    dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
-                            timeout=timeout, device_id=device_id)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
     return info
 
 
 # What gloo / nccl / the TCP store say when a peer is gone or silent: the process was
 # killed (connection reset / closed), its host vanished or the network split (timeout).
-_LOST_PEER_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe",
-                    "connection refused", "no route to host", "socket closed", "nccl communicator was aborted")
+_LOST_PEER_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "no route to host",
+    "socket closed",
+    "nccl communicator was aborted",
+)
 
 
 def lost_peer(exc: BaseException) -> str | None:
@@ -391,13 +427,17 @@ def lost_peer(exc: BaseException) -> str | None:
     lower = text.lower()
     # a communication error (not, say, a DataLoader that "timed out"), and one that says a peer is gone
     communication = isinstance(exc, getattr(dist, "DistError", ())) or (
-        isinstance(exc, RuntimeError) and any(k in lower for k in ("gloo", "nccl", "c10d", "processgroup", "store")))
+        isinstance(exc, RuntimeError)
+        and any(k in lower for k in ("gloo", "nccl", "c10d", "processgroup", "store"))
+    )
     if not communication or not any(s in lower for s in _LOST_PEER_SIGNS):
         return None
     first = text.splitlines()[0]
     limit = f"dist.timeout_s={_timeout_s:g} s" if _timeout_s else "the process-group timeout"
-    return (f"lost contact with another rank (a host or process is gone, or the network is split; collectives "
-            f"wait at most {limit}): {first[:200]}; once every host is back, relaunch with --resume latest")
+    return (
+        f"lost contact with another rank (a host or process is gone, or the network is split; collectives "
+        f"wait at most {limit}): {first[:200]}; once every host is back, relaunch with --resume latest"
+    )
 
 
 def shutdown() -> None:

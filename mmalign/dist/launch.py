@@ -39,10 +39,20 @@ def strip_nproc(argv: list[str]) -> list[str]:
 def launch_local(nproc: int, argv: list[str]) -> int:
     """Run ``mmalign <argv>`` as ``nproc`` local ranks; returns the worst exit code."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", free_port(),
-        "-m", "mmalign.cli", *strip_nproc(argv),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        free_port(),
+        "-m",
+        "mmalign.cli",
+        *strip_nproc(argv),
     ]
     env = dict(os.environ)
     # Share the 2..N cores between ranks instead of oversubscribing them.
@@ -51,7 +61,9 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     # SIGTERM to this process (a scheduler, `kill`) goes on to torchrun, which stops its ranks;
     # otherwise this process would vanish and leave the whole run behind it.
     forward = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum)) if forward else None
+    previous = (
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum)) if forward else None
+    )
     try:
         while True:
             try:

@@ -141,16 +141,23 @@ def _end(agent: subprocess.Popen, kill_after: float) -> None:
     agent.wait()
 
 
-def supervise(command: list[str], grace_s: float | None = None, kill_after_s: float = 10.0,
-              idle_limit_s: float = IDLE_LIMIT_S) -> int:
+def supervise(
+    command: list[str],
+    grace_s: float | None = None,
+    kill_after_s: float = 10.0,
+    idle_limit_s: float = IDLE_LIMIT_S,
+) -> int:
     """Run the agent ``command`` until it exits, ending it when it outlives its workers after a
     lost-contact report, or ``idle_limit_s`` after its workers vanished without one (see the
     module's docstring); returns the exit status."""
     try:
         agent = subprocess.Popen(command, stderr=subprocess.PIPE, process_group=0)
     except OSError as e:
-        print(f"mmalign: error: cannot run the agent command {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+        print(
+            f"mmalign: error: cannot run the agent command {command[0]!r}: {e.strerror or e}", file=sys.stderr
+        )
         return 2
+    assert agent.stderr is not None  # stderr=PIPE
     scan = StderrScan(os.dup(agent.stderr.fileno()), sys.stderr.buffer)
     agent.stderr.close()
     scan.thread.start()
@@ -182,11 +189,17 @@ def supervise(command: list[str], grace_s: float | None = None, kill_after_s: fl
                 why = f"is still running {limit:g} s after its workers lost contact with another rank"
             else:  # the workers vanished without a word (killed): liveness is all there is to go on
                 limit = idle_limit_s
-                why = (f"has had no live worker for {limit:g} s (they ended without a lost-contact line, "
-                       f"e.g. killed) and neither exits nor starts new ones")
+                why = (
+                    f"has had no live worker for {limit:g} s (they ended without a lost-contact line, "
+                    f"e.g. killed) and neither exits nor starts new ones"
+                )
             if now - idle_since >= limit and agent.poll() is None:
-                print(f"mmalign: supervise: the agent (pid {agent.pid}) {why}; ending it (SIGTERM, then SIGKILL "
-                      f"after {kill_after_s:g} s)", file=sys.stderr, flush=True)
+                print(
+                    f"mmalign: supervise: the agent (pid {agent.pid}) {why}; ending it (SIGTERM, then SIGKILL "
+                    f"after {kill_after_s:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _end(agent, kill_after_s)
                 ended = True
         scan.thread.join(timeout=2)  # a stray process may hold the pipe: do not wait for it
@@ -200,15 +213,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mmalign.dist.supervise",
         description="Run a launcher's agent (torchrun) and end it when it outlives its workers "
-                    "after they lost contact with another rank (a split network).")
-    p.add_argument("--grace", type=float, default=None, metavar="S",
-                   help="seconds the agent may live on without workers after a lost-contact line "
-                        "(default: the dist.timeout_s that line names)")
-    p.add_argument("--idle-limit", type=float, default=IDLE_LIMIT_S, metavar="S",
-                   help="seconds the agent may live on after its workers are gone without a lost-contact "
-                        "line (killed) before it is ended (default: %(default)s)")
-    p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when ending the agent (default: %(default)s)")
+        "after they lost contact with another rank (a split network).",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds the agent may live on without workers after a lost-contact line "
+        "(default: the dist.timeout_s that line names)",
+    )
+    p.add_argument(
+        "--idle-limit",
+        type=float,
+        default=IDLE_LIMIT_S,
+        metavar="S",
+        help="seconds the agent may live on after its workers are gone without a lost-contact "
+        "line (killed) before it is ended (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kill-after",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when ending the agent (default: %(default)s)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the agent's command line, e.g. torchrun ...")
     return p
 
@@ -216,13 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    for name, value in (("--grace", args.grace), ("--kill-after", args.kill_after),
-                        ("--idle-limit", args.idle_limit)):
+    for name, value in (
+        ("--grace", args.grace),
+        ("--kill-after", args.kill_after),
+        ("--idle-limit", args.idle_limit),
+    ):
         if value is not None and not (value >= 0 and value != float("inf")):
             print(f"mmalign: error: {name} must be a number of seconds >= 0, not {value:g}", file=sys.stderr)
             return 2
     if not command:
-        print("mmalign: error: no agent command given (python -m mmalign.dist.supervise torchrun ...)", file=sys.stderr)
+        print(
+            "mmalign: error: no agent command given (python -m mmalign.dist.supervise torchrun ...)",
+            file=sys.stderr,
+        )
         return 2
     return supervise(command, args.grace, args.kill_after, args.idle_limit)
 
