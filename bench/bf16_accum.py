@@ -24,36 +24,6 @@ from bench.harness import DOC, LoadWatch, command, cpu_line, parser, write_secti
 SECTION = "## bf16 gradient accumulation (bench/bf16_accum.py)"
 
 
-def _exact_chunk_sum(model, images, tokens, chunk: int) -> dict:
-    """GradCache written out in bf16: no-grad chunk features, fp32 loss gradient, each
-    chunk re-forwarded and back-propagated; the chunks' bf16 gradients summed in float64."""
-    import torch
-
-    from tests.harness import naive_clip_loss
-
-    model = copy.deepcopy(model).bfloat16()
-    chunks = list(zip(images.bfloat16().split(chunk), tokens.split(chunk)))
-    with torch.no_grad():
-        outs = [model(im, tok) for im, tok in chunks]
-    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
-    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
-    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
-    naive_clip_loss(img, txt, scale).backward()
-    total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
-    for k, (im, tok) in enumerate(chunks):
-        model.zero_grad(set_to_none=True)
-        out = model(im, tok)
-        rows = slice(k * chunk, (k + 1) * chunk)
-        surrogate = (out.image.float() * img.grad[rows]).sum() + (out.text.float() * txt.grad[rows]).sum()
-        if k == 0:
-            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
-        surrogate.backward()
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                total[n] += p.grad.double().cpu()
-    return {n: g.float() for n, g in total.items()}
-
-
 def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device: str) -> dict:
     """Relative gradient errors of one cached bf16-weight step against the fp32 full-batch
     gradient and against the exactly summed bf16 chunk gradients, per DeepSpeed config."""
@@ -65,6 +35,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     from mmalign.objective import build_objective
     from mmalign.run import engine as eng
     from tests.harness import clip_batch, naive_clip_loss
+    from tests.harness.reference import bf16_chunks_summed_exactly
 
     batch = chunk * chunks
     cfg = load_config(
@@ -95,7 +66,7 @@ def measure(preset: str, chunk: int, chunks: int, stage: int, seed: int, device:
     naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     refs = {
         "fp32": {n: p.grad.detach().float().cpu() for n, p in ref_model.named_parameters()},
-        "exact_sum": _exact_chunk_sum(model, images, tokens, chunk),
+        "exact_sum": bf16_chunks_summed_exactly(model, images, tokens, chunk),
     }
     del ref_model
 

@@ -1,5 +1,8 @@
 """The naive references the tests (and bench/) compare against: the symmetric CLIP loss written
-out over the full logit matrix, and the random inputs of the exactness tests."""
+out over the full logit matrix, GradCache written out naively, and the random inputs of the
+exactness tests."""
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,33 @@ def chunkwise_clip_loss(outs) -> torch.Tensor:
     return naive_clip_loss(
         torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]), outs[0].logit_scale
     )
+
+
+def bf16_chunks_summed_exactly(model, images: torch.Tensor, tokens: torch.Tensor, chunk: int) -> dict:
+    """GradCache written out naively with bf16 weights: no-grad chunk features, the fp32 naive loss's
+    gradient, each chunk re-forwarded and back-propagated, the chunks' bf16 gradients summed in
+    float64 (on the CPU): the gradient a cached step would give without accumulation error."""
+    model = copy.deepcopy(model).bfloat16()
+    chunks = list(zip(images.bfloat16().split(chunk), tokens.split(chunk)))
+    with torch.no_grad():
+        outs = [model(im, tok) for im, tok in chunks]
+    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
+    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
+    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
+    naive_clip_loss(img, txt, scale).backward()
+    total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
+    for k, (im, tok) in enumerate(chunks):
+        model.zero_grad(set_to_none=True)
+        out = model(im, tok)
+        rows = slice(k * chunk, (k + 1) * chunk)
+        surrogate = (out.image.float() * img.grad[rows]).sum() + (out.text.float() * txt.grad[rows]).sum()
+        if k == 0:  # the temperature's gradient belongs to the step, not to a chunk
+            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
+        surrogate.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                total[n] += p.grad.double().cpu()
+    return {n: g.float() for n, g in total.items()}
 
 
 def max_rel_error(got: dict, want: dict) -> tuple[float, str]:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.harness import clip_batch, naive_clip_loss, run_ranks
+from tests.harness.reference import bf16_chunks_summed_exactly
 
 pytestmark = pytest.mark.integration
 
@@ -44,31 +45,6 @@ def _fp32_reference(model, images, tokens) -> dict:
     out = model(images, tokens)
     naive_clip_loss(out.image, out.text, out.logit_scale).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _bf16_chunks_summed_exactly(model, images, tokens) -> dict:
-    """GradCache written out: bf16 chunk forwards, fp32 loss, each chunk's bf16 gradients summed in float64."""
-    model = copy.deepcopy(model).bfloat16()
-    chunks = list(zip(images.bfloat16().split(CHUNK), tokens.split(CHUNK)))
-    with torch.no_grad():
-        outs = [model(im, tok) for im, tok in chunks]
-    img = torch.cat([o.image.float() for o in outs]).requires_grad_(True)  # (B, D)
-    txt = torch.cat([o.text.float() for o in outs]).requires_grad_(True)
-    scale = outs[0].logit_scale.float().detach().requires_grad_(True)
-    naive_clip_loss(img, txt, scale).backward()
-    total = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
-    for k, (im, tok) in enumerate(chunks):
-        model.zero_grad(set_to_none=True)
-        out = model(im, tok)
-        rows = slice(k * CHUNK, (k + 1) * CHUNK)
-        surrogate = (out.image.float() * img.grad[rows]).sum() + (out.text.float() * txt.grad[rows]).sum()
-        if k == 0:  # the temperature's gradient belongs to the step, not to a chunk
-            surrogate = surrogate + (out.logit_scale.float() * scale.grad).sum()
-        surrogate.backward()
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                total[n] += p.grad.double()
-    return {n: g.float() for n, g in total.items()}
 
 
 def _worker(rank: int, world: int, seed: int) -> dict:
@@ -100,7 +76,7 @@ def _worker(rank: int, world: int, seed: int) -> dict:
     images, tokens = _inputs(seed + 1)
     results = {
         "fp32": _fp32_reference(model, images, tokens),
-        "exact_sum": _bf16_chunks_summed_exactly(model, images, tokens),
+        "exact_sum": bf16_chunks_summed_exactly(model, images, tokens, CHUNK),
     }
     generated = eng.ds_config
     objective = build_objective(cfg)
