@@ -49,7 +49,7 @@ def compile_towers(model: nn.Module, backend: str = "inductor") -> None:
             tower.compile(backend=backend, dynamic=None)
 
 
-def _failures() -> tuple[type, ...]:
+def _failures() -> tuple[type[BaseException], ...]:
     from torch._dynamo.exc import BackendCompilerFailed
     from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
 

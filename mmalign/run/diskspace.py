@@ -22,7 +22,9 @@ import contextlib
 import errno
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,7 +78,7 @@ def save_torch(obj, path: Path, **kwargs) -> None:
         torch.save(obj, f, **kwargs)
 
 
-def _chain(error: BaseException):
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -108,6 +110,7 @@ def deferred_engine_writes(engine, failures: list):
         yield
         return
     # DeepSpeed's torch writer, rewritten through a Python file; any other writer keeps its own
+    writer: Any  # DeepSpeed's checkpoint engine (ds_adapter checked that its save is callable)
     writer, zipfile = found
     original = writer.save
 
@@ -138,7 +141,7 @@ class SpaceWatch:
     def check(self, base: Path, last: Path | None, step: int) -> str | None:
         """The warning line (printed and logged), or None."""
         need, free = tree_bytes(last), free_bytes(base)
-        if base in self._warned or not need or free is None or free >= need:
+        if base in self._warned or last is None or not need or free is None or free >= need:
             return None
         self._warned.add(base)
         line = (

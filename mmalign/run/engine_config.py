@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def ds_config(cfg: Config, plan: BatchPlan, stage: int | None = None) -> dict:
     precision = cfg.deepspeed.precision
     if precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("config key 'deepspeed.precision': fp16 needs a GPU (use bf16 or fp32 on CPU)")
-    conf = {
+    conf: dict[str, Any] = {
         # DeepSpeed checks micro x accumulation x world == train_batch_size; with an
         # uneven last chunk the nominal micro batch is the first chunk's size.
         "train_batch_size": plan.micro_batch * plan.accumulation * plan.world_size,

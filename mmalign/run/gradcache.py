@@ -153,14 +153,16 @@ def grad_cache_step(
     after_first_pass = RngState.capture()
 
     # 2. loss on detached representations; cache its gradient w.r.t. each of them
-    per_sample = list(reps[-1].tensors(PER_SAMPLE))
-    per_step = list(reps[-1].tensors(PER_STEP))
+    kept = reps[-1]  # the last chunk's, with its graph
+    assert kept is not None
+    per_sample = list(kept.tensors(PER_SAMPLE))
+    per_step = list(kept.tensors(PER_STEP))
     leaves: dict[str, torch.Tensor] = {}
     for name in per_sample:  # (B, ...) concatenated along the samples, whatever the trailing shape
         leaves[name] = torch.cat([getattr(r, name).detach() for r in reps]).requires_grad_(True)
     for name in per_step:  # taken once
-        leaves[name] = getattr(reps[-1], name).detach().requires_grad_(True)
-    result = loss_fn(reps[-1].replace(**leaves))
+        leaves[name] = getattr(kept, name).detach().requires_grad_(True)
+    result = loss_fn(kept.replace(**leaves))
     loss = result if isinstance(result, torch.Tensor) else result.loss
     names = list(leaves)
     grads = dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)))

@@ -175,7 +175,10 @@ def probe_batch(cfg: Config, image_size: int, tokenizer) -> tuple[torch.Tensor, 
 
 def model_name(cfg: Config) -> str:
     """The preset, or (its architecture taken from a pretrained folder) that folder's name."""
-    return cfg.model.preset or f"pretrained:{Path(cfg.model.pretrained).name}"
+    if cfg.model.preset:
+        return cfg.model.preset
+    assert cfg.model.pretrained is not None  # resolve() sets a preset when there is no folder
+    return f"pretrained:{Path(cfg.model.pretrained).name}"
 
 
 @torch.no_grad()

@@ -116,7 +116,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 def _checkpointed_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules activation checkpointing wraps: the blocks of every ModuleList inside a
     module whose ``grad_checkpointing`` (open_clip) / ``gradient_checkpointing`` (HF) is on."""
-    blocks = []
+    blocks: list[torch.nn.Module] = []
     for m in model.modules():
         if (
             getattr(m, "grad_checkpointing", False) is True

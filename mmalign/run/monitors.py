@@ -88,7 +88,7 @@ def forward_flops_per_sample(
     try:
         with traceless_training(model), counter:  # modes, buffers and RNG restored after
             if trim is not None:
-                model.trim_text = False
+                model.trim_text = False  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
             model(images if "visual" in towers else None, tokens if "text" in towers else None, **extra)
     finally:
         if trim is not None:
@@ -110,7 +110,8 @@ def train_flops_per_sample(
     locked tower counts as trainable (its backward stops at the lowest unlocked layer; this
     over-counts it, never under-counts).  Text at the full ``context_length``
     (:func:`forward_flops_per_sample`); ViT-B-16 at 224 px and 77 tokens: ~123 GFLOP."""
-    locked = set(model.fully_locked()) if hasattr(model, "fully_locked") else set()
+    fully_locked = getattr(model, "fully_locked", None)  # a TwoTower's (models/two_tower.py)
+    locked = set(fully_locked()) if fully_locked is not None else set()
     return sum(
         (1 if tower in locked else 3)
         * forward_flops_per_sample(
@@ -161,9 +162,10 @@ def describe_peak(device: torch.device | str, configured: float, dtype: str) -> 
     peak = peak_tflops(device, configured, dtype)
     if configured > 0:
         return f"MFU over monitor.peak_tflops = {peak:g} TFLOP/s per device (matmuls in {dtype})"
-    if peak is not None:
+    known = _known_gpu(device) if peak is not None else None  # peak came from a known GPU
+    if known is not None:
         return (
-            f"MFU over the {_known_gpu(device)[0]} dense {dtype} peak, {peak:g} TFLOP/s per device "
+            f"MFU over the {known[0]} dense {dtype} peak, {peak:g} TFLOP/s per device "
             f"(monitor.peak_tflops overrides)"
         )
     if device.type == "cpu":

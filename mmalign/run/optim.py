@@ -95,8 +95,8 @@ def param_groups(
             continue
         base = lr if tower_lr is None else tower_lr
         if layer_decay != 1.0:
-            layer, depth = _tower_layers(module, "train.layer_decay")
-            towers[prefix + "."] = (base, layer, depth)
+            layer_of, depth = _tower_layers(module, "train.layer_decay")
+            towers[prefix + "."] = (base, layer_of, depth)
         else:
             towers[prefix + "."] = (base, None, 0)
     groups: dict[tuple, list] = {}
@@ -162,7 +162,7 @@ class Lamb(torch.optim.Optimizer):
         ``reduce_sum`` sums a tensor in place over the data-parallel ranks; every
         rank then calls :meth:`step` the same number of times (each call reduces once).
         """
-        self._layout = {id(t): (t, [tuple(map(int, s)) for s in segs]) for t, segs in layout}
+        self._layout = {id(t): (t, [(int(i), int(at), int(n)) for i, at, n in segs]) for t, segs in layout}
         self._n_tensors = int(n_tensors)
         self._reduce_sum = reduce_sum
 
@@ -225,6 +225,7 @@ class Lamb(torch.optim.Optimizer):
                     [_sum_sq(source.narrow(0, offset, length)) for _, offset, length in segments]
                 )
                 sq[row].index_add_(0, index, sums.float())
+        assert self._reduce_sum is not None  # set with the layout
         self._reduce_sum(sq)  # every rank, even with nothing here: the call is collective
         trust = self._trust(sq[0].sqrt(), sq[1].sqrt())
         trust[-1] = 0.0  # padding: no tensor, no update
@@ -252,7 +253,9 @@ def build_optimizer(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer
         # fused: one kernel over all tensors of a group instead of a per-tensor Python loop
         # (tiny towers on 2 CPU cores: 187 vs 568 CPU ms per step, bench/quality_cifar10.py's
         # profile); same update rule, float-rounding-level differences only.
-        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, fused=_fusable(groups))
+        return torch.optim.AdamW(
+            groups, lr=t.lr, betas=(t.betas[0], t.betas[1]), eps=t.eps, fused=_fusable(groups)
+        )
     if t.optimizer == "lamb":
         return Lamb(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps)
     if t.optimizer == "sgd":

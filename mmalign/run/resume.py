@@ -36,9 +36,12 @@ def resume_run(engine, loader, queue, out: str | Path, resume: str | None, cfg: 
     rank's RNG; a fresh start (``resume`` None, or no checkpoint yet) restores nothing."""
     rank = mdist.get_rank()
     main = rank == 0
-    found = checkpoint.resume(
-        engine, out, resume, cfg, say=lambda line: (print(line, flush=True), log.warning("%s", line))
-    )
+
+    def warn(line: str) -> None:  # printed as it is, and in train.log
+        print(line, flush=True)
+        log.warning("%s", line)
+
+    found = checkpoint.resume(engine, out, resume, cfg, say=warn)
     if found is None:
         if resume and main:
             print(f"mmalign: no checkpoint in {out} yet, starting from step 0", flush=True)

@@ -7,6 +7,7 @@ Its own module: checkpoints save it (``checkpoint``) and a change of world size 
 from __future__ import annotations
 
 import random
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ import torch
 
 def rng_state() -> dict:
     """Every generator the loop consumes, as weights_only-loadable values."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy form: (name, keys, pos, gauss...)
     py = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import IO, Any, Literal
 
 from tqdm import tqdm
 
@@ -84,7 +85,10 @@ class RunLog:
         self.use_bar = show_progress and self.main and progress.use_bar()
         self.lines = show_progress and self.main and not self.use_bar
         self.first_written = False  # the first record of this log carries the run's ``once`` fields
-        self.metrics_file = self.keys_file = self.board = self.bar = None
+        self.metrics_file: IO[str] | None = None
+        self.keys_file: IO[str] | None = None
+        self.board: Any = None  # TensorBoard's SummaryWriter (imported when used)
+        self.bar: tqdm | None = None
         self.loop_start, self.estimated = clock(), False
         self.warm_at: float | None = None  # when the warm-up steps ended (the ETA's rate starts there)
 
@@ -98,7 +102,7 @@ class RunLog:
             raise
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
@@ -179,7 +183,12 @@ class RunLog:
         return eta
 
     def record(
-        self, step: int, record: dict, eta: float | None, alarms: list[str] = (), once: dict | None = None
+        self,
+        step: int,
+        record: dict,
+        eta: float | None,
+        alarms: list[str] | tuple[str, ...] = (),
+        once: dict | None = None,
     ) -> None:
         """Rank 0: the collapse alarms, the record in metrics.jsonl and TensorBoard, and one
         readable line in train.log (and on stdout off a terminal, or the bar's postfix).
@@ -187,6 +196,7 @@ class RunLog:
         counts, :mod:`mmalign.run.trainable`)."""
         if not self.main:
             return
+        assert self.bar is not None and self.metrics_file is not None  # opened by __enter__
         if once and not self.first_written:
             record = {**record, **once}
         self.first_written = True
@@ -210,6 +220,7 @@ class RunLog:
         )
 
     def advance(self) -> None:
+        assert self.bar is not None  # opened by __enter__
         self.bar.update(1)
 
     def evaluation(self, records: list[dict], step: int, hparams: dict | None = None) -> None:

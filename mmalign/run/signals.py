@@ -136,7 +136,7 @@ def stop_line(signame: str, cfg, step: int | None, argv: list[str], world: int =
 def report(error: BaseException, rank: int, world: int, argv: list[str] | None = None) -> None:
     """Rank 0 prints (stderr) and logs the line for ``error`` (:class:`Terminated` or
     ``KeyboardInterrupt``); every rank marks it ``reported``, so the CLI adds nothing."""
-    error.reported = True
+    error.reported = True  # type: ignore[attr-defined]  # a mark the CLI reads (mmalign/cli.py)
     if rank != 0:
         return
     signame = "SIGTERM" if isinstance(error, Terminated) else "SIGINT"
