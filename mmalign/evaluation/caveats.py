@@ -20,6 +20,14 @@ DISTINCT_PER_IMAGE = 0.25
 MIN_IMAGES = 50  # too few images to tell
 
 
+def captions_are_templates(suite: dict) -> bool:
+    """Whether the suite says its dataset captions are class-name templates: ``template_captions``,
+    or a dataset captioned from templates by construction (digits, an image folder)."""
+    dataset = suite.get("dataset")
+    kind = dataset.get("type") if isinstance(dataset, dict) else "shards"
+    return bool(suite.get("template_captions")) or kind in ("digits", "imagefolder")
+
+
 def looks_templated(captions: list[str], n_images: int) -> bool:
     """Whether ``captions`` of ``n_images`` images repeat like class templates: fewer distinct
     captions than :data:`DISTINCT_PER_IMAGE` per image, over at least :data:`MIN_IMAGES` images."""

@@ -6,7 +6,8 @@ their file stem; any other suite is a YAML path.  Each file is checked against
 key: one line naming the file and the key) before anything is embedded.
 
 A suite YAML names a dataset (see :mod:`mmalign.evaluation.datasets`: shards, the
-sklearn digits, an image folder) and a list of tasks:
+sklearn digits, an image folder) and a list of tasks, each of a kind registered in
+:mod:`mmalign.evaluation.tasks` (its ``type:``; one module per kind):
 
 - ``zeroshot``: ``label_field``, ``classnames``, ``templates``; optional ``slices``
   (metadata fields to break the accuracy down by) and ``classes`` (only the images of
@@ -42,32 +43,18 @@ import math
 import os
 from pathlib import Path
 
-import torch
 import yaml
 
 from mmalign import resources
 from mmalign.config import ConfigError
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.errors import UsageError
-from mmalign.evaluation import counterfactual, diagnostics, probes
-from mmalign.evaluation.caveats import looks_templated
+from mmalign.evaluation.caveats import captions_are_templates  # noqa: F401  (report.py reads it here)
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
-from mmalign.evaluation.features import FEATURE_KINDS, embed_dataset, text_encoder
-from mmalign.evaluation.retrieval import recall_at_k
-from mmalign.evaluation.slices import slice_metrics
-from mmalign.evaluation.subset import class_subset
+from mmalign.evaluation.features import embed_dataset, text_encoder
 from mmalign.evaluation.suite_schema import parse_suite
-from mmalign.evaluation.zeroshot import build_classifier, zero_shot_metrics
+from mmalign.evaluation.tasks import Row, TaskContext, TaskKind, ZeroShotTask, record_kind, task_of
 from mmalign.progress import track
-
-CAPTION_TASKS = ("retrieval", "diagnostics")  # the tasks that read the dataset's own captions
-TASK_KINDS = {
-    "zeroshot": "zeroshot_classification",
-    "retrieval": "zeroshot_retrieval",
-    "probe": "linear_probe",
-    "diagnostics": "embedding_diagnostics",
-    "counterfactual": "counterfactual",
-}
 
 
 def load_suite(name_or_path: str, cb_split: str = "test") -> dict:
@@ -81,12 +68,13 @@ def load_suite(name_or_path: str, cb_split: str = "test") -> dict:
     path = Path(name_or_path)
     shipped = not path.is_file()
     if shipped:
-        path = resources.shipped(resources.SUITES, str(name_or_path))
-    if path is None:
-        known = resources.names(resources.SUITES)
-        raise ConfigError(
-            f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})"
-        )
+        found = resources.shipped(resources.SUITES, str(name_or_path))
+        if found is None:
+            known = resources.names(resources.SUITES)
+            raise ConfigError(
+                f"config key 'eval.suite': unknown suite {name_or_path!r} (known: {', '.join(known)})"
+            )
+        path = found
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as e:
@@ -99,7 +87,7 @@ def load_suite(name_or_path: str, cb_split: str = "test") -> dict:
         sibling = path.parent / f"{suite['extends']}.yaml"
         base = load_suite(str(sibling) if sibling.is_file() else suite["extends"])
         suite = {**base, **suite, "tasks": base.get("tasks", []) + suite.get("tasks", [])}
-    _check_counterfactual_tasks(suite, path)
+    _check_task_order(suite, path)
     return suite
 
 
@@ -112,30 +100,18 @@ def _roots(path: Path, shipped: bool) -> tuple[Path, ...]:
     return (own, Path.cwd() / "eval", Path.cwd()) if shipped else (own, Path.cwd())
 
 
-def _check_counterfactual_tasks(suite: dict, path: Path) -> None:
-    seen: list[str] = []  # zeroshot tasks so far (a counterfactual task scores their classifiers)
-    for task in suite["tasks"]:
-        if task["type"] == "counterfactual":
-            missing = [n for n in task.get("tasks", []) if n not in seen]
-            if missing:
-                raise UsageError(
-                    f"suite {path}: task {task['name']!r}: key 'tasks' names {missing}, "
-                    f"which are not zeroshot tasks listed before it"
-                )
-        elif task["type"] == "zeroshot":
-            seen.append(task["name"])
-
-
-def captions_are_templates(suite: dict) -> bool:
-    """Whether the suite's dataset captions are class-name templates (retrieval on them is not meaningful)."""
-    dataset = suite.get("dataset")
-    kind = dataset.get("type") if isinstance(dataset, dict) else "shards"
-    return bool(suite.get("template_captions")) or kind in ("digits", "imagefolder")
+def _check_task_order(suite: dict, path: Path) -> None:
+    """Each task's checks against those listed before it (after ``extends``: the base's first)."""
+    before: list[TaskKind] = []
+    for entry in suite["tasks"]:
+        task = task_of(entry)
+        task.check_order(before, f"suite {path}")
+        before.append(task)
 
 
 def label_field(suite: dict) -> str:
     """The suite's first zero-shot label field (what its accuracy is over; samples are drawn stratified by it)."""
-    return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == "zeroshot"), "label")
+    return next((t["label_field"] for t in suite.get("tasks", []) if t["type"] == ZeroShotTask.kind), "label")
 
 
 def _resolve_dataset(dataset, roots: tuple[Path, ...]):
@@ -190,27 +166,6 @@ def check_suite_data(suite: dict, data: str | None = None, *, user_data: str | N
     return spec
 
 
-def _labels(metas: list[dict], task: dict) -> torch.Tensor:
-    field, names = task["label_field"], task["classnames"]
-    if task.get("label_index"):  # the field holds the class's index in classnames (clip_benchmark's .cls)
-        bad = [
-            m.get(field) for m in metas if not isinstance(m.get(field), int) or not 0 <= m[field] < len(names)
-        ]
-        if bad:
-            raise UsageError(
-                f"task {task['name']!r}: label {bad[0]!r} is not a class index "
-                f"(0..{len(names) - 1}: {len(names)} class names)"
-            )
-        return torch.tensor([m[field] for m in metas], dtype=torch.long)
-    index = {n: i for i, n in enumerate(names)}
-    unknown = {str(m.get(field)) for m in metas if m.get(field) not in index}
-    if unknown:
-        raise ConfigError(
-            f"task {task['name']!r}: {field!r} values {sorted(unknown)[:3]} are not in its classnames"
-        )
-    return torch.tensor([index[m[field]] for m in metas])
-
-
 def _clean(value):
     """NaN -> None (JSON has no NaN), recursively."""
     if isinstance(value, float) and math.isnan(value):
@@ -222,10 +177,8 @@ def _clean(value):
 
 def embedding_needs(tasks: list[dict]) -> tuple[bool, bool]:
     """(pre-projection features, the dataset's captions): what the suite's tasks read."""
-    return (
-        any(t["type"] == "probe" and t.get("features") == "pre_projection" for t in tasks),
-        any(t["type"] in CAPTION_TASKS for t in tasks),
-    )
+    needs = frozenset().union(*(task_of(t).needs() for t in tasks))
+    return "pre_projection" in needs, "captions" in needs
 
 
 def embedding_total(spec: dict) -> int | None:
@@ -238,7 +191,8 @@ def embedding_total(spec: dict) -> int | None:
     known = None
     if spec.get("type") == "shards" and spec.get("per_class") is None:  # per_class drops an unknown share
         counts = [shard_total(url) for url in expand_urls(spec["urls"])]
-        known = sum(counts) if counts and None not in counts else None
+        listed = [c for c in counts if c is not None]
+        known = sum(listed) if counts and len(listed) == len(counts) else None
     if known is None:
         return limit
     return known if limit is None else min(known, limit)
@@ -319,74 +273,31 @@ def run_suite(
                 progress=progress,
             )
         )
-        encode = text_encoder(model, device)  # (B, L) -> (B, D), in cache-sized pieces on a CPU
-        classifiers = {}  # zeroshot task name -> what counterfactuals need
+        ctx = TaskContext(
+            model=model,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            suite=suite,
+            spec=spec,
+            emb=emb,
+            encode=text_encoder(model, device),  # (B, L) -> (B, D), in cache-sized pieces on a CPU
+            batch_size=batch_size,
+            device=device,
+            say=say,
+            built=built or {},
+        )
         records = []
-        for task in tasks:
-            say(f"task {task['name']} ({task['type']})")
-            extra: dict = {}
-            if task["type"] == "zeroshot":
-                labels = _labels(emb["metas"], task)
-                weights = (built or {}).get(task["name"])  # (D, C)
-                if weights is None:
-                    weights = build_classifier(encode, tokenizer, task["classnames"], task["templates"])
-                classifiers[task["name"]] = {
-                    "weights": weights,
-                    "label_field": task["label_field"],
-                    "classnames": task["classnames"],
-                }
-                feats, metas = emb["image_features"], emb["metas"]
-                if task.get("classes"):  # held-out classes: their images, their columns
-                    rows, cols, labels = class_subset(
-                        labels, task["classnames"], task["classes"], task["name"]
-                    )
-                    feats, metas, weights = feats[rows], [metas[i] for i in rows], weights[:, cols]
-                    extra["n_images"] = len(rows)
-                metrics = zero_shot_metrics(feats, weights, labels)
-                metrics["chance_acc1"] = 1.0 / weights.shape[1]
-                if task.get("slices"):
-                    logits = 100.0 * feats @ weights
-                    extra["slices"] = {f: slice_metrics(logits, labels, metas, f) for f in task["slices"]}
-            elif task["type"] == "retrieval":
-                if len(emb["text_to_image"]) == 0:
-                    raise ConfigError(f"task {task['name']!r}: the dataset has no captions to retrieve")
-                metrics = recall_at_k(
-                    emb["image_features"],
-                    emb["text_features"],
-                    emb["text_to_image"],
-                    ks=task.get("ks", [1, 5, 10]),
-                )
-                if captions_are_templates(suite) or looks_templated(
-                    emb.get("captions", []), len(emb["keys"])
-                ):
-                    extra["template_captions"] = True  # printed with TEMPLATE_CAVEAT wherever R@k is
-            elif task["type"] == "probe":
-                kind = task.get("features", "joint")
-                feats = emb["image_pre_projection"] if kind == "pre_projection" else emb["image_features"]
-                metrics = probes.run_probes(
-                    feats, _labels(emb["metas"], task), len(task["classnames"]), task, say=say
-                )
-                metrics["chance_acc1"] = 1.0 / len(task["classnames"])
-                extra["features"] = kind
-                extra["features_description"] = FEATURE_KINDS[kind]
-            elif task["type"] == "diagnostics":
-                metrics = diagnostics.embedding_diagnostics(
-                    emb["image_features"],
-                    emb["text_features"],
-                    emb["text_to_image"],
-                    seed=int(task.get("seed", 0)),
-                )
-            else:
-                metrics, extra["expected"] = _counterfactuals(
-                    model, preprocess, spec, task, classifiers, batch_size, device
-                )
+        for entry in tasks:
+            say(f"task {entry['name']} ({entry['type']})")
+            task = task_of(entry)
+            metrics, extra = task.run(ctx)
             records.append(
                 {
                     # a cb:DIR suite's task names its record as clip_benchmark does (wds/NAME)
-                    "dataset": task.get("record_dataset") or f"{suite['name']}/{task['name']}",
+                    "dataset": task.record_dataset or f"{suite['name']}/{task.name}",
                     "model": model_name,
                     "pretrained": None,
-                    "task": TASK_KINDS[task["type"]],
+                    "task": task.record_task,
                     "metrics": _clean(metrics),
                     "language": "en",
                     "n_images": len(emb["keys"]),
@@ -399,29 +310,6 @@ def run_suite(
         model.train(was_training)
 
 
-def _counterfactuals(
-    model, preprocess, spec: dict, task: dict, classifiers: dict, batch_size: int, device: str
-) -> tuple[dict, dict]:
-    names = task.get("tasks", list(classifiers))
-    missing = [n for n in names if n not in classifiers]
-    if missing:
-        raise ConfigError(
-            f"task {task['name']!r}: counterfactual tasks {missing} must be zeroshot tasks listed before it"
-        )
-    limit = int(task.get("limit", 256))
-    samples = list(iter_dataset(dict(spec, limit=min(limit, int(spec.get("limit") or limit)))))
-    return counterfactual.run_counterfactuals(
-        model,
-        preprocess,
-        samples,
-        task["edits"],
-        {n: classifiers[n] for n in names},
-        batch_size,
-        device,
-        int(task.get("seed", 0)),
-    )
-
-
 def write_results(records: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -429,31 +317,6 @@ def write_results(records: list[dict], path: str | Path) -> Path:
     return path
 
 
-def summary_rows(records: list[dict]) -> list[tuple[str, str, float]]:
-    """(task, metric, value) rows for the headline numbers."""
-    rows = []
-    for r in records:
-        m, name = r["metrics"], r["dataset"]
-        if r["task"] == "zeroshot_classification":
-            rows.append((name, "acc1", m["acc1"]))
-            rows.append((name, "chance", m["chance_acc1"]))
-        elif r["task"] == "zeroshot_retrieval":
-            for k in (1, 5):
-                rows.append((name, f"text->image R@{k}", m.get(f"image_retrieval_recall@{k}")))
-                rows.append((name, f"image->text R@{k}", m.get(f"text_retrieval_recall@{k}")))
-            rows.append((name, "chance R@5", 5 / r["n_images"]))
-        elif r["task"] == "linear_probe":  # linear, kNN, few-shot and chance top-1
-            rows += [(f"{name} ({r['features']})", k, v) for k, v in m.items() if k.endswith("_acc1")]
-        elif r["task"] == "embedding_diagnostics":
-            for k in (
-                "alignment",
-                "uniformity_image",
-                "effective_rank_image",
-                "modality_gap",
-                "nn_diversity_image",
-                "positive_negative_auc",
-            ):
-                rows.append((name, k, m.get(k)))
-        else:
-            rows += [(name, k, v) for k, v in m.items() if k.endswith(("_cosine_mean", "_flip_rate"))]
-    return rows
+def summary_rows(records: list[dict]) -> list[Row]:
+    """(task, metric, value) rows for the headline numbers: each record's kind picks its own."""
+    return [row for r in records for row in record_kind(r).summary(r)]

@@ -24,13 +24,12 @@ from mmalign.data.shards import (
     parse_captions,
     parse_meta,
 )
+from mmalign.evaluation.tasks import task_of
 
 PROBE_SAMPLES = 32  # enough to see a field's absence and a foreign class name; costs no image decode
 REMOTE_PROBE_S = (
     15.0  # a remote shard's probe: what arrived by then is the probe (a slow server never blocks)
 )
-LABEL_TASKS = ("zeroshot", "probe")
-CAPTION_TASKS = ("retrieval", "diagnostics")
 
 
 def probe_samples(
@@ -91,7 +90,8 @@ def task_mismatch(task: dict, probed: list[dict]) -> str | None:
     """Why ``task`` cannot read the probed samples (None: it can)."""
     if not probed:
         return None
-    if task["type"] in LABEL_TASKS:
+    needs = task_of(task).needs()  # "labels": its label_field; "captions": the samples' captions
+    if "labels" in needs:
         field, names = task["label_field"], task["classnames"]
         values = [p["json"].get(field) for p in probed]
         if all(v is None for v in values):
@@ -108,7 +108,7 @@ def task_mismatch(task: dict, probed: list[dict]) -> str | None:
         foreign = sorted({str(v) for v in values if v not in names})
         if foreign:
             return f"{field!r} values {foreign[:3]} are not among its classnames {names[:4]}{'...' if len(names) > 4 else ''}"
-    elif task["type"] in CAPTION_TASKS and not any(p["captions"] for p in probed):
+    elif "captions" in needs and not any(p["captions"] for p in probed):
         return "needs captions (.txt, or captions in .json), which the samples lack"
     return None
 
@@ -128,7 +128,8 @@ def fitting_suites(probed: list[dict], exclude: str | None = None) -> list[str]:
     from mmalign.evaluation.datasets import dataset_spec
     from mmalign.evaluation.suite import load_suite
 
-    labelled, captions_only = [], []
+    labelled: list[str] = []
+    captions_only: list[str] = []
     for name in resources.names(resources.SUITES):
         if name == exclude:
             continue
@@ -139,7 +140,7 @@ def fitting_suites(probed: list[dict], exclude: str | None = None) -> list[str]:
         except Exception:  # noqa: BLE001  (a suggestion is best effort; the suite's own checks speak when used)
             continue
         if suite_mismatch(suite, probed) is None:
-            has_labels = any(t["type"] in LABEL_TASKS for t in suite["tasks"])
+            has_labels = any("labels" in task_of(t).needs() for t in suite["tasks"])
             (labelled if has_labels else captions_only).append(name)
     return labelled + captions_only
 
@@ -157,7 +158,7 @@ def check_suite_fields(
     ``--set KEY=``), ``nothing`` how to evaluate nothing (default that flag with ``none``)."""
     if spec.get("type") != "shards":
         return
-    probed = probe_samples(spec.get("urls"))
+    probed = probe_samples(spec.get("urls") or [])
     found = suite_mismatch(suite, probed)
     if found is None:
         return

@@ -1,4 +1,5 @@
-"""The typed form of a suite YAML: one dataclass per task kind, per dataset kind, per edit.
+"""The typed form of a suite YAML: one dataclass per dataset kind; a task is parsed into the
+class registered for its ``type`` (:mod:`mmalign.evaluation.tasks`).
 
 :func:`parse_suite` checks a suite file's mapping against these classes the way the
 experiment config is checked: an unknown key, a value of the wrong type and a missing
@@ -21,90 +22,22 @@ from typing import Any, ClassVar, Literal, Union
 
 from mmalign.data.templates import check_templates
 from mmalign.errors import UsageError
-
-FEATURES = Literal["joint", "pre_projection"]  # = mmalign.evaluation.features.FEATURE_KINDS
-PROBE_METHODS = Literal["linear", "knn", "fewshot"]
-
-
-# ------------------------------------------------------------------ tasks
-
-
-@dataclass
-class ZeroShotTask:
-    kind: ClassVar[str] = "zeroshot"
-    name: str
-    label_field: str  # the .json field holding the class name
-    classnames: list[str]
-    templates: list[str]  # prompts with {c}
-    slices: list[str] | None = None  # .json fields to break the accuracy down by (default none)
-    # score only the images of these classes, among these classes (held-out classes; default all)
-    classes: list[str] | None = None
-
-
-@dataclass
-class RetrievalTask:
-    kind: ClassVar[str] = "retrieval"
-    name: str
-    ks: list[int] | None = None  # default [1, 5, 10]
-
-
-@dataclass
-class ProbeTask:
-    """Options as :func:`mmalign.evaluation.probes.run_probes` reads them (its defaults)."""
-
-    kind: ClassVar[str] = "probe"
-    name: str
-    label_field: str
-    classnames: list[str]
-    features: FEATURES | None = None  # default joint
-    methods: list[PROBE_METHODS] | None = None  # default all three
-    Cs: list[float] | None = None  # the linear probe's C grid
-    knn_k: list[int] | None = None  # default [1, 5, 20]
-    shots: list[int] | None = None  # default [1, 5]
-    episodes: int | None = None  # default 5
-    seed: int | None = None  # default 0
-    test_fraction: float | None = None  # default 0.3
-    val_fraction: float | None = None  # default 0.2
-
-
-@dataclass
-class DiagnosticsTask:
-    kind: ClassVar[str] = "diagnostics"
-    name: str
-    seed: int | None = None  # default 0
-
-
-@dataclass
-class Edit:
-    """One counterfactual edit (:mod:`mmalign.evaluation.counterfactual`)."""
-
-    name: Literal["hflip", "crop", "rerender"]
-    scale: float | None = None  # crop: default 0.9
-    field: str | None = None  # rerender: the attribute changed, default colour
-    label: str | None = None  # the metric prefix, default the edit's name
-
-
-@dataclass
-class CounterfactualTask:
-    kind: ClassVar[str] = "counterfactual"
-    name: str
-    edits: list[Edit]
-    tasks: list[str] | None = None  # zero-shot tasks listed before this one (default all of them)
-    limit: int | None = None  # images, default 256
-    seed: int | None = None  # default 0
-
-
-TASKS = {
-    cls.kind: cls for cls in (ZeroShotTask, RetrievalTask, ProbeTask, DiagnosticsTask, CounterfactualTask)
-}
-
+from mmalign.evaluation.tasks import TaskKind, task_class
+from mmalign.evaluation.tasks.base import given
 
 # --------------------------------------------------------------- datasets
 # (defaults: mmalign.evaluation.datasets; ``limit`` and ``stratify`` are set by ``--limit`` too)
 
 
 @dataclass
-class ShardsDataset:
+class DatasetSpec:
+    """Base of the dataset kinds."""
+
+    kind: ClassVar[str] = ""
+
+
+@dataclass
+class ShardsDataset(DatasetSpec):
     kind: ClassVar[str] = "shards"
     urls: str | list | None = None  # a shard spec; --data or the run's data.val may give it instead
     limit: int | None = None
@@ -114,7 +47,7 @@ class ShardsDataset:
 
 
 @dataclass
-class DigitsDataset:
+class DigitsDataset(DatasetSpec):
     kind: ClassVar[str] = "digits"
     size: int | None = None  # pixels, default 32
     caption_templates: list[str] | None = None
@@ -125,7 +58,7 @@ class DigitsDataset:
 
 
 @dataclass
-class ImageFolderDataset:
+class ImageFolderDataset(DatasetSpec):
     kind: ClassVar[str] = "imagefolder"
     path: str | list | None = None  # a directory or a tar of class folders; --data may give it
     classnames: list[str] | None = None
@@ -152,26 +85,11 @@ class Suite:
 
     def to_dict(self) -> dict:
         """The suite as the mapping evaluation reads: the file's keys, each task with its ``type``."""
-        out = _given(self)
-        out["tasks"] = [{"type": t.kind, **_given(t)} for t in self.tasks]
-        if dataclasses.is_dataclass(self.dataset):
-            out["dataset"] = {"type": self.dataset.kind, **_given(self.dataset)}
+        out = given(self)
+        out["tasks"] = [{"type": t.kind, **given(t)} for t in self.tasks]
+        if isinstance(self.dataset, DatasetSpec):  # else a shard spec, as written
+            out["dataset"] = {"type": self.dataset.kind, **given(self.dataset)}
         return out
-
-
-def _given(obj) -> dict:
-    """The fields of a dataclass that were given (not None), nested dataclasses as mappings."""
-
-    def plain(v):
-        if dataclasses.is_dataclass(v):
-            return _given(v)
-        return [plain(x) for x in v] if isinstance(v, list) else v
-
-    return {
-        f.name: plain(getattr(obj, f.name))
-        for f in dataclasses.fields(obj)
-        if getattr(obj, f.name) is not None
-    }
 
 
 # ---------------------------------------------------------------- parsing
@@ -193,22 +111,13 @@ def parse_suite(data: Any, source: str) -> Suite:
     return suite
 
 
-def _task(data: Any, index: int, where: str):
+def _task(data: Any, index: int, where: str) -> TaskKind:
     if not isinstance(data, dict):
         raise UsageError(f"{where}: task {index + 1} is not a mapping, got {data!r}")
     label = f"{where}: task {data.get('name', index + 1)!r}"
-    kind = data.get("type")
-    if kind not in TASKS:
-        raise UsageError(f"{label}: key 'type' must be one of {', '.join(TASKS)}, got {kind!r}")
-    task = _build(TASKS[kind], {k: v for k, v in data.items() if k != "type"}, label, skip=("type",))
-    if kind == "zeroshot":
-        check_templates(task.templates, f"{label}: key 'templates'")  # {x}, {}, a lone {, a blank one
-    if kind == "zeroshot" and task.classes is not None:
-        classes = task.classes
-        if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(task.classnames):
-            raise UsageError(
-                f"{label}: key 'classes' must list distinct names of its classnames, got {classes!r}"
-            )
+    cls = task_class(data.get("type"), label)
+    task = _build(cls, {k: v for k, v in data.items() if k != "type"}, label, skip=("type",))
+    task.check(label)
     return task
 
 
@@ -232,8 +141,9 @@ def _dataset(data: Any, where: str):
     return dataset
 
 
-def _build(cls: type, data: dict, where: str, skip: tuple = ()):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+def _build(cls: Any, data: dict, where: str, skip: tuple = ()):
+    # a task's internal keys (set by in-memory suites) are not a file's
+    fields = cls.yaml_keys() if issubclass(cls, TaskKind) else {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
@@ -249,11 +159,13 @@ def _build(cls: type, data: dict, where: str, skip: tuple = ()):
             raise UsageError(f"{where}: missing required key {name!r}")
     kwargs = {}
     for key, value in data.items():
-        if hints[key] == list[Edit]:  # the one nested schema
+        item = _nested(hints[key])
+        if item is not None:  # a list of mappings, each its own schema (a counterfactual's edits)
+            noun = item.__name__.lower()
             if not isinstance(value, list) or not value:
-                raise UsageError(f"{where}: key {key!r} expects a non-empty list of edits, got {value!r}")
+                raise UsageError(f"{where}: key {key!r} expects a non-empty list of {noun}s, got {value!r}")
             kwargs[key] = [
-                _build(Edit, e, f"{where}: edit {i + 1}") if isinstance(e, dict) else _bad(where, key, e)
+                _build(item, e, f"{where}: {noun} {i + 1}") if isinstance(e, dict) else _bad(where, key, e)
                 for i, e in enumerate(value)
             ]
         elif not _fits(value, hints[key]):
@@ -261,6 +173,14 @@ def _build(cls: type, data: dict, where: str, skip: tuple = ()):
         else:
             kwargs[key] = value
     return cls(**kwargs)
+
+
+def _nested(tp: Any) -> Any:
+    """The dataclass of a ``list[SomeDataclass]`` annotation (else None)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        return args[0] if isinstance(args[0], type) else None
+    return None
 
 
 def _bad(where: str, key: str, value: Any):

@@ -56,11 +56,15 @@ def test_probe_reads_json_and_captions_of_the_first_samples(tmp_path):
 
 def test_each_task_kind_names_its_missing_field(tmp_path):
     probed = probe_samples(str(cifar_like(tmp_path / "a.tar", captions=False)))
-    shape = {"name": "shape", "type": "zeroshot", "label_field": "shape", "classnames": ["circle"]}
+    zeroshot = {
+        "type": "zeroshot",
+        "templates": ["a {c}."],
+    }  # the keys a suite's zeroshot task has besides these
+    shape = {**zeroshot, "name": "shape", "label_field": "shape", "classnames": ["circle"]}
     assert "'shape'" in task_mismatch(shape, probed) and "classname" in task_mismatch(shape, probed)
-    wrong = {"name": "z", "type": "zeroshot", "label_field": "classname", "classnames": ["circle", "square"]}
+    wrong = {**zeroshot, "name": "z", "label_field": "classname", "classnames": ["circle", "square"]}
     assert "airplane" in task_mismatch(wrong, probed)
-    right = {"name": "z", "type": "zeroshot", "label_field": "classname", "classnames": CIFAR}
+    right = {**zeroshot, "name": "z", "label_field": "classname", "classnames": CIFAR}
     assert task_mismatch(right, probed) is None
     assert "captions" in task_mismatch({"name": "r", "type": "retrieval"}, probed)
     index = {
@@ -159,7 +163,13 @@ def test_a_remote_validation_shard_is_probed_too(tmp_path):
     suite = {
         "name": "shapes",
         "tasks": [
-            {"name": "shape", "type": "zeroshot", "label_field": "shape", "classnames": ["circle", "square"]}
+            {
+                "name": "shape",
+                "type": "zeroshot",
+                "label_field": "shape",
+                "classnames": ["circle", "square"],
+                "templates": ["a {c}."],
+            }
         ],
     }
     with serve(tmp_path / "srv") as server:
