@@ -49,16 +49,12 @@ import torch.nn.functional as F
 from data_pipelines.shard_input import input_shards
 from mmalign.config import ConfigError
 from mmalign.extras import extra, require
+from mmalign.losses.positives import normalise_caption  # the loss's "caption" positives' rule
 from mmalign.progress import track
 
 log = logging.getLogger("mmalign.mine")
 
 STATS_FILE = "mine.json"
-
-
-def normalise_caption(text: str) -> str:
-    # Case and whitespace variants of one caption are the same caption (as losses.positives).
-    return " ".join(text.split()).casefold()
 
 
 @dataclass

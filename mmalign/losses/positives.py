@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Positives", "caption_ids", "positive_logit"]
+__all__ = ["Positives", "caption_ids", "normalise_caption", "positive_logit"]
 
 
-def _normalise_caption(text: str) -> str:
-    # Case and whitespace variants of one caption are the same caption.
+def normalise_caption(text: str) -> str:
+    """Case and whitespace variants of one caption are the same caption (the one rule: the
+    loss's ``caption`` positives and the hard-negative miner's own captions)."""
     return " ".join(text.split()).casefold()
 
 
@@ -39,7 +40,7 @@ def caption_ids(captions: list[str]) -> Tensor:
     """
     ids = []
     for text in captions:
-        digest = hashlib.blake2b(_normalise_caption(text).encode("utf-8"), digest_size=8).digest()
+        digest = hashlib.blake2b(normalise_caption(text).encode("utf-8"), digest_size=8).digest()
         ids.append(int.from_bytes(digest, "little", signed=True))
     return torch.tensor(ids, dtype=torch.int64)
 
