@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmalign.errors import UsageError
 from mmalign.extras import extra
 from mmalign.models.load import Loaded
 
@@ -82,9 +81,7 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     size, towers = model.image_size, model.towers
     # each tower kind gives its example input and its tokenizer entry: a kind without those
     # hooks is refused here, never exported with a default tokenizer
-    onnx_tokenizer = getattr(towers.text, "onnx_tokenizer", None)
-    if not callable(onnx_tokenizer):
-        raise UsageError(f"--format onnx: the {towers.text.kind} text tower kind has no ONNX tokenizer hook")
+    tokenizer_entry = towers.text.onnx_tokenizer(source.tokenizer_file)
     # Batch 2 for tracing: a batch of 1 invites the tracer to specialise on it.
     pixels = towers.vision.onnx_input(2)  # (2, 3, H, W)
     tokens = towers.text.onnx_input(2, source.tokenizer)  # (2, L) int64
@@ -109,13 +106,11 @@ def export_onnx(source: Loaded, out: Path) -> Path:
         "opset": OPSET,
         "logit_scale": float(model.logit_scale.detach().exp().reshape(-1)[0]),
         "preprocess_cfg": dict(source.preprocess_cfg),
-        "tokenizer": onnx_tokenizer(source.tokenizer_file),
+        "tokenizer": tokenizer_entry,
     }
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
-    if callable(
-        getattr(towers.text, "export_files", None)
-    ):  # an HF text tower: its tokenizer files beside the graphs
+    if towers.text.ships_files:  # an HF text tower: its tokenizer files beside the graphs
         towers.text.export_files(out / config["tokenizer"]["folder"])
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out

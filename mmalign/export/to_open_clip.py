@@ -74,7 +74,7 @@ def export_open_clip(source: Loaded, out: Path, final: Path | None = None) -> Pa
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
     text = source.model.towers.text
     changes = {}
-    if callable(getattr(text, "export_files", None)):  # a tower that ships files of its own (an HF folder)
+    if text.ships_files:  # a tower that ships files of its own (an HF folder)
         changes = _hf_text(text, out, (final or out).resolve())
     config = {"model_cfg": model_cfg(source, changes), "preprocess_cfg": dict(source.preprocess_cfg)}
     if source.tokenizer_file is not None:

@@ -96,13 +96,13 @@ def _check_tokenizer(cfg: ModelConfig, arch: dict) -> None:
     ``model.pretrained`` folder ships) loads now: a file that is no tokenizer is one line here,
     not a traceback when training builds it.  The default CLIP BPE ships with open_clip."""
     from mmalign.errors import ConfigError, UsageError
-    from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
-    from mmalign.models.towers import Towers
+    from mmalign.models.tokenizers import build_tokenizer
+    from mmalign.models.towers import Towers, TowerSpec
 
     spec = Towers.from_arch(arch).text
-    if not callable(getattr(spec, "tokenizer", None)):  # a kind must say how its ids are made
+    if type(spec).tokenizer is TowerSpec.tokenizer:  # a kind must say how its ids are made
         raise ConfigError(f"config key 'model.text': the {spec.kind} text tower kind has no tokenizer() hook")
-    if tokenizer_file(arch) is None and not getattr(spec, "folder", None):
+    if spec.tokenizer_file is None and not spec.folder:
         return
     own = [
         k for k in ("tokenizer_kwargs", "hf_tokenizer_name", "hf_model_name", "hf_local_dir") if k in cfg.text

@@ -40,8 +40,8 @@ def resolve_arch(cfg: ModelConfig) -> dict:
     arch["quick_gelu"] = bool(arch["quick_gelu"] or cfg.quick_gelu)
     if cfg.embed_dim is not None:
         arch["embed_dim"] = cfg.embed_dim
-    arch["vision_cfg"].update(cfg.vision)
-    arch["text_cfg"].update(cfg.text)
+    arch["vision_cfg"] = _merged("vision", arch["vision_cfg"], cfg.vision)
+    arch["text_cfg"] = _merged("text", arch["text_cfg"], cfg.text)
     if cfg.image_size is not None:
         arch["vision_cfg"]["image_size"] = cfg.image_size
     # timm image towers: random init or model.timm_weights, never timm's download
@@ -51,7 +51,31 @@ def resolve_arch(cfg: ModelConfig) -> dict:
         check_tokenizer(arch["text_cfg"])
     elif is_hf_text(arch["text_cfg"]):  # by hub name: refused (or a saved arch's folder, made absolute)
         arch["text_cfg"] = apply_local_dir(arch["text_cfg"], cfg.preset)
-    return arch
+    return _with_kinds(arch)
+
+
+def _merged(side: str, base: dict, own: dict) -> dict:
+    """A tower dict with the config's keys (``model.vision`` / ``model.text``) over ``base``'s;
+    a ``kind:`` naming another kind than ``base``'s starts from the config's keys alone (the
+    base's keys belong to its own kind)."""
+    from mmalign.models.towers import KIND_KEY, tower_kind
+
+    if KIND_KEY in own and own[KIND_KEY] != tower_kind(side, base):
+        return dict(own)
+    return {**base, **own}
+
+
+def _with_kinds(arch: dict) -> dict:
+    """``arch`` with each tower's ``kind:`` written (models/towers/), as a model saves it; a kind
+    that is not registered, or a tower dict no kind claims, is one ConfigError line."""
+    from mmalign.models.towers import KIND_KEY, spec_from_cfg, with_kinds
+
+    for side, part in (("vision", "vision_cfg"), ("text", "text_cfg")):
+        try:
+            spec_from_cfg(side, arch[part])
+        except ConfigError as e:
+            raise ConfigError(f"config key 'model.{side}.{KIND_KEY}': {e}") from None
+    return with_kinds(arch)
 
 
 def kind_of(path: Path, key: str) -> str:
@@ -204,7 +228,9 @@ def differences(a: dict, b: dict, parts: tuple[str, ...] = ("vision_cfg", "text_
         defaults = {
             f.name: _default(f) for f in fields(CLIPVisionCfg if part == "vision_cfg" else CLIPTextCfg)
         }
-        for k in sorted((set(a[part]) | set(b[part])) - {"tokenizer_kwargs"}):
+        for k in sorted(
+            (set(a[part]) | set(b[part])) - {"tokenizer_kwargs", "kind"}
+        ):  # kind: one is inferred
             va, vb = a[part].get(k, defaults.get(k)), b[part].get(k, defaults.get(k))
             if norm(va) != norm(vb):
                 out.append(f"{part}.{k}: {va!r} vs {vb!r}")

@@ -61,9 +61,7 @@ def _record_tokenizer(model: TwoTower, out: Path) -> tuple[dict, dict]:
     from mmalign.data.tokenizer import SPM_KEY
     from mmalign.models.tokenizers import tokenizer_file
 
-    if callable(
-        getattr(model.towers.text, "export_files", None)
-    ):  # an HF text tower: config + tokenizer in hf_text/
+    if model.towers.text.ships_files:  # an HF text tower: config + tokenizer in hf_text/
         from mmalign.models.hf_text import record_for_save
 
         return record_for_save(model.arch, out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,7 +72,8 @@ def fit_input_size(visual: nn.Module, vision_cfg: dict) -> None:
     wanted = tuple(size) if isinstance(size, (list, tuple)) else (int(size), int(size))
     default = tuple(trunk.pretrained_cfg.get("input_size", (3, *wanted))[1:])
     if default != wanted:
-        visual.set_input_size(wanted)
+        timm_model: Any = visual  # open_clip's TimmModel
+        timm_model.set_input_size(wanted)
 
 
 def _read(path: Path) -> dict:
@@ -91,7 +93,8 @@ def _read(path: Path) -> dict:
 
 def load_timm_weights(visual: nn.Module, path: str | Path) -> None:
     """The timm checkpoint at ``path`` into ``visual.trunk`` (open_clip's TimmModel)."""
-    trunk, path = visual.trunk, Path(path)
+    trunk: Any = visual.get_submodule("trunk")  # a timm model (pretrained_cfg, default_cfg)
+    path = Path(path)
     try:
         state = _read(path)
     except ConfigError:
@@ -140,7 +143,8 @@ def open_clip_refusal(towers, state: dict) -> str | None:
     from open_clip.model import _build_vision_tower
 
     with torch.device("meta"):
-        plain = _build_vision_tower(arch["embed_dim"], {**arch["vision_cfg"], "timm_model_pretrained": False})
+        cfg = {k: v for k, v in arch["vision_cfg"].items() if k != "kind"}  # open_clip's keys only
+        plain = _build_vision_tower(arch["embed_dim"], {**cfg, "timm_model_pretrained": False})
     wrong = [
         k
         for k, v in plain.state_dict().items()

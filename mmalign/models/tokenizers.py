@@ -8,9 +8,13 @@ models.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmalign.models.towers import Tokenizer, Towers, TowerSpec
 
 
-def text_spec(arch):
+def text_spec(arch: dict[str, Any] | Towers | TowerSpec) -> TowerSpec:
     """The typed text tower of an architecture dict (or a spec / a model's ``towers`` as is)."""
     from mmalign.models.towers import Towers, TowerSpec, spec_from_cfg
 
@@ -21,12 +25,14 @@ def text_spec(arch):
     return spec_from_cfg("text", dict(arch.get("text_cfg", {})))
 
 
-def tokenizer_file(arch) -> str | None:
+def tokenizer_file(arch: dict[str, Any] | Towers | TowerSpec) -> str | None:
     """The sentencepiece model file a text tower names, or None."""
-    return getattr(text_spec(arch), "tokenizer_file", None)
+    return text_spec(arch).tokenizer_file
 
 
-def build_tokenizer(arch, base_dir: str | Path | None = None):
+def build_tokenizer(
+    arch: dict[str, Any] | Towers | TowerSpec, base_dir: str | Path | None = None
+) -> Tokenizer:
     """Tokenizer for a text tower: ``tokenizer(list[str]) -> LongTensor (N, context_length)``.
 
     ``arch``: an architecture dict, a model's ``towers`` or a text tower spec; the tower's kind
@@ -34,10 +40,4 @@ def build_tokenizer(arch, base_dir: str | Path | None = None):
     default.  A relative sentencepiece path or Hugging Face folder resolves against
     ``base_dir`` (a saved model's folder).
     """
-    from mmalign.errors import UsageError
-
-    spec = text_spec(arch)
-    make = getattr(spec, "tokenizer", None)
-    if not callable(make):
-        raise UsageError(f"the {spec.kind} text tower kind has no tokenizer() hook")
-    return make(base_dir)
+    return text_spec(arch).tokenizer(base_dir)  # a kind without the hook: TowerSpec's one-line refusal

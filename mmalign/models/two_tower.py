@@ -8,6 +8,7 @@ the logit scale (and optional SigLIP bias) for the loss to use.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,9 @@ class TwoTower(nn.Module):
         max_logit_scale: float = 100.0,
     ):
         super().__init__()
-        self.arch = arch
-        self.max_logit_scale = float(max_logit_scale)
         towers = Towers.from_arch(arch)  # each tower's kind builds it (models/towers/)
+        self.arch = towers.to_arch()  # the saved form: each tower's kind: explicit
+        self.max_logit_scale = float(max_logit_scale)
         quick_gelu = bool(towers.quick_gelu)
         self.visual = towers.vision.build(towers.embed_dim, quick_gelu)
         self.text = towers.text.build(towers.embed_dim, quick_gelu)
@@ -126,7 +127,8 @@ class TwoTower(nn.Module):
             features = self.text(tokens)  # (B, D) after the text projection head
         else:
             if self.trim_text and tokens.device.type == "cpu":  # a device tensor would need a host read
-                tokens = trim_tokens(tokens, pad_id=self.text.pad_id)  # (B, L') L' <= context length
+                pad_id = cast(int, self.text.pad_id)  # an int attribute of open_clip's TextTransformer
+                tokens = trim_tokens(tokens, pad_id=pad_id)  # (B, L') L' <= context length
             with short_context(self.text, tokens.shape[1]):  # the loop trims on the host before the copy
                 features = self.text(tokens)  # (B, D)
         return F.normalize(features, dim=-1) if normalize else features

@@ -61,8 +61,10 @@ def _open_clip_train_checkpoint(src, path):
     0-dim logit_scale), its keys prefixed ``module.``, wrapped with the epoch and optimizer."""
     import open_clip
 
-    arch = load(src / "run").model.arch
-    clip = open_clip.model.CLIP(arch["embed_dim"], arch["vision_cfg"], arch["text_cfg"], quick_gelu=False)
+    towers = load(src / "run").model.towers  # open_clip's tower dicts (model.arch adds each kind:)
+    clip = open_clip.model.CLIP(
+        towers.embed_dim, towers.vision.open_clip_cfg(), towers.text.open_clip_cfg(), quick_gelu=False
+    )
     state = load_file(str(src / "oc" / "open_clip_model.safetensors"))
     plain = {(k[len("text.") :] if k.startswith("text.") else k): v for k, v in state.items()}
     clip.load_state_dict(plain, strict=True)  # open_clip's own names: the layout is real

@@ -1,15 +1,14 @@
 """Typed towers behind a registry (towers/base.py): one module per kind, and :class:`Towers`,
-the typed form of an architecture dict (towers/arch.py)."""
+the typed form of an architecture dict (towers/arch.py).  A tower dict names its kind with
+``kind:`` (dicts without one are claimed by exactly one kind), so the order below is free."""
 
-# isort: off
-from mmalign.models.towers import vit, resnet, timm, text, hf_text  # noqa: F401 (registrations; order matters)
-
-# isort: on
-from mmalign.models.towers.arch import Towers
+from mmalign.models.towers import hf_text, resnet, text, timm, vit  # noqa: F401 (registrations)
+from mmalign.models.towers.arch import Towers, with_kinds
 from mmalign.models.towers.base import (
-    Tower,
+    KIND_KEY,
+    Tokenizer,
     TowerSpec,
-    build_tower,
+    claimant,
     register_tower,
     registered,
     spec_class,
@@ -19,14 +18,16 @@ from mmalign.models.towers.base import (
 )
 
 __all__ = [
-    "Tower",
+    "KIND_KEY",
+    "Tokenizer",
     "TowerSpec",
     "Towers",
-    "build_tower",
+    "claimant",
     "register_tower",
     "registered",
     "spec_class",
     "spec_from_cfg",
     "tower_kind",
     "unregister_tower",
+    "with_kinds",
 ]

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from mmalign.models.towers.base import Tokenizer, TowerSpec, register_tower
+from mmalign.models.towers.text import example_tokens
 
-from mmalign.models.towers.base import TowerSpec, register_tower
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @register_tower("hf_text")
@@ -16,6 +20,7 @@ from mmalign.models.towers.base import TowerSpec, register_tower
 class HFTextSpec(TowerSpec):
     side = "text"
     marker = "hf_model_name"
+    ships_files = True  # its transformers config and tokenizer (export_files)
 
     hf_model_name: str = ""
     hf_tokenizer_name: str = ""
@@ -26,16 +31,15 @@ class HFTextSpec(TowerSpec):
     vocab_size: int = 49408
 
     @classmethod
-    def claims(cls, cfg: dict) -> bool:
+    def claims(cls, cfg: dict[str, Any]) -> bool:
         from mmalign.models.hf_text import is_hf_text
 
         return is_hf_text(cfg)
 
     @property
-    def folder(self) -> str:
-        return self.hf_model_name or self.hf_tokenizer_name
-
-    tokenizer_file = None  # no sentencepiece file: the folder holds the tokenizer
+    def folder(self) -> str | None:
+        """The folder holds the tokenizer too (no sentencepiece file)."""
+        return self.hf_model_name or self.hf_tokenizer_name or None
 
     def build(self, embed_dim: int, quick_gelu: bool) -> nn.Module:
         import torch
@@ -45,9 +49,10 @@ class HFTextSpec(TowerSpec):
         if self.hf_model_pretrained and torch.get_default_device().type == "meta":
             # check_buildable: transformers refuses from_pretrained on meta; the config gives the shapes
             cfg["hf_model_pretrained"] = False
-        return _build_text_tower(embed_dim, cfg, quick_gelu)
+        module: nn.Module = _build_text_tower(embed_dim, cfg, quick_gelu)
+        return module
 
-    def tokenizer(self, base_dir: str | Path | None = None):
+    def tokenizer(self, base_dir: str | Path | None = None) -> Tokenizer:
         from mmalign.data.tokenizer import HFTextTokenizer
 
         path = Path(self.hf_tokenizer_name or self.hf_model_name)
@@ -58,10 +63,10 @@ class HFTextSpec(TowerSpec):
     def lock_groups(self, module: nn.Module) -> int:
         return int(getattr(module.config, "num_hidden_layers", 0))
 
-    def open_clip_cfg(self) -> dict:
+    def open_clip_cfg(self) -> dict[str, Any]:
         return self.to_cfg()  # the exporter names the folder itself (export/to_open_clip.py)
 
-    def onnx_tokenizer(self, tokenizer_file: str | None) -> dict:
+    def onnx_tokenizer(self, tokenizer_file: str | None) -> dict[str, Any]:
         from mmalign.models.hf_text import SAVED_DIR
 
         return {"type": "hf", "folder": SAVED_DIR, "context_length": self.context_length}
@@ -70,10 +75,10 @@ class HFTextSpec(TowerSpec):
         """The folder's transformers config and tokenizer (never its weights) into ``out``."""
         from mmalign.models.hf_text import copy_config_and_tokenizer
 
-        copy_config_and_tokenizer(self.folder, out)
+        copy_config_and_tokenizer(self.hf_model_name or self.hf_tokenizer_name, out)
 
-    def onnx_input(self, batch: int, tokenizer=None):
-        return tokenizer(["an example caption", "another one", "a third"][:batch]).long()  # (B, L)
+    def onnx_input(self, batch: int, tokenizer: Tokenizer | None = None) -> torch.Tensor:
+        return example_tokens(batch, tokenizer or self.tokenizer())  # (B, L)
 
     def flops(self, embed_dim: int) -> int:
         """Counted on a randomly initialised copy (transformers' encoders differ per model_type,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from mmalign.models.towers.base import Tokenizer, TowerSpec, register_tower
 
-from mmalign.models.towers.base import TowerSpec, register_tower
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def transformer_flops(tokens: int, width: int, layers: int, mlp_width: int) -> int:
@@ -21,7 +24,7 @@ def transformer_flops(tokens: int, width: int, layers: int, mlp_width: int) -> i
     return 2 * layers * per_block
 
 
-def square(size, default: int = 224) -> tuple[int, int]:
+def square(size: int | tuple[int, ...] | list[int] | None, default: int = 224) -> tuple[int, int]:
     if size is None:
         return default, default
     return (int(size[0]), int(size[1])) if isinstance(size, (list, tuple)) else (int(size), int(size))
@@ -31,31 +34,33 @@ def square(size, default: int = 224) -> tuple[int, int]:
 @dataclass
 class ViTSpec(TowerSpec):
     side = "vision"
+    fallback = True  # open_clip's default vision tower: a dict no other kind claims
     hf_clip = True
 
-    image_size: int | tuple = 224
+    image_size: int | tuple[int, ...] = 224
     layers: int = 12
     width: int = 768
     head_width: int = 64
     mlp_ratio: float = 4.0
-    patch_size: int | tuple = 16
+    patch_size: int | tuple[int, ...] = 16
 
     @classmethod
-    def claims(cls, cfg: dict) -> bool:
+    def claims(cls, cfg: dict[str, Any]) -> bool:
         return not isinstance(cfg.get("layers", 12), (list, tuple))
 
     def build(self, embed_dim: int, quick_gelu: bool) -> nn.Module:
         from open_clip.model import _build_vision_tower
 
-        return _build_vision_tower(embed_dim, self.to_cfg(), quick_gelu)
+        module: nn.Module = _build_vision_tower(embed_dim, self.to_cfg(), quick_gelu)
+        return module
 
     def lock_groups(self, module: nn.Module) -> int:
         return self.layers + 2  # open_clip: the stem, each block, the head (ln_post + proj)
 
-    def open_clip_cfg(self) -> dict:
+    def open_clip_cfg(self) -> dict[str, Any]:
         return self.to_cfg()
 
-    def onnx_input(self, batch: int, tokenizer=None):
+    def onnx_input(self, batch: int, tokenizer: Tokenizer | None = None) -> torch.Tensor:
         import torch
 
         return torch.randn(batch, 3, *square(self.image_size))  # (B, 3, H, W)
