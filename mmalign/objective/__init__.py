@@ -15,7 +15,23 @@ importing the package pulls in no torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names __getattr__ loads, spelled out for the type checker
+    from .base import LossOutput as LossOutput
+    from .base import StepContext as StepContext
+    from .base import Term as Term
+    from .base import TermOutput as TermOutput
+    from .contrastive import LOSS_NAMES as LOSS_NAMES
+    from .contrastive import Contrastive as Contrastive
+    from .contrastive import PositiveSource as PositiveSource
+    from .extras import ImageImage as ImageImage
+    from .extras import MinedNegatives as MinedNegatives
+    from .objective import Objective as Objective
+    from .objective import build_objective as build_objective
+    from .queue import FeatureQueue as FeatureQueue
+    from .queue import MomentumQueue as MomentumQueue
+    from .queue import QueueNegatives as QueueNegatives
 
 _EXPORTS = {
     "Objective": "objective",
