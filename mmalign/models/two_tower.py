@@ -211,7 +211,12 @@ class TwoTower(nn.Module):
         patch kept, as in the last ``train.unmasked_steps``); returns how many modules it set."""
         return set_patch_dropout(self.visual, prob)
 
+    def log_scale_range(self) -> tuple[float, float]:
+        """open_clip's convention: log-scale in [0, ln max], i.e. scale in [1, max]. The one
+        statement of the range: the engine clamps ZeRO's copies of the parameter into it."""
+        return 0.0, math.log(self.max_logit_scale)
+
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
-        """open_clip's convention: log-scale in [0, ln max], i.e. scale in [1, max]."""
-        self.logit_scale.clamp_(0.0, math.log(self.max_logit_scale))
+        """The logit scale clamped into :meth:`log_scale_range` (a plain-PyTorch update's clamp)."""
+        self.logit_scale.clamp_(*self.log_scale_range())

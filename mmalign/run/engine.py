@@ -19,9 +19,9 @@ import copy
 import itertools
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +56,9 @@ from mmalign.run.gradcache import grad_cache_step  # noqa: E402
 from mmalign.run.optim import Lamb, build_optimizer, train_param_groups, warmup_cosine  # noqa: E402
 from mmalign.run.zero_stage import effective_stage  # noqa: E402
 
+if TYPE_CHECKING:
+    from mmalign.objective import Objective
+
 log = logging.getLogger("mmalign.run.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -83,7 +86,6 @@ class Engine:
         self.cfg = cfg
         self.world_size = mdist.get_world_size()
         self.plan = plan_batch(cfg, self.world_size)
-        self.max_log_scale = math.log(cfg.model.max_logit_scale)
         # BatchNorm towers: an explicit mode under caching / several ranks (ConfigError before DeepSpeed)
         bn_line = check_batchnorm(
             model, cfg.model.batchnorm, chunks=self.plan.accumulation, world_size=self.world_size
@@ -191,21 +193,24 @@ class Engine:
     def _backward(self, surrogate: torch.Tensor) -> None:
         self.ds.backward(surrogate, scale_wrt_gas=False)
 
-    def step(self, batch: Batch, objective, autocast=None, before_update=None) -> StepResult:
+    def step(
+        self, batch: Batch, objective: Objective, autocast=None, before_update=None, stats: bool | None = None
+    ) -> StepResult:
         """Forward, loss, backward and one optimiser update over the local batch.
 
         ``batch``: this rank's :class:`~mmalign.data.batch.Batch` on the device; every
         model input it holds (images, tokens, and ``images2`` / ``neg_tokens`` when
         present) is encoded, chunk by chunk (:meth:`Batch.slice`) with gradient caching.
-        ``objective``: a :class:`mmalign.objective.Objective` (its loss on this batch), or
-        any ``loss_fn(embeddings) -> LossOutput``; it receives the full local batch's float32
-        :class:`~mmalign.models.embeddings.Embeddings`.
+        ``objective``: a :class:`mmalign.objective.Objective`; its loss on this batch
+        (``objective.loss_for(batch, stats=stats)``) receives the full local batch's float32
+        :class:`~mmalign.models.embeddings.Embeddings`. ``stats``: whether the loss also
+        computes its stats (default: the objective's ``compute_stats``).
         ``before_update()`` runs after the last backward, before the update (the
         averaged gradients are then readable with :meth:`full_grads`).  A step whose
         loss or representation gradients are non-finite on any rank is skipped
         before anything reaches the model (``StepResult.skipped``).
         """
-        loss_fn = objective.loss_for(batch) if hasattr(objective, "loss_for") else objective
+        loss_fn = objective.loss_for(batch, stats=stats)
 
         def update(i: int = 0, last: bool = True) -> None:
             if last and before_update is not None:
@@ -277,26 +282,28 @@ class Engine:
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:
-        """Clamp log-scale into [0, ln max] in the module and in ZeRO's fp32 master copy
-        (otherwise the next update would write the unclamped master value back).
+        """Clamp log-scale into the model's range (:meth:`TwoTower.log_scale_range`, its one
+        owner) in the module and in ZeRO's fp32 master copy (otherwise the next update would
+        write the unclamped master value back).
 
         No collective: each rank clamps what it holds. The module copy is whole on every
         rank (stages 0-2, equal after the update) or this rank's partition (stage 3); the
         fp32 master lives on the rank that owns its fragment (stages 1-2 and DeepSpeed's
         BF16 optimizer: :func:`mmalign.layout.ds_adapter.master_fragment`; stage 3: the local partition).
         Clamping is elementwise, so the pieces stay consistent with the whole."""
+        low, high = self.module.log_scale_range()
         p = self.module.logit_scale
         if ds_adapter.is_zero3(p):
             # ZeRO-3: this rank's partition of the master copy (DeepSpeed's full-param setter
             # cannot split a 1-element parameter across ranks)
             master = safe_get_local_fp32_param(p)
             if master is not None and master.numel():
-                safe_set_local_fp32_param(p, master.clamp(0.0, self.max_log_scale))
+                safe_set_local_fp32_param(p, master.clamp(low, high))
         else:
             master = ds_adapter.master_fragment(p)  # None at stage 0: no master copy
             if master is not None:
-                master.clamp_(0.0, self.max_log_scale)  # a view into the flat fp32 partition
-        ds_adapter.local_partition(p).data.clamp_(0.0, self.max_log_scale)  # ZeRO-3 keeps only a partition
+                master.clamp_(low, high)  # a view into the flat fp32 partition
+        ds_adapter.local_partition(p).data.clamp_(low, high)  # ZeRO-3 keeps only a partition
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Rank-averaged full gradients (between the last backward and the update;

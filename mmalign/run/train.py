@@ -489,7 +489,7 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     )  # FLIP: 0 in the last train.unmasked_steps (from the step: resumes agree)
     engine.module.set_patch_dropout(masking)
     # the loss's stats and rank tracks (an all_reduce and a host read) only where they are logged
-    result = engine.step(batch, objective.loss_for(batch, stats=logs_at(p.cfg.train, step)), p.autocast)
+    result = engine.step(batch, objective, p.autocast, stats=logs_at(p.cfg.train, step))
     if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
         objective.after_update(
             engine.full_params,
