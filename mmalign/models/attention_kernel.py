@@ -128,7 +128,7 @@ def _time_candidates(q, k, v, attn_mask, is_causal: bool, grad: bool) -> dict[st
     # activations a step saves) does not see the measurement's tensors
     hide = (
         torch.autograd.graph.saved_tensors_hooks(_same, _same)
-        if torch._C._autograd._saved_tensors_hooks_is_enabled()
+        if torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]  # private, not in torch's stubs
         else contextlib.nullcontext()
     )
     with hide, torch.enable_grad() if grad else torch.no_grad():
@@ -170,7 +170,7 @@ def choose(q, k, v, attn_mask=None, is_causal: bool = False, timer: Callable[...
             return _cache[key]
     with torch.random.fork_rng(devices=[]):  # the measurement draws nothing from the run's streams
         times = (timer or _time_candidates)(q, k, v, attn_mask, is_causal, True)
-    best = min(times, key=times.get)
+    best = min(times, key=lambda kind: times[kind])
     with _lock:
         _cache[key] = best
     log.info(

@@ -115,9 +115,16 @@ class BatchNorm(_BatchNorm):
 
     # ------------------------------------------------------- step statistics
 
+    def _running(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """running_mean, running_var, num_batches_tracked (always kept: track_running_stats=True)."""
+        mean, var, tracked = self.running_mean, self.running_var, self.num_batches_tracked
+        assert mean is not None and var is not None and tracked is not None
+        return mean, var, tracked
+
     def _sums(self) -> torch.Tensor:
         """This rank's recorded forwards as float64 [count, sum x (C,), sum x^2 (C,)]."""
-        out = torch.zeros(1 + 2 * self.num_features, dtype=torch.float64, device=self.running_mean.device)
+        running_mean, _, _ = self._running()
+        out = torch.zeros(1 + 2 * self.num_features, dtype=torch.float64, device=running_mean.device)
         for n, mean, var in self._records or []:
             out[0] += n
             out[1 : 1 + self.num_features] += n * mean
@@ -135,9 +142,10 @@ class BatchNorm(_BatchNorm):
         mean = sums[1 : 1 + c] / n  # (C,) float64
         var = (sums[1 + c :] / n - mean * mean).clamp_min(0.0)  # (C,) biased
         unbiased = var * (n / (n - 1)) if n > 1 else var
-        self.num_batches_tracked.add_(1)
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else float(self.momentum)
-        for buf, value in ((self.running_mean, mean), (self.running_var, unbiased)):
+        running_mean, running_var, tracked = self._running()
+        tracked.add_(1)
+        factor = 1.0 / float(tracked) if self.momentum is None else float(self.momentum)
+        for buf, value in ((running_mean, mean), (running_var, unbiased)):
             buf.copy_((buf.double() * (1.0 - factor) + value * factor).to(buf.dtype))
 
 
@@ -166,10 +174,9 @@ class StepStatistics:
             layer._records, layer._replaying = [], False
         return self
 
-    def __exit__(self, *exc) -> bool:
-        for layer in self.layers:  # whatever was not committed is discarded
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.layers:  # whatever was not committed is discarded (exceptions propagate)
             layer._records, layer._replaying = None, False
-        return False
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
@@ -230,6 +237,8 @@ def _converted(old: _BatchNorm, mode: str, name: str) -> BatchNorm:
             f"(track_running_stats=False), which {mode!r} needs"
         )
     dims = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}.get(type(old), (2, 3, 4, 5))
+    running_mean = old.running_mean
+    assert running_mean is not None  # track_running_stats, checked above
     new = BatchNorm(
         old.num_features,
         mode,
@@ -238,8 +247,8 @@ def _converted(old: _BatchNorm, mode: str, name: str) -> BatchNorm:
         momentum=old.momentum,
         affine=False,
         track_running_stats=True,
-        device=old.running_mean.device,
-        dtype=old.running_mean.dtype,
+        device=running_mean.device,
+        dtype=running_mean.dtype,
     )
     # share, not copy: the same Parameter objects (requires_grad, optimiser membership) and buffers
     new.weight, new.bias = old.weight, old.bias

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,7 @@ def _read_weights(file: Path, key: str, meta: bool = False) -> dict:
     """A weights file as a flat {name: tensor}: safetensors, or torch.load(weights_only=True)
     unwrapped from open_clip_train's {"state_dict": ...} and DDP's ``module.``.  ``meta``: the
     names and shapes only, as meta tensors (safetensors' header; a memory-mapped torch file)."""
+    state: Any
     try:
         if file.suffix == ".safetensors":
             from safetensors import safe_open

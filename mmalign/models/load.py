@@ -73,9 +73,8 @@ class Loaded:
 
     @torch.no_grad()
     def encode_text(self, tokens: torch.Tensor | list[str]) -> torch.Tensor:
-        if isinstance(tokens, (list, str)):
-            tokens = self.tokenizer(tokens)
-        return self.model.encode_text(tokens)  # (B, D), normalised
+        ids = self.tokenizer(tokens) if isinstance(tokens, (list, str)) else tokens  # (B, L)
+        return self.model.encode_text(ids)  # (B, D), normalised
 
     @property
     def logit_scale(self) -> float:
@@ -154,6 +153,7 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
     try:
         arch = resolve_arch(ModelConfig(pretrained=str(folder)))
         state = read_foreign(folder, "--model")
+        assert state is not None  # an open_clip folder (OPEN_CLIP_CONFIG) always has its weights read
         bias = state.get("logit_bias")
         model = TwoTower(arch, init_logit_bias=None if bias is None else float(bias.reshape(-1)[0]))
     except ConfigError as e:

@@ -36,6 +36,8 @@ __all__ = ["PackedSelfAttention", "pack_self_attention", "mark_causal"]
 class PackedSelfAttention(nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with a direct batch-first self-attention path (module doc)."""
 
+    causal_mask: bool = False  # set by mark_causal: its square mask is the causal pattern
+
     def _packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> bool:
         return (
             self.batch_first
@@ -78,7 +80,7 @@ class PackedSelfAttention(nn.MultiheadAttention):
         qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3E)
         q, k, v = qkv.view(b, n, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, N, E/H)
         causal = False
-        if attn_mask is not None and getattr(self, "causal_mask", False) and attn_mask.shape == (n, n):
+        if attn_mask is not None and self.causal_mask and attn_mask.shape == (n, n):
             attn_mask, causal = None, True  # mark_causal: this (N, N) mask is the causal one
         elif attn_mask is not None:
             attn_mask = attn_mask.to(q.dtype)  # (N, N) additive, as nn.MultiheadAttention reads a float mask

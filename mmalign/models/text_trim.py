@@ -82,7 +82,7 @@ def short_context(text: nn.Module, length: int) -> Iterator[None]:
     itself but passes its whole (context, context) mask to every block). Held under one lock:
     a concurrent forward of the same tower never sees another call's mask."""
     with _SWAP:
-        full = text.attn_mask  # (C, C) additive causal mask, a non-persistent buffer
+        full: torch.Tensor = text.get_buffer("attn_mask")  # (C, C) additive causal mask, non-persistent
         if length >= full.shape[0]:
             yield
             return
