@@ -18,7 +18,7 @@ def autocast_for(cfg: Config, device: torch.device):
     no-op for fp32. Weights stay in deepspeed.precision; autocast only casts the ops' inputs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     if dtype is None:
-        return _null_context
+        return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
@@ -85,11 +85,3 @@ def dict_at_the_deepspeed_boundary(model: torch.nn.Module) -> list:
 
     model.register_forward_hook(to_dict)
     return kind
-
-
-class _null_context:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
