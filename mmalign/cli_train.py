@@ -93,7 +93,7 @@ def _checked_run(args, cfg, meta_model) -> int:
     from mmalign.dist import distributed as mdist
     from mmalign.run.train import train
 
-    out = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    out = train(cfg, resume=args.resume, overwrite=args.overwrite, model_checked=True)  # cmd_train checked it
     if mdist.get_rank() == 0:
         written = "final/ weights, metrics.jsonl" + (", eval.json" if (out / "eval.json").exists() else "")
         print(f"run written to {out} ({written})")

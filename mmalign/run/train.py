@@ -144,16 +144,23 @@ def _exit_on_sigterm():
 
 
 def train(
-    cfg: Config, show_progress: bool = True, resume: str | None = None, overwrite: bool = False
+    cfg: Config,
+    show_progress: bool = True,
+    resume: str | None = None,
+    overwrite: bool = False,
+    *,
+    model_checked: bool = False,
 ) -> Path:
     """Run ``cfg`` to completion (or resume it); returns the output directory.
 
     Without ``resume`` the output directory must be empty or absent, or ``overwrite``
     given (which removes the earlier run's files); a resume must continue the same run
-    (:mod:`mmalign.run.rundir`). SIGTERM stops it like Ctrl-C (its data workers too)."""
+    (:mod:`mmalign.run.rundir`). SIGTERM stops it like Ctrl-C (its data workers too).
+    ``model_checked``: this process already ran :func:`~mmalign.models.check_buildable` on
+    ``cfg.model`` (``mmalign train`` does, before it takes the run directory's lock)."""
     # a write refused by a full or read-only disk (metrics.jsonl, TensorBoard, final/, eval.json): one line
     with _exit_on_sigterm(), diskspace.stop_on_refused_write(Path(cfg.output)):
-        return _train(cfg, show_progress, resume, overwrite)
+        return _train(cfg, show_progress, resume, overwrite, model_checked)
 
 
 @dataclass
@@ -193,8 +200,10 @@ class _Tally:
     data_wait: float = 0.0
 
 
-def _train(cfg: Config, show_progress: bool, resume: str | None, overwrite: bool) -> Path:
-    out, evals, device = _setup(cfg, resume, overwrite)
+def _train(
+    cfg: Config, show_progress: bool, resume: str | None, overwrite: bool, model_checked: bool
+) -> Path:
+    out, evals, device = _setup(cfg, resume, overwrite, model_checked)
     rank, t, mon = mdist.get_rank(), cfg.train, cfg.monitor
     main = rank == 0
     p = _build(cfg, out, device)
@@ -297,7 +306,9 @@ def _drop_partial_final(final: Path) -> bool:
         return True
 
 
-def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, EvalPlan, torch.device]:
+def _setup(
+    cfg: Config, resume: str | None, overwrite: bool, model_checked: bool
+) -> tuple[Path, EvalPlan, torch.device]:
     """Everything that depends only on the config, the shard list and the run directory is
     checked here, before any write and before the model and DeepSpeed are built; then rank 0
     prepares the run directory. Returns (run directory, what it evaluates when, device)."""
@@ -305,7 +316,8 @@ def _setup(cfg: Config, resume: str | None, overwrite: bool) -> tuple[Path, Eval
     rank, world = mdist.get_rank(), mdist.get_world_size()
     main = rank == 0
     out = Path(cfg.output)
-    check_buildable(cfg.model)
+    if not model_checked:  # once per process: mmalign train checked it before taking the lock
+        check_buildable(cfg.model)
     check_train_shards(cfg.data, rank, mdist.broadcast_object)  # rank 0 looks, every rank learns the result
     # a typo in eval.suite or eval.during fails now, not after training
     evals = plan_evaluations(cfg, resolve_suite(cfg))
