@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, cpu_line, parser, write_section
 
 SECTION = "## torch.compile of the towers (bench/compile.py)"
 
@@ -150,7 +149,7 @@ def main() -> None:
 
         where = torch.cuda.get_device_name(0)
     else:
-        where = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+        where = cpu_line()
     heading = SECTION if args.device == "cpu" else SECTION.replace(")", ", GPU)")
     text = (
         f"{heading}\n\nCommand: `python bench/compile.py"

@@ -40,8 +40,6 @@ import datetime
 import io
 import json
 import math
-import os
-import platform
 import random
 import shutil
 import subprocess
@@ -53,7 +51,7 @@ import numpy as np
 
 from bench.cifar10_runs import run_mmalign
 from bench.cifar10_shards import cifar_items, shard_spec
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Curation on a noisy CIFAR-10 pool (bench/curate_cifar10.py)"
 ARMS = ("a", "b", "c", "d")
@@ -549,10 +547,7 @@ def main() -> None:
     cmd = command()
     import torch
 
-    env = (
-        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{torch.get_num_threads()} torch threads · torch {torch.__version__}"
-    )
+    env = f"{datetime.date.today().isoformat()} · {cpu_line(torch.get_num_threads())} · torch {torch.__version__}"
     n_test = 1000 if q else 10000
     setup = (
         f"Pool: CIFAR-10 train minus a clean {n_filter}-image filter subset; {sizes['a']} samples = originals + "

@@ -24,8 +24,6 @@ import argparse
 import datetime
 import io
 import json
-import os
-import platform
 import subprocess
 import sys
 import tarfile
@@ -35,7 +33,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## mmalign curate: throughput and de-duplication memory (bench/curate_speed.py)"
 
@@ -206,12 +204,7 @@ def main() -> None:
     import torch
 
     cmd = command()
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
-    bf16 = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no native bf16"
-    env = (
-        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores ({bf16}), "
-        f"torch {torch.__version__}, fp32"
-    )
+    env = f"{datetime.date.today().isoformat()} · {cpu_line()}, torch {torch.__version__}, fp32"
     lines = [
         SECTION,
         "",

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -28,7 +26,7 @@ import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on
 import torch
 import torch.nn.functional as F
 
-from bench.harness import DOC, LoadWatch, parser, write_section
+from bench.harness import DOC, LoadWatch, cpu_line, parser, write_section
 
 KS = [1, 5, 10]
 SECTION = "## Retrieval evaluation at scale (bench/eval.py)"
@@ -181,7 +179,7 @@ def main() -> int:
         cmd = "python bench/eval.py " + " ".join(a for a in sys.argv[1:] if a != "--write-doc")
         head = (
             f"{SECTION}\n\nCommand: `{cmd.strip()} --write-doc` · {time.strftime('%Y-%m-%d')} · "
-            f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} · "
+            f"{cpu_line()}, torch {torch.__version__} · "
             f"random normalised embeddings, D={args.dim}, 5 captions per image, ks {KS}; each side in its own "
             f"subprocess under a {args.cap_gb:g} GB address-space cap.\n\n"
             "mmalign computes each (caption block x images) score block once and keeps only ranks and a running "

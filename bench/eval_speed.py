@@ -30,8 +30,6 @@ from __future__ import annotations
 import datetime
 import io
 import json
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -41,7 +39,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Evaluation speed: zero-shot against clip_benchmark's CLI, classifier construction (bench/eval_speed.py)"
 N_CLASSES = 1000
@@ -337,11 +335,7 @@ def main() -> None:
     c = classifier_part(args) if "classifier" in parts else None
     import torch
 
-    cpu = "avx512_bf16" if "avx512_bf16" in Path("/proc/cpuinfo").read_text() else "no native bf16"
-    env = (
-        f"{datetime.date.today().isoformat()} · {platform.machine()} ({cpu}), {os.cpu_count()} CPU cores · "
-        f"torch {torch.__version__}"
-    )
+    env = f"{datetime.date.today().isoformat()} · {cpu_line()} · torch {torch.__version__}"
     cmd = command()
     text = markdown(z, c, cmd, env)
     print("\n" + text)

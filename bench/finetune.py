@@ -37,7 +37,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
 from bench.cifar10_shards import cached_shards, cifar_items
-from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Fine-tuning a half-class model: full vs LiT vs frozen (bench/finetune.py)"
 SUITE = "cifar10_heldout"
@@ -305,10 +304,10 @@ def main() -> None:
         )
 
     md = table(before, rows)
-    cmd = "python bench/finetune.py " + " ".join(public_args(sys.argv[1:]))
+    cmd = command(public_args(sys.argv[1:]))
     text = (
-        f"{SECTION}\n\nCommand: `{cmd.strip()}` · {datetime.date.today()} · {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores · tiny towers (ViT 4x128 @32px, text 4x128), fp32, AdamW.\n\n"
+        f"{SECTION}\n\nCommand: `{cmd.strip()}` · {datetime.date.today()} · {cpu_line()} · "
+        f"tiny towers (ViT 4x128 @32px, text 4x128), fp32, AdamW.\n\n"
         f"Pretrained {pre_steps} steps x {batch} on {n_train // 2} train images of {', '.join(seen)} "
         f"(configs/cifar10_cpu.yaml), exported to open_clip format; each mode then fine-tunes from that export "
         f"for {steps} steps x {batch} on {n_train} images of all ten classes "

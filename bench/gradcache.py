@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from bench.harness import DOC, ROOT, LoadWatch, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, cpu_line, parser, write_section
 
 SECTION = "## Gradient caching (bench/gradcache.py)"
 
@@ -174,8 +173,8 @@ def main() -> None:
     print(md)
     cmd = "python bench/gradcache.py" + (" --quick" if args.quick else "")
     text = (
-        f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, {args.threads} torch threads · tiny towers (ViT 4x128 @32px, text 4x128), "
+        f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · "
+        f"{cpu_line(args.threads)} · tiny towers (ViT 4x128 @32px, text 4x128), "
         f"AdamW, fp32, DeepSpeed ZeRO-0, chunk 256 (128 at batch 256), mean of {args.steps} steps after one "
         f"warm-up step. Uncached cases run under a {args.uncached_cap_gb:g} GB address-space cap.\n\n{md}\n\n"
         "Targets: cached step time <= 1.4x uncached at the same batch; peak RSS at batch 4096 cached "

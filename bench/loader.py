@@ -17,8 +17,6 @@ present (CIFAR-10 with the 18 CLIP templates), else from the synthetic shapes.
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import random
 import tempfile
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Loader throughput (bench/loader.py)"
 SECTION_224 = "## Loader at 224 px against open_clip (bench/loader.py --size 224)"
@@ -165,7 +163,7 @@ def main() -> None:
     for workers, ours, plain in rows:
         table.append(f"| {workers} | {ours:.0f} | {plain:.0f} | {ours / plain:.2f}x |")
     body = (
-        f"Command: `{cmd}` · {datetime.date.today()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"Command: `{cmd}` · {datetime.date.today()} · {cpu_line()}, "
         f"torch {torch.__version__}, webdataset {webdataset.__version__} · data: {what} · batch "
         f"{args.batch}, shuffle buffer 1000, resampled shards, best of {args.repeats} runs of {args.batches} "
         f"batches after {args.warmup} warm-up batches.\n\n"

@@ -39,7 +39,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 
-from bench.harness import ROOT, LoadWatch, parser, write_section
+from bench.harness import ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 DOC = ROOT / "docs" / "pair_policies.md"
 SECTION = "## Evidence (bench/pair_policies.py)"
@@ -261,10 +260,10 @@ def main() -> None:
     body = "\n\n".join(sections)
     print(body)
     if not args.no_doc:
-        cmd = " ".join(["python bench/pair_policies.py", *sys.argv[1:]])
+        cmd = command()
         write_doc(
-            f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {platform.machine()}, "
-            f"{os.cpu_count()} CPU cores · shapes: configs/quickstart.yaml's towers and settings; "
+            f"{SECTION}\n\nCommand: `{cmd}` · {datetime.date.today()} · {cpu_line()} · "
+            f"shapes: configs/quickstart.yaml's towers and settings; "
             f"CIFAR-10: configs/cifar10_cpu.yaml's; fp32, one process, seed {args.seed}, one run per policy.\n\n{body}\n",
             watch,
             args.allow_loaded,

@@ -40,8 +40,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
-import platform
 import random
 from pathlib import Path
 
@@ -51,7 +49,7 @@ import torch
 from bench import abspeed
 from bench.cifar10_runs import OPENCLIP_SHUFFLE, WDS_OLD, eval_openclip, run_mmalign, run_openclip
 from bench.cifar10_shards import cached_shards, cifar_items
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Equal-budget quality on CIFAR-10 (bench/quality_cifar10.py)"
 SPEED_SECTION = "## Speed against open_clip_train on CIFAR-10 (bench/quality_cifar10.py --parts speed)"
@@ -132,17 +130,6 @@ def mean_std(values) -> tuple[float, float]:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
     return mean, math.sqrt(var)
-
-
-def _bf16_flags() -> str:
-    """What /proc/cpuinfo says about native bf16 (avx512_bf16 / amx_bf16): bf16 figures differ
-    by an order of magnitude between CPUs with and without it."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text(errors="ignore").split())
-    except OSError:
-        return "unknown (no /proc/cpuinfo)"
-    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return ", ".join(found) + " (native bf16)" if found else "no avx512_bf16 / amx_bf16 (bf16 emulated)"
 
 
 def _say(r: dict) -> None:
@@ -505,10 +492,10 @@ def main() -> None:
 
     cmd = command()
     env = (
-        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{torch.get_num_threads()} torch threads · torch {torch.__version__}, open_clip_torch "
+        f"{datetime.date.today().isoformat()} · {cpu_line(torch.get_num_threads())} · "
+        f"torch {torch.__version__}, open_clip_torch "
         f"{_version('open_clip_torch')} (open_clip_train with webdataset {WDS_OLD}), mmalign with webdataset "
-        f"{_version('webdataset')} · CPU flags: {_bf16_flags()}"
+        f"{_version('webdataset')}"
     )
     data_line = (
         f"data: CIFAR-10 train, {n_train} images shuffled into {per_shard}-image shards, one random "
