@@ -135,7 +135,7 @@ class SpaceWatch:
     of the last one; one warning per run directory when it does not (the save is still tried:
     the size is an estimate)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._warned: set[Path] = set()
 
     def check(self, base: Path, last: Path | None, step: int) -> str | None:

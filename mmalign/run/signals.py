@@ -19,6 +19,7 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("mmalign.run.train")
@@ -45,7 +46,7 @@ def raise_terminated(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def deferred():
+def deferred() -> Iterator[None]:
     """SIGTERM and SIGINT held until the block ends (a checkpoint save): raised inside torch's
     writer, the signal's exception came out as a failed write ("unexpected pos") and stopped
     the run as a full disk would, exit 1 with the save removed. Held, the save completes and
@@ -65,7 +66,7 @@ def deferred():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if held:  # the first signal that came, through the handler that was in place before
-        handler = previous[held[0]]
+        handler = previous[signal.Signals(held[0])]
         if callable(handler):
             handler(held[0], None)
         elif handler == signal.SIG_DFL:
