@@ -226,3 +226,36 @@ def test_a_kind_without_flops_is_counted_by_torchs_flop_counter(data_dependent):
         module(torch.randn(1, 3, 12, 12))
     # conv: 5 x 5 outputs x 6 channels x 27 multiply-adds; head: 6 x 16; 2 FLOPs each
     assert spec.flops(16) == counter.get_total_flops() == 2 * (25 * 6 * 27 + 6 * 16)
+
+
+class _Bag(nn.Module):
+    """Mean of token embeddings (B, L) -> (B, D)."""
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        self.embed = nn.Embedding(100, embed_dim)
+
+    def forward(self, tokens):
+        return self.embed(tokens).mean(1)  # (B, D)
+
+
+def test_a_text_kind_without_a_tokenizer_is_refused_before_the_run():
+    """check_buildable (before any rank starts): one ConfigError naming model.text, never a
+    default tokenizer."""
+    from mmalign.models import check_buildable
+
+    @dataclasses.dataclass
+    class Bag(TowerSpec):
+        side = "text"
+
+        def build(self, embed_dim, quick_gelu):
+            return _Bag(embed_dim)
+
+    register_tower("bag_text")(Bag)
+    try:
+        with pytest.raises(
+            ConfigError, match="^config key 'model.text': the bag_text text tower kind has no tokenizer"
+        ):
+            check_buildable(ModelConfig(preset="micro", text={"kind": "bag_text"}))
+    finally:
+        unregister_tower("bag_text")
