@@ -51,7 +51,7 @@ def encode(item: Item, opts: EncodeOptions) -> dict:
         sha = hashlib.sha256(data).hexdigest()
         if not item.captions:
             return {"error": "no caption", "source_sha256": sha}
-        image = Image.open(io.BytesIO(data))
+        image: Image.Image = Image.open(io.BytesIO(data))
         if image.width * image.height > opts.max_pixels:
             return {"error": f"image too large ({image.width}x{image.height})", "source_sha256": sha}
         thin = shape_problem(image.width, image.height)  # a resize would blow a 1 x N strip up
@@ -80,7 +80,7 @@ def _needs_resize(size: tuple[int, int], opts: EncodeOptions) -> bool:
 def _resize(image: Image.Image, size: int, mode: str) -> Image.Image:
     w, h = image.size
     scale = size / min(w, h)
-    image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
+    image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BICUBIC)
     if mode == "center_crop":
         w, h = image.size
         left, top = (w - size) // 2, (h - size) // 2

@@ -41,6 +41,7 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -88,7 +89,8 @@ def _listed_total(urls: list[str]) -> int | None:
     from mmalign.data.shards import shard_total
 
     counts = [shard_total(url) for url in urls]
-    return sum(counts) if counts and None not in counts else None
+    known = [c for c in counts if c is not None]
+    return sum(known) if counts and len(known) == len(counts) else None
 
 
 @torch.no_grad()
@@ -257,7 +259,7 @@ def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int]
         "ended_early": 0,
         "unsafe_members_skipped": 0,
     }
-    mode = "w:gz" if target.name.endswith((".gz", ".tgz")) else "w"
+    mode: Literal["w:gz", "w"] = "w:gz" if target.name.endswith((".gz", ".tgz")) else "w"
     with tarfile.open(url, "r:*") as src, tarfile.open(target, mode, format=src.format) as dst:
         current, index, has_json = None, -1, False
 
@@ -294,7 +296,7 @@ def _rewrite(url: str, shard: int, target: Path, negatives: dict[tuple[int, int]
                     has_json = has_json or ext == "json"
                     dst.addfile(copy.copy(member), src.extractfile(member))
                     continue
-                data = src.extractfile(member).read()
+                data = src.extractfile(member).read()  # type: ignore[union-attr]  # a regular file (isreg above)
                 if ext == "json":
                     has_json = True
                     if entry is not None and entry[0] == key:  # the sample pass 1 read at this place

@@ -47,6 +47,7 @@ class ShardWriter:
         self._started = time.time()
 
     def _add_member(self, name: str, data: bytes) -> None:
+        assert self._tar is not None  # write() opens a shard before its first member
         info = tarfile.TarInfo(name)
         info.size = len(data)
         info.mode = 0o644

@@ -129,9 +129,10 @@ def _cmd_benchmark(args) -> int:
     name, tasks = load_benchmark(args.benchmark, args.root, args.cb_split or "test")
     present = [t for t in tasks if t.status == "present"]
     for task in present:  # every dataset's files checked before the model loads
-        check_suite_data(task.suite)
+        suite = task.loaded()
+        check_suite_data(suite)
         if args.limit:
-            task.suite["dataset"] = _limited(task.suite.get("dataset"), args.limit, label_field(task.suite))
+            suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
     loaded = load(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
@@ -154,7 +155,7 @@ def _cmd_benchmark(args) -> int:
     for task in present:
         for row in task.rows:
             row["file"] = f"{_suite_label(row['dataset'].replace('/', '-'))}.json"
-            if "cb" in task.suite:  # clip_benchmark's record, as its CLI writes it
+            if "cb" in task.loaded():  # clip_benchmark's record, as its CLI writes it
                 write_record(row["record"], out / row["file"])
             else:
                 write_results([row["record"]], out / row["file"])

@@ -8,11 +8,15 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmalign.errors import UserError
 
+if TYPE_CHECKING:
+    from mmalign.config import Config
 
-def _load(args, world_size: int = 1) -> Config:  # noqa: F821
+
+def _load(args, world_size: int = 1) -> Config:
     from mmalign.config import load_config
 
     overrides = list(args.set)

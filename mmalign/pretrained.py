@@ -60,7 +60,7 @@ def _topk_accuracy(output, target, topk=(1,)):
     return [int(hits[:, :k].any(dim=1).sum()) / n for k in topk]
 
 
-_topk_accuracy.mmalign_shim = True  # marks the replacement, so patching twice is a no-op
+_topk_accuracy.mmalign_shim = True  # type: ignore[attr-defined]  # marks the replacement, so patching twice is a no-op
 
 
 def _accuracy_works(accuracy) -> bool:

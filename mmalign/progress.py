@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -85,7 +85,7 @@ def track(
     enabled: bool = True,
     every_s: float = 10.0,
     out=None,
-) -> Iterator:
+) -> Generator:
     """``items`` with progress: a tqdm bar on a terminal, else a line every ``every_s`` seconds
     and one at the end (``mmalign: <desc>: N <unit> [of T] (R/s)``)."""
     if not enabled:

@@ -26,6 +26,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from data_pipelines.curate.embed_pass import shard_files
 from data_pipelines.curate.scores import _unit_rows
 from data_pipelines.curate.threshold import keep_threshold
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 SAMPLES_PER_CLUSTER = 5000  # the automatic k-means size: pairs compared grow with the cluster size squared
 SIMILARITY_BLOCK = (
     8192  # rows a block for the cosine with the kept member: 4 float64 copies of (b, D), ~128 MB at 512-d
@@ -54,7 +58,7 @@ class Policies:
     clip_score_min: float | None = None
     keep_fraction: float | None = None
     dedupe: tuple[str, ...] = ()  # "exact", "semantic"
-    dedupe_eps: float = 0.002  # safe with a weak model (README, "Picking eps")
+    dedupe_eps: float = 0.002  # safe with a weak model (docs/data.md, "Picking eps")
     dedupe_clusters: int = 0  # 0 = ceil(N / SAMPLES_PER_CLUSTER)
     kmeans_sample: int = 0  # 0 = TRAIN_PER_CLUSTER x clusters
     false_negative_field: str | None = None
@@ -67,7 +71,7 @@ class Policies:
 class Pool:
     """Every readable sample of the pool, in pool order."""
 
-    frame: object  # pandas DataFrame: embed_pass.COLUMNS + "shard" (its number)
+    frame: pd.DataFrame  # embed_pass.COLUMNS + "shard" (its number)
     image: np.ndarray  # (N, D) float16, row i = frame row i
     stats: list[dict] = field(default_factory=list)  # per shard, embed_pass's u.json
 
@@ -266,6 +270,7 @@ def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:
         if score_ok is not None and not score_ok[i]:
             parts.append("clip_score")
         if dedupe_ok is not None and not dedupe_ok[i]:
+            assert combined is not None  # the dedupe policy names every sample's group
             k = int(combined[i])
             dup = keys[k]
             parts.append(f"{'exact' if sha[i] == sha[k] else 'semantic'} duplicate of {dup}")

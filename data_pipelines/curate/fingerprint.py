@@ -69,7 +69,7 @@ def fingerprint(url: str, content: bool = True) -> dict | None:
     if kind == "local":
         path = local_path(url)
         st = os.stat(path)
-        out = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        out: dict[str, int | str] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         if content:
             out["sha256"] = sha256_file(path)
         return out

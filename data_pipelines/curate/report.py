@@ -128,17 +128,17 @@ def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, st
         try:
             with open_shard(urls[u], remote) as f:
                 for raw in iter_samples(f, keep=wanted.__contains__):
-                    r = wanted.get(raw.index)
+                    row = wanted.get(raw.index)
                     data = next(
                         (raw.members[e] for e in ("jpg", "jpeg", "png", "webp") if e in raw.members), None
                     )
-                    if r is None or data is None:
+                    if row is None or data is None:
                         continue
                     image = Image.open(io.BytesIO(data)).convert("RGB")
                     image.thumbnail((THUMB, THUMB))
                     buf = io.BytesIO()
                     image.save(buf, format="JPEG", quality=85)
-                    out[r] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+                    out[row] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
         except Exception as e:  # a thumbnail is decoration: the report is written without it
             log.warning("curate report: no thumbnails from %s (%s)", urls[u], e)
     return out

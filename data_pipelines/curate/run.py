@@ -248,7 +248,8 @@ def embed_part(
     embedder = ShardEmbedder(loaded, batch_size=opts.batch_size, device=opts.device)
     listed = [shard_total(urls[u]) if "://" not in urls[u] else None for u in todo]
     label = "curate: embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
-    progress = _Progress(label, len(todo), None if None in listed else sum(listed), opts.progress)
+    known = [c for c in listed if c is not None]
+    progress = _Progress(label, len(todo), sum(known) if len(known) == len(listed) else None, opts.progress)
     for u in todo:
         stats = embedder.embed(urls[u], u, out, progress=progress.sample)
         progress.shard_done()

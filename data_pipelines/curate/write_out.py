@@ -55,12 +55,13 @@ def write_keys(out: Path, pool, keep: np.ndarray) -> dict:
 
 
 def _json_member(members: dict, score: float, field: str | None, group: str | None) -> bytes:
-    meta = {}
+    meta: dict = {}
     if "json" in members:
         try:
             meta = json.loads(members["json"].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            meta = None  # pass 1 read it (a bad .json is a skipped sample there): changed since
+            # pass 1 read it (a bad .json is a skipped sample there): changed since
+            raise ValueError("a .json that is not an object") from None
         if not isinstance(meta, dict):
             raise ValueError("a .json that is not an object")
     meta["clip_score"] = round(float(score), 6)

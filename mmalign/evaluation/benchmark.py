@@ -53,6 +53,12 @@ class Task:
     folder: str | None = None
     rows: list[dict] = field(default_factory=list)  # filled by run_benchmark
 
+    def loaded(self) -> dict:
+        """The suite of a present task (load_benchmark loads every present one)."""
+        if self.suite is None:
+            raise ValueError(f"benchmark task {self.key} is {self.status}: it has no suite")
+        return self.suite
+
 
 def load_benchmark(name_or_path: str, root: str | None, split: str = "test") -> tuple[str, list[Task]]:
     """(benchmark name, tasks) with every present task's suite loaded (one-line errors before any embedding)."""
@@ -200,7 +206,7 @@ def run_benchmark(
     model.eval()
     try:
         for task in (t for t in tasks if t.status == "present"):
-            suite = task.suite
+            suite = task.loaded()
             emb = embed_suite(
                 model,
                 preprocess,

@@ -130,12 +130,13 @@ def inspect(root: str | Path, split: str = "test") -> Layout:
         task = declared
     else:  # clip_benchmark assumes classification; we look at what the samples carry
         first = _first_sample(urls[0], where)
-        task = "classification" if "cls" in first else "retrieval" if "txt" in first else None
-        if task is None:
+        carried = "classification" if "cls" in first else "retrieval" if "txt" in first else None
+        if carried is None:
             raise UsageError(
                 f"{where}: sample {first['__key__']!r} of {split}/0.tar has neither .cls (a label) "
                 f"nor .txt (captions), and there is no {TYPE_FILE}: unknown layout"
             )
+        task = carried
     classnames = templates = None
     if task == "classification":
         for name in (CLASSNAMES, TEMPLATES):

@@ -89,7 +89,7 @@ def edit_pairs(samples: list[dict], edit: dict, seed: int = 0) -> tuple[list, li
 
 
 def _labels(metas: list[dict], field: str, classnames: list[str]) -> torch.Tensor:
-    index = {n: i for i, n in enumerate(classnames)}
+    index: dict[object, int] = {n: i for i, n in enumerate(classnames)}  # a missing field: -1
     return torch.tensor([index.get(m.get(field), -1) for m in metas])
 
 

@@ -42,7 +42,7 @@ def projection_removed(visual: torch.nn.Module) -> Iterator[torch.Tensor]:
             f"pre_projection features need a vision tower with a 'proj' matrix "
             f"(open_clip VisionTransformer); {type(visual).__name__} has none"
         )
-    visual.proj = None  # open_clip's forward skips the projection when proj is None
+    visual.proj = None  # type: ignore[assignment]  # open_clip's forward skips the projection when proj is None
     try:
         yield proj
     finally:
@@ -180,8 +180,7 @@ def embed_dataset(
     probe tasks never read them, and a ``.txt`` of 18 templates would cost 18 text
     passes per image for nothing.
     """
-    want_captions = captions
-    captions: list[str] = []
+    texts: list[str] = []
     text_to_image: list[int] = []
     metas: list[dict] = []
     keys: list[str] = []
@@ -190,8 +189,8 @@ def embed_dataset(
         for i, sample in enumerate(samples):
             keys.append(sample["key"])
             metas.append(sample["json"])
-            if want_captions:
-                captions.extend(sample["captions"])
+            if captions:
+                texts.extend(sample["captions"])
                 text_to_image.extend([i] * len(sample["captions"]))
             yield sample["image"]
 
@@ -200,9 +199,9 @@ def embed_dataset(
         raise UsageError("the evaluation dataset holds no readable samples")
     out = {
         "image_features": feats["joint"],  # (N, D)
-        "text_features": embed_texts(model, tokenizer, captions, batch_size, device),  # (M, D)
+        "text_features": embed_texts(model, tokenizer, texts, batch_size, device),  # (M, D)
         "text_to_image": torch.tensor(text_to_image, dtype=torch.long),  # (M,)
-        "captions": captions,  # (M,) the texts embedded
+        "captions": texts,  # (M,) the texts embedded
         "metas": metas,
         "keys": keys,
     }

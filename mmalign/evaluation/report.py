@@ -174,8 +174,12 @@ def plot_recall(t2i: torch.Tensor, i2t: torch.Tensor, n_images: int, n_captions:
     ks = np.arange(1, min(MAX_RECALL_K, n_images, n_captions) + 1)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(ks, [(t2i < k).float().mean().item() for k in ks], label="text->image (image_retrieval_recall@k)")
-    ax.plot(ks, [(i2t < k).float().mean().item() for k in ks], label="image->text (text_retrieval_recall@k)")
+    ax.plot(
+        ks, [(t2i < int(k)).float().mean().item() for k in ks], label="text->image (image_retrieval_recall@k)"
+    )
+    ax.plot(
+        ks, [(i2t < int(k)).float().mean().item() for k in ks], label="image->text (text_retrieval_recall@k)"
+    )
     ax.plot(ks, np.minimum(1, ks / n_images), "--", color="gray", label="chance, text->image (k/N)")
     ax.set_xlabel("k")
     ax.set_ylabel("Recall@k")
@@ -319,7 +323,11 @@ def sample_summary(emb: dict, field: str) -> tuple[list[tuple], list[str]]:
     """Rows describing the embedded sample, and warnings about it (one class)."""
     n, owners = len(emb["keys"]), emb["text_to_image"]
     labels = Counter(str(m[field]) for m in emb["metas"] if m.get(field) is not None)
-    rows = [("images", n), ("captions", len(owners)), ("captions per image", len(owners) / max(n, 1))]
+    rows: list[tuple] = [
+        ("images", n),
+        ("captions", len(owners)),
+        ("captions per image", len(owners) / max(n, 1)),
+    ]
     warnings = []
     if labels:
         mix = ", ".join(f"{k} {v}" for k, v in sorted(labels.items(), key=lambda kv: -kv[1])[:12])

@@ -71,13 +71,14 @@ def encode_prompts(
         order = torch.argsort((tokens != 0).sum(dim=1), stable=True)  # by length (pad id 0)
     else:  # a tokenizer of another shape (a test's stand-in): keep the order
         order = torch.arange(len(rows))
-    out = None
+    out: torch.Tensor | None = None
     for s in range(0, len(rows), batch_size):
         pick = order[s : s + batch_size]
         part = F.normalize(encode_text(tokens[pick]).float(), dim=-1)  # (b, D)
         if out is None:
             out = torch.empty(len(rows), part.shape[1])
         out[pick] = part
+    assert out is not None  # rows is not empty
     return out
 
 

@@ -59,9 +59,10 @@ def write_sentencepiece_tokenizer(model_file: Path, out: Path, context_length: i
     pieces = list(proto.pieces)
     n = len(pieces)
     unk = pieces[proto.trainer_spec.unk_id].piece
+    model: models.Model
     if proto.trainer_spec.model_type == 1:  # unigram
-        vocab = [(PAD, 0.0)] + [(p.piece, p.score) for p in pieces] + [(SOT, 0.0), (EOT, 0.0)]
-        model = models.Unigram(vocab, unk_id=proto.trainer_spec.unk_id + 1, byte_fallback=False)
+        scored = [(PAD, 0.0)] + [(p.piece, p.score) for p in pieces] + [(SOT, 0.0), (EOT, 0.0)]
+        model = models.Unigram(scored, unk_id=proto.trainer_spec.unk_id + 1, byte_fallback=False)
     else:  # bpe
         spm_vocab = {p.piece: i for i, p in enumerate(pieces)}
         vocab = {PAD: 0, **{piece: i + 1 for piece, i in spm_vocab.items()}, SOT: n + 1, EOT: n + 2}

@@ -34,6 +34,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from mmalign.models.load import Loaded
 log = logging.getLogger("mmalign.export")
 
 # Settings with no CLIPModel counterpart: key -> the only value(s) we can export.
-_VISION_FIXED = {
+_VISION_FIXED: dict[str, tuple[object, ...]] = {
     "ls_init_value": (None,),
     "attentional_pool": (False,),
     "no_ln_pre": (False,),
@@ -62,7 +63,7 @@ _VISION_FIXED = {
     "timm_model_name": (None, ""),
     "pos_embed_type": ("learnable", "sin_cos_2d"),
 }
-_TEXT_FIXED = {
+_TEXT_FIXED: dict[str, tuple[object, ...]] = {
     "ls_init_value": (None,),
     "embed_cls": (False,),
     "no_causal_mask": (False,),
@@ -121,7 +122,7 @@ def hf_config(source: Loaded):
                 f"(open_clip's ViT and text transformer only)"
             )
     v, t = towers.vision.to_cfg(), towers.text.to_cfg()
-    arch = {"embed_dim": towers.embed_dim, "quick_gelu": towers.quick_gelu}
+    arch: dict[str, Any] = {"embed_dim": towers.embed_dim, "quick_gelu": towers.quick_gelu}
     _check(v, _VISION_FIXED, "vision_cfg")
     _check(t, _TEXT_FIXED, "text_cfg")
     act = "quick_gelu" if arch.get("quick_gelu") else "gelu"  # open_clip: QuickGELU or exact nn.GELU
@@ -135,7 +136,7 @@ def hf_config(source: Loaded):
         _square(v.get("image_size", 224), "image_size"),
         _square(v.get("patch_size", 16), "patch_size"),
     )
-    tok = source.tokenizer
+    tok: Any = source.tokenizer  # open_clip's tokenizer classes: sot_token_id, eot_token_id
     eot = int(t["eos_id"]) if t.get("pool_type") == "eos" else int(tok.eot_token_id)
     text_config = {
         "vocab_size": int(t.get("vocab_size", 49408)),

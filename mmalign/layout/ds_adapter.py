@@ -122,7 +122,7 @@ def is_zero3(p: torch.nn.Parameter) -> bool:
 
 def local_partition(p: torch.nn.Parameter) -> torch.Tensor:
     """What this rank holds of the module's weight ``p``: the flat slice under ZeRO-3, else ``p``."""
-    return p.ds_tensor if is_zero3(p) else p
+    return p.ds_tensor if is_zero3(p) else p  # type: ignore[attr-defined]  # ZeRO-3 adds it at runtime
 
 
 def master_fragment(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -174,7 +174,7 @@ def fragments(
             if not p.requires_grad:
                 continue
             partition, offset, size = zero3_slot(ds_engine, p)
-            length = max(0, min(size, p.ds_numel - rank * size))
+            length = max(0, min(size, p.ds_numel - rank * size))  # type: ignore[attr-defined]  # ZeRO-3's
             out.append(Fragment(index, name, p, partition, offset, rank * size, length))
             continue
         mapping = getattr(p, "_hp_mapping", None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -105,6 +106,8 @@ def _build_one(
         import faiss
 
     count = int(sum(len(r) for r in rows))
+    index: faiss.Index
+    params: dict[str, Any]
     if count <= exact_max:
         index, params = faiss.IndexFlatIP(dim), {"kind": "flat", "factory": "Flat"}
     else:
@@ -118,14 +121,16 @@ def _build_one(
         train = np.concatenate(sample)
         p = ivf_params(count, dim, nlist, pq_m, nbits, len(train))
         factory = f"IVF{p['nlist']},PQ{p['m']}x{p['nbits']}"
-        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-        index.train(train)
-        index.nprobe = min(int(nprobe), p["nlist"])
+        # the factory's index comes back as its own class (IndexIVFPQ), which has nprobe
+        ivf = cast("faiss.IndexIVF", faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT))
+        ivf.train(train)
+        ivf.nprobe = min(int(nprobe), p["nlist"])
+        index = ivf
         params = {
             "kind": "ivfpq",
             "factory": factory,
             **p,
-            "nprobe": int(index.nprobe),
+            "nprobe": int(ivf.nprobe),
             "train_rows": len(train),
         }
     for f, r in zip(parts, rows):

@@ -26,6 +26,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ import torch
 from mmalign.errors import UsageError
 from mmalign.extras import extra
 from mmalign.search.index import INDEX_INFO, METADATA
+
+if TYPE_CHECKING:
+    from mmalign.models.load import Loaded
 
 TARGETS = ("image", "text")
 MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
@@ -87,7 +91,7 @@ class Searcher:
         self.meta = pd.read_parquet(self.index_dir / METADATA)
         self.device = device
         self.max_pixels = MAX_QUERY_PIXELS
-        self.source = None
+        self.source: Loaded | None = None
         if model_dir is not None:
             from mmalign.models.load import load
 
@@ -102,16 +106,19 @@ class Searcher:
 
     # ------------------------------------------------------------ encoding
 
-    def _need_model(self):
+    def _need_source(self) -> Loaded:
         if self.source is None:
             raise UsageError("a model is needed to embed queries (pass --model)")
-        return self.source.model
+        return self.source
+
+    def _need_model(self):
+        return self._need_source().model
 
     @torch.no_grad()
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
-        model = self._need_model()
-        tokens = self.source.tokenizer(list(texts)).to(self.device)
-        return model.encode_text(tokens).float().cpu().numpy()  # (n, D), normalised
+        source = self._need_source()
+        tokens = source.tokenizer(list(texts)).to(self.device)
+        return source.model.encode_text(tokens).float().cpu().numpy()  # (n, D), normalised
 
     @torch.no_grad()
     def encode_image(self, images: Sequence) -> np.ndarray:
@@ -167,7 +174,8 @@ class Searcher:
             fetch = min(scan, fetch * 4)  # duplicates took places: look further down the list
 
     def _hits(self, scores: np.ndarray, ids: np.ndarray, against: str, k: int, dedupe: bool) -> list[Hit]:
-        hits, seen = [], set()
+        hits: list[Hit] = []
+        seen: set[str] = set()
         for score, i in zip(scores, ids):
             if i < 0:
                 continue

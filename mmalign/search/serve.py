@@ -146,7 +146,8 @@ class _Handler(PooledRequestHandler):
 
     def _check_host(self) -> None:
         name = _host_name(self.headers.get("Host", ""))
-        bound = str(self.server.server_address[0]).lower()
+        address = self.server.server_address  # (host, port, ...) for the TCP servers we run
+        bound = str(address[0] if isinstance(address, tuple) else address).lower()
         wildcard = bound in ("0.0.0.0", "::")
         # A rebinding attack needs a DNS name: IP literals are only allowed for a wildcard bind.
         if not (name in LOCAL_NAMES or name == bound or (wildcard and _is_ip(name))):

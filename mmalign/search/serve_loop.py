@@ -127,7 +127,9 @@ class _Conn:
     def __init__(self, sock: socket.socket, address, now: float, timeout: float):
         self.sock, self.address = sock, address
         self.buf, self.scanned = bytearray(), 0  # bytes received; how far HEAD_END has looked
-        self.head_end, self.length = None, 0  # once the head is in: where it ends, the body's length
+        # once the head is in: where it ends, the body's length
+        self.head_end: int | None = None
+        self.length = 0
         self.started, self.deadline = now, now + timeout
         # read -> queued -> busy (a worker took it) -> closed; queued -> expired (503) -> closed;
         # or read -> drain -> closed
@@ -144,7 +146,8 @@ class ReplyWriter(io.RawIOBase):
 
     def __init__(self, sock: socket.socket, timeout: float):
         super().__init__()
-        self.sock, self.timeout, self.deadline = sock, timeout, None
+        self.sock, self.timeout = sock, timeout
+        self.deadline: float | None = None
 
     def writable(self) -> bool:
         return True
@@ -464,7 +467,11 @@ class PooledHTTPServer(HTTPServer):
                 conn.state = "busy"  # taken: from here it runs to completion and is answered
             try:
                 conn.sock.setblocking(True)
-                self.RequestHandlerClass((conn.sock, request, self.request_timeout), conn.address, self)
+                self.RequestHandlerClass(
+                    (conn.sock, request, self.request_timeout),
+                    conn.address,
+                    self,  # type: ignore[arg-type]  # typeshed's Self is this server's class
+                )
             except OSError:
                 pass  # the client left mid-reply, or the loop closed the socket at shutdown
             except Exception:  # a bug in a route must not take a worker with it
