@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from mmalign.evaluation import headline
-from mmalign.evaluation.caveats import TEMPLATE_CAVEAT
+from mmalign.evaluation.caveats import TEMPLATE_CAVEAT, captions_are_templates
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.diagnostics import embedding_diagnostics, positive_negative_auc, similarity_samples
 from mmalign.evaluation.features import embed_dataset
 from mmalign.evaluation.retrieval import retrieval_ranks
-from mmalign.evaluation.suite import captions_are_templates, label_field, load_suite
+from mmalign.evaluation.suite import label_field, load_suite
 from mmalign.extras import extra
 from mmalign.progress import track
 

@@ -49,7 +49,6 @@ from mmalign import resources
 from mmalign.config import ConfigError
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.errors import UsageError
-from mmalign.evaluation.caveats import captions_are_templates  # noqa: F401  (report.py reads it here)
 from mmalign.evaluation.datasets import dataset_spec, iter_dataset
 from mmalign.evaluation.features import embed_dataset, text_encoder
 from mmalign.evaluation.suite_schema import parse_suite
