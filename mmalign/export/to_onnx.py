@@ -81,7 +81,8 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     size, towers = model.image_size, model.towers
     # each tower kind gives its example input and its tokenizer entry: a kind without those
     # hooks is refused here, never exported with a default tokenizer
-    tokenizer_entry = towers.text.onnx_tokenizer(source.tokenizer_file)
+    spm = source.tokenizer_file
+    tokenizer_entry = towers.text.onnx_tokenizer(None if spm is None else str(spm))
     # Batch 2 for tracing: a batch of 1 invites the tracer to specialise on it.
     pixels = towers.vision.onnx_input(2)  # (2, 3, H, W)
     tokens = towers.text.onnx_input(2, source.tokenizer)  # (2, L) int64
@@ -111,6 +112,6 @@ def export_onnx(source: Loaded, out: Path) -> Path:
     if source.tokenizer_file is not None:
         shutil.copyfile(source.tokenizer_file, out / "tokenizer.model")
     if towers.text.ships_files:  # an HF text tower: its tokenizer files beside the graphs
-        towers.text.export_files(out / config["tokenizer"]["folder"])
+        towers.text.export_files(out / tokenizer_entry["folder"])
     (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out
