@@ -57,7 +57,8 @@ from mmalign.run.optim import Lamb, build_optimizer, train_param_groups, warmup_
 from mmalign.run.zero_stage import effective_stage  # noqa: E402
 
 if TYPE_CHECKING:
-    from mmalign.objective import Objective
+    from mmalign.models.two_tower import TwoTower
+    from mmalign.objective import LossOutput, Objective
 
 log = logging.getLogger("mmalign.run.engine")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -66,7 +67,7 @@ deepspeed.utils.logger.setLevel(logging.WARNING)
 
 @dataclass
 class StepResult:
-    loss_output: object  # what the loss function returned (LossOutput: loss, stats)
+    loss_output: LossOutput  # what the loss function returned (loss, stats)
     skipped: bool  # a non-finite loss or gradient: no update was made
 
     @property
@@ -81,7 +82,7 @@ class StepResult:
 class Engine:
     """Model + optimiser + schedule under DeepSpeed, one call per training step."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Config):
+    def __init__(self, model: TwoTower, cfg: Config):
         mdist.init_from_env(require_group=True)  # DeepSpeed needs a process group, even for 1 rank
         self.cfg = cfg
         self.world_size = mdist.get_world_size()
@@ -145,7 +146,7 @@ class Engine:
         """LAMB's layout: the flat fp32 partitions DeepSpeed steps our optimiser with on this rank,
         each with the segments (tensor index in named_parameters order, offset, length) in it."""
         parts = ds_adapter.partitions(self.ds, self.stage, self.base_optimizer)
-        segments = {id(t): [] for t in parts}
+        segments: dict[int, list[tuple[int, int, int]]] = {id(t): [] for t in parts}
         for f in self.partition_fragments():
             if f.length:
                 segments[id(f.partition)].append((f.index, f.offset, f.length))
@@ -305,10 +306,10 @@ class Engine:
                 master.clamp_(low, high)  # a view into the flat fp32 partition
         ds_adapter.local_partition(p).data.clamp_(low, high)  # ZeRO-3 keeps only a partition
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Rank-averaged full gradients (between the last backward and the update;
-        a collective under ZeRO-3)."""
-        grads = {}
+        a collective under ZeRO-3); None for a parameter without one."""
+        grads: dict[str, torch.Tensor | None] = {}
         for name, p in self.module.named_parameters():
             g = safe_get_full_grad(p)
             if g is None:

@@ -16,15 +16,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmalign import progress
 from mmalign.config import Config, ConfigError, save_config
-from mmalign.data.loader import build_train_loader, train_counts
+from mmalign.data.loader import StreamingLoader, build_train_loader, train_counts
 from mmalign.data.shards import check_train_shards, expand_urls
 from mmalign.data.transforms import describe, train_transform
 from mmalign.dist import distributed as mdist
@@ -60,6 +62,10 @@ from mmalign.run.monitors import (
 from mmalign.run.resume import resume_run
 from mmalign.run.runlog import RunLog, say
 from mmalign.run.tf32 import set_tf32
+
+if TYPE_CHECKING:
+    from mmalign.objective.objective import Objective
+    from mmalign.run.engine import Engine  # deepspeed is imported only when training
 
 log = logging.getLogger("mmalign.run.train")
 
@@ -176,11 +182,11 @@ class _Parts:
     embed_dim: int
     tokenizer: object
     queue: MomentumQueue | None
-    engine: object  # mmalign.run.engine.Engine
-    loader: object
+    engine: Engine
+    loader: StreamingLoader
     probe: tuple | None
-    objective: object  # mmalign.objective.Objective: the loss terms and their state
-    autocast: object  # () -> the autocast context of train.precision
+    objective: Objective  # the loss terms and their state
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]  # the autocast context of train.precision
     peak: float | None  # TFLOP/s of one device in the run's matmul dtype, for MFU; None = no MFU
     text_trim: tuple | None = None  # (pad id, length multiple) of train.trim_text_padding, None = off
     params: dict | None = (
@@ -372,7 +378,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
     text_trim = (
         (model.text.pad_id, multiple_for(device)) if t.trim_text_padding and model.text_trimmable else None
     )
-    flops_kw = {
+    flops_kw: dict[str, Any] = {
         "second_view": "image2" in objective.embeddings,
         "negatives": cfg.data.hard_negatives if "neg_text" in objective.embeddings else 0,
     }
@@ -532,7 +538,7 @@ def logs_at(t, step: int) -> bool:
     return step % t.log_every == 0 or step == t.steps
 
 
-def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog, eta: float) -> None:
+def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog, eta: float | None) -> None:
     """The record of ``step`` (a collective: the global loss, data wait and skipped samples;
     every rank runs the probe), written by rank 0; the throughput window restarts."""
     t, mon, engine = p.cfg.train, p.cfg.monitor, p.engine
@@ -540,7 +546,7 @@ def _log_step(p: _Parts, step: int, batch, result, tally: _Tally, runlog: RunLog
     sps = tally.window_samples / max(elapsed, 1e-9)
     summed = global_log_values(result.loss, tally.data_wait, batch.skipped)  # collective
     achieved = tally.window_flops / max(elapsed, 1e-9)  # model FLOP/s of all ranks together
-    record = {
+    record: dict[str, Any] = {  # a metrics.jsonl line
         "step": step,
         "loss": summed.pop("loss"),  # the global batch's loss (mean over ranks)
         "lr": engine.lr,
