@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,11 +65,12 @@ class Batch:
 
     def slice(self, i: int, j: int) -> Batch:
         """Samples [i, j) (tensor views, no copies); ``skipped`` is kept."""
-        return dataclasses.replace(self, **{k: v[i:j] for k, v in self._per_sample().items()})
+        views: dict[str, Any] = {k: v[i:j] for k, v in self._per_sample().items()}
+        return dataclasses.replace(self, **views)
 
     def to(self, device: torch.device | str) -> Batch:
         """Every tensor on ``device``; uint8 images normalised there (float input only moved)."""
-        moved = {}
+        moved: dict[str, Any] = {}
         for k, v in self._per_sample().items():
             if k in _IMAGES:
                 moved[k] = images_to(v, torch.device(device))  # (B, 3, H, W) float32
@@ -84,14 +86,15 @@ class Batch:
 
     def without(self, *names: str) -> Batch:
         """A copy with the optional fields ``names`` set to None."""
-        return dataclasses.replace(self, **{n: None for n in names})
+        cleared: dict[str, Any] = dict.fromkeys(names)
+        return dataclasses.replace(self, **cleared)
 
     @classmethod
     def cat(cls, parts: list[Batch], pin_memory: bool = False) -> Batch:
         """Collated pieces -> one batch: tensors concatenated on dim 0 (into pinned memory when
         ``pin_memory``, for asynchronous copies to a GPU), lists joined, in the order given."""
         first = parts[0]
-        joined = {}
+        joined: dict[str, Any] = {}
         for name, value in first._per_sample().items():
             values = [getattr(p, name) for p in parts]
             if torch.is_tensor(value):

@@ -86,6 +86,8 @@ def image_folder(
     path = Path(path)
     if not path.exists():
         raise UsageError(f"image folder not found: {path}")
+    files: list  # a directory's (class folder, file) pairs; a tar's member names
+    pairs: Iterator[tuple[str, str, str | bytes]]  # (class folder, relative name, file path or image bytes)
     if path.is_dir():
         folders = sorted(p.name for p in path.iterdir() if p.is_dir())
         _check_only(path, only, folders)
@@ -165,13 +167,19 @@ def _check_only(path: Path, only: list[str] | None, found: list[str]) -> None:
         raise UsageError(f"image folder {path}: no class folders {missing[:3]} (found: {', '.join(found)})")
 
 
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = tar.extractfile(member)
+    assert f is not None  # a regular file: the callers listed files only
+    return f.read()
+
+
 def _tar_pairs(path: Path, files: list[str]) -> Iterator[tuple[str, str, bytes]]:
     """One sequential pass in archive order (deterministic, nothing held in memory)."""
     wanted = set(files)
     with tarfile.open(path, "r|*") as tar:
         for member in tar:
             if member.isfile() and member.name in wanted:
-                yield Path(member.name).parts[-2], _relpath(member.name), tar.extractfile(member).read()
+                yield Path(member.name).parts[-2], _relpath(member.name), _member_bytes(tar, member)
 
 
 def _tar_pairs_in_order(path: Path, files: list[str]) -> Iterator[tuple[str, str, bytes]]:
@@ -187,11 +195,11 @@ def _tar_pairs_in_order(path: Path, files: list[str]) -> Iterator[tuple[str, str
         with tarfile.open(path, "r|*") as stream:
             for member in stream:
                 if member.isfile() and member.name in wanted:
-                    held[member.name] = stream.extractfile(member).read()
+                    held[member.name] = _member_bytes(stream, member)
         for name in files:
             yield Path(name).parts[-2], _relpath(name), held.pop(name)
         return
     with tar:
         members = {m.name: m for m in tar.getmembers()}  # tar.getmember(name) is a linear search
         for name in files:
-            yield Path(name).parts[-2], _relpath(name), tar.extractfile(members[name]).read()
+            yield Path(name).parts[-2], _relpath(name), _member_bytes(tar, members[name])

@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("mmalign.data")
 
@@ -198,9 +199,11 @@ class _Pipe:
         self.proc = subprocess.Popen(
             command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True
         )
+        assert self.proc.stdout is not None  # stdout=PIPE
+        self.stdout = self.proc.stdout
 
     def read(self, n: int) -> bytes:
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         ready, _, _ = select.select([fd], [], [], self.timeout)
         if not ready:
             raise TimeoutError(f"no output from the command for {self.timeout:g} s")
@@ -222,7 +225,7 @@ class _Pipe:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.stdout.close()
+        self.stdout.close()
         self.proc.wait()
 
 
@@ -279,7 +282,7 @@ class RemoteFile:
         self.url, self.kind = url, kind_of(url)
         self.options = options or RemoteOptions()
         self.pos = 0
-        self._stream = None
+        self._stream: Any = None  # _HttpStream, _Pipe, _Empty or an fsspec file (which also seeks)
         self._at = 0  # the open stream's position
         self._win, self._lo = bytearray(), 0  # the last bytes read: [lo, lo + len(win))
         self._ranged = self.kind != "pipe"  # False once an http server ignored a range

@@ -20,6 +20,8 @@ rank they belonged to; lane 0 when every old rank's are merged).
 
 from __future__ import annotations
 
+from typing import Any
+
 from mmalign.data.stream import RESTART, StreamSpec  # noqa: F401 (RESTART re-exported)
 
 
@@ -39,7 +41,7 @@ def from_slots(states: list[dict], spec: StreamSpec, step: int, into: int = 0) -
     epoch = min(
         (int(st.get("epoch", 0)) for state in states for st in state.get("slots", {}).values()), default=0
     )
-    lanes = {
+    lanes: dict[str, dict[str, Any]] = {
         str(lane): {
             "epoch": epoch if spec.mode == "epoch" else RESTART + step,
             "cursor": 0,

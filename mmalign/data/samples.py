@@ -89,11 +89,11 @@ class SampleProcessor:
         # Our train transform takes the per-sample generator, drafts large JPEGs and returns
         # uint8; a plain callable (e.g. a torchvision Compose) uses torch's global RNG and is
         # then not reproducible, and its output crosses processes as it is.
-        self._seeded = isinstance(transform, TrainTransform)
-        self._prepare = transform.draft if self._seeded else None
+        self._train = transform if isinstance(transform, TrainTransform) else None
+        self._prepare = self._train.draft if self._train is not None else None
 
     def _apply(self, image, rng: random.Random) -> torch.Tensor:
-        return self.transform.raw(image, rng) if self._seeded else self.transform(image)
+        return self._train.raw(image, rng) if self._train is not None else self.transform(image)
 
     def __call__(self, key: str, members: dict[str, bytes], seed: int) -> dict:
         """One row from a sample's members and its :func:`sample_seed`; raises BadSample(reason)

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 from braceexpand import braceexpand
 from PIL import Image
@@ -282,7 +283,7 @@ def iter_tar_groups(path: str, max_member: int = MAX_MEMBER_BYTES) -> Iterator[d
     """
     with open_shard(path) as f:
         for sample in iter_samples(f, max_member=max_member):
-            extra = {"__oversized__": sample.oversized} if sample.oversized else {}
+            extra: dict[str, Any] = {"__oversized__": sample.oversized} if sample.oversized else {}
             if sample.unsafe:
                 extra["__unsafe__"] = True  # decode_sample's unsafe_name skip
             yield {

@@ -45,6 +45,7 @@ import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from mmalign.config import MAX_MEMBER_BYTES, ConfigError
 from mmalign.data.keep_keys import SKIP_REASON as KEEP_SKIP
@@ -54,7 +55,15 @@ from mmalign.data.samples import SampleProcessor
 from mmalign.data.seeds import mix, sample_seed
 from mmalign.data.shard_sizes import ShardIndex
 from mmalign.data.shards import BadSample
-from mmalign.data.tario import CorruptTar, RawSample, TruncatedTar, iter_samples, open_shard, read_samples_at
+from mmalign.data.tario import (
+    CorruptTar,
+    OpenShard,
+    RawSample,
+    TruncatedTar,
+    iter_samples,
+    open_shard,
+    read_samples_at,
+)
 
 log = logging.getLogger("mmalign.data")
 
@@ -263,11 +272,15 @@ class LaneStream:
         state = state or {}
         self.epoch = int(state.get("epoch", 0))  # epoch mode
         self.cursor = int(state.get("cursor", 0))  # next piece of the epoch / next draw
-        self.shard = state.get("shard")  # open piece: {url, offset, index, first, stop, start} or None
+        self.shard: dict[str, Any] | None = state.get(
+            "shard"
+        )  # open piece: {url, offset, index, first, stop, start} or None
         self.emitted = int(state.get("emitted", 0))  # samples taken out of the buffer so far
         self.skipped: dict[str, int] = dict(state.get("skipped", {}))
         self._reader: Iterator[RawSample] | None = None
-        self._file = None  # the open shard's file (set by _refill when it re-read buffered samples from it)
+        self._file: OpenShard | None = (
+            None  # the open shard's file (set by _refill when it re-read buffered samples from it)
+        )
         # The buffer holds raw samples plus the url index and the epoch each belongs to.
         self.buffer: list[tuple[RawSample, int, int]] = self._refill(state.get("buffer", []))
         self._empty_reads = 0  # consecutive pieces read that gave no sample
@@ -357,6 +370,7 @@ class LaneStream:
             if self.shard is None and not self._next_piece():
                 return None
             sh = self.shard
+            assert sh is not None  # _next_piece opened one
             path = self.spec.urls[sh["url"]]
             try:
                 if self._reader is None:
@@ -402,6 +416,7 @@ class LaneStream:
                 # dropped before the buffer, so it takes no shuffle slot; counted, not logged (it is asked for)
                 self.skipped[KEEP_SKIP] = self.skipped.get(KEEP_SKIP, 0) + 1
                 continue
+            assert self.shard is not None  # the piece raw was read from
             self.buffer.append((raw, self.shard["url"], self.epoch))
         if self.close_between_fills and self.shard is not None:
             self._close(keep_position=True)

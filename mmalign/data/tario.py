@@ -21,12 +21,22 @@ import gzip
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from mmalign.data.remote import RemoteFile, RemoteOptions, is_gzip_name, kind_of, local_path
 
 BLOCK = 512
 MAX_NAME_HEADER = 1 << 20  # a GNU long name or pax record set larger than this is corrupt
+
+
+class ShardFile(Protocol):
+    """What the readers ask of a shard: a local file, a gunzipped stream, a RemoteFile."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def tell(self) -> int: ...
 
 
 class Oversized:
@@ -100,12 +110,15 @@ def _pax_path(data: bytes) -> str | None:
     return None
 
 
+OpenShard = BinaryIO | gzip.GzipFile | RemoteFile  # what open_shard returns (each a ShardFile)
+
+
 class _GzipShard(gzip.GzipFile):
     """A gzip stream over a remote shard file, closing that file with itself."""
 
     needs_end_marker = True  # a remote stream's end is checked (see iter_members)
 
-    def __init__(self, raw: BinaryIO):
+    def __init__(self, raw: RemoteFile):
         super().__init__(fileobj=raw, mode="rb")
         self._raw = raw
 
@@ -116,7 +129,7 @@ class _GzipShard(gzip.GzipFile):
             self._raw.close()
 
 
-def open_shard(path: str, remote: RemoteOptions | None = None) -> BinaryIO:
+def open_shard(path: str, remote: RemoteOptions | None = None) -> OpenShard:
     """A shard spec -> a readable, seekable file.
 
     Local: plain ``.tar`` (seekable, cheap) or ``.tar.gz``/``.tgz`` (seekable, slow).
@@ -143,7 +156,7 @@ def open_shard(path: str, remote: RemoteOptions | None = None) -> BinaryIO:
 
 
 def iter_members(
-    f: BinaryIO, offset: int = 0, *, want=None, max_member: int | None = None
+    f: ShardFile, offset: int = 0, *, want=None, max_member: int | None = None
 ) -> Iterator[tuple[int, int, str, bytes | Oversized | None]]:
     """Yield ``(header_offset, next_offset, name, data)`` for regular members from ``offset``.
 
@@ -205,6 +218,7 @@ def iter_members(
                 name = prefix.decode("utf-8", "surrogateescape") + "/" + name
         long_name = None
         member_start, start = start, None
+        data: bytes | Oversized | None
         if (want is None or want(name)) and max_member is not None and size > max_member:
             f.seek(pos)
             data = Oversized(size)
@@ -237,7 +251,7 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 def iter_samples(
-    f: BinaryIO, offset: int = 0, index: int = 0, *, keep=None, max_member: int | None = None
+    f: ShardFile, offset: int = 0, index: int = 0, *, keep=None, max_member: int | None = None
 ) -> Iterator[RawSample]:
     """Group members into samples, starting at the sample whose first header is at ``offset``.
 
@@ -285,13 +299,13 @@ def iter_samples(
         current.end = end
         if reading and isinstance(data, Oversized):
             current.oversized[ext] = data.size
-        elif reading and data is not None:
+        elif reading and isinstance(data, bytes):  # read (not skipped: None)
             current.members[ext] = data
     if current is not None:
         yield current
 
 
-def read_sample_at(f: BinaryIO, offset: int, index: int, max_member: int | None = None) -> RawSample | None:
+def read_sample_at(f: ShardFile, offset: int, index: int, max_member: int | None = None) -> RawSample | None:
     """The one sample whose first header is at ``offset`` (re-reading a buffered sample)."""
     for sample in iter_samples(f, offset, index, max_member=max_member):
         return sample
@@ -299,7 +313,7 @@ def read_sample_at(f: BinaryIO, offset: int, index: int, max_member: int | None 
 
 
 def read_samples_at(
-    f: BinaryIO, refs: list[tuple[int, int]], max_member: int | None = None
+    f: ShardFile, refs: list[tuple[int, int]], max_member: int | None = None
 ) -> Iterator[RawSample]:
     """The samples at ``refs`` ((offset, index) pairs of one shard), in offset order, in one forward pass.
 

@@ -102,7 +102,7 @@ class HFTextTokenizer:
         return self._tok(clean_whitespace(text), add_special_tokens=False)["input_ids"]
 
     def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))  # one sequence: a str
 
     def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
         if isinstance(texts, str):
