@@ -14,6 +14,8 @@ accum_freq).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -74,12 +76,12 @@ class UpdateContext:
     """What a term may use after an update: the new full weights / buffers (callables: a
     collective under ZeRO-3, called only by terms that need them), this step's batch and ids."""
 
-    params: Any  # () -> {name: full tensor}
-    buffers: Any  # () -> {name: tensor}
+    params: Callable[[], dict[str, Tensor]]  # () -> {name: full tensor}
+    buffers: Callable[[], dict[str, Tensor]]  # () -> {name: tensor}
     batch: Batch
     ids: Tensor | None
     chunk: int = 0
-    autocast: Any = None
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 class StepContext:

@@ -13,12 +13,14 @@ term's own ``stat``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mmalign.config import Config
 from mmalign.config import loss_rules as rules
 from mmalign.data.batch import MODEL_INPUTS, Batch
 from mmalign.dist import distributed as mdist
@@ -154,7 +156,7 @@ class Objective:
         batch: Batch,
         *,
         chunk: int = 0,
-        autocast: Any = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         """Let the terms with training state follow an update that was made (not skipped):
         the queue's EMA and enqueue (collectives: every rank calls it)."""
@@ -167,7 +169,7 @@ class Objective:
 
 
 def build_objective(
-    cfg: Any, world_size: int = 1, model: torch.nn.Module | None = None, device: torch.device | str = "cpu"
+    cfg: Config, world_size: int = 1, model: torch.nn.Module | None = None, device: torch.device | str = "cpu"
 ) -> Objective:
     """The run's objective from its config (``loss.*``, ``data.hard_negatives``, ``data.id_field``).
 
