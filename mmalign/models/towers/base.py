@@ -245,7 +245,7 @@ def spec_class(side: str, kind: str) -> type[TowerSpec]:
     """The registered class of ``kind``, a ``side`` tower; an unknown kind is one ConfigError."""
     cls = _KINDS.get(kind)
     if cls is None or cls.side != side:
-        known = ", ".join(registered(side))
+        known = ", ".join(sorted(registered(side)))
         raise ConfigError(f"{side} tower kind {kind!r} is not registered (registered {side} kinds: {known})")
     return cls
 
