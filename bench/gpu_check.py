@@ -27,8 +27,6 @@ a dry run is a rehearsal, not a measurement, and always writes (its table says t
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,7 +38,7 @@ import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on
 import torch
 import torch.nn.functional as F
 
-from bench.harness import DOC, ROOT, LoadWatch, command, parser, write_section
+from bench.harness import DOC, ROOT, LoadWatch, command, device_line, parser, write_section
 
 SECTION = "## GPU check (bench/gpu_check.py)"
 
@@ -295,11 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import deepspeed  # noqa: F401  (already imported by the engine; for its version only)
 
-    where = (
-        torch.cuda.get_device_name(device)
-        if cuda
-        else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    )
+    where = device_line(device)
     cmd = command(argv, "gpu_check.py")
     body = "\n".join(
         [

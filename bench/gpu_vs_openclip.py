@@ -32,8 +32,6 @@ arm FAILED.
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -56,7 +54,7 @@ from bench.gpu_step import (
     mmalign_config,
     tf32_on,
 )
-from bench.harness import DOC, LoadWatch, command, parser, write_section
+from bench.harness import DOC, LoadWatch, command, device_line, parser, write_section
 
 SECTION = "## GPU: mmalign vs open_clip_train (bench/gpu_vs_openclip.py)"
 TOOLS = ("mmalign", "open_clip")
@@ -431,11 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import open_clip
 
-    where = (
-        torch.cuda.get_device_name(device)
-        if cuda
-        else f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    )
+    where = device_line(device)
     cmd = command(argv, "gpu_vs_openclip.py")
     body = "\n".join(
         [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import shlex
 import sys
@@ -43,6 +44,7 @@ __all__ = [
     "bf16_flags",
     "command",
     "cpu_line",
+    "device_line",
     "parser",
     "ratio",
     "table",
@@ -86,6 +88,15 @@ def cpu_line(threads: int | None = None) -> str:
     """The machine a table was taken on, e.g. 'x86_64, 2 CPU cores (avx512_bf16), 2 torch threads'."""
     line = f"{platform.machine()}, {usable_cores()} CPU cores ({bf16_flags()})"
     return line if threads is None else f"{line}, {threads} torch threads"
+
+
+def device_line(device) -> str:
+    """What a GPU bench ran on: the CUDA device's name, or 'CPU dry run (N cores, processor)'."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"CPU dry run ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
 
 
 def today() -> str:
