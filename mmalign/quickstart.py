@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 SHAPES_DIR = "data/shapes"
-# The time goal the summary judges, end to end on 2 CPU cores: the README quotes 3-4 min measured on
+# The time goal the summary judges, end to end on 2 CPU cores: docs/benchmarks.md has 3-4 min measured on
 # a 2-core AVX512 VM; 10 min leaves room for a slower (AVX2) or busy machine and still reads "minutes".
 TIME_GOAL_S = 600
 TIME_GOAL = f"<= {TIME_GOAL_S // 60} min on 2 CPU cores"

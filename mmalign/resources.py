@@ -45,7 +45,7 @@ def shipped(kind: str, name: str) -> Path | None:
 def recipe_path(path: str | Path) -> Path:
     """The config file ``path`` names: the file itself when it exists, else the shipped
     recipe of that name, given bare (``cifar10_cpu``) or as the repository path the
-    README uses (``configs/cifar10_cpu.yaml``, which then works from any directory)."""
+    docs use (``configs/cifar10_cpu.yaml``, which then works from any directory)."""
     path = Path(path)
     if path.is_file():
         return path

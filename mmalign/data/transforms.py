@@ -17,7 +17,7 @@ tensor, element for element the same numbers.
 A JPEG much larger than the target is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's
 DCT scaling, PIL's ``draft``) when every crop the transform can draw stays at
 least the target size there: the result is close to, not equal to, the full decode
-(tests/test_data_transforms_decode.py states the bound).
+(tests/data/test_data_transforms_decode.py states the bound).
 
 The eval transform refuses an image thinner than ``image_shape.MAX_ASPECT``:1 before its
 resize (:class:`ImageShapeError`), whoever decoded it: the resize scales the shorter side.

@@ -5,7 +5,7 @@ processes on a private loopback port; each process then initialises its group fr
 the RANK / WORLD_SIZE / MASTER_* variables torchrun sets (gloo on CPU, nccl on
 GPU).  Multi-node runs call torchrun (under ``python -m mmalign.dist.supervise``, which ends an
 agent left retrying an unreachable rendezvous store after a split network), the ``deepspeed``
-launcher or ``srun`` with the same arguments (see the README).  Here the store is local, so
+launcher or ``srun`` with the same arguments (see docs/training.md).  Here the store is local, so
 no agent can lose it.
 """
 

@@ -6,7 +6,7 @@ task of many classes, its C x T prompts (ImageNet: 1000 x 80).  Rank r embeds sa
 r, r + W, r + 2W, ... of the dataset's fixed order, and prompts r, r + W, ... of each
 zero-shot task; the pieces are gathered and put back in order on every rank, so rank 0
 receives exactly what one process would have computed (up to the last bits of fp32 matrix
-products over other batch compositions; tests/test_evaluation_sharded.py bounds it).  Each
+products over other batch compositions; tests/evaluation/test_evaluation_sharded.py bounds it).  Each
 classifier is built once per evaluation.  Rank 0 then runs the tasks on the gathered
 features (recalls, probes, counterfactuals reuse the classifiers) and writes the results.
 

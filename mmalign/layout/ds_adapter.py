@@ -5,7 +5,7 @@ logs one warning line when another version is installed (:func:`check_version`).
 function here reads or swaps something DeepSpeed does not document; what DeepSpeed does
 document (``deepspeed.initialize``, the engine's ``backward`` / ``step`` / ``save_checkpoint``
 / ``load_checkpoint``, ``deepspeed.utils.safe_get_*``) is used by the engine directly.
-``tests/test_ds_adapter.py`` checks every function here against that public behaviour, so a
+``tests/run/test_ds_adapter.py`` checks every function here against that public behaviour, so a
 DeepSpeed upgrade that moves a private fails there first, by name.
 
 What is known here:
@@ -72,7 +72,7 @@ def version_line(installed: str) -> str | None:
     return (
         f"mmalign: warning: DeepSpeed {installed} is installed, mmalign's adapter of DeepSpeed's private "
         f"layout (mmalign/layout/ds_adapter.py) was written against {WRITTEN_AGAINST}; "
-        f"tests/test_ds_adapter.py checks it against this version"
+        f"tests/run/test_ds_adapter.py checks it against this version"
     )
 
 

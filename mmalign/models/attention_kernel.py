@@ -16,7 +16,7 @@ fp32, 0.16-0.24 s bf16 flash, 0.07-0.15 s bf16 math), and it was half of a bf16 
 the matmuls' gain. Which candidate wins depends on the CPU and the shape, so it is measured
 once per shape class (a few ms on a small batch slice; attention cost is linear in the batch)
 and cached. Every candidate computes the same function; the bf16 error of each is bounded in
-tests/test_attention_kernel.py against the fp32 step. ``flash_fp32`` is the most accurate of
+tests/models/test_attention_kernel.py against the fp32 step. ``flash_fp32`` is the most accurate of
 the three (softmax and both products in fp32).
 
 The choice is made per process and may differ between runs on different machines; set an

@@ -10,7 +10,7 @@ before, and said so first.
 The architectures are read from the files they live in: mmalign's YAML presets
 (``preset_data/*.yaml``) and open_clip's ``model_configs/*.json``, found without importing
 open_clip (its import pulls in torchvision and transformers: seconds), in the order
-``open_clip.list_models()`` gives them (``tests/test_models_preset_table.py`` holds the two
+``open_clip.list_models()`` gives them (``tests/models/test_models_preset_table.py`` holds the two
 equal).
 """
 

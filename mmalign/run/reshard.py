@@ -25,7 +25,7 @@ gives the weights from its module state and the moments per parameter from its o
 state (indexed in the order of :attr:`mmalign.run.engine.Engine.param_group_names`); a ZeRO-0
 target gets its torch optimizer's state loaded per parameter.  Values are copied, never
 recomputed, so the restored state is the saved one bit for bit and the next step
-matches the uninterrupted run's to reduction order (tests/test_reshard_engine.py).
+matches the uninterrupted run's to reduction order (tests/run/test_reshard_engine.py).
 Cost: every rank holds the full fp32 weights and moments in CPU memory while it
 loads (three copies of the model for Adam/LAMB), once per resume.
 

@@ -164,8 +164,8 @@ def check_something_to_resume(out: Path, cfg: Config) -> None:
     * a run whose ``config.yaml`` differs in a key that changes the run (named, as
       :func:`check_resume` names them): another experiment would take its place.
 
-    The leftovers of an attempt of the *same* run killed before its first save (the README's
-    launch lines carry ``--resume latest``, and a requeued job runs them again) start over."""
+    The leftovers of an attempt of the *same* run killed before its first save (the launch lines
+    of docs/training.md carry ``--resume latest``, and a requeued job runs them again) start over."""
     if (out / "checkpoints" / "latest").is_file():
         return  # a checkpoint to resume from: checkpoint.resume and check_resume take it from here
     finished = (out / "final").is_dir()

@@ -12,7 +12,7 @@ DeepSpeed's gradient averaging over one rank, mmalign.run.engine).
 The update is the same: the optimizers are elementwise or per tensor, so without gradient
 clipping AdamW, SGD and LAMB give the same weights bit for bit; with clipping the global
 norm is summed in another order (ZeRO-1/2: float64 per tensor; ZeRO-0: float32) and the
-weights agree to float32 rounding (tests/test_one_rank_zero.py).
+weights agree to float32 rounding (tests/dist/test_one_rank_zero.py).
 
 Kept at the configured stage:
 
