@@ -1,7 +1,7 @@
 """The typed experiment configuration: load -> resolve -> validate, once.
 
 The keys, their types, defaults, domains and meanings are declared in
-:mod:`mmalign.config.schema` (the README's table is generated from them); YAML and
+:mod:`mmalign.config.schema` (docs/configuration.md's table is generated from them); YAML and
 ``--set a.b=c`` are read by :mod:`mmalign.config.load`.  :func:`load_config` then runs
 
 * :func:`resolve` (:mod:`mmalign.config.resolve`): the derived values, filled in place;

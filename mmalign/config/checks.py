@@ -1,7 +1,7 @@
 """Each config key's domain, declared beside the key and checked by one generic validator.
 
 :mod:`mmalign.config.schema` declares every key with :func:`knob`: its default, the one
-sentence the README's table shows (``doc``), its unit, and its ``rule`` (a :class:`Span`, a
+sentence docs/configuration.md's table shows (``doc``), its unit, and its ``rule`` (a :class:`Span`, a
 :class:`Seq`, a :class:`Text`, ...) in the field's metadata.  A value's *type* is checked
 while the dataclasses are built (:mod:`mmalign.config.load`); :func:`check_domains` walks the
 built config and checks each key against the rule in its metadata; the combinations of keys
@@ -232,7 +232,7 @@ NAME = r"\S(?:.*\S)?"  # no surrounding blanks: " label" would never match the f
 
 
 def knob(default: Any = dataclasses.MISSING, *, doc: str, rule: Any = None, unit: str = "") -> Any:
-    """A config field whose metadata declares it: ``doc`` (one sentence, the README's table),
+    """A config field whose metadata declares it: ``doc`` (one sentence, docs/configuration.md's table),
     ``rule`` (its domain; None: the annotation is the whole domain, as for bools, ``Literal``
     modes and free mappings) and ``unit`` (named in the table and in the error).  A list or
     mapping default is copied per instance."""

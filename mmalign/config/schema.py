@@ -3,7 +3,7 @@ meaning in one place.
 
 Each leaf is a :func:`~mmalign.config.checks.knob`: the annotation is its type (string modes
 are ``Literal``), the metadata its domain (``rule``), ``unit`` and ``doc``.  The generic
-validator (:func:`mmalign.config.checks.check_domains`) and the README's table
+validator (:func:`mmalign.config.checks.check_domains`) and the table of docs/configuration.md
 (``python -m mmalign.config.doc``) both read this metadata, so a key is documented and checked
 where it is declared.  The defaults are the embedded quickstart recipe: a run without any YAML
 is a complete, working experiment.
