@@ -55,11 +55,26 @@ def _imported(folder: Path) -> dict[str, str]:
     return {module: sorted(files)[0] for module, files in _importers(folder).items()}
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``: imports for the type checker, never run
+    (``_typeshed`` exists only there)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
 def _importers(folder: Path) -> dict[str, set[str]]:
-    """Top-level module name -> every file importing it, for every absolute import in ``folder``."""
+    """Top-level module name -> every file importing it, for every absolute import in ``folder``
+    that runs (not the type checker's)."""
     found: dict[str, set[str]] = {}
     for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -131,6 +146,12 @@ def test_the_dependency_check_can_fail():
     assert _undeclared({"braceexpand": "x.py"}, _declared() - {"braceexpand"})
     assert _undeclared({"no_such_module_here": "x.py"}, _declared())
     assert "faiss-cpu" in _declared("test") and "faiss-cpu" not in _declared()  # an extra naming extras
+    tree = ast.parse("import a\nif TYPE_CHECKING:\n    import b\nif typing.TYPE_CHECKING:\n    import c\n")
+    assert [
+        n.names[0].name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import) and id(n) not in _type_checking_only(tree)
+    ] == ["a"]
 
 
 # ----------------------------------------------------------- pip install .
