@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@echo "mmalign:   about 6.6 GB on disk; 1-4 min on 2 cores with the wheels cached locally, longer when downloading them. pip's progress follows."
 	@start=$$(date +%s) \
 	  && $(BIN)/python -m pip install --progress-bar on --upgrade pip \
-	  && $(BIN)/python -m pip install --progress-bar on -e '.[test]' \
+	  && $(BIN)/python -m pip install --progress-bar on -e '.[search,export,report,test]' \
 	  && echo "mmalign: installed in $$(( $$(date +%s) - start )) s; $(VENV) takes $$(du -sh $(VENV) | cut -f1)"
 	@touch $(STAMP)
 

@@ -100,8 +100,8 @@ def test_two_hosts_train_what_one_process_trains(hosts, train_argv, tmp_path):
     """Issue 30 across hosts: 2 hosts x 1 rank and 1 process (both caching in chunks of 4)
     read the same global batches row by row and end with the same weights (SGD: within 1e-5
     of each tensor's norm; the 2-way gradient sum differs in its last bits only)."""
-    from tests.harness import cli_main
     from tests.dist.multihost.runs import sample_keys, weights
+    from tests.harness import cli_main
 
     sgd = ["train.optimizer=sgd", "train.lr=0.05", "train.weight_decay=0.0"]
     out, alone = tmp_path / "run", tmp_path / "alone"
