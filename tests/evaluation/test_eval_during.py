@@ -82,7 +82,11 @@ def run(shapes_dir, tmp_path_factory):
     suites = _suites(root / "suites")
     overrides = _overrides(shapes_dir, root / "run", suites)
     events: list[tuple[str, str]] = []
-    build, assemble, evaluate = zeroshot_kind.build_classifier, sharded.classifier_from_prompts, sharded.evaluate
+    build, assemble, evaluate = (
+        zeroshot_kind.build_classifier,
+        sharded.classifier_from_prompts,
+        sharded.evaluate,
+    )
 
     def counted_build(encode, tokenizer, classnames, templates, *args):
         events.append(("classifier", classnames[0]))
