@@ -56,7 +56,7 @@ class PhaseClock:
     """Wall and CPU seconds per named phase, in the order they started, from the process start
     (the first phase, "python + imports", is the interpreter and the imports before the clock)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.phases: list[tuple[str, float, float]] = []  # (name, wall, cpu) of the finished phases
         self.start_wall, self.start_cpu = min(_process_start(), time.time()), 0.0
         self._name, self._wall, self._cpu = "python + imports", self.start_wall, self.start_cpu
