@@ -59,7 +59,8 @@ class PhaseClock:
     def __init__(self) -> None:
         self.phases: list[tuple[str, float, float]] = []  # (name, wall, cpu) of the finished phases
         self.start_wall, self.start_cpu = min(_process_start(), time.time()), 0.0
-        self._name, self._wall, self._cpu = "python + imports", self.start_wall, self.start_cpu
+        self._name: str | None = "python + imports"
+        self._wall, self._cpu = self.start_wall, self.start_cpu
 
     def mark(self, name: str | None) -> None:
         """The current phase ends now and ``name`` starts (None: the last phase ends)."""
