@@ -82,7 +82,7 @@ def test_training_setup_sets_it(monkeypatch, tmp_path):
     cfg = load_config(None, ["train.tf32=false", "train.device=cpu", f"output={tmp_path / 'run'}"])
     try:
         with pytest.raises(Stop):
-            train._setup(cfg, None, False)
+            train._setup(cfg, None, False, model_checked=False)
     finally:  # _setup's train.log handler on the "mmalign" logger is this test's
         logger = logging.getLogger("mmalign")
         for h in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
