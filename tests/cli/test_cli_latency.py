@@ -127,6 +127,7 @@ def _usage_errors(tmp):
     ]
 
 
+@pytest.mark.integration
 def test_usage_errors_are_one_line_before_any_heavy_import(tmp_path):
     for argv, word in _usage_errors(tmp_path):
         code, out, err, heavy, wall = _run(*argv)
@@ -137,6 +138,7 @@ def test_usage_errors_are_one_line_before_any_heavy_import(tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "missing").exists()  # nothing written on the way
 
 
+@pytest.mark.integration
 def test_a_model_load_takes_seconds_beyond_torch(tmp_path):
     from tests.harness.searchdata import save_random_model
 

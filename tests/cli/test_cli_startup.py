@@ -69,6 +69,7 @@ def test_two_trainings_in_one_process_and_an_engine_after_them(micro_overrides, 
     assert torch.isfinite(out.loss)
 
 
+@pytest.mark.integration
 def test_cli_run_announces_each_phase_builds_no_op_and_logs_readable_lines(micro_overrides, tmp_path):
     """Non-TTY stdout: one line per phase, an early run-time estimate, one line per log_every;
     no DeepSpeed JIT build (a fresh extensions dir stays empty), no CUDA_HOME warning;
@@ -268,6 +269,7 @@ def _wait_gone(pids: list[int], within_s: float) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.integration
 def test_killing_a_run_ends_its_data_workers(micro_overrides, tmp_path, sig):
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [
         "data.workers=2",
@@ -334,6 +336,7 @@ def test_a_suite_typo_stops_a_multi_process_run_before_its_ranks_start(micro_ove
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.integration
 def test_killing_a_multi_process_run_ends_every_rank_and_worker(micro_overrides, tmp_path):
     """SIGTERM to `mmalign train --nproc 2` reaches torchrun, its ranks and their data workers."""
     overrides = [o for o in micro_overrides if not o.startswith("data.workers")] + [

@@ -125,6 +125,7 @@ INTEGRATIONS = {
 }
 
 
+@pytest.mark.integration
 def test_every_imported_distribution_is_declared():
     imported: dict[str, set[str]] = {}
     for folder in SOURCES:

@@ -50,7 +50,11 @@ def test_install_announces_itself_and_shows_pips_progress(checkout):
     assert "GB" in intro and "min" in intro
     # pip's own output reaches the terminal, and pip is not asked to be quiet
     calls = (checkout / ".venv" / "bin" / "calls").read_text().splitlines()
-    assert len(calls) == 2 and calls[1].startswith("-m pip install") and "-e .[search,export,report,test]" in calls[1]
+    assert (
+        len(calls) == 2
+        and calls[1].startswith("-m pip install")
+        and "-e .[search,export,report,test]" in calls[1]
+    )
     assert not any(arg in ("-q", "--quiet") for call in calls for arg in call.split())
     # at the end: the time it took and the venv's size
     assert lines[-1].startswith("mmalign: installed in ") and "s; .venv takes " in lines[-1]

@@ -78,6 +78,7 @@ def _expand(spec, pieces):
 
 
 @pytest.mark.parametrize("mode", ["epoch", "resampled"])
+@pytest.mark.integration
 def test_lane_pieces_concatenate_to_the_naive_epoch_sequence(mode, seed):
     rng = random.Random(seed)
     for _ in range(300):
@@ -189,6 +190,7 @@ def _global(spec, mode, world, workers, seed, steps, **data):
 
 
 @pytest.mark.parametrize("mode", ["epoch", "resampled", "weighted"])
+@pytest.mark.integration
 def test_the_global_batch_is_the_same_for_every_layout(tmp_path, mode, seed):
     rng = random.Random(seed)
     data = {}

@@ -20,6 +20,8 @@ import pytest
 
 from tests.harness import ROOT
 
+pytestmark = pytest.mark.integration  # real processes, a browser or a supervisor's timeouts
+
 LOST = (
     "mmalign: error: lost contact with another rank (a host or process is gone, or the network is split; "
     "collectives wait at most dist.timeout_s={t} s): Connection closed by peer; once every host is back, "

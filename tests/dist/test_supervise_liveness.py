@@ -22,6 +22,8 @@ import pytest
 
 from tests.harness import ROOT
 
+pytestmark = pytest.mark.integration  # real processes, a browser or a supervisor's timeouts
+
 AGENT = r"""
 import os, signal, subprocess, sys, time
 mode, pidfile = sys.argv[1], sys.argv[2]

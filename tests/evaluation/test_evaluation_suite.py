@@ -57,6 +57,7 @@ def run_dir(shapes_dir, tmp_path_factory):
     return run
 
 
+@pytest.mark.integration
 def test_eval_shapes_full_writes_clip_benchmark_records(run_dir, tmp_path):
     out = tmp_path / "full.json"
     assert main(["eval", "--model", str(run_dir), "--suite", "shapes_full", "--output", str(out)]) == 0
@@ -86,6 +87,7 @@ def test_eval_shapes_full_writes_clip_benchmark_records(run_dir, tmp_path):
     assert plain["shapes/shape"]["metrics"] == records["shapes_full/shape"]["metrics"]
 
 
+@pytest.mark.integration
 def test_eval_digits_suite_with_limit(run_dir, tmp_path):
     out = tmp_path / "digits.json"
     assert (
@@ -103,6 +105,7 @@ def test_unknown_suite_is_a_one_line_error(run_dir, capsys):
     assert "unknown suite 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_report_writes_html_and_pngs(run_dir, tmp_path, capsys):
     assert main(["report", "--run", str(run_dir), "--output", str(tmp_path / "rep"), "--limit", "60"]) == 0
     # progress off a terminal: a closing line with the count (issue 15 point 4)
@@ -316,6 +319,7 @@ def test_limit_draws_a_seeded_stratified_sample_not_the_first_n(run_dir, sorted_
     assert {k: v["n"] for k, v in record["slices"]["classname"].items()} == {"bird": 3, "cat": 3, "dog": 3}
 
 
+@pytest.mark.integration
 def test_report_shows_eval_files_config_time_data_and_warns(run_dir, sorted_shards, tmp_path):
     import os
     import shutil

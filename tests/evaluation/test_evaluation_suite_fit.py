@@ -98,6 +98,7 @@ def test_a_mismatch_is_one_line_naming_suite_field_and_fix(tmp_path):
     )  # fits: silent
 
 
+@pytest.mark.integration
 def test_readme_tour_with_cifar_shards_fails_before_any_step(tmp_path):
     train = cifar_like(tmp_path / "cifar" / "train" / "00000.tar", n=64)
     val = cifar_like(tmp_path / "cifar" / "val" / "00000.tar", n=20)

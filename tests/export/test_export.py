@@ -136,6 +136,7 @@ def test_onnx_round_trip_two_batch_sizes(model_dir, tmp_path):
         assert np.abs(txt - ours.encode_text(tokens).numpy()).max() <= 1e-4
 
 
+@pytest.mark.integration
 def test_export_from_zero3_checkpoint_matches_final(shapes_dir, tmp_path):
     from safetensors.torch import load_file
 

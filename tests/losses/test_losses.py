@@ -480,6 +480,7 @@ def _run_fresh(code: str, env: dict | None = None) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_distributed_helpers_are_noops_without_group():
     _run_fresh("""
         import torch
@@ -517,6 +518,7 @@ def test_env_parsing():
     assert mdist.env_dist_info({}).world_size == 1
 
 
+@pytest.mark.integration
 def test_init_from_env_is_noop_for_one_process():
     _run_fresh("""
         import os

@@ -133,6 +133,7 @@ def test_sharded_views_are_gathered_and_give_the_full_batch_gradient(gen, tmp_pa
             assert ratio <= 1.0, f"worst error {ratio:.2f} x its float32 bound"
 
 
+@pytest.mark.integration
 def test_training_with_two_views_logs_a_falling_image_image_loss(micro_overrides):
     import json
 

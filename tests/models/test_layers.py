@@ -167,6 +167,7 @@ def test_each_heavy_dependency_has_its_owning_module():
             assert len(modules) <= 1, (dep, modules)
 
 
+@pytest.mark.integration
 def test_importing_the_cli_and_the_training_loop_pulls_in_no_heavy_dependency():
     """What a command pays before it runs: nothing heavy for the CLI (not even torch), and for
     the training loop only what open_clip itself imports (it imports transformers when present)."""

@@ -133,6 +133,7 @@ def test_config_error_without_a_mode_under_caching_or_ranks():
         load_config(None, ["model.batchnorm=global"])
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_batchnorm_tower_on_two_processes_before_spawning(tmp_path):
     (tmp_path / "00000.tar").touch()  # a shard by name: the shards are checked before the towers
     result = run_cli(

@@ -390,6 +390,7 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_resume_with_a_queue_equals_the_straight_run(micro_overrides, tmp_path):
     from mmalign.run.train import train
 

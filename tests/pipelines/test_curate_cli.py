@@ -907,6 +907,7 @@ def _curate_cmd(pool: PoolData, data: str, out: Path, *flags) -> list[str]:
     ]
 
 
+@pytest.mark.integration
 def test_resume_after_kill_9_equals_a_straight_run(pool, served, remote_run, tmp_path):
     out = tmp_path / "out"
     cmd = _curate_cmd(pool, served.spec, out, *POLICY)

@@ -145,6 +145,7 @@ def _autocast_worker(rank: int, world: int, stage: int, seed: int) -> dict:
 @pytest.mark.parametrize(
     "stage", [0, 3]
 )  # one rank: ZeRO-1/2 run as ZeRO-0 (mmalign/run/zero_stage.py); 3 keeps its stage
+@pytest.mark.integration
 def test_bf16_reaches_the_towers_inside_deepspeed_when_the_check_reads_cuda(stage, seed):
     from tests.harness import run_ranks
 

@@ -304,6 +304,7 @@ def _steps_worker(rank: int, world: int, seed: int) -> dict:
     return out
 
 
+@pytest.mark.integration
 def test_locked_tower_is_bitwise_unchanged_and_has_no_optimizer_state(seed):
     from tests.harness import run_ranks
 

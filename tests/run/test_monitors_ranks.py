@@ -151,6 +151,7 @@ def _naive_mask(seed: int, patches: int, keep: int) -> torch.Tensor:
     return torch.rand(patches, generator=torch.Generator().manual_seed(seed)).topk(keep).indices
 
 
+@pytest.mark.integration
 def test_each_sample_draws_its_own_mask_and_the_logs_hold_global_values(two_rank_run):
     out = two_rank_run
     r0, r1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")

@@ -36,6 +36,7 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
+@pytest.mark.integration
 def test_a_second_launch_of_a_running_train_is_refused_and_a_resume_works_after_it(micro_overrides, tmp_path):
     out = tmp_path / "run"
     base = [o for o in micro_overrides if not o.startswith(("output=", "train.steps="))] + [

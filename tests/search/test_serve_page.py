@@ -25,6 +25,8 @@ import pytest
 
 from tests.harness.searchdata import build_corpus, serve_corpus
 
+pytestmark = pytest.mark.integration  # real processes, a browser or a supervisor's timeouts
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 QUERY = "a photo of a cat"
 

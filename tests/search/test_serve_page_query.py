@@ -3,6 +3,8 @@ source where no browser is installed (tests/search/test_serve_page.py checks it 
 
 import re
 
+import pytest
+
 from mmalign.search.serve_page import PAGE
 
 
@@ -69,6 +71,7 @@ vm.runInContext(script, page);
 """
 
 
+@pytest.mark.integration  # runs the page's script in node
 def test_an_upload_shows_the_file_and_a_text_search_hides_it(tmp_path):
     import json
     import shutil
