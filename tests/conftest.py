@@ -1,6 +1,7 @@
 """The fixtures every test may ask for (seed, gen, shapes_dir, micro_overrides) and the autouse
 guards. Shared helpers and the naive references are in tests/harness/."""
 
+import os
 import random
 import zlib
 
@@ -87,6 +88,21 @@ def micro_overrides(shapes_dir, tmp_path):
 _GROUPS = {
     "multihost": "tests/dist/multihost/",  # network namespaces and their fixed subnet
 }
+
+
+def _xdist_workers() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+
+
+def pytest_configure(config):
+    """Under xdist, each worker's torch gets its share of the cores: two workers of two intra-op
+    threads each on two cores spend their time spinning and switching, not computing. The
+    processes a test starts (mmalign commands, ranks) inherit the share."""
+    workers = _xdist_workers()
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))  # the processes tests start, too
 
 
 def pytest_collection_modifyitems(config, items):
