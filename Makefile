@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(BIN)/mmalign quickstart
 
-# pytest-xdist workers; much of the suite waits on timeouts and other processes, so the workers
-# may outnumber the cores (TEST_WORKERS). Tests that share a host resource run in one xdist
-# group (tests/conftest.py). TEST_WORKERS=0 runs one process.
+# pytest-xdist, one worker per core of a 2-core machine (a third worker measured slower: it adds
+# start-up and contention, not throughput); each worker's torch and the processes its tests start
+# get their share of the cores, and tests that share a host resource run in one xdist group
+# (tests/conftest.py). TEST_WORKERS=0 runs one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: $(STAMP)
