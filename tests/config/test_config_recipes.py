@@ -60,7 +60,7 @@ def test_recipe_first_line_is_its_command(path: Path):
 
 
 def test_committed_recipes_use_no_machine_specific_paths():
-    outside = str(Path(__file__).resolve().parents[3])  # the folder holding this checkout
+    outside = str(ROOT.parent)  # the folder holding this checkout
     for path in RECIPES:
         assert outside + "/" not in path.read_text(), path.name
 

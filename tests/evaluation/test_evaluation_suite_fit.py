@@ -17,8 +17,8 @@ from PIL import Image
 from mmalign.config import ConfigError
 from mmalign.evaluation.suite import load_suite
 from mmalign.evaluation.suite_fit import check_suite_fields, fitting_suites, probe_samples, task_mismatch
+from tests.harness import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CIFAR = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 

@@ -15,11 +15,12 @@ import importlib.util
 import re
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.harness import ROOT
+
+BENCH = ROOT / "bench"
 
 
 def _global_reads(code: types.CodeType):

@@ -15,6 +15,7 @@ from data_pipelines.build import EncodeOptions, build_shards
 from data_pipelines.sources import Captioner, hf_dataset, image_folder, load_templates, table
 from mmalign.cli import main
 from mmalign.data.shards import expand_urls, iter_tar_groups, read_samples
+from tests.harness import ROOT
 
 CLASSES = ["bird", "cat", "dog"]
 
@@ -199,9 +200,8 @@ def test_cli_builds_shards_and_reports_mistakes(tmp_path, capsys, seed):
 
 
 def test_cifar10_tar_when_present(tmp_path):
-    from pathlib import Path
 
-    src = Path(__file__).resolve().parents[3] / "shared" / "data" / "cifar10" / "test.tar"
+    src = ROOT.parent / "shared" / "data" / "cifar10" / "test.tar"
     if not src.is_file():
         pytest.skip("../shared/data/cifar10 not present")
     tset = load_templates("cifar10")

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.dist.multihost.hosts import ROOT, Hosts, Skip
+from tests.dist.multihost.hosts import Hosts, Skip
+from tests.harness import ROOT
 
 # Seconds a whole run (start-up included) may take on a busy 2-core machine before a test fails.
 RUN_LIMIT_S = 420

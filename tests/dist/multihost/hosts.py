@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.harness import ROOT
+
 SUBNET = "10.77.0"  # a private /24, only inside the test's two namespaces
 
 

@@ -29,9 +29,10 @@ import time
 import pytest
 
 from tests.dist.multihost.conftest import RUN_LIMIT_S
-from tests.dist.multihost.hosts import ROOT, wait_all, wait_for
+from tests.dist.multihost.hosts import wait_all, wait_for
 from tests.dist.multihost.runs import assert_same_run
 from tests.dist.multihost.tracebacks import PACKAGE_DIR, own_frames
+from tests.harness import ROOT
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 
