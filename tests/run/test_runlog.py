@@ -94,6 +94,7 @@ def test_every_file_is_closed_when_the_loop_raises(tmp_path, exc):
             log.sample_keys(1, ["a"])
             log.record(1, _record(1), eta=0.0)
             board = log.board
+            board.flush()  # its writer thread opens the event file per write: none under way now
             assert [Path(p).name for p in _open_files_under(tmp_path)] == [
                 "metrics.jsonl",
                 "samples_rank0.jsonl",
@@ -109,6 +110,7 @@ def test_every_file_is_closed_at_the_normal_end(tmp_path):
     with RunLog(tmp_path, 0, 0, 2, 1, tensorboard=True, show_progress=False) as log:
         log.record(1, _record(1), eta=0.0)
         board = log.board
+        board.flush()  # as above: no event-file write under way while the files are listed
         assert len(_open_files_under(tmp_path)) == 1  # metrics.jsonl (no sample keys asked)
         log.end_loop()  # the jsonl files close with the loop; TensorBoard stays for the final evaluation
         assert _open_files_under(tmp_path) == [] and board.all_writers
