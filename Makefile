@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TOOLS := .venv-tools
 
 .PHONY: quickstart test test-fast test-all lint docs install clean
 
@@ -10,13 +11,17 @@ install: $(STAMP)
 
 # pip's own progress is shown (no -q): a fresh install is minutes of downloads and unpacking,
 # and a silent terminal for that long reads as a hang.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/tools.txt requirements/test-nodeps.txt
 	@test -x $(BIN)/python || { echo "mmalign: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "mmalign: installing mmalign and its dependencies (torch, DeepSpeed, open_clip, transformers, ...) into $(VENV):"
 	@echo "mmalign:   about 6.6 GB on disk; 1-4 min on 2 cores with the wheels cached locally, longer when downloading them. pip's progress follows."
 	@start=$$(date +%s) \
 	  && $(BIN)/python -m pip install --progress-bar on --upgrade pip \
 	  && $(BIN)/python -m pip install --progress-bar on -e '.[search,export,report,test]' \
+	  && $(BIN)/python -m pip install --progress-bar on --no-deps -r requirements/test-nodeps.txt \
+	  && echo "mmalign: the field's tools (img2dataset, autofaiss) into their own venv, $(TOOLS):" \
+	  && { test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS); } \
+	  && $(TOOLS)/bin/python -m pip install --progress-bar on -r requirements/tools.txt \
 	  && echo "mmalign: installed in $$(( $$(date +%s) - start )) s; $(VENV) takes $$(du -sh $(VENV) | cut -f1)"
 	@touch $(STAMP)
 
