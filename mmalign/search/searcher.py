@@ -1,20 +1,31 @@
 """``mmalign search``: query an ``mmalign index`` directory with text or an image.
 
     s = Searcher("runs/x/index", "runs/x")      # index dir, model dir (or a step checkpoint)
-    s.text("a red circle", k=10)                # -> [Hit(rank, key, caption, score, row), ...]
+    s.text("a red circle", k=10)                # -> [Hit(rank, key, caption, score, row, ...), ...]
     s.image("photo.jpg", k=10)                  # image query, against the image index
     s.text("a red circle", k=5, against="text") # nearest captions instead of images
+    Searcher("runs/x/index", mmap=True)         # indexes memory-mapped (searcher_shards.py says which)
 
 Scores are inner products of L2-normalised vectors, i.e. cosines in [-1, 1].  A hit
 from the image index reports the image's first caption; a hit from the text index
 the matched caption.  Each hit carries the sample's ``source_path`` (``cat/0001.jpg``)
-when the index knows it (None for indexes built before it was recorded).
+when the index knows it (None for indexes built before it was recorded), its ``url``
+(img2dataset's column; None without one) and ``meta``: every other metadata column.
+
+An index may be split into shards (``index.json``'s ``shards``): every shard is searched
+and the top k merged (:mod:`mmalign.search.searcher_shards`).  Metadata rows are read by
+number from ``metadata.arrow`` through a memory map (:mod:`mmalign.search.searcher_meta`).
 
 Searches against the text index de-duplicate identical captions by default: a dataset
 captioned from templates holds thousands of rows of "a photo of a cat", and the top k
 would otherwise be k copies of one caption.  The best-scoring copy is kept and k is
 filled with the next distinct captions (looking at up to ``DEDUPE_SCAN`` nearest rows);
 ``dedupe=False`` returns the raw nearest rows.
+
+Thread-safe without a lock: concurrent ``encode_text`` calls are encoded in one forward
+and concurrent ``search_vectors`` calls searched in one FAISS call, each by a bounded
+:class:`~mmalign.search.batcher.Batcher` (a full queue raises
+:class:`~mmalign.search.batcher.Overloaded`); every other access only reads.
 
 :func:`index_recall` scores an index against its own corpus with the evaluation
 suite's Recall@k definitions.
@@ -23,24 +34,34 @@ suite's Recall@k definitions.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmalign.errors import UsageError
-from mmalign.extras import extra
-from mmalign.search.index import INDEX_INFO, METADATA
+from mmalign.search.batcher import Batcher, Overloaded
+from mmalign.search.index import INDEX_INFO
+from mmalign.search.searcher_meta import MetadataTable
+from mmalign.search.searcher_shards import ShardedIndex
 
 if TYPE_CHECKING:
     from mmalign.models.load import Loaded
 
+__all__ = ["Hit", "ImageUnavailable", "Overloaded", "Searcher", "format_hits", "index_recall"]
+
 TARGETS = ("image", "text")
 MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
 DEDUPE_SCAN = 1 << 16  # de-duplication looks at most this many nearest rows to fill k distinct captions
+HIT_COLUMNS = ("key", "caption", "source_path", "url")  # a Hit's own fields; the rest go to Hit.meta
+MAX_BATCH = 32  # queries gathered into one forward / one FAISS call
+MAX_WAIT_S = 0.002  # how long the first query of a batch waits for company
+MAX_QUEUE = 256  # queries waiting beyond this: Overloaded (503)
+ENCODE_CHUNK = 256  # texts per forward inside one batch
 
 
 @dataclass
@@ -51,6 +72,8 @@ class Hit:
     score: float  # cosine similarity
     row: int  # the row in the embedding directory (metadata_N.parquet order)
     source_path: str | None = None  # where the sample came from (cat/0001.jpg), when the index knows
+    url: str | None = None  # the sample's source URL (img2dataset's ``url``), when it has one
+    meta: dict = field(default_factory=dict)  # every other metadata column of the row (JSON-able)
 
 
 class ImageUnavailable(LookupError):
@@ -65,30 +88,41 @@ def _read_index_dir(index_dir: Path) -> dict:
     return json.loads((index_dir / INDEX_INFO).read_text())
 
 
+def _weak(method) -> Callable:
+    """``method`` called through a weak reference: a batcher's worker never keeps its searcher alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(items):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the searcher is gone")
+        return bound(items)
+
+    return call
+
+
 class Searcher:
     """FAISS indexes + their metadata + (optionally) the model that embeds queries."""
 
-    def __init__(self, index_dir: str | Path, model_dir: str | Path | None = None, device: str = "cpu"):
-        import pandas as pd
-
-        with extra("search", "searching an index (mmalign search, mmalign serve)"):
-            import faiss
-
+    def __init__(
+        self,
+        index_dir: str | Path,
+        model_dir: str | Path | None = None,
+        device: str = "cpu",
+        *,
+        mmap: bool = False,
+    ):
         self.index_dir = Path(index_dir)
         self.info = _read_index_dir(self.index_dir)
         self.dim = int(self.info["dim"])
-        self.indexes, self.rows = {}, {}
+        self.mmap = bool(mmap)
+        self.indexes: dict[str, ShardedIndex] = {}
         for name in TARGETS:
             if name in self.info:
-                self.indexes[name] = faiss.read_index(str(self.index_dir / f"{name}.index"))
-                self.rows[name] = np.load(self.index_dir / f"{name}_rows.npy")
-                if "nprobe" in self.info[name]:  # IVF: the probe count is a search-time setting
-                    faiss.extract_index_ivf(self.indexes[name]).nprobe = int(self.info[name]["nprobe"])
-                if self.indexes[name].d != self.dim:
-                    raise UsageError(
-                        f"--index: {name}.index has dim {self.indexes[name].d}, index.json says {self.dim}"
-                    )
-        self.meta = pd.read_parquet(self.index_dir / METADATA)
+                self.indexes[name] = ShardedIndex.load(
+                    self.index_dir, name, self.info[name], self.dim, mmap=self.mmap
+                )
+        self.table = MetadataTable(self.index_dir)
         self.device = device
         self.max_pixels = MAX_QUERY_PIXELS
         self.source: Loaded | None = None
@@ -103,6 +137,33 @@ class Searcher:
                     f"{model_dir} embeds to dim {model_dim}; rebuild the index with this model"
                 )
             self.preprocess = self.source.preprocess
+        opts: dict[str, Any] = {"max_batch": MAX_BATCH, "max_wait_s": MAX_WAIT_S, "max_queue": MAX_QUEUE}
+        self._texts = Batcher(_weak(self._encode_batch), name="mmalign-encode", **opts)
+        self._searches = Batcher(_weak(self._search_batch), name="mmalign-search", **opts)
+
+    def close(self) -> None:
+        """Stop the batchers' worker threads (also done when the searcher is garbage-collected)."""
+        self._texts.close()
+        self._searches.close()
+
+    def __enter__(self) -> Searcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def rows(self) -> dict[str, np.ndarray]:
+        """Per modality, (count,) index position -> metadata row."""
+        return {name: index.rows for name, index in self.indexes.items()}
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
+
+    def metadata(self, rows: Sequence[int]) -> list[dict]:
+        """Every metadata column of each of ``rows`` (JSON-able values; None where a part lacked it)."""
+        return self.table.rows(rows)
 
     # ------------------------------------------------------------ encoding
 
@@ -114,13 +175,27 @@ class Searcher:
     def _need_model(self):
         return self._need_source().model
 
-    @torch.no_grad()
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
-        source = self._need_source()
-        tokens = source.tokenizer(list(texts)).to(self.device)
-        return source.model.encode_text(tokens).float().cpu().numpy()  # (n, D), normalised
+        """(n, D) normalised; concurrent calls share one forward (the batcher's worker)."""
+        self._need_source()
+        texts = [str(t) for t in texts]
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self._texts.submit(texts)
 
-    @torch.no_grad()
+    def _encode_batch(self, blocks: list[list[str]]) -> list[np.ndarray]:
+        """The worker's call: every block's texts in one forward (chunks of ``ENCODE_CHUNK``)."""
+        source = self._need_source()
+        texts = [t for block in blocks for t in block]
+        out = []
+        with torch.inference_mode():
+            for a in range(0, len(texts), ENCODE_CHUNK):
+                tokens = source.tokenizer(texts[a : a + ENCODE_CHUNK]).to(self.device)  # (n, L)
+                out.append(source.model.encode_text(tokens).float().cpu().numpy())  # (n, D)
+        vectors = np.concatenate(out)
+        ends = np.cumsum([len(b) for b in blocks])
+        return np.split(vectors, ends[:-1])
+
     def encode_image(self, images: Sequence) -> np.ndarray:
         """Paths or PIL images -> (n, D) normalised."""
         from PIL import Image
@@ -139,7 +214,8 @@ class Searcher:
                 except BadSample as e:
                     raise UsageError(f"--image: cannot read {path} ({e})") from None
             pixels.append(self.preprocess(image))
-        return model.encode_image(torch.stack(pixels).to(self.device)).float().cpu().numpy()
+        with torch.inference_mode():
+            return model.encode_image(torch.stack(pixels).to(self.device)).float().cpu().numpy()
 
     # ------------------------------------------------------------- search
 
@@ -147,7 +223,8 @@ class Searcher:
         self, vectors: np.ndarray, k: int = 10, against: str = "image", dedupe: bool = True
     ) -> list[list[Hit]]:
         """(n, D) query vectors -> for each, the top-``k`` hits of the ``against`` index
-        (against ``text`` with ``dedupe``: the top ``k`` distinct captions)."""
+        (against ``text`` with ``dedupe``: the top ``k`` distinct captions).  Up to
+        ``MAX_BATCH`` queries from concurrent callers are searched in one FAISS call."""
         if against not in self.indexes:
             raise UsageError(
                 f"--against: no {against!r} index in {self.index_dir} (have {', '.join(self.indexes)})"
@@ -159,44 +236,83 @@ class Searcher:
             )
         if k <= 0:
             raise UsageError(f"-k must be positive, got {k}")
-        index, k = self.indexes[against], int(k)
         dedupe = dedupe and against == "text"
+        if len(vectors) == 0:
+            return []
+        if len(vectors) > MAX_BATCH:  # already a batch of its own
+            return self._search(vectors, [int(k)] * len(vectors), against, dedupe)
+        return self._searches.submit((vectors, int(k), against, dedupe))
+
+    def _search_batch(self, items: list[tuple[np.ndarray, int, str, bool]]) -> list[list[list[Hit]]]:
+        """The worker's call: items grouped by (against, dedupe), each group in one FAISS search."""
+        out: list = [None] * len(items)
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for i, (_, _, against, dedupe) in enumerate(items):
+            groups.setdefault((against, dedupe), []).append(i)
+        for (against, dedupe), members in groups.items():
+            vectors = np.concatenate([items[i][0] for i in members])  # (n, D)
+            ks = [items[i][1] for i in members for _ in range(len(items[i][0]))]
+            hits = self._search(vectors, ks, against, dedupe)
+            a = 0
+            for i in members:
+                out[i] = hits[a : a + len(items[i][0])]
+                a += len(items[i][0])
+        return out
+
+    def _search(self, vectors: np.ndarray, ks: list[int], against: str, dedupe: bool) -> list[list[Hit]]:
+        index, kmax = self.indexes[against], max(ks)
         total = index.ntotal
-        fetch = min(k, total)  # FAISS allocates (n, fetch) results up front
+        fetch = min(kmax, total)  # FAISS allocates (n, fetch) results up front
         if fetch == 0:
             return [[] for _ in range(len(vectors))]
-        scan = min(total, max(k, DEDUPE_SCAN))  # the most rows de-duplication looks at
+        scan = min(total, max(kmax, DEDUPE_SCAN))  # the most rows de-duplication looks at
         while True:
             scores, ids = index.search(vectors, fetch)  # (n, fetch) each; id -1 = no result
-            out = [self._hits(srow, irow, against, k, dedupe) for srow, irow in zip(scores, ids)]
-            if not dedupe or fetch >= scan or all(len(hits) == k for hits in out):
+            out = [self._hits(s, i, against, k, dedupe) for s, i, k in zip(scores, ids, ks)]
+            if not dedupe or fetch >= scan or all(len(h) == k for h, k in zip(out, ks)):
                 return out
             fetch = min(scan, fetch * 4)  # duplicates took places: look further down the list
 
     def _hits(self, scores: np.ndarray, ids: np.ndarray, against: str, k: int, dedupe: bool) -> list[Hit]:
-        hits: list[Hit] = []
+        valid = ids >= 0
+        scores, positions = scores[valid], ids[valid]
+        if not dedupe:
+            scores, positions = scores[:k], positions[:k]
+        rows = self.indexes[against].row_of(positions)  # (m,) metadata rows
+        captions = [str(c) for c in self.table.values("caption", rows)]
+        keep: list[int] = []
         seen: set[str] = set()
-        for score, i in zip(scores, ids):
-            if i < 0:
-                continue
-            row = int(self.rows[against][i])
-            caption = str(self.meta.at[row, "caption"])
+        for j, caption in enumerate(captions):
             if dedupe:
                 if caption in seen:
                     continue  # a lower-scoring copy: results come best first
                 seen.add(caption)
+            keep.append(j)
+            if len(keep) == k:
+                break
+        return self._make_hits([int(rows[j]) for j in keep], [float(scores[j]) for j in keep])
+
+    def _make_hits(self, rows: list[int], scores: list[float]) -> list[Hit]:
+        records = self.table.rows(rows)
+        fallback = "source_path" not in self.table.columns
+        hits = []
+        for rank, (row, score, record) in enumerate(zip(rows, scores, records), start=1):
+            source = record.get("source_path")
+            if fallback:
+                source = _json_source(record.get("json"))
+            url = record.get("url")
             hits.append(
                 Hit(
-                    len(hits) + 1,
-                    str(self.meta.at[row, "key"]),
-                    caption,
-                    float(score),
+                    rank,
+                    str(record.get("key")),
+                    str(record.get("caption")),
+                    score,
                     row,
-                    self.source_path(row),
+                    source if isinstance(source, str) else None,
+                    url if isinstance(url, str) and url else None,
+                    {c: v for c, v in record.items() if c not in HIT_COLUMNS},
                 )
             )
-            if len(hits) == k:
-                break
         return hits
 
     def text(self, query: str, k: int = 10, against: str = "image", dedupe: bool = True) -> list[Hit]:
@@ -209,14 +325,10 @@ class Searcher:
 
     def source_path(self, row: int) -> str | None:
         """The row's ``source_path`` column, else (an index from before it) its ``.json``'s, else None."""
-        if "source_path" in self.meta.columns:
-            value = self.meta.at[row, "source_path"]
+        if "source_path" in self.table.columns:
+            value = self.table.values("source_path", [row])[0]
             return value if isinstance(value, str) else None
-        try:
-            value = json.loads(self.meta.at[row, "json"]).get("source_path")
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, str) else None
+        return _json_source(self.table.values("json", [row])[0])
 
     def image_bytes(self, row: int, max_bytes: int) -> bytes:
         """The encoded image of metadata row ``row``, read back from its shard (or image file).
@@ -224,18 +336,15 @@ class Searcher:
         from mmalign.data.shards import IMAGE_EXTS
         from mmalign.data.tario import CorruptTar, TruncatedTar, open_shard, read_sample_at
 
-        if not 0 <= row < len(self.meta):
-            raise UsageError(f"row must be in [0, {len(self.meta)})")
-        if "file" not in self.meta.columns:
+        if not 0 <= row < self.table.num_rows:
+            raise UsageError(f"row must be in [0, {self.table.num_rows})")
+        if "file" not in self.table.columns:
             raise ImageUnavailable(
                 "this index records no image locations (built before they were kept: "
                 "re-run `mmalign embed` and `mmalign index`)"
             )
-        file, offset, key = (
-            str(self.meta.at[row, "file"]),
-            int(self.meta.at[row, "offset"]),
-            self.meta.at[row, "key"],
-        )
+        record = self.table.rows([row])[0]
+        file, offset, key = str(record["file"]), int(record["offset"]), record["key"]
         try:
             if offset < 0:  # an image folder's file
                 if Path(file).stat().st_size > max_bytes:
@@ -257,14 +366,28 @@ class Searcher:
         return data
 
 
+def _json_source(value) -> str | None:
+    """``source_path`` from a row's ``.json`` text (indexes from before the column)."""
+    try:
+        source = json.loads(value).get("source_path")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
 def format_hits(hits: list[Hit]) -> str:
     """A table of hits, its columns aligned (each as wide as its widest cell; the caption last,
-    unpadded); the source column appears when any hit knows its source path."""
+    unpadded); the source column appears when any hit knows its source path, the url column
+    when any hit has a url."""
     sources = any(h.source_path for h in hits)
-    header = ["rank", "score", "key"] + (["source"] if sources else []) + ["caption"]
+    urls = any(getattr(h, "url", None) for h in hits)
+    header = (
+        ["rank", "score", "key"] + (["source"] if sources else []) + (["url"] if urls else []) + ["caption"]
+    )
     rows = [
         [str(h.rank), f"{h.score:.4f}", str(h.key)]
         + ([h.source_path or "-"] if sources else [])
+        + ([h.url or "-"] if urls else [])
         + [h.caption]
         for h in hits
     ]
@@ -300,7 +423,7 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
     """
     s = Searcher(index_dir)
     emb = Path(s.info["emb_dir"])
-    image_of_row = np.cumsum(s.meta["caption_index"].to_numpy() == 0) - 1  # (rows,) image id of each row
+    image_of_row = np.cumsum(s.table.column("caption_index") == 0) - 1  # (rows,) image id of each row
     kmax = max(ks) + slack
     text_vecs = np.concatenate(
         [
@@ -337,6 +460,7 @@ def index_recall(index_dir: str | Path, ks: Sequence[int] = (1, 5, 10), slack: i
 
     from mmalign.evaluation.caveats import TEMPLATE_CAVEAT, looks_templated
 
-    if looks_templated(s.meta["caption"].astype(str).tolist(), len(img_vecs)):  # the numbers' one caveat
+    if looks_templated([str(c) for c in s.table.column("caption")], len(img_vecs)):  # the numbers' one caveat
         logging.getLogger("mmalign.search").warning("index %s: %s", index_dir, TEMPLATE_CAVEAT)
+    s.close()
     return metrics

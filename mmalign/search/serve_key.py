@@ -6,11 +6,13 @@ that key.  Its vector is read back from the index itself (``reconstruct``): an e
 index returns the stored vector, an IVF-PQ index its decoded code (close enough to rank
 neighbours by), once the index's id -> list map is built.  Neither the model nor the
 embedding directory is needed.  The key -> position table is built on the first query
-and kept per searcher.
+and kept per searcher; building it (and an IVF shard's direct map) takes a lock, the
+rest only reads, so concurrent key queries need no lock of the caller's.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -18,35 +20,33 @@ import numpy as np
 from mmalign.errors import UsageError
 
 _POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # searcher -> {key: image index position}
+_BUILD = threading.Lock()  # one table build (or direct map) at a time
 
 
 def _positions(searcher) -> dict[str, int]:
     table = _POSITIONS.get(searcher)
     if table is None:
-        keys = searcher.meta["key"].to_numpy()[searcher.rows["image"]]  # (n_images,) key of each position
-        table = {}
-        for position, key in enumerate(keys):
-            table.setdefault(str(key), position)  # a key repeated across shards: its first image
-        _POSITIONS[searcher] = table
+        with _BUILD:
+            table = _POSITIONS.get(searcher)
+            if table is None:
+                keys = searcher.table.column("key")[
+                    searcher.rows["image"]
+                ]  # (n_images,) key of each position
+                table = {}
+                for position, key in enumerate(keys):
+                    table.setdefault(str(key), position)  # a key repeated across shards: its first image
+                _POSITIONS[searcher] = table
     return table
 
 
 def key_vector(searcher, key: str) -> np.ndarray | None:
-    """(D,) float32 unit vector of the image of the item ``key``; None when no indexed image has it.
-    Not thread-safe: the caller holds the searcher's lock."""
+    """(D,) float32 unit vector of the image of the item ``key``; None when no indexed image has it."""
     if "image" not in searcher.indexes:
         raise UsageError("a key query needs the image index, and this index directory has none")
     position = _positions(searcher).get(key)
     if position is None:
         return None
-    index = searcher.indexes["image"]
-    try:
-        vector = index.reconstruct(position)
-    except RuntimeError:  # an IVF index reconstructs by id only with its direct map
-        make_map = getattr(index, "make_direct_map", None)
-        if make_map is None:
-            raise UsageError(f"this {type(index).__name__} index cannot give back a stored vector") from None
-        make_map()
-        vector = index.reconstruct(position)
+    with _BUILD:  # the first reconstruct of an IVF shard builds its direct map
+        vector = searcher.indexes["image"].reconstruct(position)
     vector = np.asarray(vector, dtype=np.float32)
     return vector / max(float(np.linalg.norm(vector)), 1e-12)

@@ -173,6 +173,7 @@ def test_image_to_text_dedupes_by_default_and_no_dedupe_keeps_copies(corpus, cap
 def test_an_index_from_before_source_paths_still_loads(corpus, tmp_path):
     old = tmp_path / "old_idx"
     shutil.copytree(corpus["idx"], old)
+    (old / "metadata.arrow").unlink(missing_ok=True)  # an old index: its metadata in parquet only
     meta = pd.read_parquet(old / "metadata.parquet")
     meta[["key", "caption", "caption_index", "json"]].to_parquet(old / "metadata.parquet", index=False)
     searcher = Searcher(old, corpus["model"])
