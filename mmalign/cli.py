@@ -235,7 +235,10 @@ def _check_index(index: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    _check_index(args.index)
+    from mmalign.search.serve_indexes import parse_indexes
+
+    for _, index in parse_indexes(args.index):
+        _check_index(index)
     _loading(args.model)
     from mmalign.search.serve import serve
 
@@ -249,6 +252,9 @@ def cmd_serve(args) -> int:
         workers=args.workers,
         max_connections=args.max_connections,
         max_per_client=args.max_per_client,
+        mmap=args.mmap,
+        cors=args.cors,
+        allow_url_queries=args.allow_url_queries,
     )
     return 0
 
@@ -406,8 +412,30 @@ def build_parser() -> argparse.ArgumentParser:
         description=ROUTES_HELP,
         formatter_class=_RawDescriptionFormatter,
     )
-    p.add_argument("--index", required=True, help="an `mmalign index` output directory")
+    p.add_argument(
+        "--index",
+        required=True,
+        action="append",
+        metavar="[NAME=]DIR",
+        help="an `mmalign index` output directory; repeat as NAME=DIR to serve several "
+        "(the first is the default; a plain DIR is named after the directory)",
+    )
     p.add_argument("--model", required=True, help="the model that made the embeddings")
+    p.add_argument(
+        "--mmap", action="store_true", help="open the indexes memory-mapped (start in seconds, bounded RSS)"
+    )
+    p.add_argument(
+        "--cors",
+        metavar="ORIGIN",
+        help="let pages from ORIGIN (http://host:port, comma-separated, or *) call the server, "
+        "e.g. clip-retrieval's front-end served elsewhere",
+    )
+    p.add_argument(
+        "--allow-url-queries",
+        metavar="HOSTS",
+        help="host names (comma-separated) that knn-service's image_url may fetch from (default: none, "
+        "image_url is off)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: local)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")

@@ -1,23 +1,29 @@
 """``mmalign serve``: a small HTTP front end to :class:`mmalign.search.searcher.Searcher` (stdlib only).
 
     GET  /                                       -> a search page (HTML, self-contained)
-    GET  /health                                 -> {"ok": true, "dim": D, "indexes": ["image", "text"]}
-    GET  /search?text=a+red+circle&k=10[&against=image|text][&dedupe=false]   -> JSON hits
+    GET  /health[?index=NAME]                    -> {"ok": true, "dim": D, "indexes": ["image", "text"], ...}
+    GET  /search?text=a+red+circle&k=10[&against=image|text][&dedupe=false][&index=NAME]   -> JSON hits
     GET  /search?key=cat_0001&k=10[&against=...][&dedupe=...]  -> hits like an indexed item's image
     POST /search?k=10[&against=...][&dedupe=...]   body = image bytes           -> JSON hits
-    GET  /thumb?row=N[&size=128]                 -> a JPEG thumbnail of a hit's image, read from its shard
+    GET  /thumb?row=N[&size=128][&index=NAME]    -> a JPEG thumbnail of a hit's image, read from its shard
+    GET  /indices-list, POST /knn-service, POST /metadata   -> clip-retrieval's back-end protocol
+                                                    (:mod:`mmalign.search.serve_knn`)
 
 ``against`` picks the index searched: ``image`` (default, one hit per image) or ``text``
 (one per caption; identical captions are folded into their best-scoring copy unless
-``dedupe=false``).  Hits are ``{"rank", "key", "caption", "score", "row", "source_path"}``.
+``dedupe=false``).  Hits are ``{"rank", "key", "caption", "score", "row", "source_path", ...}``
+(the searcher's :class:`Hit`).  Several indexes may be served (``{name: Searcher}``); ``index``
+names one (default: the first).  One searcher holds the model (the first that has one): the
+others' queries are embedded by it, so the model loads once.
 
 Bound to 127.0.0.1 unless told otherwise: there is no authentication.  Requests are
-bounded: the query text (``max_text`` characters), ``k`` (``max_k``), the image body
-(``max_body`` bytes, refused from its Content-Length before anything is read), the
-image's pixels (``max_pixels``) and shape (at most ``image_shape.MAX_ASPECT``:1), both
-read from its header before it is decoded, and a
+bounded: the query text (``max_text`` characters), ``k`` (``max_k``; clip-retrieval's counts
+are clamped to it, said in a header), the body (``max_body`` bytes, refused from its
+Content-Length before anything is read), the image's pixels (``max_pixels``) and shape (at
+most ``image_shape.MAX_ASPECT``:1), both read from its header before it is decoded, and a
 thumbnail's side (``max_thumb``) and source image (``max_body`` bytes).  Thumbnails show
 dataset images, so they are only served to a loopback client, whatever the bind address.
+``image_url`` queries fetch only from ``allow_url_queries`` hosts (:mod:`serve_fetch`).
 
 Connections are read by one thread and answered by a fixed pool of ``workers``
 (:mod:`mmalign.search.serve_loop`): a slow or idle client holds a socket, never a thread.  A
@@ -25,77 +31,101 @@ request must arrive whole within ``timeout`` seconds (else 408) and be taken by 
 within ``timeout`` more (else 503, never run); a request taken is answered however long it
 takes.  A body over ``max_body`` gets a 413 the client can read, two ``Content-Length``
 headers or a ``Transfer-Encoding`` a 400, at most ``max_connections`` are open at once (more
-wait in the listen backlog) and at most ``max_per_client`` from one address (more get a 429).  The model and the FAISS indexes sit behind one lock
-(queries are short; images are decoded before taking it).  A ``Host`` header other than
-the bound address or localhost is refused: a web page cannot reach the server through a DNS name rebound to 127.0.0.1.
+wait in the listen backlog) and at most ``max_per_client`` from one address (more get a 429).
+No lock is held around the model or the indexes: the searcher is safe to call from many
+threads, so workers embed and search at once.  A ``Host`` header other than the bound
+address or localhost is refused (a web page cannot reach the server through a DNS name
+rebound to 127.0.0.1), and so is a request from another web page than the server's own
+unless ``cors`` lists its origin (:mod:`serve_origin`).
 Each request writes one access-log line (client, method, path, status, milliseconds)
 to stderr, or to the ``access_log`` callable given to :func:`make_server`.
 """
 
 from __future__ import annotations
 
+import base64
 import io
-import ipaddress
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.errors import UsageError, UserError
 from mmalign.search.searcher import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
+from mmalign.search.serve_fetch import fetch, parse_hosts
+from mmalign.search.serve_indexes import parse_indexes
 from mmalign.search.serve_key import key_vector
+from mmalign.search.serve_knn import knn_results, notes, parse_knn, parse_metadata, row_metadata
 from mmalign.search.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
+from mmalign.search.serve_origin import (
+    Refused,
+    check_host,
+    check_origin,
+    cors_headers,
+    is_loopback,
+    parse_cors,
+    preflight_headers,
+)
 from mmalign.search.serve_page import PAGE
 
-LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def _host_name(header: str) -> str:
-    """``Host`` header -> the name without port or IPv6 brackets, lower case."""
-    host = header.strip().lower()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return False
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket reports 127.0.0.1 as ::ffff:127.0.0.1
-    return (mapped or ip).is_loopback
+_Refused = Refused
+_is_loopback = is_loopback  # the name the tests knew
+KNN_THUMB = 128  # the side of the base64 thumbnail a knn result without a url carries (local clients)
 
 
 def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr looked up per line: it may be replaced
 
 
+def _image(data: bytes, max_pixels: int, what: str):
+    """Encoded image bytes -> a PIL image; a bomb or a too thin one 413, unreadable 400."""
+    from mmalign.data.shards import BadSample, open_image
+
+    try:
+        return open_image(data, max_pixels)  # the pixel count is checked before decoding
+    except BadSample as e:
+        if e.reason == "decompression_bomb":
+            raise Refused(413, f"image has too many pixels ({e}); at most {max_pixels}") from None
+        if e.reason == "extreme_aspect":  # a resize would blow it up: refused from its header
+            raise Refused(413, f"image is too thin ({e})") from None
+        raise UsageError(f"{what} is not a readable image ({e.reason})") from None
+
+
+def thumbnail(searcher, row: int, size: int, max_bytes: int, max_pixels: int) -> bytes:
+    """A JPEG of metadata row ``row``'s image, at most ``size`` px a side; 404 when unreadable."""
+    from PIL import Image
+
+    from mmalign.data.shards import BadSample, open_image
+
+    try:
+        data = searcher.image_bytes(row, max_bytes)  # no model or index
+        image = open_image(data, max_pixels)  # the pixel count is checked before decoding
+    except ImageUnavailable as e:
+        raise Refused(404, str(e)) from None
+    except BadSample as e:
+        raise Refused(404, f"row {row}: the stored image is not readable ({e.reason})") from None
+    image = image.convert("RGB")
+    image.thumbnail((size, size), Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
 class _Handler(PooledRequestHandler):
-    searcher: Searcher
-    lock: threading.Lock
+    searchers: dict
+    names: list
+    encoder: Searcher  # the searcher that holds the model (embeds every index's queries)
     max_k: int
     max_text: int
     max_body: int
     max_pixels: int
     max_thumb: int
+    cors: tuple
+    allow_urls: frozenset
+    fetch_timeout: float
     access_log: Callable[[str], None]
 
     def log_message(self, fmt, *args):  # http.server's own lines are replaced by one access line per request
@@ -104,6 +134,7 @@ class _Handler(PooledRequestHandler):
     def handle_one_request(self):
         start = time.monotonic()
         self._status, self.command, self.path, self._undelivered = None, None, None, None
+        self._cors: dict = {}
         super().handle_one_request()
         if self.command is None and self._status is None:
             return  # the client closed or stalled before sending a request
@@ -123,19 +154,19 @@ class _Handler(PooledRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
+        for name, value in {**self._cors, **(headers or {})}.items():
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
-    def _reply(self, status: int, payload: dict) -> None:
+    def _reply(self, status: int, payload, headers: dict | None = None) -> None:
         self._send(
             status,
             "application/json",
             json.dumps(payload).encode("utf-8"),
-            {"X-Content-Type-Options": "nosniff"},
+            {"X-Content-Type-Options": "nosniff", **(headers or {})},
         )
 
     def _params(self) -> tuple[str, dict]:
@@ -144,14 +175,20 @@ class _Handler(PooledRequestHandler):
         pairs = parse_qs(parts.query, keep_blank_values=True).items()
         return parts.path, {k: v[-1] for k, v in pairs if v[-1] or k == "key"}
 
-    def _check_host(self) -> None:
-        name = _host_name(self.headers.get("Host", ""))
+    def _bound(self) -> str:
         address = self.server.server_address  # (host, port, ...) for the TCP servers we run
-        bound = str(address[0] if isinstance(address, tuple) else address).lower()
-        wildcard = bound in ("0.0.0.0", "::")
-        # A rebinding attack needs a DNS name: IP literals are only allowed for a wildcard bind.
-        if not (name in LOCAL_NAMES or name == bound or (wildcard and _is_ip(name))):
-            raise _Refused(403, f"Host {name!r} is not this server (use {bound} or localhost)")
+        return str(address[0] if isinstance(address, tuple) else address)
+
+    def _allow_origin(self) -> str | None:
+        """The Host check, then the Origin check; the CORS origin to answer with (None: none)."""
+        check_host(self.headers.get("Host", ""), self._bound())
+        return check_origin(self.headers.get("Origin"), self.headers.get("Host", ""), self.cors)
+
+    def _index(self, params: dict) -> tuple[str, Searcher]:
+        name = params.get("index") or self.names[0]
+        if name not in self.searchers:
+            raise Refused(404, f"no index named {printable(name, 100)!r} (have {', '.join(self.names)})")
+        return name, self.searchers[name]
 
     def _k_against(self, params: dict) -> tuple[int, str]:
         try:
@@ -171,9 +208,9 @@ class _Handler(PooledRequestHandler):
     def _handle(self, route) -> None:
         try:
             try:
-                self._check_host()
+                self._cors = cors_headers(self._allow_origin())
                 route()
-            except _Refused as e:
+            except Refused as e:
                 self._reply(e.status, {"error": str(e)})
             except UserError as e:
                 self._reply(400, {"error": str(e)})
@@ -194,6 +231,23 @@ class _Handler(PooledRequestHandler):
     def do_POST(self):
         self._handle(self._post)
 
+    def do_OPTIONS(self):
+        self._handle(self._preflight)
+
+    def _preflight(self) -> None:
+        """A CORS preflight: a page from a ``--cors`` origin asks before a non-simple request."""
+        allow = self._allow_origin()
+        if allow is None:
+            raise Refused(403, "a preflight needs an Origin the server accepts (--cors)")
+        self._send(204, "text/plain", b"", preflight_headers(allow))
+
+    # ------------------------------------------------------------ our own routes
+
+    def _text_hits(self, searcher, text: str, k: int, against: str, dedupe: bool):
+        if searcher is self.encoder or getattr(searcher, "source", None) is not None:
+            return searcher.text(text, k, against, dedupe=dedupe)
+        return searcher.search_vectors(self.encoder.encode_text([text]), k, against, dedupe)[0]
+
     def _get(self) -> None:
         path, params = self._params()
         if path in ("/", "/index.html"):
@@ -210,26 +264,34 @@ class _Handler(PooledRequestHandler):
                     "X-Content-Type-Options": "nosniff",
                 },
             )
+        if path == "/indices-list":
+            return self._reply(200, list(self.names))
+        name, searcher = self._index(params)
         if path == "/health":
             return self._reply(
-                200, {"ok": True, "dim": self.searcher.dim, "indexes": sorted(self.searcher.indexes)}
+                200,
+                {
+                    "ok": True,
+                    "dim": searcher.dim,
+                    "indexes": sorted(searcher.indexes),
+                    "index": name,
+                    "indices": list(self.names),
+                },
             )
         if path == "/thumb":
-            return self._thumb(params)
+            return self._thumb(searcher, params)
         if path != "/search":
-            return self._reply(404, {"error": f"no route {path}"})
+            return self._reply(404, {"error": f"no route {printable(path, 100)}"})
         if "key" in params:
-            return self._by_key(params)
+            return self._by_key(searcher, params)
         text = params.get("text", "")
         if not text or len(text) > self.max_text:
             raise UsageError(f"text must be 1..{self.max_text} characters")
         k, against = self._k_against(params)
-        dedupe = self._dedupe(params)
-        with self.lock:
-            hits = self.searcher.text(text, k, against, dedupe=dedupe)
+        hits = self._text_hits(searcher, text, k, against, self._dedupe(params))
         return self._reply(200, {"query": text, "hits": [asdict(h) for h in hits]})
 
-    def _by_key(self, params: dict) -> None:
+    def _by_key(self, searcher, params: dict) -> None:
         """ "More like this": the indexed item's own image vector is the query (no model needed)."""
         key = params["key"]
         if not key or len(key) > self.max_text:
@@ -238,46 +300,25 @@ class _Handler(PooledRequestHandler):
             raise UsageError("give text or key, not both")
         k, against = self._k_against(params)
         dedupe = self._dedupe(params)
-        with self.lock:
-            vector = key_vector(self.searcher, key)  # None: no such key
-            if vector is None:
-                raise _Refused(404, f"no indexed image has key {printable(key, 100)!r}")
-            hits = self.searcher.search_vectors(vector[None], k, against, dedupe)[0]
+        vector = key_vector(searcher, key)  # None: no such key (safe from many threads)
+        if vector is None:
+            raise Refused(404, f"no indexed image has key {printable(key, 100)!r}")
+        hits = searcher.search_vectors(vector[None], k, against, dedupe)[0]
         return self._reply(200, {"key": key, "hits": [asdict(h) for h in hits]})
 
-    def _thumb(self, params: dict) -> None:
-        from PIL import Image
-
-        from mmalign.data.shards import BadSample, open_image
-
-        if not _is_loopback(str(self.client_address[0])):
-            raise _Refused(403, "thumbnails are served to this machine only")
+    def _thumb(self, searcher, params: dict) -> None:
+        if not is_loopback(str(self.client_address[0])):
+            raise Refused(403, "thumbnails are served to this machine only")
         try:
             row, size = int(params.get("row", "")), int(params.get("size", 128))
         except ValueError:
             raise UsageError("row and size must be integers") from None
         if not 16 <= size <= self.max_thumb:
             raise UsageError(f"size must be in [16, {self.max_thumb}]")
-        try:
-            data = self.searcher.image_bytes(row, self.max_body)  # no model or index: no lock
-            image = open_image(data, self.max_pixels)  # the pixel count is checked before decoding
-        except ImageUnavailable as e:
-            raise _Refused(404, str(e)) from None
-        except BadSample as e:
-            raise _Refused(404, f"row {row}: the stored image is not readable ({e.reason})") from None
-        image = image.convert("RGB")
-        image.thumbnail((size, size), Image.Resampling.BICUBIC)
-        buf = io.BytesIO()
-        image.save(buf, format="JPEG", quality=85)
-        return self._send(200, "image/jpeg", buf.getvalue(), {"Cache-Control": "private, max-age=600"})
+        jpeg = thumbnail(searcher, row, size, self.max_body, self.max_pixels)
+        return self._send(200, "image/jpeg", jpeg, {"Cache-Control": "private, max-age=600"})
 
-    def _post(self) -> None:
-        from mmalign.data.shards import BadSample, open_image
-
-        path, params = self._params()
-        if path != "/search":
-            self.close_connection = True  # the unread body must not be parsed as a next request
-            return self._reply(404, {"error": f"no route {path}"})
+    def _body(self, what: str) -> bytes:
         raw = self.headers.get("Content-Length") or "0"
         try:
             length = int(raw)
@@ -286,24 +327,85 @@ class _Handler(PooledRequestHandler):
             raise UsageError(f"Content-Length {raw[:40]!r} is not a number") from None
         if not 0 < length <= self.max_body:
             self.close_connection = True
-            raise _Refused(413, f"image body must be 1..{self.max_body} bytes")
-        k, against = self._k_against(params)
-        dedupe = self._dedupe(params)
+            raise Refused(413, f"{what} must be 1..{self.max_body} bytes")
         data = self.rfile.read(length)
         if len(data) < length:
             self.close_connection = True
             raise UsageError(f"body ended after {len(data)} of {length} bytes")
-        try:
-            image = open_image(data, self.max_pixels)  # the pixel count is checked before decoding
-        except BadSample as e:
-            if e.reason == "decompression_bomb":
-                raise _Refused(413, f"image has too many pixels ({e}); at most {self.max_pixels}") from None
-            if e.reason == "extreme_aspect":  # a resize would blow it up: refused from its header
-                raise _Refused(413, f"image is too thin ({e})") from None
-            raise UsageError(f"body is not a readable image ({e.reason})") from None
-        with self.lock:
-            hits = self.searcher.image(image, k, against, dedupe=dedupe)
+        return data
+
+    def _post(self) -> None:
+        path, params = self._params()
+        if path == "/knn-service":
+            return self._knn(self._body("the request body"))
+        if path == "/metadata":
+            return self._metadata(self._body("the request body"))
+        if path != "/search":
+            self.close_connection = True  # the unread body must not be parsed as a next request
+            return self._reply(404, {"error": f"no route {printable(path, 100)}"})
+        name, searcher = self._index(params)
+        raw = self.headers.get("Content-Length") or "0"
+        if raw.isdigit() and not 0 < int(raw) <= self.max_body:  # refused before k is looked at
+            self.close_connection = True
+            raise Refused(413, f"image body must be 1..{self.max_body} bytes")
+        k, against = self._k_against(params)
+        dedupe = self._dedupe(params)
+        image = _image(self._body("image body"), self.max_pixels, "body")
+        if searcher is self.encoder or getattr(searcher, "source", None) is not None:
+            hits = searcher.image(image, k, against, dedupe=dedupe)
+        else:
+            hits = searcher.search_vectors(self.encoder.encode_image([image]), k, against, dedupe)[0]
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
+
+    # ------------------------------------------------------------ clip-retrieval's routes
+
+    def _knn(self, body: bytes) -> None:
+        dims = {name: int(s.dim) for name, s in self.searchers.items()}
+        query = parse_knn(body, dims, self.max_k)
+        searcher = self.searchers[query.index]
+        if query.kind == "embedding_input":
+            vectors = query.value  # (1, D)
+        elif query.kind == "text":
+            if len(query.value) > self.max_text:
+                raise UsageError(f"text must be 1..{self.max_text} characters")
+            vectors = self.encoder.encode_text([query.value])
+        else:
+            data = query.value
+            if query.kind == "image_url":
+                data = fetch(data, self.allow_urls, self.max_body, self.fetch_timeout)
+            vectors = self.encoder.encode_image([_image(data, self.max_pixels, query.kind)])
+        hits = searcher.search_vectors(vectors, query.num_result_ids, query.modality, query.dedupe)[0]
+        shown = hits[: query.num_images]
+        metas = self._with_images(
+            searcher, [h.row for h in shown], row_metadata(searcher, [h.row for h in shown])
+        )
+        self._reply(200, knn_results(hits, metas, query.num_images), notes(query.clamped, query.ignored))
+
+    def _metadata(self, body: bytes) -> None:
+        data_rows = {name: _rows(s) for name, s in self.searchers.items()}
+        name, ids, clamped = parse_metadata(body, data_rows, self.max_k)
+        searcher = self.searchers[name]
+        metas = self._with_images(searcher, ids, row_metadata(searcher, ids))
+        self._reply(200, [{"id": i, "metadata": m} for i, m in zip(ids, metas)], notes(clamped, []))
+
+    def _with_images(self, searcher, rows: list[int], metas: list[dict]) -> list[dict]:
+        """A row without a ``url`` carries its image as a base64 JPEG thumbnail (clip-front shows
+        ``url``, else ``image``), for a loopback client only, as ``/thumb`` is."""
+        if not is_loopback(str(self.client_address[0])):
+            return metas
+        for row, meta in zip(rows, metas):
+            if "url" not in meta and "image" not in meta:
+                try:
+                    jpeg = thumbnail(searcher, row, KNN_THUMB, self.max_body, self.max_pixels)
+                except (Refused, UserError):
+                    continue  # no stored image (an index without locations): the caption alone
+                meta["image"] = base64.b64encode(jpeg).decode("ascii")
+        return metas
+
+
+def _rows(searcher) -> int:
+    rows = getattr(searcher, "num_rows", None)
+    return int(rows) if rows is not None else len(searcher.meta)
 
 
 def check_pool(timeout: float, workers: int, max_connections: int, max_per_client: int = 1) -> None:
@@ -316,8 +418,19 @@ def check_pool(timeout: float, workers: int, max_connections: int, max_per_clien
         raise UsageError(f"serve: --max-per-client ({max_per_client}) must be >= 1")
 
 
+def _named(searchers) -> dict:
+    """A searcher or {name: searcher} -> {name: searcher}; a lone one is named after its directory."""
+    if isinstance(searchers, Mapping):
+        if not searchers:
+            raise UsageError("serve: no index to serve")
+        return dict(searchers)
+    index_dir = getattr(searchers, "index_dir", None)
+    name = parse_indexes([str(index_dir)])[0][0] if index_dir is not None else "default"
+    return {name: searchers}
+
+
 def make_server(
-    searcher: Searcher,
+    searcher,
     host: str = "127.0.0.1",
     port: int = 8765,
     *,
@@ -331,13 +444,22 @@ def make_server(
     max_connections: int = 256,
     max_per_client: int = 32,
     access_log: Callable[[str], None] | None = None,
+    cors: str | None = None,
+    allow_url_queries: str | None = None,
 ) -> PooledHTTPServer:
     """An HTTP server (port 0 = any free port); call ``serve_forever()`` on it.
+    ``searcher``: a :class:`Searcher`, or ``{name: Searcher}`` (the first is the default; the
+    first holding a model embeds every index's queries).
     ``timeout``: the seconds a request has to arrive whole, to wait for a worker, and its reply
-    to be written; ``workers``: the threads that answer requests; ``max_connections``: open at
-    once; ``max_per_client``: open at once from one client address.
+    to be written (and an ``image_url`` to be fetched); ``workers``: the threads that answer
+    requests; ``max_connections``: open at once; ``max_per_client``: open at once from one
+    client address.  ``cors``: the origins (comma-separated, or ``*``) whose pages may call the
+    server; ``allow_url_queries``: the hosts ``image_url`` may fetch from (comma-separated).
     ``access_log`` receives one line per request (default: stderr)."""
     check_pool(timeout, workers, max_connections, max_per_client)
+    searchers = _named(searcher)
+    first = next(iter(searchers.values()))
+    encoder = next((s for s in searchers.values() if getattr(s, "source", None) is not None), first)
     log_lock = threading.Lock()
     write = access_log or _stderr_line
 
@@ -349,13 +471,17 @@ def make_server(
         "Handler",
         (_Handler,),
         {
-            "searcher": searcher,
-            "lock": threading.Lock(),
+            "searchers": searchers,
+            "names": list(searchers),
+            "encoder": encoder,
             "max_k": int(max_k),
             "max_text": int(max_text),
             "max_body": int(max_body),
             "max_pixels": int(max_pixels),
             "max_thumb": int(max_thumb),
+            "cors": parse_cors(cors),
+            "allow_urls": parse_hosts(allow_url_queries),
+            "fetch_timeout": float(timeout),
             "access_log": staticmethod(log_line),
         },
     )
@@ -375,6 +501,28 @@ def make_server(
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
+def open_searchers(indexes, model_dir, *, mmap: bool = False) -> dict:
+    """``--index`` values -> {name: Searcher}; the first loads the model, the others share it."""
+    import inspect
+
+    options = {}
+    if mmap:
+        if "mmap" not in inspect.signature(Searcher).parameters:
+            raise UsageError("--mmap: this version's Searcher cannot memory-map indexes yet")
+        options["mmap"] = True
+    searchers: dict = {}
+    for i, (name, index_dir) in enumerate(parse_indexes(indexes)):
+        searchers[name] = Searcher(index_dir, model_dir if i == 0 else None, **options)
+    first = next(iter(searchers.values()))
+    for name, s in searchers.items():
+        if s.dim != first.dim:
+            raise UsageError(
+                f"--index {name}: its vectors have dim {s.dim}, the first index's {first.dim}; "
+                "every index served together must come from the one --model"
+            )
+    return searchers
+
+
 def serve(
     index_dir,
     model_dir,
@@ -386,12 +534,18 @@ def serve(
     workers: int = 8,
     max_connections: int = 256,
     max_per_client: int = 32,
+    mmap: bool = False,
+    cors: str | None = None,
+    allow_url_queries: str | None = None,
 ) -> None:
+    """``index_dir``: a directory, or ``--index`` values (``DIR`` or ``NAME=DIR``, repeated)."""
     check_pool(
         timeout, workers, max_connections, max_per_client
     )  # before the model loads: a bad flag fails at once
+    parse_cors(cors), parse_hosts(allow_url_queries), parse_indexes(index_dir)
+    searchers = open_searchers(index_dir, model_dir, mmap=mmap)
     server = make_server(
-        Searcher(index_dir, model_dir),
+        searchers,
         host,
         port,
         max_k=max_k,
@@ -399,10 +553,14 @@ def serve(
         workers=workers,
         max_connections=max_connections,
         max_per_client=max_per_client,
+        cors=cors,
+        allow_url_queries=allow_url_queries,
     )
     base = f"http://{host}:{server.server_address[1]}"
+    listed = ", ".join(f"{name}={getattr(s, 'index_dir', '?')}" for name, s in searchers.items())
     print(
-        f"serving {index_dir}: search page {base}/ , JSON {base}/search?text=...&k=10 (Ctrl-C stops)",
+        f"serving {listed}: search page {base}/ , JSON {base}/search?text=...&k=10 , "
+        f"clip-retrieval back {base} (Ctrl-C stops)",
         flush=True,
     )
     try:

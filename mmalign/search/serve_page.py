@@ -5,7 +5,9 @@ loads nothing from elsewhere (no CDN: the server is local and may run offline; t
 server's Content-Security-Policy forbids any other origin).  It only talks to the
 server's own JSON endpoints: ``/health`` once (which indexes exist), ``/search`` per
 query, ``/thumb`` per result row.  Text from the index (captions, keys, paths) is
-inserted with ``textContent``, never as HTML.
+inserted with ``textContent``, never as HTML; a hit's ``url`` (its source, e.g. img2dataset's)
+becomes a link only when it is http(s), opened without a referrer.  ``/?index=NAME`` searches
+the served index NAME (every request the page makes carries it).
 
 A search lives in the page's URL, so it can be linked, reloaded and gone back to:
 ``/?q=TEXT`` (a text query) or ``/?key=KEY`` (an indexed item's image: each hit's "more
@@ -25,9 +27,10 @@ within 10 s, else 408), local only by default.
 routes:
   GET  /                     a search page: type a query or pick an image, see rows with thumbnails
                              (/?q=TEXT or /?key=KEY, &k=N&mode=image|text: a search as a link)
-  GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"]}
-  GET  /search?text=...&k=10[&against=image|text][&dedupe=false]
-                             JSON {"query", "hits": [{rank, key, caption, score, row, source_path}]}
+  GET  /health               {"ok": true, "dim": D, "indexes": ["image", "text"], "index", "indices"}
+  GET  /search?text=...&k=10[&against=image|text][&dedupe=false][&index=NAME]
+                             JSON {"query", "hits": [{rank, key, caption, score, row, source_path,
+                             url, meta}]}
   GET  /search?key=KEY&k=10[&against=...][&dedupe=...]
                              "more like this": the indexed item KEY's image is the query
   POST /search?k=10[&against=image|text][&dedupe=false]   body = the image file's bytes
@@ -35,6 +38,17 @@ routes:
                              curl --data-binary @query.jpg 'http://127.0.0.1:8765/search?k=5'
   GET  /thumb?row=N[&size=128]   a JPEG thumbnail of a hit's image, read from its shard
                              (loopback clients only; size <= 256)
+
+clip-retrieval's back-end routes (its ClipClient and clip-front work against this server):
+  GET  /indices-list         ["NAME", ...]: the --index names, the first is the default
+  POST /knn-service          {"text" | "image" (base64) | "image_url" | "embedding_input",
+                             "modality": "image"|"text", "num_images", "num_result_ids",
+                             "indice_name", "deduplicate"} -> [{id, similarity, caption, url, ...}]
+                             (counts over --max-k are clamped: header X-Mmalign-Clamped; options
+                             not implemented are ignored: header X-Mmalign-Ignored)
+  POST /metadata             {"ids": [...], "indice_name"} -> [{id, metadata: {caption, url, ...}}]
+
+Every route but the page takes &index=NAME (default: the first --index).
 
 against=image (default) searches the images, against=text the captions; identical
 captions are folded into their best-scoring copy unless dedupe=false. Each request
@@ -98,6 +112,8 @@ const $ = (id) => document.getElementById(id);
 const status = $("status"), results = $("results");
 let latest = 0;  // the newest search: an older reply arriving late is dropped
 let queryUrl = null;  // the object URL of the uploaded query image shown above the results
+// the served index this page searches (`?index=NAME`; none: the server's first), kept in every URL
+const INDEX = new URLSearchParams(location.search).get("index") || "";
 
 // the uploaded image a search is for, shown beside its results (null: a text or key search)
 function showQuery(file) {
@@ -134,6 +150,7 @@ function pageUrl(state) {  // the address bar's form of a search
   params.set("k", state.k);
   params.set("mode", state.mode);
   if (!state.dedupe) params.set("dedupe", "false");
+  if (INDEX) params.set("index", INDEX);
   return "/?" + params.toString();
 }
 
@@ -157,7 +174,8 @@ function row(hit, state) {
   const img = document.createElement("img");
   img.loading = "lazy";
   img.alt = hit.key;
-  img.src = "/thumb?row=" + encodeURIComponent(hit.row) + "&size=256";  // 128 CSS px, sharp at 2x
+  img.src = "/thumb?row=" + encodeURIComponent(hit.row) + "&size=256" +  // 128 CSS px, sharp at 2x
+    (INDEX ? "&index=" + encodeURIComponent(INDEX) : "");
   img.onerror = () => { thumb.textContent = "-"; };  // an index without image locations
   thumb.appendChild(img);
   const more = document.createElement("td");
@@ -174,8 +192,23 @@ function row(hit, state) {
   });
   more.appendChild(link);
   tr.append(cell(String(hit.rank), "num"), thumb, cell(hit.score.toFixed(4), "num"),
-            cell(hit.caption, "caption"), cell(hit.source_path || hit.key, "source"), more);
+            cell(hit.caption, "caption"), sourceCell(hit), more);
   return tr;
+}
+
+// where the hit came from: its source URL as a link when it has one (http/https only), else its path
+function sourceCell(hit) {
+  const td = cell(hit.source_path || hit.key, "source");
+  const url = typeof hit.url === "string" ? hit.url : "";
+  if (url.toLowerCase().startsWith("http://") || url.toLowerCase().startsWith("https://")) {
+    const link = document.createElement("a");
+    link.href = url;
+    link.textContent = url;
+    link.target = "_blank";
+    link.rel = "noopener noreferrer";  // the source page gets neither this page nor its URL
+    td.replaceChildren(link);
+  }
+  return td;
 }
 
 // one search: the request, then the rows; `what` names the query in the status line
@@ -200,7 +233,9 @@ async function fetchHits(url, init, what, state) {
 }
 
 function query(state) {
-  return new URLSearchParams({k: state.k, against: state.mode, dedupe: String(state.dedupe)});
+  const params = new URLSearchParams({k: state.k, against: state.mode, dedupe: String(state.dedupe)});
+  if (INDEX) params.set("index", INDEX);
+  return params;
 }
 
 // run a text or key search; `push`: a new history entry (a search typed or clicked), else the
@@ -242,7 +277,7 @@ window.addEventListener("popstate", () => {
   if (state.q || state.key) run(state, false); else { results.replaceChildren(); say(""); showQuery(null); }
 });
 
-fetch("/health").then((r) => r.json()).then((health) => {
+fetch("/health" + (INDEX ? "?index=" + encodeURIComponent(INDEX) : "")).then((r) => r.json()).then((health) => {
   if (!health.indexes.includes("text")) {
     $("mode").querySelector("option[value=text]").disabled = true;
   }
