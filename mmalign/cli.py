@@ -181,6 +181,11 @@ def cmd_embed(args) -> int:
 
 
 def cmd_index(args) -> int:
+    from mmalign.search.index_plan import parse_size  # torch-free: bad input fails in milliseconds
+
+    budget = None if args.max_index_memory is None else parse_size(args.max_index_memory)
+    if args.shards < 1:
+        raise UsageError(f"--shards: {args.shards} must be at least 1")
     if not os.path.isfile(
         os.path.join(args.emb, "embed.json")
     ):  # mmalign.search.embed.EMBED_INFO; before torch
@@ -197,11 +202,20 @@ def cmd_index(args) -> int:
         pq_m=args.pq_m,
         nbits=args.nbits,
         nprobe=args.nprobe,
+        max_index_memory=budget,
+        max_query_ms=args.max_query_ms,
+        min_recall=args.min_recall,
+        shards=args.shards,
+        kind=args.kind,
+        log=print,
     )
     for name in ("image", "text"):
         if name in info:
+            e = info[name]
             print(
-                f"{name}: {info[name]['count']} vectors, {info[name]['factory']} (inner product, dim {info['dim']})"
+                f"{name}: {e['count']} vectors, {e['factory']} (inner product, dim {info['dim']}) "
+                f"in {len(e['shards'])} shard(s), search {e['search']}, recall@10 {e['recall']['@10']}, "
+                f"p50 {e['latency_ms']['p50']} ms"
             )
     print(f"index written to {args.out}")
     return 0
@@ -376,15 +390,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emb", required=True, help="an `mmalign embed` output directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
+        "--max-index-memory",
+        help="memory budget of the indexes (512M, 4G, 1.5G; shared by image and text in proportion to "
+        "their counts): the most accurate kind that fits (Flat, HNSW, IVF-Flat, OPQ+IVF-PQ, IVF-PQ). "
+        "Without it: Flat up to --exact-max vectors, else IVF-PQ (the old default)",
+    )
+    p.add_argument(
+        "--max-query-ms", type=float, default=10.0, help="time limit of one query when tuning (default 10)"
+    )
+    p.add_argument(
+        "--min-recall",
+        type=float,
+        default=0.9,
+        help="recall@10 against exact search that nprobe/efSearch is tuned to reach (default 0.9)",
+    )
+    p.add_argument(
+        "--shards", type=int, default=1, help="index files per modality, each a contiguous range of rows"
+    )
+    p.add_argument(
+        "--kind",
+        default="auto",
+        choices=["auto", "flat", "hnsw", "ivf-flat", "ivf-pq", "opq-ivf-pq"],
+        help="force an index kind (its parameters still follow the budget)",
+    )
+    p.add_argument(
         "--exact-max",
         type=int,
-        default=100_000,
-        help="corpora up to this size get an exact IndexFlatIP, larger ones IVF-PQ",
+        help="Flat up to this many vectors (default without a budget: 100000; larger ones IVF-PQ)",
     )
     p.add_argument("--nlist", type=int, help="IVF lists (default ~4 sqrt(n))")
-    p.add_argument("--pq-m", type=int, help="PQ sub-quantizers, a divisor of the dim (default ~dim/4)")
+    p.add_argument(
+        "--pq-m", type=int, help="PQ sub-quantizers, a divisor of the dim (default: by budget, else ~dim/4)"
+    )
     p.add_argument("--nbits", type=int, help="bits per PQ code (default 8)")
-    p.add_argument("--nprobe", type=int, default=16, help="IVF lists probed per query")
+    p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default: tuned to --min-recall)")
     p.set_defaults(func=cmd_index)
 
     p = sub.add_parser("search", help="query an index with text or an image")

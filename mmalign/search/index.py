@@ -1,16 +1,21 @@
 """``mmalign index``: FAISS inner-product indexes over an ``mmalign embed`` directory.
 
-Two indexes, one per modality: ``image.index`` holds each image once (the rows with
-``caption_index == 0``) and ``text.index`` every caption row.  A corpus of at most
-``exact_max`` vectors gets an exact ``IndexFlatIP``; a larger one an ``IVF{nlist},PQ{m}x{nbits}``
-index (inner product), trained on a sample and then filled part by part.
+Two indexes, one per modality: ``image`` holds each image once (the rows with
+``caption_index == 0``) and ``text`` every caption row.  The kind and its parameters come from a
+memory budget (``index_plan``: Flat, HNSW, IVF-Flat, OPQ+IVF-PQ, IVF-PQ, the most accurate that
+fits), or without one from the old rule (Flat up to ``exact_max`` vectors, else IVF-PQ).  The
+search-time knob (``nprobe``/``efSearch``) is tuned on held-out queries against exact search
+(``index_tune``).  The build reads the parts through mmap, trains on a sample and adds part by
+part into one or N shards (``index_build``).
 
-Output::
+Output (contract C2)::
 
-    OUT/image.index, OUT/text.index     FAISS indexes
-    OUT/image_rows.npy, text_rows.npy   (n,) int64: index position -> metadata row
-    OUT/metadata.parquet                every row of the embedding directory, in order
-    OUT/index.json                      dim, metric, and per index: kind, count, nlist, m, nbits, nprobe
+    OUT/image.index, OUT/image_rows.npy     one shard; with --shards N: image.00000.index, ...
+    OUT/text.index,  OUT/text_rows.npy      (when the embeddings have captions)
+    OUT/metadata.arrow                      every row of the embedding directory (Arrow IPC file)
+    OUT/metadata.parquet                    the same rows, for readers that predate metadata.arrow
+    OUT/index.json                          dim, metric, rows, and per modality: kind, factory,
+                                            count, search, shards, memory, recall, latency_ms
 
 Vectors are re-normalised in float32 before they are added: the stored float16
 values are only unit-norm to ~1e-3, and inner product should be the cosine.
@@ -19,18 +24,24 @@ values are only unit-norm to ~1e-3, and inner product should be the cosine.
 from __future__ import annotations
 
 import json
-import math
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
 
 import numpy as np
 
 from mmalign.errors import UsageError
 from mmalign.extras import extra
 from mmalign.search.embed import EMBED_INFO
+from mmalign.search.index_build import Source, metadata_files, normalised, write_metadata, write_shards
+from mmalign.search.index_build import caption_index as read_caption_index
+from mmalign.search.index_plan import SMALL, choose_plan, format_size, opq_helps, parse_size, train_size
+from mmalign.search.index_tune import TRUTH_K, exact_topk, holdout_size, tune
 
 INDEX_INFO = "index.json"
 METADATA = "metadata.parquet"
+_normalised = normalised  # the name older callers import
+FLAT_PROBE = 20_000  # vectors a brute-force query is timed over (then scaled to the corpus)
 
 
 def _parts(emb_dir: Path, kind: str, n_parts: int) -> list[Path]:
@@ -51,151 +62,245 @@ def read_embeddings_info(emb_dir: str | Path) -> dict:
     return json.loads(info_file.read_text())
 
 
-def load_metadata(emb_dir: Path, n_parts: int):
-    import pandas as pd
+def _flat_ms(sample: np.ndarray, count: int) -> float:
+    """ms of one exact query over ``count`` vectors, timed over (part of) the sample and scaled."""
+    import faiss
 
-    files = [emb_dir / "metadata" / f"metadata_{i}.parquet" for i in range(n_parts)]
-    for f in files:
-        if not f.is_file():
-            raise UsageError(f"--emb: missing {f}")
-    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
-
-
-def _normalised(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.maximum(norms, 1e-12)
+    base = sample[:FLAT_PROBE]
+    flat = faiss.IndexFlatIP(base.shape[1])
+    flat.add(base)
+    t0 = time.perf_counter()
+    for q in base[:20]:
+        flat.search(q[None, :], 10)
+    return (time.perf_counter() - t0) * 1000 / min(20, len(base)) * count / len(base)
 
 
-def ivf_params(
-    count: int, dim: int, nlist: int | None, pq_m: int | None, nbits: int | None, train_rows: int
-) -> dict:
-    """Defaults: nlist ~ 4 sqrt(n) (with >= 39 training points per list, FAISS's own
-    minimum), PQ with about dim/4 sub-quantizers (a divisor of dim), 8 bits or fewer
-    when the training sample cannot fill 2^nbits centroids."""
-    if nlist is None:
-        nlist = max(1, min(int(4 * math.sqrt(count)), train_rows // 39))
-    if pq_m is None:
-        pq_m = max(m for m in range(1, max(1, dim // 4) + 1) if dim % m == 0)
-    if dim % pq_m:
-        raise UsageError(f"--pq-m={pq_m} must divide the embedding dim {dim}")
-    if nbits is None:
-        nbits = max(1, min(8, int(math.log2(max(2, train_rows)))))
-    if train_rows < nlist or train_rows < 2**nbits:
-        raise UsageError(
-            f"IVF-PQ needs at least max(nlist={nlist}, 2^nbits={2**nbits}) training vectors, "
-            f"have {train_rows}"
-        )
-    return {"nlist": int(nlist), "m": int(pq_m), "nbits": int(nbits)}
+def _lighter_opq(index, params: dict):
+    """OPQ's rotation trained against a PQ of the index's own code size and with 25 rounds,
+    not its defaults (8-bit codes, 50 rounds): half the training, same kind of rotation."""
+    import faiss
+
+    opq = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
+    pq = faiss.ProductQuantizer(opq.d_out, int(params["m"]), int(params["nbits"]))
+    opq.pq, opq.niter = pq, 25
+    return pq
+
+
+def _open_shards(out: Path, entries: list[dict]) -> list[tuple[object, int]]:
+    """The written shards, memory-mapped where FAISS can, each with its first position."""
+    import faiss
+
+    shards, start = [], 0
+    for e in entries:
+        path = str(out / e["index"])
+        try:
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        except RuntimeError:  # a kind FAISS cannot map
+            index = faiss.read_index(path)
+        shards.append((index, start))
+        start += int(e["count"])
+    return shards
 
 
 def _build_one(
-    parts: list[Path],
-    rows: list[np.ndarray],
-    dim: int,
+    source: Source,
+    global_rows: np.ndarray,
+    name: str,
+    out: Path,
     *,
-    exact_max: int,
-    nlist,
-    pq_m,
-    nbits,
-    nprobe: int,
-    train_max: int = 100_000,
-):
-    """One index over the selected rows of each part file; returns (index, params)."""
-    with extra("search", "mmalign index"):
-        import faiss
+    budget: int | None,
+    kind: str,
+    shards: int,
+    max_query_ms: float,
+    min_recall: float,
+    exact_max: int | None,
+    nlist: int | None,
+    pq_m: int | None,
+    nbits: int | None,
+    nprobe: int | None,
+    holdout: int,
+    seed: int,
+) -> dict:
+    """Choose, train, fill and tune one modality's index; returns its index.json entry."""
+    import faiss
 
-    count = int(sum(len(r) for r in rows))
-    index: faiss.Index
-    params: dict[str, Any]
-    if count <= exact_max:
-        index, params = faiss.IndexFlatIP(dim), {"kind": "flat", "factory": "Flat"}
-    else:
-        sample, have = [], 0  # a training sample from the first parts, read through mmap
-        for f, r in zip(parts, rows):
-            if have >= train_max:
-                break
-            take = r[: train_max - have]
-            sample.append(_normalised(np.load(f, mmap_mode="r")[take]))
-            have += len(take)
-        train = np.concatenate(sample)
-        p = ivf_params(count, dim, nlist, pq_m, nbits, len(train))
-        factory = f"IVF{p['nlist']},PQ{p['m']}x{p['nbits']}"
-        # the factory's index comes back as its own class (IndexIVFPQ), which has nprobe
-        ivf = cast("faiss.IndexIVF", faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT))
-        ivf.train(train)
-        ivf.nprobe = min(int(nprobe), p["nlist"])
-        index = ivf
-        params = {
-            "kind": "ivfpq",
-            "factory": factory,
-            **p,
-            "nprobe": int(ivf.nprobe),
-            "train_rows": len(train),
-        }
-    for f, r in zip(parts, rows):
-        if len(r):
-            index.add(_normalised(np.load(f, mmap_mode="r")[r]))
-    return index, {**params, "count": count}
+    count, dim = source.count, source.dim
+    train = source.take(source.sample(train_size(count), seed))  # (t, d), read through mmap
+    flat_ms = 0.0
+    if budget is not None and kind == "auto" and count >= SMALL and count * 4 * dim <= budget:
+        flat_ms = _flat_ms(train, count)
+    opts = {"flat_ms": flat_ms, "max_query_ms": max_query_ms, "train_rows": len(train)}
+    opts |= {"exact_max": exact_max, "nlist": nlist, "pq_m": pq_m, "nbits": nbits}
+    plan = choose_plan(count, dim, budget, kind=kind, **opts)  # type: ignore[arg-type]
+    if plan.kind == "opq-ivf-pq" and kind == "auto" and not opq_helps(train[:20_000], plan.params["m"]):
+        plan = choose_plan(count, dim, budget, kind=kind, opq=False, **opts)  # type: ignore[arg-type]
+    p = plan.params
+    if "nlist" in p and len(train) < p["nlist"] or "nbits" in p and len(train) < 2 ** p["nbits"]:
+        raise UsageError(
+            f"{plan.factory} needs at least max(nlist={p['nlist']}, 2^nbits={2 ** p.get('nbits', 0)}) "
+            f"training vectors, have {len(train)}"
+        )
+    empty = faiss.index_factory(dim, plan.factory, faiss.METRIC_INNER_PRODUCT)
+    if plan.kind in ("ivf-pq", "opq-ivf-pq"):  # no Hamming-distance filter at search: skip its training
+        faiss.downcast_index(faiss.extract_index_ivf(empty)).do_polysemous_training = False
+    if plan.kind == "opq-ivf-pq":
+        keep = _lighter_opq(empty, p)  # noqa: F841  (FAISS keeps a raw pointer to it while training)
+    if not empty.is_trained:
+        empty.train(train)  # once; every shard gets a copy of the trained, empty index
+    train_rows = 0 if empty.ntotal == 0 and plan.kind in ("flat", "hnsw") else len(train)
+    del train
+    entries = write_shards(empty, source, global_rows, name, shards, out)
+    measured = sum((out / e["index"]).stat().st_size for e in entries)
+    estimated = plan.estimated_bytes + (shards - 1) * plan.quantizer_bytes
+
+    opened = _open_shards(out, entries)
+    queries = source.take(source.sample(holdout_size(count, dim, holdout), seed + 1))  # (q, d)
+    truth = exact_topk(source, queries, TRUTH_K)
+    knob = {"hnsw": "efSearch", "flat": None}.get(plan.kind, "nprobe")
+    tuned = tune(
+        opened,
+        queries,
+        truth,
+        knob=knob,
+        limit=int(p["nlist"]) if knob == "nprobe" else 2048,
+        fixed=nprobe if knob == "nprobe" else None,
+        min_recall=min_recall,
+        max_query_ms=max_query_ms,
+    )
+    del opened
+    entry = {
+        "kind": plan.kind,
+        "factory": plan.factory,
+        "count": count,
+        **p,
+        "search": tuned["search"],
+        **tuned["search"],  # nprobe at this level too: the reader before `search` existed sets it
+        "shards": entries,
+        "memory": {
+            "budget_bytes": budget,
+            "estimated_bytes": int(estimated),
+            "measured_bytes": int(measured),
+        },
+        "recall": tuned["recall"],
+        "latency_ms": tuned["latency_ms"],
+        "target": {
+            "min_recall": min_recall,
+            "max_query_ms": max_query_ms,
+            "met": tuned["target_met"],
+            "note": tuned["note"],
+        },
+        "choice": plan.note,
+        "train_rows": int(train_rows),
+        "tune_queries": int(len(queries)),
+    }
+    return entry
 
 
 def build_index(
     emb_dir: str | Path,
     out: str | Path,
     *,
-    exact_max: int = 100_000,
+    exact_max: int | None = None,
     nlist: int | None = None,
     pq_m: int | None = None,
     nbits: int | None = None,
-    nprobe: int = 16,
+    nprobe: int | None = None,
+    max_index_memory: int | str | None = None,
+    max_query_ms: float = 10.0,
+    min_recall: float = 0.9,
+    shards: int = 1,
+    kind: str = "auto",
+    holdout: int = 1000,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Build ``image.index`` (and ``text.index``) from ``emb_dir``; returns ``index.json``'s content."""
-    with extra("search", "mmalign index"):
-        import faiss
+    """Build the image (and text) indexes of ``emb_dir`` into ``out``; returns ``index.json``'s content.
 
+    ``max_index_memory`` (bytes or "4G") is shared by the modalities in proportion to their vector
+    counts.  ``nprobe`` fixes the probe count instead of tuning it.
+    """
+    with extra("search", "mmalign index"):
+        import faiss  # noqa: F401
+
+    budget = None if max_index_memory is None else parse_size(max_index_memory)
+    if int(shards) < 1:
+        raise UsageError(f"--shards: {shards} must be at least 1")
+    if not 0 < min_recall <= 1:
+        raise UsageError(f"--min-recall: {min_recall} must be in (0, 1]")
+    if max_query_ms <= 0:
+        raise UsageError(f"--max-query-ms: {max_query_ms} must be positive")
     emb_dir, out = Path(emb_dir), Path(out)
     info = read_embeddings_info(emb_dir)
     dim, n_parts = int(info["dim"]), int(info["parts"])
-    meta = load_metadata(emb_dir, n_parts)
     kinds = ["img"] + (["text"] if info.get("text") else [])
     files = {k: _parts(emb_dir, k, n_parts) for k in kinds}
+    meta_files = metadata_files(emb_dir, n_parts)
+    caption_index = read_caption_index(meta_files)  # per part: (rows_p,)
+    sizes = []
+    for kind_ in kinds:
+        for f in files[kind_]:
+            shape = np.load(f, mmap_mode="r").shape
+            if len(shape) != 2 or shape[1] != dim:
+                raise UsageError(f"--emb: {f} has shape {shape}, expected (rows, {dim})")
+            if kind_ == "img":
+                sizes.append(shape[0])
+    if sum(sizes) != sum(len(c) for c in caption_index) or any(
+        a != len(c) for a, c in zip(sizes, caption_index)
+    ):
+        raise UsageError(
+            f"--emb: {sum(sizes)} embedding rows but {sum(len(c) for c in caption_index)} metadata rows in {emb_dir}"
+        )
+    offsets = np.cumsum([0] + sizes)
     # Per part: which of its rows go into each index (image: an image's first row only).
-    offsets = np.cumsum([0] + [int(np.load(f, mmap_mode="r").shape[0]) for f in files["img"]])
-    if offsets[-1] != len(meta):
-        raise UsageError(f"--emb: {offsets[-1]} embedding rows but {len(meta)} metadata rows in {emb_dir}")
-    first = meta["caption_index"].to_numpy() == 0
-    selected = {"img": [np.flatnonzero(first[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]}
+    selected = {"img": [np.flatnonzero(ci == 0) for ci in caption_index]}
     if "text" in kinds:
-        selected["text"] = [np.arange(b - a) for a, b in zip(offsets[:-1], offsets[1:])]
+        selected["text"] = [np.arange(n) for n in sizes]
+    sources = {k: Source(files[k], selected[k], dim) for k in kinds}
+    fewest = min(s.count for s in sources.values())
+    if int(shards) > fewest:
+        raise UsageError(f"--shards: {shards} shards but only {fewest} vectors to index")
+    total = sum(s.count for s in sources.values())
+
     out.mkdir(parents=True, exist_ok=True)
-    record = {
+    record: dict = {
         "dim": dim,
         "metric": "inner_product",
         "emb_dir": str(emb_dir.resolve()),
         "model": info.get("model"),
-        "rows": int(len(meta)),
+        "rows": int(offsets[-1]),
     }
-    for kind, name in (("img", "image"), ("text", "text")):
-        if kind not in kinds:
+    for kind_, name in (("img", "image"), ("text", "text")):
+        if kind_ not in kinds:
             continue
-        for f in files[kind]:
-            shape = np.load(f, mmap_mode="r").shape
-            if len(shape) != 2 or shape[1] != dim:
-                raise UsageError(f"--emb: {f} has shape {shape}, expected (rows, {dim})")
-        index, params = _build_one(
-            files[kind],
-            selected[kind],
-            dim,
+        source = sources[kind_]
+        share = None if budget is None else int(budget * source.count / total)  # modalities split the budget
+        global_rows = np.concatenate([s + a for s, a in zip(selected[kind_], offsets[:-1])]).astype(np.int64)
+        entry = _build_one(
+            source,
+            global_rows,
+            name,
+            out,
+            budget=share,
+            kind=kind,
+            shards=int(shards),
+            max_query_ms=max_query_ms,
+            min_recall=min_recall,
             exact_max=exact_max,
             nlist=nlist,
             pq_m=pq_m,
             nbits=nbits,
             nprobe=nprobe,
+            holdout=holdout,
+            seed=seed,
         )
-        faiss.write_index(index, str(out / f"{name}.index"))
-        rows = np.concatenate([s + a for s, a in zip(selected[kind], offsets[:-1])]).astype(np.int64)
-        np.save(out / f"{name}_rows.npy", rows)  # index position -> metadata row
-        record[name] = params
-    meta.to_parquet(out / METADATA, index=False)
+        record[name] = entry
+        if log is not None and not entry["target"]["met"]:
+            log(f"{name}: target not met: {entry['target']['note']} ({entry['factory']}, {entry['search']})")
+        if log is not None and share is not None:
+            log(
+                f"{name}: {entry['factory']} ({entry['choice']}), "
+                f"{format_size(entry['memory']['measured_bytes'])} of {format_size(share)}"
+            )
+    write_metadata(meta_files, out, also_parquet=METADATA)
     (out / INDEX_INFO).write_text(json.dumps(record, indent=2))
     return record

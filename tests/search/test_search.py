@@ -172,7 +172,7 @@ def test_ivfpq_past_the_exact_size(built, tmp_path):
     info = build_index(built["emb"], tmp_path / "ivf", exact_max=100, nbits=4, nprobe=64)
     for name, count in (("image", 120), ("text", 240)):
         p = info[name]
-        assert p["kind"] == "ivfpq" and p["count"] == count and p["nbits"] == 4
+        assert p["kind"] == "ivf-pq" and p["count"] == count and p["nbits"] == 4
         assert p["factory"] == f"IVF{p['nlist']},PQ{p['m']}x4" and 32 % p["m"] == 0
         assert p["nprobe"] == p["nlist"]  # asked 64, capped at nlist
     assert json.loads((tmp_path / "ivf" / "index.json").read_text()) == info
