@@ -325,6 +325,8 @@ class _Handler(PooledRequestHandler):
         except ValueError:
             self.close_connection = True
             raise UsageError(f"Content-Length {raw[:40]!r} is not a number") from None
+        if length == 0 and what == "the request body":
+            raise UsageError("the request needs a JSON body")
         if not 0 < length <= self.max_body:
             self.close_connection = True
             raise Refused(413, f"{what} must be 1..{self.max_body} bytes")

@@ -164,10 +164,10 @@ def _embedding(value, dim: int) -> np.ndarray:
         raise UsageError("embedding_input must be a list of numbers")
     if len(value) != dim:
         raise UsageError(f"embedding_input has {len(value)} numbers; this index's dimension is {dim}")
-    vector = np.asarray(value, dtype=np.float32)[None]  # (1, D)
-    if not np.isfinite(vector).all():
-        raise UsageError("embedding_input must hold finite numbers")
-    return vector
+    wide = np.asarray(value, dtype=np.float64)  # (D,) checked before the float32 cast can overflow
+    if not np.isfinite(wide).all() or np.abs(wide).max() > np.finfo(np.float32).max:
+        raise UsageError("embedding_input must hold finite numbers (float32 range)")
+    return wide.astype(np.float32)[None]  # (1, D)
 
 
 def parse_metadata(body: bytes, sizes: dict[str, int], max_ids: int) -> tuple[str, list[int], list[str]]:
