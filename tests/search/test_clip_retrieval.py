@@ -318,3 +318,20 @@ def test_clip_front_shows_the_images_of_a_text_query(browser, corpus):
         srv.server_close()
         front.shutdown()
         front.server_close()
+
+
+def test_our_page_links_each_hit_to_its_url(browser, served):
+    """mmalign's own search page: a hit with a source URL shows it as a link (issue 41, point 2)."""
+    hits = _get(f"{served.base}/search?text=a+photo+of+a+cat&k=5")["hits"]
+    assert all(h["url"].startswith("http://127.0.0.1:") for h in hits)
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.call("Page.enable", {}, session)
+    browser.call("Page.navigate", {"url": served.base + "/?q=a+photo+of+a+cat&k=5"}, session)
+    links = browser.wait_for(
+        session,
+        """(() => { const rows = [...document.querySelectorAll('#results tr.hit')];
+          return rows.length === 5 ? JSON.stringify(rows.map(tr => { const a = tr.querySelector('td.source a');
+            return a && [a.getAttribute('href'), a.textContent, a.rel]; })) : null; })()""",
+    )
+    assert json.loads(links) == [[h["url"], h["url"], "noopener noreferrer"] for h in hits]

@@ -362,3 +362,34 @@ class _Stopped:
 
     def server_close(self):
         pass
+
+
+def test_queries_run_at_once_no_lock_around_the_searcher():
+    """Two text queries meet inside the searcher: with a lock around it the second would wait
+    for the first, which waits for the second (the barrier times out)."""
+    meet = threading.Barrier(2, timeout=10)
+
+    class Meeting(StubSearcher):
+        def text(self, text, k, against, dedupe=True):
+            meet.wait()  # both requests are inside the searcher at once
+            return super().text(text, k, against, dedupe)
+
+    srv = make_server(Meeting(), "127.0.0.1", 0, workers=2, access_log=lambda line: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    answers: list = []
+
+    def ask(word):
+        with urllib.request.urlopen(f"{base}/search?text={word}&k=1", timeout=20) as r:
+            answers.append(json.loads(r.read())["hits"][0]["caption"])
+
+    try:
+        threads = [threading.Thread(target=ask, args=(w,)) for w in ("one", "two")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert sorted(answers) == ["one", "two"] and not meet.broken
+    finally:
+        srv.shutdown()
+        srv.server_close()
