@@ -104,7 +104,6 @@ def _open_shards(out: Path, entries: list[dict]) -> list[tuple[object, int]]:
 
 def _build_one(
     source: Source,
-    global_rows: np.ndarray,
     name: str,
     out: Path,
     *,
@@ -149,7 +148,7 @@ def _build_one(
         empty.train(train)  # once; every shard gets a copy of the trained, empty index
     train_rows = 0 if empty.ntotal == 0 and plan.kind in ("flat", "hnsw") else len(train)
     del train
-    entries = write_shards(empty, source, global_rows, name, shards, out)
+    entries = write_shards(empty, source, name, shards, out)
     measured = sum((out / e["index"]).stat().st_size for e in entries)
     estimated = plan.estimated_bytes + (shards - 1) * plan.quantizer_bytes
 
@@ -251,11 +250,16 @@ def build_index(
             f"--emb: {sum(sizes)} embedding rows but {sum(len(c) for c in caption_index)} metadata rows in {emb_dir}"
         )
     offsets = np.cumsum([0] + sizes)
-    # Per part: which of its rows go into each index (image: an image's first row only).
-    selected = {"img": [np.flatnonzero(ci == 0) for ci in caption_index]}
+    first_row = [int(o) for o in offsets[:-1]]
+    # Per part: which of its rows go into each index (image: an image's first row only; text: all).
+    sources = {
+        "img": Source(
+            files["img"], [np.flatnonzero(ci == 0).astype(np.int32) for ci in caption_index], dim, first_row
+        )
+    }
+    del caption_index
     if "text" in kinds:
-        selected["text"] = [np.arange(n) for n in sizes]
-    sources = {k: Source(files[k], selected[k], dim) for k in kinds}
+        sources["text"] = Source(files["text"], [None] * n_parts, dim, first_row)
     fewest = min(s.count for s in sources.values())
     if int(shards) > fewest:
         raise UsageError(f"--shards: {shards} shards but only {fewest} vectors to index")
@@ -274,10 +278,8 @@ def build_index(
             continue
         source = sources[kind_]
         share = None if budget is None else int(budget * source.count / total)  # modalities split the budget
-        global_rows = np.concatenate([s + a for s, a in zip(selected[kind_], offsets[:-1])]).astype(np.int64)
         entry = _build_one(
             source,
-            global_rows,
             name,
             out,
             budget=share,

@@ -31,13 +31,32 @@ class Source:
     """The vectors of one modality: the selected rows of each part file, in order.
 
     ``files[p]`` is a (rows_p, d) .npy; ``rows[p]`` the rows of part p that belong to this index
-    (sorted).  Positions 0..count-1 number the selected rows across parts.
+    (sorted, int32), or None for all of them; ``first_row[p]`` the metadata row of part p's row 0.
+    Positions 0..count-1 number the selected rows across parts.
     """
 
-    def __init__(self, files: list[Path], rows: list[np.ndarray], dim: int):
-        self.files, self.rows, self.dim = files, rows, dim
-        self.starts = np.cumsum([0] + [len(r) for r in rows])  # (parts + 1,)
+    def __init__(self, files: list[Path], rows: list[np.ndarray | None], dim: int, first_row: list[int]):
+        self.files, self.dim, self.first_row = files, dim, first_row
+        self.rows = list(rows)
+        sizes = [len(r) if r is not None else int(self._part(p).shape[0]) for p, r in enumerate(rows)]
+        self.starts = np.cumsum([0] + sizes)  # (parts + 1,)
         self.count = int(self.starts[-1])
+
+    def _sel(self, p: int, a: int, b: int) -> np.ndarray | slice:
+        """Part p's rows for its selected positions [a, b) (local numbering)."""
+        r = self.rows[p]
+        return slice(a, b) if r is None else r[a:b]
+
+    def global_rows(self, start: int, stop: int) -> np.ndarray:
+        """(stop - start,) int64 metadata rows of positions [start, stop)."""
+        out = []
+        for p in range(len(self.files)):
+            a, b = max(start, int(self.starts[p])), min(stop, int(self.starts[p + 1]))
+            if a < b:
+                sel = self._sel(p, a - int(self.starts[p]), b - int(self.starts[p]))
+                local = np.arange(sel.start, sel.stop) if isinstance(sel, slice) else sel
+                out.append(local.astype(np.int64) + self.first_row[p])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def _part(self, p: int) -> np.ndarray:
         return np.load(self.files[p], mmap_mode="r")
@@ -50,7 +69,8 @@ class Source:
             a, b = self.starts[p], self.starts[p + 1]
             mine = positions[(positions >= a) & (positions < b)] - a
             if len(mine):
-                out.append(normalised(self._part(p)[self.rows[p][mine]]))
+                r = self.rows[p]
+                out.append(normalised(self._part(p)[mine if r is None else r[mine]]))
         return np.concatenate(out) if out else np.zeros((0, self.dim), np.float32)
 
     def sample(self, n: int, seed: int = 0) -> np.ndarray:
@@ -67,9 +87,9 @@ class Source:
             a, b = max(start, int(self.starts[p])), min(stop, int(self.starts[p + 1]))
             if a >= b:
                 continue
-            part, sel = self._part(p), self.rows[p][a - self.starts[p] : b - self.starts[p]]
-            for i in range(0, len(sel), step):
-                yield normalised(part[sel[i : i + step]])
+            part, lo = self._part(p), int(self.starts[p])
+            for i in range(a, b, step):
+                yield normalised(part[self._sel(p, i - lo, min(b, i + step) - lo)])
 
 
 def shard_ranges(count: int, shards: int) -> list[tuple[int, int]]:
@@ -85,13 +105,9 @@ def shard_names(name: str, shards: int) -> list[tuple[str, str]]:
     return [(f"{name}.{s:05d}.index", f"{name}_rows.{s:05d}.npy") for s in range(shards)]
 
 
-def write_shards(
-    empty, source: Source, global_rows: np.ndarray, name: str, shards: int, out: Path
-) -> list[dict]:
-    """Fill a copy of the trained ``empty`` index per shard and write it with its rows file.
-
-    ``global_rows``: (count,) int64, position -> metadata row.  Returns C2's ``shards`` list.
-    """
+def write_shards(empty, source: Source, name: str, shards: int, out: Path) -> list[dict]:
+    """Fill a copy of the trained ``empty`` index per shard and write it with its rows file
+    (shard position -> metadata row).  Returns C2's ``shards`` list."""
     import faiss
 
     entries = []
@@ -101,7 +117,7 @@ def write_shards(
             index.add(block)
         faiss.write_index(index, str(out / index_file))
         del index
-        np.save(out / rows_file, global_rows[a:b].astype(np.int64))  # shard position -> metadata row
+        np.save(out / rows_file, source.global_rows(a, b))  # shard position -> metadata row
         entries.append({"index": index_file, "rows": rows_file, "count": b - a})
     return entries
 
@@ -132,7 +148,9 @@ def caption_index(files: list[Path]) -> list[np.ndarray]:
     """Per metadata part, its ``caption_index`` column (what picks an image's first row)."""
     import pyarrow.parquet as pq
 
-    return [pq.read_table(f, columns=["caption_index"]).column(0).to_numpy() for f in files]
+    return [
+        pq.read_table(f, columns=["caption_index"]).column(0).to_numpy(zero_copy_only=False) for f in files
+    ]
 
 
 def write_metadata(files: list[Path], out: Path, also_parquet: str | None = None) -> int:

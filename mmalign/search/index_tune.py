@@ -35,14 +35,21 @@ def exact_topk(source: Source, queries: np.ndarray, k: int) -> np.ndarray:
     offset = 0
     for block in source.blocks():
         scores = queries @ block.T  # (q, b)
-        s = np.concatenate([best_s, scores], axis=1)
-        i = np.concatenate(
-            [best_i, offset + np.broadcast_to(np.arange(block.shape[0]), scores.shape)], axis=1
-        )
-        top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        if scores.shape[1] > k:  # the block's own top-k first (unordered), then a small sort
+            part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+            scores, ids = np.take_along_axis(scores, part, 1), part + offset
+        else:
+            ids = offset + np.broadcast_to(np.arange(block.shape[0]), scores.shape)
+        s, i = np.concatenate([best_s, scores], axis=1), np.concatenate([best_i, ids], axis=1)
+        top = _order(s, i)[:, :k]
         best_s, best_i = np.take_along_axis(s, top, 1), np.take_along_axis(i, top, 1)
         offset += block.shape[0]
     return best_i
+
+
+def _order(s: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """Per row: indices sorting by score descending, ties by position ascending."""
+    return np.stack([np.lexsort((ii, -ss)) for ss, ii in zip(s, i)])
 
 
 def search_shards(shards: list[tuple[object, int]], queries: np.ndarray, k: int) -> np.ndarray:
