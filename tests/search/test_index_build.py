@@ -14,6 +14,7 @@ import pytest
 
 from mmalign.errors import UsageError
 from tests.harness import cli_main
+from tests.harness.doc_snippets import commands, snippet
 
 faiss = pytest.importorskip("faiss")
 from mmalign.search.index import build_index  # noqa: E402
@@ -239,3 +240,21 @@ def test_missing_part_is_one_line(tmp_path):
     (tmp_path / "emb2" / "metadata" / "metadata_2.parquet").unlink()
     with pytest.raises(UsageError, match="missing .*metadata_2.parquet"):
         build_index(tmp_path / "emb2", tmp_path / "y")
+
+
+def test_docs_sizing_command(emb, tmp_path):
+    """docs/search.md's "Sizing an index" command, on this module's corpus."""
+    root, _ = emb
+    (line,) = commands(
+        snippet("docs/search.md", "tests/search/test_index_build.py::test_docs_sizing_command")
+    )
+    words = line.split()
+    assert words[:2] == ["mmalign", "index"]
+    args = [
+        str(root / "emb") if w == "emb" else str(tmp_path / "idx") if w == "idx" else w for w in words[2:]
+    ]
+    run = cli_main("index", *args)
+    assert run.returncode == 0, run.stderr
+    e = json.loads((tmp_path / "idx" / "index.json").read_text())["image"]
+    assert e["memory"]["budget_bytes"] == 4 * 2**30 and e["kind"] == "flat"  # 3000 vectors: exact is fast
+    assert "image: Flat" in run.stdout
