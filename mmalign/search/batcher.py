@@ -4,9 +4,11 @@
     vector = b.submit("a red circle")     # blocks until its batch is done; thread-safe
     b.close()
 
-One worker thread takes the first waiting item, then gathers more for at most
-``max_wait_s`` (or until ``max_batch`` items), and calls ``fn(items) -> results`` once
-(``len(results) == len(items)``).  Each caller gets its own result back.  An exception
+One worker thread takes the first waiting item and every item already queued behind it
+(up to ``max_batch``); when the previous batch held more than one item (callers are
+arriving together) it also waits up to ``max_wait_s`` for more.  A lone caller is thus
+never delayed, and under load batches fill while the previous one runs.  It then calls
+``fn(items) -> results`` once (``len(results) == len(items)``).  Each caller gets its own result back.  An exception
 raised by ``fn`` reaches the callers of that batch only; the worker goes on.
 
 The queue is bounded: a submit that finds ``max_queue`` items waiting raises
@@ -38,12 +40,13 @@ class BatcherClosed(RuntimeError):
 
 def _work(items: queue.Queue, fn: Callable[[list], Sequence], max_batch: int, max_wait_s: float) -> None:
     """The worker loop (a function, not a method: the thread holds no reference to the batcher)."""
+    busy = False  # the last batch held more than one item
     while True:
         first = items.get()
         if first is _STOP:
             return
         batch: list[tuple[Any, Future]] = [first]
-        deadline = time.monotonic() + max_wait_s
+        deadline = time.monotonic() + (max_wait_s if busy else 0.0)
         stop = False
         while len(batch) < max_batch:
             left = deadline - time.monotonic()
@@ -55,6 +58,7 @@ def _work(items: queue.Queue, fn: Callable[[list], Sequence], max_batch: int, ma
                 stop = True
                 break
             batch.append(item)
+        busy = len(batch) > 1
         live = [(x, f) for x, f in batch if f.set_running_or_notify_cancel()]
         if live:
             try:

@@ -49,7 +49,11 @@ def test_concurrent_items_share_batches_and_get_their_own_results():
 
 
 def test_an_error_reaches_only_the_callers_of_its_batch():
+    release = threading.Event()
+
     def fn(items):
+        if items == ["hold"]:
+            release.wait(5)  # the worker is busy: the next callers queue up together
         if "bad" in items:
             raise ValueError("boom")
         return [x.upper() for x in items]
@@ -58,10 +62,25 @@ def test_an_error_reaches_only_the_callers_of_its_batch():
         with pytest.raises(ValueError, match="boom"):
             b.submit("bad")
         assert b.submit("ok") == "OK"  # the worker went on
-    with Batcher(fn, max_batch=4, max_wait_s=0.2) as b:
+    with Batcher(fn, max_batch=4, max_wait_s=0) as b:
+        held = threading.Thread(target=lambda: b.submit("hold"))
+        held.start()
+        time.sleep(0.2)
+        threading.Timer(0.3, release.set).start()
         out = _run_threads(lambda i: b.submit("bad" if i == 0 else f"x{i}"), 3)
-        assert all(isinstance(r, ValueError) for r in out)  # one batch: all of it failed
+        held.join(5)
+        assert all(isinstance(r, ValueError) for r in out), out  # one batch: all of it failed
         assert b.submit("later") == "LATER"
+
+
+def test_a_lone_caller_does_not_wait_for_company():
+    sizes = []
+    with Batcher(lambda items: sizes.append(len(items)) or items, max_batch=64, max_wait_s=2.0) as b:
+        start = time.monotonic()
+        for i in range(3):
+            assert b.submit(i) == i
+        assert time.monotonic() - start < 1.0  # batches of one: no wait for company
+    assert sizes == [1, 1, 1]
 
 
 def test_wrong_result_count_is_an_error_not_a_hang():
