@@ -507,14 +507,12 @@ def open_searchers(indexes, model_dir, *, mmap: bool = False) -> dict:
     """``--index`` values -> {name: Searcher}; the first loads the model, the others share it."""
     import inspect
 
-    options = {}
-    if mmap:
-        if "mmap" not in inspect.signature(Searcher).parameters:
-            raise UsageError("--mmap: this version's Searcher cannot memory-map indexes yet")
-        options["mmap"] = True
+    if mmap and "mmap" not in inspect.signature(Searcher).parameters:
+        raise UsageError("--mmap: this version's Searcher cannot memory-map indexes yet")
     searchers: dict = {}
     for i, (name, index_dir) in enumerate(parse_indexes(indexes)):
-        searchers[name] = Searcher(index_dir, model_dir if i == 0 else None, **options)
+        model = model_dir if i == 0 else None
+        searchers[name] = Searcher(index_dir, model, mmap=True) if mmap else Searcher(index_dir, model)
     first = next(iter(searchers.values()))
     for name, s in searchers.items():
         if s.dim != first.dim:

@@ -34,6 +34,7 @@ import binascii
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ INTERNAL = ("file", "offset", "json", "caption_index")
 class KnnQuery:
     index: str  # the indice_name (resolved to a served index)
     kind: str  # one of QUERY_FIELDS
-    value: object  # the text, the image's bytes, the URL, or the (1, D) float32 vector
+    value: Any  # the text, the image's bytes, the URL, or the (1, D) float32 vector
     modality: str  # the index searched: image or text
     num_result_ids: int
     num_images: int

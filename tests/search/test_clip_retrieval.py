@@ -335,3 +335,25 @@ def test_our_page_links_each_hit_to_its_url(browser, served):
             return a && [a.getAttribute('href'), a.textContent, a.rel]; })) : null; })()""",
     )
     assert json.loads(links) == [[h["url"], h["url"], "noopener noreferrer"] for h in hits]
+
+
+def test_the_guides_clip_client_snippet_runs(served, monkeypatch):
+    """docs/search.md's ClipClient block, against this server (its index named as in the guide)."""
+    import sys
+    import types
+
+    from tests.harness.doc_snippets import snippet
+
+    module = _clip_client_module()
+    package = types.ModuleType("clip_retrieval")  # its __init__ imports the web server's dependencies
+    monkeypatch.setitem(sys.modules, "clip_retrieval", package)
+    monkeypatch.setitem(sys.modules, "clip_retrieval.clip_client", module)
+    code = snippet(
+        "docs/search.md", "tests/search/test_clip_retrieval.py::test_the_guides_clip_client_snippet_runs"
+    )
+    assert "http://127.0.0.1:8765" in code and '"laion"' in code
+    namespace: dict = {}
+    exec(code.replace("http://127.0.0.1:8765", served.base).replace('"laion"', '"laion-like"'), namespace)
+    results = namespace["results"]
+    assert len(results) == 10 and all({"id", "similarity", "caption", "url"} <= set(r) for r in results)
+    assert namespace["captions"].modality == "text"
