@@ -34,7 +34,7 @@ HEAVY = ("faiss", "onnx", "onnxruntime", "transformers", "matplotlib", "sklearn"
 # A heavy dependency used by more than one module, with why; every other one has at most one owner.
 SHARED_OWNERS = {
     # search reads the index files that index builds
-    "faiss": {"mmalign/search/index.py", "mmalign/search/searcher.py"},
+    "faiss": {"mmalign/search/index.py", "mmalign/search/searcher_shards.py"},
     # the Hugging Face export: the model and its tokenizer; an HF text tower's tokenizer (models/hf_text.py)
     "transformers": {
         "mmalign/export/to_hf.py",
