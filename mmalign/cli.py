@@ -228,14 +228,14 @@ def cmd_search(args) -> int:
     _loading(args.model, data_on_stdout=True)
     from mmalign.search.searcher import Searcher, format_hits
 
-    searcher = Searcher(args.index, args.model)
-    dedupe = not args.no_dedupe
-    hits = (
-        searcher.text(args.text, args.k, args.against, dedupe)
-        if args.text is not None
-        else searcher.image(args.image, args.k, args.against, dedupe)
-    )
-    print(format_hits(hits))
+    with Searcher(args.index, args.model, mmap=args.mmap) as searcher:
+        dedupe = not args.no_dedupe
+        hits = (
+            searcher.text(args.text, args.k, args.against, dedupe)
+            if args.text is not None
+            else searcher.image(args.image, args.k, args.against, dedupe)
+        )
+    print(format_hits(hits))  # a url column when any hit has one
     return 0
 
 
@@ -442,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-dedupe",
         action="store_true",
         help="--against text: keep identical captions (default: one row per distinct caption, its best)",
+    )
+    p.add_argument(
+        "--mmap",
+        action="store_true",
+        help="memory-map the index files instead of reading them into memory (a large index starts at once)",
     )
     p.set_defaults(func=cmd_search)
 

@@ -139,12 +139,12 @@ def test_search_prints_the_url_column(tmp_path, capsys):
 
     model = save_random_model(tmp_path / "model", seed=3, embed_dim=DIM)
     write_index_dir(tmp_path / "idx", _unit(np.random.default_rng(7), 50), 2)
-    assert (
-        main(["search", "--index", str(tmp_path / "idx"), "--model", model, "--text", "a cat", "-k", "4"])
-        == 0
-    )
+    argv = ["search", "--index", str(tmp_path / "idx"), "--model", model, "--text", "a cat", "-k", "4"]
+    assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["rank", "score", "key", "url", "caption"] and len(out) == 5
+    assert main([*argv, "--mmap"]) == 0  # the same hits from the mapped files
+    assert capsys.readouterr().out.splitlines() == out
 
 
 def _rss() -> int:
