@@ -182,7 +182,13 @@ class _Handler(PooledRequestHandler):
     def _allow_origin(self) -> str | None:
         """The Host check, then the Origin check; the CORS origin to answer with (None: none)."""
         check_host(self.headers.get("Host", ""), self._bound())
-        return check_origin(self.headers.get("Origin"), self.headers.get("Host", ""), self.cors)
+        return check_origin(
+            self.headers.get("Origin"),
+            self.headers.get("Host", ""),
+            self.cors,
+            referer=self.headers.get("Referer"),
+            fetch_mode=self.headers.get("Sec-Fetch-Mode"),
+        )
 
     def _index(self, params: dict) -> tuple[str, Searcher]:
         name = params.get("index") or self.names[0]

@@ -2,11 +2,12 @@
 
 * ``Host``: only the bound address or a local name.  A web page cannot reach the server
   through a DNS name it rebinds to 127.0.0.1, since its requests then carry that name.
-* ``Origin``: a browser names the page a request comes from.  A request from another page
-  than the server's own is refused (403) unless ``--cors`` lists that page's origin: a page
-  on the web cannot make a local server embed queries or fetch URLs for it, even where the
-  browser would not let it read the answer.  Clients that are not browsers send no
-  ``Origin`` and are not concerned.
+* ``Origin``: a browser names the page a request comes from (``Origin``, or for a plain GET
+  the ``Referer``).  A request from another page than the server's own is refused (403)
+  unless ``--cors`` lists that page's origin: a page on the web cannot make a local server
+  embed queries or fetch URLs for it, even where the browser would not let it read the
+  answer.  A link followed to the search page (a navigation) is not refused.  Clients that
+  are not browsers send neither header and are not concerned.
 * CORS: for a listed origin, the replies carry ``Access-Control-Allow-Origin`` (that
   origin, or ``*``) and expose the server's own headers; a preflight (``OPTIONS``) is
   answered with the methods and headers allowed.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import urlsplit
 
 from mmalign.errors import UsageError
 
@@ -82,22 +84,51 @@ def parse_cors(value: str | None) -> tuple[str, ...]:
     return origins
 
 
-def check_origin(origin: str | None, host: str, allowed: tuple[str, ...]) -> str | None:
-    """The ``Access-Control-Allow-Origin`` value for this request (None: same origin or no
-    browser); a foreign origin not in ``allowed`` is refused (403)."""
-    if origin is None:
+def _referer_origin(referer: str | None) -> str | None:
+    """``scheme://host[:port]`` of a ``Referer`` (browsers send at least that much cross-origin)."""
+    if not referer:
         return None
-    origin = origin.strip().rstrip("/")
-    if origin.lower() in (f"http://{host.strip().lower()}", f"https://{host.strip().lower()}"):
+    parts = urlsplit(referer.strip())
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
+
+
+def check_origin(
+    origin: str | None,
+    host: str,
+    allowed: tuple[str, ...],
+    referer: str | None = None,
+    fetch_mode: str | None = None,
+) -> str | None:
+    """The ``Access-Control-Allow-Origin`` value for this request (None: same origin or no
+    browser); a page from a foreign origin not in ``allowed`` is refused (403).
+
+    The page is the ``Origin`` header, else (a plain GET such as an ``<img>``, which carries
+    none) the ``Referer``'s origin; a top-level navigation (``Sec-Fetch-Mode: navigate``: a link
+    to the search page) is let through, as it shows the user our page, not theirs."""
+    page = origin.strip().rstrip("/") if origin is not None else None
+    if page is None:
+        if (fetch_mode or "").lower() == "navigate":
+            return None
+        page = _referer_origin(referer)
+        if page is None:
+            return None  # not a browser, or one that says nothing: the Host check is what holds
+        if page in allowed or "*" in allowed or _own(page, host):
+            return None  # an <img> or a link: no CORS headers needed
+    if _own(page, host):
         return None  # the server's own page
     if "*" in allowed:
         return "*"
-    if origin in allowed:
-        return origin
+    if page in allowed:
+        return page
     raise Refused(
         403,
-        f"requests from the page {origin[:100]!r} are not accepted (start the server with --cors {origin[:100]})",
+        f"requests from the page {page[:100]!r} are not accepted (start the server with --cors {page[:100]})",
     )
+
+
+def _own(page: str, host: str) -> bool:
+    host = host.strip().lower()
+    return page.lower() in (f"http://{host}", f"https://{host}")
 
 
 def cors_headers(allow: str | None) -> dict:

@@ -311,6 +311,25 @@ def test_clip_front_shows_the_images_of_a_text_query(browser, corpus):
         )
         assert [p["src"] for p in shown] == [r["url"] for r in expected]
         assert len(shown) == len(corpus["samples"]) and all(p["w"] == 32 for p in shown)
+        # a query typed into the front's search bar (in its shadow DOM), then Enter
+        bar = "document.querySelector('clip-front').shadowRoot.getElementById('searchBar')"
+        browser.evaluate(session, f"{bar}.value = ''; {bar}.dispatchEvent(new Event('input')); {bar}.focus()")
+        browser.call("Input.insertText", {"text": "a photo of a dog"}, session)
+        for kind in ("keyDown", "keyUp"):
+            browser.call(
+                "Input.dispatchKeyEvent",
+                {"type": kind, "key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13},
+                session,
+            )
+        dog = _post(
+            srv.base + "/knn-service",
+            json.dumps({"text": "a photo of a dog", "num_images": 40, "num_result_ids": 3000}).encode(),
+        )
+        assert [r["url"] for r in dog] != [r["url"] for r in expected]  # another order, so the check can fail
+        want = json.dumps(json.dumps([r["url"] for r in dog], separators=(",", ":")))  # a JS string literal
+        browser.wait_for(
+            session, f"(s => s && JSON.stringify(JSON.parse(s).map(p => p.src)) === {want})({SHOWN})"
+        )
         paths = [line.split()[1:4] for line in lines]
         assert ["GET", "/indices-list", "200"] in paths and ["POST", "/knn-service", "200"] in paths
     finally:

@@ -274,6 +274,25 @@ def test_cors_for_the_listed_origin_and_the_host_check_still_holds(served):
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
     own = {"Origin": served.base}
     assert _knn(served, {"text": "a cat", "num_images": 1}, headers=own)[0] == 200
+    # a plain GET carries no Origin (an <img>, a no-cors fetch): its Referer names the page
+    _one_line_error(
+        *_call(served.base + "/search?text=a+cat&k=1", headers={"Referer": "http://evil.test/x.html"})[:2],
+        403,
+        "'http://evil.test' are not accepted",
+    )
+    assert (
+        _call(served.base + "/search?text=a+cat&k=1", headers={"Referer": "http://front.test:3000/"})[0]
+        == 200
+    )
+    assert _call(served.base + "/search?text=a+cat&k=1", headers={"Referer": served.base + "/?q=a"})[0] == 200
+    # a link from another site to the search page is followed (a navigation shows our page)
+    with OPENER.open(
+        urllib.request.Request(
+            served.base + "/", headers={"Referer": "http://evil.test/", "Sec-Fetch-Mode": "navigate"}
+        ),
+        timeout=30,
+    ) as r:
+        assert r.status == 200
     # a DNS name rebound to 127.0.0.1 is still refused, whatever the Origin
     _one_line_error(
         *_call(served.base + "/indices-list", headers={**front, "Host": "front.test:3000"})[:2],
