@@ -10,7 +10,8 @@ Scores are inner products of L2-normalised vectors, i.e. cosines in [-1, 1].  A 
 from the image index reports the image's first caption; a hit from the text index
 the matched caption.  Each hit carries the sample's ``source_path`` (``cat/0001.jpg``)
 when the index knows it (None for indexes built before it was recorded), its ``url``
-(img2dataset's column; None without one) and ``meta``: every other metadata column.
+(img2dataset's column; None without one) and ``meta``: every other metadata column but
+the image's location on this machine (``file``, ``offset``; :meth:`Searcher.metadata` has them).
 
 An index may be split into shards (``index.json``'s ``shards``): every shard is searched
 and the top k merged (:mod:`mmalign.search.searcher_shards`).  Metadata rows are read by
@@ -58,6 +59,7 @@ TARGETS = ("image", "text")
 MAX_QUERY_PIXELS = 40_000_000  # an image query with more pixels is refused before it is decoded
 DEDUPE_SCAN = 1 << 16  # de-duplication looks at most this many nearest rows to fill k distinct captions
 HIT_COLUMNS = ("key", "caption", "source_path", "url")  # a Hit's own fields; the rest go to Hit.meta
+LOCATOR_COLUMNS = ("file", "offset")  # where this machine reads the image back: not sent in a Hit
 MAX_BATCH = 32  # queries gathered into one forward / one FAISS call
 MAX_WAIT_S = 0.002  # how long the first query of a batch waits for company
 MAX_QUEUE = 256  # queries waiting beyond this: Overloaded (503)
@@ -310,7 +312,7 @@ class Searcher:
                     row,
                     source if isinstance(source, str) else None,
                     url if isinstance(url, str) and url else None,
-                    {c: v for c, v in record.items() if c not in HIT_COLUMNS},
+                    {c: v for c, v in record.items() if c not in HIT_COLUMNS + LOCATOR_COLUMNS},
                 )
             )
         return hits

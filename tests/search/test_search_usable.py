@@ -331,3 +331,18 @@ def test_serve_help_documents_the_routes(capsys):
         "(default: 127.0.0.1)",
     ):
         assert needle in out, needle
+
+
+def test_hit_meta_holds_the_other_columns_but_not_the_image_location(corpus):
+    searcher = Searcher(corpus["idx"], corpus["model"])
+    hit = searcher.text("a photo of a bird", k=1)[0]
+    frame = pd.read_parquet(corpus["idx"] / "metadata.parquet")  # the reference: pandas' reading
+    want = frame.iloc[hit.row]
+    assert {"file", "offset"} <= set(frame.columns) and {"file", "offset"} <= set(
+        searcher.metadata([hit.row])[0]
+    )
+    own = {"key", "caption", "source_path", "url", "file", "offset"}
+    assert set(hit.meta) == set(frame.columns) - own  # the image's place on this machine is not sent
+    assert hit.meta["caption_index"] == int(want["caption_index"]) and hit.meta["json"] == want["json"]
+    assert (hit.key, hit.caption, hit.source_path) == (want["key"], want["caption"], want["source_path"])
+    searcher.close()
