@@ -482,7 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: local)")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
+    p.add_argument(
+        "--max-k",
+        type=int,
+        default=100,
+        help="largest k a request may ask for (clip-retrieval's num_images and num_result_ids are clamped to it)",
+    )
     p.add_argument(
         "--timeout",
         type=float,

@@ -48,7 +48,8 @@ clip-retrieval's back-end routes (its ClipClient and clip-front work against thi
                              not implemented are ignored: header X-Mmalign-Ignored)
   POST /metadata             {"ids": [...], "indice_name"} -> [{id, metadata: {caption, url, ...}}]
 
-Every route but the page takes &index=NAME (default: the first --index).
+Our routes (the page too: /?index=NAME) take &index=NAME, clip-retrieval's indice_name
+(default: the first --index).
 
 against=image (default) searches the images, against=text the captions; identical
 captions are folded into their best-scoring copy unless dedupe=false. Each request
