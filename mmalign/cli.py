@@ -161,11 +161,31 @@ def cmd_export(args) -> int:
 
 
 def cmd_embed(args) -> int:
+    from mmalign.dist.cluster import check_nproc
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    check_nproc(args.nproc, os.environ)
+    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # a late rank > 0 just ends
+    if first and os.path.isfile(
+        os.path.join(args.out, "embed.json")
+    ):  # search.embed.EMBED_INFO; before torch
+        raise UsageError(f"--out: {args.out} already holds embeddings; choose an empty directory")
     _loading(args.model)
     from mmalign.cli_train import output_lock
-    from mmalign.search.embed import embed
+    from mmalign.dist.distributed import env_dist_info
+    from mmalign.search.embed import embed, plan_units
 
-    with output_lock(args.out, "mmalign embed"):  # one writer per output folder: a second embed is one line
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from mmalign.dist.launch import launch_local
+
+        plan_units(args.data)  # a bad --data is one line here, not one per rank
+        with output_lock(args.out, "mmalign embed"):  # the ranks inherit it (mmalign.dirlock.ENV)
+            code = launch_local(args.nproc, args.argv)
+        return code  # rank 0 printed the summary
+    rank = env_dist_info().rank
+    # one writer per output folder: a second embed is one line (rank 0 holds it for an outside launch)
+    with output_lock(args.out, "mmalign embed", take=rank == 0):
         info = embed(
             args.model,
             args.data,
@@ -174,6 +194,8 @@ def cmd_embed(args) -> int:
             part_size=args.part_size,
             device=args.device,
         )
+    if info is None:
+        return 0
     print(
         f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}"
     )
@@ -384,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--part-size", type=int, default=100_000, help="rows per img_emb_N/text_emb_N/metadata_N part"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
+        "or SLURM launch sets RANK / WORLD_SIZE itself); a rerun after a kill resumes",
+    )
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("index", help="build FAISS inner-product indexes from `mmalign embed` output")

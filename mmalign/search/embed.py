@@ -1,170 +1,72 @@
-"""``mmalign embed``: a dataset -> embeddings in clip-retrieval's layout, streamed.
+"""``mmalign embed``: a dataset -> embeddings in clip-retrieval's layout, streamed, split over ranks.
 
-Output (``N`` = part number)::
+Output (``N`` = part number, ``0 .. parts - 1``)::
 
     OUT/img_emb/img_emb_N.npy         (rows, D) float16, L2-normalised
     OUT/text_emb/text_emb_N.npy       (rows, D) float16, L2-normalised (absent for image-only folders)
-    OUT/metadata/metadata_N.parquet   key, caption, caption_index, json, source_path, file, offset
-                                      (row-aligned with both)
-    OUT/embed.json                    model, dim, rows, images, parts, layout
+    OUT/metadata/metadata_N.parquet   key, caption, caption_index, json, source_path, file, offset,
+                                      then one column per field of the samples' .json
+                                      (row-aligned with both; :mod:`.embed_parts`)
+    OUT/embed.json                    model, dim, rows, images, parts, units, layout
 
 ``source_path`` is where the sample came from (``cat/0001.jpg``: the ``.json``'s
 ``source_path``, which ``mmalign shards`` writes, or the image's path in an image
 folder), null when unknown.  ``file`` and ``offset`` locate the image for a later
 look (the search page's thumbnails): the tar shard and the byte offset of the sample's
 first header, or an image folder's file itself with offset -1.  clip-retrieval reads the
-first four columns and ignores the rest.
+first four columns and ignores the rest.  The ``.json``'s own fields follow as columns under
+their own names (img2dataset's ``url``, ``status``, ``width``, ...; a fixed name wins a clash),
+so ``url`` is where a hit's source URL is read from.  **Parts may differ in their extra columns**
+(and an extra column in its type): a reader unions them, missing = null.
 
 One row per (image, caption) pair, so an image with two captions fills two rows that
 share its image embedding; ``caption_index == 0`` marks an image's first row (the
 index builder indexes each image once).  This keeps the three files row-aligned, as
 clip-retrieval expects, without dropping captions that retrieval metrics count.
 
+Units, ranks, resume.  ``--data`` is a list of units (:mod:`.embed_inputs`: a tar shard, or a
+slice of an image folder).  Under ``--nproc N`` (re-run under torchrun, as ``curate`` does) or an
+outside torchrun / SLURM launch (``RANK`` / ``WORLD_SIZE``), rank r embeds units r, r + W, ...
+Each unit is written on its own into ``OUT/embed_work/UUUUUU/`` (parts of at most ``part_size``
+rows, so a part never spans two units), its ``done.json`` last; batches never span units either,
+so the result is bitwise the same for any number of ranks.  Rank 0 then waits for every unit and
+moves their parts, in unit order, to ``OUT/*/`` numbered 0.., writes ``embed.json`` and removes
+``OUT/embed_work``.  No process group is started: the files are the synchronisation.
+
+Run the same command again after a kill and the units with a ``done.json`` are not embedded
+again (one line says how many); ``OUT/embed_work/stamp.json`` (the model's weight files, the
+units, ``part_size``) refuses a rerun with other arguments.  A finished ``OUT`` (``embed.json``)
+is refused.
+
 Memory is bounded: a part is written every ``part_size`` rows and only one batch of
-images is decoded at a time, so a run holds O(part_size x D) floats however large
+images is decoded at a time, so a rank holds O(part_size x D) floats however large
 the dataset.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
+import os
+import shutil
+import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mmalign.data.shards import shard_total  # noqa: F401 (re-exported: its old home)
 from mmalign.errors import UsageError
 from mmalign.progress import track
+from mmalign.search.embed_inputs import FOLDER_IMAGE_EXTS, Units, open_data, plan_units
+from mmalign.search.embed_parts import METADATA_COLUMNS, PartWriter
 
-log = logging.getLogger("mmalign.search.embed")
+__all__ = ["EMBED_INFO", "FOLDER_IMAGE_EXTS", "METADATA_COLUMNS", "embed", "open_data", "plan_units"]
 
 EMBED_INFO = "embed.json"
-FOLDER_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-METADATA_COLUMNS = ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
-
-
-# ------------------------------------------------------------------ inputs
-
-
-def _folder_samples(root: Path, with_text: bool) -> Iterator[dict]:
-    """Images under ``root`` (sorted), each with its sibling ``.txt`` captions and ``.json``."""
-    from PIL import Image
-
-    from mmalign.data.image_shape import shape_problem
-
-    for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in FOLDER_IMAGE_EXTS):
-        key = path.relative_to(root).with_suffix("").as_posix()
-        captions = [""]
-        if with_text:
-            txt = path.with_suffix(".txt")
-            if not txt.is_file():
-                raise UsageError(f"--data: {path} has no caption file {txt.name} (other images in {root} do)")
-            captions = [line.strip() for line in txt.read_text(encoding="utf-8").splitlines() if line.strip()]
-            if not captions:
-                raise UsageError(f"--data: caption file {txt} is empty")
-        meta_file = path.with_suffix(".json")
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-        try:
-            image = Image.open(path)
-            thin = shape_problem(*image.size)  # from the header: a 1 x N strip is never decoded or resized
-            if thin is not None:
-                raise ValueError(thin)
-            image.load()
-        except Exception as e:  # PIL raises many types for broken files
-            log.warning("skipping unreadable image %s: %s", path, e)
-            continue
-        source = meta.get("source_path")
-        yield {
-            "key": key,
-            "image": image,
-            "captions": captions,
-            "json": meta,
-            "source_path": source if isinstance(source, str) else path.relative_to(root).as_posix(),
-            "file": str(path.resolve()),
-            "offset": -1,
-        }
-
-
-def open_data(data: str | Path) -> tuple[Iterator[dict], bool]:
-    """``--data`` -> (samples, has_text).  A shard spec (``dir/{00000..00009}.tar``), a
-    directory of ``.tar`` shards, or a folder of images with optional ``.txt`` captions."""
-    from mmalign.data.shards import check_urls, expand_urls, read_samples
-
-    path = Path(str(data))
-    if path.is_dir():
-        tars = sorted(str(p) for p in path.glob("*.tar"))
-        if tars:
-            return _located(read_samples(tars, locate=True)), True
-        images = [p for p in path.rglob("*") if p.suffix.lower() in FOLDER_IMAGE_EXTS]
-        if not images:
-            raise UsageError(f"--data: {path} holds no .tar shards and no images")
-        with_text = any(p.with_suffix(".txt").is_file() for p in images)
-        return _folder_samples(path, with_text), with_text
-    urls = expand_urls(str(data))
-    check_urls(urls, "--data")
-    return _located(read_samples(urls, locate=True)), True
-
-
-def _located(samples: Iterator[dict]) -> Iterator[dict]:
-    """Shard samples -> with ``source_path`` (from their ``.json``) and ``file`` (the shard, absolute)."""
-    for s in samples:
-        shard, source = s.pop("shard"), s["json"].get("source_path")
-        yield {
-            **s,
-            "source_path": source if isinstance(source, str) else None,
-            "file": str(Path(shard).resolve()),
-        }
-
-
-# ----------------------------------------------------------------- writing
-
-
-class _PartWriter:
-    """Buffers rows and writes ``*_N`` files every ``part_size`` rows."""
-
-    def __init__(self, out: Path, part_size: int, with_text: bool):
-        self.out, self.part_size, self.with_text = out, int(part_size), with_text
-        self.img: list[np.ndarray] = []
-        self.txt: list[np.ndarray] = []
-        self.meta: list[dict] = []
-        self.parts = 0
-        self.rows = 0
-        for sub in ("img_emb", "metadata") + (("text_emb",) if with_text else ()):
-            (out / sub).mkdir(parents=True, exist_ok=True)
-
-    def add(self, img: np.ndarray, txt: np.ndarray | None, meta: list[dict]) -> None:
-        self.img.append(img)
-        if txt is not None:
-            self.txt.append(txt)
-        self.meta.extend(meta)
-        while len(self.meta) >= self.part_size:
-            self._flush(self.part_size)
-
-    def _flush(self, n: int) -> None:
-        import pandas as pd
-
-        img = np.concatenate(self.img)
-        np.save(self.out / "img_emb" / f"img_emb_{self.parts}.npy", img[:n])
-        self.img = [img[n:]]
-        if self.with_text:
-            txt = np.concatenate(self.txt)
-            np.save(self.out / "text_emb" / f"text_emb_{self.parts}.npy", txt[:n])
-            self.txt = [txt[n:]]
-        frame = pd.DataFrame(self.meta[:n], columns=METADATA_COLUMNS)
-        frame["caption_index"] = frame["caption_index"].astype("int32")
-        frame["offset"] = frame["offset"].astype("int64")
-        frame.to_parquet(self.out / "metadata" / f"metadata_{self.parts}.parquet", index=False)
-        self.meta = self.meta[n:]
-        self.parts += 1
-        self.rows += n
-
-    def close(self) -> None:
-        if self.meta:
-            self._flush(len(self.meta))
+WORK = "embed_work"
+STAMP = "stamp.json"
+DONE = "done.json"
+KINDS = ("img_emb", "text_emb", "metadata")
 
 
 # --------------------------------------------------------------- embedding
@@ -199,7 +101,127 @@ def _encode_batch(
         for s in samples
         for j, c in enumerate(s["captions"])
     ]
-    return rows_img, rows_txt, meta
+    fields = [s["json"] for s in samples for _ in s["captions"]]
+    return rows_img, rows_txt, meta, fields
+
+
+class _UnitRun:
+    """One unit: its samples batched, encoded and written into its own folder; ``done.json`` last."""
+
+    def __init__(self, folder: Path, source, with_text: bool, part_size: int, batch_size: int, device: str):
+        shutil.rmtree(folder, ignore_errors=True)  # what a killed run left of this unit
+        self.folder, self.source, self.with_text = folder, source, with_text
+        self.batch_size, self.device = batch_size, device
+        self.writer = PartWriter(folder, part_size, with_text)
+        self.batch: list[dict] = []
+        self.images = 0
+
+    def add(self, sample: dict) -> None:
+        self.batch.append(sample)
+        if len(self.batch) == self.batch_size:
+            self._encode()
+
+    def _encode(self) -> None:
+        s = self.source
+        self.writer.add(
+            *_encode_batch(
+                s.model, self.batch, s.preprocess, s.tokenizer, self.with_text, self.device, self.batch_size
+            )
+        )
+        self.images += len(self.batch)
+        self.batch = []
+
+    def finish(self, name: str) -> None:
+        if self.batch:
+            self._encode()
+        self.writer.close()
+        done = {
+            "unit": name,
+            "rows": self.writer.rows,
+            "images": self.images,
+            "parts": self.writer.parts,
+            "dim": int(self.source.model.embed_dim),
+        }
+        _write_json(self.folder / DONE, done)
+
+
+def _write_json(path: Path, content: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(content, indent=2))
+    os.replace(tmp, path)  # whole or absent: a kill never leaves half a file that reads as done
+
+
+def _unit_dir(out: Path, u: int) -> Path:
+    return out / WORK / f"{u:06d}"
+
+
+def _done(out: Path, n: int) -> set[int]:
+    return {u for u in range(n) if (_unit_dir(out, u) / DONE).is_file()}
+
+
+# ------------------------------------------------------------ stamp, ranks
+
+
+def _stamp_content(model_dir, units: Units, part_size: int) -> dict:
+    """The model's weight files (names, sizes, mtimes), the units and the part size."""
+    model = Path(model_dir).resolve()
+    if (model / "final").is_dir():  # a run directory: its final/ is what load() reads
+        model = model / "final"
+    weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    return {
+        "model": str(model),
+        "weights": [[str(p.relative_to(model)), p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "units": units.names,
+        "text": units.with_text,
+        "part_size": int(part_size),
+    }
+
+
+def _check_stamp(out: Path, want: dict) -> bool:
+    """True when ``OUT/embed_work`` has a stamp (and it matches: else one line)."""
+    path = out / WORK / STAMP
+    if not path.is_file():
+        return False
+    have = json.loads(path.read_text())
+    if have != want:
+        what = next(k for k in ("model", "weights", "units", "text", "part_size") if have.get(k) != want[k])
+        what = {"weights": "model", "units": "data", "text": "data"}.get(what, what)
+        raise UsageError(
+            f"--out: {out} holds a partial embed with another {what.replace('_', '-')} ({path}); "
+            f"rerun with the same arguments to resume, or use another --out"
+        )
+    return True
+
+
+def _wait_stamp(out: Path, want: dict, timeout_s: float = 600.0) -> None:
+    """Ranks > 0: rank 0 writes the stamp (after its own checks) before anyone embeds."""
+    deadline = time.time() + timeout_s
+    while not _check_stamp(out, want):
+        if time.time() > deadline:
+            raise UsageError(f"embed: rank 0 wrote no {out / WORK / STAMP} in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
+    """Rank 0: until every unit has its ``done.json``; a one-line error after a stall."""
+    done = len(_done(out, n))
+    if done < n:
+        print(f"mmalign: embed: waiting for the other ranks' {n - done} shard(s)", flush=True)
+    last_change = time.time()
+    while done < n:
+        time.sleep(0.5)
+        now = len(_done(out, n))
+        if now != done:
+            done, last_change = now, time.time()
+        elif time.time() - last_change > stall_timeout_s:
+            missing = sorted(set(range(n)) - _done(out, n))
+            raise UsageError(
+                f"embed: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
+                f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume"
+            )
+
+
+# ------------------------------------------------------------------- embed
 
 
 def embed(
@@ -211,47 +233,110 @@ def embed(
     part_size: int = 100_000,
     device: str = "cpu",
     progress: bool = True,
-) -> dict:
-    """Embed every sample of ``data`` with the model in ``model_dir``; returns ``embed.json``'s content."""
-    from mmalign.models.load import load
-
+    rank: int | None = None,
+    world: int | None = None,
+    stall_timeout_s: float = 3600.0,
+) -> dict | None:
+    """Embed this rank's units of ``data`` with the model in ``model_dir`` (module docstring);
+    rank 0 also finishes the directory and returns ``embed.json``'s content, other ranks None.
+    ``rank`` / ``world`` default to the launcher's (``RANK`` / ``WORLD_SIZE``, SLURM's), else 0 / 1."""
     if batch_size <= 0 or part_size <= 0:
         raise UsageError("--batch-size and --part-size must be positive")
-    source = load(model_dir, device=device)
-    model, preprocess = source.model, source.preprocess
-    samples, with_text = open_data(data)
+    if rank is None or world is None:
+        from mmalign.dist.distributed import env_dist_info
+
+        dist = env_dist_info()
+        rank, world = dist.rank, dist.world_size
     out = Path(out)
     if (out / EMBED_INFO).exists():
+        if rank != 0:
+            return None  # rank 0 refuses it (or has just finished it)
         raise UsageError(f"--out: {out} already holds embeddings; choose an empty directory")
-    writer = _PartWriter(out, part_size, with_text)
-    images, batch = 0, []
-    # a bar on a terminal, else a line every 10 s; the total comes from the shards' sizes.json
-    samples = track(samples, "embedding", total=shard_total(data), unit="images", enabled=progress)
-    for sample in samples:
-        batch.append(sample)
-        if len(batch) == batch_size:
-            writer.add(
-                *_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size)
-            )
-            images += len(batch)
-            batch = []
-    if batch:
-        writer.add(*_encode_batch(model, batch, preprocess, source.tokenizer, with_text, device, batch_size))
-        images += len(batch)
-    writer.close()
-    if images == 0:
+    units = plan_units(data)
+    n = len(units.names)
+    stamp = _stamp_content(model_dir, units, part_size)
+    stamped = _check_stamp(out, stamp)
+    done = _done(out, n) if stamped else set()
+    if rank == 0 and done:
+        print(f"mmalign: embed: resuming {out}: {len(done)} of {n} shard(s) already embedded", flush=True)
+    todo = [u for u in range(rank, n, world) if u not in done]
+    if rank != 0 and not todo:
+        return None
+    source = None
+    if todo or not stamped:
+        from mmalign.models.load import load
+
+        source = load(model_dir, device=device)  # before the stamp: a failed start leaves none behind
+    if rank == 0:
+        if not stamped:
+            (out / WORK).mkdir(parents=True, exist_ok=True)
+            _write_json(out / WORK / STAMP, stamp)
+    else:
+        _wait_stamp(out, stamp)
+    if todo:
+        _embed_units(source, units, todo, out, batch_size, part_size, device, progress, rank, world)
+    if rank != 0:
+        return None
+    _wait_for_all(out, n, stall_timeout_s)
+    return _finish(out, units, data, model_dir, part_size)
+
+
+def _embed_units(source, units: Units, todo, out, batch_size, part_size, device, progress, rank, world):
+    """This rank's units, one after another (a bar or a line every 10 s over all of them)."""
+    current: list[_UnitRun] = []
+
+    def stream():
+        for u in todo:
+            current[:] = [_UnitRun(_unit_dir(out, u), source, units.with_text, part_size, batch_size, device)]
+            yield from units.samples(u)
+            current[0].finish(units.names[u])
+
+    totals = [units.total(u) for u in todo]
+    total = None if None in totals else sum(t for t in totals if t is not None)
+    label = "embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
+    for sample in track(stream(), label, total=total or None, unit="images", enabled=progress):
+        current[0].add(sample)
+
+
+def _finish(out: Path, units: Units, data, model_dir, part_size: int) -> dict:
+    """Rank 0, every unit done: their parts moved into ``OUT/*/`` numbered 0.. in unit order,
+    ``embed.json`` written, ``OUT/embed_work`` removed. Rerun after a kill here, it completes."""
+    kinds = KINDS if units.with_text else ("img_emb", "metadata")
+    dones = [json.loads((_unit_dir(out, u) / DONE).read_text()) for u in range(len(units.names))]
+    if sum(d["images"] for d in dones) == 0:
+        shutil.rmtree(out / WORK)
         raise UsageError(f"--data: {data} holds no readable samples")
+    for sub in kinds:
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    parts = 0
+    for u, done in enumerate(dones):
+        for j in range(done["parts"]):
+            for sub in kinds:
+                ext = "parquet" if sub == "metadata" else "npy"
+                src, dst = _unit_dir(out, u) / f"{sub}_{j}.{ext}", out / sub / f"{sub}_{parts}.{ext}"
+                if src.exists():
+                    os.replace(src, dst)
+                elif not dst.exists():
+                    raise UsageError(f"--out: {src} is missing (was {out} edited?); use another --out")
+            parts += 1
+    for sub in kinds:  # what an older, killed embed into this folder left past the last part
+        for stale in (out / sub).glob(f"{sub}_*.*"):
+            number = stale.stem.rsplit("_", 1)[1]
+            if not number.isdigit() or int(number) >= parts:
+                stale.unlink()
     info = {
         "model": str(model_dir),
-        "dim": model.embed_dim,
-        "rows": writer.rows,
-        "images": images,
-        "parts": writer.parts,
+        "dim": dones[0]["dim"],
+        "rows": sum(d["rows"] for d in dones),
+        "images": sum(d["images"] for d in dones),
+        "parts": parts,
+        "units": len(units.names),
         "part_size": int(part_size),
         "dtype": "float16",
         "normalised": True,
-        "text": with_text,
+        "text": units.with_text,
         "layout": "one row per (image, caption); caption_index 0 = an image's first row",
     }
-    (out / EMBED_INFO).write_text(json.dumps(info, indent=2))
+    _write_json(out / EMBED_INFO, info)
+    shutil.rmtree(out / WORK)
     return info

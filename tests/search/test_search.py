@@ -67,16 +67,11 @@ def test_embed_writes_row_aligned_clip_retrieval_layout(built):
         img, txt = np.load(emb / f"img_emb/img_emb_{n}.npy"), np.load(emb / f"text_emb/text_emb_{n}.npy")
         meta = pd.read_parquet(emb / f"metadata/metadata_{n}.parquet")
         assert img.dtype == txt.dtype == np.float16 and img.shape == txt.shape == (len(meta), 32)
-        # clip-retrieval's four columns first; then where each sample came from and lies (shard, offset)
-        assert list(meta.columns) == [
-            "key",
-            "caption",
-            "caption_index",
-            "json",
-            "source_path",
-            "file",
-            "offset",
-        ]
+        # clip-retrieval's four columns first; then where each sample came from and lies (shard, offset);
+        # then the .json's own fields that are not one of those (issue 41: sources kept)
+        fixed = ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
+        first = json.loads(meta["json"].iloc[0])
+        assert list(meta.columns[:7]) == fixed and set(meta.columns[7:]) == set(first) - set(fixed)
         for x in (img, txt):
             assert np.allclose(np.linalg.norm(x.astype(np.float32), axis=1), 1.0, atol=2e-3)
     # rows follow the shard: one per (image, caption), in order, with the sample's json
