@@ -24,6 +24,10 @@ exact search on held-out queries, and queries per second at 1 and 16 client thre
    autofaiss numbers vectors in its files' lexical order (``img_emb_10`` before ``img_emb_2``);
    its ids are mapped back that way.
 
+10M x 512 fits in 24 GB of RAM (the table's note gives the arithmetic: 10.2 GB of float16 on disk,
+streamed; autofaiss 2.18 estimates 6.4-6.7 GB to build at 1G/4G), but on 2 cores the exact top-100
+alone is ~100 TFLOP and the builds take hours, so the table here is 1M; ``--n 10000000`` runs it.
+
     python bench/search_scale.py --write-doc          # 1M x 512, budgets 1G and 4G: an idle machine
     python bench/search_scale.py --n 50000 --budgets 50M --queries 1000   # a minute or two
 """
@@ -48,6 +52,7 @@ from bench.search_scale_corpus import exact_truth, make_corpus, part_files, scal
 
 SECTION = "## Search at scale against autofaiss (bench/search_scale.py)"
 TOOLS_VENV = ROOT / ".venv-tools"
+TEN_M = 10_000_000
 
 
 # ------------------------------------------------------------------- tools
@@ -95,6 +100,7 @@ class Loaded:
 
     def __init__(self, shards: list[tuple], label: str, nbytes: int):
         self.shards, self.label, self.nbytes = shards, label, nbytes  # [(index, position -> corpus id)]
+        self.claimed: float | None = None
 
     def search(self, q: np.ndarray, k: int) -> np.ndarray:
         import faiss
@@ -131,7 +137,9 @@ def load_mmalign(out: Path) -> Loaded:
     loaded = [(_with_params(out / s["index"], search), np.load(out / s["rows"])) for s in shards]
     nbytes = sum((out / s["index"]).stat().st_size for s in shards)
     label = f"{info.get('factory', info.get('kind'))} {_params_text(search)}".strip()
-    return Loaded(loaded, label + (f", {len(shards)} shards" if len(shards) > 1 else ""), nbytes)
+    loaded_ = Loaded(loaded, label + (f", {len(shards)} shards" if len(shards) > 1 else ""), nbytes)
+    loaded_.claimed = info.get("recall", {}).get("@10")  # its own held-out estimate, beside ours
+    return loaded_
 
 
 def load_autofaiss(out: Path, emb: Path) -> Loaded:
@@ -213,6 +221,7 @@ def arm(tool: str, budget: str, emb: Path, work: Path, queries, truth, args) -> 
         print(f"[{tool} {budget}] FAILED {row['failed']} (log: {row['log']})", flush=True)
         return row
     row.update(index=loaded.label, index_mb=loaded.nbytes / 2**20, recall10=recall_at(loaded, queries, truth))
+    row["claimed_recall10"] = loaded.claimed
     for t in (1, 16):
         row[f"qps{t}"] = qps(loaded, queries, t, args.qps_seconds)
     print(f"[{tool} {budget}] {json.dumps(row)}", flush=True)
@@ -280,8 +289,10 @@ def report(rows: list[dict], args, cmd: str, note: str) -> str:
     text = (
         f"{SECTION}\n\nCommand: `{cmd}` · {cpu_line()} · faiss {_faiss_version()} in both venvs\n\n"
         f"Corpus: {args.n:,} synthetic clustered vectors of dimension {args.dim} ({args.clusters} clusters; "
-        f"CIFAR-10, the only real corpus here, has 60k images), {args.queries:,} held-out queries. {note}\n\n"
-        + table(header, body)
+        f"CIFAR-10, the only real corpus here, has 60k images), {args.queries:,} held-out queries. {note} "
+        "Exact: inner product over the stored float16 values; mmalign re-normalises them in float32 before "
+        "indexing (their norms are 1 +- 1e-3), which alone can swap near-ties (~0.002 of recall@10 on a "
+        "Flat index).\n\n" + table(header, body)
     )
     if ratios:
         text += (
@@ -349,6 +360,8 @@ def main() -> None:
     if "autofaiss" in tools and not (TOOLS_VENV / "bin" / "autofaiss").is_file():
         p.error(f"--tools autofaiss: {TOOLS_VENV}/bin/autofaiss is missing (make install)")
     note = scale_note(args.n, args.dim, args.queries, _ram_gb())
+    if args.n < TEN_M:  # the issue asks for 10M where it fits: what it would take
+        note += f" At 10M: {scale_note(TEN_M, args.dim, args.queries, _ram_gb()).split(': ', 1)[1]}"
     print(note, flush=True)
     work = Path(args.work) / f"n{args.n}_d{args.dim}_q{args.queries}_c{args.clusters}_s{args.seed}"
     work.mkdir(parents=True, exist_ok=True)

@@ -144,5 +144,5 @@ def scale_note(n: int, dim: int, nq: int, ram_gb: float) -> str:
     return (
         f"{n:,} x {dim}: {f16 / 1e9:.1f} GB as float16 on disk, {f32 / 1e9:.1f} GB as float32 (an exact Flat "
         f"index); this script streams it in {BLOCK:,}-row blocks and holds ~{own:.2f} GB itself; the exact "
-        f"top-100 costs {2 * nq * n * dim / 1e12:.0f} TFLOP; RAM {ram_gb:.0f} GB."
+        f"top-100 costs {2 * nq * n * dim / 1e12:.3g} TFLOP; RAM {ram_gb:.0f} GB."
     )
