@@ -262,6 +262,8 @@ class Searcher:
         return out
 
     def _search(self, vectors: np.ndarray, ks: list[int], against: str, dedupe: bool) -> list[list[Hit]]:
+        # one search at the largest k: exact and IVF top-k are prefixes of a larger k's (HNSW
+        # searches at least k wide, so a smaller k batched with a larger one is searched wider)
         index, kmax = self.indexes[against], max(ks)
         total = index.ntotal
         fetch = min(kmax, total)  # FAISS allocates (n, fetch) results up front
