@@ -367,3 +367,67 @@ def test_the_cli_serves_named_indexes_memory_mapped_with_cors_and_url_hosts(monk
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
     assert opened == []  # every one refused before an index or the model was opened
+
+
+def test_mmalign_serve_answers_clip_retrieval_for_two_named_indexes(corpus, tmp_path):
+    """The real command: ``mmalign serve --index a=DIR --index DIR2 --mmap --cors ...`` in its own
+    process (stopped by its id); the startup line names both, indices-list lists them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.harness import ROOT
+
+    (tmp_path / "second").symlink_to(corpus["idx"], target_is_directory=True)
+    args = [
+        "--index",
+        f"first={corpus['idx']}",
+        "--index",
+        str(tmp_path / "second"),
+        "--model",
+        corpus["model"],
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmalign.cli",
+            "serve",
+            *args,
+            "--port",
+            "0",
+            "--mmap",
+            "--cors",
+            "http://x.test",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "serving" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "serving first=" in line and "second=" in line, (line, proc.poll())
+        base = line.split("search page ", 1)[1].split()[0].rstrip("/")
+        assert _call(base + "/indices-list")[:2] == (200, ["first", "second"])
+        status, results, headers = _call(
+            base + "/knn-service",
+            {"text": "a photo of a cat", "indice_name": "second", "num_images": 2},
+            headers={"Origin": "http://x.test"},
+        )
+        assert (
+            status == 200 and len(results) == 2 and headers["Access-Control-Allow-Origin"] == "http://x.test"
+        )
+    finally:
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
