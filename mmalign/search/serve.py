@@ -58,7 +58,14 @@ from mmalign.search.searcher import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
 from mmalign.search.serve_fetch import fetch, parse_hosts
 from mmalign.search.serve_indexes import parse_indexes
 from mmalign.search.serve_key import key_vector
-from mmalign.search.serve_knn import knn_results, notes, parse_knn, parse_metadata, row_metadata
+from mmalign.search.serve_knn import (
+    distinct_images,
+    knn_results,
+    notes,
+    parse_knn,
+    parse_metadata,
+    row_metadata,
+)
 from mmalign.search.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
 from mmalign.search.serve_origin import (
     Refused,
@@ -382,12 +389,15 @@ class _Handler(PooledRequestHandler):
             if query.kind == "image_url":
                 data = fetch(data, self.allow_urls, self.max_body, self.fetch_timeout)
             vectors = self.encoder.encode_image([_image(data, self.max_pixels, query.kind)])
-        hits = searcher.search_vectors(vectors, query.num_result_ids, query.modality, query.dedupe)[0]
-        shown = hits[: query.num_images]
-        metas = self._with_images(
-            searcher, [h.row for h in shown], row_metadata(searcher, [h.row for h in shown])
-        )
-        self._reply(200, knn_results(hits, metas, query.num_images), notes(query.clamped, query.ignored))
+        if query.dedupe and query.modality == "image":  # clip-retrieval's: near-duplicate images dropped
+            rows, scores = distinct_images(searcher, vectors, query.num_result_ids)
+        else:
+            hits = searcher.search_vectors(vectors, query.num_result_ids, query.modality, query.dedupe)[0]
+            rows, scores = [h.row for h in hits], [h.score for h in hits]
+        shown = rows[: query.num_images]
+        metas = self._with_images(searcher, shown, row_metadata(searcher, shown))
+        results = knn_results(rows, scores, metas, query.num_images)
+        self._reply(200, results, notes(query.clamped, query.ignored))
 
     def _metadata(self, body: bytes) -> None:
         data_rows = {name: _rows(s) for name, s in self.searchers.items()}

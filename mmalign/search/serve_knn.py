@@ -23,8 +23,11 @@ Requests for more than ``--max-k`` results are clamped to it, not refused, and t
 ``X-Mmalign-Clamped`` header says so; clip-retrieval's options this server does not implement
 (``use_mclip``, ``use_safety_model``, ``use_violence_detector``, ``aesthetic_score``,
 ``aesthetic_weight``, and any other unknown field) are accepted, ignored, and named in
-``X-Mmalign-Ignored`` when set.  ``deduplicate`` folds identical captions (against the text
-index), as our ``dedupe`` does; it does not drop near-duplicate images.
+``X-Mmalign-Ignored`` when set.  ``deduplicate`` drops near-duplicate images as
+clip-retrieval's back does (against the image index: results whose stored vectors have a
+cosine of at least ``NEAR_DUPLICATE`` are linked, chains included, and only the best of each
+group is kept, so fewer than ``num_result_ids`` may come back); against the text index it
+folds identical captions, as our ``dedupe`` does.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ KNOWN = set(QUERY_FIELDS) | {
 }
 # columns of our own bookkeeping, not the shards' metadata: where the image is, the raw json
 INTERNAL = ("file", "offset", "json", "caption_index")
+NEAR_DUPLICATE = 0.94  # clip-retrieval's cosine above which two results are one image
 
 
 @dataclass
@@ -232,15 +236,53 @@ def row_metadata(searcher, rows: list[int]) -> list[dict]:
     return out
 
 
-def knn_results(hits, metas: list[dict], num_images: int) -> list[dict]:
-    """Hits (best first) -> clip-retrieval's result list; the first ``num_images`` carry metadata."""
+def knn_results(rows: list[int], scores: list[float], metas: list[dict], num_images: int) -> list[dict]:
+    """Results (best first) -> clip-retrieval's list; the first ``num_images`` carry metadata."""
     results = []
-    for i, hit in enumerate(hits):
+    for i, (row, score) in enumerate(zip(rows, scores)):
         item = dict(metas[i]) if i < num_images else {}
-        item["id"] = int(hit.row)
-        item["similarity"] = float(hit.score)
+        item["id"] = int(row)
+        item["similarity"] = float(score)
         results.append(item)
     return results
+
+
+def distinct(vectors: np.ndarray, threshold: float = NEAR_DUPLICATE) -> np.ndarray:
+    """(n, D) result vectors, best first -> (n,) bool, True for the best of each group of results
+    linked by a cosine >= ``threshold`` (a chain a~b~c is one group even when a !~ c)."""
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # (n, D)
+    linked = np.argwhere(np.triu(unit @ unit.T >= threshold, k=1))  # (pairs, 2) i < j
+    parent = np.arange(len(vectors))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    for i, j in linked:
+        a, b = root(int(i)), root(int(j))
+        parent[max(a, b)] = min(a, b)  # a group's root is its best-scoring result
+    return np.array([root(i) == i for i in range(len(vectors))], dtype=bool)
+
+
+def distinct_images(searcher, vectors: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+    """The top ``n`` of the image index for one query (1, D), near-duplicates dropped: (rows, scores)."""
+    from mmalign.search.serve_key import _BUILD  # the lock around an IVF shard's first direct map
+
+    if "image" not in searcher.indexes:
+        raise UsageError("modality image: this index has no image index")
+    index = searcher.indexes["image"]
+    fetch = min(int(n), int(index.ntotal))
+    if fetch == 0:
+        return [], []
+    scores, positions = index.search(np.ascontiguousarray(vectors, dtype=np.float32), fetch)  # (1, n) each
+    found = positions[0] >= 0
+    scores, positions = scores[0][found], positions[0][found]
+    with _BUILD:
+        stored = np.stack([np.asarray(index.reconstruct(int(p)), dtype=np.float32) for p in positions])
+    keep = distinct(stored)  # (n,)
+    return index.row_of(positions[keep]).tolist(), scores[keep].tolist()
 
 
 def notes(clamped: list[str], ignored: list[str]) -> dict:
