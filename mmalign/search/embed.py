@@ -31,7 +31,8 @@ Each unit is written on its own into ``OUT/embed_work/UUUUUU/`` (parts of at mos
 rows, so a part never spans two units), its ``done.json`` last; batches never span units either,
 so the result is bitwise the same for any number of ranks.  Rank 0 then waits for every unit and
 moves their parts, in unit order, to ``OUT/*/`` numbered 0.., writes ``embed.json`` and removes
-``OUT/embed_work``.  No process group is started: the files are the synchronisation.
+``OUT/embed_work``.  No process group is started: the files are the synchronisation (so ranks
+on several hosts need ``OUT`` on a file system they share).
 
 Run the same command again after a kill and the units with a ``done.json`` are not embedded
 again (one line says how many); ``OUT/embed_work/stamp.json`` (the model's weight files, the

@@ -252,8 +252,9 @@ def test_more_ranks_than_shards_leave_some_idle(model, shards, one_process, tmp_
     _assert_same(out, one_process)
 
 
-def test_a_rank_embeds_only_its_shards(model, shards, tmp_path, monkeypatch):
-    """Rank 1 of 2 alone (rank 0 stamped --out and stopped): shards 1 and 3, and no finish."""
+def test_a_rank_embeds_only_its_shards(model, shards, one_process, tmp_path, monkeypatch):
+    """Rank 1 of 2 alone (rank 0 stamped --out and stopped): shards 1 and 3, and no finish; a
+    one-process rerun then embeds only the rest."""
     out = tmp_path / "emb"
     real = embed_mod._embed_units
 
@@ -268,6 +269,13 @@ def test_a_rank_embeds_only_its_shards(model, shards, tmp_path, monkeypatch):
     assert embed(model, shards, out, batch_size=2, part_size=3, progress=False, rank=1, world=2) is None
     assert sorted(p.parent.name for p in (out / "embed_work").glob("*/done.json")) == ["000001", "000003"]
     assert not (out / "embed.json").exists()
+    monkeypatch.setattr(embed_mod, "_embed_units", real)
+    read: list[int] = []
+    original = Units.samples
+    monkeypatch.setattr(Units, "samples", lambda self, u: read.append(u) or original(self, u))
+    embed(model, shards, out, batch_size=2, part_size=3, progress=False, rank=0, world=1)
+    assert read == [0, 2, 4]
+    _assert_same(out, one_process)
 
 
 def test_one_process_matches_rows_and_parts(one_process, shards):
