@@ -43,8 +43,6 @@ to stderr, or to the ``access_log`` callable given to :func:`make_server`.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import sys
 import threading
@@ -54,18 +52,12 @@ from dataclasses import asdict
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.errors import UsageError, UserError
-from mmalign.search.searcher import MAX_QUERY_PIXELS, ImageUnavailable, Searcher
-from mmalign.search.serve_fetch import fetch, parse_hosts
-from mmalign.search.serve_indexes import parse_indexes
+from mmalign.search.searcher import MAX_QUERY_PIXELS, Searcher
+from mmalign.search.serve_clip import ClipRetrievalRoutes
+from mmalign.search.serve_fetch import parse_hosts
+from mmalign.search.serve_images import query_image, thumbnail
+from mmalign.search.serve_indexes import open_searchers, parse_indexes
 from mmalign.search.serve_key import key_vector
-from mmalign.search.serve_knn import (
-    distinct_images,
-    knn_results,
-    notes,
-    parse_knn,
-    parse_metadata,
-    row_metadata,
-)
 from mmalign.search.serve_loop import PooledHTTPServer, PooledRequestHandler, printable
 from mmalign.search.serve_origin import (
     Refused,
@@ -80,48 +72,13 @@ from mmalign.search.serve_page import PAGE
 
 _Refused = Refused
 _is_loopback = is_loopback  # the name the tests knew
-KNN_THUMB = 128  # the side of the base64 thumbnail a knn result without a url carries (local clients)
 
 
 def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr looked up per line: it may be replaced
 
 
-def _image(data: bytes, max_pixels: int, what: str):
-    """Encoded image bytes -> a PIL image; a bomb or a too thin one 413, unreadable 400."""
-    from mmalign.data.shards import BadSample, open_image
-
-    try:
-        return open_image(data, max_pixels)  # the pixel count is checked before decoding
-    except BadSample as e:
-        if e.reason == "decompression_bomb":
-            raise Refused(413, f"image has too many pixels ({e}); at most {max_pixels}") from None
-        if e.reason == "extreme_aspect":  # a resize would blow it up: refused from its header
-            raise Refused(413, f"image is too thin ({e})") from None
-        raise UsageError(f"{what} is not a readable image ({e.reason})") from None
-
-
-def thumbnail(searcher, row: int, size: int, max_bytes: int, max_pixels: int) -> bytes:
-    """A JPEG of metadata row ``row``'s image, at most ``size`` px a side; 404 when unreadable."""
-    from PIL import Image
-
-    from mmalign.data.shards import BadSample, open_image
-
-    try:
-        data = searcher.image_bytes(row, max_bytes)  # no model or index
-        image = open_image(data, max_pixels)  # the pixel count is checked before decoding
-    except ImageUnavailable as e:
-        raise Refused(404, str(e)) from None
-    except BadSample as e:
-        raise Refused(404, f"row {row}: the stored image is not readable ({e.reason})") from None
-    image = image.convert("RGB")
-    image.thumbnail((size, size), Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=85)
-    return buf.getvalue()
-
-
-class _Handler(PooledRequestHandler):
+class _Handler(ClipRetrievalRoutes, PooledRequestHandler):
     searchers: dict
     names: list
     encoder: Searcher  # the searcher that holds the model (embeds every index's queries)
@@ -365,65 +322,12 @@ class _Handler(PooledRequestHandler):
             raise Refused(413, f"image body must be 1..{self.max_body} bytes")
         k, against = self._k_against(params)
         dedupe = self._dedupe(params)
-        image = _image(self._body("image body"), self.max_pixels, "body")
+        image = query_image(self._body("image body"), self.max_pixels, "body")
         if searcher is self.encoder or getattr(searcher, "source", None) is not None:
             hits = searcher.image(image, k, against, dedupe=dedupe)
         else:
             hits = searcher.search_vectors(self.encoder.encode_image([image]), k, against, dedupe)[0]
         return self._reply(200, {"hits": [asdict(h) for h in hits]})
-
-    # ------------------------------------------------------------ clip-retrieval's routes
-
-    def _knn(self, body: bytes) -> None:
-        dims = {name: int(s.dim) for name, s in self.searchers.items()}
-        query = parse_knn(body, dims, self.max_k)
-        searcher = self.searchers[query.index]
-        if query.kind == "embedding_input":
-            vectors = query.value  # (1, D)
-        elif query.kind == "text":
-            if len(query.value) > self.max_text:
-                raise UsageError(f"text must be 1..{self.max_text} characters")
-            vectors = self.encoder.encode_text([query.value])
-        else:
-            data = query.value
-            if query.kind == "image_url":
-                data = fetch(data, self.allow_urls, self.max_body, self.fetch_timeout)
-            vectors = self.encoder.encode_image([_image(data, self.max_pixels, query.kind)])
-        if query.dedupe and query.modality == "image":  # clip-retrieval's: near-duplicate images dropped
-            rows, scores = distinct_images(searcher, vectors, query.num_result_ids)
-        else:
-            hits = searcher.search_vectors(vectors, query.num_result_ids, query.modality, query.dedupe)[0]
-            rows, scores = [h.row for h in hits], [h.score for h in hits]
-        shown = rows[: query.num_images]
-        metas = self._with_images(searcher, shown, row_metadata(searcher, shown))
-        results = knn_results(rows, scores, metas, query.num_images)
-        self._reply(200, results, notes(query.clamped, query.ignored))
-
-    def _metadata(self, body: bytes) -> None:
-        data_rows = {name: _rows(s) for name, s in self.searchers.items()}
-        name, ids, clamped = parse_metadata(body, data_rows, self.max_k)
-        searcher = self.searchers[name]
-        metas = self._with_images(searcher, ids, row_metadata(searcher, ids))
-        self._reply(200, [{"id": i, "metadata": m} for i, m in zip(ids, metas)], notes(clamped, []))
-
-    def _with_images(self, searcher, rows: list[int], metas: list[dict]) -> list[dict]:
-        """A row without a ``url`` carries its image as a base64 JPEG thumbnail (clip-front shows
-        ``url``, else ``image``), for a loopback client only, as ``/thumb`` is."""
-        if not is_loopback(str(self.client_address[0])):
-            return metas
-        for row, meta in zip(rows, metas):
-            if "url" not in meta and "image" not in meta:
-                try:
-                    jpeg = thumbnail(searcher, row, KNN_THUMB, self.max_body, self.max_pixels)
-                except (Refused, UserError):
-                    continue  # no stored image (an index without locations): the caption alone
-                meta["image"] = base64.b64encode(jpeg).decode("ascii")
-        return metas
-
-
-def _rows(searcher) -> int:
-    rows = getattr(searcher, "num_rows", None)
-    return int(rows) if rows is not None else len(searcher.meta)
 
 
 def check_pool(timeout: float, workers: int, max_connections: int, max_per_client: int = 1) -> None:
@@ -519,26 +423,6 @@ def make_server(
         raise UsageError(f"--host/--port: cannot listen on {host}:{port} ({why})") from None
 
 
-def open_searchers(indexes, model_dir, *, mmap: bool = False) -> dict:
-    """``--index`` values -> {name: Searcher}; the first loads the model, the others share it."""
-    import inspect
-
-    if mmap and "mmap" not in inspect.signature(Searcher).parameters:
-        raise UsageError("--mmap: this version's Searcher cannot memory-map indexes yet")
-    searchers: dict = {}
-    for i, (name, index_dir) in enumerate(parse_indexes(indexes)):
-        model = model_dir if i == 0 else None
-        searchers[name] = Searcher(index_dir, model, mmap=True) if mmap else Searcher(index_dir, model)
-    first = next(iter(searchers.values()))
-    for name, s in searchers.items():
-        if s.dim != first.dim:
-            raise UsageError(
-                f"--index {name}: its vectors have dim {s.dim}, the first index's {first.dim}; "
-                "every index served together must come from the one --model"
-            )
-    return searchers
-
-
 def serve(
     index_dir,
     model_dir,
@@ -559,7 +443,7 @@ def serve(
         timeout, workers, max_connections, max_per_client
     )  # before the model loads: a bad flag fails at once
     parse_cors(cors), parse_hosts(allow_url_queries), parse_indexes(index_dir)
-    searchers = open_searchers(index_dir, model_dir, mmap=mmap)
+    searchers = open_searchers(index_dir, model_dir, Searcher, mmap=mmap)
     server = make_server(
         searchers,
         host,

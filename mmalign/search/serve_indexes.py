@@ -41,3 +41,24 @@ def parse_indexes(values: list[str] | str) -> list[tuple[str, str]]:
     if not out:
         raise UsageError("--index: give at least one index directory")
     return out
+
+
+def open_searchers(indexes, model_dir, factory, *, mmap: bool = False) -> dict:
+    """``--index`` values -> {name: ``factory(dir, model)``} (a Searcher); the first loads the
+    model, the others share it."""
+    import inspect
+
+    if mmap and "mmap" not in inspect.signature(factory).parameters:
+        raise UsageError("--mmap: this version's Searcher cannot memory-map indexes yet")
+    searchers: dict = {}
+    for i, (name, index_dir) in enumerate(parse_indexes(indexes)):
+        model = model_dir if i == 0 else None
+        searchers[name] = factory(index_dir, model, mmap=True) if mmap else factory(index_dir, model)
+    first = next(iter(searchers.values()))
+    for name, s in searchers.items():
+        if s.dim != first.dim:
+            raise UsageError(
+                f"--index {name}: its vectors have dim {s.dim}, the first index's {first.dim}; "
+                "every index served together must come from the one --model"
+            )
+    return searchers
