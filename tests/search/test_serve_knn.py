@@ -84,6 +84,7 @@ def served(corpus):
     )
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     srv.base = f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.corpus_root = corpus["root"]
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -178,6 +179,13 @@ def test_several_indexes_share_the_model_and_are_listed(served):
     assert [(h["row"], h["score"]) for h in a] == [(h["row"], h["score"]) for h in b]
     knn_b = _knn(served, {"text": "a photo of a dog", "num_images": 4, "indice_name": "b"})[1]
     assert [(r["id"], r["similarity"]) for r in knn_b] == [(h["row"], pytest.approx(h["score"])) for h in a]
+    png = (served.corpus_root / "src" / "dog" / "0001.png").read_bytes()
+    by_a = _call(served.base + "/search?k=3", png)[1]["hits"]
+    by_b = _call(served.base + "/search?k=3&index=b", png)[1]["hits"]
+    assert [(h["row"], h["score"]) for h in by_a] == [(h["row"], h["score"]) for h in by_b]
+    assert by_b[0]["source_path"] == "dog/0001.png"
+    with OPENER.open(f"{served.base}/thumb?row={by_b[0]['row']}&index=b", timeout=30) as r:
+        assert r.headers["Content-Type"] == "image/jpeg"
     health = _call(served.base + "/health?index=b")[1]
     assert (health["index"], health["indices"], health["dim"]) == ("b", ["a", "b"], 32)
 
