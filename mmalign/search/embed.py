@@ -253,6 +253,10 @@ def embed(
         if rank != 0:
             return None  # rank 0 refuses it (or has just finished it)
         raise UsageError(f"--out: {out} already holds embeddings; choose an empty directory")
+    from mmalign.models.load import load
+
+    # rank 0 loads the model first: a bad --model is the first line (and a failed load leaves no stamp)
+    source = load(model_dir, device=device) if rank == 0 else None
     units = plan_units(data)
     n = len(units.names)
     stamp = _stamp_content(model_dir, units, part_size)
@@ -263,11 +267,8 @@ def embed(
     todo = [u for u in range(rank, n, world) if u not in done]
     if rank != 0 and not todo:
         return None
-    source = None
-    if todo or not stamped:
-        from mmalign.models.load import load
-
-        source = load(model_dir, device=device)  # before the stamp: a failed start leaves none behind
+    if source is None and todo:
+        source = load(model_dir, device=device)
     if rank == 0:
         if not stamped:
             (out / WORK).mkdir(parents=True, exist_ok=True)

@@ -109,10 +109,9 @@ def test_a_second_embed_into_the_same_out_is_refused(tmp_path):
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    # the holder is gone: the lock no longer refuses; the next problem is the missing --data
-    # (checked before the seconds of loading the model, which is no model either)
+    # the holder is gone: the lock no longer refuses; the next problem is the folder that is no model
     res = cli_main("embed", "--model", model, "--data", tmp_path / "no_data", "--out", out)
-    assert res.returncode == 2 and "in use" not in res.stderr and "no_data" in res.stderr, res.stderr
+    assert res.returncode == 2 and "in use" not in res.stderr and "not_a_model" in res.stderr, res.stderr
 
 
 def test_the_lock_file_is_not_run_content(tmp_path):
