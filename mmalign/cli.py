@@ -178,8 +178,10 @@ def cmd_embed(args) -> int:
 
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from mmalign.dist.launch import launch_local
+        from mmalign.models.locate import locate
 
-        plan_units(args.data)  # a bad --data is one line here, not one per rank
+        locate(args.model)  # a bad --model, then a bad --data: one line here, not one per rank
+        plan_units(args.data)
         with output_lock(args.out, "mmalign embed"):  # the ranks inherit it (mmalign.dirlock.ENV)
             code = launch_local(args.nproc, args.argv)
         return code  # rank 0 printed the summary

@@ -121,11 +121,13 @@ def _folder_samples(root: Path, images: list[Path], with_text: bool) -> Iterator
 
 
 def _located(samples: Iterator[dict]) -> Iterator[dict]:
-    """Shard samples -> with ``source_path`` (from their ``.json``) and ``file`` (the shard, absolute)."""
+    """Shard samples -> with ``source_path`` (from their ``.json``) and ``file`` (the shard: a
+    local one's absolute path, a remote one's URL)."""
     for s in samples:
         shard, source = s.pop("shard"), s["json"].get("source_path")
+        remote = "://" in shard or shard.startswith("pipe:")
         yield {
             **s,
             "source_path": source if isinstance(source, str) else None,
-            "file": str(Path(shard).resolve()),
+            "file": shard if remote else str(Path(shard).resolve()),
         }

@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from mmalign.search.embed import embed
 from mmalign.search.embed_inputs import Units
 from tests.harness import ROOT, cli_main
 from tests.harness.searchdata import save_random_model
+from tests.harness.shard_server import serve
 
 FIXED = ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
 
@@ -400,3 +403,74 @@ def test_two_processes_give_the_output_of_one(model, shards, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "13 images, 17 rows" in run.stdout
     _assert_same(tmp_path / "two", tmp_path / "one")
+
+
+def _one_thread_embed(*args, **kwargs):
+    """An in-process embed on one torch thread: bitwise what a subprocess with OMP_NUM_THREADS=1 computes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return embed(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_kill_9_between_shards_then_rerun_resumes(model, shards, tmp_path):
+    """``mmalign embed`` killed with SIGKILL after shard 0 (the shard server holds shard 1 and later
+    until the kill), run again: shard 0 is not embedded again (its files are the ones written
+    before the kill) and the result is a straight run's. Slow (~15 s): the in-process interruption
+    test above covers the same property cheaply."""
+    with serve(shards) as served:
+        spec = f"{served.url}/{{00000..00004}}.tar"
+        _one_thread_embed(
+            model, spec, tmp_path / "straight", batch_size=2, part_size=3, progress=False, rank=0, world=1
+        )
+        out = tmp_path / "emb"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        for key in ("RANK", "WORLD_SIZE"):
+            env.pop(key, None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "mmalign.cli",
+            "embed",
+            "--model",
+            model,
+            "--data",
+            spec,
+            "--out",
+            str(out),
+        ]
+        cmd += ["--batch-size", "2", "--part-size", "3"]
+        with served.lock:
+            served.requests.clear()
+            served.held = {f"{u:05d}.tar" for u in range(1, 5)}
+        served.gate.clear()  # shard 1 and later wait (after their start-up probe)
+        try:
+            with open(tmp_path / "log", "w") as log:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            first = out / "embed_work" / "000000" / "done.json"
+            deadline = time.monotonic() + 120
+            while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert first.exists(), (proc.poll(), (tmp_path / "log").read_text())
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            served.gate.set()
+            served.held = set()
+        assert (
+            not (out / "embed_work" / "000001" / "done.json").exists() and not (out / "embed.json").exists()
+        )
+        before = {p.name: p.stat().st_mtime_ns for p in (out / "embed_work" / "000000").glob("*_0.*")}
+        assert len(before) == 3
+        resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and "1 of 5 shard(s) already embedded" in resumed.stdout
+    after = {
+        name: (out / name.rsplit("_", 1)[0] / name).stat().st_mtime_ns for name in before
+    }  # shard 0's part is part 0
+    assert after == before  # moved into place, not written again
+    _assert_same(out, tmp_path / "straight")
