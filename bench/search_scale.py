@@ -84,9 +84,31 @@ def build_mmalign(emb: Path, out: Path, budget: str, args) -> dict:
     return timed(cmd + shlex.split(args.mmalign_args), out.parent / f"{out.name}.log", dict(os.environ))
 
 
+# autofaiss 2.18 makes its OPQ indexes with faiss.OPQMatrix(d, M=.., d2=..), keywords that faiss 1.15's
+# constructor refuses (TypeError): its CLI entry point runs with a constructor that takes them, no other change.
+AUTOFAISS_ENTRY = """import sys, faiss
+try:
+    faiss.OPQMatrix(8, M=2, d2=8)
+except TypeError:
+    class OPQMatrix(faiss.OPQMatrix):
+        def __init__(self, d=0, M=1, d2=-1):
+            super().__init__(d, M, d2)
+    faiss.OPQMatrix = OPQMatrix
+from autofaiss.external.quantize import main
+sys.argv[0] = "autofaiss"
+sys.exit(main())
+"""
+
+
 def build_autofaiss(emb: Path, out: Path, budget: str, args) -> dict:
     out.mkdir(parents=True)
-    cmd = [str(TOOLS_VENV / "bin" / "autofaiss"), "build_index", f"--embeddings={emb / 'img_emb'}"]
+    cmd = [
+        str(TOOLS_VENV / "bin" / "python"),
+        "-c",
+        AUTOFAISS_ENTRY,
+        "build_index",
+        f"--embeddings={emb / 'img_emb'}",
+    ]
     cmd += [f"--index_path={out / 'knn.index'}", f"--index_infos_path={out / 'infos.json'}"]
     cmd += [f"--max_index_memory_usage={budget}", f"--current_memory_available={args.memory_available}"]
     cmd += [f"--max_index_query_time_ms={args.max_query_ms}", "--metric_type=ip"]
@@ -308,7 +330,9 @@ def report(rows: list[dict], args, cmd: str, note: str) -> str:
         f"(a server's request threads), for {args.qps_seconds:g} s. recall@10: mean overlap of the top-10 with "
         "the exact top-10, each tool's chosen search parameters. Budgets are passed as the same string to "
         f"`--max-index-memory` and `--max_index_memory_usage`; autofaiss gets `--current_memory_available="
-        f"{args.memory_available}` and both `{args.max_query_ms:g}` ms as the query-time limit.\n"
+        f"{args.memory_available}` and both `{args.max_query_ms:g}` ms as the query-time limit. autofaiss 2.18 "
+        "calls `faiss.OPQMatrix(d, M=.., d2=..)`, keywords faiss 1.15 refuses (its OPQ choices fail with a "
+        "TypeError), so its CLI entry point runs with a constructor that accepts them, nothing else changed.\n"
     )
     return text
 
@@ -344,8 +368,16 @@ def main() -> None:
         default=shlex.join([sys.executable, "-m", "mmalign.cli"]),
         help="how to run mmalign (default: this venv's; another checkout's to compare)",
     )
-    p.add_argument("--mmalign-args", default="", help="more `mmalign index` flags, one string")
-    p.add_argument("--autofaiss-args", default="", help="more `autofaiss build_index` flags, one string")
+    p.add_argument(
+        "--mmalign-args",
+        default="",
+        help="more `mmalign index` flags, one string (--mmalign-args='--shards 2')",
+    )
+    p.add_argument(
+        "--autofaiss-args",
+        default="",
+        help="more `autofaiss build_index` flags, one string (--autofaiss-args='--nb_cores=2')",
+    )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_search_scale"), help="corpus and runs")
     p.add_argument("--doc", default=str(DOC), help="the document --write-doc writes")
     args = p.parse_args()

@@ -20,12 +20,21 @@ AUTOFAISS = ROOT / ".venv-tools" / "bin" / "autofaiss"
 SECTION = "## Search at scale against autofaiss (bench/search_scale.py)"
 
 
-def _run(tmp_path, tools: str) -> tuple[list[dict], str]:
+def _run(tmp_path, tools: str, *more: str) -> tuple[list[dict], str]:
     doc = tmp_path / "bench.md"
     argv = ["--n", "5000", "--dim", "32", "--queries", "200", "--budgets", "50M", "--part-size", "400"]
     argv += ["--tools", tools, "--qps-seconds", "0.2", "--work", str(tmp_path / "work")]
     proc = subprocess.run(
-        [sys.executable, "bench/search_scale.py", *argv, "--write-doc", "--doc", str(doc), "--allow-loaded"],
+        [
+            sys.executable,
+            "bench/search_scale.py",
+            *argv,
+            *more,
+            "--write-doc",
+            "--doc",
+            str(doc),
+            "--allow-loaded",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -90,3 +99,15 @@ def test_autofaiss_arm_maps_its_ids_back(tmp_path):
     (row,) = rows
     _check_row(row, doc)
     assert row["recall10"] > 0.8, row
+
+
+@pytest.mark.skipif(
+    not AUTOFAISS.is_file(), reason="autofaiss is not installed in .venv-tools (make install)"
+)
+def test_autofaiss_builds_its_opq_indexes(tmp_path):
+    """autofaiss 2.18 passes OPQMatrix keywords that faiss 1.15 refuses; the bench's entry point lets it build."""
+    key = "--autofaiss-args=--index_key='\"OPQ16_32,IVF16_HNSW32,PQ16x8\"'"  # quoted: fire would split a comma list
+    rows, doc = _run(tmp_path, "autofaiss", key)
+    (row,) = rows
+    _check_row(row, doc)
+    assert row["index"].startswith("OPQ16_32,IVF16_HNSW32,PQ16x8") and row["recall10"] > 0.4, row
