@@ -41,6 +41,7 @@ from mmalign.search.index_tune import TRUTH_K, exact_topk, holdout_size, tune
 INDEX_INFO = "index.json"
 METADATA = "metadata.parquet"
 _normalised = normalised  # the name older callers import
+PQ_POINTS_PER_CENTROID = 100  # PQ (and OPQ) training points per codebook centroid
 FLAT_PROBE = 20_000  # vectors a brute-force query is timed over (then scaled to the corpus)
 
 
@@ -82,7 +83,9 @@ def _lighter_opq(index, params: dict):
 
     opq = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
     pq = faiss.ProductQuantizer(opq.d_out, int(params["m"]), int(params["nbits"]))
+    pq.cp.max_points_per_centroid = PQ_POINTS_PER_CENTROID
     opq.pq, opq.niter = pq, 25
+    opq.max_train_points = min(opq.max_train_points, PQ_POINTS_PER_CENTROID * 2 ** int(params["nbits"]))
     return pq
 
 
@@ -129,7 +132,7 @@ def _build_one(
     if budget is not None and kind == "auto" and count >= SMALL and count * 4 * dim <= budget:
         flat_ms = _flat_ms(train, count)
     opts = {"flat_ms": flat_ms, "max_query_ms": max_query_ms, "train_rows": len(train)}
-    opts |= {"exact_max": exact_max, "nlist": nlist, "pq_m": pq_m, "nbits": nbits}
+    opts |= {"exact_max": exact_max, "nlist": nlist, "pq_m": pq_m, "nbits": nbits, "shards": shards}
     plan = choose_plan(count, dim, budget, kind=kind, **opts)  # type: ignore[arg-type]
     if plan.kind == "opq-ivf-pq" and kind == "auto" and not opq_helps(train[:20_000], plan.params["m"]):
         plan = choose_plan(count, dim, budget, kind=kind, opq=False, **opts)  # type: ignore[arg-type]
@@ -141,7 +144,11 @@ def _build_one(
         )
     empty = faiss.index_factory(dim, plan.factory, faiss.METRIC_INNER_PRODUCT)
     if plan.kind in ("ivf-pq", "opq-ivf-pq"):  # no Hamming-distance filter at search: skip its training
-        faiss.downcast_index(faiss.extract_index_ivf(empty)).do_polysemous_training = False
+        ivfpq = faiss.downcast_index(faiss.extract_index_ivf(empty))
+        ivfpq.do_polysemous_training = False
+        # PQ training costs m k-means of 2^nbits centroids whatever the dim: 100 points a
+        # centroid (FAISS's default samples 256) keeps a large m affordable
+        ivfpq.pq.cp.max_points_per_centroid = PQ_POINTS_PER_CENTROID
     if plan.kind == "opq-ivf-pq":
         keep = _lighter_opq(empty, p)  # noqa: F841  (FAISS keeps a raw pointer to it while training)
     if not empty.is_trained:
@@ -150,7 +157,7 @@ def _build_one(
     del train
     entries = write_shards(empty, source, name, shards, out)
     measured = sum((out / e["index"]).stat().st_size for e in entries)
-    estimated = plan.estimated_bytes + (shards - 1) * plan.quantizer_bytes
+    estimated = plan.estimated_bytes  # all shards, each with its copy of the trained part
 
     opened = _open_shards(out, entries)
     queries = source.take(source.sample(holdout_size(count, dim, holdout), seed + 1))  # (q, d)

@@ -79,10 +79,12 @@ class Source:
         n = min(n, self.count)
         return np.sort(rng.choice(self.count, size=n, replace=False)) if n < self.count else np.arange(n)
 
-    def blocks(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        """float32 unit vectors of positions [start, stop), in blocks of at most BLOCK_BYTES."""
+    def blocks(
+        self, start: int = 0, stop: int | None = None, step: int | None = None
+    ) -> Iterator[np.ndarray]:
+        """float32 unit vectors of positions [start, stop), ``step`` rows (default: BLOCK_BYTES) at a time."""
         stop = self.count if stop is None else stop
-        step = max(1024, BLOCK_BYTES // (4 * max(1, self.dim)))
+        step = step or max(1024, BLOCK_BYTES // (4 * max(1, self.dim)))
         for p in range(len(self.files)):
             a, b = max(start, int(self.starts[p])), min(stop, int(self.starts[p + 1]))
             if a >= b:

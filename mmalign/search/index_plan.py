@@ -113,9 +113,12 @@ def factory_string(kind: str, params: dict) -> str:
     return f"OPQ{params['m']},{pq}" if kind == "opq-ivf-pq" else pq
 
 
-def make_plan(kind: str, count: int, dim: int, params: dict, note: str = "") -> Plan:
+def _make_plan(kind: str, count: int, dim: int, params: dict, note: str = "", shards: int = 1) -> Plan:
+    """``shards`` files each repeat the trained part (centroids, codebooks, rotation)."""
     total, trained = estimate_bytes(kind, count, dim, params)
-    return Plan(kind, factory_string(kind, params), dict(params), total, trained, note)
+    return Plan(
+        kind, factory_string(kind, params), dict(params), total + (shards - 1) * trained, trained, note
+    )
 
 
 def _pq_kind(opq: bool) -> str:
@@ -136,12 +139,14 @@ def choose_plan(
     nlist: int | None = None,
     pq_m: int | None = None,
     nbits: int | None = None,
+    shards: int = 1,
 ) -> Plan:
     """The index for ``count`` vectors of ``dim`` within ``budget`` bytes (None: no budget).
 
     ``flat_ms``: the measured time of one exact query over all ``count`` vectors; ``opq``: whether a
     rotation helps this data's PQ (see ``opq_helps``).  ``nlist``/``pq_m``/``nbits`` override the
-    defaults; ``exact_max`` forces Flat up to that many vectors.  Without a budget and with
+    defaults; ``exact_max`` forces Flat up to that many vectors; ``shards`` files each repeat the
+    trained part, and the budget holds them all.  Without a budget and with
     ``kind="auto"`` the rule is the old one: Flat up to ``exact_max`` (100k), else IVF-PQ.
     """
     if kind not in ("auto", *KINDS):
@@ -152,6 +157,9 @@ def choose_plan(
     if pq_m is not None and dim % int(pq_m):
         raise UsageError(f"--pq-m={pq_m} must divide the embedding dim {dim}")
     ivf = {"nlist": lists}
+
+    def make_plan(kind_: str, count_: int, dim_: int, params: dict, note: str = "") -> Plan:
+        return _make_plan(kind_, count_, dim_, params, note, shards)
 
     def pq_plans(kinds: list[str]) -> list[Plan]:
         ms = [int(pq_m)] if pq_m is not None else pq_choices(dim)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from mmalign.search.index_build import Source
+from mmalign.search.index_build import BLOCK_BYTES, Source
 
 TRUTH_K = 100
 LATENCY_QUERIES = 50  # single-query searches timed per setting
@@ -33,7 +33,8 @@ def exact_topk(source: Source, queries: np.ndarray, k: int) -> np.ndarray:
     best_s = np.full((len(queries), 0), -np.inf, np.float32)
     best_i = np.zeros((len(queries), 0), np.int64)
     offset = 0
-    for block in source.blocks():
+    step = max(k + 1, BLOCK_BYTES // (16 * max(1, len(queries))))  # (q, b) scores, their order: ~BLOCK_BYTES
+    for block in source.blocks(step=step):
         scores = queries @ block.T  # (q, b)
         if scores.shape[1] > k:  # the block's own top-k first (unordered), then a small sort
             part = np.argpartition(-scores, k - 1, axis=1)[:, :k]

@@ -92,3 +92,12 @@ def test_opq_rule_sees_correlated_blocks():
     assert opq_helps(mixed, 8)
     uneven = iid * np.r_[np.full(4, 10.0), np.ones(28)]  # one block holds most of the variance
     assert opq_helps(uneven, 8)
+
+
+def test_shards_repeat_the_trained_part():
+    trained = 1264 * (4 * D + 8) + 4 * D * 256 + 4 * D * D + 4 * D  # centroids, codebooks, rotation
+    one = choose_plan(N, D, N * (32 + 8) + trained, flat_ms=50.0)
+    assert one.params["m"] == 32
+    four = choose_plan(N, D, N * (32 + 8) + trained, flat_ms=50.0, shards=4)
+    assert four.params["m"] == 16 and four.estimated_bytes == N * (16 + 8) + 4 * trained
+    assert choose_plan(N, D, 2**30, kind="flat", shards=4).estimated_bytes == N * D * 4  # nothing trained
