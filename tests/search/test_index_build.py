@@ -49,6 +49,8 @@ def make_emb(root, images: int, captions: int = 1, seed: int = 0) -> np.ndarray:
             meta["url"] = [f"http://x/{i}.jpg" for i in range(a, b)]  # parts carry different extras (C1)
         else:
             meta["width"] = list(range(a, b))
+        if p == 2:
+            meta["url"] = [None] * (b - a)  # a column of nulls only: parquet's null type
         pd.DataFrame(meta).to_parquet(root / "metadata" / f"metadata_{p}.parquet", index=False)
     info = {"dim": DIM, "parts": PARTS, "text": captions > 1, "rows": len(rows), "images": images}
     (root / "embed.json").write_text(json.dumps(info))
@@ -106,6 +108,24 @@ def test_sharded_flat_equals_brute_force(emb, tmp_path):
     # the rows are the global metadata rows: one caption per image, so row == image number
     assert np.array_equal(found, brute_topk(base, queries, 10))
     assert e["recall"]["@10"] == 1.0
+
+
+def test_small_blocks_cross_part_boundaries(emb, tmp_path, monkeypatch):
+    """Blocks of 100 vectors (not one per part): the shards still hold every vector once, in order."""
+    from mmalign.search import index_build
+
+    monkeypatch.setattr(index_build, "BLOCK_BYTES", 100 * DIM * 4)
+    root, base = emb
+    e = build_index(root / "emb", tmp_path / "idx", kind="flat", shards=3, max_index_memory="1G")["image"]
+    rows = np.concatenate([np.load(tmp_path / "idx" / s["rows"]) for s in e["shards"]])
+    assert np.array_equal(rows, np.arange(3000))
+    shards = [faiss.read_index(str(tmp_path / "idx" / s["index"])) for s in e["shards"]]
+    stored = np.concatenate([index.reconstruct_n(0, index.ntotal) for index in shards])  # (3000, DIM)
+    assert np.allclose(stored, base, atol=1e-6)
+    queries = base[::101]
+    assert np.array_equal(
+        sharded_topk(tmp_path / "idx", "image", queries, 10, {}), brute_topk(base, queries, 10)
+    )
 
 
 def test_sharded_ivf_equals_single_ivf_and_meets_recall(emb, tmp_path):
