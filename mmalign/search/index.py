@@ -27,6 +27,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,8 @@ def _lighter_opq(index, params: dict):
     not its defaults (8-bit codes, 50 rounds): half the training, same kind of rotation."""
     import faiss
 
-    opq = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
+    pre: Any = faiss.downcast_index(index)  # IndexPreTransform: the rotation, then the IVF-PQ
+    opq: Any = faiss.downcast_VectorTransform(pre.chain.at(0))
     pq = faiss.ProductQuantizer(opq.d_out, int(params["m"]), int(params["nbits"]))
     pq.cp.max_points_per_centroid = PQ_POINTS_PER_CENTROID
     opq.pq, opq.niter = pq, 25
@@ -89,7 +91,7 @@ def _lighter_opq(index, params: dict):
     return pq
 
 
-def _open_shards(out: Path, entries: list[dict]) -> list[tuple[object, int]]:
+def _open_shards(out: Path, entries: list[dict]) -> list[tuple[Any, int]]:
     """The written shards, memory-mapped where FAISS can, each with its first position."""
     import faiss
 
@@ -131,11 +133,11 @@ def _build_one(
     flat_ms = 0.0
     if budget is not None and kind == "auto" and count >= SMALL and count * 4 * dim <= budget:
         flat_ms = _flat_ms(train, count)
-    opts = {"flat_ms": flat_ms, "max_query_ms": max_query_ms, "train_rows": len(train)}
+    opts: dict[str, Any] = {"flat_ms": flat_ms, "max_query_ms": max_query_ms, "train_rows": len(train)}
     opts |= {"exact_max": exact_max, "nlist": nlist, "pq_m": pq_m, "nbits": nbits, "shards": shards}
-    plan = choose_plan(count, dim, budget, kind=kind, **opts)  # type: ignore[arg-type]
+    plan = choose_plan(count, dim, budget, kind=kind, **opts)
     if plan.kind == "opq-ivf-pq" and kind == "auto" and not opq_helps(train[:20_000], plan.params["m"]):
-        plan = choose_plan(count, dim, budget, kind=kind, opq=False, **opts)  # type: ignore[arg-type]
+        plan = choose_plan(count, dim, budget, kind=kind, opq=False, **opts)
     p = plan.params
     if "nlist" in p and len(train) < p["nlist"] or "nbits" in p and len(train) < 2 ** p["nbits"]:
         raise UsageError(
@@ -144,7 +146,7 @@ def _build_one(
         )
     empty = faiss.index_factory(dim, plan.factory, faiss.METRIC_INNER_PRODUCT)
     if plan.kind in ("ivf-pq", "opq-ivf-pq"):  # no Hamming-distance filter at search: skip its training
-        ivfpq = faiss.downcast_index(faiss.extract_index_ivf(empty))
+        ivfpq: Any = faiss.downcast_index(faiss.extract_index_ivf(empty))
         ivfpq.do_polysemous_training = False
         # PQ training costs m k-means of 2^nbits centroids whatever the dim: 100 points a
         # centroid (FAISS's default samples 256) keeps a large m affordable
@@ -153,7 +155,7 @@ def _build_one(
         keep = _lighter_opq(empty, p)  # noqa: F841  (FAISS keeps a raw pointer to it while training)
     if not empty.is_trained:
         empty.train(train)  # once; every shard gets a copy of the trained, empty index
-    train_rows = 0 if empty.ntotal == 0 and plan.kind in ("flat", "hnsw") else len(train)
+    train_rows = 0 if plan.kind in ("flat", "hnsw") else len(train)  # those two train nothing
     del train
     entries = write_shards(empty, source, name, shards, out)
     measured = sum((out / e["index"]).stat().st_size for e in entries)

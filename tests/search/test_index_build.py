@@ -73,9 +73,9 @@ def sharded_topk(out, name: str, queries: np.ndarray, k: int, search: dict) -> n
         d, i = index.search(queries, k)
         scores.append(d)
         rows.append(np.load(out / s["rows"])[i])
-    scores, rows = np.concatenate(scores, 1), np.concatenate(rows, 1)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(rows, order, 1)
+    all_scores, all_rows = np.concatenate(scores, 1), np.concatenate(rows, 1)
+    order = np.argsort(-all_scores, axis=1, kind="stable")[:, :k]  # ties: shard order, then position
+    return np.take_along_axis(all_rows, order, 1)
 
 
 def recall10(found: np.ndarray, truth: np.ndarray) -> float:
