@@ -193,6 +193,9 @@ def test_budget_picks_flat_then_compressed(emb, tmp_path):
     assert (
         build_index(root / "emb", tmp_path / "a", max_index_memory=2 * flat_bytes)["image"]["kind"] == "flat"
     )
+    # Flat fits, but an exact query (timed) cannot meet a 1 ns limit: HNSW32 (3000 * 336 B) fits 6x Flat
+    slow = build_index(root / "emb", tmp_path / "s", max_index_memory=6 * flat_bytes, max_query_ms=1e-6)
+    assert slow["image"]["kind"] == "hnsw" and slow["image"]["factory"] == "HNSW32"
     small = build_index(root / "emb", tmp_path / "b", max_index_memory=flat_bytes // 2)["image"]
     assert small["kind"] in ("ivf-pq", "opq-ivf-pq") and small["memory"]["measured_bytes"] <= flat_bytes // 2
 
