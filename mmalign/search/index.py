@@ -34,7 +34,14 @@ import numpy as np
 from mmalign.errors import UsageError
 from mmalign.extras import extra
 from mmalign.search.embed import EMBED_INFO
-from mmalign.search.index_build import Source, metadata_files, normalised, write_metadata, write_shards
+from mmalign.search.index_build import (
+    Source,
+    metadata_files,
+    normalised,
+    shard_names,
+    shard_ranges,
+    write_metadata,
+)
 from mmalign.search.index_build import caption_index as read_caption_index
 from mmalign.search.index_plan import SMALL, choose_plan, format_size, opq_helps, parse_size, train_size
 from mmalign.search.index_tune import TRUTH_K, exact_topk, holdout_size, tune
@@ -75,6 +82,30 @@ def _flat_ms(sample: np.ndarray, count: int) -> float:
     for q in base[:20]:
         flat.search(q[None, :], 10)
     return (time.perf_counter() - t0) * 1000 / min(20, len(base)) * count / len(base)
+
+
+def _write_shards(empty, source: Source, name: str, shards: int, out: Path) -> list[dict]:
+    """Fill a copy of the trained ``empty`` index per shard, block by block, and write it with its
+    rows file (shard position -> metadata row); one shard in memory at a time.  C2's ``shards``."""
+    import faiss
+
+    entries = []
+    for (a, b), (index_file, rows_file) in zip(shard_ranges(source.count, shards), shard_names(name, shards)):
+        index = faiss.clone_index(empty)
+        for block in source.blocks(a, b):
+            index.add(block)
+        faiss.write_index(index, str(out / index_file))
+        del index
+        np.save(out / rows_file, source.global_rows(a, b))
+        entries.append({"index": index_file, "rows": rows_file, "count": b - a})
+    return entries
+
+
+def _set_knob(shards: list, knob: str, value: int) -> None:
+    import faiss
+
+    for index, _ in shards:
+        faiss.ParameterSpace().set_index_parameter(index, knob, int(value))
 
 
 def _lighter_opq(index, params: dict):
@@ -157,7 +188,7 @@ def _build_one(
         empty.train(train)  # once; every shard gets a copy of the trained, empty index
     train_rows = 0 if plan.kind in ("flat", "hnsw") else len(train)  # those two train nothing
     del train
-    entries = write_shards(empty, source, name, shards, out)
+    entries = _write_shards(empty, source, name, shards, out)
     measured = sum((out / e["index"]).stat().st_size for e in entries)
     estimated = plan.estimated_bytes  # all shards, each with its copy of the trained part
 
@@ -174,6 +205,7 @@ def _build_one(
         fixed=nprobe if knob == "nprobe" else None,
         min_recall=min_recall,
         max_query_ms=max_query_ms,
+        set_knob=_set_knob,
     )
     del opened
     entry = {

@@ -2,8 +2,9 @@
 
 Nothing here holds the corpus: the training sample and every block that is added are read from
 the ``*_emb_N.npy`` parts through ``np.load(mmap_mode="r")``, one block of ``BLOCK_BYTES`` at a
-time; each shard gets its own copy of the one trained (empty) index, takes a contiguous range of
-the vectors, is written, and is freed before the next.  The metadata parts are streamed into one
+time; each shard (``shard_ranges``, ``shard_names``) gets its own copy of the one trained
+(empty) index, takes a contiguous range of the vectors, is written, and is freed before the next
+(``index._write_shards``: FAISS is imported by ``index.py`` alone).  The metadata parts are streamed into one
 Arrow IPC file (uncompressed, so a reader can memory-map it) with the union of their columns.
 """
 
@@ -105,23 +106,6 @@ def shard_names(name: str, shards: int) -> list[tuple[str, str]]:
     if shards == 1:
         return [(f"{name}.index", f"{name}_rows.npy")]
     return [(f"{name}.{s:05d}.index", f"{name}_rows.{s:05d}.npy") for s in range(shards)]
-
-
-def write_shards(empty, source: Source, name: str, shards: int, out: Path) -> list[dict]:
-    """Fill a copy of the trained ``empty`` index per shard and write it with its rows file
-    (shard position -> metadata row).  Returns C2's ``shards`` list."""
-    import faiss
-
-    entries = []
-    for (a, b), (index_file, rows_file) in zip(shard_ranges(source.count, shards), shard_names(name, shards)):
-        index = faiss.clone_index(empty)
-        for block in source.blocks(a, b):
-            index.add(block)
-        faiss.write_index(index, str(out / index_file))
-        del index
-        np.save(out / rows_file, source.global_rows(a, b))  # shard position -> metadata row
-        entries.append({"index": index_file, "rows": rows_file, "count": b - a})
-    return entries
 
 
 def metadata_files(emb_dir: Path, n_parts: int) -> list[Path]:

@@ -10,6 +10,7 @@ the largest setting within the time wins and the record says why.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -89,13 +90,6 @@ def latency_ms(shards, queries: np.ndarray, k: int = 10) -> dict:
     }
 
 
-def set_knob(shards, knob: str, value: int) -> None:
-    import faiss
-
-    for index, _ in shards:
-        faiss.ParameterSpace().set_index_parameter(index, knob, int(value))
-
-
 def tune(
     shards,
     queries: np.ndarray,
@@ -106,10 +100,12 @@ def tune(
     fixed: int | None,
     min_recall: float,
     max_query_ms: float,
+    set_knob: Callable[[list, str, int], None],
 ) -> dict:
     """Choose ``knob``'s value (None: nothing to tune) and measure the result.
 
-    ``limit``: the largest sensible value (nlist for nprobe); ``fixed``: a value the user set.
+    ``limit``: the largest sensible value (nlist for nprobe); ``fixed``: a value the user set;
+    ``set_knob(shards, knob, value)`` sets it on every shard (FAISS stays in ``index.py``).
     Returns {search, recall, latency_ms, target_met, note}.
     """
     k = min(TRUTH_K, truth.shape[1])
