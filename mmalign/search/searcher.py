@@ -48,7 +48,7 @@ from mmalign.errors import UsageError
 from mmalign.search.batcher import Batcher, Overloaded
 from mmalign.search.index import INDEX_INFO
 from mmalign.search.searcher_meta import MetadataTable
-from mmalign.search.searcher_shards import ShardedIndex
+from mmalign.search.searcher_shards import ShardedIndex, require_faiss
 
 if TYPE_CHECKING:
     from mmalign.models.load import Loaded
@@ -114,6 +114,7 @@ class Searcher:
         *,
         mmap: bool = False,
     ):
+        require_faiss()  # a missing [search] extra is the first thing said, before any file is read
         self.index_dir = Path(index_dir)
         self.info = _read_index_dir(self.index_dir)
         self.dim = int(self.info["dim"])

@@ -41,6 +41,15 @@ def search_params(entry: dict) -> dict:
     return params
 
 
+def require_faiss():
+    """FAISS, or one line naming the ``[search]`` extra when it is not installed."""
+    from mmalign.extras import extra
+
+    with extra("search", "searching an index (mmalign search, mmalign serve)"):
+        import faiss
+    return faiss
+
+
 def _read(faiss, path: Path, mmap: bool):
     if not path.is_file():
         raise UsageError(f"--index: index shard {path} is missing")
@@ -63,10 +72,7 @@ class ShardedIndex:
 
     @classmethod
     def load(cls, index_dir: Path, name: str, entry: dict, dim: int, *, mmap: bool = False) -> ShardedIndex:
-        from mmalign.extras import extra
-
-        with extra("search", "searching an index (mmalign search, mmalign serve)"):
-            import faiss
+        faiss = require_faiss()
 
         params = search_params(entry)
         shards, rows = [], []
