@@ -61,6 +61,13 @@ def _parts(emb_dir: Path, kind: str, n_parts: int) -> list[Path]:
     return files
 
 
+def _faiss():
+    """FAISS, or one line naming the ``[search]`` extra (build_index says it first, before any work)."""
+    with extra("search", "mmalign index"):
+        import faiss
+    return faiss
+
+
 def read_embeddings_info(emb_dir: str | Path) -> dict:
     emb_dir = Path(emb_dir)
     info_file = emb_dir / EMBED_INFO
@@ -73,7 +80,7 @@ def read_embeddings_info(emb_dir: str | Path) -> dict:
 
 def _flat_ms(sample: np.ndarray, count: int) -> float:
     """ms of one exact query over ``count`` vectors, timed over (part of) the sample and scaled."""
-    import faiss
+    faiss = _faiss()
 
     base = sample[:FLAT_PROBE]
     flat = faiss.IndexFlatIP(base.shape[1])
@@ -87,7 +94,7 @@ def _flat_ms(sample: np.ndarray, count: int) -> float:
 def _write_shards(empty, source: Source, name: str, shards: int, out: Path) -> list[dict]:
     """Fill a copy of the trained ``empty`` index per shard, block by block, and write it with its
     rows file (shard position -> metadata row); one shard in memory at a time.  C2's ``shards``."""
-    import faiss
+    faiss = _faiss()
 
     entries = []
     for (a, b), (index_file, rows_file) in zip(shard_ranges(source.count, shards), shard_names(name, shards)):
@@ -102,7 +109,7 @@ def _write_shards(empty, source: Source, name: str, shards: int, out: Path) -> l
 
 
 def _set_knob(shards: list, knob: str, value: int) -> None:
-    import faiss
+    faiss = _faiss()
 
     for index, _ in shards:
         faiss.ParameterSpace().set_index_parameter(index, knob, int(value))
@@ -111,7 +118,7 @@ def _set_knob(shards: list, knob: str, value: int) -> None:
 def _lighter_opq(index, params: dict):
     """OPQ's rotation trained against a PQ of the index's own code size and with 25 rounds,
     not its defaults (8-bit codes, 50 rounds): half the training, same kind of rotation."""
-    import faiss
+    faiss = _faiss()
 
     pre: Any = faiss.downcast_index(index)  # IndexPreTransform: the rotation, then the IVF-PQ
     opq: Any = faiss.downcast_VectorTransform(pre.chain.at(0))
@@ -124,7 +131,7 @@ def _lighter_opq(index, params: dict):
 
 def _open_shards(out: Path, entries: list[dict]) -> list[tuple[Any, int]]:
     """The written shards, memory-mapped where FAISS can, each with its first position."""
-    import faiss
+    faiss = _faiss()
 
     shards, start = [], 0
     for e in entries:
@@ -157,7 +164,7 @@ def _build_one(
     seed: int,
 ) -> dict:
     """Choose, train, fill and tune one modality's index; returns its index.json entry."""
-    import faiss
+    faiss = _faiss()
 
     count, dim = source.count, source.dim
     train = source.take(source.sample(train_size(count), seed))  # (t, d), read through mmap
@@ -259,8 +266,7 @@ def build_index(
     ``max_index_memory`` (bytes or "4G") is shared by the modalities in proportion to their vector
     counts.  ``nprobe`` fixes the probe count instead of tuning it.
     """
-    with extra("search", "mmalign index"):
-        import faiss  # noqa: F401
+    _faiss()  # a missing [search] extra is the first thing said
 
     budget = None if max_index_memory is None else parse_size(max_index_memory)
     if int(shards) < 1:
