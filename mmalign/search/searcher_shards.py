@@ -18,6 +18,7 @@ search at once; FAISS releases the GIL while it searches.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,8 @@ class ShardedIndex:
         self.ntotal = int(self.offsets[-1])
         self.d = int(shards[0].d)
         self._rows: np.ndarray | None = None
+        self._map_lock = threading.Lock()  # an IVF shard builds its id -> list map on its first reconstruct
+        self._mapped: set[int] = set()  # shards whose reconstruct needs no lock any more
 
     @classmethod
     def load(cls, index_dir: Path, name: str, entry: dict, dim: int, *, mmap: bool = False) -> ShardedIndex:
@@ -135,19 +138,24 @@ class ShardedIndex:
         return scores[:, :k], ids[:, :k]
 
     def reconstruct(self, position: int) -> np.ndarray:
-        """The stored (or, for PQ, decoded) vector at a global position."""
+        """The stored (or, for PQ, decoded) vector at a global position; safe from many threads."""
         s = int(np.searchsorted(self.offsets, position, side="right") - 1)
         index, local = self.shards[s], int(position - self.offsets[s])
-        try:
+        if s in self._mapped:
             return index.reconstruct(local)
-        except RuntimeError:  # an IVF index reconstructs by id only with its direct map
-            make_map = getattr(index, "make_direct_map", None)
-            if make_map is None:
-                raise UsageError(
-                    f"this {type(index).__name__} index cannot give back a stored vector"
-                ) from None
-            make_map()
-            return index.reconstruct(local)
+        with self._map_lock:  # until the shard has shown it can reconstruct, one thread at a time
+            try:
+                vector = index.reconstruct(local)
+            except RuntimeError:  # an IVF index reconstructs by id only with its direct map
+                make_map = getattr(index, "make_direct_map", None)
+                if make_map is None:
+                    raise UsageError(
+                        f"this {type(index).__name__} index cannot give back a stored vector"
+                    ) from None
+                make_map()
+                vector = index.reconstruct(local)
+            self._mapped.add(s)
+            return vector
 
 
 def _ordered(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -52,7 +52,7 @@ from dataclasses import asdict
 from urllib.parse import parse_qs, urlsplit
 
 from mmalign.errors import UsageError, UserError
-from mmalign.search.searcher import MAX_QUERY_PIXELS, Searcher
+from mmalign.search.searcher import MAX_QUERY_PIXELS, Overloaded, Searcher
 from mmalign.search.serve_clip import ClipRetrievalRoutes
 from mmalign.search.serve_fetch import parse_hosts
 from mmalign.search.serve_images import query_image, thumbnail
@@ -184,6 +184,8 @@ class _Handler(ClipRetrievalRoutes, PooledRequestHandler):
                 self._reply(e.status, {"error": str(e)})
             except UserError as e:
                 self._reply(400, {"error": str(e)})
+            except Overloaded as e:  # the batcher's queue is full: back off, nothing was run
+                self._reply(503, {"error": str(e)}, {"Retry-After": "1"})
         except (
             TimeoutError,
             ConnectionError,

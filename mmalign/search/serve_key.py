@@ -6,7 +6,7 @@ that key.  Its vector is read back from the index itself (``reconstruct``): an e
 index returns the stored vector, an IVF-PQ index its decoded code (close enough to rank
 neighbours by), once the index's id -> list map is built.  Neither the model nor the
 embedding directory is needed.  The key -> position table is built on the first query
-and kept per searcher; building it (and an IVF shard's direct map) takes a lock, the
+and kept per searcher; building it takes a lock (an IVF shard's direct map is the index's own lock), the
 rest only reads, so concurrent key queries need no lock of the caller's.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from mmalign.errors import UsageError
 
 _POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # searcher -> {key: image index position}
-_BUILD = threading.Lock()  # one table build (or direct map) at a time
+_BUILD = threading.Lock()  # one table build at a time
 
 
 def _positions(searcher) -> dict[str, int]:
@@ -46,7 +46,6 @@ def key_vector(searcher, key: str) -> np.ndarray | None:
     position = _positions(searcher).get(key)
     if position is None:
         return None
-    with _BUILD:  # the first reconstruct of an IVF shard builds its direct map
-        vector = searcher.indexes["image"].reconstruct(position)
+    vector = searcher.indexes["image"].reconstruct(position)  # thread-safe, direct map included
     vector = np.asarray(vector, dtype=np.float32)
     return vector / max(float(np.linalg.norm(vector)), 1e-12)

@@ -268,8 +268,6 @@ def distinct(vectors: np.ndarray, threshold: float = NEAR_DUPLICATE) -> np.ndarr
 
 def distinct_images(searcher, vectors: np.ndarray, n: int) -> tuple[list[int], list[float]]:
     """The top ``n`` of the image index for one query (1, D), near-duplicates dropped: (rows, scores)."""
-    from mmalign.search.serve_key import _BUILD  # the lock around an IVF shard's first direct map
-
     if "image" not in searcher.indexes:
         raise UsageError("modality image: this index has no image index")
     index = searcher.indexes["image"]
@@ -279,8 +277,7 @@ def distinct_images(searcher, vectors: np.ndarray, n: int) -> tuple[list[int], l
     scores, positions = index.search(np.ascontiguousarray(vectors, dtype=np.float32), fetch)  # (1, n) each
     found = positions[0] >= 0
     scores, positions = scores[0][found], positions[0][found]
-    with _BUILD:
-        stored = np.stack([np.asarray(index.reconstruct(int(p)), dtype=np.float32) for p in positions])
+    stored = np.stack([np.asarray(index.reconstruct(int(p)), dtype=np.float32) for p in positions])
     keep = distinct(stored)  # (n,)
     return index.row_of(positions[keep]).tolist(), scores[keep].tolist()
 

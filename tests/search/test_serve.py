@@ -393,3 +393,24 @@ def test_queries_run_at_once_no_lock_around_the_searcher():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_full_query_queue_is_a_503_with_retry_after():
+    """The batcher refuses a query when its queue is full (Overloaded): the client gets a 503
+    it can retry, not a dropped connection or a 500."""
+    from mmalign.search.batcher import Overloaded
+
+    class Full(StubSearcher):
+        def text(self, text, k, against, dedupe=True):
+            raise Overloaded("256 queries are already waiting; try again")
+
+    srv = make_server(Full(), "127.0.0.1", 0, access_log=lambda line: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.server_address[1]}/search?text=a&k=1", timeout=20)
+        assert err.value.code == 503 and err.value.headers["Retry-After"] == "1"
+        assert json.loads(err.value.read()) == {"error": "256 queries are already waiting; try again"}
+    finally:
+        srv.shutdown()
+        srv.server_close()
