@@ -13,7 +13,6 @@ Output (contract C2)::
     OUT/image.index, OUT/image_rows.npy     one shard; with --shards N: image.00000.index, ...
     OUT/text.index,  OUT/text_rows.npy      (when the embeddings have captions)
     OUT/metadata.arrow                      every row of the embedding directory (Arrow IPC file)
-    OUT/metadata.parquet                    the same rows, for readers that predate metadata.arrow
     OUT/index.json                          dim, metric, rows, and per modality: kind, factory,
                                             count, search, shards, memory, recall, latency_ms
 
@@ -47,7 +46,6 @@ from mmalign.search.index_plan import SMALL, choose_plan, format_size, opq_helps
 from mmalign.search.index_tune import TRUTH_K, exact_topk, holdout_size, tune
 
 INDEX_INFO = "index.json"
-METADATA = "metadata.parquet"
 _normalised = normalised  # the name older callers import
 PQ_POINTS_PER_CENTROID = 100  # PQ (and OPQ) training points per codebook centroid
 FLAT_PROBE = 20_000  # vectors a brute-force query is timed over (then scaled to the corpus)
@@ -350,6 +348,6 @@ def build_index(
                 f"{name}: {entry['factory']} ({entry['choice']}), "
                 f"{format_size(entry['memory']['measured_bytes'])} of {format_size(share)}"
             )
-    write_metadata(meta_files, out, also_parquet=METADATA)
+    write_metadata(meta_files, out)
     (out / INDEX_INFO).write_text(json.dumps(record, indent=2))
     return record

@@ -9,6 +9,14 @@ from pathlib import Path
 import numpy as np
 
 
+def read_index_metadata(index_dir):
+    """An index directory's ``metadata.arrow`` as a pandas frame, read by pyarrow's own reader."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(Path(index_dir) / "metadata.arrow")) as f:
+        return pa.ipc.open_file(f).read_pandas()
+
+
 def unit_vectors(rng, n: int, d: int) -> np.ndarray:
     x = rng.standard_normal((n, d)).astype(np.float32)
     return x / np.linalg.norm(x, axis=1, keepdims=True)

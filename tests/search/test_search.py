@@ -24,6 +24,7 @@ from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
 from mmalign.search.index import build_index
 from mmalign.search.searcher import Searcher, index_recall
 from tests.harness.searchdata import save_random_model
+from tests.harness.searchindex import read_index_metadata
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_index_recall_equals_evaluation_suite(built):
     ks = (1, 5, 10)
     from_index = index_recall(built["idx"], ks)
     # 1) the same definitions on the very vectors the index holds: exactly equal
-    meta = pd.read_parquet(built["idx"] / "metadata.parquet")
+    meta = read_index_metadata(built["idx"])
     img_rows = np.flatnonzero(meta["caption_index"].to_numpy() == 0)
     owner = torch.from_numpy(np.cumsum(meta["caption_index"].to_numpy() == 0) - 1)
     # the index holds (and queries with) the fp16 vectors renormalised in float32: use exactly those
@@ -135,7 +136,7 @@ def test_index_recall_equals_evaluation_suite(built):
 
 def test_search_text_and_image_queries(built, tmp_path, capsys):
     s = Searcher(built["idx"], built["model"])
-    meta = pd.read_parquet(built["idx"] / "metadata.parquet")
+    meta = read_index_metadata(built["idx"])
     images = _stored(built["emb"], "img")[meta["caption_index"].to_numpy() == 0].astype(np.float32)
     # text query: top-5 equals a brute-force cosine ranking over the stored image vectors
     query = "a large yellow triangle in the bottom right corner"
@@ -175,7 +176,7 @@ def test_ivfpq_past_the_exact_size(built, tmp_path):
     hits = s.text("a red circle", k=7)
     assert len(hits) == 7 and len({h.key for h in hits}) == 7
     # approximate, but an image's own vector still finds it among the top 10 for most images
-    meta = pd.read_parquet(tmp_path / "ivf" / "metadata.parquet")
+    meta = read_index_metadata(tmp_path / "ivf")
     first = meta["caption_index"].to_numpy() == 0
     found = [
         meta["key"][first].iloc[i] in {h.key for h in res}

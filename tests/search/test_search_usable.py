@@ -16,7 +16,6 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from PIL import Image
@@ -27,6 +26,7 @@ from mmalign.data.shards import read_samples
 from mmalign.search.searcher import ImageUnavailable, Searcher, format_hits
 from mmalign.search.serve import _is_loopback, make_server
 from tests.harness.searchdata import CLASSES, PER_CLASS, TEMPLATES, build_corpus, serve_corpus
+from tests.harness.searchindex import read_index_metadata
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_hits_carry_the_source_path(corpus, capsys):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dedupe_against_a_naive_full_sort(corpus, seed):
     searcher = Searcher(corpus["idx"])
-    meta = pd.read_parquet(corpus["idx"] / "metadata.parquet")
+    meta = read_index_metadata(corpus["idx"])
     vectors, captions = _stored_text(corpus["emb"]), list(meta["caption"])
     n_distinct = len(set(captions))
     assert n_distinct == len(CLASSES) * len(TEMPLATES) and len(captions) == n_distinct * PER_CLASS
@@ -141,7 +141,7 @@ def test_image_to_text_dedupes_by_default_and_no_dedupe_keeps_copies(corpus, cap
     loaded = mmalign.load(corpus["model"])  # the query embedded by the public API, independently
     with torch.no_grad():
         query = loaded.encode_image(loaded.preprocess(Image.open(image)).unsqueeze(0)).numpy()
-    meta = pd.read_parquet(corpus["idx"] / "metadata.parquet")
+    meta = read_index_metadata(corpus["idx"])
     vectors, captions = _stored_text(corpus["emb"]), list(meta["caption"])
     hits = Searcher(corpus["idx"], corpus["model"]).image(str(image), k=4, against="text")
     want = _naive(vectors, captions, query[0], 4, dedupe=True)
@@ -173,8 +173,8 @@ def test_image_to_text_dedupes_by_default_and_no_dedupe_keeps_copies(corpus, cap
 def test_an_index_from_before_source_paths_still_loads(corpus, tmp_path):
     old = tmp_path / "old_idx"
     shutil.copytree(corpus["idx"], old)
-    (old / "metadata.arrow").unlink(missing_ok=True)  # an old index: its metadata in parquet only
-    meta = pd.read_parquet(old / "metadata.parquet")
+    meta = read_index_metadata(old)
+    (old / "metadata.arrow").unlink()  # an old index: its metadata in parquet only
     meta[["key", "caption", "caption_index", "json"]].to_parquet(old / "metadata.parquet", index=False)
     searcher = Searcher(old, corpus["model"])
     hits = searcher.text("a photo of a bird", k=3)
@@ -336,7 +336,7 @@ def test_serve_help_documents_the_routes(capsys):
 def test_hit_meta_holds_the_other_columns_but_not_the_image_location(corpus):
     searcher = Searcher(corpus["idx"], corpus["model"])
     hit = searcher.text("a photo of a bird", k=1)[0]
-    frame = pd.read_parquet(corpus["idx"] / "metadata.parquet")  # the reference: pandas' reading
+    frame = read_index_metadata(corpus["idx"])  # the reference: pandas' reading
     want = frame.iloc[hit.row]
     assert {"file", "offset"} <= set(frame.columns) and {"file", "offset"} <= set(
         searcher.metadata([hit.row])[0]
