@@ -117,17 +117,24 @@ def metadata_files(emb_dir: Path, n_parts: int) -> list[Path]:
 
 
 def union_schema(files: list[Path]):
-    """The union of the parts' columns (C1: parts may carry different extra columns)."""
+    """The union of the parts' columns (C1: parts may carry different extra columns).  A column
+    whose types no promotion reconciles (whole numbers in one part, JSON text in another) is
+    kept as text: every value survives, written as its string."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     schemas = [pq.read_schema(f).remove_metadata() for f in files]
-    try:
-        return pa.unify_schemas(schemas, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise UsageError(
-            f"--emb: the metadata parts disagree on a column's type ({str(e).splitlines()[0]})"
-        ) from None
+    fields: dict[str, list] = {}
+    for schema in schemas:
+        for field in schema:
+            fields.setdefault(field.name, []).append(field)
+    unified = []
+    for name, same in fields.items():
+        try:
+            unified.append(pa.unify_schemas([pa.schema([f]) for f in same], promote_options="permissive")[0])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            unified.append(pa.field(name, pa.string()))
+    return pa.schema(unified)
 
 
 def caption_index(files: list[Path]) -> list[np.ndarray]:
@@ -139,15 +146,14 @@ def caption_index(files: list[Path]) -> list[np.ndarray]:
     ]
 
 
-def write_metadata(files: list[Path], out: Path, also_parquet: str | None = None) -> int:
-    """Stream the parts into ``out/metadata.arrow`` (and ``also_parquet``, for older readers)."""
+def write_metadata(files: list[Path], out: Path) -> int:
+    """Stream the parts into ``out/metadata.arrow``, one part in memory at a time."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 
     schema = union_schema(files)
     total = 0
-    pq_writer = pq.ParquetWriter(out / also_parquet, schema) if also_parquet else None
     with pa.OSFile(str(out / METADATA_ARROW), "wb") as sink, ipc.new_file(sink, schema) as writer:
         for f in files:
             table = pq.read_table(f)
@@ -159,9 +165,5 @@ def write_metadata(files: list[Path], out: Path, also_parquet: str | None = None
             ]
             table = pa.Table.from_arrays(cols, schema=schema)
             writer.write_table(table)
-            if pq_writer is not None:
-                pq_writer.write_table(table)
             total += len(table)
-    if pq_writer is not None:
-        pq_writer.close()
     return total

@@ -281,3 +281,20 @@ def test_docs_sizing_command(emb, tmp_path):
     e = json.loads((tmp_path / "idx" / "index.json").read_text())["image"]
     assert e["memory"]["budget_bytes"] == 4 * 2**30 and e["kind"] == "flat"  # 3000 vectors: exact is fast
     assert "image: Flat" in run.stdout
+
+
+def test_a_column_typed_differently_in_two_parts_is_kept_as_text(tmp_path):
+    """Whole numbers in one part, text in the other (C1 allows it): no promotion reconciles
+    them, so the column is kept as text and every value survives."""
+    from mmalign.search.index_build import write_metadata
+
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pd.DataFrame({"key": ["x", "y"], "extra": [7, 8], "width": [1, 2]}).to_parquet(a)
+    pd.DataFrame({"key": ["z"], "extra": ['{"n": 1}'], "width": [3.5]}).to_parquet(b)
+    assert write_metadata([a, b], tmp_path) == 3
+    with pa.memory_map(str(tmp_path / "metadata.arrow")) as f:
+        table = pa.ipc.open_file(f).read_all()
+    assert table.schema.field("extra").type == pa.string()
+    assert table.column("extra").to_pylist() == ["7", "8", '{"n": 1}']
+    assert table.schema.field("width").type == pa.float64()  # int and float still promote to float
+    assert table.column("width").to_pylist() == [1.0, 2.0, 3.5]
