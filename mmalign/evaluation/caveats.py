@@ -2,7 +2,7 @@
 class templates ("a photo of a cat.") measures class separation, not caption matching, since
 each caption matches every image of its class equally well.  :data:`TEMPLATE_CAVEAT` is the
 one wording of that caveat: the HTML report, ``mmalign eval``'s table, the end of a run's
-headline and :func:`mmalign.search.searcher.index_recall` all print it.
+headline and :func:`mmalign.search.recall.index_recall` all print it.
 
 Captions are templates when the suite says so (``template_captions``, a class dataset) or,
 where no suite is known, when they repeat: :func:`looks_templated`.

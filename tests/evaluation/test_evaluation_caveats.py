@@ -10,7 +10,7 @@ import pytest
 from mmalign.cli import main
 from mmalign.evaluation import caveats, headline
 from mmalign.evaluation.caveats import TEMPLATE_CAVEAT, looks_templated
-from mmalign.search.searcher import index_recall
+from mmalign.search.recall import index_recall
 from tests.evaluation.test_evaluation_suite_fit import CIFAR, cifar_like
 from tests.harness.searchdata import save_random_model
 

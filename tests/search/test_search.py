@@ -22,7 +22,8 @@ from mmalign.errors import UsageError
 from mmalign.evaluation import load_suite, run_suite
 from mmalign.evaluation.retrieval import recall_from_ranks, retrieval_ranks
 from mmalign.search.index import build_index
-from mmalign.search.searcher import Searcher, index_recall
+from mmalign.search.recall import index_recall
+from mmalign.search.searcher import Searcher
 from tests.harness.searchdata import save_random_model
 from tests.harness.searchindex import read_index_metadata
 
