@@ -30,7 +30,9 @@ streamed; autofaiss 2.18 estimates 6.4-6.7 GB to build at 1G/4G), but on 2 cores
 alone is ~100 TFLOP and the builds take hours, so the table here is 1M; ``--n 10000000`` runs it.
 
     python bench/search_scale.py --write-doc          # 1M x 512, budgets 1G and 4G: an idle machine
-    python bench/search_scale.py --n 50000 --budgets 50M --queries 1000   # a minute or two
+    python bench/search_scale.py --budgets 4G                            # in pieces: the 4G arms,
+    python bench/search_scale.py --budgets 1G,4G --keep --write-doc      # then 1G, 4G kept
+    python bench/search_scale.py --n 50000 --budgets 50M --queries 1000   # ~25 min on 2 loaded cores
 """
 
 from __future__ import annotations
@@ -230,7 +232,12 @@ def qps(loaded: Loaded, queries: np.ndarray, threads: int, seconds: float) -> fl
 
 def arm(tool: str, budget: str, emb: Path, work: Path, queries, truth, args) -> dict:
     out = work / "runs" / f"{tool}_{budget}"
+    saved = out.parent / f"{out.name}.json"
+    if args.keep and saved.is_file() and "failed" not in json.loads(saved.read_text()):
+        print(f"[{tool} {budget}] kept from an earlier run ({saved})", flush=True)
+        return {**json.loads(saved.read_text()), "kept": True}
     shutil.rmtree(out, ignore_errors=True)
+    saved.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     row = {"tool": tool, "budget": budget}
     print(f"[{tool} {budget}] building ...", flush=True)
@@ -249,6 +256,7 @@ def arm(tool: str, budget: str, emb: Path, work: Path, queries, truth, args) -> 
     for t in (1, 16):
         row[f"qps{t}"] = qps(loaded, queries, t, args.qps_seconds)
     print(f"[{tool} {budget}] {json.dumps(row)}", flush=True)
+    saved.write_text(json.dumps(row, indent=2))
     return row
 
 
@@ -276,7 +284,7 @@ def report(rows: list[dict], args, cmd: str, note: str) -> str:
             continue
         body.append(
             [
-                r["tool"],
+                r["tool"] + (" *" if r.get("kept") else ""),
                 r["budget"],
                 f"`{r['index']}`",
                 f"{r['build_s']:.1f}",
@@ -328,7 +336,12 @@ def report(rows: list[dict], args, cmd: str, note: str) -> str:
             )
         )
     text += (
-        "\nQPS@T: T Python threads, each issuing one k=10 query at a time with FAISS's OpenMP at 1 thread "
+        (
+            "\n\\* measured by an earlier run on the same corpus (`--keep`).\n"
+            if any(r.get("kept") for r in rows)
+            else ""
+        )
+        + "\nQPS@T: T Python threads, each issuing one k=10 query at a time with FAISS's OpenMP at 1 thread "
         f"in each (a server's request threads), for {args.qps_seconds:g} s. recall@10: mean overlap of the top-10 with "
         "the exact top-10, each tool's chosen search parameters. Budgets are passed as the same string to "
         f"`--max-index-memory` and `--max_index_memory_usage`; autofaiss gets `--current_memory_available="
@@ -382,6 +395,11 @@ def main() -> None:
         "--autofaiss-args",
         default="",
         help="more `autofaiss build_index` flags, one string (--autofaiss-args='--nb_cores=2')",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="reuse each (tool, budget) that an earlier run on this corpus measured (a long run in pieces)",
     )
     p.add_argument("--work", default=str(ROOT / "data" / "bench_search_scale"), help="corpus and runs")
     p.add_argument("--doc", default=str(DOC), help="the document --write-doc writes")
