@@ -59,11 +59,10 @@ from mmalign.data.shards import shard_total  # noqa: F401 (re-exported: its old 
 from mmalign.errors import UsageError
 from mmalign.progress import track
 from mmalign.search.embed_inputs import FOLDER_IMAGE_EXTS, Units, open_data, plan_units
-from mmalign.search.embed_parts import METADATA_COLUMNS, PartWriter
+from mmalign.search.embed_parts import EMBED_INFO, METADATA_COLUMNS, PartWriter
 
 __all__ = ["EMBED_INFO", "FOLDER_IMAGE_EXTS", "METADATA_COLUMNS", "embed", "open_data", "plan_units"]
 
-EMBED_INFO = "embed.json"
 WORK = "embed_work"
 STAMP = "stamp.json"
 DONE = "done.json"

@@ -19,6 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+EMBED_INFO = (
+    "embed.json"  # the embedding directory's record (here, not in embed.py: index reads it without torch)
+)
+
 METADATA_COLUMNS = ["key", "caption", "caption_index", "json", "source_path", "file", "offset"]
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from mmalign.errors import UsageError
 from mmalign.extras import extra
-from mmalign.search.embed import EMBED_INFO
+from mmalign.search.embed_parts import EMBED_INFO
 from mmalign.search.index_build import (
     Source,
     metadata_files,

@@ -298,3 +298,21 @@ def test_a_column_typed_differently_in_two_parts_is_kept_as_text(tmp_path):
     assert table.column("extra").to_pylist() == ["7", "8", '{"n": 1}']
     assert table.schema.field("width").type == pa.float64()  # int and float still promote to float
     assert table.column("width").to_pylist() == [1.0, 2.0, 3.5]
+
+
+def test_index_never_imports_torch(emb, tmp_path):
+    """Building an index needs FAISS, numpy and pyarrow only: torch would add ~0.6 GB to its peak
+    RSS (the bench's memory column) and seconds to its start."""
+    import subprocess
+    import sys
+
+    root, _ = emb
+    code = (
+        "import sys\n"
+        "from mmalign.cli import main\n"
+        f"code = main(['index', '--emb', {str(root / 'emb')!r}, '--out', {str(tmp_path / 'i')!r}])\n"
+        "assert code == 0, code\n"
+        "assert 'torch' not in sys.modules, 'mmalign index imported torch'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
