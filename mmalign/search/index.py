@@ -241,6 +241,35 @@ def _build_one(
     return entry
 
 
+def _or_hnsw(ivf: dict, source: Source, name: str, out: Path, opts: dict, log) -> dict:
+    """IVF-Flat missed the target: build HNSW beside it (when it fits the budget) and keep the one
+    that meets the target, else the one with the higher recall@10 (its files replace the other's)."""
+    import shutil
+
+    trial = out / f".{name}.hnsw-trial"
+    trial.mkdir(parents=True, exist_ok=True)
+    try:
+        hnsw = _build_one(source, name, trial, kind="hnsw", **{**opts, "nprobe": None})
+    except UsageError:  # HNSW does not fit the budget: IVF-Flat stays
+        shutil.rmtree(trial, ignore_errors=True)
+        return ivf
+    better = hnsw["target"]["met"] or hnsw["recall"]["@10"] > ivf["recall"]["@10"]
+    if better:
+        for shard in hnsw["shards"]:
+            for key in ("index", "rows"):
+                (trial / shard[key]).replace(out / shard[key])
+    shutil.rmtree(trial, ignore_errors=True)
+    kept, other = (hnsw, ivf) if better else (ivf, hnsw)
+    kept["choice"] = (
+        f"{ivf['factory']} missed the target (recall@10 {ivf['recall']['@10']}); {hnsw['factory']} "
+        f"tried beside it (recall@10 {hnsw['recall']['@10']}): kept {kept['factory']}"
+    )
+    kept["tried"] = {"factory": other["factory"], "search": other["search"], "recall": other["recall"]}
+    if log is not None:
+        log(f"{name}: {kept['choice']}")
+    return kept
+
+
 def build_index(
     emb_dir: str | Path,
     out: str | Path,
@@ -323,23 +352,12 @@ def build_index(
             continue
         source = sources[kind_]
         share = None if budget is None else int(budget * source.count / total)  # modalities split the budget
-        entry = _build_one(
-            source,
-            name,
-            out,
-            budget=share,
-            kind=kind,
-            shards=int(shards),
-            max_query_ms=max_query_ms,
-            min_recall=min_recall,
-            exact_max=exact_max,
-            nlist=nlist,
-            pq_m=pq_m,
-            nbits=nbits,
-            nprobe=nprobe,
-            holdout=holdout,
-            seed=seed,
-        )
+        opts: dict[str, Any] = {"budget": share, "shards": int(shards), "max_query_ms": max_query_ms}
+        opts |= {"min_recall": min_recall, "exact_max": exact_max, "nlist": nlist, "pq_m": pq_m}
+        opts |= {"nbits": nbits, "nprobe": nprobe, "holdout": holdout, "seed": seed}
+        entry = _build_one(source, name, out, kind=kind, **opts)
+        if kind == "auto" and entry["kind"] == "ivf-flat" and not entry["target"]["met"]:
+            entry = _or_hnsw(entry, source, name, out, opts, log)
         record[name] = entry
         if log is not None and not entry["target"]["met"]:
             log(f"{name}: target not met: {entry['target']['note']} ({entry['factory']}, {entry['search']})")

@@ -1,10 +1,11 @@
 """Which FAISS index fits a memory budget: the candidates, their memory estimates, the choice.
 
-The kinds, most accurate first (every one inner product over unit vectors):
+The kinds, in the order ``auto`` tries them (every one inner product over unit vectors):
 
 * ``flat``        exact; ``4 d`` bytes a vector.
-* ``hnsw``        a graph over the full vectors (``HNSW{M}``): ``4 d + ~8 M + 16`` bytes a vector.
 * ``ivf-flat``    ``IVF{nlist},Flat``: full vectors in ``nlist`` lists; ``4 d + 8`` bytes a vector.
+* ``hnsw``        a graph over the full vectors (``HNSW{M}``): ``4 d + ~8 M + 16`` bytes a vector;
+  ``auto`` builds it only when IVF-Flat missed the recall target and it fits (``index.py``).
 * ``opq-ivf-pq``  ``OPQ{m},IVF{nlist},PQ{m}x{nbits}``: a learnt rotation, then PQ codes.
 * ``ivf-pq``      ``IVF{nlist},PQ{m}x{nbits}``: ``m nbits / 8 + 8`` bytes a vector.
 
@@ -195,8 +196,9 @@ def choose_plan(
             candidates = [make_plan("flat", count, dim, {}, why)]
         else:
             candidates = []
-        if count >= SMALL:
-            candidates += [make_plan("hnsw", count, dim, {"M": M}) for M in HNSW_M]
+        # IVF-Flat before HNSW: it scans exact distances in the probed lists, builds ~3x faster and
+        # holds 8 bytes a vector instead of ~8M + 16; index.py falls back to HNSW (which then fits
+        # too) when IVF-Flat misses the recall target (docs/benchmarks.md, search at scale)
         candidates += [make_plan("ivf-flat", count, dim, ivf)]
         candidates += pq_plans([_pq_kind(opq)])
     elif kind == "hnsw":
