@@ -106,7 +106,7 @@ INTEGRATIONS = {
         "search",
         {
             "mmalign/search/index.py",
-            "mmalign/search/searcher.py",
+            "mmalign/search/searcher_shards.py",
             "data_pipelines/curate/dedupe.py",
             "data_pipelines/mine.py",
         },

@@ -25,11 +25,13 @@ echo "Collecting something (stand-in for pip's progress)"
 def checkout(tmp_path):
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
-    bin_dir = tmp_path / ".venv" / "bin"
-    bin_dir.mkdir(parents=True)
-    python = bin_dir / "python"
-    python.write_text(FAKE_PYTHON)
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    for venv in (".venv", ".venv-tools"):  # the project's venv and the field's tools' side venv
+        bin_dir = tmp_path / venv / "bin"
+        bin_dir.mkdir(parents=True)
+        python = bin_dir / "python"
+        python.write_text(FAKE_PYTHON)
+        python.chmod(python.stat().st_mode | stat.S_IXUSR)
     return tmp_path
 
 
@@ -51,10 +53,17 @@ def test_install_announces_itself_and_shows_pips_progress(checkout):
     # pip's own output reaches the terminal, and pip is not asked to be quiet
     calls = (checkout / ".venv" / "bin" / "calls").read_text().splitlines()
     assert (
-        len(calls) == 2
+        len(calls) == 3
         and calls[1].startswith("-m pip install")
         and "-e .[search,export,report,test]" in calls[1]
     )
+    # clip-retrieval without its dependencies (tests load files from it), pinned in requirements/
+    assert calls[2].startswith("-m pip install") and "--no-deps -r requirements/test-nodeps.txt" in calls[2]
+    # img2dataset and autofaiss into their own venv, with their own pins
+    tools = (checkout / ".venv-tools" / "bin" / "calls").read_text().splitlines()
+    assert tools == [t for t in tools if t.startswith("-m pip install")] and len(tools) == 1
+    assert "-r requirements/tools.txt" in tools[0]
+    assert "the field's tools (img2dataset, autofaiss) into their own venv" in run.stdout
     assert not any(arg in ("-q", "--quiet") for call in calls for arg in call.split())
     # at the end: the time it took and the venv's size
     assert lines[-1].startswith("mmalign: installed in ") and "s; .venv takes " in lines[-1]
