@@ -70,9 +70,6 @@ from mmalign.search.serve_origin import (
 )
 from mmalign.search.serve_page import PAGE
 
-_Refused = Refused
-_is_loopback = is_loopback  # the name the tests knew
-
 
 def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr looked up per line: it may be replaced

@@ -68,7 +68,7 @@ class ClipRetrievalRoutes:
         self._reply(200, results, notes(query.clamped, query.ignored))
 
     def _metadata(self, body: bytes) -> None:
-        data_rows = {name: _rows(s) for name, s in self.searchers.items()}
+        data_rows = {name: int(s.num_rows) for name, s in self.searchers.items()}
         name, ids, clamped = parse_metadata(body, data_rows, self.max_k)
         searcher = self.searchers[name]
         metas = self._with_images(searcher, ids, row_metadata(searcher, ids))
@@ -87,8 +87,3 @@ class ClipRetrievalRoutes:
                     continue  # no stored image (an index without locations): the caption alone
                 meta["image"] = base64.b64encode(jpeg).decode("ascii")
         return metas
-
-
-def _rows(searcher) -> int:
-    rows = getattr(searcher, "num_rows", None)
-    return int(rows) if rows is not None else len(searcher.meta)

@@ -207,13 +207,8 @@ def _plain(value):
 def row_metadata(searcher, rows: list[int]) -> list[dict]:
     """Each row's metadata for clip-retrieval's answers: the shards' columns, null ones left out.
 
-    Reads the searcher's ``metadata(rows)`` where it has one, else its pandas ``meta``; the
-    fields of a row's raw ``json`` column fill in columns an older index did not split out."""
-    if hasattr(searcher, "metadata"):
-        records = searcher.metadata(list(rows))
-    else:
-        frame = searcher.meta
-        records = [frame.iloc[int(r)].to_dict() for r in rows]
+    The fields of a row's raw ``json`` column fill in columns an older index did not split out."""
+    records = searcher.metadata(list(rows))
     out = []
     for record in records:
         raw = record.get("json")

@@ -24,7 +24,8 @@ import mmalign
 from mmalign.cli import main
 from mmalign.data.shards import read_samples
 from mmalign.search.searcher import ImageUnavailable, Searcher, format_hits
-from mmalign.search.serve import _is_loopback, make_server
+from mmalign.search.serve import make_server
+from mmalign.search.serve_origin import is_loopback
 from tests.harness.searchdata import CLASSES, PER_CLASS, TEMPLATES, build_corpus, serve_corpus
 from tests.harness.searchindex import read_index_metadata
 
@@ -292,8 +293,8 @@ def test_one_access_log_line_per_request(quiet_server):
 
 
 def test_thumbnails_only_for_loopback_clients(corpus):
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("::ffff:127.0.0.1")
-    assert not _is_loopback("192.0.2.7") and not _is_loopback("not an address")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("192.0.2.7") and not is_loopback("not an address")
     try:  # a non-loopback address of this machine, if it has one
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
