@@ -79,28 +79,37 @@ class MetadataTable:
             bad = rows[(rows < 0) | (rows >= self.num_rows)][0]
             raise UsageError(f"row {int(bad)} is outside the metadata's [0, {self.num_rows})")
 
-    def values(self, column: str, rows) -> list:
-        """The Python values of ``column`` at ``rows`` (in that order); None where absent."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        self._check(rows)
-        if column not in self.columns:
-            return [None] * len(rows)
+    def _groups(self, rows) -> tuple[np.ndarray, list]:
+        """``rows`` checked, and grouped by record batch: [(batch, positions in rows, Arrow indices)]."""
         import pyarrow as pa
 
-        out: list = [None] * len(rows)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        self._check(rows)
         batch_of = np.searchsorted(self._starts, rows, side="right") - 1  # (n,) batch of each row
+        groups = []
         for b in np.unique(batch_of):
             where = np.flatnonzero(batch_of == b)
-            local = pa.array(rows[where] - self._starts[b])
-            taken = self._batches[b].column(column).take(local).to_pylist()
-            for i, v in zip(where, taken):
+            groups.append((int(b), where, pa.array(rows[where] - self._starts[b])))
+        return rows, groups
+
+    def _take(self, column: str, n: int, groups: list) -> list:
+        out: list = [None] * n
+        if column not in self.columns:
+            return out
+        for b, where, local in groups:
+            for i, v in zip(where, self._batches[b].column(column).take(local).to_pylist()):
                 out[i] = v
         return out
 
+    def values(self, column: str, rows) -> list:
+        """The Python values of ``column`` at ``rows`` (in that order); None where absent."""
+        rows, groups = self._groups(rows)
+        return self._take(column, len(rows), groups)
+
     def rows(self, rows) -> list[dict]:
-        """All columns of each of ``rows``, JSON-able."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        columns = {c: self.values(c, rows) for c in self.columns}
+        """All columns of each of ``rows``, JSON-able (the rows grouped by batch once, not per column)."""
+        rows, groups = self._groups(rows)
+        columns = {c: self._take(c, len(rows), groups) for c in self.columns}
         return [{c: jsonable(columns[c][i]) for c in self.columns} for i in range(len(rows))]
 
     def column(self, column: str) -> np.ndarray:
