@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-index-memory",
         help="memory budget of the indexes (512M, 4G, 1.5G; shared by image and text in proportion to "
-        "their counts): the most accurate kind that fits (Flat, HNSW, IVF-Flat, OPQ+IVF-PQ, IVF-PQ). "
+        "their counts): the first kind that fits of Flat, IVF-Flat (HNSW beside it when it misses "
+        "--min-recall), OPQ+IVF-PQ, IVF-PQ. "
         "Without it: Flat up to --exact-max vectors, else IVF-PQ (the old default)",
     )
     p.add_argument(
