@@ -13,23 +13,7 @@ import pytest
 
 from mmalign.search.batcher import Batcher, BatcherClosed, Overloaded
 from tests.harness import ROOT
-
-
-def _run_threads(fn, n: int) -> list:
-    out: list = [None] * n
-
-    def one(i):
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    return out
+from tests.harness.threads import run_threads
 
 
 def test_concurrent_items_share_batches_and_get_their_own_results():
@@ -43,7 +27,7 @@ def test_concurrent_items_share_batches_and_get_their_own_results():
 
     with Batcher(square, max_batch=8, max_wait_s=0.05, max_queue=64) as b:
         threading.Timer(0.3, gate.set).start()
-        results = _run_threads(b.submit, 20)
+        results = run_threads(b.submit, 20, timeout=10)
     assert results == [i * i for i in range(20)]
     assert sum(sizes) == 20 and max(sizes) == 8 and len(sizes) < 20  # batched, never over max_batch
 
@@ -67,7 +51,7 @@ def test_an_error_reaches_only_the_callers_of_its_batch():
         held.start()
         time.sleep(0.2)
         threading.Timer(0.3, release.set).start()
-        out = _run_threads(lambda i: b.submit("bad" if i == 0 else f"x{i}"), 3)
+        out = run_threads(lambda i: b.submit("bad" if i == 0 else f"x{i}"), 3, timeout=10)
         held.join(5)
         assert all(isinstance(r, ValueError) for r in out), out  # one batch: all of it failed
         assert b.submit("later") == "LATER"

@@ -3,8 +3,6 @@ texts encoded together in one batch equal each text encoded alone by the model i
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch
 from mmalign.search.searcher import Searcher
 from tests.harness.searchdata import save_random_model
 from tests.harness.searchindex import unit_vectors, write_index_dir
+from tests.harness.threads import run_threads
 
 pytest.importorskip("faiss")
 
@@ -31,25 +30,6 @@ def searcher(tmp_path_factory):
     s.close()
 
 
-def _together(fn, n: int) -> list:
-    """``fn(i)`` for i < n, all threads released at once; exceptions are returned."""
-    barrier, out = threading.Barrier(n), [None] * n
-
-    def one(i):
-        barrier.wait()
-        try:
-            out[i] = fn(i)
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_concurrent_texts_equal_each_text_encoded_alone(searcher):
     model, tokenizer = searcher.source.model, searcher.source.tokenizer
     sizes = []
@@ -61,7 +41,7 @@ def test_concurrent_texts_equal_each_text_encoded_alone(searcher):
 
     model.encode_text = counted  # records the batch sizes the worker used
     try:
-        got = _together(lambda i: searcher.encode_text([TEXTS[i]])[0], len(TEXTS))
+        got = run_threads(lambda i: searcher.encode_text([TEXTS[i]])[0], len(TEXTS), together=True)
     finally:
         del model.encode_text
     with torch.no_grad():
@@ -80,7 +60,7 @@ def test_many_threads_get_the_serial_hits(searcher):
 
     serial = [ask(q) for q in queries]
     for _ in range(3):
-        parallel = _together(lambda i: ask(queries[i]), len(queries))
+        parallel = run_threads(lambda i: ask(queries[i]), len(queries), together=True)
         for got, want in zip(parallel, serial):
             assert isinstance(got, list), got
             assert [h.row for h in got] == [h.row for h in want]
@@ -92,11 +72,11 @@ def test_concurrent_vector_searches_and_metadata(searcher):
     rng = np.random.default_rng(1)
     blocks = [unit_vectors(rng, 1 + i % 3, DIM) for i in range(16)]
     serial = [searcher.search_vectors(b, k=7) for b in blocks]
-    parallel = _together(lambda i: searcher.search_vectors(blocks[i], k=7), len(blocks))
+    parallel = run_threads(lambda i: searcher.search_vectors(blocks[i], k=7), len(blocks), together=True)
     assert [[[h.row for h in q] for q in hits] for hits in parallel] == [
         [[h.row for h in q] for q in hits] for hits in serial
     ]
-    rows = _together(lambda i: searcher.metadata([i, 2999 - i]), 16)
+    rows = run_threads(lambda i: searcher.metadata([i, 2999 - i]), 16, together=True)
     assert rows == [searcher.metadata([i, 2999 - i]) for i in range(16)]
 
 
@@ -106,6 +86,6 @@ def test_a_bad_query_fails_alone(searcher):
             return searcher.search_vectors(np.zeros((1, DIM + 1), np.float32), k=3)  # wrong dim
         return searcher.text(TEXTS[i], k=2)
 
-    out = _together(ask, 8)
+    out = run_threads(ask, 8, together=True)
     assert "do not match the index dim" in str(out[0])
     assert all(isinstance(h, list) and len(h) == 2 for h in out[1:])
