@@ -30,6 +30,7 @@ from mmalign.config.schema import (
     DataConfig,
     DeepSpeedConfig,
     DistConfig,
+    DistillConfig,
     EvalConfig,
     LossConfig,
     ModelConfig,
@@ -41,6 +42,7 @@ from mmalign.errors import ConfigError  # re-exported: the config's own error
 __all__ = [
     "MAX_MEMBER_BYTES",
     "AugmentConfig",
+    "DistillConfig",
     "Config",
     "ConfigError",
     "DataConfig",

@@ -340,6 +340,28 @@ class TrainConfig:
         doc="`auto`: torch's choice on CUDA and in fp32, on CPU under bf16 / fp16 the fastest measured of "
         "`flash`, `math`, `flash_fp32`; the others force one (`mmalign/models/attention_kernel.py`)",
     )
+    ema_decay: float = knob(
+        0.0,
+        rule=Span(0, 1, hi_open=True, note="0 = off"),
+        doc="keep an exponential moving average of the weights with this decay d (e.g. 0.999), "
+        "saved in checkpoints and evaluated beside the raw weights" + SEE_FT,
+    )
+    ema_warmup: bool = knob(
+        True, doc="`train.ema_decay`'s warm-up: step t uses min(d, (1 + t) / (10 + t))" + SEE_FT
+    )
+
+
+@dataclass
+class DistillConfig:
+    teacher: str | None = knob(
+        None,
+        rule=PATH,
+        doc="a frozen teacher (any model `model.pretrained` takes, or `stored`: its embeddings "
+        "precomputed into the shards by `mmalign embed`); null = no distillation" + SEE_FT,
+    )
+    weight: float = knob(
+        1.0, rule=Span(0), doc="the distillation term's share: loss = contrastive + weight x KL" + SEE_FT
+    )
 
 
 @dataclass
@@ -383,6 +405,7 @@ class LossConfig:
         doc="+ weight x NT-Xent between the two views of each image (SimCLR / SLIP; needs `data.views: 2`)",
     )
     image_image_temperature: float = knob(0.1, rule=RATE, doc="the NT-Xent temperature (fixed)")
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
