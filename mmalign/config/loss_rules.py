@@ -105,6 +105,17 @@ PARTS: tuple[Part, ...] = (
         lambda c: c.loss.image_image_weight > 0,
         example=("data.views=2", "loss.image_image_weight=0.5"),
     ),
+    # open_clip's distillation matches softmax distributions, the InfoNCE student's; a sigmoid
+    # student's pairs are not a distribution over the batch
+    Part(
+        "distill",
+        ("loss.distill.teacher",),
+        lambda c: c.loss.distill.teacher is not None and c.loss.distill.weight > 0,
+        refuses={
+            "siglip": "the teacher's softmax distributions distil into an InfoNCE student (needs loss.name=infonce)"
+        },
+        example=("loss.distill.teacher=stored", "loss.distill.weight=0.5"),
+    ),
 )
 
 _BY_NAME = {p.name: p for p in PARTS}

@@ -51,6 +51,10 @@ class Batch:
     images2: Tensor | None = None  # (B, 3, H, W) a second augmented view (data.views: 2)
     neg_tokens: Tensor | None = None  # (B, k, L) mined negative captions (data.hard_negatives)
     neg_mask: Tensor | None = None  # (B, k) bool: which of the k slots hold a caption
+    # a distillation teacher's embeddings stored in the shards (loss.distill.teacher: stored)
+    teacher_image: Tensor | None = None  # (B, D_T) float32, L2-normalised
+    teacher_text: Tensor | None = None  # (B, D_T) float32, L2-normalised
+    teacher_scale: Tensor | None = None  # (B, 1) float32: the teacher's logit scale, exp'd
     skipped: dict[str, int] = field(default_factory=dict)  # the run's skipped samples so far, by reason
 
     def __len__(self) -> int:

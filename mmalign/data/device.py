@@ -35,6 +35,13 @@ def normalize_images(images: torch.Tensor) -> torch.Tensor:
     return images.to(torch.float32).div_(255).sub_(mean).div_(std)
 
 
+def unnormalize_images(images: torch.Tensor) -> torch.Tensor:
+    """float32 (B, 3, H, W) CLIP-normalised -> the pixels in [0, 1] they came from (x * std + mean):
+    what another model's normalisation starts from (a distillation teacher's)."""
+    mean, std = _constants(images.device)  # (1, 3, 1, 1) each, read only
+    return images.to(torch.float32) * std + mean
+
+
 def images_to(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch's images on ``device`` as normalised float32; float input (a custom transform
     that normalises itself) is only moved."""

@@ -36,6 +36,7 @@ from mmalign.data.samples import SampleProcessor, merge
 from mmalign.data.shard_sizes import ShardIndex, shard_sizes
 from mmalign.data.shards import check_urls, expand_urls
 from mmalign.data.stream import EpochOrder, LaneStream, NoSamples, StreamSpec, check_resumable
+from mmalign.data.teacher_members import check_teacher_members
 
 log = logging.getLogger("mmalign.data")
 
@@ -389,6 +390,7 @@ def build_train_loader(
     grad_cache_chunk: int = 0,
     pin_memory: bool = False,
     counts: ShardIndex | None = None,
+    teacher: bool = False,
 ) -> StreamingLoader:
     """This rank's loader of ``batch_size`` rows (the per-rank batch) from ``data`` (a DataConfig).
 
@@ -401,6 +403,8 @@ def build_train_loader(
     CUDA, assemble batches in pinned memory for asynchronous copies.  ``counts``: the
     shards' :class:`~mmalign.data.shard_sizes.ShardIndex` (counts and offsets), when the caller counted them already (rank 0, for all);
     else they are counted here (:func:`mmalign.data.shard_sizes.shard_sizes`).
+    ``teacher``: read each sample's stored teacher embeddings (``loss.distill.teacher: stored``,
+    :mod:`mmalign.data.teacher_members`); shards without them are one line here.
     """
     if not isinstance(data, DataConfig):
         data = DataConfig(train=list(data))
@@ -432,6 +436,11 @@ def build_train_loader(
         remote=_remote_options(data),
         keep=_keep_keys(data, lanes),
     )
+    teacher_dim = (
+        check_teacher_members(urls, "loss.distill.teacher", _remote_options(data), data.max_member_bytes)
+        if teacher
+        else 0
+    )
     processor = SampleProcessor(
         transform,
         tokenizer,
@@ -439,6 +448,7 @@ def build_train_loader(
         id_field=data.id_field,
         max_pixels=data.max_image_pixels,
         hard_negatives=data.hard_negatives,
+        teacher_dim=teacher_dim,
     )
     piece = data.worker_batch_size or grad_cache_chunk or min(batch_size, DEFAULT_WORKER_BATCH)
     loader = StreamingLoader(

@@ -27,11 +27,13 @@ import hashlib
 import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from mmalign.data.batch import Batch
 from mmalign.data.seeds import CAPTION, VIEW, VIEW2, draws
 from mmalign.data.shards import IMAGE_EXTS, BadSample, open_image, parse_captions, parse_meta
+from mmalign.data.teacher_members import read_teacher
 from mmalign.data.transforms import TrainTransform
 
 
@@ -79,8 +81,10 @@ class SampleProcessor:
         id_field: str | None = None,
         max_pixels: int | None = None,
         hard_negatives: int = 0,
+        teacher_dim: int = 0,
     ):
         self.transform = transform
+        self.teacher_dim = teacher_dim  # > 0: read the stored teacher embeddings of this width
         self.tokenizer = tokenizer
         self.views = views
         self.id_field = id_field
@@ -117,6 +121,13 @@ class SampleProcessor:
                 raise BadSample("missing_id", str(e)) from None
         if self.hard_negatives:
             row["negatives"] = mined_captions(meta, self.hard_negatives)
+        if self.teacher_dim:
+            row["teacher"] = read_teacher(members)
+            if row["teacher"][0].shape[0] != self.teacher_dim:
+                raise BadSample(
+                    "bad_teacher",
+                    f"width {row['teacher'][0].shape[0]}, the first sample's {self.teacher_dim}",
+                )
         image = open_image(image_bytes, self.max_pixels, self._prepare)
         try:
             row["image"] = self._apply(image, draws(seed, VIEW))  # (3, H, W)
@@ -146,6 +157,12 @@ class SampleProcessor:
             tokens = self.tokenizer([c for p in padded for c in p])  # (B k, L)
             batch.neg_tokens = tokens.reshape(len(rows), k, -1)  # (B, k, L)
             batch.neg_mask = torch.tensor([[bool(c) for c in p] for p in padded])  # (B, k)
+        if self.teacher_dim:
+            batch.teacher_image = torch.from_numpy(np.stack([r["teacher"][0] for r in rows]))  # (B, D_T)
+            batch.teacher_text = torch.from_numpy(np.stack([r["teacher"][1] for r in rows]))  # (B, D_T)
+            batch.teacher_scale = torch.tensor(
+                [[r["teacher"][2]] for r in rows], dtype=torch.float32
+            )  # (B, 1)
         return batch
 
 

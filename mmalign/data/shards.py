@@ -46,6 +46,8 @@ REASONS = (
     "empty_caption",
     "missing_id",  # data.id_field absent from .json
     "bad_hard_negatives",  # data.hard_negatives > 0 and .json "hard_negatives" is not a list of captions
+    "missing_teacher",  # loss.distill.teacher: stored and a teacher_*.npy member absent
+    "bad_teacher",  # a teacher_*.npy member that is no finite (D,) / (1,) float array
 )
 
 

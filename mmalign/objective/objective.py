@@ -28,6 +28,7 @@ from mmalign.models.embeddings import Embeddings
 
 from .base import LossOutput, StepContext, Term, UpdateContext
 from .contrastive import Contrastive, PositiveSource
+from .distill import Distill, teacher_autocast, teacher_source
 from .extras import ImageImage, MinedNegatives
 from .queue import MomentumQueue, QueueNegatives
 
@@ -212,6 +213,13 @@ def build_objective(
         terms.append(
             ImageImage(
                 loss.image_image_weight, loss.image_image_temperature, loss.tile_size, loss.tile_budget_mb
+            )
+        )
+    if "distill" in rules.active_parts(cfg):  # the teacher: loaded once, frozen (objective/distill.py)
+        terms.append(
+            Distill(
+                teacher_source(loss.distill.teacher, device, teacher_autocast(cfg.train.precision, device)),
+                loss.distill.weight,
             )
         )
     return Objective(terms, positives)

@@ -461,6 +461,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         # so the loader's resumable state) follow the config alone
         grad_cache_chunk=t.grad_cache_chunk_size if isinstance(t.grad_cache_chunk_size, int) else 0,
         pin_memory=device.type == "cuda",
+        teacher="teacher_image" in objective.batch_fields,  # loss.distill.teacher: stored
     )
     log.info(describe(cfg.data.augment, cfg.data.views))
     probe = probe_batch(cfg, model.image_size, tokenizer)

@@ -18,6 +18,7 @@ from mmalign.models import build_model
 from mmalign.models.embeddings import Embeddings
 from mmalign.objective import build_objective
 from tests.harness import unit  # noqa: F401  (the `gen` fixture lives there too)
+from tests.harness.distill_ref import naive_distill
 
 B, K, Q = 6, 2, 5
 BASE = ["model.preset=micro"]
@@ -45,7 +46,9 @@ def _inputs(gen, dim):
     }
     queue_captions = [POOL[int(i)] for i in torch.randint(0, len(POOL), (Q,), generator=gen)]
     queue = (unit(gen, Q, dim), unit(gen, Q, dim), queue_captions)
-    return captions, codes, (vals, ment), neg_mask, feats, queue
+    # a stored distillation teacher of another width, and its scale
+    teacher = (unit(gen, B, dim + 3), unit(gen, B, dim + 3), 5.0 + 10 * torch.rand(1, generator=gen).item())
+    return captions, codes, (vals, ment), neg_mask, feats, queue, teacher
 
 
 def _ref_row(logits, is_pos, extra, s, beta, prior):
@@ -64,7 +67,7 @@ def _ref_row(logits, is_pos, extra, s, beta, prior):
     return torch.log(sum_pos + ng) - mean_pos
 
 
-def _reference(on, cfg, captions, subsets, neg_mask, f, queue):
+def _reference(on, cfg, captions, subsets, neg_mask, f, queue, teacher):
     x, y, s, bias = f["image"], f["text"], f["logit_scale"].reshape(()), f["logit_bias"].reshape(())
     same = [[_norm(captions[i]) == _norm(captions[j]) for j in range(B)] for i in range(B)]
     if "mask" in on:  # image i has every attribute caption j mentions
@@ -108,6 +111,8 @@ def _reference(on, cfg, captions, subsets, neg_mask, f, queue):
             others = torch.stack([st * z[a] @ z[c] for c in range(2 * B) if c != a])
             nt = nt + torch.logsumexp(others, 0) - st * z[a] @ z[(a + B) % (2 * B)]
         loss = loss + cfg.loss.image_image_weight * nt / (2 * B)
+    if "distill" in on:  # + weight x KL(teacher || student), both directions
+        loss = loss + cfg.loss.distill.weight * naive_distill(x, y, s, *teacher)
     return loss
 
 
@@ -130,7 +135,7 @@ def test_every_pair_composes_or_is_refused_by_one_rule(gen, a, b):
     cfg = load_config(None, overrides)
     model = build_model(cfg.model)
     objective = build_objective(cfg, 1, model=model)
-    captions, codes, subsets, neg_mask, feats, queue = _inputs(gen, model.embed_dim)
+    captions, codes, subsets, neg_mask, feats, queue, teacher = _inputs(gen, model.embed_dim)
     if objective.queue is not None:
         qids = caption_ids(queue[2]) if objective.queue.queue.with_ids else None
         objective.queue.queue.enqueue(queue[0], queue[1], qids)
@@ -143,6 +148,9 @@ def test_every_pair_composes_or_is_refused_by_one_rule(gen, a, b):
         captions=captions,
         ids=codes,
         neg_mask=neg_mask,
+        teacher_image=teacher[0],
+        teacher_text=teacher[1],
+        teacher_scale=torch.full((B, 1), teacher[2]),
     )
     out = objective.loss_for(objective.select(batch))(Embeddings(**leaves))
     out.loss.backward()
@@ -155,6 +163,7 @@ def test_every_pair_composes_or_is_refused_by_one_rule(gen, a, b):
         neg_mask,
         {**{k: v.double() for k, v in feats.items()}, **refs},
         tuple(t.double() if torch.is_tensor(t) else t for t in queue),
+        (teacher[0].double(), teacher[1].double(), torch.tensor(teacher[2], dtype=torch.float64)),
     )
     want.backward()
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5), (a, b)

@@ -1,0 +1,226 @@
+"""The distillation term (``loss.distill.teacher`` / ``loss.distill.weight``): ``weight`` x the KL
+divergence between a frozen teacher's and the student's softmax distributions over the global
+batch, both directions (:mod:`mmalign.losses.distill`; open_clip's distillation loss), logged as
+``distill_loss`` beside ``contrastive_loss``.
+
+Where the teacher's features come from:
+
+* :class:`LiveTeacher`: a model ``load()`` reads (a run, a folder, an export), loaded once,
+  frozen, in eval mode on the training device.  It encodes the step's images (the student's
+  crops, taken back to pixels and resized and normalised the teacher's way) and captions
+  (tokenised with its own tokenizer) under ``torch.inference_mode()``.  The objective runs once
+  per step on the whole local batch, also with gradient caching (the chunks' features are
+  concatenated before the loss), so the teacher runs once per step, not once per chunk.
+* :class:`StoredTeacher` (``loss.distill.teacher: stored``): the per-sample members
+  ``teacher_image.npy``, ``teacher_text.npy`` and ``teacher_scale.npy`` that ``mmalign embed``
+  writes into a copy of the shards, read by the loader into the Batch
+  (:mod:`mmalign.data.teacher_members`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmalign.data.batch import Batch
+from mmalign.data.device import unnormalize_images
+from mmalign.data.teacher_members import STORED
+from mmalign.dist import distributed as mdist
+from mmalign.errors import ConfigError, UserError, first_line
+from mmalign.losses.distill import distill_kl_local
+
+from .base import StepContext, Term, TermOutput
+
+__all__ = ["Distill", "LiveTeacher", "StoredTeacher", "KEY", "teacher_source"]
+
+log = logging.getLogger(__name__)
+
+KEY = "loss.distill.teacher"
+_PROBE = ["a photo of a dog.", "two birds on a wire"]  # what a teacher's tokenizer must encode at start-up
+
+
+class StoredTeacher:
+    """The teacher's features precomputed into the shards: the Batch's ``teacher_*`` fields."""
+
+    batch_fields = ("teacher_image", "teacher_text", "teacher_scale")
+    forwards = 0  # never runs a model
+
+    def __call__(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        if batch.teacher_image is None or batch.teacher_text is None or batch.teacher_scale is None:
+            raise ConfigError(
+                f"config key '{KEY}': stored, but the batch has no teacher_image / teacher_text / "
+                "teacher_scale (the loader reads them from the shards' .npy members)"
+            )
+        # every sample of one `mmalign embed` pass carries the same scale: the first row's is the step's
+        return batch.teacher_image.float(), batch.teacher_text.float(), batch.teacher_scale.float()[0, 0]
+
+    def __repr__(self) -> str:
+        return "StoredTeacher()"
+
+
+class LiveTeacher:
+    """A frozen model that encodes each step's batch.
+
+    Args:
+        loaded: a :class:`mmalign.models.load.Loaded` (eval mode, on the training device).
+        name: what the config named (for messages).
+        autocast: ``() -> context`` the teacher's forwards run in (train.precision's), or None.
+    """
+
+    batch_fields = ("captions",)
+
+    def __init__(self, loaded: Any, name: str, autocast: Callable[[], AbstractContextManager] | None = None):
+        self.loaded, self.name = loaded, name
+        self.model = loaded.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)  # frozen: never in an optimizer, never a gradient
+        self.autocast = autocast or nullcontext
+        cfg = loaded.preprocess_cfg
+        size = cfg.get("size", self.model.image_size)
+        self.size = tuple(size) if isinstance(size, (list, tuple)) else (int(size), int(size))
+        self.mean = tuple(float(v) for v in cfg.get("mean", _openai()[0]))
+        self.std = tuple(float(v) for v in cfg.get("std", _openai()[1]))
+        self.interpolation = "bilinear" if cfg.get("interpolation") == "bilinear" else "bicubic"
+        self.forwards = 0  # teacher forwards so far (once per step: tested)
+        self.check_tokenizer(_PROBE)
+
+    def __repr__(self) -> str:
+        return f"LiveTeacher({self.name!r}, image {self.size[0]}x{self.size[1]})"
+
+    def tokens(self, captions: list[str]) -> Tensor:
+        """(B, L) the teacher's token ids of ``captions``; a tokenizer that cannot: one line."""
+        try:
+            return self.loaded.tokenizer(captions)
+        except (UserError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            raise ConfigError(
+                f"config key '{KEY}': the teacher {self.name}'s tokenizer cannot encode the captions "
+                f"({type(e).__name__}: {first_line(e)})"
+            ) from None
+
+    def check_tokenizer(self, captions: list[str]) -> None:
+        tokens = self.tokens(captions)
+        if not torch.is_tensor(tokens) or tokens.ndim != 2 or tokens.shape[0] != len(captions):
+            raise ConfigError(
+                f"config key '{KEY}': the teacher {self.name}'s tokenizer returns no (N, L) ids"
+            )
+
+    def images(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) the student's normalised images -> (B, 3, H_T, W_T) the teacher's input."""
+        same = tuple(images.shape[-2:]) == self.size and (self.mean, self.std) == _openai()
+        if same:  # the same pixels and normalisation: the student's input as it is (exact)
+            return images
+        pixels = unnormalize_images(images)  # (B, 3, H, W) in [0, 1]
+        if tuple(pixels.shape[-2:]) != self.size:
+            pixels = F.interpolate(pixels, size=self.size, mode=self.interpolation, antialias=True).clamp_(
+                0, 1
+            )
+        mean = torch.tensor(self.mean, device=pixels.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=pixels.device).view(1, 3, 1, 1)
+        return (pixels - mean) / std
+
+    def __call__(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        if batch.captions is None:
+            raise ValueError("a live teacher needs the batch's captions")
+        device = batch.images.device
+        tokens = self.tokens(list(batch.captions)).to(device)  # (B, L)
+        with torch.inference_mode(), self.autocast():
+            image = self.model.encode_image(self.images(batch.images))  # (B, D_T)
+            text = self.model.encode_text(tokens)  # (B, D_T)
+            scale = self.model.logit_scale.exp()
+        self.forwards += 1
+        # ordinary tensors again (inference tensors cannot meet autograd), float32, unit length
+        image, text = F.normalize(image.clone().float(), dim=-1), F.normalize(text.clone().float(), dim=-1)
+        return image, text, scale.clone().float().reshape(())
+
+
+def _openai() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    return tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD)
+
+
+class Distill(Term):
+    """``weight`` x KL(teacher || student) over the global batch (logged as ``distill_loss``).
+
+    ``teacher(batch) -> (image (B, D_T), text (B, D_T), scale)``: a :class:`LiveTeacher` or a
+    :class:`StoredTeacher`; its features are gathered across ranks without grad."""
+
+    name = "distill"
+    embeddings = ("image", "text", "logit_scale")
+    stat = "distill_loss"
+
+    def __init__(self, teacher: LiveTeacher | StoredTeacher, weight: float = 1.0):
+        if weight <= 0:
+            raise ValueError(f"need weight > 0, got {weight}")
+        self.teacher, self.weight = teacher, float(weight)
+        self.batch_fields = tuple(teacher.batch_fields)
+
+    def __repr__(self) -> str:
+        return f"Distill({self.teacher!r}, weight={self.weight})"
+
+    def __call__(self, ctx: StepContext) -> TermOutput:
+        emb = ctx.emb
+        assert emb.image is not None and emb.text is not None and emb.logit_scale is not None
+        t_image, t_text, t_scale = self.teacher(ctx.batch)  # (B, D_T), (B, D_T), ()
+        t_image, t_text = t_image.to(emb.image.device), t_text.to(emb.image.device)
+        t_image_all, t_text_all = mdist.all_gather_nograd(t_image), mdist.all_gather_nograd(t_text)
+        loss = distill_kl_local(
+            emb.image,
+            emb.text,
+            ctx.gathered("image"),
+            ctx.gathered("text"),
+            emb.logit_scale,
+            t_image,
+            t_text,
+            t_image_all,
+            t_text_all,
+            t_scale.to(emb.image.device),
+        )
+        stats = {
+            self.stat: loss.detach().float().reshape(()),
+            "teacher_scale": t_scale.detach().float().reshape(()),
+        }
+        return TermOutput(loss, stats if ctx.track else {})
+
+
+def teacher_source(
+    teacher: str,
+    device: torch.device | str = "cpu",
+    autocast: Callable[[], AbstractContextManager] | None = None,
+) -> LiveTeacher | StoredTeacher:
+    """``loss.distill.teacher``'s value -> where the teacher's features come from; a model that
+    cannot be loaded is one ConfigError line naming the key."""
+    if teacher == STORED:
+        return StoredTeacher()
+    from mmalign.models.load import load
+
+    try:
+        loaded = load(teacher, device=device)
+    except UserError as e:
+        raise ConfigError(f"config key '{KEY}': {first_line(e)}") from None
+    live = LiveTeacher(loaded, teacher, autocast)
+    log.info(
+        "distillation: teacher %s (embed_dim %d, image %dx%d, logit scale %.4g), frozen, inference mode",
+        teacher,
+        loaded.model.embed_dim,
+        *live.size,
+        loaded.logit_scale,
+    )
+    return live
+
+
+def teacher_autocast(
+    precision: str, device: torch.device | str
+) -> Callable[[], AbstractContextManager] | None:
+    """train.precision's autocast for the teacher's forwards (None in fp32)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return None
+    kind = torch.device(device).type
+    return lambda: torch.autocast(kind, dtype=dtype)
