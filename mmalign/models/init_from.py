@@ -22,7 +22,8 @@ agree with it or be unset. This module reads the weights.
 The foreign formats are read and their keys mapped to TwoTower's by
 :mod:`mmalign.models.foreign_weights`.  Any missing or unexpected weight is a one-line ConfigError listing
 them (``model.pretrained_strict: false``: a logged report, the rest loaded); a weight of another
-shape is always refused.
+shape is refused, except a ViT's position embedding and patch kernel at another image size or
+patch size, which are resampled to the model's grid (:mod:`mmalign.models.pos_embed`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from mmalign.models.foreign_weights import (  # noqa: F401 (re-exported: their o
     from_open_clip,
     read_foreign,
 )
+from mmalign.models.pos_embed import GRID_KEYS, fit_grids, source_grid
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,19 @@ def read_state(path: Path, key: str, meta: bool = False) -> dict | None:
         raise ConfigError(f"config key '{key}': {e}") from None
 
 
+_RESAMPLED = {f"vision_cfg.{k}" for k in GRID_KEYS}  # another image size or patch: resampled, not refused
+
+
+def _fit_grids(model, own: dict, state: dict, key: str, path: Path) -> dict:
+    """A ViT source at another image size or patch size: its position embedding (and patch
+    kernel) resampled to the model's grid, one log line each (models/pos_embed.py)."""
+    arch = source_arch(path, key) if path.is_dir() else None
+    try:
+        return fit_grids(model, own, state, key, source_grid(arch))
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}': {path}: {e}") from None
+
+
 def _few(keys: list[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
@@ -92,12 +107,14 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
         if tower is not None:
             arch = source_arch(path, key)
             differ = [] if arch is None else differences(model.arch, arch, (TOWER_CFG[tower],))
+            differ = [d for d in differ if d.split(":")[0] not in _RESAMPLED]  # resampled below
             if differ:
                 raise ConfigError(
                     f"config key '{key}': the {tower} tower of {path} differs from the model's "
                     f"({'; '.join(differ[:3])})"
                 )
             state = {k: v for k, v in state.items() if k.startswith(tower + ".")}
+        state = _fit_grids(model, own, state, key, path)
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
         if wrong:
@@ -123,6 +140,16 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
             for k in set(own) & set(state):
                 own[k].copy_(state[k])  # the model's dtype and device
         log.info("%s: %d weights from %s", key, len(set(own) & set(state)), path)
+        _keep_scale(model, key, path)
+
+
+def _keep_scale(model, key: str, path: Path) -> None:
+    """A loaded logit scale above ``model.max_logit_scale`` (published SigLIP: ~112-117) raises the
+    clamp to it, so that loading changes no logit; one log line."""
+    scale = float(model.logit_scale.detach().exp().reshape(-1)[0])
+    if scale > model.max_logit_scale:
+        log.info("%s: %s has logit scale %.2f: the clamp rises from %g to it", key, path, scale, model.max_logit_scale)
+        model.max_logit_scale = scale
 
 
 __all__ = [
