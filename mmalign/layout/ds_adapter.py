@@ -132,6 +132,17 @@ def master_fragment(p: torch.nn.Parameter) -> torch.Tensor | None:
     return None if mapping is None else mapping.hp_fragment
 
 
+def linked_to_master(module: torch.nn.Module) -> bool:
+    """Whether the trainable parameters' fp32 master copy lives in flat partitions linked by
+    ``param._hp_mapping`` (ZeRO-1/2, and DeepSpeed's BF16 optimizer at ZeRO-0), not in the module."""
+    return any(getattr(p, "_hp_mapping", None) is not None for p in module.parameters() if p.requires_grad)
+
+
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """``p``'s whole shape, also under ZeRO-3 (whose module parameter is then an empty placeholder)."""
+    return torch.Size(p.ds_shape) if is_zero3(p) else p.shape  # type: ignore[attr-defined]  # ZeRO-3's
+
+
 def zero3_slot(ds_engine, p: torch.nn.Parameter) -> tuple[torch.Tensor, int, int]:
     """ZeRO-3: (the flat fp32 partition of the sub-group holding this rank's slice of ``p``, the
     slice's offset in it, the per-rank slice size). ``p`` is split evenly over the ranks: rank r

@@ -4,10 +4,12 @@
     RUN/
       config.yaml                  CONFIG_FILE: the resolved config of the run
       final/                       FINAL: the trained model (save_pretrained's folder)
+      final_ema/                   FINAL_EMA: its EMA weights (train.ema_decay > 0), the same kind of folder
       checkpoints/                 ROOT
         step_00000010/             a complete checkpoint (is_step_name)
           config.yaml              CONFIG_FILE again: the config that checkpoint was written with
           engine/                  ENGINE_TAG: DeepSpeed's state, every rank's shard
+          ema_rank0.pt             ema_file(r): rank r's piece of the EMA weights (train.ema_decay > 0)
         latest                     LATEST: the name of the newest complete checkpoint
 
 Names only: no reading or writing here, so both sides can import it from any layer.
@@ -19,6 +21,8 @@ import re
 
 CONFIG_FILE = "config.yaml"  # in the run directory and in every checkpoint
 FINAL = "final"
+FINAL_EMA = "final_ema"
+EMA_PREFIX = "ema"  # a checkpoint's per-rank EMA files: ema_rank{r}.pt
 ROOT = "checkpoints"
 ENGINE_TAG = "engine"
 LATEST = "latest"
@@ -26,9 +30,24 @@ LATEST = "latest"
 _STEP = re.compile(r"step_[0-9]+")
 
 
+def ema_file(rank: int) -> str:
+    """The name of rank ``rank``'s EMA piece in a step checkpoint."""
+    return f"{EMA_PREFIX}_rank{rank}.pt"
+
+
 def is_step_name(name: str) -> bool:
     """``step_N`` (a complete checkpoint's directory name; not ``.tmp``, no path parts)."""
     return _STEP.fullmatch(name) is not None
 
 
-__all__ = ["CONFIG_FILE", "ENGINE_TAG", "FINAL", "LATEST", "ROOT", "is_step_name"]
+__all__ = [
+    "CONFIG_FILE",
+    "EMA_PREFIX",
+    "ENGINE_TAG",
+    "FINAL",
+    "FINAL_EMA",
+    "LATEST",
+    "ROOT",
+    "ema_file",
+    "is_step_name",
+]

@@ -7,6 +7,7 @@ Layout under the run directory::
         engine/                DeepSpeed's engine state (model, optimiser, scheduler; every rank writes its shard)
         trainer_rank0.pt       step, RNG states (tensors, ints and lists only: loaded with weights_only=True)
         loader_rank0.json      the data loader's position
+        ema_rank0.pt           this rank's piece of the EMA weights (train.ema_decay > 0; mmalign.run.ema)
         momentum.pt            rank-identical state saved once, by rank 0 (the MoCo queue: EMA weights,
                                queue contents, pointer; weights_only-loadable), when the run has one
       step_00000020.tmp/       a save in progress (never read)
@@ -96,11 +97,14 @@ def save(
     keep: int,
     shared: dict[str, dict] | None = None,
     config=None,
+    per_rank: dict[str, dict] | None = None,
 ) -> Path:
     """Collective: every rank calls it; returns the final directory.
 
     ``shared`` maps a name to state that is identical on every rank (e.g. the
     momentum queue): rank 0 alone writes it, as ``<name>.pt``, so it is stored once.
+    ``per_rank`` maps a name to this rank's own state (the EMA's pieces): every rank writes
+    it, as ``<name>_rank<r>.pt``.
     ``config`` (the resolved :class:`~mmalign.config.Config`) is stored beside the state,
     so a resume can tell whether it continues the same run.  Every file and directory
     is fsynced before ``latest`` names the checkpoint.
@@ -127,7 +131,7 @@ def save(
         try:
             engine.save_checkpoint(tmp, ENGINE_TAG)
             if not failures:
-                _write_rank_files(tmp, rank, step, trainer_state, loader_state, shared, config)
+                _write_rank_files(tmp, rank, step, trainer_state, loader_state, shared, config, per_rank)
         except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised
             failures.append(e)
     _fail_together(failures, base, tmp, final)
@@ -161,8 +165,11 @@ def _write_rank_files(
     loader_state: dict,
     shared: dict[str, dict] | None,
     config,
+    per_rank: dict[str, dict] | None = None,
 ) -> None:
     diskspace.save_torch({"step": step, **trainer_state}, tmp / f"trainer_rank{rank}.pt")
+    for key, state in (per_rank or {}).items():
+        diskspace.save_torch(state, tmp / f"{key}_rank{rank}.pt")
     (tmp / f"loader_rank{rank}.json").write_text(json.dumps(loader_state))
     if rank == 0:
         for key, state in (shared or {}).items():
@@ -234,7 +241,7 @@ def resolve(out: str | Path, resume: str | None) -> Path | None:
     return found[0] if found else None
 
 
-_OTHER_RANK = re.compile(r"(?:zero_pp_rank_|trainer_rank|loader_rank)(\d+)")
+_OTHER_RANK = re.compile(r"(?:zero_pp_rank_|trainer_rank|loader_rank|ema_rank)(\d+)")
 
 
 def damaged(path: Path, rank: int = 0) -> str | None:

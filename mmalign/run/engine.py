@@ -157,6 +157,37 @@ class Engine:
         (none at ZeRO-0): what LAMB's per-tensor layout and :mod:`mmalign.run.reshard` need."""
         return ds_adapter.fragments(self.ds, self.module, self.stage, self.base_optimizer, mdist.get_rank())
 
+    @torch.no_grad()
+    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's fp32 master weights of the trainable parameters, as (name, start in the
+        flattened parameter, a flat view): its fragments of ZeRO's flat partitions (stages 1-3,
+        DeepSpeed's BF16 optimizer: over all ranks they tile each trainable parameter once), else
+        (ZeRO-0, :attr:`master_replicated`) every trainable parameter whole, the same on every
+        rank. What :mod:`mmalign.run.ema` averages."""
+        if not self.master_replicated:
+            return [
+                (f.name, f.start, f.partition.narrow(0, f.offset, f.length))
+                for f in self.partition_fragments()
+                if f.length > 0
+            ]
+        return [
+            (name, 0, p.detach().reshape(-1) if p.dtype == torch.float32 else p.detach().float().reshape(-1))
+            for name, p in self.module.named_parameters()
+            if p.requires_grad
+        ]
+
+    @property
+    def master_replicated(self) -> bool:
+        """Whether every rank holds the whole master weights (ZeRO-0 without DeepSpeed's BF16
+        optimizer: the module is the master copy) rather than a piece of them."""
+        return self.stage == 0 and not ds_adapter.linked_to_master(self.module)
+
+    def trainable_shapes(self) -> dict[str, torch.Size]:
+        """The whole shape of every trainable parameter (also under ZeRO-3), in named_parameters order."""
+        return {
+            name: ds_adapter.full_shape(p) for name, p in self.module.named_parameters() if p.requires_grad
+        }
+
     # -------------------------------------------------------------- stepping
 
     def forward(

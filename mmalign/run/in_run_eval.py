@@ -25,6 +25,12 @@ suites) runs ``eval.suite`` and then every eval.during suite not already run, ea
 whole: a ``limit`` makes the periodic evaluations cheap, the final one is the full measure.
 One suite name is one set of log names, so two entries of a suite (or of two different
 suites of one name) are refused, as is an entry of the suite train.eval_every evaluates.
+
+With ``train.ema_decay`` every evaluation runs twice: on the raw weights, then on the EMA
+weights (:mod:`mmalign.run.ema`, consolidated once per evaluation), whose records follow the
+raw ones in the same file, marked ``"weights": "ema"``, with ``+ema`` after their ``model`` and
+``dataset`` (so TensorBoard's and metrics.jsonl's names, and the end-of-run headline, keep the
+two apart); the final evaluation writes the EMA model to ``final_ema/`` beside ``final/``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from mmalign.evaluation import load_suite, sharded, write_results
 from mmalign.evaluation.limited import limited_suite
 from mmalign.evaluation.suite import check_suite_data
 from mmalign.evaluation.suite_fit import check_suite_fields
+from mmalign.layout.run_dir import FINAL_EMA
 from mmalign.models import build_model
 from mmalign.models.io import save_pretrained
 from mmalign.run.monitors import probe_stats
@@ -201,41 +208,68 @@ def evaluate_engine(
     final: Path | None = None,
     suites: list[dict] | tuple = (),
     show_progress: bool = False,
+    ema=None,
 ) -> dict[str, list[dict]]:
     """Consolidate the weights (collective), then rank 0 saves ``final``, and every rank
     evaluates each of ``suites`` in turn (none: no evaluation), the embedding sharded, rank 0
-    the tasks. Returns suite name -> its records on rank 0 (empty lists elsewhere); rank 0
-    writes all of them, in order, to ``path``."""
-    state = engine.consolidated_state_dict()
+    the tasks. With ``ema`` (:class:`mmalign.run.ema.Ema`) the same again on the EMA weights
+    (saved to ``final``'s sibling ``final_ema/``; results under ``<suite>+ema``). Returns suite
+    name -> its records on rank 0 (empty lists elsewhere); rank 0 writes all of them, in order,
+    to ``path``."""
     results: dict[str, list[dict]] = {}
     main = mdist.get_rank() == 0
     with torch.random.fork_rng(devices=[]):  # building the model must not move the training RNG
         model = build_model(cfg.model)
-    model.load_state_dict(state)
-    if main and final is not None:
-        save_pretrained(
-            model, final, preprocess=preprocess_cfg(model.image_size), extra={"train_config": to_dict(cfg)}
-        )
-        log.info("saved %s", final)
-    if suites:
-        model = model.to(device)
-    for suite in suites:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
-        results[suite["name"]] = sharded.evaluate(
-            model,
-            eval_transform(model.image_size),
-            tokenizer,
-            suite,
-            cfg.data.val,
-            batch_size=cfg.eval.batch_size,
-            device=str(device),
-            model_name=model_name(cfg),
-            progress=show_progress and main,
-        )
+    weights = [("raw", engine.consolidated_state_dict, final)]
+    if ema is not None:
+        ema_final = None if final is None else final.parent / FINAL_EMA
+        weights.append(("ema", ema.consolidated_state_dict, ema_final))
+    for kind, consolidate, folder in weights:
+        model.load_state_dict(consolidate())  # a collective
+        if main and folder is not None:
+            extra = {"train_config": to_dict(cfg)}
+            if kind == "ema":
+                extra.update(weights="ema", ema_decay=ema.decay, ema_updates=ema.updates)
+            save_pretrained(model, folder, preprocess=preprocess_cfg(model.image_size), extra=extra)
+            log.info("saved %s", folder)
+        if suites:
+            model = model.to(device)
+        for (
+            suite
+        ) in suites:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
+            records = sharded.evaluate(
+                model,
+                eval_transform(model.image_size),
+                tokenizer,
+                suite,
+                cfg.data.val,
+                batch_size=cfg.eval.batch_size,
+                device=str(device),
+                model_name=model_name(cfg),
+                progress=show_progress and main,
+            )
+            if kind == "ema":
+                results[suite["name"] + EMA_SUFFIX] = [ema_record(r) for r in records]
+            else:
+                results[suite["name"]] = records
     if main and suites:
         write_results([r for records in results.values() for r in records], path)
         log.info("evaluation written to %s", path)
     mdist.barrier()
     return results
+
+
+EMA_SUFFIX = "+ema"
+
+
+def ema_record(record: dict) -> dict:
+    """An evaluation record of the EMA weights: marked, its model and dataset suffixed."""
+    out = dict(record)
+    for key in ("model", "dataset"):
+        if isinstance(out.get(key), str):
+            out[key] += EMA_SUFFIX
+    out["weights"] = "ema"
+    return out
 
 
 def evaluate_due(
@@ -248,9 +282,11 @@ def evaluate_due(
     device: torch.device,
     runlog,
     show_progress: bool = False,
+    ema=None,
 ) -> None:
     """The loop's evaluation after ``step``: the entries of ``plan`` due then (a collective when
-    any is), into ``eval_stepN.json``, TensorBoard and (eval.during's) metrics.jsonl."""
+    any is), into ``eval_stepN.json``, TensorBoard and (eval.during's) metrics.jsonl; with
+    ``ema``, the EMA weights' too."""
     due = plan.due(step, cfg.train.steps)
     if not due:
         return
@@ -262,11 +298,18 @@ def evaluate_due(
         device,
         suites=[p.suite for p in due],
         show_progress=show_progress,
+        ema=ema,
     )
     runlog.evaluation([r for records in results.values() for r in records], step)
     for p in due:
         if p.jsonl:
-            runlog.eval_record(step, p.name, results[p.name])
+            for name in _names(p.name, ema):
+                runlog.eval_record(step, name, results[name])
+
+
+def _names(suite: str, ema) -> list[str]:
+    """The result keys of ``suite``: its own, and its EMA's when there is one."""
+    return [suite] + ([suite + EMA_SUFFIX] if ema is not None else [])
 
 
 def evaluate_final(
@@ -278,10 +321,12 @@ def evaluate_final(
     device: torch.device,
     runlog,
     show_progress: bool = False,
+    ema=None,
 ) -> list[dict]:
     """After the loop: ``final/`` saved, then every final suite whole, into ``eval.json``,
     TensorBoard (with the run's hyper-parameters against these metrics) and, for the
-    eval.during suites, metrics.jsonl. Returns the records (rank 0; empty elsewhere)."""
+    eval.during suites, metrics.jsonl; with ``ema``, ``final_ema/`` and the EMA weights' records
+    after the raw ones. Returns the records (rank 0; empty elsewhere)."""
     results = evaluate_engine(
         engine,
         cfg,
@@ -291,10 +336,12 @@ def evaluate_final(
         final=out / "final",
         suites=plan.final,
         show_progress=show_progress,
+        ema=ema,
     )
     records = [r for found in results.values() for r in found]
     step = cfg.train.steps
     runlog.evaluation(records, step, hparams=to_dict(cfg))
-    for name in plan.logged():
-        runlog.eval_record(step, name, results[name])
+    for suite in plan.logged():
+        for name in _names(suite, ema):
+            runlog.eval_record(step, name, results[name])
     return records

@@ -3,8 +3,9 @@
 :func:`resume_run` loads the newest loadable checkpoint (:func:`mmalign.run.checkpoint.resume`:
 model, optimiser, schedule through DeepSpeed), adapts it to another world size when the
 run restarts on a different number of ranks (:func:`mmalign.run.reshard.adopt`), then restores
-this rank's random generators, the data loader's position and the momentum queue, and
-says where the run continues.
+this rank's random generators, the data loader's position, the momentum queue and the EMA
+weights (:meth:`mmalign.run.ema.Ema.restore`, re-cut for another world size), and says where
+the run continues.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class Resumed:
     checkpoint: Path | None  # the checkpoint loaded; None for a fresh run
 
 
-def resume_run(engine, loader, queue, out: str | Path, resume: str | None, cfg: Config) -> Resumed:
-    """Collective: restore ``engine``, ``loader`` and ``queue`` (None: the run has none) from
+def resume_run(engine, loader, queue, out: str | Path, resume: str | None, cfg: Config, ema=None) -> Resumed:
+    """Collective: restore ``engine``, ``loader``, ``queue`` and ``ema`` (None: the run has none) from
     the checkpoint ``resume`` names (``latest`` or a ``RUN/checkpoints/step_N``) and this
     rank's RNG; a fresh start (``resume`` None, or no checkpoint yet) restores nothing."""
     rank = mdist.get_rank()
@@ -56,6 +57,8 @@ def resume_run(engine, loader, queue, out: str | Path, resume: str | None, cfg: 
     loader.load_state_dict(loader_state)
     if queue is not None:
         load_queue(queue, ckpt)
+    if ema is not None:
+        ema.restore(ckpt)
     if main:
         say(f"resumed from {ckpt} at step {start}")
     return Resumed(start, skipped_steps, ckpt)

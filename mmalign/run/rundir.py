@@ -51,6 +51,7 @@ NONCE_PREFIX = ".mmalign-shared-check-"  # check_shared's file (removed at once;
 RUN_ARTEFACTS = (
     "checkpoints",
     "final",
+    "final_ema",
     "tensorboard",
     "report",
     "config.yaml",

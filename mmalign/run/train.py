@@ -32,6 +32,7 @@ from mmalign.data.transforms import describe, train_transform
 from mmalign.dist import distributed as mdist
 from mmalign.errors import RunStopped  # re-exported: the loop raises it
 from mmalign.evaluation import headline
+from mmalign.layout.run_dir import FINAL, FINAL_EMA
 from mmalign.models import TwoTower, attention_kernel, build_model, check_buildable
 from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
@@ -39,6 +40,7 @@ from mmalign.models.tokenizers import build_tokenizer
 from mmalign.objective import MomentumQueue, build_objective
 from mmalign.run import checkpoint, diskspace, rundir, trainable
 from mmalign.run import signals as stop_signals
+from mmalign.run.ema import Ema
 from mmalign.run.in_run_eval import (
     EvalPlan,
     evaluate_due,
@@ -192,6 +194,7 @@ class _Parts:
     params: dict | None = (
         None  # parameter counts and tower states (mmalign.run.trainable), for the first record
     )
+    ema: Ema | None = None  # train.ema_decay's moving average of the weights (None: off)
 
 
 @dataclass
@@ -214,7 +217,7 @@ def _train(
     main = rank == 0
     p = _build(cfg, out, device)
     # resume: model, optimiser, schedule (DeepSpeed), RNG, step, loader position, momentum queue
-    resumed = resume_run(p.engine, p.loader, p.queue, out, resume, cfg)
+    resumed = resume_run(p.engine, p.loader, p.queue, out, resume, cfg, ema=p.ema)
     start, tally = resumed.start, _Tally(skipped_steps=resumed.skipped_steps)
 
     # loop: a bar on a terminal; elsewhere (a log file, a pipe) one readable line per log_every
@@ -253,6 +256,7 @@ def _train(
                 device,
                 runlog,
                 show_progress=show_progress and not runlog.use_bar,
+                ema=p.ema,
             )
             if (
                 t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0
@@ -268,6 +272,7 @@ def _train(
                         t.keep_checkpoints,
                         shared=shared,
                         config=cfg,
+                        per_rank={"ema": p.ema.state_dict()} if p.ema is not None else None,
                     )
             runlog.advance()
         runlog.end_loop()
@@ -281,10 +286,11 @@ def _train(
         try:
             with diskspace.stop_on_refused_write(out, f"the final weights or evaluation in {out}"):
                 records = evaluate_final(
-                    evals, p.engine, cfg, p.tokenizer, out, device, runlog, show_progress=show_progress
+                    evals, p.engine, cfg, p.tokenizer, out, device, runlog, show_progress, p.ema
                 )
         except diskspace.RunWriteError as e:
-            if main and _drop_partial_final(out / "final"):
+            dropped = [_drop_partial_final(out / name) for name in (FINAL, FINAL_EMA)] if main else []
+            if any(dropped):
                 raise diskspace.RunWriteError(f"{e} (the partial final/ was removed)") from None
             raise
         if main and evals.final:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
@@ -423,6 +429,8 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
             f"{world} process{'es' if world > 1 else ''})"
         )
     engine = Engine(model, run_cfg)
+    # train.ema_decay: this rank's pieces of the fp32 master weights, averaged from the first weights on
+    ema = Ema(engine, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
     if main:
         say(
             f"{engine.plan.describe()}, ZeRO stage {engine.stage}"
@@ -488,6 +496,7 @@ def _build(cfg: Config, out: Path, device: torch.device) -> _Parts:
         peak,
         text_trim,
         params,
+        ema,
     )
 
 
@@ -509,6 +518,8 @@ def _train_step(p: _Parts, step: int, batches, tally: _Tally, runlog: RunLog) ->
     engine.module.set_patch_dropout(masking)
     # the loss's stats and rank tracks (an all_reduce and a host read) only where they are logged
     result = engine.step(batch, objective, p.autocast, stats=logs_at(p.cfg.train, step))
+    if not result.skipped and p.ema is not None:  # train.ema_decay: the average follows each update
+        p.ema.update()
     if not result.skipped:  # terms with state follow the update (the queue: EMA, then enqueue)
         objective.after_update(
             engine.full_params,
