@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from mmalign.config.checks import check_domains, check_key, fields_of
+from mmalign.config.checks import check_domains, check_key, fields_of, model_name_form
 from mmalign.config.load import build_config, parse_override
 from mmalign.config.resolve import resolve
 from mmalign.config.schema import (
@@ -164,10 +164,11 @@ def _validate_lock(m: ModelConfig) -> None:
 
 
 def _validate_pretrained(m: ModelConfig) -> None:
-    """model.pretrained*: the paths exist (what they hold is read by mmalign.models.init_from)."""
+    """model.pretrained*: the paths exist, or the values are model names (mmalign.models.hub
+    resolves those; what either holds is read by mmalign.models.init_from)."""
     for key in ("pretrained", "pretrained_image", "pretrained_text"):
         path = getattr(m, key)
-        if path is not None and not Path(path).exists():
+        if path is not None and not Path(path).exists() and not model_name_form(path):
             raise ConfigError(f"config key 'model.{key}': {path} does not exist")
     if m.pretrained is not None and (m.pretrained_image is not None or m.pretrained_text is not None):
         raise ConfigError(

@@ -230,6 +230,22 @@ PATH = Text(what="a non-empty path", path=True)
 BOUNDED_PAIR = "[lo, hi] with 0.001 <= lo <= hi <= 1000"
 NAME = r"\S(?:.*\S)?"  # no surrounding blanks: " label" would never match the field "label"
 
+# A model named instead of a path (mmalign.models.hub resolves it): open_clip's ``hf-hub:ORG/NAME``,
+# its ``ARCH/TAG``, or a transformers ``ORG/NAME`` (huggingface_hub's rule for repository ids).
+HF_HUB_PREFIX = "hf-hub:"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}")
+
+
+def model_name_form(value: str) -> bool:
+    """``value`` is spelled as a model name rather than a path: ``hf-hub:ORG/NAME`` or one
+    ``A/B`` of repository-id characters whose ``A`` is no local folder (``runs/x`` with a
+    ``runs/`` here stays a path). Existence is checked by whoever reads it."""
+    value = str(value)
+    body = value[len(HF_HUB_PREFIX) :] if value.startswith(HF_HUB_PREFIX) else value
+    if not _REPO_ID.fullmatch(body) or "--" in body or ".." in body:
+        return False
+    return value.startswith(HF_HUB_PREFIX) or not os.path.isdir(body.split("/")[0])
+
 
 def knob(default: Any = dataclasses.MISSING, *, doc: str, rule: Any = None, unit: str = "") -> Any:
     """A config field whose metadata declares it: ``doc`` (one sentence, docs/configuration.md's table),
@@ -344,6 +360,7 @@ __all__ = [
     "Weights",
     "Entries",
     "knob",
+    "model_name_form",
     "check_domains",
     "check_key",
     "domains",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmalign.config.checks import within_domain
+from mmalign.config.checks import model_name_form, within_domain
 from mmalign.config.schema import Config, ModelConfig
 
 __all__ = ["resolve"]
@@ -46,10 +46,17 @@ def _frozen_batchnorm(m: ModelConfig) -> None:
 
 
 def _default_preset(m: ModelConfig) -> None:
-    """No preset: a pretrained folder carries its architecture; anything else is ``tiny``."""
+    """No preset: a pretrained folder (or a model name: mmalign.models.hub) carries its
+    architecture; anything else is ``tiny``."""
     if m.preset is not None:
         return
-    folder = m.pretrained is not None and within_domain(m, "pretrained") and Path(m.pretrained).is_dir()
+    folder = (
+        m.pretrained is not None
+        and within_domain(m, "pretrained")
+        and (
+            Path(m.pretrained).is_dir() or (not Path(m.pretrained).exists() and model_name_form(m.pretrained))
+        )
+    )
     if not folder:
         m.preset = "tiny"
 

@@ -243,7 +243,9 @@ def pretrained_arch(cfg: ModelConfig) -> dict | None:
     (``model.vision`` / ``model.text`` / ``model.embed_dim`` / ...) are applied to it."""
     if cfg.pretrained is None:
         return None
-    arch = source_arch(Path(cfg.pretrained), "model.pretrained")
+    from mmalign.models.hub import resolve
+
+    arch = source_arch(resolve(cfg.pretrained, "model.pretrained"), "model.pretrained")  # a name: its folder
     if arch is None or cfg.preset is None:
         return arch
     # What the config alone describes: the preset plus the config's own tower overrides

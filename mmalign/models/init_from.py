@@ -45,6 +45,7 @@ from mmalign.models.foreign_weights import (  # noqa: F401 (re-exported: their o
     from_open_clip,
     read_foreign,
 )
+from mmalign.models.hub import resolve
 from mmalign.models.pos_embed import GRID_KEYS, fit_grids, source_grid
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
         path = getattr(cfg, key.split(".")[1])
         if path is None:
             continue
-        path = Path(path)
+        path = resolve(path, key)  # a path as it is; a model name: its local folder (models/hub.py)
         own = {k: v for k, v in model.state_dict().items() if tower is None or k.startswith(tower + ".")}
         state = read_state(path, key, meta)
         if state is None:

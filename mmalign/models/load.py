@@ -92,9 +92,11 @@ class Loaded:
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final``,
     ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``."""
+    from mmalign.models.hub import resolve
     from mmalign.models.io import load_pretrained
     from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
 
+    path = resolve(path, "--model")  # a model name (ARCH/TAG, hf-hub:ORG/NAME, ORG/NAME): its local folder
     kind, folder = (EXPORT, Path(path)) if _export_kind(Path(path)) else locate(path)
     if kind == EXPORT:
         model, config = _load_export(folder)

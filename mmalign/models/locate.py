@@ -3,7 +3,9 @@
 
 Below :mod:`mmalign.models.arch` (``model.pretrained`` names a model by path) and
 :mod:`mmalign.models.load` (which reads it); reading nothing but names and the config file a
-step checkpoint was written with.
+step checkpoint was written with. A model *name* (``ARCH/TAG``, ``hf-hub:ORG/NAME``,
+``ORG/NAME``) is resolved to its local folder by :mod:`mmalign.models.hub` first
+(:func:`check_exists`, ``load``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ def is_step_checkpoint(path: Path) -> bool:
     return is_step_name(path.name) and path.resolve().parent.name == ROOT and (path / ENGINE_TAG).is_dir()
 
 
-def check_exists(path: str | Path) -> Path:
-    """``path``, or the one-line UsageError of a model path that does not exist: free of torch, so
-    a command says it before the seconds of importing the loader."""
+def check_exists(path: str | Path, key: str = "--model") -> Path:
+    """``path``, the local folder of a model name (:mod:`mmalign.models.hub`: found in the
+    cache, or downloaded now), or the one-line UsageError of a model path that does not exist:
+    free of torch, so a command says it before the seconds of importing the loader."""
+    from mmalign.models.hub import is_name, resolve
+
     p = Path(path)
+    if not p.exists() and is_name(str(path)):
+        return resolve(str(path), key)
     if not p.exists():
         raise UsageError(f"model path {p} does not exist")
     return p
