@@ -323,7 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved model on a suite")
     p.add_argument("--model", required=True, help="a run directory, its final/, or RUN/checkpoints/step_N")
-    p.add_argument("--suite", help="a shipped suite's name (eval/) or a suite YAML (default: the run's)")
+    p.add_argument(
+        "--suite",
+        action="append",
+        help="a shipped suite's name (eval/) or a suite YAML (default: the run's); "
+        "repeatable with --wise-ft (a curve per suite)",
+    )
     p.add_argument(
         "--data",
         help="evaluation data: shards for a shards suite (default: the run's data.val), "
@@ -363,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)",
     )
     p.set_defaults(func=cmd_eval)
+    from mmalign.cli_wise_ft import add_parsers as add_wise_ft
+
+    add_wise_ft(sub, eval_parser=p)  # `mmalign wise-ft`, and eval's --wise-ft / --alphas
 
     p = sub.add_parser(
         "report", help="HTML page + PNGs of a run: curves, similarity histograms, t-SNE, Recall@k"

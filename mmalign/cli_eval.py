@@ -46,6 +46,12 @@ def check_not_onnx(model: str) -> None:
 def cmd_eval(args) -> int:
     from mmalign.models.locate import check_exists
 
+    if getattr(args, "wise_ft", None):
+        return _cmd_wise_ft(args)
+    suites = args.suite or []
+    if len(suites) > 1:
+        raise UsageError("--suite once per evaluation (several go with --wise-ft; or use --benchmark)")
+    args.suite = suites[0] if suites else None
     _check_flags(args)
     check_exists(args.model)  # one line before the seconds of importing torch and open_clip
     check_not_onnx(args.model)
@@ -109,6 +115,120 @@ def cmd_eval(args) -> int:
     _print_table(records)
     print(f"results written to {out}")
     return 0
+
+
+def _cmd_wise_ft(args) -> int:
+    """``--model A --wise-ft B --alphas ...``: each alpha's interpolated model (WiSE-FT, built in
+    memory) on every ``--suite``; all records written as one results JSON (each with its
+    ``wise_ft`` alpha), and the curve printed: alpha against each task's main metric."""
+    from mmalign.models.locate import check_exists
+    from mmalign.models.wise_ft import parse_alphas
+
+    alphas = parse_alphas(args.alphas, "--alphas")
+    clash = [f for f, v in (("--benchmark", args.benchmark), ("--root", args.root)) if v]
+    if getattr(args, "weights", "raw") != "raw":  # the EMA weights: `mmalign wise-ft` on RUN/final_ema/
+        clash.append(f"--weights {args.weights}")
+    if clash:
+        raise UsageError(f"--wise-ft evaluates suites (--suite, repeatable): drop {', '.join(clash)}")
+    for flag, model in (("--model", args.model), ("--wise-ft", args.wise_ft)):
+        try:
+            check_exists(model)
+            check_not_onnx(model)
+        except UsageError as e:
+            raise UsageError(f"{flag}: {e}".replace(f"{flag}: --model ", f"{flag} ")) from None
+    print(f"mmalign: loading the models from {args.model} and {args.wise_ft} ...", flush=True)
+    import torch
+
+    from mmalign.evaluation import load_suite, run_suite, write_results
+    from mmalign.evaluation.cb_wds import PREFIX
+    from mmalign.evaluation.suite import check_suite_data, label_field
+    from mmalign.evaluation.suite_fit import check_suite_fields
+    from mmalign.models.load import load
+    from mmalign.models.wise_ft import check_compatible, mixed_model
+
+    zero_shot, fine_tuned = load(args.model), load(args.wise_ft)
+    check_compatible(zero_shot, fine_tuned, ("--model", "--wise-ft"))
+    train_cfg = fine_tuned.config.get("train_config") or zero_shot.config.get("train_config") or {}
+    named = list(args.suite or []) + ([PREFIX + args.cb_dataset] if args.cb_dataset else [])
+    named = named or [train_cfg.get("eval", {}).get("suite", "shapes")]
+    data = train_cfg.get("data", {}).get("val") or None  # the fine-tuning run's shards, for a shards suite
+    suites = []
+    for name in named:  # every suite's data checked before the first forward
+        suite = load_suite(name, args.cb_split or "test")
+        spec = check_suite_data(suite, data, user_data=args.data)
+        check_suite_fields(
+            suite,
+            spec,
+            "--data" if args.data else "data.val" if data else "its own dataset",
+            key="--suite",
+            flag="--suite ",
+            nothing="or --data with shards that have the field",
+        )
+        if args.limit:
+            suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
+        suites.append(suite)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = {k: v.detach().clone() for k, v in zero_shot.model.state_dict().items()}  # (the zero-shot weights)
+    model = zero_shot.model.to(device)
+    records = []
+    for alpha in alphas:
+        mixed_model(zero_shot, fine_tuned, alpha, base=base, into=model)
+        for suite in suites:
+            for record in run_suite(
+                model,
+                zero_shot.preprocess,
+                zero_shot.tokenizer,
+                suite,
+                data,
+                device=device,
+                model_name=f"{args.model}+wise_ft({args.wise_ft}, alpha={alpha:g})",
+                batch_size=args.batch_size,
+                progress=True,
+                user_data=args.data,
+            ):
+                record["wise_ft"] = {
+                    "zero_shot": str(args.model),
+                    "fine_tuned": str(args.wise_ft),
+                    "alpha": alpha,
+                }
+                records.append(record)
+    label = "wise_ft_" + "_".join(_suite_label(str(n)) for n in named)
+    out = Path(args.out) if args.out else _eval_out(fine_tuned, Path(args.wise_ft), label)
+    write_results(records, out)
+    print_curve(records)
+    print(f"results written to {out}")
+    return 0
+
+
+def curve(records: list[dict]) -> tuple[list[str], list[tuple[float, list[float | None]]]]:
+    """The WiSE-FT curve of ``records`` (each with its ``wise_ft`` alpha): the columns (a
+    task's dataset and main metric) and, per alpha in order, each column's value."""
+    from mmalign.evaluation.benchmark import _main_value
+
+    columns: list[str] = []
+    rows: dict[float, dict[str, float | None]] = {}
+    for record in records:
+        metric, value, _ = _main_value(record, None)
+        if metric is None:
+            continue  # a diagnostics task: no main metric to plot
+        column = f"{record['dataset']} {metric}"
+        if column not in columns:
+            columns.append(column)
+        rows.setdefault(record["wise_ft"]["alpha"], {})[column] = value
+    return columns, [(alpha, [row.get(c) for c in columns]) for alpha, row in rows.items()]
+
+
+def print_curve(records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    columns, rows = curve(records)
+    table = Table(title="WiSE-FT: alpha (0 zero-shot, 1 fine-tuned) against each task's main metric")
+    for col in ["alpha", *columns]:
+        table.add_column(col)
+    for alpha, values in rows:
+        table.add_row(f"{alpha:g}", *("n/a" if v is None else f"{v:.4f}" for v in values))
+    Console(width=max(100, 24 * (len(columns) + 1))).print(table)
 
 
 def write_record(record: dict, path: Path) -> Path:
