@@ -102,16 +102,20 @@ class _EvalDraft:
         return image
 
 
-def eval_transform(image_size: int, *, draft: bool = False) -> T.Compose:
+def eval_transform(image_size: int, *, draft: bool = False, resize_mode: str = "shortest") -> T.Compose:
     """open_clip's eval preprocessing.  ``draft=True`` lets large JPEGs that are not yet decoded
     (``Image.open``) decode at reduced scale: faster, close but not equal; off by default so that
-    evaluation stays exactly clip_benchmark's."""
+    evaluation stays exactly clip_benchmark's.  ``resize_mode="squash"``: the whole image resized
+    to the square, no crop (SigLIP's preprocessing; open_clip's name for it)."""
+    if resize_mode == "squash":
+        resize = [T.Resize((image_size, image_size), interpolation=T.InterpolationMode.BICUBIC)]
+    else:
+        resize = [T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(image_size)]
     return T.Compose(
         [_check_shape]
         + ([_EvalDraft(image_size)] if draft else [])
+        + resize
         + [
-            T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop(image_size),
             _to_rgb,
             T.ToTensor(),
             T.Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD),

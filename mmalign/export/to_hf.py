@@ -228,6 +228,12 @@ def image_processor_config(preprocess: dict) -> dict:
 def export_hf(source: Loaded, out: Path) -> Path:
     from transformers import CLIPModel
 
+    from mmalign.models.siglip_hf import is_siglip_arch
+
+    if is_siglip_arch(source.model.arch):  # a SiglipModel / Siglip2Model folder instead
+        from mmalign.export.to_hf_siglip import export_hf_siglip
+
+        return export_hf_siglip(source, out)
     config = hf_config(source)
     state = hf_state_dict(
         source.model.state_dict(),

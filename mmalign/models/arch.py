@@ -126,11 +126,17 @@ def _with_tokenizer(arch: dict, spm: Path | None) -> dict:
 
 
 def _hf_arch(config: dict, folder: Path, key: str) -> dict:
-    """A CLIPModel config.json -> our architecture (the inverse of export/to_hf.hf_config)."""
+    """A CLIPModel config.json -> our architecture (the inverse of export/to_hf.hf_config); a
+    SiglipModel / Siglip2Model one through models/siglip_hf.py."""
+    from mmalign.models.siglip_hf import MODEL_TYPES, is_siglip, siglip_arch
+
+    if is_siglip(config):
+        return siglip_arch(config, folder, key)
     if config.get("model_type") != "clip":
+        supported = ", ".join(["CLIPModel ('clip')"] + [f"{c} ({t!r})" for t, c in MODEL_TYPES.items()])
         raise ConfigError(
             f"config key '{key}': {folder / HF_CONFIG} is model_type {config.get('model_type')!r}, "
-            f"not a CLIPModel ('clip')"
+            f"not one mmalign reads ({supported})"
         )
     v, t = config.get("vision_config") or {}, config.get("text_config") or {}
     try:

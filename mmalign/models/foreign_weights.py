@@ -147,7 +147,12 @@ def read_foreign(path: Path, key: str, meta: bool = False) -> dict | None:
     if kind == OPEN_CLIP_DIR:
         return from_open_clip(_read_weights(_first(path, OPEN_CLIP_WEIGHTS, key, kind), key, meta))
     if kind == HF_DIR:
-        arch = _hf_arch(_read_json(path / HF_CONFIG, key), path, key)
+        config = _read_json(path / HF_CONFIG, key)
+        from mmalign.models.siglip_hf import from_hf_siglip, is_siglip
+
+        if is_siglip(config):  # SiglipModel / Siglip2Model: one prefix per tower
+            return from_hf_siglip(_read_weights(_first(path, HF_WEIGHTS, key, kind), key, meta))
+        arch = _hf_arch(config, path, key)
         return from_hf(
             _read_weights(_first(path, HF_WEIGHTS, key, kind), key, meta),
             arch["vision_cfg"]["layers"],

@@ -29,6 +29,7 @@ patch size, which are resampled to the model's grid (:mod:`mmalign.models.pos_em
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -147,9 +148,11 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
 def _keep_scale(model, key: str, path: Path) -> None:
     """A loaded logit scale above ``model.max_logit_scale`` (published SigLIP: ~112-117) raises the
     clamp to it, so that loading changes no logit; one log line."""
-    scale = float(model.logit_scale.detach().exp().reshape(-1)[0])
+    scale = math.exp(float(model.logit_scale.detach().reshape(-1)[0]))  # float64: its log is the weight
     if scale > model.max_logit_scale:
-        log.info("%s: %s has logit scale %.2f: the clamp rises from %g to it", key, path, scale, model.max_logit_scale)
+        log.info(
+            "%s: %s has logit scale %.2f: the clamp rises from %g", key, path, scale, model.max_logit_scale
+        )
         model.max_logit_scale = scale
 
 

@@ -40,6 +40,9 @@ def save_pretrained(
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", "library": "mmalign"})
     respect_umask(out / WEIGHTS)
     arch, tokenizer = _record_tokenizer(model, out)
+    from mmalign.models.siglip_hf import model_preprocess
+
+    preprocess = model_preprocess(model.arch, preprocess)  # a SigLIP model's own resize (no crop)
     config = {
         "arch": arch,
         "init_logit_bias": None

@@ -30,6 +30,7 @@ A path that is none of these, or a folder whose files are damaged, is a one-line
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import re
 from collections.abc import Callable
@@ -156,8 +157,13 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
         arch = resolve_arch(ModelConfig(pretrained=str(folder)))
         state = read_foreign(folder, "--model")
         assert state is not None  # an open_clip folder (OPEN_CLIP_CONFIG) always has its weights read
-        bias = state.get("logit_bias")
-        model = TwoTower(arch, init_logit_bias=None if bias is None else float(bias.reshape(-1)[0]))
+        bias, scale = state.get("logit_bias"), state.get("logit_scale")
+        model = TwoTower(
+            arch,
+            init_logit_bias=None if bias is None else float(bias.reshape(-1)[0]),
+            # a published scale above the default clamp (SigLIP's ~112-117) is the model's own
+            max_logit_scale=100.0 if scale is None else max(100.0, math.exp(float(scale.reshape(-1)[0]))),
+        )
     except ConfigError as e:
         why = (
             first_line(e)
@@ -191,6 +197,9 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
                 folder,
                 " and ".join(other),
             )
+    from mmalign.models.siglip_hf import model_preprocess
+
+    pre = model_preprocess(model.arch, pre)  # a SigLIP model's own resize (no crop)
     config = {
         "arch": model.arch,
         "max_logit_scale": model.max_logit_scale,
@@ -206,7 +215,8 @@ def _eval_transform(preprocess_cfg: dict):
     from mmalign.data.transforms import eval_transform
 
     size = preprocess_cfg["size"]
-    return eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size))
+    mode = "squash" if preprocess_cfg.get("resize_mode") == "squash" else "shortest"  # squash: SigLIP's
+    return eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size), resize_mode=mode)
 
 
 def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:

@@ -40,6 +40,10 @@ SHARED_OWNERS = {
         "mmalign/export/to_hf.py",
         "mmalign/export/hf_tokenizer.py",
         "mmalign/data/tokenizer.py",
+        # the SigLIP family: transformers' own towers, a folder's configs and tokenizer, its export
+        "mmalign/models/siglip_modules.py",
+        "mmalign/models/siglip_hf.py",
+        "mmalign/export/to_hf_siglip.py",
     },
     # four unrelated tools of evaluation: digits data, linear probes, t-SNE, DataComp's macro F1
     "sklearn": {

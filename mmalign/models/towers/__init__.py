@@ -2,7 +2,7 @@
 the typed form of an architecture dict (towers/arch.py).  A tower dict names its kind with
 ``kind:`` (dicts without one are claimed by exactly one kind), so the order below is free."""
 
-from mmalign.models.towers import hf_text, resnet, text, timm, vit  # noqa: F401 (registrations)
+from mmalign.models.towers import hf_text, resnet, siglip, text, timm, vit  # noqa: F401 (registrations)
 from mmalign.models.towers.arch import Towers, with_kinds
 from mmalign.models.towers.base import (
     KIND_KEY,
