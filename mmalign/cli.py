@@ -131,6 +131,18 @@ def _run_command(name: str, argv: list[str]) -> None:
 
 
 def cmd_models(args) -> int:
+    if args.fetch:  # models by name: into the Hugging Face cache (models/hub.py)
+        from mmalign.models.hub import resolve
+
+        for name in args.fetch:
+            print(f"{name}: {resolve(name, '--fetch')}", flush=True)
+        return 0
+    if args.pretrained is not None:  # open_clip's registry, read from its files: no torch
+        from mmalign.models.pretrained_list import listing
+
+        for line in listing(args.pretrained or None):
+            print(line, flush=True)
+        return 0
     from mmalign.models.preset_table import describe, stale
 
     if todo := stale():  # presets new or changed since the shipped table: each is built on the meta device
@@ -392,6 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list architecture presets that build offline (parameters, image size)")
     p.add_argument("--all", action="store_true", help="also list the presets that need a download, marked")
+    p.add_argument(
+        "--pretrained",
+        nargs="?",
+        const="",
+        metavar="ARCH",
+        help="list open_clip's published weights (of ARCH) as ARCH/TAG names, * where the cache holds them",
+    )
+    p.add_argument(
+        "--fetch",
+        nargs="+",
+        metavar="NAME",
+        help="download models by name (ARCH/TAG, hf-hub:ORG/NAME, ORG/NAME) into the Hugging Face cache",
+    )
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("export", help="export a model (final/ or a step checkpoint) as open_clip, hf or onnx")

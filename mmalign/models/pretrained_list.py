@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
+from mmalign.errors import UsageError
+
 OC_CONFIG = "open_clip_config.json"  # an open_clip hub repository's architecture
 OC_BIN, OC_SAFE = "open_clip_pytorch_model.bin", "open_clip_model.safetensors"  # open_clip's default names
 _SHADOW = "_mmalign_open_clip_registry"  # the private package name the module is run under
@@ -181,12 +183,40 @@ def cached_ids(cache: Path | None = None) -> Iterator[tuple[str, str]]:
                 yield repo, str(kind)
 
 
+def listing(arch: str | None = None, cache: Path | None = None) -> Iterator[str]:
+    """The lines of ``mmalign models --pretrained [ARCH]``: open_clip's tags (of ``arch``, or all)
+    as ``ARCH/TAG`` names with their repository, ``*`` where the cache holds the weights; then
+    the other repositories in the cache that load by name."""
+    cache = hub_cache() if cache is None else cache
+    table = [r for r in rows(cache) if arch is None or r["arch"] == arch]
+    if arch is not None and not table:
+        close = [a for a in registry() if a.lower().startswith(arch.lower()[:5])][:5]
+        raise UsageError(
+            f"--pretrained: open_clip has no pretrained tags for {arch}"
+            + (f" (close: {', '.join(close)})" if close else "")
+        )
+    width = max([len(f"{r['arch']}/{r['tag']}") for r in table] + [20])
+    yield f"  {'name (ARCH/TAG)':<{width}} hugging face repository"
+    for r in table:
+        yield f"{'*' if r['cached'] else ' '} {r['arch'] + '/' + r['tag']:<{width}} {r['repo']}"
+    held = sum(r["cached"] for r in table)
+    yield f"({held} of {len(table)} in the cache {cache}, marked *; `mmalign models --fetch NAME` downloads one)"
+    if arch is None:
+        tag_repos = {r["repo"] for r in table}
+        others = [(n, k) for n, k in cached_ids(cache) if n.removeprefix("hf-hub:") not in tag_repos]
+        if others:
+            yield "also in the cache, by name:"
+            for n, k in others:
+                yield f"* {n:<{width}} {k}"
+
+
 __all__ = [
     "architectures",
     "cached_file",
     "cached_ids",
     "clean_tag",
     "hub_cache",
+    "listing",
     "model_config",
     "registry",
     "rows",
