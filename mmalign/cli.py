@@ -67,6 +67,33 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
     )
 
 
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--weights",
+        choices=("raw", "ema"),
+        default="raw",
+        help="the trained weights, or the moving average a run kept with train.ema_decay "
+        "(RUN/final_ema/, or a step checkpoint's)",
+    )
+
+
+def _ema_folder(args) -> None:
+    """``--weights ema`` of a command that reads a model folder: ``args.model`` becomes the
+    folder of the EMA weights (a step checkpoint's are read by ``eval`` and ``export`` only)."""
+    if getattr(args, "weights", "raw") != "ema":
+        return
+    from mmalign.models.load import ema_source
+    from mmalign.models.locate import is_step_checkpoint
+
+    source = ema_source(args.model)
+    if is_step_checkpoint(source):
+        raise UsageError(
+            f"--weights ema: {source} is a step checkpoint; `mmalign eval` and `mmalign export` read its "
+            "EMA weights, this command reads a model folder (RUN/final_ema/)"
+        )
+    args.model = str(source)
+
+
 def _loading(model: str, data_on_stdout: bool = False) -> None:
     """A model path that does not exist is one line now, before the seconds that importing torch
     and open_clip and building the model take; else a line saying that those seconds begin.
@@ -167,7 +194,7 @@ def cmd_export(args) -> int:
     _loading(args.model)
     from mmalign.export import export
 
-    out = export(args.model, args.format, args.out, force=args.force)
+    out = export(args.model, args.format, args.out, force=args.force, weights=args.weights)
     print(f"{args.format} export written to {out}")
     return 0
 
@@ -184,6 +211,7 @@ def cmd_embed(args) -> int:
     ):  # search.embed.EMBED_INFO; before torch
         raise UsageError(f"--out: {args.out} already holds embeddings; choose an empty directory")
     _loading(args.model)
+    _ema_folder(args)
     from mmalign.cli_train import output_lock
     from mmalign.dist.distributed import env_dist_info
     from mmalign.search.embed import embed, plan_units
@@ -290,6 +318,7 @@ def cmd_serve(args) -> int:
     for _, index in parse_indexes(args.index):
         _check_index(index)
     _loading(args.model)
+    _ema_folder(args)
     from mmalign.search.serve import serve
 
     serve(
@@ -379,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)",
     )
+    _add_weights_arg(p)
     p.set_defaults(func=cmd_eval)
     from mmalign.cli_wise_ft import add_parsers as add_wise_ft
 
@@ -424,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="output format")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _add_weights_arg(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -448,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
         "or SLURM launch sets RANK / WORLD_SIZE itself); a rerun after a kill resumes",
     )
+    _add_weights_arg(p)
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("index", help="build FAISS inner-product indexes from `mmalign embed` output")
@@ -530,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(the first is the default; a plain DIR is named after the directory)",
     )
     p.add_argument("--model", required=True, help="the model that made the embeddings")
+    _add_weights_arg(p)
     p.add_argument(
         "--mmap", action="store_true", help="open the indexes memory-mapped (start in seconds, bounded RSS)"
     )

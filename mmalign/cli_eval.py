@@ -68,7 +68,8 @@ def cmd_eval(args) -> int:
     split = args.cb_split or "test"
     named = PREFIX + args.cb_dataset if args.cb_dataset else args.suite
     suite = load_suite(named, split) if is_cb(named) else None  # the layout checked before the model loads
-    loaded = load(args.model)  # a model folder, a run directory or RUN/checkpoints/step_N
+    ema = _ema_tag(args)  # --weights ema: the run's EMA weights, their records and file marked
+    loaded = load(args.model, weights=getattr(args, "weights", "raw"))  # a model folder, a run, a step_N
     train_cfg = loaded.config.get("train_config", {})
     suite_name = named or train_cfg.get("eval", {}).get("suite", "shapes")
     if suite is None:
@@ -98,7 +99,7 @@ def cmd_eval(args) -> int:
         suite,
         data,
         device=device,
-        model_name=str(args.model),
+        model_name=str(args.model) + ema,
         batch_size=args.batch_size,
         progress=True,
         user_data=args.data,
@@ -106,11 +107,12 @@ def cmd_eval(args) -> int:
     if "cb" in suite:  # clip_benchmark's record, one object, as its CLI writes it
         from mmalign.evaluation.cb_wds import cb_record
 
-        label = "cb_" + _suite_label(suite["cb"]["dataset"].split("/", 1)[-1])
+        label = "cb_" + _suite_label(suite["cb"]["dataset"].split("/", 1)[-1]) + ema.replace("+", "_")
         out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), label)
         write_record(cb_record(records[0], suite, pretrained=str(args.model)), out)
     else:
-        out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), _suite_label(suite_name))
+        label = _suite_label(suite_name) + ema.replace("+", "_")
+        out = Path(args.out) if args.out else _eval_out(loaded, Path(args.model), label)
         write_results(records, out)
     _print_table(records)
     print(f"results written to {out}")
@@ -253,7 +255,7 @@ def _cmd_benchmark(args) -> int:
         check_suite_data(suite)
         if args.limit:
             suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
-    loaded = load(args.model)
+    loaded = load(args.model, weights=getattr(args, "weights", "raw"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     run_benchmark(
@@ -314,6 +316,11 @@ def _eval_out(loaded, model: Path, label: str, suffix: str = ".json") -> Path:
     if loaded.kind == "checkpoint":
         return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}{suffix}"
     return model / f"eval_cli_{label}{suffix}"
+
+
+def _ema_tag(args) -> str:
+    """``+ema`` under ``--weights ema`` (after the model's name; ``_ema`` in a file name), else empty."""
+    return "+ema" if getattr(args, "weights", "raw") == "ema" else ""
 
 
 def _suite_label(name: str) -> str:

@@ -41,11 +41,20 @@ def _publish(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = False) -> Path:
-    """Write ``model_dir`` (a saved model, run directory or ``RUN/checkpoints/step_N``) as ``fmt`` into ``out``."""
+def export(
+    model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = False, weights: str = "raw"
+) -> Path:
+    """Write ``model_dir`` (a saved model, run directory or ``RUN/checkpoints/step_N``) as ``fmt`` into ``out``;
+    ``weights="ema"``: its EMA weights (:func:`mmalign.models.load.ema_source`), checked before any write."""
     if fmt not in FORMATS:
         raise UsageError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     out = Path(out)
+    if weights != "raw":
+        from mmalign.models.load import WEIGHTS, ema_source
+
+        if weights not in WEIGHTS:
+            raise UsageError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
+        model_dir = ema_source(model_dir)  # the folder read: --out must not replace it either
     _check_out(out, Path(model_dir), force)
     tmp = out.with_name(out.name + ".tmp")
     try:
@@ -57,7 +66,7 @@ def export(model_dir: str | Path, fmt: str, out: str | Path, *, force: bool = Fa
     try:
         from mmalign.models.load import load
 
-        source = load(model_dir)
+        source = load(model_dir, weights=weights)
         if fmt == "open_clip":
             from mmalign.export.to_open_clip import export_open_clip
 

@@ -25,6 +25,11 @@ folder is read as a step checkpoint only when it has no saved model and sits at
 
 A path that is none of these, or a folder whose files are damaged, is a one-line
 :class:`~mmalign.errors.UsageError` naming the path.
+
+``weights="ema"`` reads the EMA weights a run kept (``train.ema_decay``, :mod:`mmalign.run.ema`)
+instead of the raw ones: a run directory's or ``final/``'s sibling ``final_ema/``, or a step
+checkpoint's per-rank EMA pieces (:mod:`mmalign.layout.ema_pieces`) laid over its consolidated
+weights (frozen weights and buffers are the raw ones); anywhere else it is one line.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from mmalign.models.two_tower import TwoTower
 log = logging.getLogger(__name__)
 
 EXPORT = "export"  # Loaded.kind of an open_clip / HF folder
+WEIGHTS = ("raw", "ema")  # load()'s weights=: the trained weights, or their moving average
 
 
 @dataclass
@@ -90,14 +96,19 @@ class Loaded:
         return f"{what} {self.path}"
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
+def load(path: str | Path, device: str | torch.device = "cpu", weights: str = "raw") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final``,
-    ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``."""
+    ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``;
+    ``weights="ema"``: its EMA weights (:func:`ema_source`)."""
     from mmalign.models.hub import resolve
     from mmalign.models.io import load_pretrained
     from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
 
     path = resolve(path, "--model")  # a model name (ARCH/TAG, hf-hub:ORG/NAME, ORG/NAME): its local folder
+    if weights not in WEIGHTS:
+        raise UsageError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
+    if weights == "ema":
+        path = ema_source(path)
     kind, folder = (EXPORT, Path(path)) if _export_kind(Path(path)) else locate(path)
     if kind == EXPORT:
         model, config = _load_export(folder)
@@ -108,7 +119,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         tokenizer = build_tokenizer(model.arch, base_dir=folder)  # a saved tokenizer.model, relative to it
         base = folder
     else:
-        model, config = _load_checkpoint(folder)
+        model, config = _load_checkpoint(folder, ema=weights == "ema")
         tokenizer = build_tokenizer(model.arch)  # the run's own tokenizer file
         base = None
     spm = tokenizer_file(model.arch)
@@ -123,6 +134,38 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         kind=kind,
         path=folder,
     )
+
+
+def ema_source(path: str | Path) -> Path:
+    """Where the EMA weights of the model at ``path`` are: a run directory's or ``final/``'s
+    sibling ``final_ema/``, ``final_ema/`` itself (or a folder saved as EMA weights), or a step
+    checkpoint holding EMA pieces. One UsageError line for anything else."""
+    import json
+
+    from mmalign.layout import ema_pieces
+    from mmalign.layout.run_dir import FINAL, FINAL_EMA
+    from mmalign.models.io import CONFIG
+    from mmalign.models.io import WEIGHTS as WEIGHTS_FILE
+    from mmalign.models.locate import check_exists
+
+    p = check_exists(path)
+    hint = f"a run trained with train.ema_decay keeps them in RUN/{FINAL_EMA}/ and in its step checkpoints"
+    if is_step_checkpoint(p):
+        if not ema_pieces.files(p):
+            raise UsageError(f"--weights ema: step checkpoint {p} holds no EMA weights ({hint})")
+        return p
+    for folder in (p / FINAL_EMA, p.parent / FINAL_EMA if p.name == FINAL else None, p):
+        if folder is None or not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG).is_file():
+            continue
+        if folder.name == FINAL_EMA:
+            return folder
+        try:
+            marked = json.loads((folder / CONFIG).read_text(encoding="utf-8")).get("weights") == "ema"
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            marked = False
+        if marked:
+            return folder
+    raise UsageError(f"--weights ema: {p} holds no EMA weights ({hint})")
 
 
 def _export_kind(path: Path) -> str | None:
@@ -219,9 +262,10 @@ def _eval_transform(preprocess_cfg: dict):
     return eval_transform(int(size[0] if isinstance(size, (list, tuple)) else size), resize_mode=mode)
 
 
-def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
+def _load_checkpoint(step_dir: Path, ema: bool = False) -> tuple[TwoTower, dict]:
     """``RUN/checkpoints/step_N`` -> (model, a model_config.json-like dict): weights
-    consolidated from any ZeRO stage, architecture from the checkpoint's own config."""
+    consolidated from any ZeRO stage, architecture from the checkpoint's own config; with
+    ``ema``, the trainable weights' EMA from its per-rank pieces."""
     from mmalign.config import load_config, to_dict
     from mmalign.data.transforms import preprocess_cfg
     from mmalign.layout.ds_adapter import consolidate_checkpoint  # imports deepspeed: only on this path
@@ -264,6 +308,8 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         raise UsageError(
             f"step checkpoint {step_dir} holds a file that is not a plain weights file ({why}); not loaded"
         ) from None
+    if ema:
+        state.update(_ema_weights(step_dir))
     problem = misfit(model.state_dict(), state)
     if problem:
         raise UsageError(f"step checkpoint {step_dir}: its weights do not fit {config_file}: {problem}")
@@ -279,14 +325,33 @@ def _load_checkpoint(step_dir: Path) -> tuple[TwoTower, dict]:
         "preprocess_cfg": preprocess_cfg(model.image_size),
         "train_config": to_dict(cfg),
     }
+    if ema:
+        config["weights"] = "ema"
     return model, config
+
+
+def _ema_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole EMA tensors of a step checkpoint's per-rank pieces; one UsageError line when
+    they are missing, cut or not plain weights files."""
+    from mmalign.layout import ema_pieces
+
+    try:
+        full, _ = ema_pieces.assemble(ema_pieces.read(step_dir))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, TypeError) as e:
+        raise UsageError(
+            f"step checkpoint {step_dir}: its EMA weights cannot be read ({type(e).__name__}: "
+            f"{first_line(e)[:160]})"
+        ) from None
+    return full
 
 
 __all__ = [
     "CHECKPOINT",
     "EXPORT",
     "MODEL",
+    "WEIGHTS",
     "Loaded",
+    "ema_source",
     "checkpoint_config",
     "is_step_checkpoint",
     "load",

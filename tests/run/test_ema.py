@@ -127,3 +127,130 @@ def test_naive_decay_warms_up():
     assert [decay_at(0.9, True, t) for t in range(3)] == [0.1, 2 / 11, 3 / 12]
     assert decay_at(0.9, True, 1000) == 0.9
     assert decay_at(0.9, False, 0) == 0.9
+
+
+# ------------------------------------------------------------------ a whole run
+
+
+def _sets(shapes_dir) -> list[str]:
+    return [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        f"data.val={shapes_dir}/val/00000.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=0",
+        "train.log_every=2",
+        f"train.ema_decay={DECAY}",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+    ]
+
+
+def _args(sets) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, shapes_dir):
+    """A 4-step run with an EMA, checkpoints at steps 2 and 4, evaluated on the shapes suite."""
+    out = tmp_path_factory.mktemp("ema") / "run"
+    res = cli_main("train", "--output", out, *_args(_sets(shapes_dir)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out, res.stdout, _sets(shapes_dir)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.integration
+def test_a_run_writes_final_ema_and_evaluates_it_beside_the_raw_weights(ema_run):
+    import json
+
+    out, stdout, _ = ema_run
+    config = json.loads((out / "final_ema" / "model_config.json").read_text())
+    assert config["weights"] == "ema" and config["ema_updates"] == 4
+    raw, ema = _weights(out / "final"), _weights(out / "final_ema")
+    assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
+    records = json.loads((out / "eval.json").read_text())
+    plain = [r for r in records if "weights" not in r]
+    averaged = [r for r in records if r.get("weights") == "ema"]
+    assert len(plain) == len(averaged) == 3
+    assert [r["dataset"] + "+ema" for r in plain] == [r["dataset"] for r in averaged]
+    assert all(r["model"].endswith("+ema") for r in averaged)
+    assert "shapes/shape+ema" in stdout and "shapes/shape:" in stdout  # the headline states both
+    # each rank's EMA piece is in the step checkpoints
+    assert (out / "checkpoints" / "step_00000004" / "ema_rank0.pt").is_file()
+
+
+@pytest.mark.integration
+def test_load_reads_the_ema_of_a_run_and_of_a_step_checkpoint(ema_run):
+    import mmalign
+    from mmalign.errors import UsageError
+
+    out, _, _ = ema_run
+    ema = _weights(out / "final_ema")
+    for path in (out, out / "final", out / "final_ema", out / "checkpoints" / "step_00000004"):
+        state = mmalign.load(path, weights="ema").model.state_dict()
+        for name, want in ema.items():
+            assert torch.equal(state[name], want), (path, name)
+    raw = mmalign.load(out / "checkpoints" / "step_00000004").model.state_dict()
+    assert any(not torch.equal(raw[k], ema[k]) for k in ema)
+    with pytest.raises(UsageError, match="--weights"):
+        mmalign.load(out, weights="average")
+
+
+@pytest.mark.integration
+def test_a_resumed_run_ends_with_the_same_ema_as_a_straight_one(ema_run, tmp_path):
+    import shutil
+
+    out, _, sets = ema_run
+    resumed = tmp_path / "run"
+    shutil.copytree(out, resumed)
+    for name in ("final", "final_ema", "checkpoints/step_00000004"):
+        shutil.rmtree(resumed / name)
+    (resumed / "eval.json").unlink()
+    (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    res = cli_main("train", "--output", resumed, "--resume", "latest", *_args(sets))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stdout
+    for folder in ("final", "final_ema"):
+        want, got = _weights(out / folder), _weights(resumed / folder)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (folder, name)
+
+
+@pytest.mark.integration
+def test_eval_weights_ema_and_a_run_without_an_ema(ema_run, micro_overrides):
+    import json
+
+    out, _, _ = ema_run
+    res = cli_main("eval", "--model", out, "--weights", "ema")
+    assert res.returncode == 0, res.stderr[-2000:]
+    cli = json.loads((out / "eval_cli_shapes_ema.json").read_text())
+    in_run = {r["dataset"]: r["metrics"] for r in json.loads((out / "eval.json").read_text())}
+    for r in cli:
+        assert r["model"].endswith("+ema")
+        for key, value in r["metrics"].items():
+            if isinstance(value, float):
+                assert value == pytest.approx(in_run[r["dataset"] + "+ema"][key], abs=1e-6), (
+                    r["dataset"],
+                    key,
+                )
+    # a model without EMA weights: one line, exit 2
+    raw_only = out.parent / "raw_only"
+    raw_only.mkdir()
+    import shutil
+
+    shutil.copytree(out / "final", raw_only / "final")
+    res = cli_main("eval", "--model", raw_only, "--weights", "ema")
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "holds no EMA weights" in lines[0], res.stderr
