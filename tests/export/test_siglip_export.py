@@ -123,3 +123,35 @@ def test_finetuned_by_name_exports_and_reloads_identically(
     assert result.returncode == 0, result.stderr
     records = json.loads((tmp_path / "eval.json").read_text())
     assert {r["task"] for r in records} >= {"zeroshot_classification"}
+
+
+def test_onnx_export_of_siglip_equals_ours(folders, tmp_path, gen):
+    ort = pytest.importorskip("onnxruntime")
+    from mmalign.data.tokenizer import HFTextTokenizer
+    from mmalign.export import export
+    from mmalign.models.load import load
+
+    out = export(folders["siglip"], "onnx", tmp_path / "onnx")
+    loaded = load(folders["siglip"])
+    pixels = torch.randn(3, 3, 32, 32, generator=gen)  # another batch size than the traced one
+    ids = HFTextTokenizer(out / "hf_text", 64)(
+        ["a photo of a cat", "two small birds"]
+    )  # the shipped tokenizer
+    assert torch.equal(ids, loaded.tokenizer(["a photo of a cat", "two small birds"]))
+    image = ort.InferenceSession(str(out / "image_encoder.onnx")).run(None, {"pixels": pixels.numpy()})[0]
+    text = ort.InferenceSession(str(out / "text_encoder.onnx")).run(None, {"tokens": ids.numpy()})[0]
+    assert torch.allclose(torch.from_numpy(image), loaded.encode_image(pixels), atol=1e-5)
+    assert torch.allclose(torch.from_numpy(text), loaded.encode_text(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt", "words"),
+    [("siglip2", "onnx", "NaFlex"), ("siglip", "open_clip", "no open_clip export")],
+)
+def test_formats_it_cannot_take_are_one_line(folders, family, fmt, words, tmp_path):
+    result = cli_main(
+        "export", "--model", str(folders[family]), "--format", fmt, "--out", str(tmp_path / fmt)
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and not (tmp_path / fmt).exists()

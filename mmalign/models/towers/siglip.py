@@ -63,11 +63,34 @@ class SiglipVisionSpec(TowerSpec):
         return int(self.hf_config.get("num_hidden_layers", 0))
 
     def onnx_input(self, batch: int, tokenizer: Tokenizer | None = None) -> torch.Tensor:
+        from mmalign.errors import UsageError
+
+        if self.family == "siglip2":
+            raise UsageError(
+                "--format onnx: a SigLIP2 (NaFlex) image tower resizes its position table per image, "
+                "which a graph traced at one batch size cannot replay; use --format hf"
+            )
+        return self._example(batch)
+
+    def _example(self, batch: int) -> torch.Tensor:
         import torch
 
         from mmalign.models.towers.vit import square
 
         return torch.randn(batch, 3, *square(self.image_size))  # (B, 3, H, W)
+
+    def flops(self, embed_dim: int) -> int:
+        """torch's FLOP counter on a forward at batch 1: on the meta device, else a real copy
+        (the base's count, without the ONNX example that SigLIP2 refuses)."""
+        import torch
+
+        from mmalign.models.towers.base import _counted
+
+        try:
+            with torch.device("meta"):
+                return _counted(self.build(embed_dim, False).eval(), self._example(1).to("meta"))
+        except (NotImplementedError, RuntimeError):
+            return _counted(self.build(embed_dim, False).eval(), self._example(1))
 
 
 @register_tower("siglip_text")
