@@ -134,10 +134,11 @@ def _cmd_wise_ft(args) -> int:
         raise UsageError(f"--wise-ft evaluates suites (--suite, repeatable): drop {', '.join(clash)}")
     for flag, model in (("--model", args.model), ("--wise-ft", args.wise_ft)):
         try:
-            check_exists(model)
+            check_exists(model, flag)  # a model name: found in the hub cache, or fetched now
             check_not_onnx(model)
         except UsageError as e:
-            raise UsageError(f"{flag}: {e}".replace(f"{flag}: --model ", f"{flag} ")) from None
+            line = str(e).replace("--model ", f"{flag} ", 1) if str(e).startswith("--model ") else str(e)
+            raise UsageError(line if flag in line else f"{flag}: {line}") from None
     print(f"mmalign: loading the models from {args.model} and {args.wise_ft} ...", flush=True)
     import torch
 

@@ -53,9 +53,9 @@ def cmd_wise_ft(args) -> int:
 
     for flag, model in (("--zero-shot", args.zero_shot), ("--fine-tuned", args.fine_tuned)):
         try:
-            check_exists(model)
+            check_exists(model, flag)  # a model name: found in the hub cache, or fetched now
         except UsageError as e:
-            raise UsageError(f"{flag}: {e}") from None
+            raise UsageError(str(e) if flag in str(e) else f"{flag}: {e}") from None
     print(f"mmalign: loading {args.zero_shot} and {args.fine_tuned} ...", flush=True)
     from mmalign.models.wise_ft import wise_ft
 

@@ -108,6 +108,12 @@ class ModelConfig:
     pretrained_image: str | None = knob(None, rule=PATH, doc="as `model.pretrained`, the image tower only")
     pretrained_text: str | None = knob(None, rule=PATH, doc="as `model.pretrained`, the text tower only")
     pretrained_strict: bool = knob(True, doc="false: missing / unexpected weights are logged, not refused")
+    pretrained_resample: Literal["bicubic", "bilinear", "nearest", "area"] = knob(
+        "bicubic",
+        doc="how a ViT source's position embedding (and patch kernel) is resampled when "
+        "`model.image_size` / `model.vision.patch_size` differ from the source's; bicubic "
+        "equals timm's `resample_abs_pos_embed`",
+    )
     timm_weights: str | None = knob(
         None,
         rule=PATH,

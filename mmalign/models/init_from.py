@@ -78,12 +78,13 @@ def read_state(path: Path, key: str, meta: bool = False) -> dict | None:
 _RESAMPLED = {f"vision_cfg.{k}" for k in GRID_KEYS}  # another image size or patch: resampled, not refused
 
 
-def _fit_grids(model, own: dict, state: dict, key: str, path: Path) -> dict:
+def _fit_grids(model, own: dict, state: dict, key: str, path: Path, mode: str = "bicubic") -> dict:
     """A ViT source at another image size or patch size: its position embedding (and patch
-    kernel) resampled to the model's grid, one log line each (models/pos_embed.py)."""
+    kernel) resampled to the model's grid (``model.pretrained_resample``), one log line each
+    (models/pos_embed.py)."""
     arch = source_arch(path, key) if path.is_dir() else None
     try:
-        return fit_grids(model, own, state, key, source_grid(arch))
+        return fit_grids(model, own, state, key, source_grid(arch), mode)
     except ValueError as e:
         raise ConfigError(f"config key '{key}': {path}: {e}") from None
 
@@ -116,7 +117,7 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
                     f"({'; '.join(differ[:3])})"
                 )
             state = {k: v for k, v in state.items() if k.startswith(tower + ".")}
-        state = _fit_grids(model, own, state, key, path)
+        state = _fit_grids(model, own, state, key, path, cfg.pretrained_resample)
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
         if wrong:

@@ -179,3 +179,48 @@ def test_another_width_is_still_refused(src):
         build_model(
             _cfg(preset="micro", image_size=32, vision={"width": 64}, pretrained_image=str(src / "run"))
         )
+
+
+def test_a_run_fine_tunes_at_the_new_size(src, micro_overrides, caplog):
+    """The whole path: load_config -> train at 24 px from a 16 px model; final/ is a 24 px model
+    (its preprocessing too) whose image tower, locked, holds the resampled embedding."""
+    from mmalign.config import load_config
+    from mmalign.run.train import train
+
+    overrides = [o for o in micro_overrides if not o.startswith("model.preset")]
+    cfg = load_config(
+        None,
+        overrides
+        + [
+            f"model.pretrained={src / 'run'}",
+            "model.image_size=24",
+            "model.lock_image=true",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "monitor.probe_size=0",
+            "train.checkpoint_every=0",
+            "train.eval_every=0",
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger="mmalign.models.pos_embed"):
+        out = train(cfg, show_progress=False)
+    assert "visual.positional_embedding resampled (bicubic) from 4x4 to 6x6" in caplog.text
+    final = load(out)
+    assert final.model.image_size == 24 and final.preprocess_cfg["size"] in (24, [24, 24])
+    source = load(src / "run").model.state_dict()[POS]
+    want = resample_abs_pos_embed(source.unsqueeze(0), [6, 6], [4, 4], 1)[0]
+    assert torch.equal(final.model.state_dict()[POS], want)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_model_pretrained_resample_picks_the_interpolation(src, mode):
+    model = build_model(_cfg(pretrained=str(src / "run"), image_size=24, pretrained_resample=mode))
+    source = load(src / "run").model.state_dict()[POS]
+    antialias = mode == "bilinear"  # timm passes antialias to every mode; torch has it for these two only
+    want = resample_abs_pos_embed(source.unsqueeze(0), [6, 6], [4, 4], 1, mode, antialias=antialias)[0]
+    assert torch.equal(model.state_dict()[POS], want)
+    from mmalign.config import load_config
+
+    with pytest.raises(ConfigError, match="model.pretrained_resample") as e:
+        load_config(None, [f"model.pretrained={src / 'run'}", "model.pretrained_resample=lanczos"])
+    assert "\n" not in str(e.value)
