@@ -147,3 +147,42 @@ def test_eval_curve_mistakes_are_one_line(pair, tmp_path):
         cli_main("eval", "--model", pair[0], "--suite", "shapes", "--suite", "digits"),
         "--suite once per evaluation",
     )
+
+
+def test_the_zero_shot_model_by_its_hub_name(pair, tmp_path, monkeypatch):
+    """The usual case: the published model by name (here an open_clip hub entry in a fabricated,
+    offline cache) and a run fine-tuned from it."""
+    from mmalign.export import export
+    from tests.harness.hubcache import fabricate, offline_env
+
+    export(pair[0], "open_clip", tmp_path / "oc")  # the zero-shot model in open_clip's hub layout
+    fabricate(tmp_path / "hf", "test-org/micro-zs", tmp_path / "oc")
+    offline_env(monkeypatch, tmp_path / "hf")
+    run = cli_main(
+        "wise-ft",
+        "--zero-shot",
+        "hf-hub:test-org/micro-zs",
+        "--fine-tuned",
+        pair[1],
+        "--alpha",
+        "0,0.5",
+        "--out",
+        tmp_path / "w",
+    )
+    assert run.returncode == 0, run.stderr
+    ends = load(tmp_path / "w" / "alpha_0").model.state_dict()
+    assert all(torch.equal(ends[k], v) for k, v in load(pair[0]).model.state_dict().items())
+    _one_line_error(
+        cli_main(
+            "wise-ft",
+            "--zero-shot",
+            "hf-hub:test-org/absent",
+            "--fine-tuned",
+            pair[1],
+            "--alpha",
+            "0.5",
+            "--out",
+            tmp_path / "x",
+        ),
+        "test-org/absent",
+    )
