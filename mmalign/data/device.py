@@ -36,10 +36,16 @@ def normalize_images(images: torch.Tensor) -> torch.Tensor:
 
 
 def unnormalize_images(images: torch.Tensor) -> torch.Tensor:
-    """float32 (B, 3, H, W) CLIP-normalised -> the pixels in [0, 1] they came from (x * std + mean):
-    what another model's normalisation starts from (a distillation teacher's)."""
+    """float32 (B, 3, H, W) CLIP-normalised -> the pixels in [0, 1] they came from (x * std + mean),
+    e.g. to resize them for a distillation teacher of another image size."""
     mean, std = _constants(images.device)  # (1, 3, 1, 1) each, read only
     return images.to(torch.float32) * std + mean
+
+
+def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """float (B, 3, H, W) pixels in [0, 1] -> CLIP-normalised float32 (the inverse of the above)."""
+    mean, std = _constants(pixels.device)
+    return (pixels.to(torch.float32) - mean) / std
 
 
 def images_to(images: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -122,12 +122,12 @@ class SampleProcessor:
         if self.hard_negatives:
             row["negatives"] = mined_captions(meta, self.hard_negatives)
         if self.teacher_dim:
-            row["teacher"] = read_teacher(members)
-            if row["teacher"][0].shape[0] != self.teacher_dim:
+            teacher = read_teacher(members)
+            if teacher[0].shape[0] != self.teacher_dim:
                 raise BadSample(
-                    "bad_teacher",
-                    f"width {row['teacher'][0].shape[0]}, the first sample's {self.teacher_dim}",
+                    "bad_teacher", f"width {teacher[0].shape[0]}, the first sample's {self.teacher_dim}"
                 )
+            row["teacher"] = teacher
         image = open_image(image_bytes, self.max_pixels, self._prepare)
         try:
             row["image"] = self._apply(image, draws(seed, VIEW))  # (3, H, W)

@@ -30,13 +30,18 @@ from torch import Tensor
 __all__ = ["distill_kl", "distill_kl_local", "softmax_kl_rows"]
 
 
+def _wide(x: Tensor) -> Tensor:
+    """float32 for half-precision input (softmax in fp16/bf16 loses the tail), else as it is."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def softmax_kl_rows(teacher_logits: Tensor, student_logits: Tensor) -> Tensor:
     """(R, N), (R, N) -> (R,): KL(softmax(teacher) || softmax(student)) of each row.
 
     The teacher's logits carry no graph; the student's gradient per row is
     ``softmax(student) - softmax(teacher)``."""
-    log_t = F.log_softmax(teacher_logits.float(), dim=1)  # (R, N)
-    log_s = F.log_softmax(student_logits.float(), dim=1)  # (R, N)
+    log_t = F.log_softmax(_wide(teacher_logits), dim=1)  # (R, N)
+    log_s = F.log_softmax(_wide(student_logits), dim=1)  # (R, N)
     return (log_t.exp() * (log_t - log_s)).sum(dim=1)
 
 
@@ -71,16 +76,17 @@ def distill_kl_local(
         )
     s = scale.reshape(())
     ts = t_scale.reshape(()).detach() if torch.is_tensor(t_scale) else t_scale
+    dtype = _wide(image).dtype  # the teacher's logits in the student's precision (float32 at least)
     with torch.no_grad():
-        t_i2t = ts * t_image.float() @ t_text_all.float().T  # (B, W*B)
-        t_t2i = ts * t_text.float() @ t_image_all.float().T  # (B, W*B)
+        t_i2t = ts * t_image.to(dtype) @ t_text_all.to(dtype).T  # (B, W*B)
+        t_t2i = ts * t_text.to(dtype) @ t_image_all.to(dtype).T  # (B, W*B)
     i2t = softmax_kl_rows(t_i2t, s * image @ text_all.T)  # (B,)
     t2i = softmax_kl_rows(t_t2i, s * text @ image_all.T)  # (B,)
     return 0.5 * (i2t.mean() + t2i.mean())
 
 
 def distill_kl(
-    image: Tensor, text: Tensor, scale: Tensor, t_image: Tensor, t_text: Tensor, t_scale
+    image: Tensor, text: Tensor, scale: Tensor, t_image: Tensor, t_text: Tensor, t_scale: Tensor | float
 ) -> Tensor:
     """The one-process form: every row is local."""
     return distill_kl_local(image, text, image, text, scale, t_image, t_text, t_image, t_text, t_scale)

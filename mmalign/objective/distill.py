@@ -7,7 +7,7 @@ Where the teacher's features come from:
 
 * :class:`LiveTeacher`: a model ``load()`` reads (a run, a folder, an export), loaded once,
   frozen, in eval mode on the training device.  It encodes the step's images (the student's
-  crops, taken back to pixels and resized and normalised the teacher's way) and captions
+  crops, resized to the teacher's image size) and captions
   (tokenised with its own tokenizer) under ``torch.inference_mode()``.  The objective runs once
   per step on the whole local batch, also with gradient caching (the chunks' features are
   concatenated before the loss), so the teacher runs once per step, not once per chunk.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmalign.data.batch import Batch
-from mmalign.data.device import unnormalize_images
+from mmalign.data.device import normalize_pixels, unnormalize_images
 from mmalign.data.teacher_members import STORED
 from mmalign.dist import distributed as mdist
 from mmalign.errors import ConfigError, UserError, first_line
@@ -75,18 +75,19 @@ class LiveTeacher:
 
     batch_fields = ("captions",)
 
-    def __init__(self, loaded: Any, name: str, autocast: Callable[[], AbstractContextManager] | None = None):
+    def __init__(
+        self, loaded: Any, name: str, autocast: Callable[[], AbstractContextManager[Any]] | None = None
+    ):
         self.loaded, self.name = loaded, name
         self.model = loaded.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)  # frozen: never in an optimizer, never a gradient
         self.autocast = autocast or nullcontext
-        cfg = loaded.preprocess_cfg
-        size = cfg.get("size", self.model.image_size)
+        size = loaded.preprocess_cfg.get("size", self.model.image_size)
         self.size = tuple(size) if isinstance(size, (list, tuple)) else (int(size), int(size))
-        self.mean = tuple(float(v) for v in cfg.get("mean", _openai()[0]))
-        self.std = tuple(float(v) for v in cfg.get("std", _openai()[1]))
-        self.interpolation = "bilinear" if cfg.get("interpolation") == "bilinear" else "bicubic"
+        self.interpolation = (
+            "bilinear" if loaded.preprocess_cfg.get("interpolation") == "bilinear" else "bicubic"
+        )
         self.forwards = 0  # teacher forwards so far (once per step: tested)
         self.check_tokenizer(_PROBE)
 
@@ -96,7 +97,8 @@ class LiveTeacher:
     def tokens(self, captions: list[str]) -> Tensor:
         """(B, L) the teacher's token ids of ``captions``; a tokenizer that cannot: one line."""
         try:
-            return self.loaded.tokenizer(captions)
+            tokens: Tensor = self.loaded.tokenizer(captions)
+            return tokens
         except (UserError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
             raise ConfigError(
                 f"config key '{KEY}': the teacher {self.name}'s tokenizer cannot encode the captions "
@@ -111,18 +113,16 @@ class LiveTeacher:
             )
 
     def images(self, images: Tensor) -> Tensor:
-        """(B, 3, H, W) the student's normalised images -> (B, 3, H_T, W_T) the teacher's input."""
-        same = tuple(images.shape[-2:]) == self.size and (self.mean, self.std) == _openai()
-        if same:  # the same pixels and normalisation: the student's input as it is (exact)
+        """(B, 3, H, W) the student's normalised images -> (B, 3, H_T, W_T) the teacher's input.
+
+        Every mmalign model takes CLIP-normalised input (a tower with other statistics, SigLIP's,
+        converts inside itself), so only the size changes: resized as pixels, bicubic and
+        antialiased, clamped to [0, 1] as an image would be, and normalised again."""
+        if tuple(images.shape[-2:]) == self.size:  # the student's input as it is (exact)
             return images
         pixels = unnormalize_images(images)  # (B, 3, H, W) in [0, 1]
-        if tuple(pixels.shape[-2:]) != self.size:
-            pixels = F.interpolate(pixels, size=self.size, mode=self.interpolation, antialias=True).clamp_(
-                0, 1
-            )
-        mean = torch.tensor(self.mean, device=pixels.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=pixels.device).view(1, 3, 1, 1)
-        return (pixels - mean) / std
+        resized = F.interpolate(pixels, size=self.size, mode=self.interpolation, antialias=True)
+        return normalize_pixels(resized.clamp_(0, 1))  # (B, 3, H_T, W_T)
 
     def __call__(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         if batch.captions is None:
@@ -137,12 +137,6 @@ class LiveTeacher:
         # ordinary tensors again (inference tensors cannot meet autograd), float32, unit length
         image, text = F.normalize(image.clone().float(), dim=-1), F.normalize(text.clone().float(), dim=-1)
         return image, text, scale.clone().float().reshape(())
-
-
-def _openai() -> tuple[tuple[float, ...], tuple[float, ...]]:
-    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-
-    return tuple(OPENAI_DATASET_MEAN), tuple(OPENAI_DATASET_STD)
 
 
 class Distill(Term):
@@ -192,7 +186,7 @@ class Distill(Term):
 def teacher_source(
     teacher: str,
     device: torch.device | str = "cpu",
-    autocast: Callable[[], AbstractContextManager] | None = None,
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> LiveTeacher | StoredTeacher:
     """``loss.distill.teacher``'s value -> where the teacher's features come from; a model that
     cannot be loaded is one ConfigError line naming the key."""
@@ -217,7 +211,7 @@ def teacher_source(
 
 def teacher_autocast(
     precision: str, device: torch.device | str
-) -> Callable[[], AbstractContextManager] | None:
+) -> Callable[[], AbstractContextManager[Any]] | None:
     """train.precision's autocast for the teacher's forwards (None in fp32)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if dtype is None:

@@ -216,6 +216,7 @@ def build_objective(
             )
         )
     if "distill" in rules.active_parts(cfg):  # the teacher: loaded once, frozen (objective/distill.py)
+        assert loss.distill.teacher is not None  # the part's switch
         terms.append(
             Distill(
                 teacher_source(loss.distill.teacher, device, teacher_autocast(cfg.train.precision, device)),
