@@ -224,3 +224,23 @@ def test_model_pretrained_resample_picks_the_interpolation(src, mode):
     with pytest.raises(ConfigError, match="model.pretrained_resample") as e:
         load_config(None, [f"model.pretrained={src / 'run'}", "model.pretrained_resample=lanczos"])
     assert "\n" not in str(e.value)
+
+
+def test_a_timm_vit_trunk_is_resampled_as_timm_does(tmp_path):
+    """A timm ViT image tower (timm's ``test_vit``, 16 px patches) saved at 32 px (a 2x2 grid)
+    and started again at 64 px (4x4): ``trunk.pos_embed`` (1, N, D), its class token kept."""
+    from mmalign.config import load_config
+
+    vit = ["model.preset=micro", "model.vision.timm_model_name=test_vit"]
+    torch.manual_seed(4)
+    small = build_model(load_config(None, vit + ["model.image_size=32"]).model)
+    save_pretrained(small, tmp_path / "small", preprocess=preprocess_cfg(32))
+    model = build_model(
+        load_config(None, [f"model.pretrained={tmp_path / 'small'}", "model.image_size=64"]).model
+    )
+    key = "visual.trunk.pos_embed"
+    source, got = small.state_dict(), model.state_dict()
+    prefix = model.visual.trunk.num_prefix_tokens
+    assert got[key].shape == (1, prefix + 16, source[key].shape[-1])
+    assert torch.equal(got[key], resample_abs_pos_embed(source[key], [4, 4], [2, 2], prefix))
+    assert all(torch.equal(got[k], v) for k, v in source.items() if k != key)
