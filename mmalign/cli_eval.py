@@ -313,7 +313,13 @@ def _print_benchmark(result: dict) -> None:
 
 def _eval_out(loaded, model: Path, label: str, suffix: str = ".json") -> Path:
     """MODEL/eval_cli_SUITE.json; for a step checkpoint RUN/eval_cli_SUITE_step_N.json (a
-    checkpoint's folder is pruned and replaced by training).  ``suffix=""``: a folder's name."""
+    checkpoint's folder is pruned and replaced by training).  ``suffix=""``: a folder's name.
+    A model name (``ARCH/TAG``, ``ORG/NAME``): ``./eval_cli_SUITE_ARCH_TAG.json``, never inside the
+    shared Hugging Face cache nor a folder spelled like the name (which would then shadow it)."""
+    from mmalign.models.hub import is_name
+
+    if is_name(str(model)):
+        return Path(f"eval_cli_{label}_{_suite_label(str(model))}{suffix}")
     if loaded.kind == "checkpoint":
         return model.resolve().parent.parent / f"eval_cli_{label}_{model.name}{suffix}"
     return model / f"eval_cli_{label}{suffix}"

@@ -106,3 +106,36 @@ def test_a_name_on_a_commands_model_flag_not_cached_is_one_line(tmp_path, monkey
     run = cli_main("export", "--model", "test-org/absent", "--format", "hf", "--out", str(tmp_path / "o"))
     assert run.returncode == 2 and run.stderr.count("\n") == 1
     assert "--model: test-org/absent: no such local path" in run.stderr
+
+
+def test_eval_and_export_by_name(tmp_path, monkeypatch):
+    """A name on eval's and export's --model: eval's record lands in the working folder (not in
+    the cache, nor in a folder spelled like the name, which would then shadow it); the export
+    reloads with the name's own embeddings."""
+    import torch
+
+    from mmalign.models.load import load
+    from tests.harness.cb_wds_gen import write_wds
+    from tests.models.test_hub import _tiny_clip_hf
+
+    fabricate(tmp_path / "home", "test-org/tiny-clip", _tiny_clip_hf(3, tmp_path / "src"))
+    offline_env(monkeypatch, tmp_path / "home")
+    monkeypatch.setenv("MMALIGN_CACHE", str(tmp_path / "views"))
+    work = tmp_path / "work"
+    write_wds(work / "wds_pets", "classification", n=12, size=32)
+    run = cli_main("eval", "--model", "test-org/tiny-clip", "--cb-dataset", "wds_pets", cwd=work)
+    assert run.returncode == 0, run.stderr
+    records = sorted(p.name for p in work.glob("eval_cli_*"))
+    assert (
+        len(records) == 1
+        and records[0].endswith("test-org_tiny-clip.json")
+        and not (work / "test-org").exists()
+    )
+    run = cli_main(
+        "export", "--model", "test-org/tiny-clip", "--format", "open_clip", "--out", "oc", cwd=work
+    )
+    assert run.returncode == 0, run.stderr
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(
+        load(work / "oc").encode_image(images), load("test-org/tiny-clip").encode_image(images)
+    )
