@@ -74,15 +74,13 @@ def test_finetuned_by_name_exports_and_reloads_identically(
     hf_home = tmp_path / "hf_home"
     repo = f"google/{family}-tiny-finetune"
     fabricate(hf_home, repo, folders[family])
-    offline_env(monkeypatch, hf_home)
-    from mmalign.models.hub import resolve
-
+    offline_env(monkeypatch, hf_home)  # the name resolves from this cache alone
     overrides = [o for o in micro_overrides if not o.startswith("model.preset")]
     cfg = load_config(
         None,
         overrides
         + [
-            f"model.pretrained={resolve(repo, 'model.pretrained')}",
+            f"model.pretrained={repo}",
             "loss.name=siglip",
             "model.init_logit_bias=-10",  # replaced by the checkpoint's own bias
             "train.steps=3",
