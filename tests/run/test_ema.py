@@ -16,7 +16,9 @@ import torch
 
 from tests.harness import cli_main, engine_batch, engine_cfg, run_ranks
 
-STAGES = (0, 1, 2, 3)
+# (ZeRO stage, deepspeed.precision): bf16 weights at ZeRO-0 have no fp32 master (the EMA folds the bf16
+# weights in fp32); at ZeRO-1 DeepSpeed's BF16 optimizer keeps the fp32 master in pieces
+STAGES = ((0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16"))
 STEPS = 3
 DECAY = 0.9
 
@@ -25,58 +27,74 @@ def _naive_decay(t: int) -> float:
     return min(DECAY, (1 + t) / (10 + t))
 
 
-def _worker(rank: int, world: int, ema_dir: str, restore_from: int) -> dict:
-    """Per ZeRO stage: STEPS steps with an Ema beside a naive one; the consolidated EMA, the
-    naive one, and this rank's state (written to ``ema_dir``). With ``restore_from``: a fresh
-    engine restores the EMA that ``restore_from`` ranks wrote, and consolidates it."""
+def _worker(rank: int, world: int, ema_dir: str, restore_from: int, train: bool = True) -> dict:
+    """Per ZeRO stage, with ``train``: STEPS steps with an Ema beside a naive one; the consolidated
+    EMA, the naive one, and this rank's state (written to ``ema_dir``). With ``restore_from``: a
+    fresh engine restores the EMA that ``restore_from`` ranks wrote, and consolidates it."""
+    out: dict = {}
+    for stage in STAGES:
+        cfg = engine_cfg(
+            stage[0], "train.optimizer=adamw", "train.weight_decay=0.1", f"deepspeed.precision={stage[1]}"
+        )
+        if train:
+            _train(cfg, stage, rank, world, ema_dir, out)
+        if restore_from:
+            _restore(cfg, stage, restore_from, ema_dir, out)
+    return out
+
+
+def _train(cfg, stage, rank: int, world: int, ema_dir: str, out: dict) -> None:
     from mmalign.data.batch import Batch
     from mmalign.models import build_model
     from mmalign.objective import build_objective
     from mmalign.run.ema import Ema
     from mmalign.run.engine import Engine
 
-    out = {}
-    for stage in STAGES:
-        cfg = engine_cfg(stage, "train.optimizer=adamw", "train.weight_decay=0.1")
-        objective = build_objective(cfg)
-        torch.manual_seed(5)
+    objective = build_objective(cfg)
+    torch.manual_seed(5)
+    engine = Engine(build_model(cfg.model), cfg)
+    ema = Ema(engine, DECAY, warmup=True)
+    trainable = [n for n, p in engine.named_parameters() if p.requires_grad]
+    first = engine.full_params(master=True)  # a collective at ZeRO >= 1
+    naive = {n: first[n].cpu().clone() for n in trainable}
+    for k in range(STEPS):
+        result = engine.step(Batch(*engine_batch(20 + k, rank, world)), objective)
+        assert not result.skipped
+        ema.update()
+        snap = engine.full_params(master=True)
+        d = _naive_decay(k)
+        for n in trainable:
+            naive[n] = naive[n] * d + snap[n].cpu().float() * (1.0 - d)
+    out[stage, "raw"] = engine.consolidated_state_dict()
+    out[stage, "ema"] = ema.consolidated_state_dict()
+    out[stage, "naive"] = naive
+    out[stage, "stage"] = engine.stage
+    out[stage, "replicated"] = engine.master_replicated
+    torch.save(ema.state_dict(), f"{ema_dir}/w{world}_z{stage[0]}{stage[1]}_rank{rank}.pt")
+
+
+def _restore(cfg, stage, restore_from: int, ema_dir: str, out: dict) -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mmalign.layout.run_dir import ema_file
+    from mmalign.models import build_model
+    from mmalign.run.ema import Ema
+    from mmalign.run.engine import Engine
+
+    with tempfile.TemporaryDirectory() as step_dir:
+        for r in range(restore_from):
+            name = f"{ema_dir}/w{restore_from}_z{stage[0]}{stage[1]}_rank{r}.pt"
+            shutil.copy(name, Path(step_dir) / ema_file(r))
+        torch.manual_seed(77)  # other weights: the EMA must come from the files
         engine = Engine(build_model(cfg.model), cfg)
-        ema = Ema(engine, DECAY, warmup=True)
+        fresh = Ema(engine, DECAY)
+        fresh.restore(Path(step_dir))
+        state = fresh.consolidated_state_dict()  # a collective
         trainable = [n for n, p in engine.named_parameters() if p.requires_grad]
-        naive = {n: engine.full_params(master=True)[n].cpu().clone() for n in trainable}
-        for k in range(STEPS):
-            result = engine.step(Batch(*engine_batch(20 + k, rank, world)), objective)
-            assert not result.skipped
-            ema.update()
-            snap = engine.full_params(master=True)  # a collective at ZeRO >= 1
-            d = _naive_decay(k)
-            for n in trainable:
-                naive[n] = naive[n] * d + snap[n].cpu().float() * (1.0 - d)
-        raw = engine.consolidated_state_dict()
-        out[stage, "ema"] = ema.consolidated_state_dict()
-        out[stage, "naive"] = naive
-        out[stage, "raw"] = raw
-        out[stage, "stage"] = engine.stage
-        torch.save(ema.state_dict(), f"{ema_dir}/w{world}_z{stage}_rank{rank}.pt")
-        if restore_from:
-            import shutil
-            import tempfile
-            from pathlib import Path
-
-            from mmalign.layout.run_dir import ema_file
-
-            with tempfile.TemporaryDirectory() as step_dir:
-                for r in range(restore_from):
-                    shutil.copy(
-                        f"{ema_dir}/w{restore_from}_z{stage}_rank{r}.pt", Path(step_dir) / ema_file(r)
-                    )
-                torch.manual_seed(77)  # other weights: the EMA must come from the files
-                fresh = Ema(Engine(build_model(cfg.model), cfg), DECAY)
-                fresh.restore(Path(step_dir))
-                state = fresh.consolidated_state_dict()  # a collective
-                out[stage, "restored"] = {n: state[n] for n in trainable}
-                out[stage, "restored_updates"] = fresh.updates
-    return out
+        out[stage, "restored"] = {n: state[n] for n in trainable}
+        out[stage, "restored_updates"] = fresh.updates
 
 
 def _check_against_naive(results: dict, world: int) -> None:
@@ -97,7 +115,8 @@ def test_ema_equals_a_naive_ema_on_1_and_2_ranks_and_carries_over_world_sizes(tm
     one = run_ranks(_worker, 1, str(tmp_path), 0, pooled=True)[0]
     _check_against_naive(one, 1)
     two = run_ranks(_worker, 2, str(tmp_path), 1, pooled=True)
-    assert [two[0][s, "stage"] for s in STAGES] == [0, 1, 2, 3]  # ZeRO-1/2/3 do partition on 2 ranks
+    assert [two[0][s, "stage"] for s in STAGES] == [0, 1, 2, 3, 0, 1]  # ZeRO-1/2/3 do partition on 2 ranks
+    assert [two[0][s, "replicated"] for s in STAGES] == [True, False, False, False, True, False]
     _check_against_naive(two[0], 2)
     for stage in STAGES:  # every rank holds the same consolidated EMA
         assert all(
@@ -107,7 +126,7 @@ def test_ema_equals_a_naive_ema_on_1_and_2_ranks_and_carries_over_world_sizes(tm
         for name in one[stage, "naive"]:
             assert torch.equal(two[0][stage, "restored"][name], one[stage, "ema"][name]), (stage, name)
         assert two[0][stage, "restored_updates"] == STEPS
-    back = run_ranks(_worker, 1, str(tmp_path), 2, pooled=True)[0]  # 2 -> 1
+    back = run_ranks(_worker, 1, str(tmp_path), 2, False, pooled=True)[0]  # 2 -> 1
     for stage in STAGES:
         for name in two[0][stage, "naive"]:
             assert torch.equal(back[stage, "restored"][name], two[0][stage, "ema"][name]), (stage, name)
@@ -145,6 +164,7 @@ def _sets(shapes_dir) -> list[str]:
         "train.checkpoint_every=2",
         "train.keep_checkpoints=0",
         "train.log_every=2",
+        "train.eval_every=2",
         f"train.ema_decay={DECAY}",
         "monitor.probe_size=0",
         "monitor.tensorboard=false",
@@ -186,6 +206,9 @@ def test_a_run_writes_final_ema_and_evaluates_it_beside_the_raw_weights(ema_run)
     assert [r["dataset"] + "+ema" for r in plain] == [r["dataset"] for r in averaged]
     assert all(r["model"].endswith("+ema") for r in averaged)
     assert "shapes/shape+ema" in stdout and "shapes/shape:" in stdout  # the headline states both
+    # the periodic evaluation runs on both too
+    periodic = json.loads((out / "eval_step00000002.json").read_text())
+    assert [r.get("weights") for r in periodic] == [None] * 3 + ["ema"] * 3
     # each rank's EMA piece is in the step checkpoints
     assert (out / "checkpoints" / "step_00000004" / "ema_rank0.pt").is_file()
 
