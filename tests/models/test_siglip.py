@@ -169,3 +169,16 @@ def test_unsupported_transformers_class_is_one_line(tmp_path):
     assert (
         "\n" not in message and "'blip'" in message and "SiglipModel" in message and "Siglip2Model" in message
     )
+
+
+def test_folder_without_its_tokenizer_is_one_line(folders, tmp_path):
+    from mmalign.errors import UsageError
+    from mmalign.models.load import load
+
+    folder = tmp_path / "no_tokenizer"
+    shutil.copytree(folders["siglip"], folder)
+    for name in ("spiece.model", "tokenizer_config.json"):
+        (folder / name).unlink()
+    with pytest.raises(UsageError) as e:
+        load(folder)
+    assert "\n" not in str(e.value) and "tokenizer" in str(e.value) and str(folder) in str(e.value)
