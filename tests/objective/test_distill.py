@@ -289,3 +289,104 @@ def test_stored_and_live_teacher_give_the_same_steps(tmp_path, monkeypatch):
         assert (a - b).abs().max() <= 1e-6 * a.abs().max().clamp_min(1.0), name
     # the steps moved the weights (equal updates, not two untouched models)
     assert steps[0][0]["lr"] > 0 and steps[0][0]["grad_norm"] > 0.1
+
+
+# ------------------------------------------------------------------ the engine: ranks x caching x ZeRO
+
+GLOBAL, LR, WEIGHT = 8, 0.5, 1.3
+
+
+def _engine_inputs(seed: int):
+    from tests.harness import clip_batch
+
+    images, tokens = clip_batch(GLOBAL, seed)
+    captions = [f"caption {i} of seed {seed % 7}" for i in range(GLOBAL)]
+    return images, tokens, captions
+
+
+def _engine_cfg(teacher: str, stage: int, chunk: int):
+    return load_config(
+        None,
+        [
+            "model.preset=micro",
+            f"train.global_batch_size={GLOBAL}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.optimizer=sgd",
+            f"train.lr={LR}",
+            "train.weight_decay=0.0",
+            f"train.grad_cache_chunk_size={chunk}",
+            f"deepspeed.zero_stage={stage}",
+            f"loss.distill.teacher={teacher}",
+            f"loss.distill.weight={WEIGHT}",
+        ],
+    )
+
+
+def _engine_worker(rank: int, world: int, teacher: str, model_seed: int, data_seed: int) -> dict:
+    from mmalign.run.engine import Engine
+
+    local = GLOBAL // world
+    images, tokens, captions = _engine_inputs(data_seed)
+    rows = slice(rank * local, (rank + 1) * local)
+    results = {}
+    for stage in (0, 3):
+        for name, chunk in (("off", 0), ("uneven", 3)):
+            cfg = _engine_cfg(teacher, stage, chunk)
+            torch.manual_seed(model_seed)
+            engine = Engine(build_model(cfg.model), cfg)
+            objective = build_objective(cfg, world)
+            term = next(t for t in objective.terms if isinstance(t, Distill))
+            captured: dict = {}
+            batch = Batch(images[rows], tokens[rows], captions=captions[rows])
+            result = engine.step(
+                objective.select(batch), objective, before_update=lambda: captured.update(engine.full_grads())
+            )
+            params = engine.consolidated_state_dict()
+            if rank == 0:
+                results[(stage, name)] = (
+                    engine.plan.chunks,
+                    term.teacher.forwards,
+                    captured,
+                    params,
+                    result.stats,
+                )
+    return results
+
+
+def _engine_reference(teacher: str, model_seed: int, data_seed: int):
+    """One process, the full batch, one forward: float64 CLIP + weight x KL against the teacher's
+    own encoders on the same images and captions, plain SGD."""
+    images, tokens, captions = _engine_inputs(data_seed)
+    loaded = load(teacher)
+    tx = loaded.encode_image(images).double()
+    ty = loaded.encode_text(captions).double()
+    ts = torch.tensor(loaded.logit_scale, dtype=torch.float64)
+    torch.manual_seed(model_seed)
+    model = build_model(_engine_cfg(teacher, 0, 0).model)
+    out = model(images, tokens)
+    x, y, s = out.image.double(), out.text.double(), out.logit_scale.double().reshape(())
+    (naive_clip_loss(x, y, s) + WEIGHT * naive_distill(x, y, s, tx, ty, ts)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    model.clamp_logit_scale()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("world", [1, 2])
+def test_engine_step_equals_the_reference_on_ranks_with_caching(tmp_path, world, seed):
+    from tests.harness import run_ranks
+
+    teacher = _teacher(tmp_path)
+    ref_grads, ref_params = _engine_reference(teacher, seed, seed + 1)
+    results = run_ranks(_engine_worker, world, teacher, seed, seed + 1, pooled=True)[0]
+    assert len(results) == 4
+    for (stage, name), (chunks, forwards, grads, params, stats) in results.items():
+        assert (len(chunks) > 1) == (name == "uneven"), chunks
+        assert forwards == 1, (stage, name, forwards)  # once per step, whatever the chunks
+        assert {"distill_loss", "contrastive_loss", "teacher_scale"} <= set(stats)
+        for n, ref in ref_grads.items():
+            assert _rel(grads[n], ref) <= 1e-5, (world, stage, name, "grad", n, _rel(grads[n], ref))
+        for n, ref in ref_params.items():
+            assert _rel(params[n], ref) <= 1e-5, (world, stage, name, "param", n, _rel(params[n], ref))
