@@ -277,3 +277,41 @@ def test_eval_weights_ema_and_a_run_without_an_ema(ema_run, micro_overrides):
     assert res.returncode == 2
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "holds no EMA weights" in lines[0], res.stderr
+
+
+@pytest.mark.integration
+def test_a_skipped_step_leaves_the_ema_alone(micro_overrides, monkeypatch):
+    """The third of 4 steps has a NaN loss: it is skipped, and the EMA counts 3 updates."""
+    import json
+
+    import mmalign.run.train as train_mod
+    from mmalign.config import load_config
+
+    real, calls = train_mod.build_objective, {"n": 0}
+
+    def build(*args, **kwargs):
+        objective = real(*args, **kwargs)
+        loss_for = objective.loss_for
+
+        def poisoned(batch, **kw):
+            loss = loss_for(batch, **kw)
+
+            def run(emb):
+                out = loss(emb)
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    out.loss = out.loss * float("nan")
+                return out
+
+            return run
+
+        objective.loss_for = poisoned
+        return objective
+
+    monkeypatch.setattr(train_mod, "build_objective", build)
+    sets = ["train.steps=4", "monitor.probe_size=0", "eval.suite=none", "train.ema_decay=0.5"]
+    out = train_mod.train(load_config(None, micro_overrides + sets), show_progress=False)
+    assert "step 3 skipped" in (out / "train.log").read_text()
+    config = json.loads((out / "final_ema" / "model_config.json").read_text())
+    assert config["ema_updates"] == 3
+    assert all(torch.isfinite(v).all() for v in _weights(out / "final_ema").values())
