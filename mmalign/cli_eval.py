@@ -127,9 +127,12 @@ def _cmd_wise_ft(args) -> int:
     from mmalign.models.wise_ft import parse_alphas
 
     alphas = parse_alphas(args.alphas, "--alphas")
+    if getattr(args, "weights", "raw") != "raw":
+        raise UsageError(
+            f"--weights {args.weights} reads one model; with --wise-ft give the EMA folder itself "
+            f"(e.g. --wise-ft RUN/final_ema)"
+        )
     clash = [f for f, v in (("--benchmark", args.benchmark), ("--root", args.root)) if v]
-    if getattr(args, "weights", "raw") != "raw":  # the EMA weights: `mmalign wise-ft` on RUN/final_ema/
-        clash.append(f"--weights {args.weights}")
     if clash:
         raise UsageError(f"--wise-ft evaluates suites (--suite, repeatable): drop {', '.join(clash)}")
     for flag, model in (("--model", args.model), ("--wise-ft", args.wise_ft)):

@@ -138,6 +138,7 @@ def test_eval_curve_mistakes_are_one_line(pair, tmp_path):
     base = ["eval", "--model", pair[0], "--wise-ft", pair[1]]
     _one_line_error(cli_main(*base, "--alphas", "0,2"), "--alphas 0,2: alpha 2 is outside [0, 1]")
     _one_line_error(cli_main(*base, "--benchmark", "datacomp"), "--wise-ft evaluates suites", "--benchmark")
+    _one_line_error(cli_main(*base, "--weights", "ema"), "--weights ema reads one model", "RUN/final_ema")
     _one_line_error(
         cli_main("eval", "--model", pair[0], "--wise-ft", tmp_path / "nowhere"),
         "--wise-ft: ",
