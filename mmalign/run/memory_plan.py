@@ -246,15 +246,16 @@ def features_bytes(cfg, embed_dim: int, local: int, world: int, fields) -> int:
 
 def state_bytes(model: torch.nn.Module, cfg, stage: int, world: int) -> int:
     """Training state still to be allocated once the weights are on the device: fp32 gradients,
-    the optimizer's moments and ZeRO's fp32 master copy (both partitioned over the ranks from
-    stage 1) and ZeRO-1/2's flat gradient buffers."""
+    the optimizer's moments, ZeRO's fp32 master copy and train.ema_decay's average of it (all
+    partitioned over the ranks from stage 1) and ZeRO-1/2's flat gradient buffers."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t = cfg.train
     moments = _MOMENTS.get(t.optimizer, 1 if t.momentum else 0)
     shard = world if stage >= 1 else 1
     master = 1 if stage >= 1 or cfg.deepspeed.precision != "fp32" else 0
+    ema = 1 if t.ema_decay > 0 else 0  # mmalign.run.ema: one fp32 copy of this rank's piece
     buckets = 1 if stage in (1, 2) else 0
-    return int(4 * trainable * (1 + buckets + (moments + master) / shard))
+    return int(4 * trainable * (1 + buckets + (moments + master + ema) / shard))
 
 
 def budget_bytes(cfg, device: torch.device, state: int, host_processes: int) -> int:

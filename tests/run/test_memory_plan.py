@@ -169,6 +169,11 @@ def test_the_measured_budget_is_available_ram_less_the_training_state(monkeypatc
     assert memory_plan.state_bytes(model, _cfg("deepspeed.zero_stage=1"), 1, 2) == int(
         4 * trainable * (2 + 3 / 2)
     )
+    # train.ema_decay: one more fp32 copy of the trainable weights, partitioned like the master
+    assert memory_plan.state_bytes(model, _cfg("train.ema_decay=0.99"), 0, 1) == 4 * trainable * (1 + 2 + 1)
+    assert memory_plan.state_bytes(
+        model, _cfg("deepspeed.zero_stage=1", "train.ema_decay=0.99"), 1, 2
+    ) == int(4 * trainable * (2 + 4 / 2))
 
     class Memory:
         available = 40 * GIB
