@@ -107,11 +107,8 @@ class SampleProcessor:
             raise BadSample("missing_image")
         meta = parse_meta(members)
         captions = parse_captions(members, meta)
-        row = {
-            "key": key.rsplit("/", 1)[-1],
-            "seed": seed,
-            "caption": captions[draws(seed, CAPTION).randrange(len(captions))],
-        }
+        drawn = draws(seed, CAPTION).randrange(len(captions))
+        row = {"key": key.rsplit("/", 1)[-1], "seed": seed, "caption": captions[drawn]}
         if self.id_field is not None:
             if self.id_field not in meta:
                 raise BadSample("missing_id", f"no field {self.id_field!r} in .json")
@@ -122,7 +119,7 @@ class SampleProcessor:
         if self.hard_negatives:
             row["negatives"] = mined_captions(meta, self.hard_negatives)
         if self.teacher_dim:
-            teacher = read_teacher(members)
+            teacher = read_teacher(members, drawn, len(captions))  # the drawn caption's text row
             if teacher[0].shape[0] != self.teacher_dim:
                 raise BadSample(
                     "bad_teacher", f"width {teacher[0].shape[0]}, the first sample's {self.teacher_dim}"

@@ -154,3 +154,45 @@ def test_mmalign_train_on_shards_without_them_exits_2_with_one_line(tmp_path, sh
     assert len(lines) == 1 and "loss.distill.teacher" in lines[0] and "teacher_image.npy" in lines[0], (
         run.stderr
     )
+
+
+def _multi_caption_shard(path, n: int, spoil: int | None = None) -> dict:
+    """n samples with 3 captions each and one teacher text row per caption (sample ``spoil``: 2 rows)."""
+    rng = np.random.default_rng(1)
+    texts = {}
+    with tarfile.open(path, "w") as tar:
+        for i in range(n):
+            key = f"m{i:03d}"
+            captions = [f"sample {i} caption {c}" for c in range(3)]
+            text = rng.standard_normal((2 if i == spoil else 3, D)).astype(np.float32)
+            texts[key] = dict(zip(captions, text))
+            members = {
+                "png": _png(rng),
+                "txt": "\n".join(captions).encode(),
+                "teacher_image.npy": _npy(rng.standard_normal(D).astype(np.float32)),
+                "teacher_text.npy": _npy(text),
+                "teacher_scale.npy": _npy(np.array([7.0], dtype=np.float32)),
+            }
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return texts
+
+
+def test_a_sample_with_several_captions_gets_the_text_row_of_the_drawn_caption(tmp_path):
+    texts = _multi_caption_shard(tmp_path / "m.tar", 12)
+    loader = iter(_loader(tmp_path / "m.tar", 12))
+    drawn = set()
+    for _ in range(3):  # three epochs: the drawn captions change, the rows follow them
+        batch = next(loader)
+        for row, (key, caption) in enumerate(zip(batch.keys, batch.captions)):
+            np.testing.assert_array_equal(batch.teacher_text[row].numpy(), texts[key][caption])
+            drawn.add(caption.rsplit(" ", 1)[-1])
+    assert drawn == {"0", "1", "2"}  # not always the first caption's row
+
+
+def test_a_row_count_that_is_not_the_caption_count_is_a_counted_skip(tmp_path):
+    _multi_caption_shard(tmp_path / "m.tar", 9, spoil=3)
+    batch = next(iter(_loader(tmp_path / "m.tar", 8)))
+    assert "m003" not in batch.keys and batch.skipped.get("bad_teacher") == 1
