@@ -192,10 +192,16 @@ def teacher_source(
     cannot be loaded is one ConfigError line naming the key."""
     if teacher == STORED:
         return StoredTeacher()
+    from mmalign.models.hub import resolve
     from mmalign.models.load import load
 
+    path = resolve(
+        teacher, KEY
+    )  # a name (ARCH/TAG, hf-hub:, ORG/NAME): its cached folder; errors name the key
     try:
-        loaded = load(teacher, device=device)
+        loaded = load(path, device=device)
+    except ConfigError:
+        raise
     except UserError as e:
         raise ConfigError(f"config key '{KEY}': {first_line(e)}") from None
     live = LiveTeacher(loaded, teacher, autocast)

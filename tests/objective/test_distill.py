@@ -390,3 +390,27 @@ def test_engine_step_equals_the_reference_on_ranks_with_caching(tmp_path, world,
             assert _rel(grads[n], ref) <= 1e-5, (world, stage, name, "grad", n, _rel(grads[n], ref))
         for n, ref in ref_params.items():
             assert _rel(params[n], ref) <= 1e-5, (world, stage, name, "param", n, _rel(params[n], ref))
+
+
+def test_a_teacher_by_name_from_the_hub_cache_and_an_uncached_one(tmp_path, monkeypatch, gen):
+    from mmalign.export import export
+    from tests.harness.hubcache import fabricate, offline_env
+
+    folder = _teacher(tmp_path)
+    export(folder, "open_clip", tmp_path / "oc")
+    hf_home = tmp_path / "hf"
+    fabricate(hf_home, "acme/teacher", tmp_path / "oc")
+    offline_env(monkeypatch, hf_home)
+    cfg = _student_cfg("hf-hub:acme/teacher")
+    model = build_model(cfg.model)
+    term = next(t for t in build_objective(cfg, 1, model=model).terms if isinstance(t, Distill))
+    batch = _batch(gen, model)
+    image, text, scale = term.teacher(batch)
+    direct = load(folder)
+    assert _rel(image, direct.encode_image(batch.images)) < 1e-5
+    assert _rel(text, direct.encode_text(list(batch.captions))) < 1e-5
+    assert scale.item() == pytest.approx(direct.logit_scale, rel=1e-6)
+    with pytest.raises(ConfigError) as err:
+        build_objective(_student_cfg("hf-hub:acme/missing"), 1, model=model)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("config key 'loss.distill.teacher'") and "acme/missing" in msg
