@@ -133,8 +133,10 @@ class Ema:
         offsets, total = {}, 0
         for name, n in numels.items():
             offsets[name], total = total, total + n
-        device = self.values[0].device if self.values else _device(self.engine)
-        flat = torch.zeros(total, dtype=torch.float32, device=device)  # (P,): every trainable element
+        # on the module's device, where the collectives run (an offloaded master copy lives on the CPU)
+        flat = torch.zeros(
+            total, dtype=torch.float32, device=_device(self.engine)
+        )  # (P,): every trainable element
         if self._owns_pieces():
             for name, start, value in zip(self.names, self.starts, self.values):
                 flat.narrow(0, offsets[name] + start, value.numel()).copy_(value)
