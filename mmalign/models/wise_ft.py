@@ -9,7 +9,8 @@ is taken from the nearer end (``alpha < 0.5``: the zero-shot model's). The ends 
 models' tensors exactly.
 
 The two must be one architecture: the same architecture settings, the same weight names and
-shapes, the same tokenizer; the first difference is one line (:func:`check_compatible`).
+shapes, the same tokenizer (its vocabulary file, and its ids for a few probe captions); the
+first difference is one line (:func:`check_compatible`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from mmalign.errors import UsageError
 log = logging.getLogger(__name__)
 
 PREPROCESS_KEYS = ("size", "mean", "std", "interpolation", "resize_mode")
+# text_cfg keys that say where a Hugging Face text tower's files are (a saved model copies them
+# into its own hf_text/), not what the tower is: its hf_config and weights say that
+HF_LOCATION_KEYS = ("hf_model_name", "hf_tokenizer_name", "hf_model_pretrained")
+TOKEN_PROBE = ["a photo of a dog", "Two birds, 3 cats & a café: naïve résumé!", "x"]
 
 
 def parse_alphas(text: str | float, flag: str = "--alpha") -> list[float]:
@@ -58,7 +63,8 @@ def check_compatible(zero_shot, fine_tuned, names: tuple[str, str] = ("--zero-sh
 
     def arch(loaded) -> dict:
         a = copy.deepcopy(loaded.model.arch)
-        a["text_cfg"].pop(LOCAL_DIR, None)  # where an HF text tower's files are, not what it is
+        for key in (LOCAL_DIR, *HF_LOCATION_KEYS):  # where an HF text tower's files are, not what it is
+            a["text_cfg"].pop(key, None)
         return a
 
     first = f"{names[0]} {zero_shot.path} and {names[1]} {fine_tuned.path} are not one architecture"
@@ -76,8 +82,15 @@ def check_compatible(zero_shot, fine_tuned, names: tuple[str, str] = ("--zero-sh
         if a[name].is_floating_point() != b[name].is_floating_point():
             raise UsageError(f"{first}: {name} is {a[name].dtype} vs {b[name].dtype}")
     ta, tb = zero_shot.tokenizer_file, fine_tuned.tokenizer_file
-    if _vocabulary(ta) != _vocabulary(tb):
+    if _vocabulary(ta) != _vocabulary(tb) or not _same_ids(zero_shot.tokenizer, fine_tuned.tokenizer):
         raise UsageError(f"{first}: their tokenizers differ ({ta or 'CLIP BPE'} vs {tb or 'CLIP BPE'})")
+
+
+def _same_ids(a, b) -> bool:
+    """Whether two tokenizers (sentencepiece, CLIP's BPE, an HF tokenizer) give the same ids
+    for a few probe captions: the check for tokenizers that name no vocabulary file."""
+    ids_a, ids_b = a(TOKEN_PROBE), b(TOKEN_PROBE)  # (P, L)
+    return tuple(ids_a.shape) == tuple(ids_b.shape) and bool(torch.equal(ids_a, ids_b))
 
 
 def _vocabulary(spm_file) -> list[str] | None:

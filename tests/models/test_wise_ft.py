@@ -175,3 +175,31 @@ def test_an_existing_model_in_out_is_kept_unless_overwrite(pair, tmp_path):
         wise_ft(pair[0], pair[1], [0.5], tmp_path / "out")
     wise_ft(pair[0], pair[1], [0.75], tmp_path / "out", overwrite=True)
     assert load(tmp_path / "out").config["wise_ft"]["alpha"] == 0.75
+
+
+@pytest.mark.parametrize("family", ["siglip", "siglip2"])
+def test_a_siglip_checkpoint_and_its_fine_tuned_copy(tmp_path, family):
+    """A transformers SigLIP folder (its own tokenizer, scale above 100, bias) as the zero-shot
+    model and a saved copy with moved weights as the fine-tuned one: the ends are the two, the
+    middle mixes the scale and the bias, and every output loads with the SigLIP tokenizer."""
+    pytest.importorskip("transformers")
+    from tests.harness.siglip_fab import CAPTIONS as SIGLIP_CAPTIONS
+    from tests.harness.siglip_fab import siglip_folder
+
+    zero = siglip_folder(tmp_path, family, seed=0)
+    source = load(zero)
+    tuned = copy.deepcopy(source.model)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        tuned.logit_bias.fill_(-4.5)
+    save_pretrained(tuned, tmp_path / "ft", preprocess=dict(source.preprocess_cfg))
+    folders = wise_ft(zero, tmp_path / "ft", [0.0, 0.5, 1.0], tmp_path / "out")
+    ends = [load(folders[0]), load(folders[2])]
+    for got, want in zip(ends, (source.model, tuned)):
+        state = got.model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in want.state_dict().items())
+    middle = load(folders[1])
+    assert math.isclose(float(middle.model.logit_bias.detach().reshape(-1)[0]), -8.5, rel_tol=1e-6)
+    assert middle.model.max_logit_scale >= math.exp(4.75)  # the published scale is not clamped
+    assert torch.equal(middle.tokenizer(SIGLIP_CAPTIONS), source.tokenizer(SIGLIP_CAPTIONS))
