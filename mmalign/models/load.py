@@ -316,7 +316,7 @@ def _load_checkpoint(step_dir: Path, ema: bool = False) -> tuple[TwoTower, dict]
     # Non-persistent buffers (e.g. the causal mask) are in neither; strict=True still
     # catches any missing or unexpected parameter.
     model.load_state_dict(state, strict=True)
-    config = {
+    config: dict = {
         "arch": model.arch,
         "init_logit_bias": None
         if model.logit_bias is None

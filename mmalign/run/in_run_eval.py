@@ -227,7 +227,7 @@ def evaluate_engine(
     for kind, consolidate, folder in weights:
         model.load_state_dict(consolidate())  # a collective
         if main and folder is not None:
-            extra = {"train_config": to_dict(cfg)}
+            extra: dict = {"train_config": to_dict(cfg)}
             if kind == "ema":
                 extra.update(weights="ema", ema_decay=ema.decay, ema_updates=ema.updates)
             save_pretrained(model, folder, preprocess=preprocess_cfg(model.image_size), extra=extra)
