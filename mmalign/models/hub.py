@@ -58,8 +58,20 @@ SUPPORTED = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Mo
 HF_CONFIG = "config.json"
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # models/foreign_weights.py reads these
 OC_HUB_WEIGHTS = (OC_SAFE, OC_BIN)  # open_clip's hf-hub: loader, in its order
-# what a transformers snapshot needs besides the weights: configs, tokenizers, processors
-HF_SIDE_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
+# what a transformers model needs besides config.json and its weights: tokenizers (BPE, sentencepiece,
+# fast), processors; fetched when the repository has them
+HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "tokenizer.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -220,7 +232,10 @@ def _hub_download(repo: str, filename: str) -> Path:
     from huggingface_hub import hf_hub_download
 
     log.info("downloading %s of %s into %s", filename, repo, hub_cache())
-    return Path(hf_hub_download(repo, filename, cache_dir=str(hub_cache())))
+    endpoint = (
+        os.environ.get("HF_ENDPOINT") or None
+    )  # now, as the cache: huggingface_hub read it at its import
+    return Path(hf_hub_download(repo, filename, cache_dir=str(hub_cache()), endpoint=endpoint))
 
 
 def _download(name: Name, key: str, repo: str, filename: str) -> Path:
@@ -362,6 +377,7 @@ def _resolve_transformers(name: Name, key: str) -> Path:
     if weights is None and not offline():
         _check_reachable(name, key, f"no weights of {name.repo}")
         _snapshot_download(name, key)
+        snapshot = (cached_file(cache, name.repo, HF_CONFIG) or config).parent  # refs/main may have moved
         weights = next((snapshot / w for w in HF_WEIGHTS if (snapshot / w).is_file()), None)
     if weights is None:
         sharded = any((snapshot / f"{w}.index.json").is_file() for w in HF_WEIGHTS)
@@ -382,21 +398,20 @@ def _resolve_transformers(name: Name, key: str) -> Path:
 
 
 def _snapshot_download(name: Name, key: str) -> None:
-    """The transformers files of ``name``: configs, tokenizer, one weights format (safetensors
-    when the repository has it)."""
-    from huggingface_hub import list_repo_files, snapshot_download
+    """The transformers files of ``name``, one by one as open_clip fetches its own: one weights
+    format (safetensors when the repository has it), then the tokenizer and processor files it
+    has (a missing one is skipped). No listing of the repository is needed."""
+    from huggingface_hub import errors as hf_errors
 
-    try:
-        files = set(list_repo_files(name.repo))
-        weights = next((w for w in HF_WEIGHTS if w in files), HF_WEIGHTS[0])
-        snapshot_download(
-            name.repo,
-            cache_dir=str(hub_cache()),
-            allow_patterns=[*HF_SIDE_FILES, weights],
-            ignore_patterns=["open_clip_*"],
-        )
-    except Exception as e:
-        raise _fetch_failed(name, key, e) from None
+    if _first_file(name, key, name.repo, HF_WEIGHTS) is None:
+        return  # the caller says "no weights" in one line
+    for filename in HF_SIDE_FILES:
+        try:
+            _hub_download(name.repo, filename)
+        except hf_errors.RemoteEntryNotFoundError:
+            continue
+        except Exception as e:
+            raise _fetch_failed(name, key, e) from None
 
 
 def _read(config: Path, key: str, name: Name) -> dict:

@@ -86,23 +86,31 @@ def _tiny_clip_hf(seed: int, folder):
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """HF_HOME with four repositories: open_clip hub layout, a tag's weights file (.bin only),
-    a CLIPModel, and one repository holding both layouts (different weights), as laion's do."""
-    home = tmp_path_factory.mktemp("hf_home")
+def sources(tmp_path_factory):
+    """The repositories' files: open_clip hub layout, a tag's weights file (.bin only), a
+    CLIPModel, and one repository holding both layouts (different weights), as laion's do."""
     src = tmp_path_factory.mktemp("src")
-    oc = _random_open_clip(1)
-    folder = _save_open_clip(oc, src / "oc")
+    folder = _save_open_clip(_random_open_clip(1), src / "oc")
     (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": OC_CFG, "preprocess_cfg": {}}))
-    fabricate(home, "test-org/tiny-oc", folder)
-    fabricate(
-        home, TAG_REPO, _save_open_clip(_random_open_clip(2), src / "tag", "open_clip_pytorch_model.bin")
-    )
-    fabricate(home, "test-org/tiny-clip", _tiny_clip_hf(3, src / "hf"))
+    _save_open_clip(_random_open_clip(2), src / "tag", "open_clip_pytorch_model.bin")
+    _tiny_clip_hf(3, src / "hf")
     both = _tiny_clip_hf(4, src / "both")
     _save_open_clip(_random_open_clip(5), both)
     (both / "open_clip_config.json").write_text(json.dumps({"model_cfg": OC_CFG}))
-    fabricate(home, "test-org/both", both)
+    return {
+        "test-org/tiny-oc": src / "oc",
+        TAG_REPO: src / "tag",
+        "test-org/tiny-clip": src / "hf",
+        "test-org/both": both,
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, sources):
+    """HF_HOME holding the four repositories, as huggingface_hub caches them."""
+    home = tmp_path_factory.mktemp("hf_home")
+    for repo, folder in sources.items():
+        fabricate(home, repo, folder)
     return home
 
 
@@ -349,3 +357,65 @@ def test_names_are_accepted_by_the_config_and_refused_at_start_up_in_one_line(of
     with pytest.raises(ConfigError) as e:
         build_model(cfg.model)
     assert _one_line(e).startswith("config key 'model.pretrained': test-org/absent: no such local path")
+
+
+# ---------------------------------------------------------------- online: downloaded once
+
+
+def test_names_download_once_then_load_from_the_cache(sources, tag_registered, monkeypatch, tmp_path):
+    """Online (a hub on 127.0.0.1), each form downloads its files once; a second resolution makes
+    no request; the downloaded models equal open_clip's / transformers' models of the source files."""
+    import huggingface_hub.constants
+    import open_clip
+    from transformers import CLIPModel
+
+    from tests.harness.fake_hub import serve
+
+    images, tokens = _inputs()
+    with serve(sources) as server:
+        offline_env(monkeypatch, tmp_path / "home")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(var)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("MMALIGN_CACHE", str(tmp_path / "views"))
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        names = ("test-org/tiny-clip", "hf-hub:test-org/tiny-oc", f"{ARCH}/{TAG}")
+        folders = [hub_mod.resolve(n, "--model") for n in names]
+        fetched = [path for method, path in server.requests if method == "GET"]
+        assert sorted(fetched) == sorted(
+            [
+                "/test-org/tiny-clip/resolve/main/config.json",
+                "/test-org/tiny-clip/resolve/main/model.safetensors",
+                "/test-org/tiny-oc/resolve/main/open_clip_config.json",
+                "/test-org/tiny-oc/resolve/main/open_clip_model.safetensors",
+                f"/{TAG_REPO}/resolve/main/open_clip_pytorch_model.bin",  # after its .safetensors twin: absent
+            ]
+        )
+        seen = len(server.requests)
+        loaded = [load(n) for n in names]
+        assert len(server.requests) == seen  # from the cache: not one request more
+        assert [x.path for x in loaded] == folders
+    hf = CLIPModel.from_pretrained(sources["test-org/tiny-clip"]).eval()
+    oc, _, _ = open_clip.create_model_and_transforms(f"local-dir:{sources['test-org/tiny-oc']}")
+    tag, _, _ = open_clip.create_model_and_transforms(
+        ARCH, pretrained=str(sources[TAG_REPO] / "open_clip_pytorch_model.bin")
+    )
+    _assert_same(_ours(loaded[0], images, tokens), _theirs_hf(hf, images, tokens))
+    _assert_same(_ours(loaded[1], images, tokens), _theirs_open_clip(oc.eval(), images, tokens))
+    _assert_same(_ours(loaded[2], images, tokens), _theirs_open_clip(tag.eval(), images, tokens))
+
+
+def test_an_unknown_repository_online_is_one_line(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from tests.harness.fake_hub import serve
+
+    with serve({}) as server:
+        offline_env(monkeypatch, tmp_path / "home")
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE")
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        with pytest.raises(UsageError) as e:
+            load("test-org/nope")
+    assert "the hub has no repository test-org/nope" in _one_line(e)
