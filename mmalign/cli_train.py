@@ -46,6 +46,9 @@ def cmd_train(args) -> int:
     from mmalign.models import check_buildable
 
     meta_model = check_buildable(cfg.model)
+    from mmalign.objective.distill import check_teacher
+
+    check_teacher(cfg)  # loss.distill.teacher: a model that exists, or shards that carry its embeddings
     from mmalign.dist import cluster
 
     cluster.check_nproc(args.nproc, os.environ)  # not N local ranks per rank of a multi-node job

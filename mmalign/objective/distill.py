@@ -30,14 +30,14 @@ from torch import Tensor
 
 from mmalign.data.batch import Batch
 from mmalign.data.device import normalize_pixels, unnormalize_images
-from mmalign.data.teacher_members import STORED
+from mmalign.data.teacher_members import STORED, check_teacher_members
 from mmalign.dist import distributed as mdist
 from mmalign.errors import ConfigError, UserError, first_line
 from mmalign.losses.distill import distill_kl_local
 
 from .base import StepContext, Term, TermOutput
 
-__all__ = ["Distill", "LiveTeacher", "StoredTeacher", "KEY", "teacher_source"]
+__all__ = ["Distill", "LiveTeacher", "StoredTeacher", "KEY", "check_teacher", "teacher_source"]
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,31 @@ def teacher_source(
         loaded.logit_scale,
     )
     return live
+
+
+def check_teacher(cfg: Any) -> None:
+    """Before any rank starts (``mmalign train``): ``loss.distill.teacher`` names a model that
+    exists (a path, or a name its cache resolves), or, ``stored``, shards whose first sample carries
+    the teacher's members (local shards; remote ones are checked when the loader opens them)."""
+    from mmalign.config import loss_rules
+
+    if "distill" not in loss_rules.active_parts(cfg):
+        return
+    teacher = cfg.loss.distill.teacher
+    if teacher == STORED:
+        from mmalign.data.remote import kind_of
+        from mmalign.data.shards import train_shard_lists
+
+        urls = train_shard_lists(cfg.data)[0][0]
+        if urls and kind_of(urls[0]) == "local":
+            check_teacher_members(urls[:1], KEY, max_member=cfg.data.max_member_bytes)
+        return
+    from mmalign.models.hub import resolve
+
+    if not resolve(teacher, KEY).exists():
+        raise ConfigError(
+            f"config key '{KEY}': {teacher} does not exist (a model folder, a run, or a model name)"
+        )
 
 
 def teacher_autocast(

@@ -414,3 +414,22 @@ def test_a_teacher_by_name_from_the_hub_cache_and_an_uncached_one(tmp_path, monk
         build_objective(_student_cfg("hf-hub:acme/missing"), 1, model=model)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("config key 'loss.distill.teacher'") and "acme/missing" in msg
+
+
+def test_mmalign_train_with_a_missing_teacher_is_one_line_before_the_run(tmp_path, shapes_dir):
+    from tests.harness import cli_main
+
+    sets = [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/00000.tar",
+        "eval.suite=none",
+        f"loss.distill.teacher={tmp_path / 'no_such_teacher'}",
+        f"output={tmp_path / 'run'}",
+    ]
+    run = cli_main("train", *[a for s in sets for a in ("--set", s)])
+    assert run.returncode == 2, run
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert (
+        len(lines) == 1 and "config key 'loss.distill.teacher'" in lines[0] and "no_such_teacher" in lines[0]
+    )
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
