@@ -315,3 +315,32 @@ def test_a_skipped_step_leaves_the_ema_alone(micro_overrides, monkeypatch):
     config = json.loads((out / "final_ema" / "model_config.json").read_text())
     assert config["ema_updates"] == 3
     assert all(torch.isfinite(v).all() for v in _weights(out / "final_ema").values())
+
+
+@pytest.mark.integration
+def test_a_2_rank_run_resumed_on_1_rank_carries_its_ema(shapes_dir, tmp_path):
+    """ZeRO-2 on 2 ranks, checkpoint at step 2; the same run resumed on 1 rank (ZeRO-0 there)
+    ends with the straight 2-rank run's EMA, to reduction order (the global batch is the same)."""
+    import shutil
+
+    from tests.harness import max_rel_error, run_cli
+
+    sets = [s for s in _sets(shapes_dir) if not s.startswith("train.eval_every")]
+    # a large Adam eps: a near-zero gradient's update is not its sign, so reduction order stays small
+    sets += ["eval.suite=none", "deepspeed.zero_stage=2", "train.eps=1e-2"]
+    straight = tmp_path / "straight"
+    res = run_cli("train", "--nproc", "2", "--output", straight, *_args(sets))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    shutil.copy(straight / "config.yaml", resumed / "config.yaml")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    res = cli_main("train", "--output", resumed, "--resume", "latest", *_args(sets))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed a 2-rank checkpoint on 1 rank(s)" in res.stdout, res.stdout[-2000:]
+    raw_rel = max_rel_error(_weights(resumed / "final"), _weights(straight / "final"))
+    rel, name = max_rel_error(_weights(resumed / "final_ema"), _weights(straight / "final_ema"))
+    assert rel <= 1e-5, (name, rel, raw_rel)
+    # the premise: the EMA is not the raw model
+    raw = _weights(straight / "final")
+    assert any(not torch.allclose(raw[k], v) for k, v in _weights(straight / "final_ema").items())
