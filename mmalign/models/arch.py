@@ -259,6 +259,10 @@ def pretrained_arch(cfg: ModelConfig) -> dict | None:
     # export when the same config made it, not the bare preset.
     described = resolve_arch(replace(cfg, pretrained=None))
     differ = differences(described, arch)
+    grid = ("image_size", "patch_size")  # a new size over the source's: resampled (models/pos_embed.py)
+    if differ and (cfg.image_size is not None or any(k in cfg.vision for k in grid)):
+        own = {k: v for k, v in cfg.vision.items() if k not in grid}  # the preset at the source's grid
+        differ = differences(resolve_arch(replace(cfg, pretrained=None, image_size=None, vision=own)), arch)
     if differ:
         raise ConfigError(
             f"config key 'model.preset': {cfg.preset!r} differs from the architecture of "

@@ -244,3 +244,13 @@ def test_a_timm_vit_trunk_is_resampled_as_timm_does(tmp_path):
     assert got[key].shape == (1, prefix + 16, source[key].shape[-1])
     assert torch.equal(got[key], resample_abs_pos_embed(source[key], [4, 4], [2, 2], prefix))
     assert all(torch.equal(got[k], v) for k, v in source.items() if k != key)
+
+
+def test_a_preset_that_agrees_with_the_source_may_come_with_a_new_size(src):
+    """``model.preset`` must describe the source: at the source's grid when the config asks for
+    a new one (a config that trained at the new size describes its own export too)."""
+    model = build_model(_cfg(pretrained=str(src / "run"), preset="micro", image_size=32))
+    assert model.state_dict()[POS].shape == (1 + 64, 32)
+    with pytest.raises(ConfigError, match=r"^config key 'model.preset': 'tiny' differs") as e:
+        build_model(_cfg(pretrained=str(src / "run"), preset="tiny", image_size=32))
+    assert "\n" not in str(e.value)
