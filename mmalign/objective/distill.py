@@ -7,8 +7,8 @@ Where the teacher's features come from:
 
 * :class:`LiveTeacher`: a model ``load()`` reads (a run, a folder, an export), loaded once,
   frozen, in eval mode on the training device.  It encodes the step's images (the student's
-  crops, resized to the teacher's image size) and captions
-  (tokenised with its own tokenizer) under ``torch.inference_mode()``.  The objective runs once
+  crops, resized to the teacher's image size) and captions (tokenised with its own tokenizer)
+  under ``torch.inference_mode()``.  The objective runs once
   per step on the whole local batch, also with gradient caching (the chunks' features are
   concatenated before the loss), so the teacher runs once per step, not once per chunk.
 * :class:`StoredTeacher` (``loss.distill.teacher: stored``): the per-sample members
@@ -195,9 +195,8 @@ def teacher_source(
     from mmalign.models.hub import resolve
     from mmalign.models.load import load
 
-    path = resolve(
-        teacher, KEY
-    )  # a name (ARCH/TAG, hf-hub:, ORG/NAME): its cached folder; errors name the key
+    # a name (ARCH/TAG, hf-hub:, ORG/NAME) becomes its cached folder; its errors name the key
+    path = resolve(teacher, KEY)
     try:
         loaded = load(path, device=device)
     except ConfigError:

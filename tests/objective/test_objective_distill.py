@@ -95,6 +95,14 @@ def test_live_teacher_equals_the_reference_and_runs_once_per_step(tmp_path, gen,
     assert not term.teacher.model.training  # eval mode
     batch = _batch(gen, model)
     want, want_grads = _reference(model, batch, teacher, 0.8)
+    modes = []  # whether each teacher forward ran under inference mode
+    for name in ("encode_image", "encode_text"):
+        real = getattr(term.teacher.model, name)
+        setattr(
+            term.teacher.model,
+            name,
+            lambda x, real=real: modes.append(torch.is_inference_mode_enabled()) or real(x),
+        )
 
     model.zero_grad(set_to_none=True)
     sizes = [B // chunks] * chunks
@@ -106,6 +114,7 @@ def test_live_teacher_equals_the_reference_and_runs_once_per_step(tmp_path, gen,
         lambda surrogate: surrogate.backward(),
     )
     assert term.teacher.forwards == 1  # once per step, not once per chunk
+    assert modes == [True, True]
     assert step.loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert step.result.stats["distill_loss"] > 0
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
