@@ -56,7 +56,10 @@ def apply_local_dir(text_cfg: dict, preset: str | None) -> dict:
     tower's sizes are the folder's config, so a preset's text keys do not apply).
 
     A hub name (``hf_model_name`` that is no local folder, as in open_clip's own
-    ``*-bert-*`` / ``roberta`` / ``xlm`` configs) would need a download: one ConfigError line.
+    ``roberta`` / ``xlm-roberta`` / ``nllb`` configs) is read from the Hugging Face cache, fetched
+    when missing and online (:func:`mmalign.models.hub.resolve_text_model`: config and tokenizer,
+    and the weights when the tower starts from them); where it cannot be, one ConfigError line.
+    A tokenizer named alone (``hf_tokenizer_name`` without ``hf_model_name``) stays refused.
     """
     text_cfg = dict(text_cfg)
     folder = text_cfg.pop(LOCAL_DIR, None)
@@ -64,9 +67,22 @@ def apply_local_dir(text_cfg: dict, preset: str | None) -> dict:
         name = text_cfg.get("hf_model_name") or text_cfg.get("hf_tokenizer_name")
         if name and Path(name).is_dir():  # an arch already resolved (a saved model's, made absolute)
             return text_cfg
+        why = "not supported offline"
+        if text_cfg.get("hf_model_name"):
+            from mmalign.models.hub import resolve_text_model
+
+            try:
+                folder = str(
+                    resolve_text_model(
+                        name, "model.text.hf_model_name", bool(text_cfg.get("hf_model_pretrained", True))
+                    )
+                )
+            except ConfigError as e:
+                why = str(e).removeprefix("config key 'model.text.hf_model_name': ")
+    if folder is None:
         raise ConfigError(
             f"config key 'model.preset': {preset!r} uses a Hugging Face text tower by hub name "
-            f"({name!r}), not supported offline: save it on a connected machine and set "
+            f"({name!r}), {why}; or save it on a connected machine and set "
             f"model.text.{LOCAL_DIR} to that folder"
         )
     path = Path(folder).expanduser()
@@ -107,7 +123,9 @@ def apply_local_dir(text_cfg: dict, preset: str | None) -> dict:
         hf_model_name=absolute,
         hf_tokenizer_name=absolute,
         context_length=length,
-        hf_model_pretrained=any((path / f).is_file() for f in WEIGHT_FILES),
+        # an explicit false (a tower inside a full checkpoint) keeps it off
+        hf_model_pretrained=bool(text_cfg.get("hf_model_pretrained", True))
+        and any((path / f).is_file() for f in WEIGHT_FILES),
     )
     text_cfg["vocab_size"] = int(config.get("vocab_size", 0))  # the model's own (for the tokenizer check)
     return text_cfg

@@ -54,6 +54,7 @@ from mmalign.models.pretrained_list import (
 log = logging.getLogger(__name__)
 
 TAG, OPEN_CLIP_HUB, TRANSFORMERS = "ARCH/TAG", "hf-hub", "transformers"  # Name.form
+TEXT_TOWER = "text tower"  # Name.form of a Hugging Face text model an open_clip architecture names
 SUPPORTED = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}  # model_type -> class
 HF_CONFIG = "config.json"
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # models/foreign_weights.py reads these
@@ -72,6 +73,10 @@ HF_SIDE_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
+TEXT_TOKENIZER_FILES = (
+    "vocab.txt",
+    "sentencepiece.bpe.model",
+)  # BERT's, XLM-R's / NLLB's (besides the above)
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -157,14 +162,20 @@ def _path_too(name: Name) -> str:
     return "no such local path, and " if name.form == TRANSFORMERS else ""
 
 
+def _fetch_hint(name: Name) -> str:
+    """The command that fetches ``name`` on a connected machine."""
+    if name.form == TEXT_TOWER:  # not a model mmalign loads by itself: huggingface_hub's own command
+        return f"`hf download {name.repo}`"
+    return f"`mmalign models --fetch {name.text}` (or `hf download {name.repo}`)"
+
+
 def _not_cached(
     name: Name, key: str, what: str, why: str = "downloads are off (HF_HUB_OFFLINE)"
 ) -> Exception:
     return fail(
         key,
         f"{name.text}: {_path_too(name)}not in the Hugging Face cache {hub_cache()} ({what}); {why}; on a "
-        f"connected machine with the same HF_HOME run `mmalign models --fetch {name.text}` "
-        f"(or `hf download {name.repo}`)",
+        f"connected machine with the same HF_HOME run {_fetch_hint(name)}",
     )
 
 
@@ -211,7 +222,7 @@ def _fetch_failed(name: Name, key: str, e: Exception) -> Exception:
         why = (
             f"the hub ({endpoint}) could not be reached ({type(e).__name__}: {cause[:80]}); set "
             f"HF_HUB_OFFLINE=1 to use the cache {hub_cache()} alone, or fetch it on a connected machine "
-            f"with `mmalign models --fetch {name.text}`"
+            f"with {_fetch_hint(name)}"
         )
     else:
         why = f"{type(e).__name__}: {cause}"
@@ -310,6 +321,10 @@ def _resolve_tag(name: Name, key: str) -> Path:
             bool(model_cfg.get("quick_gelu", False)),
             name.arch,
         )
+    model_cfg = _checkpoint_has_text_weights(model_cfg)
+    text_model = model_cfg["text_cfg"].get("hf_model_name")
+    if text_model and not Path(text_model).is_dir():  # fetched with the weights, so that offline works later
+        resolve_text_model(text_model, key, weights=False)
     preprocess = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in _PREPROCESS_KEYS}
     size = model_cfg["vision_cfg"].get("image_size", 224)
     preprocess["size"] = list(size) if isinstance(size, (list, tuple)) else [size, size]
@@ -318,6 +333,47 @@ def _resolve_tag(name: Name, key: str) -> Path:
 
 
 _PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")
+
+
+def _checkpoint_has_text_weights(model_cfg: dict) -> dict:
+    """A Hugging Face text tower inside a full checkpoint starts from the checkpoint, not from its
+    own hub weights (open_clip: ``hf_model_pretrained`` off when a checkpoint is loaded)."""
+    if not model_cfg.get("text_cfg", {}).get("hf_model_name"):
+        return model_cfg
+    return {**model_cfg, "text_cfg": {**model_cfg["text_cfg"], "hf_model_pretrained": False}}
+
+
+def resolve_text_model(repo: str, key: str, weights: bool) -> Path:
+    """The folder of the Hugging Face text model an open_clip architecture names by hub id
+    (``hf_model_name``: ``xlm-roberta-base``, ``facebook/nllb-200-distilled-600M``, ...): its
+    ``config.json`` and tokenizer files, and its weights when ``weights`` (a tower that starts
+    from them). From the cache; downloaded when missing and online."""
+    name = Name(repo, TEXT_TOWER, repo)
+    cache = hub_cache()
+    config = cached_file(cache, repo, HF_CONFIG)
+    if config is None and offline():
+        raise _not_cached(name, key, f"the Hugging Face text model's {HF_CONFIG}")
+    if config is None:
+        _check_reachable(name, key, f"the Hugging Face text model's {HF_CONFIG}")
+        config = _download(name, key, repo, HF_CONFIG)
+        for filename in (*HF_SIDE_FILES, *TEXT_TOKENIZER_FILES):
+            _maybe_download(name, key, repo, filename)
+    if weights and not any((config.parent / w).is_file() for w in HF_WEIGHTS) and not offline():
+        _check_reachable(name, key, f"the weights of {repo}")
+        _first_file(name, key, repo, HF_WEIGHTS)
+    return (cached_file(cache, repo, HF_CONFIG) or config).parent
+
+
+def _maybe_download(name: Name, key: str, repo: str, filename: str) -> None:
+    """``filename`` of ``repo`` into the cache when the repository has it."""
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        _hub_download(repo, filename)
+    except hf_errors.RemoteEntryNotFoundError:
+        pass
+    except Exception as e:
+        raise _fetch_failed(name, key, e) from None
 
 
 def _oc_link_name(weights: Path) -> str:
@@ -349,11 +405,16 @@ def _resolve_open_clip_hub(name: Name, key: str) -> Path:
             key, f"{name.text}: the hub repository {name.repo} has none of {', '.join(OC_HUB_WEIGHTS)}"
         )
     snapshot = config.parent
-    if weights.parent == snapshot and (snapshot / OC_SAFE).is_file() == (weights.name == OC_SAFE):
+    data = _read(config, key, name)
+    text_model = data["model_cfg"].get("text_cfg", {}).get("hf_model_name")
+    if text_model and not Path(text_model).is_dir():
+        resolve_text_model(text_model, key, weights=False)
+    elif weights.parent == snapshot and (snapshot / OC_SAFE).is_file() == (weights.name == OC_SAFE):
         return snapshot  # the folder reader picks these weights too (its order starts with these two)
-    links = {OC_CONFIG: config, weights.name: weights}
+    links = {weights.name: weights}
     links.update({p.name: p for p in snapshot.iterdir() if p.is_file() and _side_file(p.name)})
-    return _view(f"hf-hub/{_flat(name.repo)}", {}, links)
+    jsons = {OC_CONFIG: {**data, "model_cfg": _checkpoint_has_text_weights(data["model_cfg"])}}
+    return _view(f"hf-hub/{_flat(name.repo)}", jsons, links)
 
 
 def _side_file(filename: str) -> bool:
@@ -401,17 +462,11 @@ def _snapshot_download(name: Name, key: str) -> None:
     """The transformers files of ``name``, one by one as open_clip fetches its own: one weights
     format (safetensors when the repository has it), then the tokenizer and processor files it
     has (a missing one is skipped). No listing of the repository is needed."""
-    from huggingface_hub import errors as hf_errors
 
     if _first_file(name, key, name.repo, HF_WEIGHTS) is None:
         return  # the caller says "no weights" in one line
     for filename in HF_SIDE_FILES:
-        try:
-            _hub_download(name.repo, filename)
-        except hf_errors.RemoteEntryNotFoundError:
-            continue
-        except Exception as e:
-            raise _fetch_failed(name, key, e) from None
+        _maybe_download(name, key, name.repo, filename)
 
 
 def _read(config: Path, key: str, name: Name) -> dict:
@@ -498,4 +553,4 @@ def _link(at: Path, src: Path) -> None:
     os.replace(tmp, at)
 
 
-__all__ = ["Name", "fail", "is_name", "offline", "parse", "resolve", "views_dir"]
+__all__ = ["Name", "fail", "is_name", "offline", "parse", "resolve", "resolve_text_model", "views_dir"]

@@ -419,3 +419,79 @@ def test_an_unknown_repository_online_is_one_line(monkeypatch, tmp_path):
         with pytest.raises(UsageError) as e:
             load("test-org/nope")
     assert "the hub has no repository test-org/nope" in _one_line(e)
+
+
+# ---------------------------------------------------------------- a hub-named HF text tower
+
+
+BERT_ARCH, BERT_TAG, BERT_REPO, BERT_TAG_REPO = (
+    "mmtest-bert-ViT",
+    "mmtest_b1",
+    "test-org/tiny-bert",
+    "test-org/bert-tag",
+)
+
+
+def test_an_arch_tag_with_a_hub_named_text_tower(monkeypatch, tmp_path):
+    """open_clip's roberta / xlm-roberta / nllb architectures name their text model by hub id: it
+    is read from the cache (here downloaded from a hub on 127.0.0.1 with the tag, then used
+    offline), its weights coming from the tag's checkpoint; the embeddings equal open_clip's
+    CustomTextCLIP built on the same files with that checkpoint."""
+    import copy
+
+    import huggingface_hub.constants
+    import open_clip
+    from open_clip import factory, pretrained
+
+    from tests.harness.fake_hub import serve
+    from tests.models.test_hf_text_tower import make_bert_folder
+
+    bert = make_bert_folder(tmp_path / "bert", weights=True, seed=7)
+    text_cfg = {"hf_model_name": BERT_REPO, "hf_tokenizer_name": BERT_REPO, "hf_pooler_type": "mean_pooler"}
+    text_cfg["context_length"] = 12
+    arch_cfg = {"embed_dim": 32, "vision_cfg": OC_CFG["vision_cfg"], "text_cfg": text_cfg}
+    torch.manual_seed(8)
+    source = open_clip.model.CustomTextCLIP(
+        32,
+        OC_CFG["vision_cfg"],
+        {
+            **text_cfg,
+            "hf_model_name": str(bert),
+            "hf_tokenizer_name": str(bert),
+            "hf_model_pretrained": False,
+        },
+    )
+    with torch.no_grad():
+        for p in source.text.parameters():  # not BERT's own weights: the checkpoint's must be the ones read
+            p.add_(torch.randn_like(p) * 0.05)
+    ckpt = _save_open_clip(source, tmp_path / "tag", "open_clip_pytorch_model.bin")
+    monkeypatch.setitem(factory._MODEL_CONFIGS, BERT_ARCH, copy.deepcopy(arch_cfg))
+    monkeypatch.setitem(
+        pretrained._PRETRAINED, BERT_ARCH, {BERT_TAG: pretrained._pcfg(hf_hub=BERT_TAG_REPO + "/")}
+    )
+    monkeypatch.setattr(hub_mod, "registry", lambda: pretrained._PRETRAINED)
+    monkeypatch.setattr(hub_mod, "architectures", open_clip.list_models)
+    monkeypatch.setattr(hub_mod, "model_config", lambda a: copy.deepcopy(factory._MODEL_CONFIGS.get(a)))
+    name = f"{BERT_ARCH}/{BERT_TAG}"
+    with serve({BERT_REPO: bert, BERT_TAG_REPO: ckpt}) as server:
+        offline_env(monkeypatch, tmp_path / "home")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(var)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("MMALIGN_CACHE", str(tmp_path / "views"))
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        hub_mod.resolve(name, "--model")  # the tag's weights, and the text model's config and tokenizer
+        got = {path for method, path in server.requests if method == "GET"}
+    assert (
+        f"/{BERT_REPO}/resolve/main/config.json" in got and f"/{BERT_REPO}/resolve/main/tokenizer.json" in got
+    )
+    assert (
+        f"/{BERT_REPO}/resolve/main/model.safetensors" not in got
+    )  # the checkpoint holds the tower's weights
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from here on the cache alone
+    loaded = load(name)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    captions = ["a red circle", "two blue squares on the left"]
+    tokens = open_clip.tokenizer.HFTokenizer(str(bert), context_length=12)(captions)  # (B, 12)
+    assert torch.equal(loaded.tokenizer(captions), tokens)
+    _assert_same(_ours(loaded, images, tokens), _theirs_open_clip(source.eval(), images, tokens))
