@@ -74,7 +74,9 @@ def apply_local_dir(text_cfg: dict, preset: str | None) -> dict:
             try:
                 folder = str(
                     resolve_text_model(
-                        name, "model.text.hf_model_name", bool(text_cfg.get("hf_model_pretrained", True))
+                        str(text_cfg["hf_model_name"]),
+                        "model.text.hf_model_name",
+                        bool(text_cfg.get("hf_model_pretrained", True)),
                     )
                 )
             except ConfigError as e:
