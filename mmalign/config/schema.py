@@ -102,8 +102,9 @@ class ModelConfig:
     pretrained: str | None = knob(
         None,
         rule=PATH,
-        doc="start from local weights: an open_clip checkpoint file or local-dir "
-        "folder, an HF CLIPModel folder, or an mmalign model / run folder" + SEE_FT,
+        doc="start from pretrained weights: an open_clip checkpoint file or local-dir "
+        "folder, an HF CLIPModel folder, an mmalign model / run folder, or a model name "
+        "(`ARCH/TAG`, `hf-hub:ORG/NAME`, `ORG/NAME`: [models by name](models.md))" + SEE_FT,
     )
     pretrained_image: str | None = knob(None, rule=PATH, doc="as `model.pretrained`, the image tower only")
     pretrained_text: str | None = knob(None, rule=PATH, doc="as `model.pretrained`, the text tower only")
