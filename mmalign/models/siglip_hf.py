@@ -182,8 +182,14 @@ def to_hf_siglip(state: dict) -> dict:
 
 def hf_configs(arch: dict) -> tuple[str, dict, dict]:
     """(model_type, vision_config, text_config) of a SigLIP architecture, for an HF export."""
-    vision, text = arch["vision_cfg"], arch["text_cfg"]
-    return str(vision.get("family", "siglip")), dict(vision["hf_config"]), dict(text["hf_config"])
+    from mmalign.models.towers import Towers
+
+    spec = Towers.from_arch(arch).vision
+    return (
+        str(arch["vision_cfg"].get("family", "siglip")),
+        spec.built_config,
+        dict(arch["text_cfg"]["hf_config"]),
+    )
 
 
 def is_siglip_arch(arch: dict) -> bool:

@@ -11,6 +11,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from torch import nn
 
 from mmalign.errors import ConfigError
+from mmalign.models.pos_embed import GRIDS, Grid
 
 FAMILIES = ("siglip", "siglip2")
 
@@ -124,5 +125,22 @@ class SiglipTextTower(_Checkpointing, nn.Module):
     def lock(self, unlocked_layers: int = 0) -> None:
         _lock(self.hf, unlocked_layers, ("final_layer_norm", "head"))
 
+
+def _grid(tower: SiglipImageTower) -> tuple[int, int]:
+    side = tower.base_size // tower.patch_size
+    return side, side
+
+
+# SigLIP's grid weights, for a checkpoint loaded at another image size (models/pos_embed.py): its
+# position table (N, D) has no class token; SigLIP2's is resized per image and never resampled
+GRIDS.append(
+    Grid(
+        "visual.hf.embeddings.position_embedding.weight",
+        "visual.hf.embeddings.patch_embedding.weight",
+        "visual",
+        _grid,
+        lambda tower: 0,
+    )
+)
 
 __all__ = ["FAMILIES", "SiglipImageTower", "SiglipTextTower", "patchify"]

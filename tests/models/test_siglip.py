@@ -182,3 +182,35 @@ def test_folder_without_its_tokenizer_is_one_line(folders, tmp_path):
     with pytest.raises(UsageError) as e:
         load(folder)
     assert "\n" not in str(e.value) and "tokenizer" in str(e.value) and str(folder) in str(e.value)
+
+
+def test_new_image_size_resamples_the_position_table_as_timm(folders, tmp_path, gen):
+    from safetensors.torch import load_file
+    from timm.layers import resample_abs_pos_embed
+    from transformers import AutoModel
+
+    from mmalign.config import load_config
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.export import export
+    from mmalign.models import build_model
+    from mmalign.models.io import save_pretrained
+    from mmalign.models.load import load
+
+    cfg = load_config(
+        None, [f"model.pretrained={folders['siglip']}", "model.image_size=48", "model.init_logit_bias=-10"]
+    )
+    model = build_model(cfg.model).eval()  # 4x4 patches of 8 -> 6x6
+    source = load_file(str(folders["siglip"] / "model.safetensors"))[
+        "vision_model.embeddings.position_embedding.weight"
+    ]
+    want = resample_abs_pos_embed(source[None], [6, 6], [4, 4], num_prefix_tokens=0)[0]  # (36, D)
+    assert torch.equal(model.state_dict()["visual.hf.embeddings.position_embedding.weight"], want)
+    # saved and exported at the new size, transformers runs it as mmalign does (no interpolation)
+    saved = save_pretrained(model, tmp_path / "saved", preprocess=preprocess_cfg(48))
+    out = export(saved, "hf", tmp_path / "hf")
+    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
+    assert hf.config.vision_config.image_size == 48
+    images = torch.rand(2, 3, 48, 48, generator=gen)
+    with torch.no_grad():
+        theirs = F.normalize(hf.get_image_features(pixel_values=(images - 0.5) / 0.5).pooler_output, dim=-1)
+    assert rel(load(saved).encode_image(_ours_input(images)), theirs) <= 1e-5

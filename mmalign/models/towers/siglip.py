@@ -57,7 +57,18 @@ class SiglipVisionSpec(TowerSpec):
             )
         from mmalign.models.siglip_modules import SiglipImageTower
 
-        return SiglipImageTower(self.family, self.hf_config, tuple(self.image_mean), tuple(self.image_std))
+        return SiglipImageTower(self.family, self.built_config, tuple(self.image_mean), tuple(self.image_std))
+
+    @property
+    def built_config(self) -> dict[str, Any]:
+        """The vision config the tower is built with: SigLIP's position table sized for
+        ``image_size`` (a checkpoint's table is resampled to it on loading, models/pos_embed.py);
+        SigLIP2 keeps its table and resizes it per image (NaFlex)."""
+        if self.family != "siglip":
+            return dict(self.hf_config)
+        from mmalign.models.towers.vit import square
+
+        return {**self.hf_config, "image_size": square(self.image_size)[0]}
 
     def lock_groups(self, module: nn.Module) -> int:
         return int(self.hf_config.get("num_hidden_layers", 0))
