@@ -64,11 +64,10 @@ def _tower_config(config: dict, keys: tuple[str, ...]) -> dict[str, Any]:
 def _full_configs(config: dict) -> tuple[dict, dict]:
     """The vision and text configs with transformers' defaults filled in (a hub config.json
     lists only what differs from them)."""
-    if config["model_type"] == "siglip":
-        from transformers import SiglipConfig as Config
-    else:
-        from transformers import Siglip2Config as Config
-    full = Config(
+    from transformers import Siglip2Config, SiglipConfig
+
+    kind = SiglipConfig if config["model_type"] == "siglip" else Siglip2Config
+    full: Any = kind(
         text_config=config.get("text_config") or {}, vision_config=config.get("vision_config") or {}
     )
     return full.vision_config.to_dict(), full.text_config.to_dict()
@@ -183,8 +182,10 @@ def to_hf_siglip(state: dict) -> dict:
 def hf_configs(arch: dict) -> tuple[str, dict, dict]:
     """(model_type, vision_config, text_config) of a SigLIP architecture, for an HF export."""
     from mmalign.models.towers import Towers
+    from mmalign.models.towers.siglip import SiglipVisionSpec
 
     spec = Towers.from_arch(arch).vision
+    assert isinstance(spec, SiglipVisionSpec)  # is_siglip_arch(arch): the caller checked
     return (
         str(arch["vision_cfg"].get("family", "siglip")),
         spec.built_config,

@@ -4,7 +4,7 @@ own vision and text models built from a config dict, behind mmalign's tower inte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -39,7 +39,7 @@ def _hf_module(family: str, side: str, hf_config: dict[str, Any]) -> nn.Module:
 
 
 def _layers(hf: nn.Module) -> list[nn.Module]:
-    return list(hf.get_submodule("encoder.layers"))
+    return list(hf.get_submodule("encoder.layers").children())
 
 
 def _lock(hf: nn.Module, unlocked: int, tail: tuple[str, ...]) -> None:
@@ -83,7 +83,8 @@ class SiglipImageTower(_Checkpointing, nn.Module):
         self.register_buffer("renorm_shift", shift.view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images * self.renorm_scale.to(images.dtype) + self.renorm_shift.to(images.dtype)  # (B, 3, H, W)
+        scale, shift = cast(torch.Tensor, self.renorm_scale), cast(torch.Tensor, self.renorm_shift)
+        x = images * scale.to(images.dtype) + shift.to(images.dtype)  # (B, 3, H, W)
         if self.family == "siglip":
             other = tuple(x.shape[-2:]) != (self.base_size, self.base_size)  # transformers' own resampling
             return self.hf(pixel_values=x, interpolate_pos_encoding=other).pooler_output  # (B, D)
