@@ -168,8 +168,11 @@ def choose(q, k, v, attn_mask=None, is_causal: bool = False, timer: Callable[...
     with _lock:
         if key in _cache:
             return _cache[key]
-    with torch.random.fork_rng(devices=[]):  # the measurement draws nothing from the run's streams
-        times = (timer or _time_candidates)(q, k, v, attn_mask, is_causal, True)
+    # the measurement draws nothing from the run's streams, and its backward runs outside inference
+    # mode even when the call is in it (a distillation teacher's forward), on a mask autograd may save
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False):
+        mask = None if attn_mask is None or not attn_mask.is_inference() else attn_mask.clone()
+        times = (timer or _time_candidates)(q, k, v, attn_mask if mask is None else mask, is_causal, True)
     best = min(times, key=lambda kind: times[kind])
     with _lock:
         _cache[key] = best

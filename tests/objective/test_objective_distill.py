@@ -141,6 +141,26 @@ def test_teacher_of_another_image_size_sees_the_images_resized(tmp_path, gen):
     assert scale.item() == pytest.approx(loaded.logit_scale, rel=1e-6)
 
 
+def test_live_teacher_under_bf16_autocast_on_cpu_times_its_attention_outside_inference_mode(tmp_path, gen):
+    from mmalign.models import attention_kernel
+
+    teacher = _teacher(tmp_path)
+    cfg = _student_cfg(teacher, "train.precision=bf16")
+    model = build_model(cfg.model)
+    term = next(t for t in build_objective(cfg, 1, model=model).terms if isinstance(t, Distill))
+    batch = _batch(gen, model)
+    before = attention_kernel.get_mode()
+    attention_kernel.set_mode("auto")  # CPU bf16: each new shape class is timed, forward + backward
+    try:
+        image, text, _ = term.teacher(batch)  # timing a backward inside inference mode used to fail
+    finally:
+        attention_kernel.set_mode(before)
+    loaded = load(teacher)
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(image, loaded.encode_image(batch.images)).min() > 0.99  # bf16 against fp32
+    assert cos(text, loaded.encode_text(list(batch.captions))).min() > 0.99
+
+
 def test_a_teacher_that_cannot_be_read_is_one_line(tmp_path):
     cfg = _student_cfg(str(tmp_path / "missing"))
     with pytest.raises(ConfigError) as err:
