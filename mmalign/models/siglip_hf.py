@@ -10,6 +10,7 @@ towers (models/towers/siglip.py) are rebuilt exactly; weight names differ by one
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -86,17 +87,25 @@ def _preprocess(folder: Path) -> dict[str, Any]:
 
 def _tokenizer_facts(folder: Path, key: str) -> tuple[int, int]:
     """(its pad id, its size) of the folder's tokenizer: it must load now, not when training starts."""
-    from transformers import AutoTokenizer
-
     from mmalign.errors import first_line
 
+    stamp = tuple(
+        p.stat().st_mtime_ns for p in sorted(folder.glob("*token*")) + sorted(folder.glob("*.model"))
+    )
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return _facts(str(folder.resolve()), stamp)  # read once per folder (an arch is resolved often)
     except Exception as e:  # transformers raises OSError / ValueError / its own types
         raise ConfigError(
             f"config key '{key}': the tokenizer of {folder} does not load ({type(e).__name__}: "
             f"{first_line(e)[:160]})"
         ) from None
+
+
+@functools.lru_cache(maxsize=16)
+def _facts(folder: str, stamp: tuple) -> tuple[int, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     pad = tok.pad_token_id
     return int(0 if pad is None else pad), len(tok)
 
