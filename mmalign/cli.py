@@ -199,9 +199,55 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _cmd_embed_teacher(args) -> int:
+    """``mmalign embed --teacher-shards OUT``: a copy of the shards with the teacher's embeddings."""
+    from mmalign.dist.cluster import check_nproc
+
+    if args.out is not None:
+        raise UsageError(
+            "embed: give --out (embeddings for search) or --teacher-shards (shards for distillation), not both"
+        )
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    check_nproc(args.nproc, os.environ)
+    out = args.teacher_shards
+    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if first and os.path.isfile(
+        os.path.join(out, "teacher.json")
+    ):  # embed_teacher.TEACHER_INFO; before torch
+        raise UsageError(f"--teacher-shards: {out} already holds teacher shards; choose an empty folder")
+    _loading(args.model)
+    from mmalign.cli_train import output_lock
+    from mmalign.dist.distributed import env_dist_info
+    from mmalign.search.embed_teacher import embed_teacher
+
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from mmalign.dist.launch import launch_local
+        from mmalign.models.locate import locate
+        from mmalign.search.embed_inputs import plan_units
+
+        locate(args.model)  # a bad --model, then a bad --data: one line here, not one per rank
+        plan_units(args.data)
+        with output_lock(out, "mmalign embed"):  # the ranks inherit it (mmalign.dirlock.ENV)
+            return launch_local(args.nproc, args.argv)
+    rank = env_dist_info().rank
+    with output_lock(out, "mmalign embed", take=rank == 0):
+        info = embed_teacher(args.model, args.data, out, batch_size=args.batch_size, device=args.device)
+    if info is not None:
+        print(
+            f"{info['count']} of {info['samples']} samples with teacher embeddings (dim {info['embed_dim']}, "
+            f"scale {info['logit_scale']:.4g}) in {info['shards']} shard(s) -> {out}"
+        )
+    return 0
+
+
 def cmd_embed(args) -> int:
     from mmalign.dist.cluster import check_nproc
 
+    if args.teacher_shards is not None:
+        return _cmd_embed_teacher(args)
+    if args.out is None:
+        raise UsageError("embed: --out is required (or --teacher-shards DIR for a copy of the shards)")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     check_nproc(args.nproc, os.environ)
@@ -466,7 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="shards (dir/{00000..00009}.tar), a directory of .tar, or an image folder",
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", help="output directory")
+    p.add_argument(
+        "--teacher-shards",
+        metavar="DIR",
+        help="instead of --out: copy the tar shards of --data into DIR with the model's embeddings per sample "
+        "(teacher_image.npy, teacher_text.npy, teacher_scale.npy) for loss.distill.teacher: stored",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument(
         "--part-size", type=int, default=100_000, help="rows per img_emb_N/text_emb_N/metadata_N part"
