@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -516,14 +517,20 @@ def _view(rel: str, jsons: dict[str, dict], links: dict[str, Path]) -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         wanted = set(jsons) | set(links)
-        for old in folder.iterdir():
-            if old.name not in wanted and (old.is_symlink() or old.is_file()):
-                old.unlink()
+        for old in folder.iterdir():  # another process's temporary (a dot name) is left alone
+            if (
+                old.name not in wanted
+                and not old.name.startswith(".")
+                and (old.is_symlink() or old.is_file())
+            ):
+                with contextlib.suppress(FileNotFoundError):  # removed by a process resolving it too
+                    old.unlink()
         for fname, data in jsons.items():
             text = json.dumps(data, indent=2, sort_keys=True) + "\n"
             target = folder / fname
             if not target.is_file() or target.read_text(encoding="utf-8") != text:
-                tmp = folder / f".{fname}.tmp"
+                # ranks (processes) and threads may resolve one name at once: a temporary each
+                tmp = folder / f".{fname}.{os.getpid()}.{threading.get_ident()}.tmp"
                 tmp.write_text(text, encoding="utf-8")
                 os.replace(tmp, target)
         for fname, src in links.items():
@@ -538,7 +545,7 @@ def _view(rel: str, jsons: dict[str, dict], links: dict[str, Path]) -> Path:
 def _link(at: Path, src: Path) -> None:
     if at.is_symlink() and Path(os.readlink(at)) == src:
         return
-    tmp = at.with_name(f".{at.name}.tmp")
+    tmp = at.with_name(f".{at.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     try:

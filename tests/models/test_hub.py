@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from mmalign.config import Config, ConfigError, ModelConfig, resolve, validate
 from mmalign.errors import UsageError
-from mmalign.models import build_model
+from mmalign.models import build_model, check_buildable
 from mmalign.models import hub as hub_mod
 from mmalign.models.hub import parse
 from mmalign.models.load import load
@@ -183,6 +183,7 @@ def _pretrained(name: str):
     resolve(cfg)  # no preset: the name carries the architecture
     validate(cfg)
     assert cfg.model.preset is None
+    check_buildable(cfg.model)  # what training checks first: names and shapes on the meta device
     return build_model(cfg.model).eval()
 
 
@@ -267,6 +268,26 @@ def test_pretrained_image_and_text_take_one_tower_by_name(offline):
         validate(cfg)
         model = build_model(cfg.model).eval()
         assert rel(_ours(model, images, tokens)[index], theirs[index]) <= 1e-5
+
+
+def test_ranks_resolving_one_name_at_once_agree(offline, monkeypatch, tmp_path):
+    """A view is written on first resolution: ranks (here threads, released together) resolving a
+    name at once into a fresh view folder all get the same complete view, none an error."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    for round_ in range(12):
+        monkeypatch.setenv("MMALIGN_CACHE", str(tmp_path / f"views{round_}"))
+        gate = threading.Barrier(6)
+
+        def resolve(_):
+            gate.wait()
+            return hub_mod.resolve("test-org/both", "--model")
+
+        with ThreadPoolExecutor(6) as pool:
+            folders = list(pool.map(resolve, range(6)))
+        assert len(set(folders)) == 1
+        assert sorted(p.name for p in folders[0].iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_a_local_path_wins_over_a_name(offline, tmp_path, monkeypatch):
