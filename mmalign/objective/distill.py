@@ -37,7 +37,16 @@ from mmalign.losses.distill import distill_kl_local
 
 from .base import StepContext, Term, TermOutput
 
-__all__ = ["Distill", "LiveTeacher", "StoredTeacher", "KEY", "check_teacher", "teacher_source"]
+__all__ = [
+    "Distill",
+    "LiveTeacher",
+    "StoredTeacher",
+    "KEY",
+    "check_teacher",
+    "teacher_autocast",
+    "teacher_rows",
+    "teacher_source",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +80,20 @@ class LiveTeacher:
         loaded: a :class:`mmalign.models.load.Loaded` (eval mode, on the training device).
         name: what the config named (for messages).
         autocast: ``() -> context`` the teacher's forwards run in (train.precision's), or None.
+        rows: the most rows one teacher call encodes (0: the whole local batch); with gradient
+            caching the chunk size, so the teacher's activations stay within the chunk's bound.
     """
 
     batch_fields = ("captions",)
 
     def __init__(
-        self, loaded: Any, name: str, autocast: Callable[[], AbstractContextManager[Any]] | None = None
+        self,
+        loaded: Any,
+        name: str,
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+        rows: int = 0,
     ):
-        self.loaded, self.name = loaded, name
+        self.loaded, self.name, self.rows = loaded, name, max(0, int(rows))
         self.model = loaded.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)  # frozen: never in an optimizer, never a gradient
@@ -129,9 +144,15 @@ class LiveTeacher:
             raise ValueError("a live teacher needs the batch's captions")
         device = batch.images.device
         tokens = self.tokens(list(batch.captions)).to(device)  # (B, L)
-        with torch.inference_mode(), self.autocast():
-            image = self.model.encode_image(self.images(batch.images))  # (B, D_T)
-            text = self.model.encode_text(tokens)  # (B, D_T)
+        n = len(batch)
+        step = self.rows or n
+        with torch.inference_mode(), self.autocast():  # every sample once, in pieces of `rows`
+            image = torch.cat(
+                [self.model.encode_image(self.images(batch.images[i : i + step])) for i in range(0, n, step)]
+            )  # (B, D_T)
+            text = torch.cat(
+                [self.model.encode_text(tokens[i : i + step]) for i in range(0, n, step)]
+            )  # (B, D_T)
             scale = self.model.logit_scale.exp()
         self.forwards += 1
         # ordinary tensors again (inference tensors cannot meet autograd), float32, unit length
@@ -187,9 +208,10 @@ def teacher_source(
     teacher: str,
     device: torch.device | str = "cpu",
     autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    rows: int = 0,
 ) -> LiveTeacher | StoredTeacher:
     """``loss.distill.teacher``'s value -> where the teacher's features come from; a model that
-    cannot be loaded is one ConfigError line naming the key."""
+    cannot be loaded is one ConfigError line naming the key. ``rows``: see :class:`LiveTeacher`."""
     if teacher == STORED:
         return StoredTeacher()
     from mmalign.models.hub import resolve
@@ -203,7 +225,7 @@ def teacher_source(
         raise
     except UserError as e:
         raise ConfigError(f"config key '{KEY}': {first_line(e)}") from None
-    live = LiveTeacher(loaded, teacher, autocast)
+    live = LiveTeacher(loaded, teacher, autocast, rows)
     log.info(
         "distillation: teacher %s (embed_dim %d, image %dx%d, logit scale %.4g), frozen, inference mode",
         teacher,
@@ -237,6 +259,14 @@ def check_teacher(cfg: Any) -> None:
         raise ConfigError(
             f"config key '{KEY}': {teacher} does not exist (a model folder, a run, or a model name)"
         )
+
+
+def teacher_rows(chunk: int | str) -> int:
+    """The teacher's rows per call from ``train.grad_cache_chunk_size``: the chunk when caching,
+    pieces of 256 when ``auto`` decides later (it may cache), the whole batch when not caching."""
+    if isinstance(chunk, int):
+        return chunk
+    return 256
 
 
 def teacher_autocast(

@@ -28,7 +28,7 @@ from mmalign.models.embeddings import Embeddings
 
 from .base import LossOutput, StepContext, Term, UpdateContext
 from .contrastive import Contrastive, PositiveSource
-from .distill import Distill, teacher_autocast, teacher_source
+from .distill import Distill, teacher_autocast, teacher_rows, teacher_source
 from .extras import ImageImage, MinedNegatives
 from .queue import MomentumQueue, QueueNegatives
 
@@ -219,7 +219,12 @@ def build_objective(
         assert loss.distill.teacher is not None  # the part's switch
         terms.append(
             Distill(
-                teacher_source(loss.distill.teacher, device, teacher_autocast(cfg.train.precision, device)),
+                teacher_source(
+                    loss.distill.teacher,
+                    device,
+                    teacher_autocast(cfg.train.precision, device),
+                    teacher_rows(cfg.train.grad_cache_chunk_size),
+                ),
                 loss.distill.weight,
             )
         )

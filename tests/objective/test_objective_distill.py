@@ -161,6 +161,23 @@ def test_live_teacher_under_bf16_autocast_on_cpu_times_its_attention_outside_inf
     assert cos(text, loaded.encode_text(list(batch.captions))).min() > 0.99
 
 
+def test_with_gradient_caching_the_teacher_encodes_the_step_in_chunk_sized_pieces(tmp_path, gen):
+    teacher = _teacher(tmp_path)
+    cfg = _student_cfg(teacher, "train.grad_cache_chunk_size=4")
+    model = build_model(cfg.model)
+    term = next(t for t in build_objective(cfg, 1, model=model).terms if isinstance(t, Distill))
+    assert term.teacher.rows == 4
+    calls = []
+    real = term.teacher.model.encode_image
+    term.teacher.model.encode_image = lambda x: calls.append(len(x)) or real(x)
+    batch = _batch(gen, model)
+    image, text, _ = term.teacher(batch)
+    assert calls == [4, 2] and term.teacher.forwards == 1  # every sample once, in one step's call
+    loaded = load(teacher)
+    assert _rel(image, loaded.encode_image(batch.images)) < 1e-6
+    assert _rel(text, loaded.encode_text(list(batch.captions))) < 1e-6
+
+
 def test_a_teacher_that_cannot_be_read_is_one_line(tmp_path):
     cfg = _student_cfg(str(tmp_path / "missing"))
     with pytest.raises(ConfigError) as err:
