@@ -30,14 +30,14 @@ def check_exists(path: str | Path, key: str = "--model") -> Path:
     """``path``, the local folder of a model name (:mod:`mmalign.models.hub`: found in the
     cache, or downloaded now), or the one-line UsageError of a model path that does not exist:
     free of torch, so a command says it before the seconds of importing the loader."""
-    from mmalign.models.hub import is_name, resolve
-
     p = Path(path)
-    if not p.exists() and is_name(str(path)):
+    if p.exists():
+        return p
+    from mmalign.models.hub import is_name, resolve  # a name: open_clip's registry, the cache
+
+    if is_name(str(path)):
         return resolve(str(path), key)
-    if not p.exists():
-        raise UsageError(f"model path {p} does not exist")
-    return p
+    raise UsageError(f"model path {p} does not exist")
 
 
 def locate(path: str | Path) -> tuple[str, Path]:
