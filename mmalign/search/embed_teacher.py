@@ -116,7 +116,7 @@ class _ShardCopy:
         for i, (key, members) in enumerate(self.pending):
             for info, data, _ in members:
                 self.tar.addfile(info, io.BytesIO(data))
-            if i in by_group:
+            if i in by_group and key is not None:
                 self._add_teacher(key, members[0][0], *by_group[i])
         self.embedded += len(decoded)
         self.pending = []
@@ -168,7 +168,8 @@ def _copy_shard(source, url: str, dest: Path, batch_size: int, device: str, coun
     from mmalign.data.tario import open_shard, split_name
 
     copy = _ShardCopy(source, dest, url, batch_size, device)
-    key, members = None, []
+    key: str | None = None
+    members: list[tuple[tarfile.TarInfo, bytes, str]] = []
     try:
         with open_shard(url) as f, tarfile.open(fileobj=f, mode="r|") as tar:
             for info in tar:
@@ -306,7 +307,8 @@ def _copy_units(
 ):
     """This rank's shards one after another, each moved to ``OUT`` whole, then its done file."""
     for u in todo:
-        tmp, counts = out / WORK / f"{u:06d}.tar.tmp", {}
+        tmp = out / WORK / f"{u:06d}.tar.tmp"
+        counts: dict[str, int] = {}
         yield from _copy_shard(source, units.shards[u], tmp, batch_size, device, counts)  # type: ignore[index]
         os.replace(tmp, out / names[u])  # whole or absent
         _write_json(_done_file(out, u), {"shard": names[u], **counts})
