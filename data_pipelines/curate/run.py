@@ -101,7 +101,7 @@ def check(opts: Options) -> None:
 
 def _stamp_content(opts: Options, urls: list[str]) -> dict:
     """The model's weight files (names, sizes, mtimes) and the shard list."""
-    model = Path(opts.model).resolve()
+    model = check_exists(opts.model).resolve()  # a model name: the cache folder it resolves to
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
         model = model / "final"
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
