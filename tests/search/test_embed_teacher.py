@@ -228,3 +228,27 @@ def test_the_command_writes_the_copy(model, shards, tmp_path):
     assert run.returncode == 0, run.stderr
     assert "7 of 8 samples with teacher embeddings (dim 24" in run.stdout
     assert (out / "teacher.json").is_file() and not (out / "teacher_work").exists()
+
+
+def test_nproc_relaunches_the_command_it_was_given(model, shards, tmp_path, monkeypatch):
+    import mmalign.dist.launch as launch
+
+    seen = []
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: seen.append((nproc, list(argv))) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = [
+        "embed",
+        "--model",
+        model,
+        "--data",
+        str(shards),
+        "--teacher-shards",
+        str(tmp_path / "t"),
+        "--nproc",
+        "2",
+    ]
+    run = cli_main(*args)
+    assert run.returncode == 0, run.stderr
+    assert seen == [(2, args)]
+    run = cli_main(*args[:-1], "0")
+    assert run.returncode == 2 and "--nproc must be >= 1" in run.stderr
