@@ -210,7 +210,13 @@ def model_preprocess(arch: dict, preprocess: dict) -> dict:
     """``preprocess`` (open_clip's preprocess_cfg keys) with a SigLIP model's own resize: the whole
     image to the square, no crop (``resize_mode: squash``).  The mean and std stay OpenAI's: the
     image tower maps them to its own (models/siglip_modules.py)."""
-    return {**preprocess, "resize_mode": "squash"} if is_siglip_arch(arch) else preprocess
+    return {**preprocess, "resize_mode": resize_mode(arch)} if is_siglip_arch(arch) else preprocess
+
+
+def resize_mode(arch: dict) -> str:
+    """The eval transform's resize for a model (data.transforms.eval_transform): SigLIP's whole
+    image to the square (``squash``), else open_clip's shortest side and centre crop."""
+    return "squash" if is_siglip_arch(arch) else "shortest"
 
 
 __all__ = [
@@ -220,6 +226,7 @@ __all__ = [
     "is_siglip",
     "is_siglip_arch",
     "model_preprocess",
+    "resize_mode",
     "siglip_arch",
     "to_hf_siglip",
 ]

@@ -52,6 +52,7 @@ from mmalign.evaluation.suite_fit import check_suite_fields
 from mmalign.layout.run_dir import FINAL_EMA
 from mmalign.models import build_model
 from mmalign.models.io import save_pretrained
+from mmalign.models.siglip_hf import resize_mode
 from mmalign.run.monitors import probe_stats
 
 log = logging.getLogger("mmalign.run.train")  # the loop's log: train.log's lines keep their origin
@@ -239,7 +240,7 @@ def evaluate_engine(
         ) in suites:  # every rank embeds its share; rank 0 runs the tasks (mmalign.evaluation.sharded)
             records = sharded.evaluate(
                 model,
-                eval_transform(model.image_size),
+                eval_transform(model.image_size, resize_mode=resize_mode(model.arch)),  # SigLIP: no crop
                 tokenizer,
                 suite,
                 cfg.data.val,
