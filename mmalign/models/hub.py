@@ -233,7 +233,8 @@ def _fetch_failed(name: Name, key: str, e: Exception) -> Exception:
 def _arch_hint(name: Name) -> str:
     """For an ``ORG/NAME`` that may be a mistyped open_clip ``ARCH/TAG``: the close architectures."""
     org = name.repo.split("/")[0]
-    close = difflib.get_close_matches(org, list(registry()), n=3, cutoff=0.75)
+    by_lower = {a.lower(): a for a in registry()}  # open_clip's names are case-sensitive; a hint need not be
+    close = [by_lower[c] for c in difflib.get_close_matches(org.lower(), list(by_lower), n=3, cutoff=0.75)]
     return f"; no open_clip architecture is named {org} (close: {', '.join(close)})" if close else ""
 
 

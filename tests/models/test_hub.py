@@ -325,6 +325,13 @@ def test_an_unknown_tag_lists_the_architectures_tags(offline):
     )
 
 
+def test_an_unknown_arch_reads_as_a_hub_id_and_names_the_close_architectures(offline):
+    for typed, close in (("ViT-B-99", "ViT-B-32"), ("vit-b-32", "ViT-B-32")):
+        with pytest.raises(UsageError) as e:
+            load(f"{typed}/laion2b_s34b_b79k")
+        assert f"no open_clip architecture is named {typed} (close: {close}" in _one_line(e)
+
+
 def test_a_real_tag_not_cached_names_repo_cache_and_fetch_command(offline):
     with pytest.raises(ConfigError) as e:
         hub_mod.resolve("ViT-B-32/laion2b_s34b_b79k", "model.pretrained")
