@@ -479,3 +479,67 @@ def test_mmalign_train_with_a_missing_teacher_is_one_line_before_the_run(tmp_pat
         len(lines) == 1 and "config key 'loss.distill.teacher'" in lines[0] and "no_such_teacher" in lines[0]
     )
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+@pytest.mark.integration
+def test_mmalign_embed_teacher_shards_train_like_the_live_teacher(tmp_path):
+    """End to end with the real writer: `mmalign embed --teacher-shards` (the teacher's eval crop)
+    and a live teacher on training crops that are the same pixels (square images at the model's
+    size, no crop augmentation) give the same steps; two captions per sample use the text row of
+    the caption each step draws."""
+    from mmalign.run.train import train
+    from tests.harness import cli_main
+
+    teacher = _teacher(tmp_path)
+    size = load(teacher).model.image_size
+    rng = np.random.default_rng(3)
+    samples = {}
+    for i in range(16):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+        txt = f"item {i} in red\nitem {i} seen from above"
+        samples[f"e{i:03d}"] = {"png": buf.getvalue(), "txt": txt.encode()}
+    (tmp_path / "data").mkdir()
+    _write_shard(tmp_path / "data" / "00000.tar", samples)
+    run = cli_main(
+        "embed", "--model", teacher, "--data", str(tmp_path / "data" / "00000.tar"),
+        "--teacher-shards", str(tmp_path / "stored"),
+    )  # fmt: skip
+    assert run.returncode == 0, run
+    common = [
+        "model.preset=micro",
+        "data.workers=0",
+        "data.shuffle_buffer=4",
+        "data.augment.crop_scale=[1.0, 1.0]",
+        "data.augment.crop_ratio=[1.0, 1.0]",
+        "train.global_batch_size=8",
+        "train.grad_cache_chunk_size=4",
+        "train.steps=3",  # into the second epoch: other captions drawn
+        "train.warmup_steps=1",
+        "train.optimizer=sgd",
+        "train.lr=0.5",
+        "train.log_every=1",
+        "eval.suite=none",
+        "seed=11",
+    ]
+    for name, data, source in (
+        ("run_live", tmp_path / "data" / "00000.tar", teacher),
+        ("run_stored", tmp_path / "stored" / "00000.tar", "stored"),
+    ):
+        cfg = load_config(
+            None,
+            [*common, f"data.train={data}", f"loss.distill.teacher={source}", f"output={tmp_path / name}"],
+        )
+        train(cfg, show_progress=False)
+    logs = [
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("run_live", "run_stored")
+    ]
+    steps = [[r for r in log if "distill_loss" in r] for log in logs]
+    assert len(steps[0]) == len(steps[1]) == 3
+    for a, b in zip(*steps):
+        assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    live, stored = load(tmp_path / "run_live"), load(tmp_path / "run_stored")
+    for (name, a), (_, b) in zip(live.model.state_dict().items(), stored.model.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max().clamp_min(1.0), name
