@@ -129,7 +129,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             )
     if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
         raise ConfigError(f"config key 'output': {cfg.output} exists and is not a directory")
-    if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None:
+    if cfg.loss.name == "siglip" and cfg.model.init_logit_bias is None and cfg.model.pretrained is None:
+        # a model.pretrained carries its bias (SigLIP), or build_objective refuses in one line
         raise ConfigError("config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10)")
     _validate_lock(cfg.model)
     _validate_pretrained(cfg.model)

@@ -107,6 +107,9 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
         state = read_state(path, key, meta)
         if state is None:
             continue  # a step checkpoint: checked when the weights are read
+        if tower is None and "logit_bias" in state and model.logit_bias is None:
+            _adopt_bias(model)  # a SigLIP source's bias comes with it (model.init_logit_bias unset)
+            own = dict(model.state_dict())
         if tower is not None:
             arch = source_arch(path, key)
             differ = [] if arch is None else differences(model.arch, arch, (TOWER_CFG[tower],))
@@ -144,6 +147,12 @@ def load_pretrained_weights(model, cfg: ModelConfig) -> None:
                 own[k].copy_(state[k])  # the model's dtype and device
         log.info("%s: %d weights from %s", key, len(set(own) & set(state)), path)
         _keep_scale(model, key, path)
+
+
+def _adopt_bias(model) -> None:
+    """The model gains a logit bias parameter (its value is the source's, copied below)."""
+    like = model.logit_scale  # (1,): the same dtype and device (meta at start-up)
+    model.logit_bias = torch.nn.Parameter(torch.zeros(1, dtype=like.dtype, device=like.device))
 
 
 def _keep_scale(model, key: str, path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mmalign.config import Config
+from mmalign.config import Config, ConfigError
 from mmalign.config import loss_rules as rules
 from mmalign.data.batch import MODEL_INPUTS, Batch
 from mmalign.dist import distributed as mdist
@@ -180,6 +180,11 @@ def build_objective(
     """
     rules.check(cfg, world_size)
     loss = cfg.loss
+    if loss.name == "siglip" and model is not None and getattr(model, "logit_bias", None) is None:
+        raise ConfigError(
+            f"config key 'model.init_logit_bias' must be set for loss.name=siglip (e.g. -10): "
+            f"model.pretrained {cfg.model.pretrained} carries no bias"
+        )
     fn_ids = str(loss.false_negative_ids or "none")
     positives = PositiveSource(
         ids="none" if fn_ids == "none" else "caption" if fn_ids == "caption" else "field",

@@ -81,8 +81,7 @@ def test_finetuned_by_name_exports_and_reloads_identically(
         overrides
         + [
             f"model.pretrained={repo}",
-            "loss.name=siglip",
-            "model.init_logit_bias=-10",  # replaced by the checkpoint's own bias
+            "loss.name=siglip",  # model.init_logit_bias unset: the checkpoint carries its bias
             "train.steps=3",
             "train.global_batch_size=8",
             "train.grad_cache_chunk_size=4",  # the chunked step replays the towers exactly
@@ -195,3 +194,22 @@ def test_gradient_cache_gives_the_uncached_step(folders, micro_overrides, tmp_pa
     step = torch.cat([(plain[k] - source[h]).flatten() for h, k in ours.items()])  # the two steps' update
     gap = torch.cat([(cached[k] - plain[k]).flatten() for k in ours.values()])
     assert float(gap.norm()) <= 1e-5 * float(step.norm())
+
+
+def test_siglip_loss_from_a_source_without_bias_is_one_line(micro_overrides, tmp_path):
+    from mmalign.config import load_config
+    from mmalign.data.transforms import preprocess_cfg
+    from mmalign.errors import ConfigError
+    from mmalign.models import build_model
+    from mmalign.models.io import save_pretrained
+    from mmalign.run.train import train
+
+    clip = build_model(load_config(None, ["model.preset=micro"]).model)  # a CLIP: no bias
+    source = save_pretrained(clip, tmp_path / "clip", preprocess=preprocess_cfg(clip.image_size))
+    overrides = [o for o in micro_overrides if not o.startswith("model.preset")]
+    cfg = load_config(None, overrides + [f"model.pretrained={source}", "loss.name=siglip", "eval.suite=none"])
+    with pytest.raises(ConfigError) as e:
+        train(cfg, show_progress=False)
+    assert (
+        "\n" not in str(e.value) and "model.init_logit_bias" in str(e.value) and str(source) in str(e.value)
+    )
