@@ -82,7 +82,7 @@ def _cached(stamp: Path, want: dict) -> dict | None:
     """The result stored beside ``stamp`` when it was made with ``want``, else None."""
     if stamp.is_file():
         have = json.loads(stamp.read_text())
-        if have.get("want") == want:
+        if have.get("want") == json.loads(json.dumps(want)):  # as stored: tuples read back as lists
             return have["result"]
     return None
 

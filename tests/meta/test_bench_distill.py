@@ -87,3 +87,14 @@ def test_quick_run_trains_both_arms_from_a_stored_teacher(tmp_path):
     info = json.loads((work / "teacher_shards" / "teacher.json").read_text())
     assert info["count"] == 2000 and info["embed_dim"] == 160
     assert "| distilled | 1 |" in results["markdown"] and "goal >= +2" in results["markdown"]
+
+
+def test_a_finished_run_is_found_again_by_its_settings(tmp_path):
+    """The stamp round-trips through JSON (tuples come back as lists): the same settings find the
+    run (a rerun resumes), other settings do not."""
+    want = {"sets": ("model.embed_dim=160", "model.vision.layers=5"), "steps": 250, "batch": 256}
+    stamp = tmp_path / "teacher.json"
+    stamp.write_text(json.dumps({"want": want, "result": {"acc1": 0.5}}))
+    assert bench._cached(stamp, want) == {"acc1": 0.5}
+    assert bench._cached(stamp, {**want, "steps": 300}) is None
+    assert bench._cached(tmp_path / "absent.json", want) is None
