@@ -27,18 +27,27 @@ key) naming the name, the cache looked in and the command that fetches it.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import json
 import logging
-import os
-import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from mmalign.config.checks import HF_HUB_PREFIX, model_name_form
-from mmalign.errors import ConfigError, UsageError
+from mmalign.models.hub_fetch import (
+    OPEN_CLIP_HUB,
+    TAG,
+    TEXT_TOWER,
+    TRANSFORMERS,
+    Name,
+    arch_hint,
+    check_reachable,
+    download,
+    fail,
+    first_file,
+    maybe_download,
+    not_cached,
+    offline,
+)
+from mmalign.models.hub_views import flat, view, views_dir
 from mmalign.models.pretrained_list import (
     OC_BIN,
     OC_CONFIG,
@@ -54,8 +63,6 @@ from mmalign.models.pretrained_list import (
 
 log = logging.getLogger(__name__)
 
-TAG, OPEN_CLIP_HUB, TRANSFORMERS = "ARCH/TAG", "hf-hub", "transformers"  # Name.form
-TEXT_TOWER = "text tower"  # Name.form of a Hugging Face text model an open_clip architecture names
 SUPPORTED = {"clip": "CLIPModel", "siglip": "SiglipModel", "siglip2": "Siglip2Model"}  # model_type -> class
 HF_CONFIG = "config.json"
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # models/foreign_weights.py reads these
@@ -78,36 +85,6 @@ TEXT_TOKENIZER_FILES = (
     "vocab.txt",
     "sentencepiece.bpe.model",
 )  # BERT's, XLM-R's / NLLB's (besides the above)
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-@dataclass(frozen=True)
-class Name:
-    """A parsed model name."""
-
-    text: str  # as written
-    form: str  # TAG, OPEN_CLIP_HUB or TRANSFORMERS
-    repo: str  # ORG/NAME on the hub
-    arch: str | None = None  # TAG: open_clip's architecture
-    tag: str | None = None  # TAG: the tag, open_clip's spelling
-
-
-def offline() -> bool:
-    """Downloads are off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``), read now."""
-    return any(
-        os.environ.get(v, "").strip().upper() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def views_dir() -> Path:
-    """Where views are written: ``MMALIGN_CACHE``, else ``HF_HOME/mmalign``."""
-    own = os.environ.get("MMALIGN_CACHE")
-    if own:
-        return Path(own).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
-    )
-    return Path(home).expanduser() / "mmalign"
 
 
 def parse(value: str) -> Name | None:
@@ -148,139 +125,6 @@ def resolve(value: str | Path, key: str) -> Path:
     return _resolve_transformers(name, key)
 
 
-# ---------------------------------------------------------------- errors
-
-
-def fail(key: str, message: str) -> Exception:
-    """The one-line error of ``key``: a UsageError for a flag, a ConfigError for a config key."""
-    if key.startswith("-"):
-        return UsageError(f"{key}: {message}")
-    return ConfigError(f"config key '{key}': {message}")
-
-
-def _path_too(name: Name) -> str:
-    """An ``ORG/NAME`` may have been meant as a relative path: say that there is none."""
-    return "no such local path, and " if name.form == TRANSFORMERS else ""
-
-
-def _fetch_hint(name: Name) -> str:
-    """The command that fetches ``name`` on a connected machine."""
-    if name.form == TEXT_TOWER:  # not a model mmalign loads by itself: huggingface_hub's own command
-        return f"`hf download {name.repo}`"
-    return f"`mmalign models --fetch {name.text}` (or `hf download {name.repo}`)"
-
-
-def _not_cached(
-    name: Name, key: str, what: str, why: str = "downloads are off (HF_HUB_OFFLINE)"
-) -> Exception:
-    return fail(
-        key,
-        f"{name.text}: {_path_too(name)}not in the Hugging Face cache {hub_cache()} ({what}); {why}; on a "
-        f"connected machine with the same HF_HOME run {_fetch_hint(name)}",
-    )
-
-
-def _check_reachable(name: Name, key: str, what: str) -> None:
-    """One bounded connection to the hub before a download: huggingface_hub retries a dead
-    network for ~25 s; this says it in one line at once (a dead route: after TIMEOUT_S)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urlsplit(endpoint)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    if (url.hostname, port) in _REACHED:
-        return
-    try:
-        socket.create_connection((url.hostname or "", port), timeout=TIMEOUT_S).close()
-    except OSError as e:
-        raise _not_cached(
-            name, key, what, f"the hub ({endpoint}) cannot be reached ({e.strerror or e})"
-        ) from None
-    _REACHED.add((url.hostname, port))
-    print(f"mmalign: downloading {name.text} into {hub_cache()} ...", file=sys.stderr, flush=True)
-
-
-TIMEOUT_S = 5.0  # the reachability probe's connect timeout
-_REACHED: set = set()  # (host, port) reached once by this process
-
-
-def _fetch_failed(name: Name, key: str, e: Exception) -> Exception:
-    """A download that did not happen, as one line by its cause."""
-    from huggingface_hub import errors as hf_errors
-
-    cause = (str(e).strip().splitlines() or [""])[0][:200]
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if isinstance(e, hf_errors.GatedRepoError):
-        why = f"{name.repo} is gated: accept its terms on the hub and log in (`hf auth login`)"
-    elif isinstance(e, hf_errors.RepositoryNotFoundError):
-        why = f"the hub has no repository {name.repo} (or it is private: `hf auth login`){_arch_hint(name)}"
-    elif isinstance(e, hf_errors.RemoteEntryNotFoundError):
-        why = f"{name.repo} has no such file ({cause})"
-    elif isinstance(e, hf_errors.HfHubHTTPError):
-        why = f"the hub ({endpoint}) answered {type(e).__name__}: {cause}"
-    elif isinstance(e, OSError):  # a connection lost midway, a timeout, offline mode set at its import
-        why = (
-            f"the hub ({endpoint}) could not be reached ({type(e).__name__}: {cause[:80]}); set "
-            f"HF_HUB_OFFLINE=1 to use the cache {hub_cache()} alone, or fetch it on a connected machine "
-            f"with {_fetch_hint(name)}"
-        )
-    else:
-        why = f"{type(e).__name__}: {cause}"
-    return fail(key, f"{name.text} could not be downloaded: {why}")
-
-
-def _arch_hint(name: Name) -> str:
-    """For an ``ORG/NAME`` that may be a mistyped open_clip ``ARCH/TAG``: the close architectures."""
-    org = name.repo.split("/")[0]
-    by_lower = {a.lower(): a for a in registry()}  # open_clip's names are case-sensitive; a hint need not be
-    close = [by_lower[c] for c in difflib.get_close_matches(org.lower(), list(by_lower), n=3, cutoff=0.75)]
-    return f"; no open_clip architecture is named {org} (close: {', '.join(close)})" if close else ""
-
-
-# ---------------------------------------------------------------- downloads
-
-
-def _hub_download(repo: str, filename: str) -> Path:
-    from huggingface_hub import hf_hub_download
-
-    log.info("downloading %s of %s into %s", filename, repo, hub_cache())
-    endpoint = (
-        os.environ.get("HF_ENDPOINT") or None
-    )  # now, as the cache: huggingface_hub read it at its import
-    return Path(hf_hub_download(repo, filename, cache_dir=str(hub_cache()), endpoint=endpoint))
-
-
-def _download(name: Name, key: str, repo: str, filename: str) -> Path:
-    try:
-        return _hub_download(repo, filename)
-    except Exception as e:
-        raise _fetch_failed(name, key, e) from None
-
-
-def _first_file(name: Name, key: str, repo: str, names: list[str] | tuple[str, ...]) -> Path | None:
-    """The first of ``names`` that the cache holds, else (online) the first the hub has, as
-    open_clip tries them; None when offline and none is cached, or the hub has none of them."""
-    from huggingface_hub import errors as hf_errors
-
-    cache = hub_cache()
-    for n in names:
-        found = cached_file(cache, repo, n)
-        if found is not None:
-            return found
-    if offline():
-        return None
-    _check_reachable(name, key, f"{repo}, file {' or '.join(names)}")
-    for n in names:
-        try:
-            return _hub_download(repo, n)
-        except hf_errors.RemoteEntryNotFoundError:
-            continue  # open_clip's order: the next name
-        except Exception as e:
-            raise _fetch_failed(name, key, e) from None
-    return None
-
-
 # ---------------------------------------------------------------- the three forms
 
 
@@ -307,10 +151,10 @@ def _resolve_tag(name: Name, key: str) -> Path:
             key, f"{name.text} has no Hugging Face repository in open_clip's registry (only {cfg.get('url')})"
         )
     name = Name(name.text, TAG, repo, name.arch, clean_tag(name.tag))
-    weights = _first_file(name, key, repo, names)
+    weights = first_file(name, key, repo, names)
     if weights is None:
         if offline():
-            raise _not_cached(name, key, f"open_clip's tag points at {repo}, file {' or '.join(names)}")
+            raise not_cached(name, key, f"open_clip's tag points at {repo}, file {' or '.join(names)}")
         raise fail(key, f"{name.text}: the hub repository {repo} has none of {', '.join(names)}")
     if cfg.get("quick_gelu", False) != bool(model_cfg.get("quick_gelu", False)):
         log.warning(  # as open_clip warns: its ARCH-quickgelu twin is the architecture these weights had
@@ -331,7 +175,7 @@ def _resolve_tag(name: Name, key: str) -> Path:
     size = model_cfg["vision_cfg"].get("image_size", 224)
     preprocess["size"] = list(size) if isinstance(size, (list, tuple)) else [size, size]
     config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess, "mmalign_source": _source(name, weights)}
-    return _view(f"open_clip/{name.arch}--{name.tag}", {OC_CONFIG: config}, {_oc_link_name(weights): weights})
+    return view(f"open_clip/{name.arch}--{name.tag}", {OC_CONFIG: config}, {_oc_link_name(weights): weights})
 
 
 _PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")
@@ -354,28 +198,16 @@ def resolve_text_model(repo: str, key: str, weights: bool) -> Path:
     cache = hub_cache()
     config = cached_file(cache, repo, HF_CONFIG)
     if config is None and offline():
-        raise _not_cached(name, key, f"the Hugging Face text model's {HF_CONFIG}")
+        raise not_cached(name, key, f"the Hugging Face text model's {HF_CONFIG}")
     if config is None:
-        _check_reachable(name, key, f"the Hugging Face text model's {HF_CONFIG}")
-        config = _download(name, key, repo, HF_CONFIG)
+        check_reachable(name, key, f"the Hugging Face text model's {HF_CONFIG}")
+        config = download(name, key, repo, HF_CONFIG)
         for filename in (*HF_SIDE_FILES, *TEXT_TOKENIZER_FILES):
-            _maybe_download(name, key, repo, filename)
+            maybe_download(name, key, repo, filename)
     if weights and not any((config.parent / w).is_file() for w in HF_WEIGHTS) and not offline():
-        _check_reachable(name, key, f"the weights of {repo}")
-        _first_file(name, key, repo, HF_WEIGHTS)
+        check_reachable(name, key, f"the weights of {repo}")
+        first_file(name, key, repo, HF_WEIGHTS)
     return (cached_file(cache, repo, HF_CONFIG) or config).parent
-
-
-def _maybe_download(name: Name, key: str, repo: str, filename: str) -> None:
-    """``filename`` of ``repo`` into the cache when the repository has it."""
-    from huggingface_hub import errors as hf_errors
-
-    try:
-        _hub_download(repo, filename)
-    except hf_errors.RemoteEntryNotFoundError:
-        pass
-    except Exception as e:
-        raise _fetch_failed(name, key, e) from None
 
 
 def _oc_link_name(weights: Path) -> str:
@@ -390,12 +222,12 @@ def _source(name: Name, weights: Path) -> dict:
 def _resolve_open_clip_hub(name: Name, key: str) -> Path:
     config = cached_file(hub_cache(), name.repo, OC_CONFIG)
     if config is None and not offline():
-        _check_reachable(name, key, f"no {OC_CONFIG} of {name.repo}")
-        config = _download(name, key, name.repo, OC_CONFIG)
+        check_reachable(name, key, f"no {OC_CONFIG} of {name.repo}")
+        config = download(name, key, name.repo, OC_CONFIG)
     if config is None:
-        raise _not_cached(name, key, f"no {OC_CONFIG} of {name.repo}")
+        raise not_cached(name, key, f"no {OC_CONFIG} of {name.repo}")
     _check_json(config, key, name)
-    weights = _first_file(name, key, name.repo, OC_HUB_WEIGHTS)
+    weights = first_file(name, key, name.repo, OC_HUB_WEIGHTS)
     if weights is None:
         if offline():
             raise fail(
@@ -416,7 +248,7 @@ def _resolve_open_clip_hub(name: Name, key: str) -> Path:
     links = {weights.name: weights}
     links.update({p.name: p for p in snapshot.iterdir() if p.is_file() and _side_file(p.name)})
     jsons = {OC_CONFIG: {**data, "model_cfg": _checkpoint_has_text_weights(data["model_cfg"])}}
-    return _view(f"hf-hub/{_flat(name.repo)}", jsons, links)
+    return view(f"hf-hub/{flat(name.repo)}", jsons, links)
 
 
 def _side_file(filename: str) -> bool:
@@ -430,15 +262,15 @@ def _resolve_transformers(name: Name, key: str) -> Path:
     cache = hub_cache()
     config = cached_file(cache, name.repo, HF_CONFIG)
     if config is None and offline():
-        raise _not_cached(name, key, f"no {HF_CONFIG} of {name.repo}{_arch_hint(name)}")
+        raise not_cached(name, key, f"no {HF_CONFIG} of {name.repo}{arch_hint(name)}")
     if config is None:
-        _check_reachable(name, key, f"no {HF_CONFIG} of {name.repo}{_arch_hint(name)}")
-        config = _download(name, key, name.repo, HF_CONFIG)
+        check_reachable(name, key, f"no {HF_CONFIG} of {name.repo}{arch_hint(name)}")
+        config = download(name, key, name.repo, HF_CONFIG)
     _check_class(config, key, name)
     snapshot = config.parent
     weights = next((snapshot / w for w in HF_WEIGHTS if (snapshot / w).is_file()), None)
     if weights is None and not offline():
-        _check_reachable(name, key, f"no weights of {name.repo}")
+        check_reachable(name, key, f"no weights of {name.repo}")
         _snapshot_download(name, key)
         snapshot = (cached_file(cache, name.repo, HF_CONFIG) or config).parent  # refs/main may have moved
         weights = next((snapshot / w for w in HF_WEIGHTS if (snapshot / w).is_file()), None)
@@ -457,7 +289,7 @@ def _resolve_transformers(name: Name, key: str) -> Path:
         return snapshot
     # the repository ships open_clip's files as well, which the folder readers would prefer
     links = {p.name: p for p in snapshot.iterdir() if p.is_file() and not p.name.startswith("open_clip_")}
-    return _view(f"transformers/{_flat(name.repo)}", {}, links)
+    return view(f"transformers/{flat(name.repo)}", {}, links)
 
 
 def _snapshot_download(name: Name, key: str) -> None:
@@ -465,10 +297,10 @@ def _snapshot_download(name: Name, key: str) -> None:
     format (safetensors when the repository has it), then the tokenizer and processor files it
     has (a missing one is skipped). No listing of the repository is needed."""
 
-    if _first_file(name, key, name.repo, HF_WEIGHTS) is None:
+    if first_file(name, key, name.repo, HF_WEIGHTS) is None:
         return  # the caller says "no weights" in one line
     for filename in HF_SIDE_FILES:
-        _maybe_download(name, key, name.repo, filename)
+        maybe_download(name, key, name.repo, filename)
 
 
 def _read(config: Path, key: str, name: Name) -> dict:
@@ -502,63 +334,6 @@ def _check_class(config: Path, key: str, name: Name) -> None:
         key,
         f"{name.text} is a {kind}; mmalign reads {', '.join(SUPPORTED.values())} repositories by name{hint}",
     )
-
-
-# ---------------------------------------------------------------- views
-
-
-def _flat(repo: str) -> str:
-    return repo.replace("/", "--")
-
-
-def _view(rel: str, jsons: dict[str, dict], links: dict[str, Path]) -> Path:
-    """``views_dir()/rel`` holding exactly ``jsons`` (written) and ``links`` (symlinks, or copies
-    where the file system has none); stale entries removed."""
-    folder = views_dir() / rel
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        wanted = set(jsons) | set(links)
-        for old in folder.iterdir():  # another process's temporary (a dot name) is left alone
-            if (
-                old.name not in wanted
-                and not old.name.startswith(".")
-                and (old.is_symlink() or old.is_file())
-            ):
-                with contextlib.suppress(FileNotFoundError):  # removed by a process resolving it too
-                    old.unlink()
-        for fname, data in jsons.items():
-            text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-            target = folder / fname
-            if not target.is_file() or target.read_text(encoding="utf-8") != text:
-                # ranks (processes) and threads may resolve one name at once: a temporary each
-                tmp = folder / f".{fname}.{os.getpid()}.{threading.get_ident()}.tmp"
-                tmp.write_text(text, encoding="utf-8")
-                os.replace(tmp, target)
-        for fname, src in links.items():
-            _link(folder / fname, Path(src).resolve())
-    except OSError as e:
-        raise UsageError(
-            f"cannot write the model view {folder} ({e.strerror or e}); set MMALIGN_CACHE to a writable folder"
-        ) from None
-    return folder
-
-
-def _link(at: Path, src: Path) -> None:
-    if at.is_symlink() and Path(os.readlink(at)) == src:
-        return
-    tmp = at.with_name(f".{at.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    try:
-        tmp.symlink_to(src)
-    except OSError:  # no symlinks here: a hard link, else a copy
-        try:
-            os.link(src, tmp)
-        except OSError:
-            import shutil
-
-            shutil.copyfile(src, tmp)
-    os.replace(tmp, at)
 
 
 __all__ = ["Name", "fail", "is_name", "offline", "parse", "resolve", "resolve_text_model", "views_dir"]
