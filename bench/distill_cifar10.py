@@ -159,14 +159,16 @@ def mean_std(values) -> tuple[float, float]:
     return m, math.sqrt(var)
 
 
-def goal_line(scratch: list[float], distilled: list[float], points: float = GOAL_POINTS) -> str:
+def goal_line(
+    scratch: list[float], distilled: list[float], points: float = GOAL_POINTS, label: str = "distilled"
+) -> str:
     """The goal, on accuracies in percent: mean(distilled) - mean(scratch) >= ``points`` + the
     spread (the two sample stds summed)."""
     (ms, ss), (md, sd) = mean_std(scratch), mean_std(distilled)
     diff, spread = md - ms, ss + sd
     met = "met" if diff - spread >= points else "not met"
     return (
-        f"- distilled - scratch: {diff:+.2f} points; spread (sum of stds) {spread:.2f}; beyond the spread "
+        f"- {label} - scratch: {diff:+.2f} points; spread (sum of stds) {spread:.2f}; beyond the spread "
         f"{diff - spread:+.2f} (goal >= +{points:g}: {met})"
     )
 
@@ -176,23 +178,35 @@ def results_table(runs: list[dict]) -> str:
         "| student | seeds | zero-shot top-1 (%) per seed | mean +- std | wall per run (s, indicative) |",
         "|---|---|---|---|---|",
     ]
-    acc = {}
-    for arm in ARMS:
-        rows = [r for r in runs if r["arm"] == arm]
-        if not rows:
-            continue
-        acc[arm] = [100 * r["acc1"] for r in rows]
-        m, s = mean_std(acc[arm])
+    acc: dict[str, list[float]] = {}
+    for label in sorted({_label(r) for r in runs}, key=lambda x: (x != "scratch", x)):
+        rows = [r for r in runs if _label(r) == label]
+        acc[label] = [100 * r["acc1"] for r in rows]
+        m, s = mean_std(acc[label])
         wall = sum(r["process_s"] for r in rows) / len(rows)
         lines.append(
-            f"| {arm} | {len(rows)} | {', '.join(f'{a:.2f}' for a in acc[arm])} | {m:.2f} +- {s:.2f} | {wall:.0f} |"
+            f"| {label} | {len(rows)} | {', '.join(f'{a:.2f}' for a in acc[label])} | {m:.2f} +- {s:.2f} | "
+            f"{wall:.0f} |"
         )
     lines.append("")
-    if len(acc) == 2:
-        lines.append(goal_line(acc["scratch"], acc["distilled"]))
+    distilled = [label for label in acc if label != "scratch"]
+    if "scratch" in acc and distilled:
+        lines += [goal_line(acc["scratch"], acc[label], label=label) for label in distilled]
     else:
         lines.append("- goal: not evaluated (an arm has no finished run yet)")
     return "\n".join(lines) + "\n"
+
+
+def _label(run: dict) -> str:
+    """A run's row: ``scratch``, or ``distilled, weight W``."""
+    return "scratch" if run["arm"] == "scratch" else f"distilled, weight {run['weight']:g}"
+
+
+def run_name(arm: str, seed: int, weight: float) -> str:
+    """A student's run folder: ``distilled_seedS`` at weight 1 (open_clip's), else ``distilled_wW_seedS``."""
+    if arm == "scratch" or weight == 1.0:
+        return f"{arm}_seed{seed}"
+    return f"{arm}_w{weight:g}_seed{seed}"
 
 
 # ------------------------------------------------------------------ main
@@ -232,7 +246,11 @@ def main() -> None:
         help="stored (default): the teacher's embeddings written into the shards once "
         "(loss.distill.teacher: stored); live: the teacher runs in every step",
     )
-    p.add_argument("--distill-weight", type=float, default=1.0, help="loss.distill.weight")
+    p.add_argument(
+        "--distill-weight",
+        default="1",
+        help="loss.distill.weight; a comma list (1,5) trains a distilled arm per weight, each with its goal line",
+    )
     args = p.parse_args()
     watch = LoadWatch()
     q = args.quick
@@ -245,6 +263,14 @@ def main() -> None:
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise SystemExit(f"--arms: unknown arm {bad[0]!r} (choose from {', '.join(ARMS)})")
+    try:
+        weights = [float(w) for w in args.distill_weight.split(",") if w.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--distill-weight: {args.distill_weight!r} is not a comma list of numbers"
+        ) from None
+    if not weights or min(weights) < 0:
+        raise SystemExit(f"--distill-weight: {args.distill_weight!r}: give weights >= 0")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
@@ -292,7 +318,7 @@ def main() -> None:
         )
     print(f"  teacher zero-shot top-1 {100 * t_acc:.2f}%" if t_acc is not None else "  teacher: no eval.json")
 
-    distill_sets: tuple[str, ...] = (f"loss.distill.weight={args.distill_weight}",)
+    distill_sets: tuple[str, ...] = ()
     distill_train = train
     if "distilled" in arms:
         if args.teacher_mode == "stored":
@@ -303,10 +329,11 @@ def main() -> None:
             distill_sets += (f"loss.distill.teacher={teacher}",)
 
     runs = []
+    students = [(arm, w) for arm in arms for w in (weights if arm == "distilled" else [0.0])]
     for seed in range(seeds):
-        for arm in arms:
-            name = f"{arm}_seed{seed}"
-            sets = distill_sets if arm == "distilled" else ()
+        for arm, weight in students:
+            name = run_name(arm, seed, weight)
+            sets = (f"loss.distill.weight={weight}", *distill_sets) if arm == "distilled" else ()
             shards = distill_train if arm == "distilled" else train
             want = {"arm": arm, "sets": sets, "steps": steps, "batch": args.batch, "seed": seed, **common}
             if arm == "distilled":
@@ -323,7 +350,7 @@ def main() -> None:
                 extra_sets=sets,
                 **common,
             )
-            r["arm"] = arm
+            r["arm"], r["weight"] = arm, weight
             runs.append(r)
             print(f"  {name}: zero-shot top-1 {100 * r['acc1']:.2f}% ({r['process_s']:.0f} s)", flush=True)
             (work / "results_partial.json").write_text(json.dumps(runs, indent=1))
@@ -342,8 +369,8 @@ def main() -> None:
         f"zero-shot top-1 on {n_test} CIFAR-10 test images (eval/cifar10.yaml). Teacher: {t_line}; zero-shot "
         f"top-1 {t_acc_text}; {mode}. Students: the tiny preset, {steps} steps x {args.batch}, AdamW lr "
         f"{args.lr:g}, fp32 (configs/cifar10_cpu.yaml's recipe), seeds 0..{seeds - 1}; distilled adds "
-        f"loss.distill.weight {args.distill_weight:g} x KL(teacher || student) over the batch. Wall times are "
-        f"indicative only (the runs are compared by accuracy, not speed)."
+        f"loss.distill.weight ({', '.join(f'{w:g}' for w in weights)}) x KL(teacher || student) over the batch "
+        f"(1 is open_clip's). Wall times are indicative only (the runs are compared by accuracy, not speed)."
     )
     text = "\n".join([SECTION, "", f"Command: `{command()}` · {env}", "", setup, "", results_table(runs)])
     print("\n" + text)

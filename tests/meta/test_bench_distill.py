@@ -54,19 +54,30 @@ def test_goal_counts_the_spread_of_both_arms(scratch, distilled, verdict):
     assert line.endswith(f"goal >= +2: {verdict})")
 
 
-def test_table_rows_and_goal_from_runs():
+def test_table_rows_and_a_goal_line_per_distill_weight():
     runs = [
-        {"arm": "scratch", "acc1": 0.40, "process_s": 100.0},
-        {"arm": "scratch", "acc1": 0.42, "process_s": 120.0},
-        {"arm": "distilled", "acc1": 0.47, "process_s": 110.0},
-        {"arm": "distilled", "acc1": 0.47, "process_s": 130.0},
+        {"arm": "scratch", "weight": 0.0, "acc1": 0.40, "process_s": 100.0},
+        {"arm": "scratch", "weight": 0.0, "acc1": 0.42, "process_s": 120.0},
+        {"arm": "distilled", "weight": 1.0, "acc1": 0.47, "process_s": 110.0},
+        {"arm": "distilled", "weight": 1.0, "acc1": 0.47, "process_s": 130.0},
+        {"arm": "distilled", "weight": 5.0, "acc1": 0.43, "process_s": 100.0},
+        {"arm": "distilled", "weight": 5.0, "acc1": 0.41, "process_s": 100.0},
     ]
     text = bench.results_table(runs)
     assert "| scratch | 2 | 40.00, 42.00 | 41.00 +- 1.41 | 110 |" in text
-    assert "| distilled | 2 | 47.00, 47.00 | 47.00 +- 0.00 | 120 |" in text
-    assert "+6.00 points" in text and "goal >= +2: met" in text
-    partial = bench.results_table(runs[:2])
-    assert "not evaluated" in partial
+    assert "| distilled, weight 1 | 2 | 47.00, 47.00 | 47.00 +- 0.00 | 120 |" in text
+    assert "| distilled, weight 5 | 2 | 43.00, 41.00 | 42.00 +- 1.41 | 100 |" in text
+    lines = text.splitlines()
+    assert lines.index("| scratch | 2 | 40.00, 42.00 | 41.00 +- 1.41 | 110 |") == 2  # scratch first
+    assert "- distilled, weight 1 - scratch: +6.00 points" in text and text.count("goal >= +2") == 2
+    assert "goal >= +2: met" in text and "goal >= +2: not met" in text
+    assert "not evaluated" in bench.results_table(runs[:2])
+
+
+def test_run_names_keep_weight_1_under_the_plain_name():
+    assert bench.run_name("scratch", 2, 0.0) == "scratch_seed2"
+    assert bench.run_name("distilled", 0, 1.0) == "distilled_seed0"
+    assert bench.run_name("distilled", 1, 5.0) == "distilled_w5_seed1"
 
 
 @pytest.mark.slow
@@ -86,7 +97,7 @@ def test_quick_run_trains_both_arms_from_a_stored_teacher(tmp_path):
     assert all(0.0 <= r["acc1"] <= 1.0 for r in results["runs"])
     info = json.loads((work / "teacher_shards" / "teacher.json").read_text())
     assert info["count"] == 2000 and info["embed_dim"] == 160
-    assert "| distilled | 1 |" in results["markdown"] and "goal >= +2" in results["markdown"]
+    assert "| distilled, weight 1 | 1 |" in results["markdown"] and "goal >= +2" in results["markdown"]
 
 
 def test_a_finished_run_is_found_again_by_its_settings(tmp_path):
