@@ -69,6 +69,8 @@ def test_table_rows_and_a_goal_line_per_distill_weight():
     assert "| distilled, weight 5 | 2 | 43.00, 41.00 | 42.00 +- 1.41 | 100 |" in text
     lines = text.splitlines()
     assert lines.index("| scratch | 2 | 40.00, 42.00 | 41.00 +- 1.41 | 110 |") == 2  # scratch first
+    ten = bench.results_table([*runs, {"arm": "distilled", "weight": 10.0, "acc1": 0.4, "process_s": 1.0}])
+    assert ten.index("weight 5 |") < ten.index("weight 10 |")  # by weight, not as text
     assert "- distilled, weight 1 - scratch: +6.00 points" in text and text.count("goal >= +2") == 2
     assert "goal >= +2: met" in text and "goal >= +2: not met" in text
     assert "not evaluated" in bench.results_table(runs[:2])
