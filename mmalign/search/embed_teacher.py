@@ -177,11 +177,13 @@ def _copy_shard(source, url: str, dest: Path, batch_size: int, device: str, coun
                 parts = split_name(info.name) if info.isfile() else None
                 if parts is not None and parts[1] in MEMBERS:
                     continue  # an older teacher's member: replaced below
-                if parts is None or parts[0] != key:
+                if (
+                    parts is not None and parts[0] != key
+                ):  # a directory or a name without a dot joins the group
                     if members:
                         copy.add_group(key, members)
                         yield
-                    key, members = (parts[0] if parts is not None else None), []
+                    key, members = parts[0], []
                 members.append((info, data, parts[1] if parts is not None else ""))
     except (tarfile.TarError, EOFError, OSError) as e:
         log.warning("teacher shards: shard %s ended early (%s); copied what is readable", url, e)

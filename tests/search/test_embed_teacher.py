@@ -252,3 +252,31 @@ def test_nproc_relaunches_the_command_it_was_given(model, shards, tmp_path, monk
     assert seen == [(2, args)]
     run = cli_main(*args[:-1], "0")
     assert run.returncode == 2 and "--nproc must be >= 1" in run.stderr
+
+
+def test_a_directory_entry_inside_a_sample_keeps_the_sample_whole(model, tmp_path):
+    """Entries that are no sample part (a directory, a name without a dot) stay where they were and
+    do not split the sample around them (the loader's reader skips them too)."""
+    rng = np.random.default_rng(5)
+    src = tmp_path / "in"
+    src.mkdir()
+    with tarfile.open(src / "00000.tar", "w") as tar:
+        for name, data in (
+            ("d", None),
+            ("d/a.jpg", _jpeg(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8))),
+            ("d/sub", None),
+            ("d/a.txt", b"a caption"),
+            ("README", b"no dot: not a sample part"),
+        ):
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    info = embed_teacher(model, src, tmp_path / "out", progress=False, rank=0, world=1)
+    assert (info["samples"], info["count"], info["skipped"]) == (1, 1, 0)
+    with tarfile.open(tmp_path / "out" / "00000.tar") as tar:
+        names = [m.name for m in tar]
+    assert names == ["d", "d/a.jpg", "d/sub", "d/a.txt", "README", *(f"d/a.{m}" for m in MEMBERS)]
