@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
+from mmalign.cli_embed import cmd_embed
 from mmalign.cli_eval import _print_table, cmd_eval
+from mmalign.cli_model import add_weights_arg, ema_folder, loading
 from mmalign.cli_train import _load, _world_size, cmd_train  # noqa: F401 (_world_size: tested here)
 from mmalign.errors import RunStopped, UsageError, UserError
 
@@ -65,47 +67,6 @@ def _add_config_args(p: argparse.ArgumentParser, default_config: str | None = No
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.steps=100 (repeatable)",
     )
-
-
-def _add_weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--weights",
-        choices=("raw", "ema"),
-        default="raw",
-        help="the trained weights, or the moving average a run kept with train.ema_decay "
-        "(RUN/final_ema/, or a step checkpoint's)",
-    )
-
-
-def _ema_folder(args) -> None:
-    """``--weights ema`` of a command that reads a model folder: ``args.model`` becomes the
-    folder of the EMA weights (a step checkpoint's are read by ``eval`` and ``export`` only)."""
-    if getattr(args, "weights", "raw") != "ema":
-        return
-    from mmalign.models.load import ema_source
-    from mmalign.models.locate import is_step_checkpoint
-
-    source = ema_source(args.model)
-    if is_step_checkpoint(source):
-        raise UsageError(
-            f"--weights ema: {source} is a step checkpoint; `mmalign eval` and `mmalign export` read its "
-            "EMA weights, this command reads a model folder (RUN/final_ema/)"
-        )
-    args.model = str(source)
-
-
-def _loading(model: str, data_on_stdout: bool = False) -> None:
-    """A model path that does not exist is one line now, before the seconds that importing torch
-    and open_clip and building the model take; else a line saying that those seconds begin.
-    ``data_on_stdout`` (search's table of hits, kept clean for a pipe): the line goes to a
-    terminal's stderr only, so that an error stays the one line on stderr."""
-    from mmalign.models.locate import check_exists
-
-    check_exists(model)
-    if not data_on_stdout:
-        print(f"mmalign: loading the model from {model} ...", flush=True)
-    elif sys.stderr.isatty():
-        print(f"mmalign: loading the model from {model} ...", file=sys.stderr, flush=True)
 
 
 def cmd_report(args) -> int:
@@ -191,102 +152,11 @@ def cmd_models(args) -> int:
 
 
 def cmd_export(args) -> int:
-    _loading(args.model)
+    loading(args.model)
     from mmalign.export import export
 
     out = export(args.model, args.format, args.out, force=args.force, weights=args.weights)
     print(f"{args.format} export written to {out}")
-    return 0
-
-
-def _cmd_embed_teacher(args) -> int:
-    """``mmalign embed --teacher-shards OUT``: a copy of the shards with the teacher's embeddings."""
-    from mmalign.dist.cluster import check_nproc
-
-    if args.out is not None:
-        raise UsageError(
-            "embed: give --out (embeddings for search) or --teacher-shards (shards for distillation), not both"
-        )
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    check_nproc(args.nproc, os.environ)
-    out = args.teacher_shards
-    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    if first and os.path.isfile(
-        os.path.join(out, "teacher.json")
-    ):  # embed_teacher.TEACHER_INFO; before torch
-        raise UsageError(f"--teacher-shards: {out} already holds teacher shards; choose an empty folder")
-    _loading(args.model)
-    from mmalign.cli_train import output_lock
-    from mmalign.dist.distributed import env_dist_info
-    from mmalign.search.embed_teacher import embed_teacher
-
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from mmalign.dist.launch import launch_local
-        from mmalign.models.locate import locate
-        from mmalign.search.embed_inputs import plan_units
-
-        locate(args.model)  # a bad --model, then a bad --data: one line here, not one per rank
-        plan_units(args.data)
-        with output_lock(out, "mmalign embed"):  # the ranks inherit it (mmalign.dirlock.ENV)
-            return launch_local(args.nproc, args.argv)
-    rank = env_dist_info().rank
-    with output_lock(out, "mmalign embed", take=rank == 0):
-        info = embed_teacher(args.model, args.data, out, batch_size=args.batch_size, device=args.device)
-    if info is not None:
-        print(
-            f"{info['count']} of {info['samples']} samples with teacher embeddings (dim {info['embed_dim']}, "
-            f"scale {info['logit_scale']:.4g}) in {info['shards']} shard(s) -> {out}"
-        )
-    return 0
-
-
-def cmd_embed(args) -> int:
-    from mmalign.dist.cluster import check_nproc
-
-    if args.teacher_shards is not None:
-        return _cmd_embed_teacher(args)
-    if args.out is None:
-        raise UsageError("embed: --out is required (or --teacher-shards DIR for a copy of the shards)")
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    check_nproc(args.nproc, os.environ)
-    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # a late rank > 0 just ends
-    if first and os.path.isfile(
-        os.path.join(args.out, "embed.json")
-    ):  # search.embed.EMBED_INFO; before torch
-        raise UsageError(f"--out: {args.out} already holds embeddings; choose an empty directory")
-    _loading(args.model)
-    _ema_folder(args)
-    from mmalign.cli_train import output_lock
-    from mmalign.dist.distributed import env_dist_info
-    from mmalign.search.embed import embed, plan_units
-
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from mmalign.dist.launch import launch_local
-        from mmalign.models.locate import locate
-
-        locate(args.model)  # a bad --model, then a bad --data: one line here, not one per rank
-        plan_units(args.data)
-        with output_lock(args.out, "mmalign embed"):  # the ranks inherit it (mmalign.dirlock.ENV)
-            code = launch_local(args.nproc, args.argv)
-        return code  # rank 0 printed the summary
-    rank = env_dist_info().rank
-    # one writer per output folder: a second embed is one line (rank 0 holds it for an outside launch)
-    with output_lock(args.out, "mmalign embed", take=rank == 0):
-        info = embed(
-            args.model,
-            args.data,
-            args.out,
-            batch_size=args.batch_size,
-            part_size=args.part_size,
-            device=args.device,
-        )
-    if info is None:
-        return 0
-    print(
-        f"{info['images']} images, {info['rows']} rows (dim {info['dim']}) in {info['parts']} part(s) -> {args.out}"
-    )
     return 0
 
 
@@ -335,7 +205,7 @@ def cmd_search(args) -> int:
     if (args.text is None) == (args.image is None):
         raise UsageError("search: give exactly one of --text or --image")
     _check_index(args.index)
-    _loading(args.model, data_on_stdout=True)
+    loading(args.model, data_on_stdout=True)
     from mmalign.search.searcher import Searcher, format_hits
 
     with Searcher(args.index, args.model, mmap=args.mmap) as searcher:
@@ -363,8 +233,8 @@ def cmd_serve(args) -> int:
 
     for _, index in parse_indexes(args.index):
         _check_index(index)
-    _loading(args.model)
-    _ema_folder(args)
+    loading(args.model)
+    ema_folder(args)
     from mmalign.search.serve import serve
 
     serve(
@@ -454,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --benchmark: the folder holding the clip_benchmark datasets (wds_NAME/)",
     )
-    _add_weights_arg(p)
+    add_weights_arg(p)
     p.set_defaults(func=cmd_eval)
     from mmalign.cli_wise_ft import add_parsers as add_wise_ft
 
@@ -500,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="output format")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    _add_weights_arg(p)
+    add_weights_arg(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -531,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local processes splitting the shards (re-run under torchrun; an outside torchrun "
         "or SLURM launch sets RANK / WORLD_SIZE itself); a rerun after a kill resumes",
     )
-    _add_weights_arg(p)
+    add_weights_arg(p)
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("index", help="build FAISS inner-product indexes from `mmalign embed` output")
@@ -614,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(the first is the default; a plain DIR is named after the directory)",
     )
     p.add_argument("--model", required=True, help="the model that made the embeddings")
-    _add_weights_arg(p)
+    add_weights_arg(p)
     p.add_argument(
         "--mmap", action="store_true", help="open the indexes memory-mapped (start in seconds, bounded RSS)"
     )

@@ -10,7 +10,7 @@ model may be named instead of a path.
   ``SiglipModel`` or ``Siglip2Model``.
 
 :func:`resolve` turns a name into a local folder that the readers of local paths then read
-(``arch.kind_of``, ``load._export_kind``, ``foreign_weights``): the repository's snapshot in
+(``arch.kind_of``, ``load.export_kind``, ``foreign_weights``): the repository's snapshot in
 huggingface_hub's cache, or, where a snapshot alone would be read the wrong way, a *view*: a
 folder of links to exactly the files the name means, with the ``open_clip_config.json`` open_clip
 would build from (an ``ARCH/TAG``: its built-in config; a transformers id whose repository also

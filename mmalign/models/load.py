@@ -109,7 +109,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", weights: str = "r
         raise UsageError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
     if weights == "ema":
         path = ema_source(path)
-    kind, folder = (EXPORT, Path(path)) if _export_kind(Path(path)) else locate(path)
+    kind, folder = (EXPORT, Path(path)) if export_kind(Path(path)) else locate(path)
     if kind == EXPORT:
         model, config = _load_export(folder)
         tokenizer = build_tokenizer(model.arch)  # a shipped sentencepiece model: an absolute path in the arch
@@ -168,7 +168,7 @@ def ema_source(path: str | Path) -> Path:
     raise UsageError(f"--weights ema: {p} holds no EMA weights ({hint})")
 
 
-def _export_kind(path: Path) -> str | None:
+def export_kind(path: Path) -> str | None:
     """OPEN_CLIP_DIR / HF_DIR for a folder of another tool's format, None otherwise (an mmalign
     model folder with its own ``config.json`` stays mmalign's)."""
     from mmalign.models.arch import HF_CONFIG, HF_DIR, OPEN_CLIP_CONFIG, OPEN_CLIP_DIR

@@ -164,7 +164,9 @@ def _done(out: Path, n: int) -> set[int]:
 
 def _stamp_content(model_dir, units: Units, part_size: int) -> dict:
     """The model's weight files (names, sizes, mtimes), the units and the part size."""
-    model = Path(model_dir).resolve()
+    from mmalign.models.locate import check_exists
+
+    model = check_exists(model_dir).resolve()  # a model name: the cache folder it resolves to
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads
         model = model / "final"
     weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))

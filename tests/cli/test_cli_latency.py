@@ -184,7 +184,7 @@ def test_search_keeps_its_stdout_for_hits_and_says_it_is_loading_on_a_terminal_o
     import contextlib
     import io
 
-    from mmalign import cli
+    from mmalign import cli_model
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -194,7 +194,7 @@ def test_search_keeps_its_stdout_for_hits_and_says_it_is_loading_on_a_terminal_o
     for err, said in ((Terminal(), True), (io.StringIO(), False)):
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli._loading(str(tmp_path / "m"), data_on_stdout=True)
+            cli_model.loading(str(tmp_path / "m"), data_on_stdout=True)
         assert out.getvalue() == ""
         assert err.getvalue() == (f"mmalign: loading the model from {tmp_path / 'm'} ...\n" if said else "")
 

@@ -29,7 +29,7 @@ LAYERS = [
     "objective evaluation",  # what a step's loss or an evaluation computes
     "run",  # a training run: the loop, the engine, checkpoints, logs, monitors
     "export search pretrained",  # what ships a model
-    "quickstart commands cli cli_train cli_eval cli_wise_ft",  # entry points
+    "quickstart commands cli cli_train cli_eval cli_wise_ft cli_embed cli_model",  # entry points
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names.split()}
 TOP = len(LAYERS) - 1  # the package's __init__ (mmalign.load, the public face): with the entry points
