@@ -60,7 +60,6 @@ def cmd_eval(args) -> int:
 
     from mmalign.evaluation import load_suite, run_suite, write_results
     from mmalign.evaluation.cb_wds import PREFIX, is_cb
-    from mmalign.evaluation.suite import check_suite_data, label_field
     from mmalign.models.load import load
 
     if args.benchmark:
@@ -77,19 +76,7 @@ def cmd_eval(args) -> int:
     if args.cb_split and "cb" not in suite:
         raise UsageError(f"--cb-split goes with --cb-dataset or a cb:DIR suite, not suite {suite_name!r}")
     data = train_cfg.get("data", {}).get("val") or None  # the run's own shards, for a shards suite
-    spec = check_suite_data(suite, data, user_data=args.data)  # one line before the model is on the device
-    from mmalign.evaluation.suite_fit import check_suite_fields
-
-    check_suite_fields(
-        suite,
-        spec,
-        "--data" if args.data else "data.val" if data else "its own dataset",
-        key="--suite",
-        flag="--suite ",
-        nothing="or --data with shards that have the field",
-    )
-    if args.limit:
-        suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
+    _fit_suite(suite, data, args)  # one line before the model is on the device
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded.model.to(device)
     records = run_suite(
@@ -147,8 +134,6 @@ def _cmd_wise_ft(args) -> int:
 
     from mmalign.evaluation import load_suite, run_suite, write_results
     from mmalign.evaluation.cb_wds import PREFIX
-    from mmalign.evaluation.suite import check_suite_data, label_field
-    from mmalign.evaluation.suite_fit import check_suite_fields
     from mmalign.models.load import load
     from mmalign.models.wise_ft import check_compatible, mixed_model
 
@@ -161,18 +146,7 @@ def _cmd_wise_ft(args) -> int:
     suites = []
     for name in named:  # every suite's data checked before the first forward
         suite = load_suite(name, args.cb_split or "test")
-        spec = check_suite_data(suite, data, user_data=args.data)
-        check_suite_fields(
-            suite,
-            spec,
-            "--data" if args.data else "data.val" if data else "its own dataset",
-            key="--suite",
-            flag="--suite ",
-            nothing="or --data with shards that have the field",
-        )
-        if args.limit:
-            suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
-        suites.append(suite)
+        suites.append(_fit_suite(suite, data, args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = {k: v.detach().clone() for k, v in zero_shot.model.state_dict().items()}  # (the zero-shot weights)
     model = zero_shot.model.to(device)
@@ -339,6 +313,26 @@ def _suite_label(name: str) -> str:
 
     stem = Path(str(name)).stem if str(name).endswith((".yaml", ".yml")) else str(name)
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("_") or "suite"
+
+
+def _fit_suite(suite: dict, data: str | None, args) -> dict:
+    """``suite`` with its data checked against what its tasks read (one line each) and cut to
+    ``--limit``; ``data``: the run's own ``data.val``, for a shards suite without ``--data``."""
+    from mmalign.evaluation.suite import check_suite_data, label_field
+    from mmalign.evaluation.suite_fit import check_suite_fields
+
+    spec = check_suite_data(suite, data, user_data=args.data)
+    check_suite_fields(
+        suite,
+        spec,
+        "--data" if args.data else "data.val" if data else "its own dataset",
+        key="--suite",
+        flag="--suite ",
+        nothing="or --data with shards that have the field",
+    )
+    if args.limit:
+        suite["dataset"] = _limited(suite.get("dataset"), args.limit, label_field(suite))
+    return suite
 
 
 def _limited(dataset, limit: int, stratify: str = "label") -> dict:
