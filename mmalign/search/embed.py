@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -60,11 +59,11 @@ from mmalign.errors import UsageError
 from mmalign.progress import track
 from mmalign.search.embed_inputs import FOLDER_IMAGE_EXTS, Units, open_data, plan_units
 from mmalign.search.embed_parts import EMBED_INFO, METADATA_COLUMNS, PartWriter
+from mmalign.search.embed_ranks import STAMP, WorkFolder, stamp_content, write_json
 
 __all__ = ["EMBED_INFO", "FOLDER_IMAGE_EXTS", "METADATA_COLUMNS", "embed", "open_data", "plan_units"]
 
 WORK = "embed_work"
-STAMP = "stamp.json"
 DONE = "done.json"
 KINDS = ("img_emb", "text_emb", "metadata")
 
@@ -142,85 +141,29 @@ class _UnitRun:
             "parts": self.writer.parts,
             "dim": int(self.source.model.embed_dim),
         }
-        _write_json(self.folder / DONE, done)
-
-
-def _write_json(path: Path, content: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(content, indent=2))
-    os.replace(tmp, path)  # whole or absent: a kill never leaves half a file that reads as done
+        write_json(self.folder / DONE, done)
 
 
 def _unit_dir(out: Path, u: int) -> Path:
     return out / WORK / f"{u:06d}"
 
 
-def _done(out: Path, n: int) -> set[int]:
-    return {u for u in range(n) if (_unit_dir(out, u) / DONE).is_file()}
+def _mismatch(out: Path):
+    """The one-line refusal of a stamp from other arguments (the first field that differs)."""
 
-
-# ------------------------------------------------------------ stamp, ranks
-
-
-def _stamp_content(model_dir, units: Units, part_size: int) -> dict:
-    """The model's weight files (names, sizes, mtimes), the units and the part size."""
-    from mmalign.models.locate import check_exists
-
-    model = check_exists(model_dir).resolve()  # a model name: the cache folder it resolves to
-    if (model / "final").is_dir():  # a run directory: its final/ is what load() reads
-        model = model / "final"
-    weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    return {
-        "model": str(model),
-        "weights": [[str(p.relative_to(model)), p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
-        "units": units.names,
-        "text": units.with_text,
-        "part_size": int(part_size),
-    }
-
-
-def _check_stamp(out: Path, want: dict) -> bool:
-    """True when ``OUT/embed_work`` has a stamp (and it matches: else one line)."""
-    path = out / WORK / STAMP
-    if not path.is_file():
-        return False
-    have = json.loads(path.read_text())
-    if have != want:
+    def line(have: dict, want: dict) -> str:
         what = next(k for k in ("model", "weights", "units", "text", "part_size") if have.get(k) != want[k])
         what = {"weights": "model", "units": "data", "text": "data"}.get(what, what)
-        raise UsageError(
-            f"--out: {out} holds a partial embed with another {what.replace('_', '-')} ({path}); "
+        return (
+            f"--out: {out} holds a partial embed with another {what.replace('_', '-')} ({out / WORK / STAMP}); "
             f"rerun with the same arguments to resume, or use another --out"
         )
-    return True
+
+    return line
 
 
-def _wait_stamp(out: Path, want: dict, timeout_s: float = 600.0) -> None:
-    """Ranks > 0: rank 0 writes the stamp (after its own checks) before anyone embeds."""
-    deadline = time.time() + timeout_s
-    while not _check_stamp(out, want):
-        if time.time() > deadline:
-            raise UsageError(f"embed: rank 0 wrote no {out / WORK / STAMP} in {timeout_s:.0f} s")
-        time.sleep(0.2)
-
-
-def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
-    """Rank 0: until every unit has its ``done.json``; a one-line error after a stall."""
-    done = len(_done(out, n))
-    if done < n:
-        print(f"mmalign: embed: waiting for the other ranks' {n - done} shard(s)", flush=True)
-    last_change = time.time()
-    while done < n:
-        time.sleep(0.5)
-        now = len(_done(out, n))
-        if now != done:
-            done, last_change = now, time.time()
-        elif time.time() - last_change > stall_timeout_s:
-            missing = sorted(set(range(n)) - _done(out, n))
-            raise UsageError(
-                f"embed: {len(missing)} shard(s) not embedded after {stall_timeout_s:.0f} s without "
-                f"progress (e.g. shard {missing[0]}); another rank stopped? run again to resume"
-            )
+def _work(out: Path) -> WorkFolder:
+    return WorkFolder(out, WORK, lambda u: _unit_dir(out, u) / DONE, "embedded", _mismatch(out))
 
 
 # ------------------------------------------------------------------- embed
@@ -260,27 +203,19 @@ def embed(
     source = load(model_dir, device=device) if rank == 0 else None
     units = plan_units(data)
     n = len(units.names)
-    stamp = _stamp_content(model_dir, units, part_size)
-    stamped = _check_stamp(out, stamp)
-    done = _done(out, n) if stamped else set()
-    if rank == 0 and done:
-        print(f"mmalign: embed: resuming {out}: {len(done)} of {n} shard(s) already embedded", flush=True)
-    todo = [u for u in range(rank, n, world) if u not in done]
+    stamp = stamp_content(model_dir, units, part_size)
+    work = _work(out)
+    stamped, todo = work.start(stamp, n, rank, world)
     if rank != 0 and not todo:
         return None
     if source is None and todo:
         source = load(model_dir, device=device)
-    if rank == 0:
-        if not stamped:
-            (out / WORK).mkdir(parents=True, exist_ok=True)
-            _write_json(out / WORK / STAMP, stamp)
-    else:
-        _wait_stamp(out, stamp)
+    work.publish_stamp(stamp, stamped, rank)
     if todo:
         _embed_units(source, units, todo, out, batch_size, part_size, device, progress, rank, world)
     if rank != 0:
         return None
-    _wait_for_all(out, n, stall_timeout_s)
+    work.wait_for_all(n, stall_timeout_s)
     return _finish(out, units, data, model_dir, part_size)
 
 
@@ -340,6 +275,6 @@ def _finish(out: Path, units: Units, data, model_dir, part_size: int) -> dict:
         "text": units.with_text,
         "layout": "one row per (image, caption); caption_index 0 = an image's first row",
     }
-    _write_json(out / EMBED_INFO, info)
+    write_json(out / EMBED_INFO, info)
     shutil.rmtree(out / WORK)
     return info

@@ -36,7 +36,6 @@ import logging
 import os
 import shutil
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +44,14 @@ import torch.nn.functional as F
 
 from mmalign.errors import UsageError
 from mmalign.progress import track
-from mmalign.search.embed import _stamp_content, _write_json
 from mmalign.search.embed_inputs import Units, plan_units
+from mmalign.search.embed_ranks import STAMP, WorkFolder, stamp_content, write_json
 
 log = logging.getLogger("mmalign.search.embed")
 
 TEACHER_INFO = "teacher.json"
 MEMBERS = ("teacher_image.npy", "teacher_text.npy", "teacher_scale.npy")  # the contract with loss.distill
 WORK = "teacher_work"
-STAMP = "stamp.json"
 
 
 def out_name(url: str) -> str:
@@ -201,26 +199,21 @@ def _done_file(out: Path, u: int) -> Path:
     return out / WORK / f"{u:06d}.done.json"
 
 
-def _done(out: Path, n: int) -> set[int]:
-    return {u for u in range(n) if _done_file(out, u).is_file()}
+def _mismatch(out: Path):
+    """The one-line refusal of a stamp from other arguments: another model, else other data."""
+
+    def line(have: dict, want: dict) -> str:
+        model = (have.get("model"), have.get("weights")) != (want["model"], want["weights"])
+        return (
+            f"--teacher-shards: {out} holds a partial copy made with another {'model' if model else 'data'} "
+            f"({out / WORK / STAMP}); rerun with the same arguments to resume, or use another folder"
+        )
+
+    return line
 
 
-def _check_stamp(out: Path, want: dict) -> bool:
-    path = out / WORK / STAMP
-    if not path.is_file():
-        return False
-    have = json.loads(path.read_text())
-    if have != want:
-        what = (
-            "model"
-            if (have.get("model"), have.get("weights")) != (want["model"], want["weights"])
-            else "data"
-        )
-        raise UsageError(
-            f"--teacher-shards: {out} holds a partial copy made with another {what} ({path}); "
-            f"rerun with the same arguments to resume, or use another folder"
-        )
-    return True
+def _work(out: Path) -> WorkFolder:
+    return WorkFolder(out, WORK, lambda u: _done_file(out, u), "copied", _mismatch(out))
 
 
 def _plan(data, out: Path) -> tuple[Units, list[str]]:
@@ -273,34 +266,23 @@ def embed_teacher(
     source = load(model_dir, device=device) if rank == 0 else None  # a bad --model first
     units, names = _plan(data, out)
     n = len(names)
-    stamp = {**_stamp_content(model_dir, units, 0), "kind": "teacher-shards"}
-    stamped = _check_stamp(out, stamp)
-    done = _done(out, n) if stamped else set()
-    if rank == 0 and done:
-        print(f"mmalign: embed: resuming {out}: {len(done)} of {n} shard(s) already copied", flush=True)
-    todo = [u for u in range(rank, n, world) if u not in done]
+    stamp = {**stamp_content(model_dir, units, 0), "kind": "teacher-shards"}
+    work = _work(out)
+    stamped, todo = work.start(stamp, n, rank, world)
     if rank != 0 and not todo:
         return None
     if source is None:
         source = load(model_dir, device=device)
-    if rank == 0 and not stamped:
-        (out / WORK).mkdir(parents=True, exist_ok=True)
-        _write_json(out / WORK / STAMP, stamp)
-    elif rank != 0:
-        deadline = time.time() + 600
-        while not _check_stamp(out, stamp):
-            if time.time() > deadline:
-                raise UsageError(f"embed: rank 0 wrote no {out / WORK / STAMP} in 600 s")
-            time.sleep(0.2)
+    work.publish_stamp(stamp, stamped, rank)
     totals = [units.total(u) for u in todo]
     total = None if None in totals else sum(t or 0 for t in totals)
     label = "teacher shards" + (f" (rank {rank} of {world})" if world > 1 else "")
-    work = _copy_units(source, units, names, todo, out, batch_size, device)
-    for _ in track(work, label, total=total or None, unit="samples", enabled=progress):
+    copies = _copy_units(source, units, names, todo, out, batch_size, device)
+    for _ in track(copies, label, total=total or None, unit="samples", enabled=progress):
         pass
     if rank != 0:
         return None
-    _wait_for_all(out, n, stall_timeout_s)
+    work.wait_for_all(n, stall_timeout_s, example=False)
     return _finish(out, names, model_dir, source)
 
 
@@ -313,28 +295,12 @@ def _copy_units(
         counts: dict[str, int] = {}
         yield from _copy_shard(source, units.shards[u], tmp, batch_size, device, counts)  # type: ignore[index]
         os.replace(tmp, out / names[u])  # whole or absent
-        _write_json(_done_file(out, u), {"shard": names[u], **counts})
-
-
-def _wait_for_all(out: Path, n: int, stall_timeout_s: float) -> None:
-    done, last = len(_done(out, n)), time.time()
-    if done < n:
-        print(f"mmalign: embed: waiting for the other ranks' {n - done} shard(s)", flush=True)
-    while done < n:
-        time.sleep(0.5)
-        now = len(_done(out, n))
-        if now != done:
-            done, last = now, time.time()
-        elif time.time() - last > stall_timeout_s:
-            raise UsageError(
-                f"embed: {n - done} shard(s) not copied after {stall_timeout_s:.0f} s without progress; "
-                f"another rank stopped? run again to resume"
-            )
+        write_json(_done_file(out, u), {"shard": names[u], **counts})
 
 
 def _finish(out: Path, names: list[str], model_dir, source) -> dict:
     dones = [json.loads(_done_file(out, u).read_text()) for u in range(len(names))]
-    _write_json(out / "sizes.json", {d["shard"]: d["samples"] for d in dones})
+    write_json(out / "sizes.json", {d["shard"]: d["samples"] for d in dones})
     info = {
         "model": str(model_dir),
         "embed_dim": int(source.model.embed_dim),
@@ -348,6 +314,6 @@ def _finish(out: Path, names: list[str], model_dir, source) -> dict:
         "normalised": True,
         "preprocess": dict(source.preprocess_cfg),
     }
-    _write_json(out / TEACHER_INFO, info)
+    write_json(out / TEACHER_INFO, info)
     shutil.rmtree(out / WORK)
     return info
