@@ -21,7 +21,7 @@ tokenizer. A sample the loader cannot decode (a broken image, no caption) is cop
 without teacher members, and counted in ``skipped``: training skips it anyway. Teacher members an
 input already holds (a copy made from a copy) are replaced, not duplicated.
 
-Units, ranks and resume follow ``mmalign embed`` (:mod:`.embed`): a unit is one shard; rank r
+Units, ranks and resume follow ``mmalign embed`` (:mod:`.embed_ranks`): a unit is one shard; rank r
 writes shards r, r + W, ... into ``OUT/teacher_work/`` and moves each finished one to ``OUT``
 before its ``UUUUUU.done.json``; rank 0 waits for all, writes ``sizes.json`` and ``teacher.json``
 and removes ``OUT/teacher_work``. A rerun after a kill skips the shards with a done file; a rerun
