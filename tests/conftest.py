@@ -66,6 +66,33 @@ def shapes_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def ema_run(tmp_path_factory, shapes_dir):
+    """A 2-step micro run with train.ema_decay (final/, final_ema/ and a step-2 checkpoint), shared by
+    the tests of --weights ema."""
+    from tests.harness import cli_main
+
+    out = tmp_path_factory.mktemp("ema_run") / "run"
+    sets = [
+        "model.preset=micro",
+        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
+        "data.workers=0",
+        "data.shuffle_buffer=50",
+        "train.global_batch_size=16",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.checkpoint_every=2",
+        "train.ema_decay=0.5",
+        "train.ema_warmup=false",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
+    ]
+    res = cli_main("train", "--output", out, *[a for s in sets for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
 @pytest.fixture
 def micro_overrides(shapes_dir, tmp_path):
     """Overrides that make any config a seconds-long CPU run on the generated data."""

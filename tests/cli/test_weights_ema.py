@@ -12,29 +12,6 @@ from tests.harness import cli_main
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def ema_run(tmp_path_factory, shapes_dir):
-    out = tmp_path_factory.mktemp("weights_ema") / "run"
-    sets = [
-        "model.preset=micro",
-        f"data.train={shapes_dir}/train/{{00000..00001}}.tar",
-        "data.workers=0",
-        "data.shuffle_buffer=50",
-        "train.global_batch_size=16",
-        "train.steps=2",
-        "train.warmup_steps=1",
-        "train.checkpoint_every=2",
-        "train.ema_decay=0.5",
-        "train.ema_warmup=false",
-        "monitor.probe_size=0",
-        "monitor.tensorboard=false",
-        "eval.suite=none",
-    ]
-    res = cli_main("train", "--output", out, *[a for s in sets for a in ("--set", s)])
-    assert res.returncode == 0, res.stderr[-2000:]
-    return out
-
-
 def _embed(model, data, out, *flags) -> np.ndarray:
     res = cli_main("embed", "--model", model, "--data", data, "--out", out, *flags)
     assert res.returncode == 0, res.stderr[-2000:]
