@@ -59,7 +59,7 @@ from mmalign.errors import UsageError
 from mmalign.progress import track
 from mmalign.search.embed_inputs import FOLDER_IMAGE_EXTS, Units, open_data, plan_units
 from mmalign.search.embed_parts import EMBED_INFO, METADATA_COLUMNS, PartWriter
-from mmalign.search.embed_ranks import STAMP, WorkFolder, stamp_content, write_json
+from mmalign.search.embed_ranks import STAMP, WorkFolder, launch_rank, stamp_content, write_json
 
 __all__ = ["EMBED_INFO", "FOLDER_IMAGE_EXTS", "METADATA_COLUMNS", "embed", "open_data", "plan_units"]
 
@@ -187,11 +187,7 @@ def embed(
     ``rank`` / ``world`` default to the launcher's (``RANK`` / ``WORLD_SIZE``, SLURM's), else 0 / 1."""
     if batch_size <= 0 or part_size <= 0:
         raise UsageError("--batch-size and --part-size must be positive")
-    if rank is None or world is None:
-        from mmalign.dist.distributed import env_dist_info
-
-        dist = env_dist_info()
-        rank, world = dist.rank, dist.world_size
+    rank, world = launch_rank(rank, world)
     out = Path(out)
     if (out / EMBED_INFO).exists():
         if rank != 0:

@@ -22,7 +22,17 @@ from mmalign.search.embed_inputs import Units
 
 STAMP = "stamp.json"
 
-__all__ = ["STAMP", "WorkFolder", "stamp_content", "write_json"]
+__all__ = ["STAMP", "WorkFolder", "launch_rank", "stamp_content", "write_json"]
+
+
+def launch_rank(rank: int | None, world: int | None) -> tuple[int, int]:
+    """``(rank, world)`` as given, else the launcher's (``RANK`` / ``WORLD_SIZE``, SLURM's), else 0 / 1."""
+    if rank is not None and world is not None:
+        return rank, world
+    from mmalign.dist.distributed import env_dist_info
+
+    dist = env_dist_info()
+    return dist.rank, dist.world_size
 
 
 def write_json(path: Path, content: dict) -> None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from mmalign.errors import UsageError
 from mmalign.progress import track
 from mmalign.search.embed_inputs import Units, plan_units
-from mmalign.search.embed_ranks import STAMP, WorkFolder, stamp_content, write_json
+from mmalign.search.embed_ranks import STAMP, WorkFolder, launch_rank, stamp_content, write_json
 
 log = logging.getLogger("mmalign.search.embed")
 
@@ -251,11 +251,7 @@ def embed_teacher(
     docstring); rank 0 also finishes ``out`` and returns ``teacher.json``'s content, others None."""
     if batch_size <= 0:
         raise UsageError("--batch-size must be positive")
-    if rank is None or world is None:
-        from mmalign.dist.distributed import env_dist_info
-
-        dist = env_dist_info()
-        rank, world = dist.rank, dist.world_size
+    rank, world = launch_rank(rank, world)
     out = Path(out)
     if (out / TEACHER_INFO).exists():
         if rank != 0:
