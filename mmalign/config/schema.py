@@ -214,6 +214,27 @@ class DataConfig:
         "--keys-only`): only those samples train, the others are "
         "counted skips (`not_in_keep_keys`)",
     )
+    decontaminate: str | None = knob(
+        None,
+        rule=Text(what="an evaluation set (a suite name, cb:DIR, a clip_benchmark folder or shards) or null"),
+        doc="check at start-up how many of this evaluation set's images have near-duplicates "
+        "(perceptual hash) in a sample of the training shards: a warning with the count, "
+        "or a refusal with `data.decontaminate_strict`",
+    )
+    decontaminate_strict: bool = knob(
+        False, doc="refuse to start when `data.decontaminate` finds any evaluation image in the shards"
+    )
+    decontaminate_samples: int = knob(
+        10_000,
+        rule=POSITIVE,
+        doc="training samples the `data.decontaminate` check hashes (from a seeded sample of the shards)",
+    )
+    decontaminate_distance: int = knob(
+        4,
+        rule=Span(0, 63),
+        unit="bits",
+        doc="perceptual-hash distance (of 64 bits) at which a training image copies an evaluation image",
+    )
     hard_negatives: int = knob(
         0,
         rule=Span(0, note="0 = off"),

@@ -1,0 +1,114 @@
+"""A perceptual image hash for near-duplicates: pHash over an image, its mirror and small crops of it.
+
+pHash (Zauner 2010, "Implementation and benchmarking of perceptual image hash functions"; bit
+for bit what ``imagehash.phash`` computes): the image in grayscale, resized to 32x32 (Lanczos),
+its 2-D DCT-II, the 8x8 lowest frequencies, each bit set when its coefficient exceeds their
+median. A re-encode or a resize moves the low frequencies little, so a copy lands a few of the
+64 bits away, while unrelated images sit near 32.
+
+Two edits move many bits, so they are hashed rather than tolerated:
+
+- a mirror changes the sign of every odd horizontal frequency: each image is hashed as it is and
+  mirrored (its two *query* hashes);
+- a small crop, resized back, shifts and rescales every frequency: each image is also hashed
+  over a grid of crops (sides :data:`CROP_SCALES` of the image, at 3x3 positions from corner to
+  corner), which with the whole view are its *index* hashes.
+
+The distance of two images is the smallest Hamming distance between a query hash of one and
+an index hash of the other, either way round (:func:`distance`): a crop of ``a`` is near one
+of ``a``'s crop views, a mirror of ``a`` is near ``a``'s mirrored query. Numpy and PIL only; the
+view count and bit layout are module constants that the stored hashes depend on
+(:data:`VERSION`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+VERSION = 1  # bump when the hash changes: stored hashes of another version are recomputed
+SIDE = 32  # pixels of the resized grayscale view (imagehash: hash_size x highfreq_factor)
+LOW = 8  # the LOW x LOW lowest DCT frequencies are the bits
+BITS = LOW * LOW
+WORDS = BITS // 64  # uint64 words per hash
+CROP_SCALES = (0.875, 0.9375)  # crop sides, as a fraction of the image's
+CROP_POSITIONS = (0.0, 0.5, 1.0)  # where a crop sits in the room the image leaves it, per axis
+QUERIES = 2  # the view and its mirror
+VIEWS = 1 + len(CROP_SCALES) * len(CROP_POSITIONS) ** 2  # index hashes: the whole image, then the crops
+WORK_SIDE = 4 * SIDE  # crops are cut from a copy at most this large (the whole view is not)
+DEFAULT_DISTANCE = 4  # bits; docs/data.md, "Perceptual de-duplication", says how it was chosen
+
+_n = np.arange(SIDE)
+# DCT-II basis (scipy.fftpack's unnormalised type II up to a factor 2, which no median comparison sees)
+_BASIS = np.cos(np.pi * np.arange(LOW)[:, None] * (2 * _n[None, :] + 1) / (2 * SIDE))  # (LOW, SIDE)
+
+
+def check_distance(distance) -> int:
+    """A Hamming threshold in 0..BITS-1 as an int; a ValueError naming the range otherwise."""
+    try:
+        value = int(distance)
+    except (TypeError, ValueError):
+        raise ValueError(f"a perceptual distance is a number of bits, got {distance!r}") from None
+    if value != distance or not 0 <= value < BITS:
+        raise ValueError(
+            f"a perceptual distance must be a whole number of bits in 0..{BITS - 1} (of {BITS}), got {distance!r}"
+        )
+    return value
+
+
+def _bits(pixels: np.ndarray) -> np.ndarray:
+    """(M, SIDE, SIDE) grayscale -> (M, WORDS) uint64 pHash; bit j is frequency (j // LOW, j % LOW)."""
+    coeffs = (_BASIS @ pixels @ _BASIS.T).reshape(
+        len(pixels), BITS
+    )  # (M, 64): batched matmuls, not einsum's loop
+    above = coeffs > np.median(coeffs, axis=1, keepdims=True)  # (M, 64)
+    return np.packbits(above, axis=1, bitorder="little").view(np.uint64)  # (M, WORDS)
+
+
+def _views(image) -> np.ndarray:
+    """One PIL image -> (QUERIES + VIEWS - 1, SIDE, SIDE) float64 grayscale: whole, mirror, crops."""
+    from PIL import Image
+
+    gray = image.convert("L")
+    lanczos = Image.Resampling.LANCZOS
+    whole = gray.resize((SIDE, SIDE), lanczos)
+    mirror = gray.transpose(Image.Transpose.FLIP_LEFT_RIGHT).resize((SIDE, SIDE), lanczos)
+    w, h = gray.size
+    if max(w, h) > WORK_SIDE:  # cutting crops from a large original costs its size each time
+        f = WORK_SIDE / max(w, h)
+        gray = gray.resize((max(1, round(w * f)), max(1, round(h * f))), lanczos)
+        w, h = gray.size
+    views = [whole, mirror]
+    for scale in CROP_SCALES:
+        cw, ch = scale * w, scale * h
+        for py in CROP_POSITIONS:
+            for px in CROP_POSITIONS:
+                left, top = px * (w - cw), py * (h - ch)
+                views.append(gray.resize((SIDE, SIDE), lanczos, box=(left, top, left + cw, top + ch)))
+    return np.stack([np.asarray(v, dtype=np.float64) for v in views])
+
+
+def hash_images(images: Iterable) -> tuple[np.ndarray, np.ndarray]:
+    """PIL images -> (n, QUERIES, WORDS) query hashes (the image, its mirror) and (n, VIEWS, WORDS)
+    index hashes (the whole image, then its crops), uint64."""
+    stacks = [_views(im) for im in images]
+    if not stacks:
+        return np.zeros((0, QUERIES, WORDS), np.uint64), np.zeros((0, VIEWS, WORDS), np.uint64)
+    hashes = _bits(np.concatenate(stacks)).reshape(len(stacks), QUERIES + VIEWS - 1, WORDS)  # (n, 20, W)
+    query = np.ascontiguousarray(hashes[:, :QUERIES])  # (n, 2, W)
+    index = np.concatenate([hashes[:, :1], hashes[:, QUERIES:]], axis=1)  # (n, VIEWS, W): whole, crops
+    return query, index
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    """Set bits of each uint64, summed over the last axis (the words of a hash)."""
+    return np.bitwise_count(x).sum(axis=-1, dtype=np.int64)
+
+
+def distance(query_a: np.ndarray, index_a: np.ndarray, query_b: np.ndarray, index_b: np.ndarray) -> int:
+    """Two images' perceptual distance in bits: the smallest Hamming distance between a query hash
+    of one and an index hash of the other, either way round. (QUERIES, W), (VIEWS, W) each."""
+    ab = popcount(query_a[:, None, :] ^ index_b[None, :, :]).min()
+    ba = popcount(query_b[:, None, :] ^ index_a[None, :, :]).min()
+    return int(min(ab, ba))
