@@ -88,6 +88,24 @@ def _checked_run(args, cfg, meta_model) -> int:
 
     # a key that cannot change on resume: one line here, not one per rank and torchrun's report
     check_newest(Path(cfg.output), args.resume, cfg)
+    from mmalign.run import contamination_check
+
+    with contamination_check.handed_over(_decontamination(args, cfg)):
+        return _launch_or_train(args, cfg, meta_model)
+
+
+def _decontamination(args, cfg) -> dict | None:
+    """data.decontaminate's check, once per launch: here in the launcher (or rank 0 of an outside
+    launcher); a rank this launcher started gets its result (contamination_check.ENV)."""
+    from mmalign.run import contamination_check
+
+    handed = contamination_check.handed(cfg)
+    if handed is not None or _launch_rank(os.environ) != 0:
+        return handed
+    return contamination_check.at_start(cfg, Path(cfg.output), args.resume)
+
+
+def _launch_or_train(args, cfg, meta_model) -> int:
     if args.nproc > 1 and "RANK" not in os.environ:
         from mmalign.dist.launch import launch_local
 

@@ -5,6 +5,7 @@
       config.yaml                  CONFIG_FILE: the resolved config of the run
       final/                       FINAL: the trained model (save_pretrained's folder)
       final_ema/                   FINAL_EMA: its EMA weights (train.ema_decay > 0), the same kind of folder
+      decontamination.json         DECONTAMINATION: data.decontaminate's start-up check (run/contamination_check)
       checkpoints/                 ROOT
         step_00000010/             a complete checkpoint (is_step_name)
           config.yaml              CONFIG_FILE again: the config that checkpoint was written with
@@ -22,6 +23,7 @@ import re
 CONFIG_FILE = "config.yaml"  # in the run directory and in every checkpoint
 FINAL = "final"
 FINAL_EMA = "final_ema"
+DECONTAMINATION = "decontamination.json"
 EMA_PREFIX = "ema"  # a checkpoint's per-rank EMA files: ema_rank{r}.pt
 ROOT = "checkpoints"
 ENGINE_TAG = "engine"
@@ -42,6 +44,7 @@ def is_step_name(name: str) -> bool:
 
 __all__ = [
     "CONFIG_FILE",
+    "DECONTAMINATION",
     "EMA_PREFIX",
     "ENGINE_TAG",
     "FINAL",

@@ -40,6 +40,7 @@ from mmalign.config import Config, ConfigError, to_dict
 from mmalign.dirlock import LOCK_FILE  # the launch's own lock (mmalign.dirlock): not run content
 from mmalign.layout.run_dir import (
     CONFIG_FILE,  # noqa: F401 (re-exported)
+    DECONTAMINATION,
     ENGINE_TAG,
     ROOT,
     is_step_name,
@@ -59,6 +60,7 @@ RUN_ARTEFACTS = (
     "metrics.jsonl",
     "eval.json",
     "eval_step*.json",
+    DECONTAMINATION,
     "samples_rank*.jsonl",
     NONCE_PREFIX + "*",
 )

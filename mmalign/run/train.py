@@ -38,7 +38,7 @@ from mmalign.models.flip import patch_dropout_at
 from mmalign.models.text_trim import multiple_for, trim_batch
 from mmalign.models.tokenizers import build_tokenizer
 from mmalign.objective import MomentumQueue, build_objective
-from mmalign.run import checkpoint, diskspace, rundir, trainable
+from mmalign.run import checkpoint, contamination_check, diskspace, rundir, trainable
 from mmalign.run import signals as stop_signals
 from mmalign.run.ema import Ema
 from mmalign.run.in_run_eval import (
@@ -295,6 +295,8 @@ def _train(
             raise
         if main and evals.final:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
             headline.announce(records, out / "eval.json", say)
+            for line in contamination_check.note_lines(out):  # was the test set kept out of the shards
+                say("  " + line)
     mdist.barrier()
     return out
 
@@ -345,6 +347,7 @@ def _setup(
                 print(f"mmalign: --overwrite removed {', '.join(removed)} from {out}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
+        contamination_check.record(cfg, out)  # data.decontaminate's start-up result, if checked
         setup_logging(out)
         checkpoint.clean_partial(out)
     mdist.barrier()
