@@ -406,6 +406,24 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
         "this fraction of the pool (default 0.5; --keep-fraction states its own drop)",
     )
     g.add_argument("--force", action="store_true", help="write the outputs even past --max-drop")
+    g = p.add_argument_group("decontamination")
+    g.add_argument(
+        "--decontaminate",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="drop pool samples whose image near-duplicates one of an evaluation set: a suite name or "
+        "YAML, cb:DIR or a clip_benchmark folder, or .tar shards (repeat, or a comma list); "
+        "perceptual, plus semantic (--dedupe-eps) with --model",
+    )
+    g.add_argument(
+        "--decontaminate-distance",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="--decontaminate: a near-duplicate is within BITS of 64 (default: "
+        "mmalign.evaluation.contamination.DEFAULT_DISTANCE, one step above --perceptual-distance's)",
+    )
     g.add_argument(
         "--false-negative-groups",
         default=None,
@@ -443,6 +461,7 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
 
 def run_curate(args) -> dict | None:
     from data_pipelines.curate.decide import Policies
+    from data_pipelines.curate.decontaminate import parse_targets
     from data_pipelines.curate.run import Options, check, curate
 
     modes = tuple(m.strip() for m in args.dedupe.split(",") if m.strip())
@@ -461,6 +480,8 @@ def run_curate(args) -> dict | None:
         seed=args.seed,
         max_drop=args.max_drop,
         force=args.force,
+        decontaminate=parse_targets(args.decontaminate),
+        decontaminate_distance=args.decontaminate_distance,
     )
     opts = Options(
         data=args.data,

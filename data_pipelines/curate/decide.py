@@ -45,6 +45,8 @@ from data_pipelines.curate.threshold import keep_threshold
 if TYPE_CHECKING:
     import pandas as pd
 
+    from data_pipelines.curate.decontaminate import Contamination
+
 SAMPLES_PER_CLUSTER = 5000  # the automatic k-means size: pairs compared grow with the cluster size squared
 SIMILARITY_BLOCK = (
     8192  # rows a block for the cosine with the kept member: 4 float64 copies of (b, D), ~128 MB at 512-d
@@ -65,6 +67,8 @@ class Policies:
     seed: int = 0
     max_drop: float = 0.5  # a guarded policy may drop at most this fraction of the pool ...
     force: bool = False  # ... unless forced
+    decontaminate: tuple[str, ...] = ()  # evaluation sets whose near-duplicates are dropped (.decontaminate)
+    decontaminate_distance: int | None = None  # bits; None: mmalign.evaluation.contamination.DEFAULT_DISTANCE
 
 
 @dataclass
@@ -111,9 +115,11 @@ class Decisions:
     info: dict = field(default_factory=dict)
     similarity: np.ndarray | None = None  # (N,) cosine with its group's kept member (1 for a kept one)
     nearest: np.ndarray | None = None  # (N,) highest cosine with another sample of its k-means cluster
+    contamination: Contamination | None = None  # --decontaminate's matches
 
 
-def decide(pool: Pool, p: Policies) -> Decisions:
+def decide(pool: Pool, p: Policies, contamination: Contamination | None = None) -> Decisions:
+    """The policies applied to ``pool``; ``contamination``: ``--decontaminate``'s matches, dropped."""
     n = len(pool)
     scores = pool.frame["clip_score"].to_numpy(np.float32) if n else np.zeros(0, np.float32)
     by_policy: dict[str, np.ndarray] = {}
@@ -188,8 +194,10 @@ def decide(pool: Pool, p: Policies) -> Decisions:
             group_field = [
                 keys[g] for g in combined.tolist()
             ]  # the member a dedupe would keep names its group
+    if contamination is not None:  # every sample near an evaluation image, exact copies included
+        by_policy["decontaminate"] = contamination.clean(n)
     keep = np.ones(n, dtype=bool)
-    for name in ("clip_score", "dedupe"):
+    for name in ("clip_score", "dedupe", "decontaminate"):
         if name in by_policy:
             keep &= by_policy[name]
     return Decisions(
@@ -202,6 +210,7 @@ def decide(pool: Pool, p: Policies) -> Decisions:
         info=info,
         similarity=similarity,
         nearest=nearest,
+        contamination=contamination,
     )
 
 
@@ -242,6 +251,14 @@ def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
                 f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
                 f"{sizes['largest']} samples; nothing written: {fix}, or pass --force"
             )
+    if "decontaminate" in d.by_policy:
+        dropped = int(n - d.by_policy["decontaminate"].sum())
+        if dropped > p.max_drop * n:
+            raise UsageError(
+                f"curate: --decontaminate would drop {dropped} of {n} samples ({100 * dropped / n:.1f}% > "
+                f"--max-drop {p.max_drop:g}); nothing written: lower --decontaminate-distance (or --dedupe-eps "
+                f"with a model), or pass --force"
+            )
     if p.clip_score_min is not None and p.keep_fraction is None:
         scores = pool.frame["clip_score"].to_numpy(np.float64)
         dropped = int((scores < p.clip_score_min).sum())
@@ -265,6 +282,7 @@ def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:
     of: list[str | None] = []
     score_ok = d.by_policy.get("clip_score")
     dedupe_ok = d.by_policy.get("dedupe")
+    near = d.contamination.reasons() if d.contamination is not None else {}  # row -> its matches
     for i in range(n):
         parts, dup = [], None
         if score_ok is not None and not score_ok[i]:
@@ -274,6 +292,7 @@ def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:
             k = int(combined[i])
             dup = keys[k]
             parts.append(f"{'exact' if sha[i] == sha[k] else 'semantic'} duplicate of {dup}")
+        parts += near.get(i, [])
         why.append("; ".join(parts) or "kept")
         of.append(dup)
     return why, of

@@ -89,6 +89,10 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
             "groups_of_more_than_one": int((counts > 1).sum()),
             "samples_in_them": int(counts[counts > 1].sum()),
         }
+    if decisions.contamination is not None:  # every match, beside its evaluation image's key
+        from data_pipelines.curate.decontaminate import report_json
+
+        report["decontamination"] = report_json(decisions.contamination, pool, policies)
     return report
 
 
@@ -212,7 +216,11 @@ def write(
                     np.argsort(decisions.similarity[others], kind="stable")
                 ]  # the least similar first
                 shown_groups.append((int(count), [int(gid)] + others[:7].tolist()))
-    thumbs = _thumbs(urls, pool, dropped + [r for _, grp in shown_groups for r in grp], remote)
+    from data_pipelines.curate import decontaminate
+
+    near = decisions.contamination
+    near_rows = [] if near is None else near.pool_rows[: decontaminate.SHOWN].tolist()
+    thumbs = _thumbs(urls, pool, dropped + [r for _, grp in shown_groups for r in grp] + near_rows, remote)
     captions = frame["caption"].tolist() if len(frame) else []
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{v['kept']}</td><td>{100 * v['fraction']:.2f}%</td></tr>"
@@ -265,4 +273,7 @@ def write(
             )
             more = f" ({size - len(grp)} more not shown)" if size > len(grp) else ""
             body.append(f"<div class='group'><p><b>group of {size}</b>{more}</p>{cards}</div>")
+    if near is not None:  # each dropped sample beside the evaluation image it copies
+        decontaminate.eval_thumbs(near)
+        body.append(decontaminate.html_section(near, pool, thumbs))
     (out / REPORT_HTML).write_text("\n".join(body), encoding="utf-8")

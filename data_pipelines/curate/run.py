@@ -92,6 +92,9 @@ def check(opts: Options) -> None:
             raise UsageError(
                 "--false-negative-groups writes a field into each .json: it needs new shards, not --keys-only"
             )
+    from data_pipelines.curate.decontaminate import check as check_decontaminate
+
+    check_decontaminate(p.decontaminate, p.decontaminate_distance)  # reads no image
     if not 0 < opts.per_shard <= 10_000:
         raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
     if opts.batch_size < 1:
@@ -394,7 +397,7 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         if where is not None:
             _field_exists(field_name, where)
     t_decide = time.time()
-    decisions = decide(pool, opts.policies)
+    decisions = decide(pool, opts.policies, _contamination(opts, out, urls, pool))
     check_drop(pool, decisions, opts.policies)  # before any output is touched
     t_write = time.time()
     outdir.clear_outputs(out)  # the previous run's outputs, as its manifest lists them: nothing else
@@ -434,6 +437,36 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     report_mod.write(out, urls, pool, decisions, report, examples=opts.examples)
     _decisions_table(out, pool, decisions)
     return report
+
+
+def _contamination(opts: Options, out: Path, urls: list[str], pool):
+    """``--decontaminate``'s matches (None without it): perceptual, and semantic with the model."""
+    from data_pipelines.curate.decide import load_pool
+    from data_pipelines.curate.decontaminate import find
+    from data_pipelines.curate.hash_pass import ensure_hashes
+
+    p = opts.policies
+    if not p.decontaminate:
+        return None
+    if pool.phash is None:  # a pool embedded before pass 1 hashed: its hashes now
+        ensure_hashes(out, urls, opts.progress)
+        pool.phash = load_pool(out, len(urls)).phash
+    loaded = None
+    if opts.model is not None:
+        from mmalign.models.load import load
+
+        loaded = load(opts.model, device=opts.device)
+    return find(
+        out,
+        pool,
+        p.decontaminate,
+        p.decontaminate_distance,
+        loaded=loaded,
+        eps=p.dedupe_eps,
+        batch_size=opts.batch_size,
+        device=opts.device,
+        progress=opts.progress,
+    )
 
 
 def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:

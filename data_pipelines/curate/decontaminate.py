@@ -1,0 +1,291 @@
+"""``mmalign curate --decontaminate TARGET``: pool samples whose image near-duplicates an image of
+an evaluation set are dropped, and the report shows each beside the image it copies.
+
+TARGET is what :func:`mmalign.evaluation.contamination.resolve` accepts (a suite name or YAML,
+``cb:DIR`` or a clip_benchmark folder, .tar shards); the flag repeats, and each value may be a
+comma list. Per target:
+
+- **perceptual** (always): the pool's hashes from pass 1 (``OUT/pool/NNNNN.phash.npy``) against
+  the target's (hashed once, cached in ``OUT/pool/decontaminate/`` while its files are unchanged),
+  within ``--decontaminate-distance`` bits (:func:`mmalign.evaluation.contamination.matches`);
+- **semantic** (with ``--model``): the pool's image embeddings against the target's, embedded
+  with the same model, cosine > 1 - ``--dedupe-eps``.
+
+Every pool sample is checked, exact copies included: a copy of a test image is dropped wherever
+it is. A sample matched by a target is listed once for it, with its nearest image there (the
+perceptual match first; else the semantic one).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mmalign.data import phash
+from mmalign.errors import UsageError
+
+CACHE = "decontaminate"  # under OUT/pool: the targets' hashes
+SHOWN = 200  # match pairs the HTML report shows (the JSON lists all)
+THUMB = 96
+
+
+def parse_targets(values) -> tuple[str, ...]:
+    """``--decontaminate`` values (repeated, each possibly a comma list) -> the targets, in order, once each."""
+    out: list[str] = []
+    for value in values or ():
+        for part in str(value).split(","):
+            if part.strip() and part.strip() not in out:
+                out.append(part.strip())
+    return tuple(out)
+
+
+def radius(distance: int | None) -> int:
+    """``--decontaminate-distance`` as given, else :data:`mmalign.evaluation.contamination.DEFAULT_DISTANCE`."""
+    from mmalign.evaluation.contamination import DEFAULT_DISTANCE
+
+    return DEFAULT_DISTANCE if distance is None else int(distance)
+
+
+def check(targets: tuple[str, ...], distance) -> None:
+    """The flags' one-line errors, before any data is read: the distance's range, each target's kind."""
+    from mmalign.evaluation.contamination import resolve
+
+    try:
+        phash.check_distance(radius(distance) if distance is None else distance)
+    except ValueError as e:
+        raise UsageError(f"--decontaminate-distance: {e}") from None
+    for t in targets:
+        resolve(t, "--decontaminate")
+
+
+@dataclass
+class Contamination:
+    """The matches of every target: one row per (pool sample, target)."""
+
+    pool_rows: np.ndarray  # (K,) int64
+    target: list[str]  # (K,)
+    eval_row: np.ndarray  # (K,) int64, the evaluation image's place in its target
+    eval_key: list[str]  # (K,)
+    distance: np.ndarray  # (K,) int64 bits (the pair distance, also for a semantic match)
+    cosine: np.ndarray  # (K,) float64, NaN without a model
+    by: list[str]  # (K,) "perceptual", "semantic" or "perceptual+semantic"
+    targets: list[dict] = field(default_factory=list)  # per target: name, images, matched
+    semantic: bool = False  # the semantic detector ran (a model was given)
+    thumbs: dict = field(default_factory=dict)  # (target, eval row) -> data URI, for the report
+
+    def clean(self, n: int) -> np.ndarray:
+        """(n,) bool: no target's image is near the sample."""
+        keep = np.ones(n, dtype=bool)
+        keep[self.pool_rows] = False
+        return keep
+
+    def reasons(self) -> dict[int, list[str]]:
+        """Pool row -> its reasons, "near-duplicate of TARGET image KEY (d bits[, cosine c])"."""
+        out: dict[int, list[str]] = {}
+        for k, row in enumerate(self.pool_rows.tolist()):
+            cos = "" if np.isnan(self.cosine[k]) else f", cosine {self.cosine[k]:.4f}"
+            out.setdefault(row, []).append(
+                f"near-duplicate of {self.target[k]} image {self.eval_key[k]} ({int(self.distance[k])} bits{cos})"
+            )
+        return out
+
+
+def _pair_distance(pq, pi, eq, ei) -> np.ndarray:
+    """(K,) phash.distance of K (pool, eval) pairs: (K, Q, W), (K, V, W) each."""
+    if len(pq) == 0:
+        return np.zeros(0, np.int64)
+    ab = phash.popcount(pq[:, :, None] ^ ei[:, None]).min(axis=(1, 2))
+    ba = phash.popcount(eq[:, :, None] ^ pi[:, None]).min(axis=(1, 2))
+    return np.minimum(ab, ba).astype(np.int64)
+
+
+def _embed_images(loaded, images: list, batch_size: int, device: str) -> np.ndarray:
+    """(M, D) float32 L2-normalised image embeddings, as pass 1 embeds the pool's."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(images), batch_size):
+            pixels = torch.stack([loaded.preprocess(im.convert("RGB")) for im in images[s : s + batch_size]])
+            emb = loaded.model.encode_image(pixels.to(device)).float()  # (b, D)
+            out.append(F.normalize(emb, dim=-1).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def _eval_embeddings(target: str, keys: list[str], loaded, batch_size: int, device: str) -> np.ndarray:
+    from mmalign.evaluation.contamination import eval_images
+
+    images, embs = [], []
+    for _, image in eval_images(target):
+        images.append(image)
+        if len(images) >= 1024:  # bounded: a block of decoded images at a time
+            embs.append(_embed_images(loaded, images, batch_size, device))
+            images = []
+    if images:
+        embs.append(_embed_images(loaded, images, batch_size, device))
+    emb = np.concatenate(embs)
+    if len(emb) != len(keys):  # the set changed between its hashing and its embedding
+        raise UsageError(f"--decontaminate: {target} changed while it was read; run again")
+    return emb
+
+
+def find(
+    out: Path,
+    pool,
+    targets: tuple[str, ...],
+    distance: int | None,
+    *,
+    loaded=None,
+    eps: float = 0.002,
+    batch_size: int = 64,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Contamination:
+    """Every target's matches in ``pool`` (its ``phash``: (N, Q + V, W); its ``image`` embeddings
+    when ``loaded``, the model, is given)."""
+    from mmalign.evaluation.contamination import eval_hashes, matches, semantic_matches
+
+    if pool.phash is None:
+        raise RuntimeError("--decontaminate without the pool's hashes (hash_pass.ensure_hashes)")
+    distance = radius(distance)
+    pq, pi = pool.phash[:, : phash.QUERIES], pool.phash[:, phash.QUERIES :]  # (N, Q, W), (N, V, W)
+    semantic = loaded is not None and pool.image.ndim == 2 and pool.image.shape[1] > 0
+    parts: list[dict] = []
+    summary: list[dict] = []
+    for target in targets:
+        ev = eval_hashes(target, progress=progress, cache_dir=out / "pool" / CACHE)
+        rows, others, dist = matches(pq, pi, ev.query, ev.index, distance)  # (k,) each
+        found = {int(r): (int(o), "perceptual") for r, o in zip(rows, others)}
+        emb = None
+        if semantic:
+            emb = _eval_embeddings(target, ev.keys, loaded, batch_size, device)  # (M, D)
+            srows, sothers, _ = semantic_matches(pool.image, emb, eps)
+            for r, o in zip(srows.tolist(), sothers.tolist()):
+                if r in found:
+                    found[r] = (found[r][0], "perceptual+semantic")
+                else:
+                    found[r] = (o, "semantic")
+        prow = np.array(sorted(found), dtype=np.int64)
+        erow = np.array([found[r][0] for r in prow.tolist()], dtype=np.int64)
+        cos = np.full(len(prow), np.nan)
+        if emb is not None and len(prow):
+            a = pool.image[prow].astype(np.float64)
+            a /= np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+            cos = np.einsum("kd,kd->k", a, emb[erow].astype(np.float64)).clip(-1.0, 1.0)
+        parts.append(
+            {
+                "pool_rows": prow,
+                "target": [target] * len(prow),
+                "eval_row": erow,
+                "eval_key": [ev.keys[e] for e in erow.tolist()],
+                "distance": _pair_distance(pq[prow], pi[prow], ev.query[erow], ev.index[erow]),
+                "cosine": cos,
+                "by": [found[r][1] for r in prow.tolist()],
+            }
+        )
+        summary.append({"target": target, "images": len(ev), "matched_pool_samples": len(prow)})
+        if progress:
+            print(
+                f"mmalign: curate: --decontaminate {target}: {len(prow)} pool sample(s) near-duplicate "
+                f"{len(set(erow.tolist()))} of its {len(ev)} images",
+                flush=True,
+            )
+    cat = lambda name: [x for p in parts for x in p[name]]  # noqa: E731
+    return Contamination(
+        pool_rows=np.array(cat("pool_rows"), dtype=np.int64),
+        target=cat("target"),
+        eval_row=np.array(cat("eval_row"), dtype=np.int64),
+        eval_key=cat("eval_key"),
+        distance=np.array(cat("distance"), dtype=np.int64),
+        cosine=np.array(cat("cosine"), dtype=np.float64),
+        by=cat("by"),
+        targets=summary,
+        semantic=semantic,
+    )
+
+
+# ------------------------------------------------------------------ report
+
+
+def report_json(c: Contamination, pool, policies) -> dict:
+    """The report's ``decontamination`` entry: the settings, per target its counts, and every match."""
+    keys = pool.frame["key"].tolist()
+    shards = pool.frame["shard"].tolist()
+    return {
+        "distance_bits": radius(policies.decontaminate_distance),
+        "semantic_eps": policies.dedupe_eps if c.semantic else None,
+        "targets": c.targets,
+        "dropped": int(np.unique(c.pool_rows).size),
+        "matches": [
+            {
+                "pool_key": keys[r],
+                "pool_shard": int(shards[r]),
+                "target": c.target[k],
+                "eval_key": c.eval_key[k],
+                "distance_bits": int(c.distance[k]),
+                "cosine": None if np.isnan(c.cosine[k]) else round(float(c.cosine[k]), 6),
+                "by": c.by[k],
+            }
+            for k, r in enumerate(c.pool_rows.tolist())
+        ],
+    }
+
+
+def _data_uri(image) -> str:
+    image = image.convert("RGB")
+    image.thumbnail((THUMB, THUMB))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def eval_thumbs(c: Contamination, shown: int = SHOWN) -> None:
+    """Thumbnails of the evaluation images of the first ``shown`` matches, read back from their sets."""
+    from mmalign.evaluation.contamination import eval_images
+
+    wanted: dict[str, set[int]] = {}
+    for k in range(min(shown, len(c.pool_rows))):
+        wanted.setdefault(c.target[k], set()).add(int(c.eval_row[k]))
+    for target, rows in wanted.items():
+        last = max(rows)
+        for i, (_, image) in enumerate(eval_images(target)):
+            if i in rows:
+                c.thumbs[(target, i)] = _data_uri(image)
+            if i >= last:
+                break
+
+
+def html_section(c: Contamination, pool, pool_thumbs: dict[int, str], shown: int = SHOWN) -> str:
+    """Each dropped pool sample (left) beside the evaluation image it copies (right)."""
+    counts = "; ".join(
+        f"{t['target']}: {t['matched_pool_samples']} pool sample(s) near its {t['images']} images"
+        for t in c.targets
+    )
+    body = [
+        "<style>.pair{display:inline-block;margin:4px 12px 4px 0;border:1px solid #ddd;padding:2px}</style>",
+        f"<h2>Decontamination</h2><p>{html.escape(counts)}. Pool sample left, evaluation image right.</p>",
+    ]
+    keys = pool.frame["key"].tolist()
+
+    def img(src: str | None) -> str:
+        return f'<img src="{src}">' if src else '<div class="missing">(no image)</div>'
+
+    for k in range(min(shown, len(c.pool_rows))):
+        r = int(c.pool_rows[k])
+        cos = "" if np.isnan(c.cosine[k]) else f", cosine {c.cosine[k]:.4f}"
+        body.append(
+            "<div class='pair'>"
+            f"<figure>{img(pool_thumbs.get(r))}<figcaption>pool {html.escape(str(keys[r]))}</figcaption></figure>"
+            f"<figure>{img(c.thumbs.get((c.target[k], int(c.eval_row[k]))))}<figcaption>"
+            f"{html.escape(c.target[k])} {html.escape(c.eval_key[k])}<br>{int(c.distance[k])} bits{cos} "
+            f"({c.by[k]})</figcaption></figure></div>"
+        )
+    if len(c.pool_rows) > shown:
+        body.append(f"<p>{len(c.pool_rows) - shown} more matches in curate_report.json.</p>")
+    return "\n".join(body)
