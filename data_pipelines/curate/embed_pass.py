@@ -9,9 +9,14 @@ For input shard number ``u`` (its place in the ``--data`` list) the pass writes,
                   caption (the first), image_sha256
     u.image.npy   (n, D) float16 L2-normalised image embeddings (row = image_emb_id)
     u.text.npy    (r, D) float16 L2-normalised caption embeddings (row = text_emb_id ...)
+    u.phash.npy   (n, QUERIES + VIEWS, WORDS) uint64 perceptual hashes of each row's image
+                  (:mod:`mmalign.data.phash`: its query hashes, then its index hashes)
     u.json        the shard's counts: samples, readable, skipped by reason, ended_early,
-                  the .json field names seen, seconds; and ``source``, the input's fingerprint
-                  (:mod:`.fingerprint`: size, mtime, sha256) that a rerun checks
+                  the .json field names seen, seconds, ``phash_version``; and ``source``, the
+                  input's fingerprint (:mod:`.fingerprint`: size, mtime, sha256) that a rerun checks
+
+Without a model (no policy needs one) the pass hashes only: no embeddings (``dim`` 0, empty
+``.npy`` files), clip_score NaN.
 
 The CLIP score of a sample is the cosine of its image with its caption, computed from the
 float32 embeddings before they are stored as float16 (a sample with several captions: the
@@ -60,6 +65,7 @@ def shard_files(out: Path, u: int) -> dict[str, Path]:
         "image": Path(f"{base}.image.npy"),
         "text": Path(f"{base}.text.npy"),
         "stats": base.with_suffix(".json"),
+        "phash": Path(f"{base}.phash.npy"),
     }
 
 
@@ -80,7 +86,8 @@ def _save(path: Path, array: np.ndarray) -> None:
 
 
 class ShardEmbedder:
-    """Embeds one shard at a time with a loaded model (:func:`mmalign.models.load.load`)."""
+    """Embeds and hashes one shard at a time with a loaded model (:func:`mmalign.models.load.load`);
+    ``loaded=None``: hashes only."""
 
     def __init__(self, loaded, *, batch_size: int = 64, device: str = "cpu", max_pixels: int | None = None):
         self.loaded, self.batch_size, self.device, self.max_pixels = (
@@ -114,6 +121,7 @@ class ShardEmbedder:
     def embed(self, url: str, u: int, out: Path, progress=None) -> dict:
         """Write shard ``u``'s pass-1 files (module docstring); returns its stats."""
         from data_pipelines.curate.fingerprint import fingerprint
+        from mmalign.data import phash
         from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
         from mmalign.data.tario import CorruptTar, TruncatedTar
 
@@ -128,6 +136,7 @@ class ShardEmbedder:
         images: list[np.ndarray] = []
         texts: list[np.ndarray] = []
         scores: list[np.ndarray] = []
+        hashes: list[np.ndarray] = []
         skipped: dict[str, int] = {}
         fields: set[str] = set()
         samples, ended_early = 0, None
@@ -136,12 +145,18 @@ class ShardEmbedder:
         def flush() -> None:
             if not pending:
                 return
-            img, txt = self._encode([p[1] for p in pending], [p[2] for p in pending])
+            query, index = phash.hash_images([p[1] for p in pending])  # (b, Q, W), (b, V, W)
+            hashes.append(np.concatenate([query, index], axis=1))
             counts = [len(p[2]) for p in pending]
-            owner = np.repeat(np.arange(len(pending)), counts)  # (r,) caption row -> sample
-            per_caption = clip_scores(img[owner], txt)  # (r,) cosine of each caption with its image
             starts = np.cumsum([0] + counts[:-1])
-            score = np.add.reduceat(per_caption.astype(np.float64), starts) / np.asarray(counts)  # (b,) mean
+            if self.loaded is None:  # hashes only: (b, 0) and (r, 0) embeddings keep the row bookkeeping
+                img, txt = np.zeros((len(pending), 0), np.float32), np.zeros((sum(counts), 0), np.float32)
+                score = np.full(len(pending), np.nan)
+            else:
+                img, txt = self._encode([p[1] for p in pending], [p[2] for p in pending])
+                owner = np.repeat(np.arange(len(pending)), counts)  # (r,) caption row -> sample
+                per_caption = clip_scores(img[owner], txt)  # (r,) cosine of each caption with its image
+                score = np.add.reduceat(per_caption.astype(np.float64), starts) / np.asarray(counts)  # (b,)
             text_base = sum(t.shape[0] for t in texts)
             for (row, _, _), first in zip(pending, starts.tolist()):
                 row["text_emb_id"] = text_base + first
@@ -187,11 +202,14 @@ class ShardEmbedder:
                 len(rows),
             )
         flush()
-        dim = int(self.loaded.model.embed_dim)
+        dim = 0 if self.loaded is None else int(self.loaded.model.embed_dim)
         score = np.concatenate(scores) if scores else np.zeros(0, np.float32)
         for row, s in zip(rows, score.tolist()):
             row["clip_score"] = s
+        width = phash.QUERIES + phash.VIEWS
+        stacked = np.concatenate(hashes) if hashes else np.zeros((0, width, phash.WORDS), np.uint64)
         self._write(out, u, rows, images, texts, dim)
+        _atomic(shard_files(out, u)["phash"], lambda p: _save(p, stacked))
         stats = {
             "url": url,
             "source": source,
@@ -201,6 +219,7 @@ class ShardEmbedder:
             "ended_early": ended_early,
             "fields": sorted(fields),
             "dim": dim,
+            "phash_version": phash.VERSION,
             "seconds": round(time.time() - start, 3),
         }
         _atomic(shard_files(out, u)["stats"], lambda p: p.write_text(json.dumps(stats, indent=1)))

@@ -3,7 +3,7 @@
 New shards (:func:`write_shards`) hold the kept samples in one seeded random order over the
 whole pool (as the builders shuffle), ``per_shard`` a shard, every member copied byte for byte
 under its original key except the ``.json``, which keeps its fields and gains ``clip_score``
-(and, with ``--false-negative-groups FIELD``, the sample's group under FIELD). Beside them:
+(none in a run without a model) (and, with ``--false-negative-groups FIELD``, the sample's group under FIELD). Beside them:
 ``NNNNN.parquet`` (key, clip_score, source shard and index) and ``sizes.json``, as the builders
 write them, so training counts the shards without reading them.
 
@@ -64,7 +64,8 @@ def _json_member(members: dict, score: float, field: str | None, group: str | No
             raise ValueError("a .json that is not an object") from None
         if not isinstance(meta, dict):
             raise ValueError("a .json that is not an object")
-    meta["clip_score"] = round(float(score), 6)
+    if score == score:  # a run without a model has no score (NaN): no field
+        meta["clip_score"] = round(float(score), 6)
     if field is not None:
         meta[field] = group
     return json.dumps(meta, sort_keys=True).encode("utf-8")
