@@ -246,7 +246,7 @@ def _images(cfg, urls: list[str], want: int, sample: _Sample) -> Iterator[tuple[
                     sample.skipped += 1
                     continue
                 taken += 1
-                yield (url, Path(raw["__key__"]).name), image
+                yield (url, raw["__key__"].removeprefix("./")), image  # a class folder stays in the key
                 if taken >= want:
                     whole = False
                     break
