@@ -197,7 +197,7 @@ class _Sample:
 
 def _sample(cfg, say: Callable[[str], None]) -> _Sample:
     """Shards of data.train in a seeded order, read until data.decontaminate_samples images are hashed."""
-    from mmalign.data.shards import train_shard_lists
+    from mmalign.data.shards import shard_total, train_shard_lists
     from mmalign.progress import track
 
     urls = [u for found, _ in train_shard_lists(cfg.data) for u in found]
@@ -208,7 +208,9 @@ def _sample(cfg, say: Callable[[str], None]) -> _Sample:
     images: list = []
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     stream = _images(cfg, [urls[i] for i in order], want, sample)
-    for ref, image in track(stream, f"{KEY}: training samples", total=want, unit="samples"):
+    listed = shard_total("::".join(urls))  # the shards' sizes.json, when every one is listed
+    total = min(want, listed) if listed is not None else want
+    for ref, image in track(stream, f"{KEY}: training samples", total=total, unit="samples"):
         sample.refs.append(ref)
         images.append(image)
         if len(images) == BATCH:

@@ -164,6 +164,11 @@ def test_a_sample_of_the_shards_is_checked_and_extrapolated(tmp_path):
     assert f"from 2 of {SHARDS} shards" in said[-1] and f"~{result['estimate']} in all" in said[-1]
     again = cc.check(cfg, said.append)  # the draw is seeded
     assert again["matches"] == result["matches"]
+    sizes = {f"{s:05d}.tar": 2 * PER_SHARD for s in range(SHARDS)}  # what a builder's sizes.json says wins
+    (tmp_path / "train" / "sizes.json").write_text(json.dumps(sizes))
+    listed = cc.check(cfg, said.append)
+    assert listed["pool_samples"] == 2 * SHARDS * PER_SHARD and listed["pool_samples_exact"]
+    assert listed["estimate"] == round(listed["samples_found"] * 2 * SHARDS * PER_SHARD / 15)
 
 
 def test_clean_shards_say_zero(tmp_path):
