@@ -161,3 +161,150 @@ def test_bad_flags_one_line(tmp_path, flags, needle):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], run.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- with a model: semantic matches too
+
+
+def _smooth(rng: np.random.Generator, side: int = 48) -> Image.Image:
+    base = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((side, side), Image.Resampling.BICUBIC)
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")  # lossless: curate reads the pixels written here
+    return buf.getvalue()
+
+
+def test_with_a_model_semantic_and_perceptual(tmp_path):
+    """Reference: phash.distance over every (pool, eval) pair, and the model run here on each image
+    alone (float32, cosines in float64); a pool sample is dropped when either is within its bound.
+    Samples whose cosine lies within 2e-3 of 1 - eps are not judged (pool embeddings are float16)."""
+    import torch
+
+    from mmalign.data import phash
+    from mmalign.evaluation.contamination import DEFAULT_DISTANCE
+    from mmalign.models.load import load
+    from tests.pipelines.test_curate_cli import _save_model
+
+    rng = np.random.default_rng(pick_seed(11))
+    model = _save_model(tmp_path / "model", 0)
+    evals = [_smooth(rng) for _ in range(8)]
+    with tarfile.open(tmp_path / "eval.tar", "w") as tar:
+        for i, im in enumerate(evals):
+            data = _png(im)
+            info = tarfile.TarInfo(f"e{i}.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    pool = [evals[0], evals[1], evals[2].transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
+    pool += [_smooth(rng) for _ in range(21)]
+    (tmp_path / "pool").mkdir()
+    with tarfile.open(tmp_path / "pool" / "00000.tar", "w") as tar:
+        for i, im in enumerate(pool):
+            for ext, data in (("png", _png(im)), ("txt", b"a photo")):
+                info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    eps = 0.02
+    run = cli_main(
+        "curate",
+        "--data",
+        tmp_path / "pool",
+        "--model",
+        model,
+        "--out",
+        tmp_path / "out",
+        "--decontaminate",
+        tmp_path / "eval.tar",
+        "--dedupe-eps",
+        eps,
+        "--force",
+        "--no-progress",
+    )
+    assert run.returncode == 0, run.stderr + run.stdout
+
+    loaded = load(model)
+
+    def emb(images) -> np.ndarray:  # (n, D) float64 unit rows, each image embedded alone in float32
+        with torch.no_grad():
+            rows = [
+                loaded.model.encode_image(loaded.preprocess(im.convert("RGB"))[None]).float() for im in images
+            ]
+        return torch.nn.functional.normalize(torch.cat(rows), dim=-1).double().numpy()
+
+    cos = emb(pool) @ emb(evals).T  # (24, 8)
+    pq, pi = phash.hash_images(pool)
+    eq, ei = phash.hash_images(evals)
+    bits = np.array(
+        [[phash.distance(pq[a], pi[a], eq[b], ei[b]) for b in range(8)] for a in range(len(pool))]
+    )
+    frame = pd.read_parquet(tmp_path / "out" / "decisions.parquet").set_index("key")
+    report = json.loads((tmp_path / "out" / "curate_report.json").read_text())["decontamination"]
+    by = {m["pool_key"]: m for m in report["matches"]}
+    assert report["semantic_eps"] == eps
+    judged = 0
+    for a in range(len(pool)):
+        key = f"s{a:03d}"
+        if np.abs(cos[a] - (1 - eps)).min() < 2e-3:
+            continue
+        judged += 1
+        perceptual = bits[a].min() <= DEFAULT_DISTANCE
+        semantic = cos[a].max() > 1 - eps
+        assert bool(frame.loc[key, "kept"]) == (not (perceptual or semantic)), (
+            key,
+            bits[a].min(),
+            cos[a].max(),
+        )
+        if perceptual or semantic:
+            want = (
+                "perceptual+semantic"
+                if perceptual and semantic
+                else "perceptual"
+                if perceptual
+                else "semantic"
+            )
+            assert by[key]["by"] == want
+            nearest = int(np.argmin(bits[a])) if perceptual else int(np.argmax(cos[a]))
+            assert by[key]["eval_key"] == f"e{nearest}"
+            assert by[key]["distance_bits"] == int(bits[a, nearest])
+            assert abs(by[key]["cosine"] - cos[a, nearest]) < 2e-3
+    assert judged >= 20
+    assert {"s000", "s001", "s002"} <= set(by)  # the copies and the mirror
+
+
+def test_targets_repeat_and_comma_lists():
+    from data_pipelines.curate.decontaminate import parse_targets
+
+    assert parse_targets(["a.tar,b.tar", "cifar10", " a.tar ", ""]) == ("a.tar", "b.tar", "cifar10")
+    assert parse_targets([]) == ()
+
+
+def test_two_targets_and_the_drop_guard(tmp_path):
+    rng = np.random.default_rng(pick_seed(12))
+    images = [_smooth(rng) for _ in range(6)]
+    for name, part in (("a.tar", images[:3]), ("b.tar", images[3:])):
+        _write(tmp_path / name, [(f"{name[0]}{i}", _png(im), "x") for i, im in enumerate(part)])
+    (tmp_path / "pool").mkdir()
+    _write(tmp_path / "pool" / "00000.tar", [(f"s{i}", _png(im), "x") for i, im in enumerate(images[1:5])])
+    args = ["curate", "--data", tmp_path / "pool", "--no-progress", "--decontaminate"]
+    refused = cli_main(*args, f"{tmp_path / 'a.tar'},{tmp_path / 'b.tar'}", "--out", tmp_path / "o1")
+    assert refused.returncode == 2
+    assert (
+        len(refused.stderr.strip().splitlines()) == 1
+        and "--decontaminate would drop 4 of 4" in refused.stderr
+    )
+    assert not (tmp_path / "o1" / "decisions.parquet").exists()
+    run = cli_main(
+        *args, tmp_path / "a.tar", "--decontaminate", tmp_path / "b.tar", "--out", tmp_path / "o2", "--force"
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads((tmp_path / "o2" / "curate_report.json").read_text())["decontamination"]
+    pairs = {(m["pool_key"], Path(m["target"]).name, m["eval_key"]) for m in report["matches"]}
+    assert pairs == {
+        ("s0", "a.tar", "a1"),
+        ("s1", "a.tar", "a2"),
+        ("s2", "b.tar", "b0"),
+        ("s3", "b.tar", "b1"),
+    }
+    assert [t["matched_pool_samples"] for t in report["targets"]] == [2, 2]
