@@ -56,7 +56,8 @@ def _cifar(name: str, n: int) -> list:
     with tarfile.open(path) as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".jpg")]
         step = max(1, len(members) // n)
-        return [Image.open(io.BytesIO(tar.extractfile(m).read())).convert("RGB") for m in members[::step][:n]]
+        files = [tar.extractfile(m) for m in members[::step][:n]]  # regular members: never None
+        return [Image.open(io.BytesIO(f.read())).convert("RGB") for f in files if f is not None]
 
 
 def _rate(images: list) -> float:
@@ -98,7 +99,7 @@ def matching(pool: int, n_eval: int, n_real: int, radius: int | None, seed: int)
     rng = np.random.default_rng(seed)
     eq, ei = _hashes(_cifar("test.tar", n_eval), n_eval, rng)
     bq, bi = _hashes(_cifar("train.tar", n_real), n_real, rng)
-    real = bool(len(_cifar("test.tar", 1)))
+    real = (CIFAR / "test.tar").is_file()
     pq = np.empty((pool, phash.QUERIES, phash.WORDS), np.uint64)
     pi = np.empty((pool, phash.VIEWS, phash.WORDS), np.uint64)
     for s in range(0, pool, 65536):  # made in blocks: the synthetic data's own peak stays small
