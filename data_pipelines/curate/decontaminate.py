@@ -210,6 +210,37 @@ def find(
     )
 
 
+def contamination_for_run(opts, out: Path, urls: list[str], pool) -> Contamination | None:
+    """``mmalign curate``'s call (:class:`data_pipelines.curate.run.Options`): None without
+    ``--decontaminate``; else :func:`find` on the pool (hashed now if pass 1 did not), with the
+    model when ``--model`` is given."""
+    from data_pipelines.curate.decide import load_pool
+    from data_pipelines.curate.hash_pass import ensure_hashes
+
+    p = opts.policies
+    if not p.decontaminate:
+        return None
+    if pool.phash is None:  # a pool embedded before pass 1 hashed: its hashes now
+        ensure_hashes(out, urls, opts.progress)
+        pool.phash = load_pool(out, len(urls)).phash
+    loaded = None
+    if opts.model is not None:
+        from mmalign.models.load import load
+
+        loaded = load(opts.model, device=opts.device)
+    return find(
+        out,
+        pool,
+        p.decontaminate,
+        p.decontaminate_distance,
+        loaded=loaded,
+        eps=p.dedupe_eps,
+        batch_size=opts.batch_size,
+        device=opts.device,
+        progress=opts.progress,
+    )
+
+
 # ------------------------------------------------------------------ report
 
 

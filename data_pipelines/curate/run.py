@@ -364,6 +364,7 @@ def curate(opts: Options) -> dict | None:
 def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, start: float) -> dict | None:
     from data_pipelines.curate import report as report_mod
     from data_pipelines.curate.decide import check_drop, decide, load_pool
+    from data_pipelines.curate.decontaminate import contamination_for_run
     from data_pipelines.curate.report import REPORT_HTML, REPORT_JSON
     from data_pipelines.curate.write_out import KEYS_FILE, write_keys, write_shards
 
@@ -397,7 +398,7 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         if where is not None:
             _field_exists(field_name, where)
     t_decide = time.time()
-    decisions = decide(pool, opts.policies, _contamination(opts, out, urls, pool))
+    decisions = decide(pool, opts.policies, contamination_for_run(opts, out, urls, pool))
     check_drop(pool, decisions, opts.policies)  # before any output is touched
     t_write = time.time()
     outdir.clear_outputs(out)  # the previous run's outputs, as its manifest lists them: nothing else
@@ -437,36 +438,6 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     report_mod.write(out, urls, pool, decisions, report, examples=opts.examples)
     _decisions_table(out, pool, decisions)
     return report
-
-
-def _contamination(opts: Options, out: Path, urls: list[str], pool):
-    """``--decontaminate``'s matches (None without it): perceptual, and semantic with the model."""
-    from data_pipelines.curate.decide import load_pool
-    from data_pipelines.curate.decontaminate import find
-    from data_pipelines.curate.hash_pass import ensure_hashes
-
-    p = opts.policies
-    if not p.decontaminate:
-        return None
-    if pool.phash is None:  # a pool embedded before pass 1 hashed: its hashes now
-        ensure_hashes(out, urls, opts.progress)
-        pool.phash = load_pool(out, len(urls)).phash
-    loaded = None
-    if opts.model is not None:
-        from mmalign.models.load import load
-
-        loaded = load(opts.model, device=opts.device)
-    return find(
-        out,
-        pool,
-        p.decontaminate,
-        p.decontaminate_distance,
-        loaded=loaded,
-        eps=p.dedupe_eps,
-        batch_size=opts.batch_size,
-        device=opts.device,
-        progress=opts.progress,
-    )
 
 
 def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:
