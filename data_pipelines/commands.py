@@ -360,9 +360,9 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        required=True,
+        default=None,
         help="the filter model: an mmalign run, its final/, a step "
-        "checkpoint, or an open_clip / HF export folder",
+        "checkpoint, or an open_clip / HF export folder (not needed by --dedupe exact,perceptual)",
     )
     p.add_argument(
         "--out",
@@ -380,7 +380,17 @@ def add_curate_args(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("de-duplication")
     g.add_argument(
-        "--dedupe", default="", help="exact (image sha256), semantic (SemDeDup), or exact,semantic"
+        "--dedupe",
+        default="",
+        help="any of exact (image sha256), perceptual (image hash, no model), semantic (SemDeDup), "
+        "comma-separated: exact,perceptual,semantic",
+    )
+    g.add_argument(
+        "--perceptual-distance",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help="perceptual: duplicates are within BITS of 64 (default: mmalign.data.phash.DEFAULT_DISTANCE)",
     )
     g.add_argument(
         "--dedupe-eps",
@@ -463,16 +473,22 @@ def run_curate(args) -> dict | None:
     from data_pipelines.curate.decide import Policies
     from data_pipelines.curate.decontaminate import parse_targets
     from data_pipelines.curate.run import Options, check, curate
+    from mmalign.data import phash
 
     modes = tuple(m.strip() for m in args.dedupe.split(",") if m.strip())
-    if bad := [m for m in modes if m not in ("exact", "semantic")]:
-        raise UsageError(f"--dedupe: unknown mode {bad[0]!r} (exact, semantic, or exact,semantic)")
-    if args.false_negative_groups and not modes:
-        modes = ("semantic",)  # groups to write: SemDeDup's, unless asked otherwise
+    if bad := [m for m in modes if m not in ("exact", "perceptual", "semantic")]:
+        raise UsageError(
+            f"--dedupe: unknown mode {bad[0]!r} (any of exact, perceptual, semantic, comma-separated)"
+        )
+    if args.false_negative_groups and not modes:  # groups to write: SemDeDup's (with a model), unless asked
+        modes = ("semantic",) if args.model else ("perceptual",)
     policies = Policies(
         clip_score_min=args.clip_score_min,
         keep_fraction=args.keep_fraction,
         dedupe=modes,
+        perceptual_distance=phash.DEFAULT_DISTANCE
+        if args.perceptual_distance is None
+        else args.perceptual_distance,
         dedupe_eps=args.dedupe_eps,
         dedupe_clusters=args.dedupe_clusters,
         kmeans_sample=args.kmeans_sample,

@@ -10,6 +10,10 @@ The policies (combinable; a sample is kept when every policy given keeps it):
   samples visited best CLIP score first, each kept unless within eps (cosine > 1 - eps) of a
   sample already kept, whose group it joins (:mod:`.dedupe`: groups do not chain). With both,
   semantic runs on one kept copy per sha256, and an exact copy's group is its kept copy's;
+- **perceptual**: the same greedy rule over the perceptual hashes (:mod:`mmalign.data.phash`):
+  a sample joins a kept one within ``perceptual_distance`` bits (:func:`phash.distance`), no
+  model needed. After exact, like semantic; with semantic too, one greedy pass over both
+  detectors' pairs (a sample joins the first kept sample near it by either);
 
 ties in score go to the earliest in pool order. A policy that would drop more than
 ``max_drop`` of the pool is refused before anything is written (:func:`check_drop`).
@@ -39,8 +43,10 @@ from data_pipelines.curate.dedupe import (
     semantic_groups,
 )
 from data_pipelines.curate.embed_pass import shard_files
+from data_pipelines.curate.perceptual_policy import detector, distance_to_kept, pool_groups
 from data_pipelines.curate.scores import _unit_rows
 from data_pipelines.curate.threshold import keep_threshold
+from mmalign.data import phash
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -59,7 +65,8 @@ TRAIN_PER_CLUSTER = 256  # k-means training rows per centroid (FAISS warns under
 class Policies:
     clip_score_min: float | None = None
     keep_fraction: float | None = None
-    dedupe: tuple[str, ...] = ()  # "exact", "semantic"
+    dedupe: tuple[str, ...] = ()  # "exact", "perceptual", "semantic"
+    perceptual_distance: int = phash.DEFAULT_DISTANCE  # bits: a perceptual duplicate is within it
     dedupe_eps: float = 0.002  # safe with a weak model (docs/data.md, "Picking eps")
     dedupe_clusters: int = 0  # 0 = ceil(N / SAMPLES_PER_CLUSTER)
     kmeans_sample: int = 0  # 0 = TRAIN_PER_CLUSTER x clusters
@@ -70,6 +77,20 @@ class Policies:
     decontaminate: tuple[str, ...] = ()  # evaluation sets whose near-duplicates are dropped (.decontaminate)
     decontaminate_distance: int | None = None  # bits; None: mmalign.evaluation.contamination.DEFAULT_DISTANCE
 
+    def model_needed_by(self) -> list[str]:
+        """The flags given that need a filter model (its scores or embeddings)."""
+        flags = [
+            ("--clip-score-min", self.clip_score_min is not None),
+            ("--keep-fraction", self.keep_fraction is not None),
+        ]
+        return [f for f, given in flags if given] + (
+            ["--dedupe semantic"] if "semantic" in self.dedupe else []
+        )
+
+    def needs_hashes(self) -> bool:
+        """Whether a policy reads the pool's perceptual hashes."""
+        return "perceptual" in self.dedupe
+
 
 @dataclass
 class Pool:
@@ -78,6 +99,9 @@ class Pool:
     frame: pd.DataFrame  # embed_pass.COLUMNS + "shard" (its number)
     image: np.ndarray  # (N, D) float16, row i = frame row i
     stats: list[dict] = field(default_factory=list)  # per shard, embed_pass's u.json
+    phash: np.ndarray | None = (
+        None  # (N, QUERIES + VIEWS, WORDS) uint64 perceptual hashes, if every shard has them
+    )
 
     def __len__(self) -> int:
         return len(self.frame)
@@ -99,7 +123,9 @@ def load_pool(out: Path, n_shards: int) -> Pool:
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     dim = next((s["dim"] for s in stats), 0)
     image = np.concatenate(images).astype(np.float16) if images else np.zeros((0, dim), np.float16)
-    return Pool(frame=frame, image=image, stats=stats)
+    from data_pipelines.curate.hash_pass import load_hashes
+
+    return Pool(frame=frame, image=image, stats=stats, phash=load_hashes(out, n_shards))
 
 
 @dataclass
@@ -115,6 +141,7 @@ class Decisions:
     info: dict = field(default_factory=dict)
     similarity: np.ndarray | None = None  # (N,) cosine with its group's kept member (1 for a kept one)
     nearest: np.ndarray | None = None  # (N,) highest cosine with another sample of its k-means cluster
+    distance: np.ndarray | None = None  # (N,) perceptual bits to its group's kept member (0 for a kept one)
     contamination: Contamination | None = None  # --decontaminate's matches
 
 
@@ -140,7 +167,7 @@ def decide(pool: Pool, p: Policies, contamination: Contamination | None = None) 
         name_of[first[best]] = np.flatnonzero(best)
         groups["exact"] = name_of[first]  # (N,) named by the kept copy
         reps = np.flatnonzero(best)
-    nearest = None
+    nearest = labels = None
     if "semantic" in p.dedupe:
         m = reps.size
         clusters = p.dedupe_clusters or max(1, math.ceil(m / SAMPLES_PER_CLUSTER))
@@ -165,29 +192,45 @@ def decide(pool: Pool, p: Policies, contamination: Contamination | None = None) 
         if "exact" in groups:  # a sample with an exact copy: that copy is its nearest (cosine 1)
             nearest[np.bincount(groups["exact"], minlength=n)[groups["exact"]] > 1] = 1.0
         info["kmeans_train_rows"] = train or 0
+    union = None
+    if "perceptual" in p.dedupe:
+        groups["perceptual"], union = pool_groups(pool, p, scores, reps, labels)
+        if "exact" in groups:  # an exact copy's group is its kept copy's (no chaining)
+            groups["perceptual"] = groups["perceptual"][groups["exact"]]
+            union = None if union is None else union[groups["exact"]]
+        info["detectors"] = {"perceptual_bits": p.perceptual_distance}
+        if "semantic" in groups:
+            info["detectors"]["semantic_eps"] = p.dedupe_eps
     group_field = None
-    similarity = None
+    similarity = distance = None
     if groups:
-        combined = groups["semantic"] if "semantic" in groups else groups["exact"]  # semantic: over exact's
+        # the last detector over exact's kept copies decides; perceptual and semantic: their union
+        combined = next(
+            g
+            for g in (union, groups.get("perceptual"), groups.get("semantic"), groups.get("exact"))
+            if g is not None
+        )
         groups["combined"] = combined
-        for name in ("exact", "semantic"):
+        for name in ("exact", "perceptual", "semantic"):
             if name in groups:
                 info[f"{name}_groups"] = group_report(groups[name])
         info["group_sizes"] = group_sizes(combined)
-        similarity = np.empty(n)  # (N,) cosine with the kept member (1 for a kept one), a block at a time
-        for s in range(0, n, SIMILARITY_BLOCK):
-            e = s + SIMILARITY_BLOCK
-            a, b = _unit_rows(pool.image[s:e]), _unit_rows(pool.image[combined[s:e]])  # (b, D) float64
-            similarity[s:e] = np.einsum("nd,nd->n", a, b).clip(-1.0, 1.0)
+        if pool.image.shape[1]:  # embeddings (none in a run without a model)
+            similarity = np.empty(n)  # (N,) cosine with the kept member (1 for a kept one), a block at a time
+            for s in range(0, n, SIMILARITY_BLOCK):
+                e = s + SIMILARITY_BLOCK
+                a, b = _unit_rows(pool.image[s:e]), _unit_rows(pool.image[combined[s:e]])  # (b, D) float64
+                similarity[s:e] = np.einsum("nd,nd->n", a, b).clip(-1.0, 1.0)
+        if pool.phash is not None:
+            distance = distance_to_kept(pool.phash, combined)
         if p.false_negative_field is None:
             index = np.arange(n)
             if "exact" in groups:
                 by_policy["exact"] = groups["exact"] == index
-            if "semantic" in groups:
-                rep_of = groups["exact"] if "exact" in groups else index
-                by_policy["semantic"] = (
-                    groups["semantic"][rep_of] == rep_of
-                )  # its exact group's kept copy survives
+            rep_of = groups["exact"] if "exact" in groups else index
+            for name in ("perceptual", "semantic"):
+                if name in groups:  # alone, over exact's kept copies: its exact group's kept copy survives
+                    by_policy[name] = groups[name][rep_of] == rep_of
             by_policy["dedupe"] = combined == index
         else:
             keys = pool.frame["key"].tolist()
@@ -210,6 +253,7 @@ def decide(pool: Pool, p: Policies, contamination: Contamination | None = None) 
         info=info,
         similarity=similarity,
         nearest=nearest,
+        distance=distance,
         contamination=contamination,
     )
 
@@ -243,9 +287,12 @@ def check_drop(pool: Pool, d: Decisions, p: Policies) -> None:
         dropped = int(n - d.by_policy["dedupe"].sum())
         if dropped > p.max_drop * n:
             sizes = d.info["group_sizes"]
-            semantic = "semantic" in p.dedupe
+            semantic, perceptual = "semantic" in p.dedupe, "perceptual" in p.dedupe
             eps = f", eps {p.dedupe_eps:g}" if semantic else ""
-            fix = "lower --dedupe-eps" if semantic else "most of the pool is byte-identical copies: check it"
+            eps += f", {p.perceptual_distance} bits" if perceptual else ""
+            fixes = ["lower --dedupe-eps"] if semantic else []
+            fixes += ["lower --perceptual-distance"] if perceptual else []
+            fix = " or ".join(fixes) or "most of the pool is byte-identical copies: check it"
             raise UsageError(
                 f"curate: de-duplication ({','.join(p.dedupe)}{eps}) would drop {dropped} of {n} samples "
                 f"({100 * dropped / n:.1f}% > --max-drop {p.max_drop:g}); its largest group holds "
@@ -291,7 +338,7 @@ def reasons(pool: Pool, d: Decisions) -> tuple[list[str], list[str | None]]:
             assert combined is not None  # the dedupe policy names every sample's group
             k = int(combined[i])
             dup = keys[k]
-            parts.append(f"{'exact' if sha[i] == sha[k] else 'semantic'} duplicate of {dup}")
+            parts.append(f"{detector(d, i, k, sha)} duplicate of {dup}")
         parts += near.get(i, [])
         why.append("; ".join(parts) or "kept")
         of.append(dup)

@@ -7,7 +7,9 @@ cosine with another sample of its cluster). The HTML page is self-contained (ima
 no script, no network): the score histogram with the threshold, the kept fraction per policy,
 the similarity histograms with 1 - eps, the dropped pairs of lowest score as thumbnails with
 their captions, and the largest duplicate groups with their sizes, the kept member outlined
-and each other member's cosine to it.
+and each other member's cosine to it. With perceptual de-duplication the JSON adds a histogram
+of each removed duplicate's distance in bits to its kept member, and each group member shows
+that distance too. A run without a model has no scores: its report says "no model".
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 from pathlib import Path
 
 import numpy as np
+
+from mmalign.data.phash import BITS
 
 log = logging.getLogger("mmalign.curate")
 
@@ -44,6 +48,7 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
     """The report's JSON content."""
     n = len(pool)
     scores = pool.frame["clip_score"].to_numpy(np.float64) if n else np.zeros(0)
+    scores = scores[~np.isnan(scores)]  # a run without a model scores nothing
     skipped: dict[str, int] = {}
     for s in pool.stats:
         for reason, count in s["skipped"].items():
@@ -71,14 +76,19 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
                     str(q): round(float(np.quantile(scores, q)), 6) for q in (0.1, 0.25, 0.5, 0.7, 0.75, 0.9)
                 },
             }
-            if n
+            if scores.size
             else None
         ),
         "threshold": decisions.threshold,
         "histogram": histogram(scores),
         "kept_by_policy": {name: kept(mask) for name, mask in decisions.by_policy.items()},
         "kept": kept(decisions.keep),
-        "dedupe": {**decisions.info, "clusters": decisions.clusters, **_similarities(decisions)},
+        "dedupe": {
+            **decisions.info,
+            "clusters": decisions.clusters,
+            **_similarities(decisions),
+            **_distances(decisions, pool),
+        },
         **extra,
     }
     if decisions.group_field is not None:
@@ -112,6 +122,19 @@ def _similarities(decisions) -> dict:
             else {}
         )
     return out
+
+
+def _distances(decisions, pool) -> dict:
+    """Perceptual de-duplication: each removed duplicate's distance in bits to its kept member,
+    as counts per bit (0, 1, ...); exact copies (distance 0 by construction) left out."""
+    if decisions.distance is None or "perceptual" not in decisions.groups:
+        return {}
+    combined = decisions.groups["combined"]
+    moved = combined != np.arange(combined.size)
+    if "exact" in decisions.groups:
+        moved &= decisions.groups["exact"] != combined  # not an exact copy of its kept member
+    bits = np.bincount(decisions.distance[moved], minlength=1)
+    return {"perceptual_distance": {"bits": list(range(bits.size)), "counts": [int(c) for c in bits]}}
 
 
 # ------------------------------------------------------------------ html
@@ -174,13 +197,20 @@ def _svg_histogram(hist: dict, threshold: float | None, label: str = "threshold"
 
 
 def _card(
-    src: str | None, caption: str, score: float, kept: bool | None = None, similarity: float | None = None
+    src: str | None,
+    caption: str,
+    score: float,
+    kept: bool | None = None,
+    similarity: float | None = None,
+    bits: int | None = None,
 ) -> str:
     style = "border:3px solid #27ae60" if kept else "border:3px solid transparent"
     image = f'<img src="{src}" style="{style}">' if src else '<div class="missing">(no image)</div>'
     sim = "" if similarity is None or kept else f"<br>cosine to kept {similarity:.4f}"
+    sim += "" if bits is None or kept else f"<br>{bits} bits from kept"
+    shown = "no model" if np.isnan(score) else f"{score:.3f}"
     return (
-        f"<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{score:.3f}</b>"
+        f"<figure>{image}<figcaption>{html.escape(caption[:120])}<br><b>{shown}</b>"
         f"{' kept' if kept else ''}{sim}</figcaption></figure>"
     )
 
@@ -212,9 +242,12 @@ def write(
             members = np.flatnonzero(g == gid)
             if members.size > 1:
                 others = members[members != gid]
-                others = others[
-                    np.argsort(decisions.similarity[others], kind="stable")
-                ]  # the least similar first
+                far = (
+                    -decisions.distance[others]
+                    if decisions.similarity is None
+                    else decisions.similarity[others]
+                )
+                others = others[np.argsort(far, kind="stable")]  # the least similar first
                 shown_groups.append((int(count), [int(gid)] + others[:7].tolist()))
     from data_pipelines.curate import decontaminate
 
@@ -232,6 +265,9 @@ def write(
         "vertical-align:top;font-size:11px}img{max-width:100px}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px}.group{margin-bottom:1em}</style>",
         "<h1>mmalign curate report</h1>",
+        ""
+        if report.get("model")
+        else "<p>No model: no CLIP scores; de-duplication by image bytes and hashes.</p>",
         f"<p>{report['pool']['readable']} readable samples of {report['pool']['samples']} in "
         f"{report['pool']['shards']} shards; skipped: {html.escape(json.dumps(report['pool']['skipped']))}.</p>",
         "<h2>CLIP score histogram</h2>",
@@ -262,12 +298,18 @@ def write(
     if shown_groups:
         body.append(
             f"<h2>The {len(shown_groups)} largest duplicate groups</h2><p>The kept member outlined "
-            f"first, then the others, least similar first, with their cosine to the kept one.</p>"
+            f"first, then the others, least similar first, with their cosine to the kept one (and their "
+            f"perceptual distance in bits, of {BITS}).</p>"
         )
         for size, grp in shown_groups:
             cards = "".join(
                 _card(
-                    thumbs.get(r), captions[r], float(scores[r]), r == grp[0], float(decisions.similarity[r])
+                    thumbs.get(r),
+                    captions[r],
+                    float(scores[r]),
+                    r == grp[0],
+                    None if decisions.similarity is None else float(decisions.similarity[r]),
+                    None if decisions.distance is None else int(decisions.distance[r]),
                 )
                 for r in grp
             )

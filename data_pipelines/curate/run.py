@@ -2,10 +2,12 @@
 
 Passes (each its own module):
 
-1. :mod:`.embed_pass`: every shard's samples embedded with the model (image and captions),
-   per-shard parquet + embeddings in ``OUT/pool/``. Split over processes: with ``--nproc N``
-   (re-run under torchrun, as ``mmalign train --nproc`` does) or under an outside torchrun /
-   SLURM launch (``RANK`` / ``WORLD_SIZE``), rank r embeds shards r, r + W, r + 2W, ...
+1. :mod:`.embed_pass`: every shard's samples embedded with the model (image and captions) and
+   their images hashed (:mod:`mmalign.data.phash`), per-shard parquet + embeddings + hashes in
+   ``OUT/pool/``; without a model (no policy needs one), hashed only (:mod:`.hash_pass`).
+   Split over processes: with ``--nproc N`` (re-run under torchrun, as ``mmalign train
+   --nproc`` does) or under an outside torchrun / SLURM launch (``RANK`` / ``WORLD_SIZE``),
+   rank r embeds shards r, r + W, r + 2W, ...
 2. :mod:`.decide`: rank 0 waits for every shard, then applies the policies to the whole pool.
 3. :mod:`.write_out`: new shuffled shards in ``OUT`` (or ``OUT/keep_keys.txt``), and
    :mod:`.report`'s ``curate_report.json`` / ``.html``; before it, a policy dropping more than
@@ -48,7 +50,7 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a .json field the config's los
 @dataclass
 class Options:
     data: str
-    model: str
+    model: str | None  # None: no policy needs a model, pass 1 only hashes
     out: str
     policies: Policies = field(default_factory=Policies)
     keys_only: bool = False
@@ -99,11 +101,16 @@ def check(opts: Options) -> None:
         raise UsageError(f"--per-shard must be in 1..10000, got {opts.per_shard}")
     if opts.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {opts.batch_size}")
-    check_exists(opts.model)  # before --out is made and before the seconds of importing torch
+    from data_pipelines.curate.hash_pass import check_model
+
+    if check_model(opts):  # a policy without a model: one line; else no model to check
+        check_exists(opts.model)  # before --out is made and before the seconds of importing torch
 
 
 def _stamp_content(opts: Options, urls: list[str]) -> dict:
     """The model's weight files (names, sizes, mtimes) and the shard list."""
+    if opts.model is None:  # hashes only
+        return {"model": None, "weights": [], "urls": urls}
     model = check_exists(opts.model).resolve()  # a model name: the cache folder it resolves to
     if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
         model = model / "final"
@@ -143,6 +150,10 @@ def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
     if not path.is_file():
         return
     have, want = json.loads(path.read_text()), _stamp_content(opts, urls)
+    if opts.model is None or have.get("model") is None:  # hashes only, now or then
+        from data_pipelines.curate.hash_pass import check_stamp
+
+        return check_stamp(opts, have, want, out)
     if all(len(w) == 3 for w in have.get("weights", [])):  # a stamp from before the hash: compare what it has
         want["weights"] = [w[:3] for w in want["weights"]]
     if have != want:
@@ -244,13 +255,16 @@ def embed_part(
     counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
     if not todo and (out / POOL / STAMP).is_file():
         return counts  # everything of this rank is embedded (a resume), and stamped
-    loaded = load(opts.model, device=opts.device)  # also when this rank has no shard: the stamp needs a model
+    # also when this rank has no shard: the stamp needs a model (none: pass 1 only hashes)
+    loaded = None if opts.model is None else load(opts.model, device=opts.device)
     on_loaded()
     if not todo:
         return counts
     embedder = ShardEmbedder(loaded, batch_size=opts.batch_size, device=opts.device)
     listed = [shard_total(urls[u]) if "://" not in urls[u] else None for u in todo]
-    label = "curate: embedding" + (f" (rank {rank} of {world})" if world > 1 else "")
+    label = ("curate: embedding" if loaded else "curate: hashing (no model)") + (
+        f" (rank {rank} of {world})" if world > 1 else ""
+    )
     known = [c for c in listed if c is not None]
     progress = _Progress(label, len(todo), sum(known) if len(known) == len(listed) else None, opts.progress)
     for u in todo:
@@ -390,6 +404,10 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     if rank != 0:
         return None
     _wait_for_all(out, len(urls), opts.stall_timeout_s, stale)
+    if opts.policies.needs_hashes():  # a pool embedded before pass 1 hashed: its hashes now
+        from data_pipelines.curate.hash_pass import ensure_hashes
+
+        ensure_hashes(out, urls, opts.progress)
     pool = load_pool(out, len(urls))
     if len(pool) == 0:
         raise UsageError(f"--data: {opts.data} holds no readable samples")
@@ -452,7 +470,8 @@ def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:
 def _decisions_table(out: Path, pool, decisions) -> None:
     """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts, and
     ``reason`` ("kept", or the policies that dropped it: "clip_score", "exact duplicate of KEY",
-    "semantic duplicate of KEY", joined by "; ") with ``duplicate_of`` (that KEY, else None)."""
+    "perceptual duplicate of KEY", "semantic duplicate of KEY", joined by "; ") with
+    ``duplicate_of`` (that KEY, else None)."""
     from data_pipelines.curate.decide import reasons
 
     frame = pool.frame[["shard", "key", "index", "clip_score"]].copy()
@@ -466,6 +485,8 @@ def _decisions_table(out: Path, pool, decisions) -> None:
         frame["similarity_to_kept"] = decisions.similarity  # cosine with its group's kept member
     if decisions.nearest is not None:
         frame["nearest_similarity"] = decisions.nearest  # highest cosine with another sample of its cluster
+    if decisions.distance is not None:
+        frame["perceptual_distance"] = decisions.distance  # bits to its group's kept member
     frame["kept"] = decisions.keep
     frame["reason"], frame["duplicate_of"] = reasons(pool, decisions)
     frame.to_parquet(out / "decisions.parquet", index=False)
