@@ -28,22 +28,18 @@ from mmalign.errors import UsageError
 WIDTH = phash.QUERIES + phash.VIEWS  # hashes per sample in a .phash.npy row: the queries, then the index
 
 
-def check_model(opts) -> bool:
-    """The perceptual distance in range, and a model when a policy needs one (one line each);
-    returns whether a model is given."""
+def check_model(opts) -> None:
+    """The perceptual distance in range, and a model when a policy needs one (one line each)."""
     p = opts.policies
     try:
         phash.check_distance(p.perceptual_distance)
     except ValueError as e:
         raise UsageError(f"--perceptual-distance: {e}") from None
-    if opts.model is not None:
-        return True
-    if need := p.model_needed_by():
+    if opts.model is None and (need := p.model_needed_by()):
         raise UsageError(
             f"{need[0]} needs a filter model: give --model (without one, curate takes --dedupe exact, "
-            f"perceptual and --false-negative-groups)"
+            f"perceptual, --decontaminate and --false-negative-groups)"
         )
-    return False
 
 
 def check_stamp(opts, have: dict, want: dict, out: Path) -> None:

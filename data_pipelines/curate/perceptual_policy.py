@@ -36,6 +36,7 @@ def pool_groups(
     if "semantic" not in p.dedupe:
         return perceptual_groups(query, index, p.perceptual_distance, scores=scores, rows=reps), None
     a, b, _ = perceptual_pairs(query, index, p.perceptual_distance, reps)  # (P,) pool indices
+    assert labels is not None  # semantic's k-means ran first
     semantic = semantic_pairs(pool.image, p.dedupe_eps, labels, rows=reps)
     order = visit_order(n, scores, reps)  # best score first
     return greedy_groups(n, a, b, order), combined_groups(n, [(a, b), semantic], order)

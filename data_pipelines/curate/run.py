@@ -103,7 +103,8 @@ def check(opts: Options) -> None:
         raise UsageError(f"--batch-size must be >= 1, got {opts.batch_size}")
     from data_pipelines.curate.hash_pass import check_model
 
-    if check_model(opts):  # a policy without a model: one line; else no model to check
+    check_model(opts)  # the perceptual distance; without a model, no policy that needs one
+    if opts.model is not None:
         check_exists(opts.model)  # before --out is made and before the seconds of importing torch
 
 
