@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipelines.curate.embed_pass import _atomic, _save, done_shards, shard_files
+from data_pipelines.curate.embed_pass import _atomic, _save, shard_files
 from mmalign.data import phash
 from mmalign.errors import UsageError
 
@@ -44,8 +44,8 @@ def check_model(opts) -> None:
 
 def check_stamp(opts, have: dict, want: dict, out: Path) -> None:
     """``OUT/pool/stamp.json`` when this run or the one that wrote it had no model: a run without a
-    model reuses any pool of the same shards (it reads only the hashes); a run with one refuses a
-    pool that was only hashed."""
+    model reuses any pool of the same shards (it reads only the hashes; :func:`check_unembedded`
+    for shards still to do); a run with one refuses a pool that was only hashed."""
     path = out / "pool" / "stamp.json"
     if have.get("urls") != want["urls"]:
         raise UsageError(
@@ -57,10 +57,17 @@ def check_stamp(opts, have: dict, want: dict, out: Path) -> None:
             f"--out: {out} holds a pool hashed without a model ({path}); use another --out, or delete "
             f"{out / 'pool'} to embed it with --model"
         )
-    if have.get("model") is not None and len(done_shards(out, len(want["urls"]))) < len(want["urls"]):
+
+
+def check_unembedded(out: Path, todo: list[int], urls: list[str]) -> None:
+    """A run without a model may not add hash-only shards to a pool embedded with one (a shard
+    whose input changed, or never finished): one line naming the model to embed them with."""
+    path = out / "pool" / "stamp.json"
+    model = json.loads(path.read_text()).get("model") if path.is_file() else None
+    if todo and model is not None:
         raise UsageError(
-            f"--out: {out} holds a pool embedded with {have['model']} that is not finished; finish it "
-            f"with --model {have['model']}, or use another --out"
+            f"--out: {out} holds a pool embedded with {model}, and {len(todo)} shard(s) need embedding "
+            f"again (e.g. {urls[todo[0]]}); run with --model {model}, or use another --out"
         )
 
 

@@ -256,6 +256,10 @@ def embed_part(
     counts = {"shards": len(todo), "samples": 0, "seconds": 0.0}
     if not todo and (out / POOL / STAMP).is_file():
         return counts  # everything of this rank is embedded (a resume), and stamped
+    if opts.model is None:  # hashes only: never into a pool embedded with a model
+        from data_pipelines.curate.hash_pass import check_unembedded
+
+        check_unembedded(out, todo, urls)
     # also when this rank has no shard: the stamp needs a model (none: pass 1 only hashes)
     loaded = None if opts.model is None else load(opts.model, device=opts.device)
     on_loaded()

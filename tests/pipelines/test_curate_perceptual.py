@@ -462,3 +462,16 @@ def test_a_model_run_refuses_a_pool_hashed_without_one(pool, model_free, tmp_pat
     shutil.copytree(model_free / "pool", out / "pool")
     run = _curate(pool, out, "--dedupe", "perceptual", model=True, ok=False)
     assert run.returncode == 2 and "hashed without a model" in run.stderr, run.stderr
+
+
+def test_a_run_without_a_model_does_not_hash_into_an_embedded_pool(pool, embedded, tmp_path):
+    """A shard of a model's pool still to embed (here: its result removed) needs the model."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(embedded / "pool", out / "pool")
+    (out / "pool" / "00001.json").unlink()
+    run = _curate(pool, out, "--dedupe", "perceptual", ok=False)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "--model" in lines[0] and "00001.tar" in lines[0], lines[0]
+    assert not (out / "pool" / "00001.json").exists()
