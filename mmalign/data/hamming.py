@@ -131,8 +131,9 @@ class _Hits:
         return key // self.n_index, key % self.n_index, d
 
 
-def _all_pairs(qh: np.ndarray, ih: np.ndarray, radius: int, hits: _Hits) -> None:
+def _all_pairs(qh: np.ndarray, ih: np.ndarray, radius: int, hits: _Hits, stats: dict) -> None:
     """Every (query hash, index hash) pair compared, in (b, N) blocks."""
+    stats["candidates"] += len(qh) * len(ih)
     step = max(1, BLOCK // max(1, len(ih)))
     for s in range(0, len(qh), step):
         d = _popcount(qh[s : s + step, None, :] ^ ih[None, :, :])  # (b, N)
@@ -140,7 +141,7 @@ def _all_pairs(qh: np.ndarray, ih: np.ndarray, radius: int, hits: _Hits) -> None
         hits.add(qi + s, ii, d[qi, ii])
 
 
-def _search_table(qh, ih, radius, layout, k, hits: _Hits) -> None:
+def _search_table(qh, ih, radius, layout, k, hits: _Hits, stats: dict) -> None:
     """Probe table ``k`` with every query hash; verify the candidates; keep those no earlier
     table finds."""
     start, length, r_k = layout[k]
@@ -158,11 +159,13 @@ def _search_table(qh, ih, radius, layout, k, hits: _Hits) -> None:
         probe = (_substring(qblock, start, length)[:, None] ^ masks[None, :]).ravel()  # (b * P,)
         lo = offsets[probe]
         count = offsets[probe + 1] - lo
+        stats["probes"] += probe.size
         nz = np.flatnonzero(count)
         lo, count, owner = lo[nz], count[nz], (nz // masks.size).astype(small)  # owner: row in the block
         del probe, nz
         ends = np.cumsum(count, dtype=np.int64)  # (p,)
         total, c0 = int(ends[-1]) if ends.size else 0, 0
+        stats["candidates"] += total
         while c0 < total:  # candidates in ranges of at most BLOCK, cutting a bucket where need be
             c1 = min(total, c0 + BLOCK)
             j0, j1 = np.searchsorted(ends, [c0, c1 - 1], side="right")  # probes holding c0 .. c1-1
@@ -171,12 +174,13 @@ def _search_table(qh, ih, radius, layout, k, hits: _Hits) -> None:
             n = (np.minimum(ends[j0:j1], c1) - np.maximum(first, c0)).astype(small)
             shift = (lo[j0:j1] + np.maximum(c0 - first, 0) - (np.cumsum(n) - n)).astype(small)
             pos = np.repeat(shift, n) + np.arange(c1 - c0, dtype=small)  # (c,) into the sorted table
-            qrow = np.repeat(owner[j0:j1], n)  # (c,)
-            d = np.bitwise_count(cols[0][pos] ^ qblock[:, 0][qrow])  # (c,) uint8: the full distance decides
+            probe_q = owner[j0:j1]  # (p',) each probe's query row in the block
+            d = np.bitwise_count(cols[0][pos] ^ np.repeat(qblock[probe_q, 0], n))  # (c,) uint8
             for w in range(1, len(cols)):
-                d += np.bitwise_count(cols[w][pos] ^ qblock[:, w][qrow])
-            ok = np.flatnonzero(d <= radius)
-            qrow, pos, d = qrow[ok].astype(np.int64) + s, pos[ok], d[ok].astype(np.int64)
+                d += np.bitwise_count(cols[w][pos] ^ np.repeat(qblock[probe_q, w], n))
+            ok = np.flatnonzero(d <= radius)  # the full distance decides; few pass
+            qrow = probe_q[np.searchsorted(np.cumsum(n), ok, side="right")].astype(np.int64) + s
+            pos, d = pos[ok], d[ok].astype(np.int64)
             del ok
             for st, ln, r_j in layout[:k]:  # found by an earlier table already: not again
                 if r_j >= 0:
@@ -189,14 +193,21 @@ def _search_table(qh, ih, radius, layout, k, hits: _Hits) -> None:
 
 
 def near_pairs(
-    query: np.ndarray, index: np.ndarray, radius: int, *, same: bool = False, parts: int | None = None
+    query: np.ndarray,
+    index: np.ndarray,
+    radius: int,
+    *,
+    same: bool = False,
+    parts: int | None = None,
+    stats: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (a, b) with ``min_{q, v} popcount(query[a, q] ^ index[b, v]) <= radius``.
 
     query (n, Q, W), index (m, V, W) uint64 -> (a, b, d) int64 arrays, d that minimum, each pair
     once, sorted by (a, b). ``same``: query and index describe one pool (n == m): pairs a < b
     only, d the smaller of both directions (``mmalign.data.phash.distance``). ``parts``: the
-    number of substrings (0: compare all pairs; None: :func:`plan` chooses)."""
+    number of substrings (0: compare all pairs; None: :func:`plan` chooses). ``stats``: a dict
+    that receives the work done (``parts``, ``probes``, ``candidates`` checked, ``pairs``)."""
     query, index = np.asarray(query), np.asarray(index)
     if query.ndim != 3 or index.ndim != 3 or query.shape[2] != index.shape[2]:
         raise ValueError(
@@ -215,15 +226,20 @@ def near_pairs(
     qh = np.ascontiguousarray(query.reshape(n * q_per, w))  # (n*Q, W): row a*Q + q
     ih = np.ascontiguousarray(index.reshape(m * v_per, w))  # (m*V, W): row b*V + v
     hits = _Hits(q_per, v_per, m, same)
+    work = {"parts": 0, "probes": 0, "candidates": 0}
     if len(qh) and len(ih):
         s = plan(len(qh), len(ih), min(radius, bits), bits) if parts is None else int(parts)
+        work["parts"] = 0 if radius >= bits else s
         if s == 0 or radius >= bits:
-            _all_pairs(qh, ih, radius, hits)
+            _all_pairs(qh, ih, radius, hits, work)
         else:
             if not math.ceil(bits / MAX_TABLE_BITS) <= s <= bits:
                 raise ValueError(f"parts must be 0 or in {math.ceil(bits / MAX_TABLE_BITS)}..{bits}, got {s}")
             layout = _layout(bits, s, radius)
             for k in range(s):
                 if layout[k][2] >= 0:
-                    _search_table(qh, ih, radius, layout, k, hits)
-    return hits.result()
+                    _search_table(qh, ih, radius, layout, k, hits, work)
+    a, b, d = hits.result()
+    if stats is not None:
+        stats.update(work, pairs=int(a.size))
+    return a, b, d

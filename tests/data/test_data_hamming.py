@@ -105,3 +105,14 @@ def test_bad_input_is_one_line():
         hamming.near_pairs(h, h, 2, parts=1)
     a, b, d = hamming.near_pairs(h[:0], h, 3)
     assert a.size == b.size == d.size == 0
+
+
+def test_stats_count_the_work():
+    rng = np.random.default_rng(5)
+    query, index = _pool(rng, 30, 2, 3, 1)
+    all_pairs, tables = {}, {}
+    a, _, _ = hamming.near_pairs(query, index, 6, parts=0, stats=all_pairs)
+    hamming.near_pairs(query, index, 6, parts=4, stats=tables)
+    assert all_pairs == {"parts": 0, "probes": 0, "candidates": 60 * 90, "pairs": a.size}
+    assert tables["parts"] == 4 and tables["pairs"] == a.size
+    assert 0 < tables["candidates"] < 60 * 90 * 4 and tables["probes"] > 0
