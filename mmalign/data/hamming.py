@@ -145,11 +145,11 @@ def _search_table(qh, ih, radius, layout, k, hits: _Hits, stats: dict) -> None:
     """Probe table ``k`` with every query hash; verify the candidates; keep those no earlier
     table finds."""
     start, length, r_k = layout[k]
-    key = _substring(ih, start, length)  # (N,)
+    key = _substring(ih, start, length).astype(np.int32)  # (N,) length <= MAX_TABLE_BITS < 31
     small = np.int32 if len(ih) < 2**31 else np.int64  # positions and offsets: half the bytes to move
     offsets = np.zeros((1 << length) + 1, small)
     np.cumsum(np.bincount(key, minlength=1 << length), out=offsets[1:])  # direct-address buckets
-    rows = np.argsort(key, kind="stable").astype(small)  # (N,) index rows bucket by bucket
+    rows = np.argsort(key).astype(small)  # (N,) index rows bucket by bucket (any order inside one)
     del key
     cols = [np.ascontiguousarray(ih[rows, w]) for w in range(ih.shape[1])]  # W x (N,): sorted by bucket
     masks = _masks(length, r_k)  # (P,)
@@ -160,9 +160,11 @@ def _search_table(qh, ih, radius, layout, k, hits: _Hits, stats: dict) -> None:
         lo = offsets[probe]
         count = offsets[probe + 1] - lo
         stats["probes"] += probe.size
-        nz = np.flatnonzero(count)
-        lo, count, owner = lo[nz], count[nz], (nz // masks.size).astype(small)  # owner: row in the block
-        del probe, nz
+        owner = np.repeat(np.arange(len(qblock), dtype=small), masks.size)  # (b * P,) row in the block
+        if np.count_nonzero(count) < count.size // 2:  # mostly empty buckets: drop them first
+            nz = np.flatnonzero(count)
+            lo, count, owner = lo[nz], count[nz], owner[nz]
+        del probe
         ends = np.cumsum(count, dtype=np.int64)  # (p,)
         total, c0 = int(ends[-1]) if ends.size else 0, 0
         stats["candidates"] += total
