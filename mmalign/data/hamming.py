@@ -16,16 +16,21 @@ Choosing ``s``: a table's buckets hold on average ``N / 2^L`` of the ``N`` index
 its substring's bits), and a query probes ``sum_{i <= r_k} C(L, i)`` buckets of it. The cost of
 each ``s`` whose substrings fit a direct-address table (``L <= MAX_TABLE_BITS``) is estimated
 as probes plus expected candidates (uniform hashes) plus building the tables, beside the cost
-of comparing every pair; the cheapest is run (:func:`plan`). On 64 bits and ~20M index hashes
-that is ``s = 3`` (21-22 bit substrings) for radii up to ~10; on a few thousand hashes or a
-large radius, comparing every pair in blocks. Real hashes are not uniform (correlated bits
-fill some buckets more), which costs time, never exactness.
+of comparing every pair; the cheapest is run (:func:`plan`). On 64 bits and 2M query against
+20-40M index hashes (a 1M-sample pool) that is ``s = 3`` (21-22 bit substrings) for radii up to
+12, and a query hash meets ~N * 3 * C(21, <= r/3) / 2^21 candidates: a few hundred at 4 bits,
+a few thousand at 8 (the candidates, not the pairs, are the cost). On a few thousand hashes
+or a large radius, comparing every pair in blocks wins. Real hashes are not uniform
+(correlated bits fill some buckets more), which costs time, never exactness.
 
 Memory (what is held at once, besides the inputs and the pairs found): one table, i.e. the
-index hashes sorted by one substring (N x WORDS uint64), their rows (N int32/int64) and the
-bucket offsets (2^L + 1 int64); one block of probes (at most ``BLOCK`` bucket ids) and one
-block of candidates (at most ``BLOCK`` positions, their hashes and query rows). Comparing every
-pair holds one (b, N) block of distances with ``b * N <= BLOCK``.
+index hashes sorted by one substring (N x WORDS uint64), their rows (N int32; int64 past 2^31)
+and the bucket offsets (2^L + 1, at most 2^24 + 1); while a table is built, its keys (N int32)
+and their argsort (N int64). Then one block of probes (at most ``BLOCK`` bucket ids, their
+offsets and query rows) and one block of candidates (at most ``BLOCK`` positions, their hashes
+and distances). For a 1M-sample pool of 35 index hashes: ~0.45 GB of table, ~0.4 GB more while
+building it, ~0.2 GB of blocks. Comparing every pair holds one (b, N) block of distances with
+``b * N <= BLOCK``.
 """
 
 from __future__ import annotations
