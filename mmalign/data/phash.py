@@ -11,8 +11,8 @@ Two edits move many bits, so they are hashed rather than tolerated:
 - a mirror changes the sign of every odd horizontal frequency: each image is hashed as it is and
   mirrored (its two *query* hashes);
 - a small crop, resized back, shifts and rescales every frequency: each image is also hashed
-  over a grid of crops (sides :data:`CROP_SCALES` of the image, at 3x3 positions from corner to
-  corner), which with the whole view are its *index* hashes.
+  over a grid of crops (sides :data:`CROP_SCALES` of the image, at positions from corner to
+  corner, one every 1/32 of the side), which with the whole view are its *index* hashes.
 
 The distance of two images is the smallest Hamming distance between a query hash of one and
 an index hash of the other, either way round (:func:`distance`): a crop of ``a`` is near one
@@ -27,17 +27,27 @@ from collections.abc import Iterable
 
 import numpy as np
 
-VERSION = 1  # bump when the hash changes: stored hashes of another version are recomputed
+VERSION = 2  # bump when the hash changes: stored hashes of another version are recomputed
 SIDE = 32  # pixels of the resized grayscale view (imagehash: hash_size x highfreq_factor)
 LOW = 8  # the LOW x LOW lowest DCT frequencies are the bits
 BITS = LOW * LOW
 WORDS = BITS // 64  # uint64 words per hash
 CROP_SCALES = (0.875, 0.9375)  # crop sides, as a fraction of the image's
-CROP_POSITIONS = (0.0, 0.5, 1.0)  # where a crop sits in the room the image leaves it, per axis
+CROP_STEP = 1 / 32  # crop positions every this fraction of the side, corner to corner
 QUERIES = 2  # the view and its mirror
-VIEWS = 1 + len(CROP_SCALES) * len(CROP_POSITIONS) ** 2  # index hashes: the whole image, then the crops
+
+
+def _offsets(scale: float) -> tuple[float, ...]:
+    """Where crops of this side sit, per axis, as a fraction of the room the image leaves: one
+    every CROP_STEP of the side, both ends included (so a crop is within half a step of one)."""
+    steps = max(1, round((1.0 - scale) / CROP_STEP))
+    return tuple(k / steps for k in range(steps + 1))
+
+
+CROPS = tuple((scale, _offsets(scale)) for scale in CROP_SCALES)  # (side, positions per axis)
+VIEWS = 1 + sum(len(pos) ** 2 for _, pos in CROPS)  # index hashes: the whole image, then the crops
 WORK_SIDE = 4 * SIDE  # crops are cut from a copy at most this large (the whole view is not)
-DEFAULT_DISTANCE = 4  # bits; docs/data.md, "Perceptual de-duplication", says how it was chosen
+DEFAULT_DISTANCE = 2  # bits; docs/data.md, "Perceptual de-duplication", says how it was chosen
 
 _n = np.arange(SIDE)
 # DCT-II basis (scipy.fftpack's unnormalised type II up to a factor 2, which no median comparison sees)
@@ -80,10 +90,10 @@ def _views(image) -> np.ndarray:
         gray = gray.resize((max(1, round(w * f)), max(1, round(h * f))), lanczos)
         w, h = gray.size
     views = [whole, mirror]
-    for scale in CROP_SCALES:
+    for scale, positions in CROPS:
         cw, ch = scale * w, scale * h
-        for py in CROP_POSITIONS:
-            for px in CROP_POSITIONS:
+        for py in positions:
+            for px in positions:
                 left, top = px * (w - cw), py * (h - ch)
                 views.append(gray.resize((SIDE, SIDE), lanczos, box=(left, top, left + cw, top + ch)))
     return np.stack([np.asarray(v, dtype=np.float64) for v in views])

@@ -39,7 +39,7 @@ OTHERS = 6  # unrelated images in the second shard
 
 
 def _smooth(rng: np.random.Generator) -> Image.Image:
-    return Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize(
+    return Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).resize(
         (SIDE, SIDE), Image.Resampling.BICUBIC
     )
 
@@ -50,13 +50,20 @@ def _jpeg(image: Image.Image, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def _edit(kind: str, data: bytes) -> bytes:
+# crops of a 64 px image, resized back: 60 px at a grid position of the hash's crop views, 56 px at
+# another, and 60 px half a grid step (1 px) off in one axis, the worst place
+CROPS = ((2, 2, 62, 62), (4, 2, 60, 58), (2, 3, 62, 63))
+OFF_GRID = 2  # the index in CROPS of the crop between grid positions
+
+
+def _edit(kind: str, data: bytes, variant: int = 0) -> bytes:
     """One edit of a stored JPEG, as a pool would hold it."""
     image = Image.open(io.BytesIO(data)).convert("RGB")
     if kind == "flip":
         return _jpeg(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT))
-    if kind == "crop":  # 60 of 64 pixels, off the crop grid the hash keeps, resized back
-        return _jpeg(image.crop((2, 3, 62, 63)).resize((SIDE, SIDE), Image.Resampling.BICUBIC))
+    if kind == "crop":
+        box = CROPS[variant % len(CROPS)]
+        return _jpeg(image.crop(box).resize((SIDE, SIDE), Image.Resampling.BICUBIC))
     if kind == "jpeg":
         return _jpeg(image, quality=50)
     if kind == "smaller":
@@ -101,7 +108,7 @@ def _build(root: Path, seed: int) -> Pool:
     for i in range(ORIGINALS):
         kind = EDITS[i % len(EDITS)]
         key = f"e{i:03d}"
-        images[key] = ("jpg", _edit(kind, images[f"o{i:03d}"][1]))
+        images[key] = ("jpg", _edit(kind, images[f"o{i:03d}"][1], i // len(EDITS)))
         edit_of[key] = (kind, f"o{i:03d}")
         second.append(key)
     for key, of in (("x000", "o003"), ("x001", "e000")):  # a copy of an original, of an edited copy
@@ -254,6 +261,24 @@ def test_perceptual_groups_equal_the_naive_greedy_and_catch_each_edit(pool, mode
             assert row["perceptual_distance"] == phash.distance(
                 query[at[e]], index[at[e]], query[o], index[o]
             )
+
+
+def test_a_crop_between_grid_positions_is_within_the_decontamination_distance(pool):
+    """The bound of the crop views: a crop half a grid step off costs a few bits more than one on the
+    grid; every such copy is within decontamination's looser default (the default here + 2 bits)."""
+    from mmalign.evaluation.contamination import DEFAULT_DISTANCE
+
+    query, index = _hashes(pool)
+    at = {k: i for i, k in enumerate(pool.order)}
+    off = [
+        e
+        for e, (k, _) in pool.edit_of.items()
+        if k == "crop" and int(e[1:]) // len(EDITS) % len(CROPS) == OFF_GRID
+    ]
+    assert off
+    for e in off:
+        i, o = at[e], at[pool.edit_of[e][1]]
+        assert phash.distance(query[i], index[i], query[o], index[o]) <= DEFAULT_DISTANCE, e
 
 
 def test_two_images_with_one_colour_histogram_are_not_grouped(pool, model_free):
