@@ -312,3 +312,12 @@ def test_a_run_warns_and_records_the_check(tmp_path):
     assert f"mmalign: data.decontaminate: {want_eval} of the {EVAL} images of {target} " in res.stdout
     stored = json.loads((out / "decontamination.json").read_text())
     assert stored["eval_found"] == want_eval and stored["target"] == target
+
+
+def test_the_config_default_distance_is_decontaminations():
+    """data.decontaminate_distance's default (a literal: the config layer sits below data) is the
+    distance curate --decontaminate uses."""
+    from mmalign.config.schema import DataConfig
+    from mmalign.evaluation.contamination import DEFAULT_DISTANCE
+
+    assert DataConfig().decontaminate_distance == DEFAULT_DISTANCE
