@@ -319,3 +319,28 @@ def write(
         decontaminate.eval_thumbs(near)
         body.append(decontaminate.html_section(near, pool, thumbs))
     (out / REPORT_HTML).write_text("\n".join(body), encoding="utf-8")
+
+
+def decisions_table(out: Path, pool, decisions) -> None:
+    """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts, and
+    ``reason`` ("kept", or the policies that dropped it: "clip_score", "exact duplicate of KEY",
+    "perceptual duplicate of KEY", "semantic duplicate of KEY", joined by "; ") with
+    ``duplicate_of`` (that KEY, else None)."""
+    from data_pipelines.curate.decide import reasons
+
+    frame = pool.frame[["shard", "key", "index", "clip_score"]].copy()
+    for name, mask in decisions.by_policy.items():
+        frame[f"kept_by_{name}"] = mask
+    for name, groups in decisions.groups.items():
+        frame[f"{name}_group"] = groups
+    if decisions.group_field is not None:
+        frame["false_negative_group"] = decisions.group_field
+    if decisions.similarity is not None:
+        frame["similarity_to_kept"] = decisions.similarity  # cosine with its group's kept member
+    if decisions.nearest is not None:
+        frame["nearest_similarity"] = decisions.nearest  # highest cosine with another sample of its cluster
+    if decisions.distance is not None:
+        frame["perceptual_distance"] = decisions.distance  # bits to its group's kept member
+    frame["kept"] = decisions.keep
+    frame["reason"], frame["duplicate_of"] = reasons(pool, decisions)
+    frame.to_parquet(out / "decisions.parquet", index=False)

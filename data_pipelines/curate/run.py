@@ -37,13 +37,13 @@ from pathlib import Path
 from data_pipelines.curate import outdir
 from data_pipelines.curate.decide import Policies
 from data_pipelines.curate.embed_pass import POOL, ShardEmbedder, done_shards
+from data_pipelines.curate.stamp import STAMP, check_stamp, wait_stamp, write_stamp
 from data_pipelines.shard_input import input_shards
 from mmalign.errors import UsageError
 from mmalign.models.locate import check_exists
 
 log = logging.getLogger("mmalign.curate")
 
-STAMP = "stamp.json"
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a .json field the config's loss.false_negative_ids accepts
 
 
@@ -106,77 +106,6 @@ def check(opts: Options) -> None:
     check_model(opts)  # the perceptual distance; without a model, no policy that needs one
     if opts.model is not None:
         check_exists(opts.model)  # before --out is made and before the seconds of importing torch
-
-
-def _stamp_content(opts: Options, urls: list[str]) -> dict:
-    """The model's weight files (names, sizes, mtimes) and the shard list."""
-    if opts.model is None:  # hashes only
-        return {"model": None, "weights": [], "urls": urls}
-    model = check_exists(opts.model).resolve()  # a model name: the cache folder it resolves to
-    if (model / "final").is_dir():  # a run directory: its final/ is what load() reads, not checkpoints/
-        model = model / "final"
-    weights = sorted(p for p in model.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    return {
-        "model": str(model),
-        "weights": [
-            [str(p.relative_to(model)), p.stat().st_size, int(p.stat().st_mtime), _weight_hash(p)]
-            for p in weights
-        ],
-        "urls": urls,
-    }
-
-
-_hashed: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: the stamp is built twice a run
-
-
-def _weight_hash(path: Path) -> str:
-    """A weight file's sha256 (~1 s a GB: a line first for a large one), once per process."""
-    from data_pipelines.curate.fingerprint import sha256_file
-
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _hashed:
-        if st.st_size > 1 << 30:
-            print(
-                f"mmalign: curate: hashing the model's {path.name} ({st.st_size / 2**30:.1f} GiB) for its stamp",
-                flush=True,
-            )
-        _hashed[key] = sha256_file(str(path))
-    return _hashed[key]
-
-
-def _check_stamp(opts: Options, urls: list[str], out: Path) -> None:
-    """Refuse an ``OUT/pool`` whose embeddings came from another model or other shards."""
-    path = out / POOL / STAMP
-    if not path.is_file():
-        return
-    have, want = json.loads(path.read_text()), _stamp_content(opts, urls)
-    if opts.model is None or have.get("model") is None:  # hashes only, now or then
-        from data_pipelines.curate.hash_pass import check_stamp
-
-        return check_stamp(opts, have, want, out)
-    if all(len(w) == 3 for w in have.get("weights", [])):  # a stamp from before the hash: compare what it has
-        want["weights"] = [w[:3] for w in want["weights"]]
-    if have != want:
-        what = (
-            "model"
-            if have.get("model") != want["model"] or have.get("weights") != want["weights"]
-            else "shards"
-        )
-        raise UsageError(
-            f"--out: {out} holds embeddings of other {what} ({path}); use another --out, or "
-            f"delete {out / POOL} to embed again"
-        )
-
-
-def _write_stamp(opts: Options, urls: list[str], out: Path) -> None:
-    """Rank 0, once the model has loaded: a failed start leaves no stamp to block its rerun."""
-    path = out / POOL / STAMP
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{STAMP}.tmp")
-        tmp.write_text(json.dumps(_stamp_content(opts, urls), indent=1))
-        os.replace(tmp, path)
 
 
 def _peek_field(urls: list[str], field_name: str) -> None:
@@ -376,7 +305,7 @@ def curate(opts: Options) -> dict | None:
     # one curate per --out for the whole run (a --nproc launcher holds it already: inherited)
     with hold(out, "mmalign curate"):
         outdir.claim(out, opts.overwrite)
-        _check_stamp(opts, urls, out)
+        check_stamp(opts, urls, out)
         return _curate(opts, urls, out, rank, world, start)
 
 
@@ -404,7 +333,7 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         out,
         rank,
         world,
-        on_loaded=(lambda: _write_stamp(opts, urls, out)) if rank == 0 else (lambda: _wait_stamp(out)),
+        on_loaded=(lambda: write_stamp(opts, urls, out)) if rank == 0 else (lambda: wait_stamp(out)),
     )
     if rank != 0:
         return None
@@ -459,39 +388,5 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
     }
     report = report_mod.summary(pool, decisions, opts.policies, extra)
     report_mod.write(out, urls, pool, decisions, report, examples=opts.examples)
-    _decisions_table(out, pool, decisions)
+    report_mod.decisions_table(out, pool, decisions)
     return report
-
-
-def _wait_stamp(out: Path, timeout_s: float = 600.0) -> None:
-    """Ranks > 0: rank 0 writes the stamp (and refuses a mismatched --out) before anyone embeds."""
-    deadline = time.time() + timeout_s
-    while not (out / POOL / STAMP).is_file():
-        if time.time() > deadline:
-            raise UsageError(f"curate: rank 0 wrote no {out / POOL / STAMP} in {timeout_s:.0f} s")
-        time.sleep(0.2)
-
-
-def _decisions_table(out: Path, pool, decisions) -> None:
-    """``OUT/decisions.parquet``: per readable sample its shard, key, score, groups and verdicts, and
-    ``reason`` ("kept", or the policies that dropped it: "clip_score", "exact duplicate of KEY",
-    "perceptual duplicate of KEY", "semantic duplicate of KEY", joined by "; ") with
-    ``duplicate_of`` (that KEY, else None)."""
-    from data_pipelines.curate.decide import reasons
-
-    frame = pool.frame[["shard", "key", "index", "clip_score"]].copy()
-    for name, mask in decisions.by_policy.items():
-        frame[f"kept_by_{name}"] = mask
-    for name, groups in decisions.groups.items():
-        frame[f"{name}_group"] = groups
-    if decisions.group_field is not None:
-        frame["false_negative_group"] = decisions.group_field
-    if decisions.similarity is not None:
-        frame["similarity_to_kept"] = decisions.similarity  # cosine with its group's kept member
-    if decisions.nearest is not None:
-        frame["nearest_similarity"] = decisions.nearest  # highest cosine with another sample of its cluster
-    if decisions.distance is not None:
-        frame["perceptual_distance"] = decisions.distance  # bits to its group's kept member
-    frame["kept"] = decisions.keep
-    frame["reason"], frame["duplicate_of"] = reasons(pool, decisions)
-    frame.to_parquet(out / "decisions.parquet", index=False)

@@ -144,7 +144,8 @@ def test_eval_and_export_by_name(tmp_path, monkeypatch):
 def test_curates_resume_stamp_of_a_name_lists_the_cached_weights(tmp_path, monkeypatch):
     """curate's resume stamp fingerprints the weights a name resolves to (a new revision in the
     cache is a changed model), not a folder spelled like the name."""
-    from data_pipelines.curate.run import Options, _stamp_content
+    from data_pipelines.curate.run import Options
+    from data_pipelines.curate.stamp import stamp_content
 
     src = tmp_path / "src"
     src.mkdir()
@@ -152,6 +153,6 @@ def test_curates_resume_stamp_of_a_name_lists_the_cached_weights(tmp_path, monke
     (src / "model.safetensors").write_bytes(b"weights")
     snapshot = fabricate(tmp_path / "home", "test-org/tiny-clip", src)
     offline_env(monkeypatch, tmp_path / "home")
-    stamp = _stamp_content(Options(data="d", model="test-org/tiny-clip", out="o"), [])
+    stamp = stamp_content(Options(data="d", model="test-org/tiny-clip", out="o"), [])
     assert stamp["model"] == str(snapshot.resolve())
     assert [w[0] for w in stamp["weights"]] == ["model.safetensors"]
