@@ -344,7 +344,14 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         ensure_hashes(out, urls, opts.progress)
     pool = load_pool(out, len(urls))
     if len(pool) == 0:
-        raise UsageError(f"--data: {opts.data} holds no readable samples")
+        skipped: dict[str, int] = {}
+        for stats in pool.stats:
+            for reason, count in stats["skipped"].items():
+                skipped[reason] = skipped.get(reason, 0) + count
+        why = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+        raise UsageError(
+            f"--data: {opts.data} holds no readable samples" + (f" (skipped: {why})" if why else "")
+        )
     if field_name is not None:
         where = next((s["url"] for s in pool.stats if field_name in s["fields"]), None)
         if where is not None:

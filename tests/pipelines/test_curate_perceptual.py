@@ -500,3 +500,15 @@ def test_a_run_without_a_model_does_not_hash_into_an_embedded_pool(pool, embedde
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert "--model" in lines[0] and "00001.tar" in lines[0], lines[0]
     assert not (out / "pool" / "00001.json").exists()
+
+
+def test_a_pool_without_images_is_one_line(tmp_path):
+    """Samples with captions and no image: counted skips, then one line naming the reason, exit 2."""
+    samples = [(f"t{i:03d}", {"txt": b"a caption", "json": b"{}"}) for i in range(3)]
+    write_shard(tmp_path / "00000.tar", samples)
+    run = cli_main(
+        "curate", "--data", tmp_path / "00000.tar", "--out", tmp_path / "out", "--dedupe", "perceptual"
+    )
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "holds no readable samples" in errors[0] and "missing_image 3" in errors[0]
