@@ -22,16 +22,23 @@ seeds each, scored by zero-shot top-1 on the 10000 CIFAR-10 test images (eval/ci
   ``data.keep_keys``;
 - (c) a random subset of the raw pool of (b)'s size (seeded), also through ``data.keep_keys``;
 - (d) the raw pool with ``--false-negative-groups dup_group`` (nothing dropped; duplicate
-  groups are positives of each other: ``loss.false_negative_ids: dup_group``).
+  groups are positives of each other: ``loss.false_negative_ids: dup_group``);
+- (b2), (d2): (b) and (d) with ``--dedupe perceptual,semantic`` (the perceptual hash,
+  :mod:`mmalign.data.phash`, and SemDeDup together: a sample joins a kept sample within either
+  threshold).
 
 Also reported: how well curation finds the injected noise, against the truth: precision and
-recall of the score filter's drops for mismatched captions; the fraction of injected
-duplicates grouped with their original, and the false-group rate (groups of more than one
-member that join samples of different origin), at the chosen eps and, for reading only, at
-a few others.
+recall of the score filter's drops for mismatched captions; for each detector (SemDeDup,
+perceptual, both) the fraction of injected duplicates grouped with their original (per kind of
+edit), and the false-group rate (groups of more than one member that join samples of different
+origin; of those, the groups joining different classes), at the chosen thresholds and, for
+reading only, at a few others.
 
     python bench/curate_cifar10.py --quick          # development: minutes
-    python bench/curate_cifar10.py --write-doc      # the full size: ~1 h on 2 idle cores
+    python bench/curate_cifar10.py --write-doc      # the full size: ~1.5 h on 2 idle cores
+    python bench/curate_cifar10.py --arms b2,d2 --previous data/bench_curate_cifar10/results.json
+                                                    # only the new arms, the others' runs reused
+
 """
 
 from __future__ import annotations
@@ -54,12 +61,14 @@ from bench.cifar10_shards import cifar_items, shard_spec
 from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
 
 SECTION = "## Curation on a noisy CIFAR-10 pool (bench/curate_cifar10.py)"
-ARMS = ("a", "b", "c", "d")
+ARMS = ("a", "b", "c", "d", "b2", "d2")
 ARM_NAMES = {
     "a": "(a) raw pool",
     "b": "(b) curate: score top fraction + SemDeDup",
     "c": "(c) random subset, (b)'s size",
     "d": "(d) raw pool, duplicate groups as positives",
+    "b2": "(b2) curate: score top fraction + perceptual + SemDeDup",
+    "d2": "(d2) raw pool, perceptual + SemDeDup groups as positives",
 }
 FIELD = "dup_group"
 # The filter model's recipe on top of the arms' (bench/cifar10_runs.run_mmalign). With CLIP's loss
@@ -77,6 +86,7 @@ FILTER_RECIPES = {
     "clip": (),
 }
 EPS_SWEEP = [0.002, 0.005, 0.01, 0.02, 0.05]
+DISTANCE_SWEEP = [0, 2, 4, 6, 8]  # perceptual bits (pHash distances of 64 bits are even)
 
 
 # ------------------------------------------------------------------ the pool
@@ -225,8 +235,9 @@ def curate(work: Path, name: str, pool: str, model: Path, *flags: str, reuse: Pa
     return out
 
 
-def detection(truth_file: Path, decisions_file: Path) -> dict:
-    """Curation's finds against the truth: mismatched captions dropped by score, duplicates grouped."""
+def detection(truth_file: Path, decisions_file: Path, column: str = "semantic_group") -> dict:
+    """Curation's finds against the truth: mismatched captions dropped by score, duplicates grouped
+    (by the groups in ``column``)."""
     import pandas as pd
 
     truth = pd.read_parquet(truth_file)
@@ -239,21 +250,25 @@ def detection(truth_file: Path, decisions_file: Path) -> dict:
         out["score_drop_recall"] = float((dropped & bad).sum() / max(1, bad.sum()))
         out["score_dropped"] = int(dropped.sum())
         out["mismatched"] = int(bad.sum())
-    if "semantic_group" in dec:
+    if column in dec:
         out.update(
             group_quality(
-                dec["semantic_group"].to_numpy(),
+                dec[column].to_numpy(),
                 dec["origin"].to_numpy(),
                 dec["kind"].to_numpy() != "original",
                 dec["kind"].to_numpy(),
+                dec["label"].to_numpy(),
             )
         )
     return out
 
 
-def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, kinds=None) -> dict:
+def group_quality(
+    groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, kinds=None, labels=None
+) -> dict:
     """Injected duplicates grouped with their original (also per kind of edit); groups that join
-    different origins."""
+    different origins ("false" against the injected truth, which does not know CIFAR-10's own
+    near-duplicates), and of those the groups that join different classes."""
     # the group of each origin's original sample
     original_group = {}
     for g, o, inj in zip(groups.tolist(), origin.tolist(), injected.tolist()):
@@ -265,12 +280,16 @@ def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, 
         if inj
     ]
     members: dict[int, set] = {}
+    classes: dict[int, set] = {}
     sizes: dict[int, int] = {}
-    for g, o in zip(groups.tolist(), origin.tolist()):
+    label_list = labels.tolist() if labels is not None else [0] * len(groups)
+    for g, o, c in zip(groups.tolist(), origin.tolist(), label_list):
         members.setdefault(g, set()).add(o)
+        classes.setdefault(g, set()).add(c)
         sizes[g] = sizes.get(g, 0) + 1
     multi = [g for g, n in sizes.items() if n > 1]
     false = [g for g in multi if len(members[g]) > 1]
+    cross = [g for g in false if len(classes[g]) > 1]
     per_kind = {}
     if kinds is not None:
         edits = [k for k, inj in zip(kinds.tolist(), injected.tolist()) if inj]
@@ -284,6 +303,8 @@ def group_quality(groups: np.ndarray, origin: np.ndarray, injected: np.ndarray, 
         "groups_of_more_than_one": len(multi),
         "false_groups": len(false),
         "false_group_rate": len(false) / len(multi) if multi else 0.0,
+        "cross_class_groups": len(cross) if labels is not None else None,
+        "cross_class_rate": (len(cross) / len(multi) if multi else 0.0) if labels is not None else None,
     }
 
 
@@ -304,8 +325,32 @@ def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[
             truth["origin"].to_numpy(),
             truth["kind"].to_numpy() != "original",
             truth["kind"].to_numpy(),
+            truth["label"].to_numpy(),
         )
         rows.append({"eps": eps, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
+    return rows
+
+
+def distance_sweep(truth_file: Path, curated: Path, distances: list[int]) -> list[dict]:
+    """Perceptual group quality at several distances from the stored hashes (for reading)."""
+    import pandas as pd
+
+    from data_pipelines.curate.decide import Policies, decide, load_pool
+
+    n = len(json.loads((curated / "pool" / "stamp.json").read_text())["urls"])
+    pool = load_pool(curated, n)
+    truth = pd.read_parquet(truth_file).set_index("key").loc[pool.frame["key"]]
+    rows = []
+    for d in distances:
+        dec = decide(pool, Policies(dedupe=("perceptual",), perceptual_distance=d))
+        q = group_quality(
+            dec.groups["perceptual"],
+            truth["origin"].to_numpy(),
+            truth["kind"].to_numpy() != "original",
+            truth["kind"].to_numpy(),
+            truth["label"].to_numpy(),
+        )
+        rows.append({"distance": d, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
     return rows
 
 
@@ -318,7 +363,27 @@ def mean_std(values) -> tuple[float, float]:
     return m, (math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0)
 
 
-def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: float) -> str:
+def _grouping_row(name: str, d: dict) -> str:
+    edits = ", ".join(f"{k} {100 * v:.1f}%" for k, v in d.get("grouped_by_edit", {}).items())
+    multi = d.get("groups_of_more_than_one", 0)
+    return (
+        f"| {name} | {100 * d.get('duplicates_grouped', 0):.1f}% of {d.get('duplicates_injected')} | {edits} | "
+        f"{d.get('false_groups')} of {multi} ({100 * d.get('false_group_rate', 0):.2f}%) | "
+        f"{d.get('cross_class_groups')} ({100 * (d.get('cross_class_rate') or 0):.2f}%) |"
+    )
+
+
+def tables(
+    runs: list[dict],
+    dets: dict[str, dict],
+    sweep: list[dict],
+    dsweep: list[dict],
+    sizes: dict,
+    eps: float,
+    distance: int,
+) -> str:
+    """The arms' accuracies, what each detector found against the truth, and the sweeps.
+    ``dets``: detector name -> :func:`detection` (the first also holds the score filter's)."""
     lines = [
         "| arm | samples trained on | seeds | zero-shot top-1 (%) per seed | mean +- std |",
         "|---|---|---|---|---|",
@@ -334,20 +399,21 @@ def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: flo
             f"{stats[arm][0]:.2f} +- {stats[arm][1]:.2f} |"
         )
     lines.append("")
-    for other in ("a", "c"):
-        if "b" in stats and other in stats:
-            diff = stats["b"][0] - stats[other][0]
-            spread = stats["b"][1] + stats[other][1]
-            goal = "met" if diff >= 3 and diff > spread else "not met"
-            lines.append(
-                f"- (b) - ({other}): {diff:+.2f} points (sum of stds {spread:.2f}; goal >= +3 beyond the "
-                f"spread: {goal})"
-            )
-    if "d" in stats and "a" in stats:
-        lines.append(
-            f"- (d) - (a): {stats['d'][0] - stats['a'][0]:+.2f} points (sum of stds "
-            f"{stats['d'][1] + stats['a'][1]:.2f})"
-        )
+    for arm, other in (
+        ("b", "a"),
+        ("b", "c"),
+        ("d", "a"),
+        ("b2", "b"),
+        ("b2", "a"),
+        ("d2", "a"),
+        ("d2", "d"),
+    ):
+        if arm in stats and other in stats:
+            diff = stats[arm][0] - stats[other][0]
+            spread = stats[arm][1] + stats[other][1]
+            verdict = "beyond the spread" if abs(diff) > spread else "within the spread"
+            lines.append(f"- ({arm}) - ({other}): {diff:+.2f} points (sum of stds {spread:.2f}: {verdict})")
+    det = next(iter(dets.values()))
     lines += [
         "",
         "**What curation found, against the injected truth**",
@@ -359,25 +425,38 @@ def tables(runs: list[dict], det: dict, sweep: list[dict], sizes: dict, eps: flo
         f"{100 * det.get('score_drop_precision', 0):.1f}% |",
         f"| score filter: recall (mismatched captions dropped, of {det.get('mismatched')}) | "
         f"{100 * det.get('score_drop_recall', 0):.1f}% |",
-        f"| SemDeDup eps {eps:g}: injected duplicates grouped with their original | "
-        f"{100 * det.get('duplicates_grouped', 0):.1f}% of {det.get('duplicates_injected')} (goal >= 90%) |",
-        f"| SemDeDup eps {eps:g}: false groups (joining different origins) | {det.get('false_groups')} of "
-        f"{det.get('groups_of_more_than_one')} = {100 * det.get('false_group_rate', 0):.2f}% (goal <= 2%) |",
+        "",
+        f"Duplicate detectors (SemDeDup eps {eps:g}, perceptual distance {distance} bits of 64). Goal: >= 90% "
+        f"of the injected near-duplicates grouped with their original, <= 2% false groups. A group is "
+        f"*false* when it joins samples of different origin; the injected truth does not know CIFAR-10's own "
+        f"near-duplicates (one photo twice in the train split), so it counts those too; the last column "
+        f"counts the false groups that join different classes, which no copy of one photo does:",
+        "",
+        "| detector | injected duplicates grouped | by edit | false groups (different origin) | "
+        "of them joining different classes |",
+        "|---|---|---|---|---|",
+        *[_grouping_row(name, d) for name, d in dets.items()],
     ]
+    if dsweep:
+        lines += [
+            "",
+            "Perceptual alone at other distances, from the same stored hashes (for reading):",
+            "",
+            "| distance (bits) | injected duplicates grouped | by edit | false groups (different origin) | "
+            "of them joining different classes |",
+            "|---|---|---|---|---|",
+            *[_grouping_row(str(r["distance"]), r) for r in dsweep],
+        ]
     if sweep:
         lines += [
             "",
-            "Other eps, from the same stored embeddings (for reading; not used by the arms):",
+            "SemDeDup alone at other eps, from the same stored embeddings (for reading):",
             "",
-            "| eps | duplicates grouped | by edit | false groups | kept by dedupe |",
+            "| eps | injected duplicates grouped | by edit | false groups (different origin) | "
+            "of them joining different classes |",
             "|---|---|---|---|---|",
+            *[_grouping_row(f"{r['eps']:g}", r) for r in sweep],
         ]
-        for r in sweep:
-            edits = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["grouped_by_edit"].items())
-            lines.append(
-                f"| {r['eps']:g} | {100 * r['duplicates_grouped']:.1f}% | {edits} | {r['false_groups']} of "
-                f"{r['groups_of_more_than_one']} ({100 * r['false_group_rate']:.2f}%) | {r['kept_by_dedupe']} |"
-            )
     return "\n".join(lines)
 
 
@@ -403,6 +482,17 @@ def main() -> None:
     p.add_argument("--dup-fraction", type=float, default=0.2)
     p.add_argument("--keep-fraction", type=float, default=0.3, help="(b)'s score filter (DataComp's 0.3)")
     p.add_argument("--dedupe-eps", type=float, default=0.05, help="(b)/(d)'s SemDeDup eps")
+    p.add_argument(
+        "--perceptual-distance",
+        type=int,
+        default=None,
+        help="(b2)/(d2)'s perceptual distance in bits (default: mmalign.data.phash.DEFAULT_DISTANCE)",
+    )
+    p.add_argument(
+        "--previous",
+        default=None,
+        help="an earlier results.json: the runs of arms not in --arms are taken from it (same settings)",
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps per arm (default 200, quick 20)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument(
@@ -425,6 +515,9 @@ def main() -> None:
     filter_steps = args.filter_steps or (20 if q else 300)
     n_filter = args.filter_samples or (500 if q else 5000)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    from mmalign.data import phash
+
+    distance = phash.DEFAULT_DISTANCE if args.perceptual_distance is None else args.perceptual_distance
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
@@ -503,22 +596,73 @@ def main() -> None:
         str(args.dedupe_eps),
         reuse=cur_b,
     )
+    both = ("--dedupe", "perceptual,semantic", "--dedupe-eps", str(args.dedupe_eps))
+    both += ("--perceptual-distance", str(distance))
+    print("curate (b2): score top fraction + perceptual + SemDeDup, keys only", flush=True)
+    cur_b2 = curate(
+        work,
+        "curate_b2",
+        pool,
+        model,
+        "--keep-fraction",
+        str(args.keep_fraction),
+        *both,
+        "--keys-only",
+        reuse=cur_b,
+    )
+    print("curate (d2): perceptual + SemDeDup groups as a .json field, nothing dropped", flush=True)
+    cur_d2 = curate(work, "curate_d2", pool, model, "--false-negative-groups", FIELD, *both, reuse=cur_b)
+    print("curate: perceptual alone (detection only)", flush=True)
+    cur_p = curate(
+        work,
+        "curate_p",
+        pool,
+        model,
+        "--dedupe",
+        "perceptual",
+        "--perceptual-distance",
+        str(distance),
+        "--keys-only",
+        reuse=cur_b,
+    )
     report_b = json.loads((cur_b / "curate_report.json").read_text())
     kept_b = report_b["kept"]["kept"]
+    kept_b2 = json.loads((cur_b2 / "curate_report.json").read_text())["kept"]["kept"]
     random_keys = work / "random_keys.txt"
     random_keys.write_text("".join(f"{k}\n" for k in random.Random(7).sample(pool_keys, kept_b)))
-    det = detection(truth, cur_b / "decisions.parquet")
+    dets = {
+        f"SemDeDup, eps {args.dedupe_eps:g}": detection(truth, cur_b / "decisions.parquet"),
+        f"perceptual, {distance} bits": detection(truth, cur_p / "decisions.parquet", "perceptual_group"),
+        f"perceptual {distance} bits + SemDeDup eps {args.dedupe_eps:g}": detection(
+            truth, cur_b2 / "decisions.parquet", "combined_group"
+        ),
+    }
     sweep = eps_sweep(truth, cur_b, EPS_SWEEP)
-    print(json.dumps(det, indent=1), flush=True)
+    dsweep = distance_sweep(truth, cur_p, DISTANCE_SWEEP)
+    print(json.dumps(dets, indent=1), flush=True)
 
-    sizes = {"a": len(pool_keys), "b": kept_b, "c": kept_b, "d": len(pool_keys)}
+    sizes = {
+        "a": len(pool_keys),
+        "b": kept_b,
+        "c": kept_b,
+        "d": len(pool_keys),
+        "b2": kept_b2,
+        "d2": len(pool_keys),
+    }
     per_arm = {
         "a": (pool, ()),
         "b": (pool, (f"data.keep_keys={cur_b / 'keep_keys.txt'}",)),
         "c": (pool, (f"data.keep_keys={random_keys}",)),
         "d": (shard_spec(cur_d), (f"loss.false_negative_ids={FIELD}",)),
+        "b2": (pool, (f"data.keep_keys={cur_b2 / 'keep_keys.txt'}",)),
+        "d2": (shard_spec(cur_d2), (f"loss.false_negative_ids={FIELD}",)),
     }
     runs = []
+    if args.previous:  # the arms not run now, from an earlier run of the same settings
+        runs = [r for r in json.loads(Path(args.previous).read_text())["runs"] if r["arm"] not in arms]
+        print(
+            f"  {len(runs)} runs of arms {sorted({r['arm'] for r in runs})} from {args.previous}", flush=True
+        )
     for seed in range(seeds):
         for arm in arms:
             train, sets = per_arm[arm]
@@ -543,6 +687,7 @@ def main() -> None:
                 flush=True,
             )
             (work / "results_partial.json").write_text(json.dumps(runs, indent=1))
+    runs.sort(key=lambda r: (ARMS.index(r["arm"]), r.get("seed", 0)))
 
     cmd = command()
     import torch
@@ -558,7 +703,10 @@ def main() -> None:
         f"Arms: the tiny towers from scratch, {steps} steps x {args.batch}, AdamW lr {args.lr:g}, fp32 "
         f"(configs/cifar10_cpu.yaml's recipe), seeds 0..{seeds - 1}; zero-shot top-1 on {n_test} CIFAR-10 "
         f"test images (eval/cifar10.yaml). (b): --keep-fraction {args.keep_fraction:g} --dedupe semantic "
-        f"--dedupe-eps {args.dedupe_eps:g} --keys-only, trained through data.keep_keys."
+        f"--dedupe-eps {args.dedupe_eps:g} --keys-only, trained through data.keep_keys; (b2) the same with "
+        f"--dedupe perceptual,semantic --perceptual-distance {distance} (a sample joins a kept one within "
+        f"either threshold); (d2): the raw pool with those groups as loss.false_negative_ids."
+        + (f" Runs of arms other than {','.join(arms)}: from {args.previous}." if args.previous else "")
     )
     text = "\n".join(
         [
@@ -568,13 +716,21 @@ def main() -> None:
             "",
             setup,
             "",
-            tables(runs, det, sweep, sizes, args.dedupe_eps),
+            tables(runs, dets, sweep, dsweep, sizes, args.dedupe_eps, distance),
         ]
     )
     print("\n" + text)
     (work / "results.json").write_text(
         json.dumps(
-            {"runs": runs, "detection": det, "sweep": sweep, "sizes": sizes, "filter": fm, "markdown": text},
+            {
+                "runs": runs,
+                "detection": dets,
+                "sweep": sweep,
+                "distance_sweep": dsweep,
+                "sizes": sizes,
+                "filter": fm,
+                "markdown": text,
+            },
             indent=1,
         )
     )
