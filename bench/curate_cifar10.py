@@ -308,8 +308,9 @@ def group_quality(
     }
 
 
-def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[dict]:
-    """Group quality at other eps from the stored embeddings (for reading; the arms use one eps)."""
+def sweep(truth_file: Path, curated: Path, name: str, values: list) -> list[dict]:
+    """Group quality of one detector (``name``: "semantic", eps values; "perceptual", distances)
+    at other thresholds, from the pool stored in ``curated`` (for reading; the arms use one)."""
     import pandas as pd
 
     from data_pipelines.curate.decide import Policies, decide, load_pool
@@ -317,40 +318,18 @@ def eps_sweep(truth_file: Path, curated: Path, eps_values: list[float]) -> list[
     n = len(json.loads((curated / "pool" / "stamp.json").read_text())["urls"])
     pool = load_pool(curated, n)
     truth = pd.read_parquet(truth_file).set_index("key").loc[pool.frame["key"]]
+    field = "dedupe_eps" if name == "semantic" else "perceptual_distance"
     rows = []
-    for eps in eps_values:
-        dec = decide(pool, Policies(dedupe=("semantic",), dedupe_eps=eps))
+    for value in values:
+        dec = decide(pool, Policies(dedupe=(name,), **{field: value}))
         q = group_quality(
-            dec.groups["semantic"],
+            dec.groups[name],
             truth["origin"].to_numpy(),
             truth["kind"].to_numpy() != "original",
             truth["kind"].to_numpy(),
             truth["label"].to_numpy(),
         )
-        rows.append({"eps": eps, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
-    return rows
-
-
-def distance_sweep(truth_file: Path, curated: Path, distances: list[int]) -> list[dict]:
-    """Perceptual group quality at several distances from the stored hashes (for reading)."""
-    import pandas as pd
-
-    from data_pipelines.curate.decide import Policies, decide, load_pool
-
-    n = len(json.loads((curated / "pool" / "stamp.json").read_text())["urls"])
-    pool = load_pool(curated, n)
-    truth = pd.read_parquet(truth_file).set_index("key").loc[pool.frame["key"]]
-    rows = []
-    for d in distances:
-        dec = decide(pool, Policies(dedupe=("perceptual",), perceptual_distance=d))
-        q = group_quality(
-            dec.groups["perceptual"],
-            truth["origin"].to_numpy(),
-            truth["kind"].to_numpy() != "original",
-            truth["kind"].to_numpy(),
-            truth["label"].to_numpy(),
-        )
-        rows.append({"distance": d, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
+        rows.append({"value": value, **q, "kept_by_dedupe": int(dec.by_policy["dedupe"].sum())})
     return rows
 
 
@@ -376,7 +355,7 @@ def _grouping_row(name: str, d: dict) -> str:
 def tables(
     runs: list[dict],
     dets: dict[str, dict],
-    sweep: list[dict],
+    eps_rows: list[dict],
     dsweep: list[dict],
     sizes: dict,
     eps: float,
@@ -445,9 +424,9 @@ def tables(
             "| distance (bits) | injected duplicates grouped | by edit | false groups (different origin) | "
             "of them joining different classes |",
             "|---|---|---|---|---|",
-            *[_grouping_row(str(r["distance"]), r) for r in dsweep],
+            *[_grouping_row(str(r["value"]), r) for r in dsweep],
         ]
-    if sweep:
+    if eps_rows:
         lines += [
             "",
             "SemDeDup alone at other eps, from the same stored embeddings (for reading):",
@@ -455,7 +434,7 @@ def tables(
             "| eps | injected duplicates grouped | by edit | false groups (different origin) | "
             "of them joining different classes |",
             "|---|---|---|---|---|",
-            *[_grouping_row(f"{r['eps']:g}", r) for r in sweep],
+            *[_grouping_row(f"{r['value']:g}", r) for r in eps_rows],
         ]
     return "\n".join(lines)
 
@@ -637,8 +616,8 @@ def main() -> None:
             truth, cur_b2 / "decisions.parquet", "combined_group"
         ),
     }
-    sweep = eps_sweep(truth, cur_b, EPS_SWEEP)
-    dsweep = distance_sweep(truth, cur_p, DISTANCE_SWEEP)
+    eps_rows = sweep(truth, cur_b, "semantic", EPS_SWEEP)
+    dsweep = sweep(truth, cur_p, "perceptual", DISTANCE_SWEEP)
     print(json.dumps(dets, indent=1), flush=True)
 
     sizes = {
@@ -716,7 +695,7 @@ def main() -> None:
             "",
             setup,
             "",
-            tables(runs, dets, sweep, dsweep, sizes, args.dedupe_eps, distance),
+            tables(runs, dets, eps_rows, dsweep, sizes, args.dedupe_eps, distance),
         ]
     )
     print("\n" + text)
@@ -725,7 +704,7 @@ def main() -> None:
             {
                 "runs": runs,
                 "detection": dets,
-                "sweep": sweep,
+                "sweep": eps_rows,
                 "distance_sweep": dsweep,
                 "sizes": sizes,
                 "filter": fm,

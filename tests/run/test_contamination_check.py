@@ -24,6 +24,7 @@ from mmalign.data import phash
 from mmalign.errors import ConfigError
 from mmalign.evaluation import contamination
 from mmalign.run import contamination_check as cc
+from tests.evaluation.test_contamination import write_tar
 from tests.harness import cli_main
 
 PER_SHARD = 12
@@ -57,14 +58,6 @@ def edits(image: Image.Image) -> list[tuple[str, bytes]]:
         ("jpg", encoded(image, "JPEG", quality=70)),
         ("png", encoded(image.resize((w * 3 // 4, h * 3 // 4), Image.Resampling.BILINEAR))),
     ]
-
-
-def write_tar(path: Path, members: dict[str, bytes]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
 
 
 def make_data(root: Path, planted: int, seed: int = 0) -> tuple[str, str]:
@@ -250,36 +243,22 @@ def test_a_resume_states_the_stored_result_and_another_config_checks_again(tmp_p
     assert cc.at_start(config(tmp_path, train, "null"), out, None) is None  # off: nothing checked
 
 
-def _sets(*overrides: str) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
+def _train(out: Path, train: str, target: str, *overrides: str):
+    """``mmalign train`` of the micro preset on ``train`` with ``data.decontaminate: target``."""
+    sets = ["model.preset=micro", f"data.train={train}", f"data.decontaminate={target}", *overrides]
+    return cli_main("train", "--output", out, *[a for o in sets for a in ("--set", o)])
 
 
 def test_strict_refuses_to_start_in_one_line(tmp_path):
     train, target = make_data(tmp_path, planted=4)
     out = tmp_path / "run"
-    res = cli_main(
-        "train",
-        "--output",
-        out,
-        *_sets(
-            "model.preset=micro",
-            f"data.train={train}",
-            f"data.decontaminate={target}",
-            "data.decontaminate_strict=true",
-            "eval.suite=none",
-        ),
-    )
+    res = _train(out, train, target, "data.decontaminate_strict=true", "eval.suite=none")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
     want_eval, _ = reference(tmp_path, int(load_config(None, []).data.decontaminate_distance))
     assert "data.decontaminate_strict" in lines[0] and f"{want_eval} of the {EVAL} images" in lines[0]
     assert not out.exists()  # nothing started, no run directory left behind
-    res = cli_main(
-        "train",
-        "--output",
-        out,
-        *_sets("model.preset=micro", f"data.train={train}", "data.decontaminate=nope"),
-    )
+    res = _train(out, train, "nope")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "data.decontaminate" in lines[0], res.stderr[-2000:]
     assert not out.exists()
@@ -289,23 +268,18 @@ def test_strict_refuses_to_start_in_one_line(tmp_path):
 def test_a_run_warns_and_records_the_check(tmp_path):
     train, target = make_data(tmp_path, planted=4)
     out = tmp_path / "run"
-    res = cli_main(
-        "train",
-        "--output",
+    res = _train(
         out,
-        *_sets(
-            "model.preset=micro",
-            f"data.train={train}",
-            f"data.decontaminate={target}",
-            "data.workers=0",
-            "data.shuffle_buffer=10",
-            "train.global_batch_size=8",
-            "train.steps=2",
-            "train.warmup_steps=1",
-            "monitor.probe_size=0",
-            "monitor.tensorboard=false",
-            "eval.suite=none",
-        ),
+        train,
+        target,
+        "data.workers=0",
+        "data.shuffle_buffer=10",
+        "train.global_batch_size=8",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "monitor.probe_size=0",
+        "monitor.tensorboard=false",
+        "eval.suite=none",
     )
     assert res.returncode == 0, res.stderr[-2000:]
     want_eval, _ = reference(tmp_path, int(load_config(None, []).data.decontaminate_distance))
