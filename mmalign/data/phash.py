@@ -47,6 +47,7 @@ def _offsets(scale: float) -> tuple[float, ...]:
 CROPS = tuple((scale, _offsets(scale)) for scale in CROP_SCALES)  # (side, positions per axis)
 VIEWS = 1 + sum(len(pos) ** 2 for _, pos in CROPS)  # index hashes: the whole image, then the crops
 WORK_SIDE = 4 * SIDE  # crops are cut from a copy at most this large (the whole view is not)
+BLOCK = 256  # images whose views are held at once: 256 x 36 x 32 x 32 float64, ~75 MB
 DEFAULT_DISTANCE = 2  # bits; docs/data.md, "Perceptual de-duplication", says how it was chosen
 
 _n = np.arange(SIDE)
@@ -101,14 +102,23 @@ def _views(image) -> np.ndarray:
 
 def hash_images(images: Iterable) -> tuple[np.ndarray, np.ndarray]:
     """PIL images -> (n, QUERIES, WORDS) query hashes (the image, its mirror) and (n, VIEWS, WORDS)
-    index hashes (the whole image, then its crops), uint64."""
-    stacks = [_views(im) for im in images]
-    if not stacks:
-        return np.zeros((0, QUERIES, WORDS), np.uint64), np.zeros((0, VIEWS, WORDS), np.uint64)
-    hashes = _bits(np.concatenate(stacks)).reshape(len(stacks), QUERIES + VIEWS - 1, WORDS)  # (n, 20, W)
-    query = np.ascontiguousarray(hashes[:, :QUERIES])  # (n, 2, W)
-    index = np.concatenate([hashes[:, :1], hashes[:, QUERIES:]], axis=1)  # (n, VIEWS, W): whole, crops
-    return query, index
+    index hashes (the whole image, then its crops), uint64. The views are made and hashed
+    :data:`BLOCK` images at a time, so memory stays one block's views whatever ``n``."""
+    queries, indexes = [np.zeros((0, QUERIES, WORDS), np.uint64)], [np.zeros((0, VIEWS, WORDS), np.uint64)]
+    block: list = []
+    for image in [*images, None]:  # None: the end, hash what is left
+        if image is not None:
+            block.append(_views(image))
+            if len(block) < BLOCK:
+                continue
+        if block:
+            hashes = _bits(np.concatenate(block)).reshape(
+                len(block), QUERIES + VIEWS - 1, WORDS
+            )  # (b, 36, W)
+            queries.append(hashes[:, :QUERIES])  # (b, 2, W): the whole image, its mirror
+            indexes.append(np.concatenate([hashes[:, :1], hashes[:, QUERIES:]], axis=1))  # (b, VIEWS, W)
+            block = []
+    return np.concatenate(queries), np.concatenate(indexes)
 
 
 def popcount(x: np.ndarray) -> np.ndarray:

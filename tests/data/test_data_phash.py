@@ -128,3 +128,12 @@ def test_a_distance_outside_the_bits_is_refused_naming_the_range(bad):
 def test_no_images_give_empty_arrays():
     query, index = phash.hash_images([])
     assert query.shape == (0, phash.QUERIES, phash.WORDS) and index.shape == (0, phash.VIEWS, phash.WORDS)
+
+
+def test_hashing_in_blocks_gives_the_hashes_of_one_pass(monkeypatch):
+    images = _images(5) * 3  # 15 images
+    whole = phash.hash_images(images)
+    monkeypatch.setattr(phash, "BLOCK", 4)  # 4 + 4 + 4 + 3
+    blocked = phash.hash_images(iter(images))  # any iterable, not only a list
+    for a, b in zip(whole, blocked):
+        np.testing.assert_array_equal(a, b)
