@@ -111,6 +111,14 @@ def matching(pool: int, n_eval: int, n_real: int, radius: int | None, seed: int)
     sources = rng.integers(0, len(eq), planted.size)
     noise = _flips(rng, planted.size, rng.integers(0, radius + 1, planted.size))[:, None, :]
     pq[planted], pi[planted] = eq[sources] ^ noise, ei[sources] ^ noise
+    del bq, bi, src, noise
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(
+        0
+    )  # the set-up's freed memory back to the OS: the step cannot reuse it unseen
     before = _status_mb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the step's own peak
     start = time.perf_counter()
