@@ -45,22 +45,23 @@ def parse_targets(values) -> tuple[str, ...]:
 
 
 def radius(distance: int | None) -> int:
-    """``--decontaminate-distance`` as given, else :data:`mmalign.evaluation.contamination.DEFAULT_DISTANCE`."""
-    from mmalign.evaluation.contamination import DEFAULT_DISTANCE
-
-    return DEFAULT_DISTANCE if distance is None else int(distance)
+    """``--decontaminate-distance`` as given, else :data:`mmalign.data.phash.DECONTAMINATE_DISTANCE`
+    (:mod:`mmalign.evaluation.contamination`'s default, read without importing the evaluation
+    package: a usage error stays a line before torch's seconds)."""
+    return phash.DECONTAMINATE_DISTANCE if distance is None else int(distance)
 
 
 def check(targets: tuple[str, ...], distance) -> None:
     """The flags' one-line errors, before any data is read: the distance's range, each target's kind."""
-    from mmalign.evaluation.contamination import resolve
-
     try:
         phash.check_distance(radius(distance) if distance is None else distance)
     except ValueError as e:
         raise UsageError(f"--decontaminate-distance: {e}") from None
-    for t in targets:
-        resolve(t, "--decontaminate")
+    if targets:  # the evaluation package (and torch) only when there is a target to read
+        from mmalign.evaluation.contamination import resolve
+
+        for t in targets:
+            resolve(t, "--decontaminate")
 
 
 @dataclass

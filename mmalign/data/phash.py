@@ -49,6 +49,7 @@ VIEWS = 1 + sum(len(pos) ** 2 for _, pos in CROPS)  # index hashes: the whole im
 WORK_SIDE = 4 * SIDE  # crops are cut from a copy at most this large (the whole view is not)
 BLOCK = 256  # images whose views are held at once: 256 x 36 x 32 x 32 float64, ~75 MB
 DEFAULT_DISTANCE = 2  # bits; docs/data.md, "Perceptual de-duplication", says how it was chosen
+DECONTAMINATE_DISTANCE = DEFAULT_DISTANCE + 2  # one step looser: a missed test image costs more
 
 _n = np.arange(SIDE)
 # DCT-II basis (scipy.fftpack's unnormalised type II up to a factor 2, which no median comparison sees)

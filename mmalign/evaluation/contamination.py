@@ -36,7 +36,7 @@ from mmalign.errors import UsageError
 # de-duplication's, as a missed test copy costs more than a dropped training image. Measured at
 # phash VERSION 1 (docs/data.md, "Decontamination"): 28-30 px crops of CIFAR-10 test images found
 # 67% -> 91%, clean CIFAR-10 train images within it of one of the 10k test images 0.6% -> 1.4%.
-DEFAULT_DISTANCE = phash.DEFAULT_DISTANCE + 2
+DEFAULT_DISTANCE = phash.DECONTAMINATE_DISTANCE
 HASH_BATCH = 256  # images hashed at once: their grayscale views are ~0.2 MB each
 SEMANTIC_BLOCK = 2048  # pool rows a block against all evaluation rows (float32 (b, M))
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")

@@ -324,7 +324,14 @@ def note_lines(out: Path) -> list[str]:
     ]
 
 
+def announce(out: Path, say: Callable[[str], None]) -> None:
+    """Say :func:`note_lines` under the headline, indented as its rows are."""
+    for line in note_lines(out):
+        say("  " + line)
+
+
 __all__ = [
+    "announce",
     "ENV",
     "at_start",
     "cache_dir",

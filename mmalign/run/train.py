@@ -295,8 +295,7 @@ def _train(
             raise
         if main and evals.final:  # the headline: zero-shot top-1/top-5, R@k, and where eval.json is
             headline.announce(records, out / "eval.json", say)
-            for line in contamination_check.note_lines(out):  # was the test set kept out of the shards
-                say("  " + line)
+            contamination_check.announce(out, say)  # was the test set kept out of the shards
     mdist.barrier()
     return out
 
