@@ -96,15 +96,6 @@ class Contamination:
         return out
 
 
-def _pair_distance(pq, pi, eq, ei) -> np.ndarray:
-    """(K,) phash.distance of K (pool, eval) pairs: (K, Q, W), (K, V, W) each."""
-    if len(pq) == 0:
-        return np.zeros(0, np.int64)
-    ab = phash.popcount(pq[:, :, None] ^ ei[:, None]).min(axis=(1, 2))
-    ba = phash.popcount(eq[:, :, None] ^ pi[:, None]).min(axis=(1, 2))
-    return np.minimum(ab, ba).astype(np.int64)
-
-
 def _embed_images(loaded, images: list, batch_size: int, device: str) -> np.ndarray:
     """(M, D) float32 L2-normalised image embeddings, as pass 1 embeds the pool's."""
     import torch
@@ -185,7 +176,7 @@ def find(
                 "target": [target] * len(prow),
                 "eval_row": erow,
                 "eval_key": [ev.keys[e] for e in erow.tolist()],
-                "distance": _pair_distance(pq[prow], pi[prow], ev.query[erow], ev.index[erow]),
+                "distance": phash.distances(pq[prow], pi[prow], ev.query[erow], ev.index[erow]),
                 "cosine": cos,
                 "by": [found[r][1] for r in prow.tolist()],
             }

@@ -17,8 +17,7 @@ rule over both edge sets: a sample joins a kept sample that is near by either.
 Recipe for ``--dedupe perceptual,semantic`` (decide.py): ``p = perceptual_pairs(q, i, r,
 rows)``, ``s = semantic_pairs(emb, eps, labels, rows)``; ``groups["perceptual"] =
 greedy_groups(N, *p[:2], order)``, ``groups["combined"] = combined_groups(N, [p[:2], s],
-order)`` with ``order = visit_order(N, scores, rows)``; ``kept_distance(groups, *p)`` gives
-each sample's distance in bits to its kept member.
+order)`` with ``order = visit_order(N, scores, rows)``.
 """
 
 from __future__ import annotations
@@ -167,17 +166,3 @@ def combined_groups(n: int, pairs: Sequence[tuple[np.ndarray, np.ndarray]], orde
     a = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in pairs]) if pairs else np.zeros(0, np.int64)
     b = np.concatenate([np.asarray(p[1], dtype=np.int64) for p in pairs]) if pairs else np.zeros(0, np.int64)
     return greedy_groups(n, a, b, order)
-
-
-def kept_distance(groups: np.ndarray, a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """(N,) int64 each sample's distance to its group's kept member along the edges (a, b, d);
-    -1 for a kept sample and for one whose edge to its kept member is not among them (joined by
-    another detector)."""
-    groups = np.asarray(groups)
-    out = np.full(groups.size, -1, dtype=np.int64)
-    a, b, d = (np.asarray(x, dtype=np.int64) for x in (a, b, d))
-    for x, y in ((a, b), (b, a)):
-        hit = groups[x] == y  # x joined y, and (x, y) is an edge
-        out[x[hit]] = d[hit]
-    out[groups == np.arange(groups.size)] = -1
-    return out

@@ -55,10 +55,7 @@ def distance_to_kept(hashes: np.ndarray, kept: np.ndarray) -> np.ndarray:
     for s in range(0, len(kept), DISTANCE_BLOCK):
         qa, ia = query[s : s + DISTANCE_BLOCK], index[s : s + DISTANCE_BLOCK]  # (b, Q, W), (b, V, W)
         k = kept[s : s + DISTANCE_BLOCK]
-        qb, ib = query[k], index[k]
-        ab = phash.popcount(qa[:, :, None] ^ ib[:, None]).min(axis=(1, 2))  # (b,)
-        ba = phash.popcount(qb[:, :, None] ^ ia[:, None]).min(axis=(1, 2))
-        out[s : s + DISTANCE_BLOCK] = np.minimum(ab, ba)
+        out[s : s + DISTANCE_BLOCK] = phash.distances(qa, ia, query[k], index[k])  # (b,)
     return out
 
 

@@ -127,9 +127,17 @@ def popcount(x: np.ndarray) -> np.ndarray:
     return np.bitwise_count(x).sum(axis=-1, dtype=np.int64)
 
 
+def distances(
+    query_a: np.ndarray, index_a: np.ndarray, query_b: np.ndarray, index_b: np.ndarray
+) -> np.ndarray:
+    """:func:`distance` of K pairs at once: (K, QUERIES, W), (K, VIEWS, W) each -> (K,) int64.
+    Holds (K, QUERIES, VIEWS, W) XORs: callers with many pairs pass them a block at a time."""
+    ab = popcount(query_a[:, :, None] ^ index_b[:, None]).min(axis=(1, 2))  # (K,)
+    ba = popcount(query_b[:, :, None] ^ index_a[:, None]).min(axis=(1, 2))  # (K,)
+    return np.minimum(ab, ba)
+
+
 def distance(query_a: np.ndarray, index_a: np.ndarray, query_b: np.ndarray, index_b: np.ndarray) -> int:
     """Two images' perceptual distance in bits: the smallest Hamming distance between a query hash
     of one and an index hash of the other, either way round. (QUERIES, W), (VIEWS, W) each."""
-    ab = popcount(query_a[:, None, :] ^ index_b[None, :, :]).min()
-    ba = popcount(query_b[:, None, :] ^ index_a[None, :, :]).min()
-    return int(min(ab, ba))
+    return int(distances(query_a[None], index_a[None], query_b[None], index_b[None])[0])

@@ -69,6 +69,7 @@ def test_each_crop_view_is_imagehash_phash_of_that_crop():
 
 def test_distance_is_the_smallest_query_to_index_distance_either_way():
     rng = np.random.default_rng(3)
+    pairs = []
     for _ in range(20):
         qa, qb = rng.integers(0, 2**63, (2, phash.QUERIES, phash.WORDS), dtype=np.uint64)
         ia, ib = rng.integers(0, 2**63, (2, phash.VIEWS, phash.WORDS), dtype=np.uint64)
@@ -77,6 +78,9 @@ def test_distance_is_the_smallest_query_to_index_distance_either_way():
             *(bin(int(q ^ v)).count("1") for q in qa[:, 0] for v in ib[:, 0]),
         )
         assert phash.distance(qa, ia, qb, ib) == naive == phash.distance(qb, ib, qa, ia)
+        pairs.append((qa, ia, qb, ib, naive))
+    qa, ia, qb, ib, naive = (np.stack(x) for x in zip(*pairs))  # the K pairs at once
+    np.testing.assert_array_equal(phash.distances(qa, ia, qb, ib), naive)
 
 
 def _jpeg(image: Image.Image, quality: int) -> Image.Image:
