@@ -32,12 +32,9 @@ import numpy as np
 from mmalign.data import phash
 from mmalign.errors import UsageError
 
-# bits: one step (distances are even: every pHash has 32 of its 64 bits set) looser than
-# de-duplication's, as a missed test copy costs more than a dropped training image. Measured at
-# phash VERSION 1 (docs/data.md, "Decontamination"): 28-30 px crops of CIFAR-10 test images found
-# 67% -> 91%, clean CIFAR-10 train images within it of one of the 10k test images 0.6% -> 1.4%.
+# bits: one step (distances are even) looser than de-duplication's, as a missed test copy costs
+# more than a dropped training image (docs/data.md, "Decontamination")
 DEFAULT_DISTANCE = phash.DECONTAMINATE_DISTANCE
-HASH_BATCH = 256  # images hashed at once: their grayscale views are ~0.2 MB each
 SEMANTIC_BLOCK = 2048  # pool rows a block against all evaluation rows (float32 (b, M))
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
@@ -195,25 +192,16 @@ def eval_hashes(
         with np.load(cached) as z:
             return EvalHashes(t.name, [str(k) for k in z["keys"]], z["query"], z["index"])
     keys: list[str] = []
-    queries, indexes = [], []
-    batch: list = []
 
-    def flush() -> None:
-        q, i = phash.hash_images(batch)
-        queries.append(q)
-        indexes.append(i)
-        batch.clear()
+    def images():  # the set's images, its keys noted on the way (phash hashes them a block at a time)
+        for key, image in track(eval_images(t), f"{t.name}: hashing", unit="images", enabled=progress):
+            keys.append(key)
+            yield image
 
-    for key, image in track(eval_images(t), f"{t.name}: hashing", unit="images", enabled=progress):
-        keys.append(key)
-        batch.append(image)
-        if len(batch) >= HASH_BATCH:
-            flush()
-    if batch:
-        flush()
+    query, index = phash.hash_images(images())
     if not keys:
         raise UsageError(f"{what}: {t.name!r} holds no readable images")
-    out = EvalHashes(t.name, keys, np.concatenate(queries), np.concatenate(indexes))
+    out = EvalHashes(t.name, keys, query, index)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
@@ -234,18 +222,17 @@ def _nearest(rows: np.ndarray, other: np.ndarray, value: np.ndarray, smaller_is_
     return rows[first].astype(np.int64), other[first].astype(np.int64), value[first]
 
 
-def matches(
+def pairs(
     pool_query: np.ndarray,
     pool_index: np.ndarray,
     eval_query: np.ndarray,
     eval_index: np.ndarray,
     radius: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each pool sample within ``radius`` bits of an evaluation image, once: ``(pool_rows, eval_rows,
-    distance)``, pool rows ascending, each with its nearest evaluation image (ties: the first).
-
-    The distance is :func:`mmalign.data.phash.distance`'s: a pool query hash against the evaluation
-    index hashes, and an evaluation query hash against the pool's index hashes, the smaller."""
+    """Every (pool row, evaluation row, distance) within ``radius`` bits, found either way round (a
+    pair found both ways appears twice). The distance is :func:`mmalign.data.phash.distance`'s: a
+    pool query hash against the evaluation index hashes, or an evaluation query hash against the
+    pool's index hashes."""
     from mmalign.data.hamming import near_pairs
 
     radius = phash.check_distance(radius)
@@ -258,7 +245,26 @@ def matches(
     rows = np.concatenate([np.asarray(a1, np.int64), np.asarray(a2, np.int64)])
     other = np.concatenate([np.asarray(b1, np.int64), np.asarray(b2, np.int64)])
     dist = np.concatenate([np.asarray(d1, np.int64), np.asarray(d2, np.int64)])
+    return rows, other, dist
+
+
+def nearest(
+    rows: np.ndarray, other: np.ndarray, dist: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pairs` reduced to each pool row once, with its nearest evaluation row (ties: the first)."""
     return _nearest(rows, other, dist, smaller_is_nearer=True)
+
+
+def matches(
+    pool_query: np.ndarray,
+    pool_index: np.ndarray,
+    eval_query: np.ndarray,
+    eval_index: np.ndarray,
+    radius: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each pool sample within ``radius`` bits of an evaluation image, once: ``(pool_rows, eval_rows,
+    distance)``, pool rows ascending, each with its nearest evaluation image (ties: the first)."""
+    return nearest(*pairs(pool_query, pool_index, eval_query, eval_index, radius))
 
 
 def semantic_matches(

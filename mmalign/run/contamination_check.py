@@ -34,7 +34,6 @@ from mmalign.layout.run_dir import DECONTAMINATION
 
 ENV = "MMALIGN_DECONTAMINATION"  # the launcher's result for its ranks (rank 0 writes it into the run)
 LISTED = 100  # matches listed in the result; the counts are always whole
-BATCH = 256  # images hashed at once
 KEY = "data.decontaminate"
 
 
@@ -71,7 +70,7 @@ def at_start(cfg, out: Path, resume: str | None, say: Callable[[str], None] = pr
 def check(cfg, say: Callable[[str], None] = print) -> dict:
     """Hash the target's images (cached) and a seeded sample of the training shards, match them,
     state the result in one line; ConfigError when strict and any image is found."""
-    from mmalign.evaluation.contamination import matches
+    from mmalign.evaluation.contamination import nearest, pairs
 
     d = cfg.data
     target, radius = str(d.decontaminate), int(d.decontaminate_distance)
@@ -82,8 +81,8 @@ def check(cfg, say: Callable[[str], None] = print) -> dict:
             f"config key '{KEY}': no readable image in the {sample.read} training shard(s) sampled "
             f"(of {len(sample.urls)}): nothing to compare {target} with"
         )
-    pool_rows, eval_rows, dist = matches(sample.query, sample.index, eval_q, eval_i, radius)
-    found_eval, _, _ = matches(eval_q, eval_i, sample.query, sample.index, radius)  # each eval image once
+    near = pairs(sample.query, sample.index, eval_q, eval_i, radius)  # (pool row, eval row, bits), both ways
+    pool_rows, eval_rows, dist = nearest(*near)  # each training copy once, with its nearest eval image
     total, exact = sample.total()
     checked = len(sample.refs)
     copies = len(pool_rows)
@@ -93,7 +92,7 @@ def check(cfg, say: Callable[[str], None] = print) -> dict:
         "distance": radius,
         "strict": bool(d.decontaminate_strict),
         "eval_images": len(keys),
-        "eval_found": len(np.unique(found_eval)),
+        "eval_found": len(np.unique(near[1])),  # the evaluation images with any copy
         "samples_checked": checked,
         "samples_found": copies,
         "samples_skipped": sample.skipped,
@@ -205,20 +204,16 @@ def _sample(cfg, say: Callable[[str], None]) -> _Sample:
     want = int(cfg.data.decontaminate_samples)
     order = np.random.default_rng(int(cfg.seed)).permutation(len(urls))
     say(f"mmalign: {KEY}: hashing up to {want} training samples from a seeded draw of {len(urls)} shard(s)")
-    images: list = []
-    parts: list[tuple[np.ndarray, np.ndarray]] = []
     stream = _images(cfg, [urls[i] for i in order], want, sample)
     listed = shard_total("::".join(urls))  # the shards' sizes.json, when every one is listed
     total = min(want, listed) if listed is not None else want
-    for ref, image in track(stream, f"{KEY}: training samples", total=total, unit="samples"):
-        sample.refs.append(ref)
-        images.append(image)
-        if len(images) == BATCH:
-            parts.append(phash.hash_images(images))
-            images = []
-    parts.append(phash.hash_images(images))
-    sample.query = np.concatenate([q for q, _ in parts])  # (S, QUERIES, W)
-    sample.index = np.concatenate([i for _, i in parts])  # (S, VIEWS, W)
+
+    def images():  # the sample's images, their (shard, key) noted on the way
+        for ref, image in track(stream, f"{KEY}: training samples", total=total, unit="samples"):
+            sample.refs.append(ref)
+            yield image
+
+    sample.query, sample.index = phash.hash_images(images())  # (S, QUERIES, W), (S, VIEWS, W)
     return sample
 
 
