@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipelines.curate.scores import _unit_rows
 from mmalign.data import phash
 from mmalign.errors import UsageError
 
@@ -96,32 +97,22 @@ class Contamination:
         return out
 
 
-def _embed_images(loaded, images: list, batch_size: int, device: str) -> np.ndarray:
-    """(M, D) float32 L2-normalised image embeddings, as pass 1 embeds the pool's."""
-    import torch
-    import torch.nn.functional as F
-
-    out = []
-    with torch.inference_mode():
-        for s in range(0, len(images), batch_size):
-            pixels = torch.stack([loaded.preprocess(im.convert("RGB")) for im in images[s : s + batch_size]])
-            emb = loaded.model.encode_image(pixels.to(device)).float()  # (b, D)
-            out.append(F.normalize(emb, dim=-1).cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
-
-
 def _eval_embeddings(target: str, keys: list[str], loaded, batch_size: int, device: str) -> np.ndarray:
+    """(M, D) float32 L2-normalised embeddings of the target's images, as pass 1 embeds the pool's."""
+    from data_pipelines.curate.embed_pass import ShardEmbedder
     from mmalign.evaluation.contamination import eval_images
 
-    images, embs = [], []
+    embedder = ShardEmbedder(loaded, batch_size=batch_size, device=device)
+    embs: list[np.ndarray] = []
+    batch: list = []
     for _, image in eval_images(target):
-        images.append(image)
-        if len(images) >= 1024:  # bounded: a block of decoded images at a time
-            embs.append(_embed_images(loaded, images, batch_size, device))
-            images = []
-    if images:
-        embs.append(_embed_images(loaded, images, batch_size, device))
-    emb = np.concatenate(embs)
+        batch.append(image)
+        if len(batch) == batch_size:  # bounded: a batch of decoded images at a time
+            embs.append(embedder.encode_images([im.convert("RGB") for im in batch]))
+            batch = []
+    if batch:
+        embs.append(embedder.encode_images([im.convert("RGB") for im in batch]))
+    emb = np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)
     if len(emb) != len(keys):  # the set changed between its hashing and its embedding
         raise UsageError(f"--decontaminate: {target} changed while it was read; run again")
     return emb
@@ -167,8 +158,7 @@ def find(
         erow = np.array([found[r][0] for r in prow.tolist()], dtype=np.int64)
         cos = np.full(len(prow), np.nan)
         if emb is not None and len(prow):
-            a = pool.image[prow].astype(np.float64)
-            a /= np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+            a = _unit_rows(pool.image[prow])  # (k, D) float64
             cos = np.einsum("kd,kd->k", a, emb[erow].astype(np.float64)).clip(-1.0, 1.0)
         parts.append(
             {

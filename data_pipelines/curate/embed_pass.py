@@ -97,16 +97,24 @@ class ShardEmbedder:
             max_pixels,
         )
 
-    def _encode(self, images: list, captions: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_images(self, images: list) -> np.ndarray:
+        """(b, D) float32 L2-normalised embeddings of ``b`` RGB PIL images, one forward."""
         import torch  # here, not at import: `mmalign curate` checks its paths before torch's seconds
         import torch.nn.functional as F
 
-        model = self.loaded.model
         with torch.inference_mode():
             pixels = torch.stack([self.loaded.preprocess(im) for im in images]).to(
                 self.device
             )  # (b, 3, S, S)
-            img = F.normalize(model.encode_image(pixels).float(), dim=-1)  # (b, D)
+            return F.normalize(self.loaded.model.encode_image(pixels).float(), dim=-1).cpu().numpy()
+
+    def _encode(self, images: list, captions: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+        import torch.nn.functional as F
+
+        img = self.encode_images(images)  # (b, D)
+        model = self.loaded.model
+        with torch.inference_mode():
             flat = [c for caps in captions for c in caps]
             txt = torch.cat(
                 [
@@ -116,7 +124,7 @@ class ShardEmbedder:
                     for i in range(0, len(flat), self.batch_size)
                 ]
             )
-            return img.cpu().numpy(), F.normalize(txt, dim=-1).cpu().numpy()  # (b, D), (r, D) float32
+            return img, F.normalize(txt, dim=-1).cpu().numpy()  # (b, D), (r, D) float32
 
     def embed(self, url: str, u: int, out: Path, progress=None) -> dict:
         """Write shard ``u``'s pass-1 files (module docstring); returns its stats."""
