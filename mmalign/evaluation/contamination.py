@@ -36,7 +36,6 @@ from mmalign.errors import UsageError
 # more than a dropped training image (docs/data.md, "Decontamination")
 DEFAULT_DISTANCE = phash.DECONTAMINATE_DISTANCE
 SEMANTIC_BLOCK = 2048  # pool rows a block against all evaluation rows (float32 (b, M))
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclass
@@ -131,21 +130,35 @@ def _suite_target(target: str, what: str) -> Target:
     return Target(target, spec, files)
 
 
+def shard_images(
+    url: str, max_member: int | None = None, max_pixels: int | None = None, skip_oversized: bool = False
+) -> Iterator[tuple[str, object | None]]:
+    """``(key, PIL image)`` of each sample of one tar, in order; the image None when the sample has
+    no readable one (none, an unsafe name, a bad image; with ``skip_oversized``, any member over
+    ``max_member``, as training skips it). A damaged tar raises as :func:`iter_tar_groups` does."""
+    from mmalign.data.shards import IMAGE_EXTS, MAX_MEMBER_BYTES, BadSample, iter_tar_groups, open_image
+
+    for raw in iter_tar_groups(url, MAX_MEMBER_BYTES if max_member is None else max_member):
+        key = raw["__key__"].removeprefix("./")  # a class folder stays in the key
+        data = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
+        if data is None or raw.get("__unsafe__") or (skip_oversized and raw.get("__oversized__")):
+            yield key, None
+            continue
+        try:
+            yield key, open_image(data, max_pixels)
+        except BadSample:
+            yield key, None
+
+
 def _tar_images(urls: list[str]) -> Iterator[tuple[str, object]]:
     """Every decodable image member of the tars (bad ones skipped), keyed by its name in the tar."""
-    from mmalign.data.shards import BadSample, CorruptTar, TruncatedTar, iter_tar_groups, open_image
+    from mmalign.data.shards import CorruptTar, TruncatedTar
 
     for url in urls:
         try:
-            for raw in iter_tar_groups(url):
-                data = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
-                if data is None or raw.get("__unsafe__"):
-                    continue
-                try:
-                    image = open_image(data)
-                except BadSample:
-                    continue
-                yield raw["__key__"].removeprefix("./"), image
+            for key, image in shard_images(url):
+                if image is not None:
+                    yield key, image
         except (TruncatedTar, CorruptTar, OSError):
             continue
 

@@ -221,9 +221,10 @@ def _images(cfg, urls: list[str], want: int, sample: _Sample) -> Iterator[tuple[
     """((shard, key), PIL image) of the shards' samples in order, ``want`` at most; a sample
     without a readable image is counted in ``sample.skipped``, a damaged shard ends early."""
     from mmalign.data.shard_sizes import count_samples
-    from mmalign.data.shards import IMAGE_EXTS, BadSample, iter_tar_groups, open_image
     from mmalign.data.tario import CorruptTar, TruncatedTar
+    from mmalign.evaluation.contamination import shard_images
 
+    d = cfg.data
     taken = 0
     for url in urls:
         if taken >= want:
@@ -231,19 +232,13 @@ def _images(cfg, urls: list[str], want: int, sample: _Sample) -> Iterator[tuple[
         sample.read += 1
         seen, whole = 0, True
         try:
-            for raw in iter_tar_groups(url, cfg.data.max_member_bytes):
+            for key, image in shard_images(url, d.max_member_bytes, d.max_image_pixels, skip_oversized=True):
                 seen += 1
-                data = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
-                if data is None or raw.get("__unsafe__") or raw.get("__oversized__"):
-                    sample.skipped += 1
-                    continue
-                try:
-                    image = open_image(data, cfg.data.max_image_pixels)
-                except BadSample:
+                if image is None:
                     sample.skipped += 1
                     continue
                 taken += 1
-                yield (url, raw["__key__"].removeprefix("./")), image  # a class folder stays in the key
+                yield (url, key), image
                 if taken >= want:
                     whole = False
                     break
