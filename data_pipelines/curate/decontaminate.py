@@ -18,21 +18,19 @@ perceptual match first; else the semantic one).
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from data_pipelines.curate.report import thumbnail_uri
 from data_pipelines.curate.scores import _unit_rows
 from mmalign.data import phash
 from mmalign.errors import UsageError
 
 CACHE = "decontaminate"  # under OUT/pool: the targets' hashes
 SHOWN = 200  # match pairs the HTML report shows (the JSON lists all)
-THUMB = 96
 
 
 def parse_targets(values) -> tuple[str, ...]:
@@ -250,14 +248,6 @@ def report_json(c: Contamination, pool, policies) -> dict:
     }
 
 
-def _data_uri(image) -> str:
-    image = image.convert("RGB")
-    image.thumbnail((THUMB, THUMB))
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=85)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def eval_thumbs(c: Contamination, shown: int = SHOWN) -> None:
     """Thumbnails of the evaluation images of the first ``shown`` matches, read back from their sets."""
     from mmalign.evaluation.contamination import eval_images
@@ -269,7 +259,7 @@ def eval_thumbs(c: Contamination, shown: int = SHOWN) -> None:
         last = max(rows)
         for i, (_, image) in enumerate(eval_images(target)):
             if i in rows:
-                c.thumbs[(target, i)] = _data_uri(image)
+                c.thumbs[(target, i)] = thumbnail_uri(image)
             if i >= last:
                 break
 

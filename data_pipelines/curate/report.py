@@ -140,6 +140,15 @@ def _distances(decisions, pool) -> dict:
 # ------------------------------------------------------------------ html
 
 
+def thumbnail_uri(image) -> str:
+    """A PIL image as an inline JPEG data URI, THUMB pixels on its longer side."""
+    image = image.convert("RGB")
+    image.thumbnail((THUMB, THUMB))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, str]:
     """Pool rows -> inline JPEG data URIs of their images (read back from the shards)."""
     from PIL import Image
@@ -161,11 +170,7 @@ def _thumbs(urls: list[str], pool, rows: list[int], remote=None) -> dict[int, st
                     )
                     if row is None or data is None:
                         continue
-                    image = Image.open(io.BytesIO(data)).convert("RGB")
-                    image.thumbnail((THUMB, THUMB))
-                    buf = io.BytesIO()
-                    image.save(buf, format="JPEG", quality=85)
-                    out[row] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+                    out[row] = thumbnail_uri(Image.open(io.BytesIO(data)))
         except Exception as e:  # a thumbnail is decoration: the report is written without it
             log.warning("curate report: no thumbnails from %s (%s)", urls[u], e)
     return out
