@@ -88,8 +88,8 @@ class Policies:
         )
 
     def needs_hashes(self) -> bool:
-        """Whether a policy reads the pool's perceptual hashes."""
-        return "perceptual" in self.dedupe
+        """Whether a policy reads the pool's perceptual hashes (perceptual de-duplication, decontamination)."""
+        return "perceptual" in self.dedupe or bool(self.decontaminate)
 
 
 @dataclass

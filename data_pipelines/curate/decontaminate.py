@@ -190,19 +190,13 @@ def find(
     )
 
 
-def contamination_for_run(opts, out: Path, urls: list[str], pool) -> Contamination | None:
+def contamination_for_run(opts, out: Path, pool) -> Contamination | None:
     """``mmalign curate``'s call (:class:`data_pipelines.curate.run.Options`): None without
-    ``--decontaminate``; else :func:`find` on the pool (hashed now if pass 1 did not), with the
-    model when ``--model`` is given."""
-    from data_pipelines.curate.decide import load_pool
-    from data_pipelines.curate.hash_pass import ensure_hashes
-
+    ``--decontaminate``; else :func:`find` on the pool (whose hashes the run ensured before loading
+    it: ``Policies.needs_hashes``), with the model when ``--model`` is given."""
     p = opts.policies
     if not p.decontaminate:
         return None
-    if pool.phash is None:  # a pool embedded before pass 1 hashed: its hashes now
-        ensure_hashes(out, urls, opts.progress)
-        pool.phash = load_pool(out, len(urls)).phash
     loaded = None
     if opts.model is not None:
         from mmalign.models.load import load

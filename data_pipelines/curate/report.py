@@ -44,15 +44,21 @@ def histogram(scores: np.ndarray, bins: int = BINS) -> dict:
     return {"edges": [round(float(e), 6) for e in edges], "counts": [int(c) for c in counts]}
 
 
+def skips(stats: list[dict]) -> dict[str, int]:
+    """Pass 1's skipped samples by reason, summed over the shards' stats, reasons sorted."""
+    total: dict[str, int] = {}
+    for s in stats:
+        for reason, count in s["skipped"].items():
+            total[reason] = total.get(reason, 0) + count
+    return dict(sorted(total.items()))
+
+
 def summary(pool, decisions, policies, extra: dict) -> dict:
     """The report's JSON content."""
     n = len(pool)
     scores = pool.frame["clip_score"].to_numpy(np.float64) if n else np.zeros(0)
     scores = scores[~np.isnan(scores)]  # a run without a model scores nothing
-    skipped: dict[str, int] = {}
-    for s in pool.stats:
-        for reason, count in s["skipped"].items():
-            skipped[reason] = skipped.get(reason, 0) + count
+    skipped = skips(pool.stats)
 
     def kept(mask) -> dict:
         k = int(np.asarray(mask).sum())
@@ -63,7 +69,7 @@ def summary(pool, decisions, policies, extra: dict) -> dict:
             "shards": len(pool.stats),
             "samples": sum(s["samples"] for s in pool.stats),
             "readable": n,
-            "skipped": dict(sorted(skipped.items())),
+            "skipped": skipped,
             "shards_ended_early": sum(1 for s in pool.stats if s["ended_early"]),
         },
         "policies": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(policies).items()},

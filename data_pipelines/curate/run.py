@@ -344,11 +344,9 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         ensure_hashes(out, urls, opts.progress)
     pool = load_pool(out, len(urls))
     if len(pool) == 0:
-        skipped: dict[str, int] = {}
-        for stats in pool.stats:
-            for reason, count in stats["skipped"].items():
-                skipped[reason] = skipped.get(reason, 0) + count
-        why = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+        from data_pipelines.curate.report import skips
+
+        why = ", ".join(f"{k} {v}" for k, v in skips(pool.stats).items())
         raise UsageError(
             f"--data: {opts.data} holds no readable samples" + (f" (skipped: {why})" if why else "")
         )
@@ -357,7 +355,7 @@ def _curate(opts: Options, urls: list[str], out: Path, rank: int, world: int, st
         if where is not None:
             _field_exists(field_name, where)
     t_decide = time.time()
-    decisions = decide(pool, opts.policies, contamination_for_run(opts, out, urls, pool))
+    decisions = decide(pool, opts.policies, contamination_for_run(opts, out, pool))
     check_drop(pool, decisions, opts.policies)  # before any output is touched
     t_write = time.time()
     outdir.clear_outputs(out)  # the previous run's outputs, as its manifest lists them: nothing else
