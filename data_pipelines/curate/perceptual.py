@@ -65,7 +65,6 @@ def greedy_groups(n: int, a: np.ndarray, b: np.ndarray, order: np.ndarray) -> np
     by = np.lexsort((rank[early], rank[late]))  # by the later end, then its neighbours in order
     u, v = early[by], late[by]  # (E,)
     state = np.zeros(n, dtype=np.int8)  # 0 undecided, 1 kept, 2 removed
-    state[order] = 0
     rounds = 0
     while u.size and rounds < _SEQUENTIAL_AFTER:
         rounds += 1
