@@ -33,23 +33,19 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
+from bench.harness import (
+    DOC,
+    ROOT,
+    LoadWatch,
+    command,
+    cpu_line,
+    parser,
+    reset_peak,
+    status_mb,
+    write_section,
+)
 
 SECTION = "## mmalign curate: throughput and de-duplication memory (bench/curate_speed.py)"
-
-
-def _status_mb(field: str) -> float:
-    """VmRSS / VmHWM of this process from /proc (ru_maxrss would carry the launching process's
-    peak across fork + exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    """Start VmHWM again from the current RSS (Linux: clear_refs 5), so the peak is the step's."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _shard(path: Path, n: int, size: int, seed: int) -> None:
@@ -131,8 +127,8 @@ def dedupe_memory(n: int, dim: int, seed: int) -> dict:
             "image_sha256": [f"{i:064x}" for i in range(n)],
         }
     )
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = status_mb("VmRSS")
+    reset_peak()
     start = time.perf_counter()
     dec = decide(
         Pool(frame=frame, image=image),
@@ -147,8 +143,8 @@ def dedupe_memory(n: int, dim: int, seed: int) -> dict:
         "clusters": dec.clusters,
         "seconds": round(seconds, 1),
         "rss_before_mb": round(before),
-        "peak_rss_mb": round(_status_mb("VmHWM")),
-        "step_mb": round(_status_mb("VmHWM") - before),
+        "peak_rss_mb": round(status_mb("VmHWM")),
+        "step_mb": round(status_mb("VmHWM") - before),
         "embeddings_mb": round(image.nbytes / 2**20),
         "planted_found": found,
         "kept": int(dec.keep.sum()),

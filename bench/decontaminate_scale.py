@@ -27,23 +27,25 @@ import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, write_section
+from bench.harness import (
+    DOC,
+    ROOT,
+    LoadWatch,
+    command,
+    cpu_line,
+    parser,
+    reset_peak,
+    status_mb,
+    write_section,
+)
 
 SECTION = "## Decontamination at scale: 1M pool against a 10k evaluation set (bench/decontaminate_scale.py)"
 CIFAR = ROOT / ".." / "shared" / "data" / "cifar10"
 NOISE_BITS = 12  # flipped in a made pool row: far from its source at the default distance
-
-
-def _status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _cifar(name: str, n: int) -> list:
@@ -119,8 +121,8 @@ def matching(pool: int, n_eval: int, n_real: int, radius: int | None, seed: int)
     ctypes.CDLL("libc.so.6").malloc_trim(
         0
     )  # the set-up's freed memory back to the OS: the step cannot reuse it unseen
-    before = _status_mb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the step's own peak
+    before = status_mb("VmRSS")
+    reset_peak()  # VmHWM from here: the step's own peak
     start = time.perf_counter()
     rows, _, _ = matches(pq, pi, eq, ei, radius)
     seconds = time.perf_counter() - start
@@ -132,8 +134,8 @@ def matching(pool: int, n_eval: int, n_real: int, radius: int | None, seed: int)
         "radius": radius,
         "seconds": round(seconds, 2),
         "rss_before_mb": round(before),
-        "peak_rss_mb": round(_status_mb("VmHWM")),
-        "step_mb": round(_status_mb("VmHWM") - before),
+        "peak_rss_mb": round(status_mb("VmHWM")),
+        "step_mb": round(status_mb("VmHWM") - before),
         "hashes_mb": round((pq.nbytes + pi.nbytes + eq.nbytes + ei.nbytes) / 2**20),
         "planted": int(planted.size),
         "planted_found": float(found),

@@ -54,6 +54,20 @@ __all__ = [
 ]
 
 
+def status_mb(field: str) -> float:
+    """VmRSS / VmHWM of this process from /proc, in MB (ru_maxrss would carry the launching
+    process's peak across fork + exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5), so the peak is the step's."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def parser(doc: str | None, *, full: bool = False, write_doc: str | None = "") -> argparse.ArgumentParser:
     """The script's argument parser: described by the first paragraph of ``doc`` (``full``: all of
     it, as written), with ``--allow-loaded`` and, unless ``write_doc`` is None, ``--write-doc``

@@ -37,21 +37,22 @@ from pathlib import Path
 import _bootstrap  # noqa: F401  (python bench/x.py: puts the repository root on sys.path)
 import numpy as np
 
-from bench.harness import DOC, ROOT, LoadWatch, command, cpu_line, parser, table, today, write_section
+from bench.harness import (
+    DOC,
+    ROOT,
+    LoadWatch,
+    command,
+    cpu_line,
+    parser,
+    reset_peak,
+    status_mb,
+    table,
+    today,
+    write_section,
+)
 
 SECTION = "## Perceptual de-duplication at scale (bench/perceptual_scale.py)"
 CIFAR_POOL = ROOT / "data" / "bench_curate_cifar10" / "pool"
-
-
-def _status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from the current RSS
 
 
 def _flip(h: np.ndarray, k: int, rng) -> np.ndarray:
@@ -143,8 +144,8 @@ def measure(kind: str, n: int, radius: int, view_bits: int, work: Path) -> dict:
         if kind == "cifar-x":
             query, index = replicate(query, index, n)
         query, index = query[:n], index[:n]
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = status_mb("VmRSS")
+    reset_peak()
     stats: dict = {}
     start = time.perf_counter()
     a, b, _ = near_pairs(query, index, radius, same=True, stats=stats)
@@ -158,8 +159,8 @@ def measure(kind: str, n: int, radius: int, view_bits: int, work: Path) -> dict:
         "seconds": round(seconds, 1),
         "pairs_seconds": round(pairs_s, 1),
         "rss_before_mb": round(before),
-        "peak_rss_mb": round(_status_mb("VmHWM")),
-        "step_mb": round(_status_mb("VmHWM") - before),
+        "peak_rss_mb": round(status_mb("VmHWM")),
+        "step_mb": round(status_mb("VmHWM") - before),
         "hashes_mb": round((query.nbytes + index.nbytes) / 2**20),
         "grouped": int(len(groups) - np.unique(groups).size),
         **stats,
