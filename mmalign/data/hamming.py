@@ -39,6 +39,8 @@ import math
 
 import numpy as np
 
+from mmalign.data.phash import popcount
+
 MAX_TABLE_BITS = 24  # a direct-address table has 2^L + 1 offsets: 128 MiB of int64 at most
 BLOCK = 1 << 22  # probes, candidates or pair distances held at once (~4M; tens of MiB each)
 _COST_PROBE = 2.0  # one probe (bucket lookup) against one candidate check (gather, XOR, popcount)
@@ -97,10 +99,6 @@ def _substring(h: np.ndarray, start: int, length: int) -> np.ndarray:
     return (v & np.uint64((1 << length) - 1)).astype(np.int64)
 
 
-def _popcount(x: np.ndarray) -> np.ndarray:
-    return np.bitwise_count(x).sum(axis=-1, dtype=np.int64)
-
-
 class _Hits:
     """Verified (query row, index row, distance) found so far, reduced to (a, b, min d) per block."""
 
@@ -141,7 +139,7 @@ def _all_pairs(qh: np.ndarray, ih: np.ndarray, radius: int, hits: _Hits, stats: 
     stats["candidates"] += len(qh) * len(ih)
     step = max(1, BLOCK // max(1, len(ih)))
     for s in range(0, len(qh), step):
-        d = _popcount(qh[s : s + step, None, :] ^ ih[None, :, :])  # (b, N)
+        d = popcount(qh[s : s + step, None, :] ^ ih[None, :, :])  # (b, N)
         qi, ii = np.nonzero(d <= radius)
         hits.add(qi + s, ii, d[qi, ii])
 
