@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipelines.curate.embed_pass import split_hashes
 from data_pipelines.curate.report import thumbnail_uri
 from data_pipelines.curate.scores import _unit_rows
 from mmalign.data import phash
@@ -135,7 +136,7 @@ def find(
     if pool.phash is None:
         raise RuntimeError("--decontaminate without the pool's hashes (hash_pass.ensure_hashes)")
     distance = radius(distance)
-    pq, pi = pool.phash[:, : phash.QUERIES], pool.phash[:, phash.QUERIES :]  # (N, Q, W), (N, V, W)
+    pq, pi = split_hashes(pool.phash)  # (N, Q, W), (N, V, W)
     semantic = loaded is not None and pool.image.ndim == 2 and pool.image.shape[1] > 0
     parts: list[dict] = []
     summary: list[dict] = []

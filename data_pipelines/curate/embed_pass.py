@@ -40,6 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from data_pipelines.curate.scores import clip_scores
+from mmalign.data import phash
+
+HASH_WIDTH = phash.QUERIES + phash.VIEWS  # hashes in a u.phash.npy row: the queries, then the index
 
 log = logging.getLogger("mmalign.curate")
 
@@ -72,6 +75,17 @@ def shard_files(out: Path, u: int) -> dict[str, Path]:
 def done_shards(out: Path, n: int) -> set[int]:
     """The shard numbers whose pass-1 output is complete (their stats file exists)."""
     return {u for u in range(n) if shard_files(out, u)["stats"].is_file()}
+
+
+def hash_rows(images: list) -> np.ndarray:
+    """PIL images -> (n, HASH_WIDTH, WORDS) uint64: each image's ``u.phash.npy`` row."""
+    query, index = phash.hash_images(images)  # (n, Q, W), (n, V, W)
+    return np.concatenate([query, index], axis=1)
+
+
+def split_hashes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, HASH_WIDTH, W) ``u.phash.npy`` rows -> the query hashes (N, Q, W) and the index hashes (N, V, W)."""
+    return rows[:, : phash.QUERIES], rows[:, phash.QUERIES :]
 
 
 def _atomic(path: Path, write) -> None:
@@ -129,7 +143,6 @@ class ShardEmbedder:
     def embed(self, url: str, u: int, out: Path, progress=None) -> dict:
         """Write shard ``u``'s pass-1 files (module docstring); returns its stats."""
         from data_pipelines.curate.fingerprint import fingerprint
-        from mmalign.data import phash
         from mmalign.data.shards import BadSample, decode_sample, iter_tar_groups
         from mmalign.data.tario import CorruptTar, TruncatedTar
 
@@ -153,8 +166,7 @@ class ShardEmbedder:
         def flush() -> None:
             if not pending:
                 return
-            query, index = phash.hash_images([p[1] for p in pending])  # (b, Q, W), (b, V, W)
-            hashes.append(np.concatenate([query, index], axis=1))
+            hashes.append(hash_rows([p[1] for p in pending]))  # (b, Q + V, W)
             counts = [len(p[2]) for p in pending]
             starts = np.cumsum([0] + counts[:-1])
             if self.loaded is None:  # hashes only: (b, 0) and (r, 0) embeddings keep the row bookkeeping
@@ -214,8 +226,7 @@ class ShardEmbedder:
         score = np.concatenate(scores) if scores else np.zeros(0, np.float32)
         for row, s in zip(rows, score.tolist()):
             row["clip_score"] = s
-        width = phash.QUERIES + phash.VIEWS
-        stacked = np.concatenate(hashes) if hashes else np.zeros((0, width, phash.WORDS), np.uint64)
+        stacked = np.concatenate(hashes) if hashes else np.zeros((0, HASH_WIDTH, phash.WORDS), np.uint64)
         self._write(out, u, rows, images, texts, dim)
         _atomic(shard_files(out, u)["phash"], lambda p: _save(p, stacked))
         stats = {

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipelines.curate.embed_pass import _atomic, _save, shard_files
+from data_pipelines.curate.embed_pass import HASH_WIDTH, _atomic, _save, hash_rows, shard_files
 from mmalign.data import phash
 from mmalign.errors import UsageError
-
-WIDTH = phash.QUERIES + phash.VIEWS  # hashes per sample in a .phash.npy row: the queries, then the index
 
 
 def check_model(opts) -> None:
@@ -91,7 +89,7 @@ def hash_shard(url: str, u: int, out: Path, max_pixels: int | None = None) -> in
     files = shard_files(out, u)
     frame = pd.read_parquet(files["parquet"], columns=["index"])
     place = {int(i): r for r, i in enumerate(frame["index"].tolist())}  # shard index -> parquet row
-    hashes = np.zeros((len(frame), WIDTH, phash.WORDS), np.uint64)  # (n, Q + V, W)
+    hashes = np.zeros((len(frame), HASH_WIDTH, phash.WORDS), np.uint64)  # (n, Q + V, W)
     found = 0
     try:
         for index, raw in enumerate(iter_tar_groups(url)):
@@ -102,8 +100,7 @@ def hash_shard(url: str, u: int, out: Path, max_pixels: int | None = None) -> in
                 image = decode_sample(raw, max_pixels)["image"].convert("RGB")
             except BadSample:
                 continue
-            query, view = phash.hash_images([image])  # (1, Q, W), (1, V, W)
-            hashes[row] = np.concatenate([query, view], axis=1)[0]
+            hashes[row] = hash_rows([image])[0]  # (Q + V, W)
             found += 1
     except (TruncatedTar, CorruptTar, OSError):
         pass  # what was read is hashed; the rest are counted below
@@ -140,9 +137,4 @@ def load_hashes(out: Path, n_shards: int) -> np.ndarray | None:
     if not all(hashed(out, u) for u in range(n_shards)):
         return None
     parts = [np.load(shard_files(out, u)["phash"]) for u in range(n_shards)]
-    return np.concatenate(parts) if parts else np.zeros((0, WIDTH, phash.WORDS), np.uint64)
-
-
-def split(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, Q + V, W) -> the query hashes (N, Q, W) and the index hashes (N, V, W)."""
-    return hashes[:, : phash.QUERIES], hashes[:, phash.QUERIES :]
+    return np.concatenate(parts) if parts else np.zeros((0, HASH_WIDTH, phash.WORDS), np.uint64)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from data_pipelines.curate.embed_pass import split_hashes
 from mmalign.data import phash
 
 
@@ -19,7 +20,6 @@ def pool_groups(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Perceptual groups over ``reps`` (the others alone), and with semantic too the union's: one
     greedy pass over the perceptual pairs and the semantic pairs, best score first."""
-    from data_pipelines.curate.hash_pass import split
     from data_pipelines.curate.perceptual import (
         combined_groups,
         greedy_groups,
@@ -31,7 +31,7 @@ def pool_groups(
 
     if pool.phash is None:
         raise RuntimeError("perceptual de-duplication without the pool's hashes (hash_pass.ensure_hashes)")
-    query, index = split(pool.phash)  # (N, Q, W), (N, V, W)
+    query, index = split_hashes(pool.phash)  # (N, Q, W), (N, V, W)
     n = len(pool)
     if "semantic" not in p.dedupe:
         return perceptual_groups(query, index, p.perceptual_distance, scores=scores, rows=reps), None
@@ -48,9 +48,8 @@ DISTANCE_BLOCK = 65536  # samples a block: (b, QUERIES, VIEWS, WORDS) uint64 XOR
 def distance_to_kept(hashes: np.ndarray, kept: np.ndarray) -> np.ndarray:
     """(N, Q + V, W) hashes, (N,) each sample's kept member -> (N,) int64 their distance in bits
     (:func:`phash.distance`, a block at a time; 0 for a kept one)."""
-    from data_pipelines.curate.hash_pass import split
 
-    query, index = split(hashes)
+    query, index = split_hashes(hashes)
     out = np.zeros(len(kept), np.int64)
     for s in range(0, len(kept), DISTANCE_BLOCK):
         qa, ia = query[s : s + DISTANCE_BLOCK], index[s : s + DISTANCE_BLOCK]  # (b, Q, W), (b, V, W)
