@@ -37,11 +37,17 @@ LISTED = 100  # matches listed in the result; the counts are always whole
 KEY = "data.decontaminate"
 
 
-def inputs(cfg) -> dict:
-    """What the check's result depends on: a stored result with other inputs is not reused."""
+def _train_urls(cfg) -> list[str]:
+    """Every shard of data.train, source after source."""
     from mmalign.data.shards import train_shard_lists
 
-    urls = [u for found, _ in train_shard_lists(cfg.data) for u in found]
+    return [u for found, _ in train_shard_lists(cfg.data) for u in found]
+
+
+def inputs(cfg, urls: list[str] | None = None) -> dict:
+    """What the check's result depends on (``urls``: :func:`_train_urls`, when known): a stored
+    result with other inputs is not reused."""
+    urls = _train_urls(cfg) if urls is None else urls
     d = cfg.data
     return {
         "target": d.decontaminate,
@@ -86,7 +92,7 @@ def check(cfg, say: Callable[[str], None] = print) -> dict:
     total, exact = sample.total()
     checked = len(sample.refs)
     copies = len(pool_rows)
-    estimate = copies if exact and total == checked else round(copies * total / checked)
+    estimate = round(copies * total / checked)  # the count itself when every sample was checked
     result = {
         "target": target,
         "distance": radius,
@@ -110,7 +116,7 @@ def check(cfg, say: Callable[[str], None] = print) -> dict:
             }
             for p, e, b in list(zip(pool_rows.tolist(), eval_rows.tolist(), dist.tolist()))[:LISTED]
         ],
-        "inputs": inputs(cfg),
+        "inputs": inputs(cfg, sample.urls),
     }
     line = summary(result)
     if result["strict"] and result["eval_found"]:
@@ -125,15 +131,18 @@ def check(cfg, say: Callable[[str], None] = print) -> dict:
 
 def summary(result: dict) -> str:
     """The one line a start states."""
-    tilde = (
-        "" if result["pool_samples_exact"] and result["pool_samples"] == result["samples_checked"] else "~"
-    )
     return (
         f"mmalign: {KEY}: {result['eval_found']} of the {result['eval_images']} images of {result['target']} "
         f"have near-duplicates in the training shards (checked {result['samples_checked']} samples from "
         f"{result['shards_read']} of {result['shards']} shards: {result['samples_found']} copies; "
-        f"{tilde}{result['estimate']} in all, within {result['distance']} bits)"
+        f"{_about(result)}{result['estimate']} in all, within {result['distance']} bits)"
     )
+
+
+def _about(result: dict) -> str:
+    """The "~" before the estimate, unless every sample of the pool was checked (then it is a count)."""
+    whole = result.get("pool_samples_exact") and result.get("pool_samples") == result.get("samples_checked")
+    return "" if whole else "~"
 
 
 # ------------------------------------------------------------------ the evaluation set's hashes
@@ -172,8 +181,9 @@ def target_hashes(
 class _Sample:
     """The training images hashed: their (shard, key), hashes, and what was read for them."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], listed: int | None):
         self.urls = urls
+        self.listed = listed  # samples in all of urls by their sizes.json, None unless each is listed
         self.refs: list[tuple[str, str]] = []
         self.query = np.zeros((0, phash.QUERIES, phash.WORDS), np.uint64)
         self.index = np.zeros((0, phash.VIEWS, phash.WORDS), np.uint64)
@@ -184,11 +194,8 @@ class _Sample:
     def total(self) -> tuple[int, bool]:
         """(samples in the whole of data.train, exact?): the shards' sizes.json, else every shard
         read, else the mean of the shards read times their number."""
-        from mmalign.data.shards import shard_total
-
-        listed = shard_total("::".join(self.urls))
-        if listed is not None:
-            return listed, True
+        if self.listed is not None:
+            return self.listed, True
         if self.read == len(self.urls):
             return sum(self.sizes), True
         return round(sum(self.sizes) / max(self.read, 1) * len(self.urls)), False
@@ -196,17 +203,16 @@ class _Sample:
 
 def _sample(cfg, say: Callable[[str], None]) -> _Sample:
     """Shards of data.train in a seeded order, read until data.decontaminate_samples images are hashed."""
-    from mmalign.data.shards import shard_total, train_shard_lists
+    from mmalign.data.shards import shard_total
     from mmalign.progress import track
 
-    urls = [u for found, _ in train_shard_lists(cfg.data) for u in found]
-    sample = _Sample(urls)
+    urls = _train_urls(cfg)
+    sample = _Sample(urls, listed=shard_total("::".join(urls)))
     want = int(cfg.data.decontaminate_samples)
     order = np.random.default_rng(int(cfg.seed)).permutation(len(urls))
     say(f"mmalign: {KEY}: hashing up to {want} training samples from a seeded draw of {len(urls)} shard(s)")
     stream = _images(cfg, [urls[i] for i in order], want, sample)
-    listed = shard_total("::".join(urls))  # the shards' sizes.json, when every one is listed
-    total = min(want, listed) if listed is not None else want
+    total = want if sample.listed is None else min(want, sample.listed)
 
     def images():  # the sample's images, their (shard, key) noted on the way
         for ref, image in track(stream, f"{KEY}: training samples", total=total, unit="samples"):
@@ -302,15 +308,10 @@ def note_lines(out: Path) -> list[str]:
     result = stored(out)
     if result is None:
         return []
-    tilde = (
-        ""
-        if result.get("pool_samples_exact") and result.get("pool_samples") == result.get("samples_checked")
-        else "~"
-    )
     return [
         f"note: {KEY} {result['target']}: {result['eval_found']} of its {result['eval_images']} images "
         f"had near-duplicates in the {result['samples_checked']} training samples checked "
-        f"({tilde}{result['estimate']} copies in all; {DECONTAMINATION})"
+        f"({_about(result)}{result['estimate']} copies in all; {DECONTAMINATION})"
     ]
 
 

@@ -136,6 +136,7 @@ def test_planted_evaluation_images_are_counted_exactly(tmp_path):
     line = said[-1]
     assert line.startswith(f"mmalign: data.decontaminate: {want_eval} of the {EVAL} images of {target} ")
     assert f"checked {SHARDS * PER_SHARD} samples from {SHARDS} of {SHARDS} shards" in line
+    assert f"; {want_samples} in all, within" in line  # every sample checked: a count, no "~"
     for m in result["matches"]:  # each listed copy is within the distance of the evaluation image it names
         with tarfile.open(m["shard"]) as t:
             (name,) = [n for n in t.getnames() if n.startswith(m["key"] + ".") and not n.endswith(".txt")]
