@@ -127,8 +127,7 @@ def dedupe_memory(n: int, dim: int, seed: int) -> dict:
             "image_sha256": [f"{i:064x}" for i in range(n)],
         }
     )
-    before = status_mb("VmRSS")
-    reset_peak()
+    before = reset_peak()  # RSS once the set-up's freed memory is handed back; VmHWM from here
     start = time.perf_counter()
     dec = decide(
         Pool(frame=frame, image=image),

@@ -114,15 +114,7 @@ def matching(pool: int, n_eval: int, n_real: int, radius: int | None, seed: int)
     noise = _flips(rng, planted.size, rng.integers(0, radius + 1, planted.size))[:, None, :]
     pq[planted], pi[planted] = eq[sources] ^ noise, ei[sources] ^ noise
     del bq, bi, src, noise
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(
-        0
-    )  # the set-up's freed memory back to the OS: the step cannot reuse it unseen
-    before = status_mb("VmRSS")
-    reset_peak()  # VmHWM from here: the step's own peak
+    before = reset_peak()  # the set-up's freed memory handed back; VmHWM from here: the step's own peak
     start = time.perf_counter()
     rows, _, _ = matches(pq, pi, eq, ei, radius)
     seconds = time.perf_counter() - start

@@ -144,8 +144,7 @@ def measure(kind: str, n: int, radius: int, view_bits: int, work: Path) -> dict:
         if kind == "cifar-x":
             query, index = replicate(query, index, n)
         query, index = query[:n], index[:n]
-    before = status_mb("VmRSS")
-    reset_peak()
+    before = reset_peak()  # RSS once the set-up's freed memory is handed back; VmHWM from here
     stats: dict = {}
     start = time.perf_counter()
     a, b, _ = near_pairs(query, index, radius, same=True, stats=stats)
