@@ -24,7 +24,7 @@ import hashlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -201,7 +201,7 @@ class StreamingLoader:
 
     # ------------------------------------------------------------ iteration
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Generator[Batch, None, None]:
         dataset = _Lanes(self.spec, self.processor, self.pieces, dict(self._states))
         if self.num_workers == 0:
             source = iter(dataset)

@@ -33,6 +33,13 @@ _LOOP = ("mmalign.run.train", "_train")
 _DROPPED = {"--overwrite": 0, "--resume": 1, "--local_rank": 1, "--local-rank": 1}
 
 
+# The signal the handler last raised, until the run has stopped (clear()). Python runs a
+# handler wherever the main thread is, finalizers included (a __del__ of torch's shared-memory
+# bookkeeping runs for every batch a DataLoader worker sends), and an exception raised there is
+# printed as "Exception ignored" and dropped: the run trained on as if never signalled.
+_caught: int | None = None
+
+
 class Terminated(SystemExit):
     """SIGTERM, raised in the main thread so that the run unwinds as Ctrl-C does."""
 
@@ -40,9 +47,29 @@ class Terminated(SystemExit):
         super().__init__(128 + signum)
 
 
+def _exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def raise_terminated(signum, frame) -> None:
-    """The SIGTERM handler (main thread only)."""
-    raise Terminated(signum)
+    """The SIGTERM (and SIGINT) handler of a run (main thread only): the signal is recorded for
+    :func:`check`, then its exception raised here."""
+    global _caught
+    _caught = signum
+    raise _exception(signum)
+
+
+def check() -> None:
+    """Raise the exception of a signal whose first one was dropped by a finalizer; called at
+    every step, so that a run signalled stops within a step whatever the handler interrupted."""
+    if _caught is not None:
+        raise _exception(_caught)
+
+
+def clear() -> None:
+    """Forget the recorded signal (a run's end: the next run in this process starts afresh)."""
+    global _caught
+    _caught = None
 
 
 @contextlib.contextmanager

@@ -132,23 +132,30 @@ def setup_logging(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _exit_on_sigterm():
-    """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, exit
-    handlers stop the DataLoader workers) instead of the process vanishing and leaving its
-    workers behind, with exit status 143. Either signal prints one line on rank 0: which
-    signal, the step, the last checkpoint and the command that resumes (mmalign.run.signals).
-    Only the main thread can install a handler; elsewhere SIGTERM is left as it is."""
+def _stop_on_signals():
+    """SIGTERM ends the run as Ctrl-C does: Python unwinds (``finally`` blocks run, the loop
+    stops the DataLoader workers) instead of the process vanishing and leaving its workers
+    behind, with exit status 143. Both signals are also recorded, so that one whose exception a
+    finalizer dropped still stops the run at the next step (mmalign.run.signals.check). Either
+    prints one line on rank 0: which signal, the step, the last checkpoint and the command that
+    resumes. Only the main thread can install a handler; elsewhere both are left as they are,
+    and so is a SIGINT that the process was told to ignore (a background job)."""
 
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop_signals.raise_terminated) if main_thread else None
+    ours = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        ours.append(signal.SIGINT)
+    previous = {sig: signal.signal(sig, stop_signals.raise_terminated) for sig in ours} if main_thread else {}
+    stop_signals.clear()
     try:
         yield
     except (KeyboardInterrupt, stop_signals.Terminated) as e:
         stop_signals.report(e, mdist.get_rank(), mdist.get_world_size())
         raise
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_signals.clear()
 
 
 def train(
@@ -167,7 +174,7 @@ def train(
     ``model_checked``: this process already ran :func:`~mmalign.models.check_buildable` on
     ``cfg.model`` (``mmalign train`` does, before it takes the run directory's lock)."""
     # a write refused by a full or read-only disk (metrics.jsonl, TensorBoard, final/, eval.json): one line
-    with _exit_on_sigterm(), diskspace.stop_on_refused_write(Path(cfg.output)):
+    with _stop_on_signals(), diskspace.stop_on_refused_write(Path(cfg.output)):
         return _train(cfg, show_progress, resume, overwrite, model_checked)
 
 
@@ -237,45 +244,34 @@ def _train(
         tensorboard=mon.tensorboard,
         show_progress=show_progress,
     ) as runlog:
-        batches = iter(p.loader)
-        tally.window_start = time.time()
-        p.engine.train_mode()
-        for step in range(start + 1, t.steps + 1):
-            batch, result = _train_step(p, step, batches, tally, runlog)
-            eta = runlog.progress(step)  # and, once, the run time the first steps measure
-            if logs_at(t, step):
-                _log_step(p, step, batch, result, tally, runlog, eta)
-            # the suites due now (eval.during's entries, train.eval_every's), each on its own steps
-            evaluate_due(
-                evals,
-                step,
-                p.engine,
-                cfg,
-                p.tokenizer,
-                out,
-                device,
-                runlog,
-                show_progress=show_progress and not runlog.use_bar,
-                ema=p.ema,
-            )
-            if (
-                t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0
-            ):  # no saves mid-streak
-                shared = {"momentum": p.queue.state_dict()} if p.queue is not None and main else None
-                with stop_signals.deferred():  # a signal waits for the save: never a torn checkpoint
-                    checkpoint.save(
-                        p.engine,
-                        out,
-                        step,
-                        {"rng": checkpoint.rng_state(), "skipped_steps": tally.skipped_steps},
-                        p.loader.state_dict(),
-                        t.keep_checkpoints,
-                        shared=shared,
-                        config=cfg,
-                        per_rank={"ema": p.ema.state_dict()} if p.ema is not None else None,
-                    )
-            runlog.advance()
+        # closed on the way out of an error or a signal: the data workers stop now, not at exit
+        with contextlib.closing(iter(p.loader)) as batches:
+            tally.window_start = time.time()
+            p.engine.train_mode()
+            for step in range(start + 1, t.steps + 1):
+                stop_signals.check()  # a signal whose exception a finalizer dropped stops the run here
+                batch, result = _train_step(p, step, batches, tally, runlog)
+                eta = runlog.progress(step)  # and, once, the run time the first steps measure
+                if logs_at(t, step):
+                    _log_step(p, step, batch, result, tally, runlog, eta)
+                # the suites due now (eval.during's entries, train.eval_every's), each on its own steps
+                evaluate_due(
+                    evals,
+                    step,
+                    p.engine,
+                    cfg,
+                    p.tokenizer,
+                    out,
+                    device,
+                    runlog,
+                    show_progress=show_progress and not runlog.use_bar,
+                    ema=p.ema,
+                )
+                if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:
+                    _save_checkpoint(p, out, step, tally)  # no saves mid-streak
+                runlog.advance()
         runlog.end_loop()
+        stop_signals.check()  # the same, for a signal in the last step
 
         if main:
             say(
@@ -298,6 +294,23 @@ def _train(
             contamination_check.announce(out, say)  # was the test set kept out of the shards
     mdist.barrier()
     return out
+
+
+def _save_checkpoint(p: _Parts, out: Path, step: int, tally: _Tally) -> None:
+    """The step's checkpoint; a signal waits for the save: never a torn checkpoint."""
+    shared = {"momentum": p.queue.state_dict()} if p.queue is not None and mdist.get_rank() == 0 else None
+    with stop_signals.deferred():
+        checkpoint.save(
+            p.engine,
+            out,
+            step,
+            {"rng": checkpoint.rng_state(), "skipped_steps": tally.skipped_steps},
+            p.loader.state_dict(),
+            p.cfg.train.keep_checkpoints,
+            shared=shared,
+            config=p.cfg,
+            per_rank={"ema": p.ema.state_dict()} if p.ema is not None else None,
+        )
 
 
 def _drop_partial_final(final: Path) -> bool:

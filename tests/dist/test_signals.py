@@ -121,6 +121,72 @@ def test_a_signal_in_the_loop_says_the_step_and_the_checkpoint(
 
 
 @pytest.mark.integration
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_signal_whose_exception_a_finalizer_dropped_stops_the_run_at_the_next_step(
+    shapes_dir, tmp_path, monkeypatch, capsys, how
+):
+    """CI saw a run train on after SIGTERM: Python runs a handler wherever the main thread is,
+    a ``__del__`` included (torch's shared-memory bookkeeping runs one for every batch a data
+    worker sends), and drops the exception raised there. The run records the signal and stops
+    at the next step, with the usual line."""
+    import mmalign.run.train as train_mod
+
+    out = tmp_path / "run"
+    cfg = load_config(None, _sets(shapes_dir, "train.steps=8", f"output={out}"))
+    real_step = train_mod._train_step
+    sig = getattr(signal, how)
+
+    class SignalledInFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), sig)
+            sum(range(10))  # the handler runs here, inside __del__, and its exception is dropped
+
+    finished = []
+
+    def step_with_a_finalizer(p, step, *args):
+        if step == 3:
+            SignalledInFinalizer()  # made and collected at once
+        result = real_step(p, step, *args)
+        finished.append(step)  # step 3 goes on to its end: the signal's exception did not stop it
+        return result
+
+    monkeypatch.setattr(train_mod, "_train_step", step_with_a_finalizer)
+    monkeypatch.setattr(sys, "argv", ["mmalign", "train", "--output", str(out)])
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as on a terminal
+    try:
+        with pytest.raises((SystemExit, KeyboardInterrupt)[how == "SIGINT"]) as err:
+            train_mod.train(cfg, show_progress=False)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert finished == [1, 2, 3]
+    assert how == "SIGINT" or err.value.code == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"mmalign: stopped by {how} at step 4 of 8; no checkpoint saved yet"), line
+    assert not (out / "final").exists()
+    signals.check()  # the next run in this process starts afresh: nothing recorded
+
+
+def test_a_run_leaves_an_ignored_sigint_ignored():
+    """A background job (nohup, a CI runner) ignores SIGINT; the run must not take it back."""
+    from mmalign.run.train import _stop_on_signals
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _stop_on_signals():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is signals.raise_terminated
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with _stop_on_signals():
+            assert signal.getsignal(signal.SIGINT) is signals.raise_terminated
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.integration
 def test_sigterm_exits_143_with_the_line_and_its_command_resumes(shapes_dir, tmp_path):
     out = tmp_path / "run"
     sets = [a for s in _sets(shapes_dir, "train.steps=400", "train.checkpoint_every=2") for a in ("--set", s)]
