@@ -19,6 +19,7 @@ perceptual match first; else the semantic one).
 from __future__ import annotations
 
 import html
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +143,9 @@ def find(
     summary: list[dict] = []
     for target in targets:
         ev = eval_hashes(target, progress=progress, cache_dir=out / "pool" / CACHE)
+        skipped = ev.skip_line("curate: --decontaminate")
+        if skipped is not None:  # counted, never silent
+            print(skipped, file=sys.stderr, flush=True)
         rows, others, dist = matches(pq, pi, ev.query, ev.index, distance)  # (k,) each
         found = {int(r): (int(o), "perceptual") for r, o in zip(rows, others)}
         emb = None
@@ -170,7 +174,9 @@ def find(
                 "by": [found[r][1] for r in prow.tolist()],
             }
         )
-        summary.append({"target": target, "images": len(ev), "matched_pool_samples": len(prow)})
+        summary.append(
+            {"target": target, "images": len(ev), "skipped": ev.skipped, "matched_pool_samples": len(prow)}
+        )
         if progress:
             print(
                 f"mmalign: curate: --decontaminate {target}: {len(prow)} pool sample(s) near-duplicate "
@@ -263,6 +269,7 @@ def html_section(c: Contamination, pool, pool_thumbs: dict[int, str], shown: int
     """Each dropped pool sample (left) beside the evaluation image it copies (right)."""
     counts = "; ".join(
         f"{t['target']}: {t['matched_pool_samples']} pool sample(s) near its {t['images']} images"
+        + "".join(f" (skipped: {n} {reason})" for reason, n in sorted(t.get("skipped", {}).items()))
         for t in c.targets
     )
     body = [

@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +53,22 @@ class EvalHashes:
     keys: list[str]  # (M,) the evaluation images' keys, in the set's order
     query: np.ndarray  # (M, QUERIES, WORDS) uint64
     index: np.ndarray  # (M, VIEWS, WORDS) uint64
+    # what could not be read, by reason: samples without a readable image, damaged tars (whose
+    # later images are unknown); the images hashed are the rest
+    skipped: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def skip_line(self, what: str) -> str | None:
+        """One line for what was skipped (None: nothing was)."""
+        if not self.skipped:
+            return None
+        parts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+        return (
+            f"mmalign: {what}: {self.target}: skipped {parts}; the {len(self)} images read are "
+            "the ones checked"
+        )
 
 
 def _not_eval(target: str, what: str, why: str = "") -> UsageError:
@@ -150,26 +163,36 @@ def shard_images(
             yield key, None
 
 
-def _tar_images(urls: list[str]) -> Iterator[tuple[str, object]]:
-    """Every decodable image member of the tars (bad ones skipped), keyed by its name in the tar."""
+NO_IMAGE = "sample(s) without a readable image"
+DAMAGED_TAR = "damaged tar(s), read up to the damage"
+
+
+def _tar_images(urls: list[str], skipped: dict[str, int]) -> Iterator[tuple[str, object]]:
+    """Every decodable image member of the tars, keyed by its name in the tar; what cannot be
+    read is counted in ``skipped`` by reason."""
     from mmalign.data.shards import CorruptTar, TruncatedTar
 
     for url in urls:
         try:
             for key, image in shard_images(url):
-                if image is not None:
+                if image is None:
+                    skipped[NO_IMAGE] = skipped.get(NO_IMAGE, 0) + 1
+                else:
                     yield key, image
         except (TruncatedTar, CorruptTar, OSError):
-            continue
+            skipped[DAMAGED_TAR] = skipped.get(DAMAGED_TAR, 0) + 1
 
 
-def eval_images(target: str | Target, what: str = "--decontaminate") -> Iterator[tuple[str, object]]:
-    """``(key, PIL image)`` of every image of the evaluation set ``target``, in its order."""
+def eval_images(
+    target: str | Target, what: str = "--decontaminate", skipped: dict[str, int] | None = None
+) -> Iterator[tuple[str, object]]:
+    """``(key, PIL image)`` of every image of the evaluation set ``target``, in its order; a tar
+    target's unreadable samples and damaged tars are counted in ``skipped``."""
     from mmalign.evaluation.datasets import iter_dataset
 
     t = target if isinstance(target, Target) else resolve(target, what)
     if t.spec["type"] == "tars":
-        yield from _tar_images(t.spec["urls"])
+        yield from _tar_images(t.spec["urls"], {} if skipped is None else skipped)
         return
     for sample in iter_dataset(t.spec):
         yield str(sample["key"]), sample["image"]
@@ -195,31 +218,41 @@ def eval_hashes(
     progress: bool = False,
     cache_dir: str | Path | None = None,
 ) -> EvalHashes:
-    """The perceptual hashes of every image of ``target``. With ``cache_dir`` they are kept there as
-    ``eval_phash_<fingerprint>.npz`` and read back while the set's files and the hash are unchanged."""
+    """The perceptual hashes of every image of ``target``, with the count of what could not be
+    read. With ``cache_dir`` they are kept there as ``eval_phash_<fingerprint>.npz`` and read back
+    while the set's files and the hash are unchanged."""
     from mmalign.progress import track
 
     t = target if isinstance(target, Target) else resolve(target, what)
     cached = Path(cache_dir) / f"eval_phash_{fingerprint(t)}.npz" if cache_dir is not None else None
     if cached is not None and cached.is_file():
         with np.load(cached) as z:
-            return EvalHashes(t.name, [str(k) for k in z["keys"]], z["query"], z["index"])
+            told = json.loads(str(z["skipped"])) if "skipped" in z.files else {}
+            return EvalHashes(t.name, [str(k) for k in z["keys"]], z["query"], z["index"], told)
     keys: list[str] = []
+    skipped: dict[str, int] = {}
 
     def images():  # the set's images, its keys noted on the way (phash hashes them a block at a time)
-        for key, image in track(eval_images(t), f"{t.name}: hashing", unit="images", enabled=progress):
+        read = eval_images(t, what, skipped)
+        for key, image in track(read, f"{t.name}: hashing", unit="images", enabled=progress):
             keys.append(key)
             yield image
 
     query, index = phash.hash_images(images())
     if not keys:
         raise UsageError(f"{what}: {t.name!r} holds no readable images")
-    out = EvalHashes(t.name, keys, query, index)
+    out = EvalHashes(t.name, keys, query, index, skipped)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
         with open(tmp, "wb") as f:  # np.savez on a name would append .npz to the temporary one
-            np.savez(f, keys=np.array(keys, dtype=str), query=out.query, index=out.index)
+            np.savez(
+                f,
+                keys=np.array(keys, dtype=str),
+                query=out.query,
+                index=out.index,
+                skipped=json.dumps(skipped),
+            )
         os.replace(tmp, cached)
     return out
 

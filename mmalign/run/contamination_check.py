@@ -172,6 +172,9 @@ def target_hashes(
         hashes = eval_hashes(found, what=what, progress=True, cache_dir=cache_dir())
     except UserError as e:
         raise ConfigError(str(e)) from None
+    skipped = hashes.skip_line(KEY)
+    if skipped is not None:  # counted, never silent
+        say(skipped)
     return hashes.keys, hashes.query, hashes.index
 
 

@@ -180,6 +180,41 @@ def test_eval_hashes_and_cache(tmp_path, monkeypatch):
     assert len(changed) == 3 and len(list(cache.glob("eval_phash_*.npz"))) == 2
 
 
+def test_what_cannot_be_read_is_counted_and_said(tmp_path, monkeypatch):
+    """A bad image and a damaged tar in the evaluation set: the rest is hashed, and both are
+    counted (kept through the cache), said in one line by curate's and training's checks."""
+    from mmalign.run import contamination_check
+
+    rng = np.random.default_rng(5)
+    images = [smooth_image(rng) for _ in range(4)]
+    write_tar(
+        tmp_path / "a.tar", {"k0.png": png(images[0]), "k1.jpg": b"not a jpeg", "k2.png": png(images[1])}
+    )
+    write_tar(tmp_path / "b.tar", {"k3.png": png(images[2]), "k4.png": png(images[3])})
+    whole = (tmp_path / "b.tar").read_bytes()
+    (tmp_path / "b.tar").write_bytes(whole[: len(whole) // 2 + 100])  # cut inside k4's member
+    target = f"{tmp_path}/a.tar::{tmp_path}/b.tar"
+    got = cont.eval_hashes(target, cache_dir=tmp_path / "cache")
+    assert got.keys == ["k0", "k2", "k3"]
+    np.testing.assert_array_equal(got.index, phash.hash_images([images[0], images[1], images[2]])[1])
+    assert got.skipped == {cont.NO_IMAGE: 1, cont.DAMAGED_TAR: 1}
+    again = cont.eval_hashes(target, cache_dir=tmp_path / "cache")  # read from the cache
+    assert again.skipped == got.skipped
+    assert got.skip_line("x") == (
+        f"mmalign: x: {target}: skipped 1 damaged tar(s), read up to the damage, 1 sample(s) without "
+        "a readable image; the 3 images read are the ones checked"
+    )
+    assert cont.eval_hashes(f"{tmp_path}/a.tar::{tmp_path}/a.tar").skip_line("x").count("skipped 2 ") == 1
+    clean = tmp_path / "c.tar"
+    write_tar(clean, {"k0.png": png(images[0])})
+    assert cont.eval_hashes(str(clean)).skip_line("x") is None
+
+    monkeypatch.setenv("MMALIGN_CACHE", str(tmp_path / "mcache"))
+    heard: list[str] = []
+    contamination_check.target_hashes(target, say=heard.append)
+    assert heard[-1] == got.skip_line("data.decontaminate")
+
+
 # ------------------------------------------------------------------ matches
 
 

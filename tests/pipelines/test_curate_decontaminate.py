@@ -124,7 +124,7 @@ def test_planted_test_images_are_found(planted):
         assert matches[key]["eval_key"] == truth[key][0], (key, matches[key], truth[key])
         reason = dropped.set_index("key").loc[key, "reason"]
         assert f"image {truth[key][0]} (" in reason and "near-duplicate of" in reason
-    assert report["targets"][0]["images"] == N_EVAL
+    assert report["targets"][0]["images"] == N_EVAL and report["targets"][0]["skipped"] == {}
     page = (out / "curate_report.html").read_text()
     assert page.count("class='pair'") == len(matches)
     assert page.count("data:image/jpeg") >= 2 * len(matches)  # both sides of every pair
