@@ -98,8 +98,9 @@ class Loaded:
 
 def load(path: str | Path, device: str | torch.device = "cpu", weights: str = "raw") -> Loaded:
     """The model at ``path`` (a model folder, a run directory, ``RUN/final``,
-    ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), in eval mode on ``device``;
-    ``weights="ema"``: its EMA weights (:func:`ema_source`)."""
+    ``RUN/checkpoints/step_N`` or an open_clip / HF export folder), for inference: eval mode,
+    frozen (``requires_grad`` False), on ``device``; ``weights="ema"``: its EMA weights
+    (:func:`ema_source`)."""
     from mmalign.models.hub import resolve
     from mmalign.models.io import load_pretrained
     from mmalign.models.tokenizers import build_tokenizer, tokenizer_file
@@ -124,6 +125,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", weights: str = "r
         base = None
     spm = tokenizer_file(model.arch)
     spm_path = None if spm is None else (Path(spm) if Path(spm).is_absolute() or base is None else base / spm)
+    # frozen whatever the kind: some CPU kernels round differently when a weight requires grad,
+    # so two loads of one model would not give the same bits
+    model.requires_grad_(False)
     return Loaded(
         model=model.to(device).eval(),
         preprocess=_eval_transform(config["preprocess_cfg"]),
@@ -222,7 +226,6 @@ def _load_export(folder: Path) -> tuple[TwoTower, dict]:
     if problem:
         raise UsageError(f"export folder {folder}: its weights do not fit its own config: {problem}")
     model.load_state_dict(state, strict=True)
-    model.requires_grad_(False)  # for inference, as final/ loads
     pre = preprocess_cfg(model.image_size)
     if (folder / OPEN_CLIP_CONFIG).is_file():  # its own size; our eval transform keeps OpenAI's mean and std
         shipped = json.loads((folder / OPEN_CLIP_CONFIG).read_text()).get("preprocess_cfg") or {}

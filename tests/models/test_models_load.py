@@ -99,6 +99,7 @@ def test_every_path_kind_loads_the_same_model(kind, run, reference, tmp_path):
     loaded = mmalign.load(_path(run, kind, tmp_path))
     assert loaded.kind == ("checkpoint" if kind == "step" else "model")
     assert not loaded.model.training
+    assert not any(p.requires_grad for p in loaded.model.parameters())  # as an export folder loads
     ref_image, ref_text, theirs = reference
     ours = loaded.model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
