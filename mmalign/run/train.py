@@ -145,8 +145,8 @@ def _stop_on_signals():
     ours = [signal.SIGTERM]
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         ours.append(signal.SIGINT)
+    stop_signals.clear()  # before the handlers: a signal from here on is this run's
     previous = {sig: signal.signal(sig, stop_signals.raise_terminated) for sig in ours} if main_thread else {}
-    stop_signals.clear()
     try:
         yield
     except (KeyboardInterrupt, stop_signals.Terminated) as e:
@@ -268,7 +268,7 @@ def _train(
                     ema=p.ema,
                 )
                 if t.checkpoint_every and step % t.checkpoint_every == 0 and tally.consecutive == 0:
-                    _save_checkpoint(p, out, step, tally)  # no saves mid-streak
+                    _save_checkpoint(p, step, tally)  # no saves mid-streak
                 runlog.advance()
         runlog.end_loop()
         stop_signals.check()  # the same, for a signal in the last step
@@ -296,13 +296,13 @@ def _train(
     return out
 
 
-def _save_checkpoint(p: _Parts, out: Path, step: int, tally: _Tally) -> None:
+def _save_checkpoint(p: _Parts, step: int, tally: _Tally) -> None:
     """The step's checkpoint; a signal waits for the save: never a torn checkpoint."""
     shared = {"momentum": p.queue.state_dict()} if p.queue is not None and mdist.get_rank() == 0 else None
     with stop_signals.deferred():
         checkpoint.save(
             p.engine,
-            out,
+            p.out,
             step,
             {"rng": checkpoint.rng_state(), "skipped_steps": tally.skipped_steps},
             p.loader.state_dict(),
