@@ -267,9 +267,11 @@ def eval_thumbs(c: Contamination, shown: int = SHOWN) -> None:
 
 def html_section(c: Contamination, pool, pool_thumbs: dict[int, str], shown: int = SHOWN) -> str:
     """Each dropped pool sample (left) beside the evaluation image it copies (right)."""
+    from mmalign.evaluation.contamination import skip_counts
+
     counts = "; ".join(
         f"{t['target']}: {t['matched_pool_samples']} pool sample(s) near its {t['images']} images"
-        + "".join(f" (skipped: {n} {reason})" for reason, n in sorted(t.get("skipped", {}).items()))
+        + (f" (skipped {skip_counts(t['skipped'])})" if t.get("skipped") else "")
         for t in c.targets
     )
     body = [

@@ -64,11 +64,16 @@ class EvalHashes:
         """One line for what was skipped (None: nothing was)."""
         if not self.skipped:
             return None
-        parts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
         return (
-            f"mmalign: {what}: {self.target}: skipped {parts}; the {len(self)} images read are "
-            "the ones checked"
+            f"mmalign: {what}: {self.target}: skipped {skip_counts(self.skipped)}; the {len(self)} "
+            "images read are the ones checked"
         )
+
+
+def skip_counts(skipped: dict[str, int]) -> str:
+    """``skipped`` (reason -> count) as words: "1 damaged tar(s), ..., 2 sample(s) ...";
+    the report's summary and :meth:`EvalHashes.skip_line` say it alike."""
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
 
 
 def _not_eval(target: str, what: str, why: str = "") -> UsageError:
